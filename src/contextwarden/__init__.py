@@ -1,3 +1,29 @@
-"""contextwarden: keep every chat inside a token budget; record what each reply cost."""
+"""contextwarden: keep every chat inside a token budget; record what each reply cost.
+
+    >>> from contextwarden import trim_messages
+    >>> result = trim_messages(messages, max_tokens=8_000, model="gpt-4o")
+    >>> result.messages  # what to send
+
+For Open WebUI, paste `open_webui_filter.py` (built from this package) as a Function, or
+`from contextwarden import Filter` in a two-line function.
+"""
 
 __version__ = "0.1.0"
+
+from .errors import ConfigError, ContextWardenError, PricingError, StoreError
+from .filter import Filter
+from .tokens import TokenCounter, encoding_for
+from .trim import TrimResult, trim_messages
+
+__all__ = [
+    "__version__",
+    "Filter",
+    "trim_messages",
+    "TrimResult",
+    "TokenCounter",
+    "encoding_for",
+    "ContextWardenError",
+    "ConfigError",
+    "StoreError",
+    "PricingError",
+]

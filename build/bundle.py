@@ -1,0 +1,202 @@
+"""Build `open_webui_filter.py`, the single file an admin pastes into Open WebUI.
+
+Concatenates the modules of `src/contextwarden/` in a fixed order, each framed by banners.
+Standard-library and allowed third-party imports are hoisted into one block at the top;
+intra-package imports stay as comments where they were. The output depends only on the
+sources (no timestamps), so `--check` can tell a stale committed file.
+
+    python build/bundle.py            # write open_webui_filter.py
+    python build/bundle.py --check    # exit 1 when the committed file is stale
+
+Stdlib only: this runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# In a source tree this file is build/bundle.py; in a wheel it is contextwarden/_bundle.py.
+INSTALLED = (HERE / "filter.py").exists()
+PACKAGE = HERE if INSTALLED else HERE.parent / "src" / "contextwarden"
+OUTPUT = Path("open_webui_filter.py") if INSTALLED else HERE.parent / "open_webui_filter.py"
+
+# Dependency order: each module only imports modules listed before it.
+MODULES = [
+    "errors",
+    "conversation",
+    "tokens",
+    "selection",
+    "trim",
+    "store",
+    "usage",
+    "valves",
+    "filter",
+]
+# What Open WebUI itself ships besides the standard library.
+ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
+
+FRONTMATTER = {
+    "title": "contextwarden",
+    "author": "contextwarden developers",
+    "license": "MIT",
+    "description": "Keeps every chat inside a token budget (tool-call pairs, system prompt and last question kept) and logs what each reply really cost.",
+    "required_open_webui_version": "0.10.0",
+}
+
+
+class BundleError(Exception):
+    """The sources cannot be bundled as they are."""
+
+
+def _version() -> str:
+    match = re.search(r'^__version__ = "([^"]+)"', (PACKAGE / "__init__.py").read_text(), re.M)
+    if not match:
+        raise BundleError("src/contextwarden/__init__.py has no __version__")
+    return match.group(1)
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    names.discard("__all__")
+    return names
+
+
+def _bundle_module(name: str, source: str, seen: list[str], hoisted: dict[tuple[str, str], set]) -> tuple[str, set[str]]:
+    """One module's text for the bundle, and its top-level names; collects its imports."""
+    tree = ast.parse(source, filename=f"{name}.py")
+    lines = source.splitlines()
+    replace: dict[int, list[str]] = {}  # first line (0-based) -> replacement lines
+    skip: set[int] = set()
+
+    def take(node: ast.stmt, replacement: list[str]) -> None:
+        first, last = node.lineno - 1, node.end_lineno - 1
+        replace[first] = replacement
+        skip.update(range(first + 1, last + 1))
+
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = node.module or ""
+            if node.level != 1 or target not in MODULES:
+                raise BundleError(f"{name}.py: unsupported relative import {ast.unparse(node)!r}")
+            if target not in seen:
+                raise BundleError(f"{name}.py imports {target}, which comes later in MODULES")
+            take(node, [f"# {ast.unparse(node)}  (bundled above)"])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [(node.module or "").split(".")[0]]
+            for root in roots:
+                if root != "__future__" and root not in sys.stdlib_module_names and root not in ALLOWED_THIRD_PARTY:
+                    raise BundleError(f"{name}.py imports {root!r}, which Open WebUI does not ship")
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    hoisted.setdefault(("import", alias.name), set()).add(alias.asname)
+            elif node.module != "__future__":
+                names = hoisted.setdefault(("from", node.module), set())
+                names.update(f"{a.name} as {a.asname}" if a.asname else a.name for a in node.names)
+            take(node, [])
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            exported = ", ".join(ast.literal_eval(node.value))
+            take(node, [f"# exports: {exported}"])
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in tree.body:
+            raise BundleError(f"{name}.py:{node.lineno}: imports must be at module level")
+
+    out: list[str] = []
+    for index, line in enumerate(lines):
+        if index in replace:
+            out.extend(replace[index])
+        elif index not in skip:
+            out.append(line)
+    text = "\n".join(out).strip("\n")
+    text = re.sub(r"\n{3,}", "\n\n\n", text)
+    return text, _top_level_names(tree)
+
+
+def _import_block(hoisted: dict[tuple[str, str], set]) -> tuple[str, str]:
+    """The hoisted imports as two sorted blocks of statements: standard library, third party."""
+    blocks: dict[bool, list[str]] = {True: [], False: []}
+    for (kind, module), names in sorted(hoisted.items()):
+        is_stdlib = module.split(".")[0] in sys.stdlib_module_names
+        if kind == "import":
+            blocks[is_stdlib].extend(f"import {module}" + (f" as {a}" if a else "") for a in sorted(names, key=str))
+        else:
+            blocks[is_stdlib].append(f"from {module} import {', '.join(sorted(names))}")
+    return "\n".join(blocks[True]), "\n".join(blocks[False])
+
+
+def build() -> str:
+    """The bundle's full text."""
+    sources = {name: (PACKAGE / f"{name}.py").read_text(encoding="utf-8") for name in MODULES}
+    digest = hashlib.sha256("".join(sources[n] for n in MODULES).encode()).hexdigest()[:12]
+    hoisted: dict[tuple[str, str], set] = {}
+    owners: dict[str, str] = {}
+    bodies: list[str] = []
+    seen: list[str] = []
+    for name in MODULES:
+        body, names = _bundle_module(name, sources[name], seen, hoisted)
+        for defined in sorted(names):
+            if defined in owners:
+                raise BundleError(f"name collision: {defined!r} is defined in {owners[defined]}.py and {name}.py")
+            owners[defined] = name
+        bodies.append(f"# ---- begin contextwarden/{name}.py ----\n\n{body}\n\n# ---- end contextwarden/{name}.py ----")
+        seen.append(name)
+    if "class Filter" not in bodies[-1]:
+        raise BundleError("the last module must define class Filter")
+
+    front = {"title": FRONTMATTER["title"], "author": FRONTMATTER["author"], "version": _version()}
+    front.update({k: v for k, v in FRONTMATTER.items() if k not in front})
+    stdlib, third = _import_block(hoisted)
+    parts = [
+        '"""\n' + "\n".join(f"{k}: {v}" for k, v in front.items()) + '\n"""',
+        "# Generated by build/bundle.py from src/contextwarden/ "
+        f"(contextwarden {_version()}, source sha256 {digest}).\n"
+        "# Do not edit: change src/contextwarden/ and run `python build/bundle.py`.\n"
+        "# Modules, in order: " + ", ".join(MODULES) + ".",
+        "from __future__ import annotations",
+        stdlib + "\n\n" + third,
+        *bodies,
+    ]
+    text = "\n\n\n".join(parts) + "\n"
+    if re.search(r"^\s*from \.", text, re.M):
+        raise BundleError("a relative import survived bundling")
+    compile(text, str(OUTPUT), "exec")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the output file is not up to date")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write (default: open_webui_filter.py)")
+    args = parser.parse_args(argv)
+    try:
+        text = build()
+    except BundleError as exc:
+        print(f"bundle: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
+        if current != text:
+            print(f"bundle: {args.output.name} is stale; run `python build/bundle.py` and commit it", file=sys.stderr)
+            return 1
+        print(f"bundle: {args.output.name} is up to date")
+        return 0
+    args.output.write_text(text, encoding="utf-8")
+    print(f"bundle: wrote {args.output} ({len(text.splitlines()):,} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

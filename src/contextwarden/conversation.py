@@ -1,0 +1,184 @@
+"""Reading an OpenAI / Open WebUI message list into units and turns.
+
+A *unit* is what must be kept or dropped whole: one message, or an assistant message with
+`tool_calls` together with the `tool` messages answering it. A *turn* is a user message with
+everything up to the next user message. Nothing here copies or changes a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "Message",
+    "UnitKind",
+    "Unit",
+    "Turn",
+    "Conversation",
+    "read_conversation",
+    "message_text",
+    "image_count",
+    "tool_call_ids",
+]
+
+Message = dict[str, Any]
+"""One chat message in OpenAI format (Open WebUI adds keys such as `id`, `info`)."""
+
+UnitKind = Literal["system", "user", "assistant", "tool_group", "orphan_tool", "other"]
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Message indices `start..stop-1` that are kept or dropped together."""
+
+    start: int
+    stop: int
+    kind: UnitKind
+
+    @property
+    def indices(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A user message and what followed it, as units (the first turn may lack the user)."""
+
+    units: tuple[Unit, ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for unit in self.units for i in unit.indices]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """An indexed view of a message list: system units, turns, and the current turn.
+
+    `current` is the index of the turn holding the last user message (everything after it is
+    the turn in progress, e.g. a tool loop); `None` when there is no user message.
+    """
+
+    messages: Sequence[Message]
+    system: tuple[Unit, ...]
+    turns: tuple[Turn, ...]
+    current: int | None
+    orphans: tuple[Unit, ...]
+
+
+def message_text(message: Message) -> str:
+    """The text a message carries: string content, the text parts of a list, tool-call arguments.
+
+    Example:
+        >>> message_text({"role": "user", "content": [{"type": "text", "text": "hi"}]})
+        'hi'
+    """
+    content = message.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    else:
+        text = ""
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                text += "\n" + str(function.get("name") or "") + str(function.get("arguments") or "")
+    return text
+
+
+def image_count(message: Message) -> int:
+    """How many image parts a message's content holds."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    return sum(
+        1 for part in content if isinstance(part, dict) and part.get("type") in ("image_url", "image")
+    )
+
+
+def tool_call_ids(message: Message) -> list[str]:
+    """The ids of an assistant message's `tool_calls` (empty when it has none)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    return [str(call.get("id")) for call in calls if isinstance(call, dict)]
+
+
+def _role(message: Message) -> str:
+    role = message.get("role")
+    return role if isinstance(role, str) else ""
+
+
+def _split_units(messages: Sequence[Message]) -> list[Unit]:
+    """Cut the list into units; a tool group takes the `tool` replies that answer its calls."""
+    units: list[Unit] = []
+    i, n = 0, len(messages)
+    while i < n:
+        role = _role(messages[i])
+        ids = tool_call_ids(messages[i]) if role == "assistant" else []
+        if ids:
+            pending = set(ids)
+            j = i + 1
+            while j < n and _role(messages[j]) == "tool" and pending:
+                pending.discard(str(messages[j].get("tool_call_id")))
+                j += 1
+            # A group whose calls are not all answered is invalid for every provider.
+            units.append(Unit(i, j, "orphan_tool" if pending else "tool_group"))
+            i = j
+            continue
+        if role in SYSTEM_ROLES:
+            kind: UnitKind = "system"
+        elif role == "user":
+            kind = "user"
+        elif role == "assistant":
+            kind = "assistant"
+        elif role == "tool":
+            kind = "orphan_tool"
+        else:
+            kind = "other"
+        units.append(Unit(i, i + 1, kind))
+        i += 1
+    return units
+
+
+def read_conversation(messages: Sequence[Message]) -> Conversation:
+    """Index a message list into system units, turns and the current turn.
+
+    Orphan tool messages and unanswered tool calls are set apart: sending them would make the
+    provider reject the request, so they are never part of a turn.
+    """
+    system: list[Unit] = []
+    orphans: list[Unit] = []
+    turns: list[list[Unit]] = []
+    for unit in _split_units(messages):
+        if unit.kind == "system":
+            system.append(unit)
+        elif unit.kind == "orphan_tool":
+            orphans.append(unit)
+        elif unit.kind == "user" or not turns:
+            turns.append([unit])
+        else:
+            turns[-1].append(unit)
+    current = None
+    for t in range(len(turns) - 1, -1, -1):
+        if turns[t][0].kind == "user":
+            current = t
+            break
+    return Conversation(
+        messages=messages,
+        system=tuple(system),
+        turns=tuple(Turn(tuple(units)) for units in turns),
+        current=current,
+        orphans=tuple(orphans),
+    )

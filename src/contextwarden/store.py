@@ -1,0 +1,226 @@
+"""Shared state as bytes and counters: in-process by default, Redis when configured.
+
+The store knows no chats or prices; callers give it keys. Every key lives under one prefix
+and expires. A Redis store that cannot reach its server falls back to an in-process store
+(with one warning) and goes back to Redis once it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import redis.asyncio as aioredis
+
+from .errors import ConfigError
+
+__all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "KEY_PREFIX"]
+
+store_log = logging.getLogger("contextwarden")
+
+KEY_PREFIX = "contextwarden:"
+DEFAULT_MEMORY_KEYS = 20_000
+DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
+REDIS_RETRY_SECONDS = 30.0
+
+
+class Store:
+    """Bytes by key and integer counters by key and field, each key with a time to live."""
+
+    async def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        raise NotImplementedError
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        """Set only when absent (a lock); True when this call set it."""
+        raise NotImplementedError
+
+    async def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+        """Add to integer fields of a counter key atomically, refreshing its expiry."""
+        raise NotImplementedError
+
+    async def counters(self, key: str) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def keys(self, pattern: str) -> list[str]:
+        """Keys (without the prefix) matching a glob pattern."""
+        raise NotImplementedError
+
+    @property
+    def shared(self) -> bool:
+        """True when other workers see the same state."""
+        return False
+
+
+class MemoryStore(Store):
+    """An in-process store: the default, and the test double. Bounded to `max_keys` (LRU)."""
+
+    def __init__(self, *, max_keys: int = DEFAULT_MEMORY_KEYS) -> None:
+        self.max_keys = max_keys
+        self._data: OrderedDict[str, tuple[float, bytes | dict[str, int]]] = OrderedDict()
+
+    def _live(self, key: str) -> bytes | dict[str, int] | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            del self._data[key]
+            return None
+        self._data.move_to_end(key)
+        return entry[1]
+
+    def _put(self, key: str, value: bytes | dict[str, int], ttl: int) -> None:
+        self._data[key] = (time.monotonic() + ttl, value)
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_keys:
+            self._data.popitem(last=False)
+
+    async def get(self, key: str) -> bytes | None:
+        value = self._live(key)
+        return value if isinstance(value, bytes) else None
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        self._put(key, value, ttl)
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        if self._live(key) is not None:
+            return False
+        self._put(key, value, ttl)
+        return True
+
+    async def delete(self, key: str) -> None:
+        self._data.pop(key, None)
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+        current = self._live(key)
+        totals = dict(current) if isinstance(current, dict) else {}
+        for name, amount in fields.items():
+            totals[name] = totals.get(name, 0) + int(amount)
+        self._put(key, totals, ttl)
+
+    async def counters(self, key: str) -> dict[str, int]:
+        value = self._live(key)
+        return dict(value) if isinstance(value, dict) else {}
+
+    async def keys(self, pattern: str) -> list[str]:
+        return sorted(k for k in list(self._data) if fnmatch.fnmatchcase(k, pattern) and self._live(k) is not None)
+
+
+class RedisStore(Store):
+    """A Redis store under `KEY_PREFIX`, with short timeouts and an in-process fallback.
+
+    While Redis does not answer, calls go to the fallback store (and are not replayed to
+    Redis later: counters recorded then stay in this worker). One warning per outage.
+    """
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_REDIS_TIMEOUT, fallback: Store | None = None) -> None:
+        try:
+            self._redis = aioredis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+            )
+        except ValueError as exc:
+            raise ConfigError(f"redis_url is not a valid Redis URL ({exc})", valve="redis_url") from None
+        self.fallback = fallback or MemoryStore()
+        self._down_since: float | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self._down_since is None
+
+    def _usable(self) -> bool:
+        return self._down_since is None or time.monotonic() - self._down_since > REDIS_RETRY_SECONDS
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._down_since is None:
+            store_log.warning("contextwarden: Redis unavailable (%s); using in-process state", type(exc).__name__)
+        self._down_since = time.monotonic()
+
+    def _recovered(self) -> None:
+        if self._down_since is not None:
+            store_log.warning("contextwarden: Redis reachable again; shared state resumed")
+            self._down_since = None
+
+    async def _call(self, name: str, *args, **kwargs):
+        if self._usable():
+            try:
+                result = await getattr(self, "_redis_" + name)(*args, **kwargs)
+            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                return result
+        return await getattr(self.fallback, name)(*args, **kwargs)
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call("get", key)
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        await self._call("set", key, value, ttl=ttl)
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        return await self._call("add", key, value, ttl=ttl)
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete", key)
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+        await self._call("incr", key, fields, ttl=ttl)
+
+    async def counters(self, key: str) -> dict[str, int]:
+        return await self._call("counters", key)
+
+    async def keys(self, pattern: str) -> list[str]:
+        return await self._call("keys", pattern)
+
+    async def _redis_get(self, key: str) -> bytes | None:
+        return await self._redis.get(KEY_PREFIX + key)
+
+    async def _redis_set(self, key: str, value: bytes, *, ttl: int) -> None:
+        await self._redis.set(KEY_PREFIX + key, value, ex=ttl)
+
+    async def _redis_add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        return bool(await self._redis.set(KEY_PREFIX + key, value, ex=ttl, nx=True))
+
+    async def _redis_delete(self, key: str) -> None:
+        await self._redis.delete(KEY_PREFIX + key)
+
+    async def _redis_incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for name, amount in fields.items():
+                pipe.hincrby(KEY_PREFIX + key, name, int(amount))
+            pipe.expire(KEY_PREFIX + key, ttl)
+            await pipe.execute()
+
+    async def _redis_counters(self, key: str) -> dict[str, int]:
+        raw = await self._redis.hgetall(KEY_PREFIX + key)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def _redis_keys(self, pattern: str) -> list[str]:
+        found = [k.decode()[len(KEY_PREFIX) :] async for k in self._redis.scan_iter(match=KEY_PREFIX + pattern, count=500)]
+        return sorted(found)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def open_store(redis_url: str) -> Store:
+    """A `RedisStore` for a URL, or a `MemoryStore` when the URL is empty.
+
+    Raises:
+        ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+    """
+    url = redis_url.strip()
+    if not url:
+        return MemoryStore()
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("redis_url must start with redis://, rediss:// or unix://", valve="redis_url")
+    return RedisStore(url)

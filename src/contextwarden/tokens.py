@@ -1,0 +1,237 @@
+"""Counting tokens: per-model encoding, message overhead, images, a bounded cache.
+
+tiktoken downloads its encodings on first use, which fails (or hangs) offline. A counter
+therefore loads encodings in a background thread and, until one is there, counts with a
+conservative estimator; `mode()` says which it used so the caller can tell the user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import tiktoken
+
+from .conversation import Message, image_count, message_text
+
+__all__ = [
+    "CountMode",
+    "TokenCounter",
+    "encoding_for",
+    "estimate_tokens",
+    "DEFAULT_IMAGE_TOKENS",
+    "TOKENS_PER_MESSAGE",
+    "TOKENS_PER_REPLY",
+]
+
+tokens_log = logging.getLogger("contextwarden")
+
+CountMode = Literal["exact", "substitute", "estimate"]
+"""`exact`: the model's encoding; `substitute`: another BPE encoding; `estimate`: no encoding."""
+
+TOKENS_PER_MESSAGE = 3  # OpenAI cookbook: <|start|>{role}<|message|> ... <|end|>
+TOKENS_PER_NAME = 1
+TOKENS_PER_REPLY = 3  # every reply is primed with <|start|>assistant<|message|>
+DEFAULT_IMAGE_TOKENS = 765  # one 1024x1024 image at high detail (OpenAI's tile formula)
+DEFAULT_CACHE_SIZE = 50_000
+RETRY_LOAD_AFTER_SECONDS = 600.0
+
+_O200K_MODEL = re.compile(r"(?:^|[/.:])(?:chatgpt-4o|gpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|gpt-oss|o[1345])(?:$|[-:.])")
+_CL100K_MODEL = re.compile(r"(?:^|[/.:])(?:gpt-4|gpt-3\.5|gpt-35|text-embedding)(?:$|[-:.])")
+# Pieces as a BPE pre-tokenizer sees them: letter runs, digit runs, space runs, single others.
+_ESTIMATE_PIECES = re.compile(r"[A-Za-z]+|\d+| ?[^\sA-Za-z\d]|\s+")
+
+
+def encoding_for(model: str | None) -> str:
+    """The tiktoken encoding that counts best for a model id (o200k_base unless GPT-4/3.5).
+
+    Families without a public tiktoken encoding (Claude, Llama, Qwen, Gemini, ...) get
+    o200k_base, the closest general-purpose one; calibration corrects the rest.
+
+    Example:
+        >>> encoding_for("openai/gpt-4-turbo"), encoding_for("gpt-4.1-mini")
+        ('cl100k_base', 'o200k_base')
+    """
+    name = (model or "").lower()
+    if _O200K_MODEL.search(name):
+        return "o200k_base"
+    if _CL100K_MODEL.search(name):
+        return "cl100k_base"
+    return "o200k_base"
+
+
+def estimate_tokens(text: str) -> int:
+    """Count tokens without an encoding, erring high (about 1.1-1.5x o200k on prose and code).
+
+    Example:
+        >>> estimate_tokens("Hello, world!")
+        4
+    """
+    total = 0
+    for piece in _ESTIMATE_PIECES.findall(text):
+        first = piece[0]
+        if first.isascii() and first.isalpha():
+            total += 1 + len(piece) // 6
+        elif first.isdigit():
+            total += (len(piece) + 2) // 3
+        elif piece.isspace():
+            total += 0 if piece == " " else 1
+        else:  # punctuation or one non-ASCII character, maybe after a space
+            total += 1 if ord(piece[-1]) <= 0xFFFF else 3
+    return total
+
+
+@dataclass(slots=True)
+class _Loading:
+    failed_at: float = 0.0
+    thread: threading.Thread | None = None
+
+
+class TokenCounter:
+    """Counts message tokens for a model, caching text counts by content hash.
+
+    One counter serves every request of a worker: it holds only encodings and counts of
+    text it has seen (bounded by `cache_size` entries), never per-request data.
+
+    Args:
+        image_tokens: tokens counted for each image part (default 765).
+        cache_size: how many text counts to remember (LRU; default 50,000, about 6 MB).
+        block: load encodings in the calling thread (scripts, tests) instead of in the
+            background (servers: never block the event loop).
+
+    Example:
+        >>> counter = TokenCounter(block=True)
+        >>> counter.count_messages([{"role": "user", "content": "hi"}], "gpt-4o")
+        8
+    """
+
+    def __init__(
+        self,
+        *,
+        image_tokens: int = DEFAULT_IMAGE_TOKENS,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        block: bool = False,
+    ) -> None:
+        self.image_tokens = image_tokens
+        self.cache_size = cache_size
+        self.block = block
+        self._encodings: dict[str, Any] = {}
+        self._loading: dict[str, _Loading] = {}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+
+    # -- encodings --------------------------------------------------------------------------
+
+    def _load(self, name: str) -> None:
+        try:
+            encoding = tiktoken.get_encoding(name)
+        except Exception as exc:  # offline, blocked, corrupt cache: all mean "not now"
+            with self._lock:
+                self._loading[name].failed_at = time.monotonic()
+                self._loading[name].thread = None
+            tokens_log.warning("contextwarden: tiktoken encoding %s unavailable (%s); estimating", name, type(exc).__name__)
+            return
+        with self._lock:
+            self._encodings[name] = encoding
+            self._loading[name].thread = None
+
+    def _encoding(self, name: str) -> Any | None:
+        """The encoding if loaded; otherwise start loading it (at most one thread per name)."""
+        encoding = self._encodings.get(name)
+        if encoding is not None:
+            return encoding
+        with self._lock:
+            state = self._loading.setdefault(name, _Loading())
+            busy = state.thread is not None
+            recent_failure = state.failed_at and time.monotonic() - state.failed_at < RETRY_LOAD_AFTER_SECONDS
+            if busy or recent_failure:
+                return None
+            if not self.block:
+                state.thread = threading.Thread(target=self._load, args=(name,), name=f"contextwarden-{name}", daemon=True)
+                state.thread.start()
+                return None
+            state.thread = threading.current_thread()
+        self._load(name)
+        return self._encodings.get(name)
+
+    def wait_ready(self, model: str | None = None, timeout: float = 30.0) -> bool:
+        """Block until the model's encoding is loaded or failed; True when it is loaded."""
+        name = encoding_for(model)
+        self._encoding(name)
+        state = self._loading.get(name)
+        thread = state.thread if state else None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        return name in self._encodings
+
+    def _pick(self, model: str | None) -> tuple[str, Any | None]:
+        name = encoding_for(model)
+        encoding = self._encoding(name)
+        if encoding is not None:
+            return name, encoding
+        for other, loaded in self._encodings.items():
+            return other, loaded
+        return "estimate", None
+
+    def mode(self, model: str | None) -> CountMode:
+        """How counts for this model are made right now."""
+        name, encoding = self._pick(model)
+        if encoding is None:
+            return "estimate"
+        return "exact" if name == encoding_for(model) else "substitute"
+
+    # -- counting ---------------------------------------------------------------------------
+
+    def count_text(self, text: str, model: str | None = None) -> int:
+        """Tokens in `text` for `model` (special-token text counts as ordinary text)."""
+        if not text:
+            return 0
+        name, encoding = self._pick(model)
+        key = (name, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
+        cache = self._cache
+        cached = cache.get(key)
+        if cached is not None:
+            cache.move_to_end(key)
+            return cached
+        count = len(encoding.encode_ordinary(text)) if encoding is not None else estimate_tokens(text)
+        cache[key] = count
+        if len(cache) > self.cache_size:
+            cache.popitem(last=False)
+        return count
+
+    def count_message(self, message: Message, model: str | None = None) -> int:
+        """Tokens one message costs in a prompt: overhead, role, name, text, tool calls, images."""
+        total = TOKENS_PER_MESSAGE + 1
+        name = message.get("name")
+        if isinstance(name, str) and name:
+            total += TOKENS_PER_NAME + self.count_text(name, model)
+        call_id = message.get("tool_call_id")
+        if isinstance(call_id, str) and call_id:
+            total += self.count_text(call_id, model)
+        total += self.count_text(message_text(message), model)
+        return total + image_count(message) * self.image_tokens
+
+    def count_messages(self, messages: Iterable[Message], model: str | None = None) -> int:
+        """Tokens a whole prompt costs, reply priming included."""
+        return TOKENS_PER_REPLY + sum(self.count_message(m, model) for m in messages)
+
+    def keep_ends(self, text: str, head: int, tail: int, model: str | None = None) -> tuple[str, str]:
+        """The first `head` and last `tail` tokens of `text` as text (by characters when estimating)."""
+        _, encoding = self._pick(model)
+        if encoding is not None:
+            ids = encoding.encode_ordinary(text)
+            if head + tail >= len(ids):
+                return text, ""
+            return encoding.decode(ids[:head]), encoding.decode(ids[len(ids) - tail :]) if tail else ""
+        per_token = len(text) / max(1, estimate_tokens(text))
+        h, t = int(head * per_token), int(tail * per_token)
+        if h + t >= len(text):
+            return text, ""
+        return text[:h], text[len(text) - t :] if t else ""

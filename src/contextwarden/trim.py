@@ -1,0 +1,230 @@
+"""`trim_messages`: fit an OpenAI-format chat into a token budget.
+
+Composes the core: the conversation view, token counts, the selection, and middle-out
+shortening of mandatory content that alone is over the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .conversation import Conversation, Message, Unit, read_conversation
+from .selection import select_recent
+from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
+
+__all__ = ["TrimResult", "trim_messages", "default_counter", "SHORTENED_MARK"]
+
+SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
+MIN_KEPT_TEXT_TOKENS = 0
+
+_default_counter: TokenCounter | None = None
+
+
+def default_counter() -> TokenCounter:
+    """The counter `trim_messages` uses when given none (loads encodings in the caller)."""
+    global _default_counter
+    if _default_counter is None:
+        _default_counter = TokenCounter(block=True)
+    return _default_counter
+
+
+@dataclass(frozen=True, slots=True)
+class TrimResult:
+    """What `trim_messages` chose.
+
+    `messages` is what to send. `kept` holds the ascending input indices sent as the very
+    same dicts; `shortened` those sent as shortened copies; `dropped` the rest.
+    """
+
+    messages: list[Message]
+    kept: tuple[int, ...]
+    dropped: tuple[int, ...]
+    shortened: tuple[int, ...]
+    tokens_before: int
+    tokens_after: int
+    budget: int
+    count_mode: CountMode
+    over_budget: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def changed(self) -> bool:
+        """True when what is sent differs from the input."""
+        return bool(self.dropped or self.shortened)
+
+
+def trim_messages(
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    model: str | None = None,
+    token_counter: TokenCounter | None = None,
+) -> TrimResult:
+    """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
+
+    Guarantees: system messages and the latest user message (with everything after it, such
+    as a tool loop in progress) are always kept; an assistant `tool_calls` message and its
+    `tool` replies are kept or dropped together, and unanswered calls or orphan `tool`
+    messages are never sent; older turns are dropped whole, oldest first, so the history
+    still starts with a user message; kept messages are the same dicts, in their order; the
+    input is never modified. When the mandatory part alone is over budget, the largest
+    shortenable text (system prompt, tool results, then the latest user message as a last
+    resort) is cut middle-out with a marker. Trimming the result again changes nothing.
+
+    Args:
+        messages: OpenAI-format messages (Open WebUI's extra keys are fine).
+        max_tokens: the prompt budget, counted with per-message overhead and images.
+        model: model id, to pick the encoding (o200k_base unless GPT-4/3.5).
+        token_counter: a shared `TokenCounter`; by default one that loads encodings in the
+            calling thread.
+
+    Example:
+        >>> chat = [{"role": "system", "content": "Be brief."},
+        ...         {"role": "user", "content": "old question " * 50},
+        ...         {"role": "assistant", "content": "old answer " * 50},
+        ...         {"role": "user", "content": "What is 2+2?"}]
+        >>> result = trim_messages(chat, max_tokens=60, model="gpt-4o")
+        >>> result.kept, result.dropped
+        ((0, 3), (1, 2))
+    """
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
+    counter = token_counter or default_counter()
+    costs = [counter.count_message(m, model) for m in messages]
+    before = TOKENS_PER_REPLY + sum(costs)
+    conversation = read_conversation(messages)
+    mode = counter.mode(model)
+
+    if before <= max_tokens and not conversation.orphans:
+        everything = tuple(range(len(messages)))
+        return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
+
+    mandatory, optional_turns = _split_mandatory(conversation)
+    mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
+    turn_costs = [sum(costs[i] for i in turn) for turn in optional_turns]
+    chosen = select_recent(turn_costs, max(0, max_tokens - mandatory_cost))
+    keep = set(mandatory)
+    for t in chosen:
+        keep.update(optional_turns[t])
+
+    replaced: dict[int, Message] = {}
+    over = False
+    notes: list[str] = []
+    if mandatory_cost > max_tokens:
+        replaced, over = _shorten_mandatory(conversation, sorted(mandatory), costs, max_tokens, counter, model)
+        notes.append("mandatory content over budget: shortened")
+        if over:
+            notes.append("could not shorten enough")
+
+    order = sorted(keep)
+    sent = [replaced.get(i, messages[i]) for i in order]
+    after = TOKENS_PER_REPLY + sum(
+        counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
+    )
+    return TrimResult(
+        messages=sent,
+        kept=tuple(i for i in order if i not in replaced),
+        dropped=tuple(i for i in range(len(messages)) if i not in keep),
+        shortened=tuple(sorted(replaced)),
+        tokens_before=before,
+        tokens_after=after,
+        budget=max_tokens,
+        count_mode=mode,
+        over_budget=over,
+        notes=tuple(notes),
+    )
+
+
+def _split_mandatory(conversation: Conversation) -> tuple[list[int], list[list[int]]]:
+    """Mandatory indices (system, current turn) and the optional older turns, oldest first."""
+    mandatory: list[int] = [i for unit in conversation.system for i in unit.indices]
+    turns = conversation.turns
+    current = conversation.current if conversation.current is not None else len(turns) - 1
+    for turn in turns[current:] if turns else ():
+        mandatory.extend(turn.indices)
+    optional = [turn.indices for turn in turns[:current]] if turns else []
+    return mandatory, optional
+
+
+def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:
+    """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
+    messages = conversation.messages
+    last_user: int | None = None
+    if conversation.current is not None:
+        last_user = conversation.turns[conversation.current].units[0].start
+    first_choice = [
+        i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"
+    ]
+    return first_choice, last_user
+
+
+def _shorten_mandatory(
+    conversation: Conversation,
+    mandatory: list[int],
+    costs: list[int],
+    budget: int,
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[dict[int, Message], bool]:
+    """Cut the largest shortenable texts middle-out until the mandatory part fits.
+
+    Returns the shortened copies by index and whether it is still over budget.
+    """
+    messages = conversation.messages
+    current = {i: costs[i] for i in mandatory}
+    replaced: dict[int, Message] = {}
+    first_choice, last_user = _shortenable(conversation, mandatory)
+    for pool in (first_choice, [last_user] if last_user is not None else []):
+        candidates = set(pool)
+        while candidates:
+            excess = TOKENS_PER_REPLY + sum(current.values()) - budget
+            if excess <= 0:
+                return replaced, False
+            index = max(candidates, key=lambda i: (current[i], -i))
+            shorter = _shorten_message(replaced.get(index, messages[index]), excess, counter, model)
+            cost = counter.count_message(shorter, model) if shorter is not None else current[index]
+            if cost >= current[index]:
+                candidates.discard(index)
+                continue
+            replaced[index], current[index] = shorter, cost
+    return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget
+
+
+def _shorten_message(message: Message, excess: int, counter: TokenCounter, model: str | None) -> Message | None:
+    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        new_text = _cut_middle(content, excess, counter, model)
+        return None if new_text is None else {**message, "content": new_text}
+    if isinstance(content, list):
+        texts = [
+            (counter.count_text(part["text"], model), k)
+            for k, part in enumerate(content)
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        if not texts:
+            return None
+        _, k = max(texts)
+        new_text = _cut_middle(content[k]["text"], excess, counter, model)
+        if new_text is None:
+            return None
+        parts = list(content)
+        parts[k] = {**content[k], "text": new_text}
+        return {**message, "content": parts}
+    return None
+
+
+def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
+    """`text` with a middle stretch replaced by a marker, about `excess` tokens shorter."""
+    total = counter.count_text(text, model)
+    marker_cost = counter.count_text(SHORTENED_MARK.format(n=total), model) + 2
+    keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
+    if keep >= total:
+        return None
+    head, tail = counter.keep_ends(text, keep - keep // 3, keep // 3, model)
+    cut = SHORTENED_MARK.format(n=max(0, total - keep))
+    return f"{head}\n{cut}\n{tail}" if tail else f"{head}\n{cut}"

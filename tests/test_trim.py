@@ -1,0 +1,155 @@
+"""The DESIGN.md contract for `trim_messages`, rule by rule, then on random chats."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from contextwarden import trim_messages
+from contextwarden.trim import SHORTENED_MARK
+
+from chats import check_contract, frozen, random_chat
+
+MODEL = "gpt-4o"
+
+
+def turn(i: int, words: int = 60) -> list[dict]:
+    return [
+        {"role": "user", "content": f"question {i} " + "lorem ipsum " * words},
+        {"role": "assistant", "content": f"answer {i} " + "dolor sit " * words},
+    ]
+
+
+def chat_of(turns: int, *, system: str = "You are helpful.", last: str = "What now?") -> list[dict]:
+    chat = [{"role": "system", "content": system}]
+    for i in range(turns):
+        chat += turn(i)
+    return chat + [{"role": "user", "content": last}]
+
+
+def test_fitting_chat_is_returned_whole(counter):
+    chat = chat_of(2)
+    result = trim_messages(chat, max_tokens=10_000, model=MODEL, token_counter=counter)
+    assert result.messages == chat and all(a is b for a, b in zip(result.messages, chat))
+    assert not result.changed and result.tokens_before == result.tokens_after == counter.count_messages(chat, MODEL)
+
+
+def test_keeps_system_and_last_user_and_most_recent_turns(counter):
+    chat = chat_of(10)
+    per_turn = counter.count_messages(turn(9), MODEL) - 3
+    mandatory = counter.count_messages([chat[0], chat[-1]], MODEL)
+    result = trim_messages(chat, max_tokens=mandatory + 3 * per_turn + 5, model=MODEL, token_counter=counter)
+    assert result.kept == (0, 15, 16, 17, 18, 19, 20, 21)
+    assert result.dropped == tuple(range(1, 15))
+    check_contract(chat, result, counter, MODEL)
+
+
+def test_tool_group_kept_or_dropped_whole(counter):
+    chat = [
+        {"role": "system", "content": "tools"},
+        {"role": "user", "content": "weather in Paris and Rome? " * 20},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "w", "arguments": '{"city":"Paris"}'}},
+            {"id": "b", "type": "function", "function": {"name": "w", "arguments": '{"city":"Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny " * 100},
+        {"role": "tool", "tool_call_id": "b", "content": "rain " * 100},
+        {"role": "assistant", "content": "Paris sunny, Rome rain."},
+        {"role": "user", "content": "and tomorrow?"},
+    ]
+    for budget in range(30, counter.count_messages(chat, MODEL) + 1, 7):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        check_contract(chat, result, counter, MODEL)
+        assert {2, 3, 4} <= set(result.kept) or not {2, 3, 4} & set(result.kept)
+
+
+def test_tool_loop_in_progress_is_mandatory(counter):
+    chat = chat_of(6) + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "x", "content": "result"},
+    ]
+    result = trim_messages(chat, max_tokens=80, model=MODEL, token_counter=counter)
+    assert result.kept[-3:] == (len(chat) - 3, len(chat) - 2, len(chat) - 1)
+    check_contract(chat, result, counter, MODEL)
+
+
+def test_orphans_are_never_sent(counter):
+    chat = [
+        {"role": "tool", "tool_call_id": "zzz", "content": "orphan"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "q", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "still there?"},
+    ]
+    result = trim_messages(chat, max_tokens=10_000, model=MODEL, token_counter=counter)
+    assert result.dropped == (0, 2)
+    check_contract(chat, result, counter, MODEL)
+
+
+def test_history_does_not_start_with_assistant(counter):
+    chat = chat_of(5)
+    for budget in range(40, 900, 13):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        history = [m for m in result.messages if m["role"] != "system"]
+        assert history[0]["role"] == "user"
+
+
+def test_oversize_system_prompt_is_shortened_middle_out(counter):
+    system = "START " + "filler words here " * 3000 + " END"
+    chat = chat_of(3, system=system)
+    before = frozen(chat)
+    result = trim_messages(chat, max_tokens=500, model=MODEL, token_counter=counter)
+    assert result.shortened == (0,) and not result.over_budget
+    content = result.messages[0]["content"]
+    assert content.startswith("START") and content.endswith("END")
+    assert SHORTENED_MARK.split("{")[0] in content
+    assert result.messages[-1] is chat[-1]
+    assert frozen(chat) == before
+    check_contract(chat, result, counter, MODEL)
+
+
+def test_oversize_last_user_message_is_cut_only_as_last_resort(counter):
+    chat = chat_of(2, system="Short system prompt.", last="Q " + "huge paste " * 5000)
+    result = trim_messages(chat, max_tokens=300, model=MODEL, token_counter=counter)
+    assert len(chat) - 1 in result.shortened and 0 in result.kept
+    assert result.tokens_after <= 300
+    check_contract(chat, result, counter, MODEL)
+
+
+def test_multimodal_parts_pass_through(counter):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = chat_of(3) + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "this?"}, image]}]
+    result = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
+    assert result.messages[-1] is chat[-1] and result.messages[-1]["content"][1] is image
+    assert counter.count_message(chat[-1], MODEL) > counter.image_tokens
+
+
+def test_idempotent_and_deterministic(counter):
+    chat = chat_of(12, system="S " * 1500)
+    for budget in (200, 700, 2_000):
+        first = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        again = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        assert frozen(first.messages) == frozen(again.messages) and first.kept == again.kept
+        second = trim_messages(first.messages, max_tokens=budget, model=MODEL, token_counter=counter)
+        assert not second.changed and second.messages == first.messages
+
+
+def test_bad_arguments_raise_clearly(counter):
+    with pytest.raises(ValueError, match="max_tokens"):
+        trim_messages([], max_tokens=0)
+    with pytest.raises(TypeError, match=r"messages\[1\]"):
+        trim_messages([{"role": "user", "content": "x"}, "oops"], max_tokens=100, token_counter=counter)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_contract_on_random_chats(counter, seed):
+    rng = random.Random(seed)
+    n = rng.choice([1, 3, 10, 60, 250, 1000])
+    chat = random_chat(rng, n, system_words=rng.choice([0, 20, 300, 5000]))
+    before = frozen(chat)
+    total = counter.count_messages(chat, MODEL)
+    for budget in {64, 200, 1_000, max(64, total // 3), total + 10}:
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        check_contract(chat, result, counter, MODEL)
+        again = trim_messages(result.messages, max_tokens=budget, model=MODEL, token_counter=counter)
+        assert not again.changed
+    assert frozen(chat) == before
