@@ -9,7 +9,8 @@ import pytest
 from contextwarden import trim_messages
 from contextwarden.trim import SHORTENED_MARK
 
-from chats import check_contract, frozen, random_chat
+from chatgen import random_chat
+from chats import check_contract, frozen
 
 MODEL = "gpt-4o"
 

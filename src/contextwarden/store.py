@@ -26,6 +26,7 @@ KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
 REDIS_RETRY_SECONDS = 30.0
+REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that wait up to the timeout for one
 
 
 class Store:
@@ -124,9 +125,14 @@ class RedisStore(Store):
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_REDIS_TIMEOUT, fallback: Store | None = None) -> None:
         try:
-            self._redis = aioredis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=REDIS_MAX_CONNECTIONS,
+                timeout=timeout,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
             )
+            self._redis = aioredis.Redis(connection_pool=pool)
         except ValueError as exc:
             raise ConfigError(f"redis_url is not a valid Redis URL ({exc})", valve="redis_url") from None
         self.fallback = fallback or MemoryStore()

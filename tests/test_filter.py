@@ -1,0 +1,233 @@
+"""`Filter` hooks as Open WebUI calls them: trimming, status, usage line, fail-open, valves."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from contextwarden import Filter
+from contextwarden.filter import model_context_length
+
+from chats import check_contract, frozen
+from test_trim import chat_of
+
+
+class Events:
+    """Collects what the filter emits."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+
+    async def __call__(self, event: dict) -> None:
+        self.items.append(event)
+
+    @property
+    def statuses(self) -> list[str]:
+        return [e["data"]["description"] for e in self.items if e["type"] == "status"]
+
+
+def make_filter(counter, **valves) -> Filter:
+    f = Filter()
+    f._counter = counter
+    f.valves = f.Valves(**valves)
+    return f
+
+
+def body_of(chat, model="gpt-4o", **metadata) -> dict:
+    return {"model": model, "messages": chat, "stream": False, "metadata": {"chat_id": "c1", "user_id": "u1", **metadata}}
+
+
+def usage_records(caplog) -> list[dict]:
+    return [json.loads(r.getMessage()[len("usage "):]) for r in caplog.records if r.getMessage().startswith("usage ")]
+
+
+async def test_inlet_and_request_trim_once_and_agree(counter):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(20)
+    before = frozen(chat)
+    body = body_of(chat)
+    events = Events()
+    first = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
+    assert len(first["messages"]) < len(chat) and counter.count_messages(first["messages"], "gpt-4o") <= 1_000
+    second = await f.request(first, __user__={"id": "u1"}, __metadata__=first["metadata"], __event_emitter__=events)
+    assert second["messages"] == first["messages"] and all(a is b for a, b in zip(second["messages"], first["messages"]))
+    assert frozen(chat) == before and body["messages"] is chat
+    assert events.statuses[0].startswith(f"Context {len(chat)} → {len(first['messages'])} messages · ")
+    assert all(e["data"]["done"] is True for e in events.items)
+    assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(first["messages"], "gpt-4o")
+
+
+async def test_short_chat_passes_unchanged(counter):
+    f = make_filter(counter)
+    body = body_of(chat_of(1))
+    assert await f.inlet(body) is body
+
+
+async def test_task_calls_are_skipped(counter):
+    f = make_filter(counter, max_context_tokens=200, reserve_output_tokens=0)
+    body = body_of(chat_of(20), task="title_generation")
+    assert await f.inlet(body, __metadata__=body["metadata"]) is body
+
+
+async def test_budget_from_model_context_length(counter):
+    f = make_filter(counter, reserve_output_tokens=100)
+    body = body_of(chat_of(30))
+    model = {"id": "x", "openai": {"id": "x", "context_length": 1_100}}
+    out = await f.inlet(body, __metadata__=body["metadata"], __model__=model)
+    assert body["metadata"]["contextwarden"]["budget"] == 1_000
+    check_contract(body["messages"], _result_of(counter, body, out), counter, "gpt-4o")
+
+
+def _result_of(counter, body, out):
+    from contextwarden import trim_messages
+
+    return trim_messages(body["messages"], max_tokens=body["metadata"]["contextwarden"]["budget"], model="gpt-4o", token_counter=counter)
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ({"info": {"params": {"num_ctx": 4096}}, "openai": {"context_length": 128000}}, 4096),
+        ({"openai": {"max_model_len": 32768}}, 32768),
+        ({"openai": {"top_provider": {"context_length": 200000}}}, 200000),
+        ({"openai": {"context_length": True}}, None),
+        (None, None),
+    ],
+)
+def test_model_context_length(model, expected):
+    assert model_context_length(model) == expected
+
+
+async def test_user_budget_only_lowers(counter):
+    f = make_filter(counter, max_context_tokens=3_000, reserve_output_tokens=0)
+    chat = chat_of(30)
+    low = body_of(chat)
+    await f.inlet(low, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=800)}, __metadata__=low["metadata"])
+    assert low["metadata"]["contextwarden"]["budget"] == 800
+    high = body_of(chat)
+    await f.inlet(high, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=90_000)}, __metadata__=high["metadata"])
+    assert high["metadata"]["contextwarden"]["budget"] == 3_000
+
+
+async def test_user_can_hide_status(counter):
+    f = make_filter(counter)
+    events = Events()
+    body = body_of(chat_of(2))
+    await f.inlet(body, __user__={"id": "u", "valves": f.UserValves(show_status=False)}, __event_emitter__=events)
+    assert events.items == []
+
+
+async def test_workspace_model_uses_base_model_encoding(counter):
+    f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0)
+    body = body_of(chat_of(30), model="my-helper")
+    await f.inlet(body, __metadata__=body["metadata"], __model__={"id": "my-helper", "info": {"base_model_id": "gpt-4"}})
+    sent = (await f.inlet(body_of(chat_of(30), model="gpt-4"), __metadata__={}))["messages"]
+    assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(sent, "gpt-4")
+
+
+async def test_outlet_logs_one_real_usage_line(counter, caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter)
+    chat = chat_of(2)
+    body = body_of(chat)
+    await f.inlet(body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"])
+    reply = {"role": "assistant", "content": "Answer.", "usage": {"prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333}}
+    events = Events()
+    out_body = {"model": "gpt-4o", "messages": chat + [reply], "chat_id": "c1"}
+    assert await f.outlet(out_body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"], __event_emitter__=events) is out_body
+    [record] = usage_records(caplog)
+    assert record == {
+        "model": "gpt-4o", "user_id": "u1", "chat_id": "c1", "prompt_tokens": 321, "completion_tokens": 12,
+        "estimated": False, "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"), "cost_usd": None,
+    }
+    assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
+    assert events.statuses == ["321 in · 12 out"]
+
+
+async def test_outlet_usage_in_info_and_estimates(counter, caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter)
+    chat = chat_of(1)
+    saved = {"role": "assistant", "content": "Hi.", "info": {"usage": {"prompt_eval_count": 50, "eval_count": 7}}}
+    await f.outlet({"model": "llama3.1:8b", "messages": chat + [saved]}, __user__={"id": "u2"})
+    bare = {"role": "assistant", "content": "Hello there."}
+    await f.outlet({"model": "gpt-4o", "messages": chat + [bare]}, __user__={"id": "u2"})
+    real, estimate = usage_records(caplog)
+    assert (real["prompt_tokens"], real["completion_tokens"], real["estimated"]) == (50, 7, False)
+    assert estimate["estimated"] is True
+    assert estimate["prompt_tokens"] == counter.count_messages(chat, "gpt-4o")
+    assert estimate["completion_tokens"] == counter.count_text("Hello there.", "gpt-4o")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [None, [], "text", {}, {"messages": None}, {"messages": "hi"}, {"messages": [1, 2]},
+     {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": {"odd": True}}, None]},
+     {"messages": []}],
+)
+async def test_malformed_bodies_pass_through(counter, body):
+    f = make_filter(counter, max_context_tokens=100, reserve_output_tokens=0)
+    for hook in (f.inlet, f.request, f.outlet):
+        assert await hook(body, __user__={"id": "u"}, __metadata__={}) is body
+
+
+async def test_internal_error_fails_open(counter, caplog, monkeypatch):
+    import contextwarden.filter as filter_module
+
+    def broken(*args, **kwargs):
+        raise KeyError("secret message text")
+
+    monkeypatch.setattr(filter_module, "trim_messages", broken)
+    f = make_filter(counter)
+    events = Events()
+    body = body_of(chat_of(3))
+    assert await f.inlet(body, __event_emitter__=events) is body
+    assert "secret message text" not in caplog.text
+    [line] = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert line.startswith("contextwarden: inlet failed (KeyError at test_filter.py:")
+    assert events.statuses == ["contextwarden skipped this turn (internal error)"]
+
+
+async def test_broken_emitter_does_not_break_the_turn(counter):
+    async def emitter(event):
+        raise RuntimeError("socket closed")
+
+    f = make_filter(counter, max_context_tokens=500, reserve_output_tokens=0)
+    out = await f.inlet(body_of(chat_of(10)), __event_emitter__=emitter)
+    assert len(out["messages"]) < 21
+
+
+async def test_bad_valves_are_named_and_chat_goes_on(counter, caplog):
+    f = make_filter(counter, model_aliases="{not json", redis_url="http://nope")
+    events = Events()
+    body = body_of(chat_of(2))
+    assert (await f.inlet(body, __event_emitter__=events))["messages"] == body["messages"]
+    text = " ".join(events.statuses)
+    assert "model_aliases is not valid JSON" in text and "redis_url must start with redis://" in text
+    f.valves = f.Valves(max_context_tokens=1_000, reserve_output_tokens=5_000)
+    events.items.clear()
+    await f.inlet(body_of(chat_of(2)), __event_emitter__=events)
+    assert any("reserve_output_tokens" in s for s in events.statuses)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert all("valve" in r.getMessage() for r in warnings)
+    # the same problem is logged once, not on every request
+    await f.inlet(body_of(chat_of(2)), __event_emitter__=events)
+    assert len([r for r in caplog.records if "reserve_output_tokens" in r.getMessage()]) == 1
+
+
+async def test_valves_of_the_wrong_type_are_named(counter):
+    f = make_filter(counter)
+    f.valves = f.Valves.model_construct(max_context_tokens="lots", show_status=True)
+    events = Events()
+    await f.inlet(body_of(chat_of(2)), __event_emitter__=events)
+    assert any("max_context_tokens has the wrong type" in s for s in events.statuses)
+
+
+def test_valves_are_described_and_secrets_hidden():
+    for model in (Filter.Valves, Filter.UserValves):
+        for name, field in model.model_fields.items():
+            assert field.description, name
+    assert Filter.Valves.model_json_schema()["properties"]["redis_url"]["input"] == {"type": "password"}
+    assert list(Filter.Valves.model_fields)[0] == "priority"

@@ -1,0 +1,71 @@
+"""The store: in-process and against a real Redis, including a refused or lost server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+
+from contextwarden.errors import ConfigError
+from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore, open_store
+
+
+async def exercise(store, unique: str) -> None:
+    key = f"test:{unique}"
+    assert await store.get(key) is None
+    await store.set(key, b"v1", ttl=60)
+    assert await store.get(key) == b"v1"
+    assert await store.add(key, b"v2", ttl=60) is False
+    assert await store.add(key + ":lock", b"me", ttl=60) is True
+    await store.delete(key)
+    assert await store.get(key) is None
+    await asyncio.gather(*(store.incr(f"{key}:n", {"requests": 1, "tokens": 10}, ttl=60) for _ in range(200)))
+    assert await store.counters(f"{key}:n") == {"requests": 200, "tokens": 2000}
+    assert f"{key}:n" in await store.keys(f"test:{unique}:*")
+
+
+async def test_memory_store(unique):
+    await exercise(MemoryStore(), unique)
+
+
+async def test_memory_store_expires_and_is_bounded():
+    store = MemoryStore(max_keys=10)
+    await store.set("gone", b"x", ttl=-1)
+    assert await store.get("gone") is None
+    for i in range(50):
+        await store.set(f"k{i}", b"x", ttl=60)
+    assert len(store._data) == 10 and await store.get("k49") == b"x" and await store.get("k0") is None
+
+
+@pytest.mark.redis
+async def test_redis_store(redis_url, unique):
+    store = open_store(redis_url)
+    assert isinstance(store, RedisStore) and store.shared
+    await exercise(store, unique)
+    raw = aioredis.Redis.from_url(redis_url)
+    keys = [k.decode() async for k in raw.scan_iter(match=f"*{unique}*")]
+    assert keys and all(k.startswith(KEY_PREFIX) for k in keys)
+    for k in keys:
+        assert 0 < await raw.ttl(k) <= 60
+    await raw.aclose()
+    await store.aclose()
+
+
+@pytest.mark.redis
+async def test_redis_refused_falls_back_with_one_warning(caplog, unique):
+    store = RedisStore("redis://127.0.0.1:1/0", timeout=0.2)
+    for _ in range(5):
+        await store.set(f"k:{unique}", b"x", ttl=60)
+    assert await store.get(f"k:{unique}") == b"x"  # served by the in-process fallback
+    assert not store.shared
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Redis unavailable" in warnings[0].getMessage()
+
+
+def test_bad_redis_url_names_the_valve():
+    with pytest.raises(ConfigError) as info:
+        open_store("localhost:6379")
+    assert info.value.valve == "redis_url"
+    assert isinstance(open_store("  "), MemoryStore)

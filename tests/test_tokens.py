@@ -1,0 +1,140 @@
+"""Token counting: encodings by model, exact counts, overhead, cache bound, offline fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+import tiktoken
+
+from contextwarden.tokens import TokenCounter, encoding_for, estimate_tokens
+import contextwarden.tokens as tokens_module
+
+from chatgen import WORDS
+
+
+@pytest.mark.parametrize(
+    ("model", "encoding"),
+    [
+        ("gpt-4o", "o200k_base"), ("gpt-4o-2024-08-06", "o200k_base"), ("openai/gpt-4.1-mini", "o200k_base"),
+        ("gpt-5", "o200k_base"), ("o3-mini", "o200k_base"), ("openrouter.openai/o4-mini", "o200k_base"),
+        ("gpt-4", "cl100k_base"), ("gpt-4-turbo", "cl100k_base"), ("gpt-3.5-turbo", "cl100k_base"),
+        ("azure.gpt-35-turbo", "cl100k_base"), ("claude-sonnet-4.5", "o200k_base"), ("llama3.1:8b", "o200k_base"),
+        (None, "o200k_base"), ("", "o200k_base"), ("gpt-4.1", "o200k_base"), ("solo3", "o200k_base"),
+    ],
+)
+def test_encoding_by_model(model, encoding):
+    assert encoding_for(model) == encoding
+
+
+def test_exact_counts_match_tiktoken(counter):
+    text = "Hello <|endoftext|> world, 12345 日本語 🙂"
+    for model, name in (("gpt-4o", "o200k_base"), ("gpt-4", "cl100k_base")):
+        assert counter.mode(model) == "exact"
+        assert counter.count_text(text, model) == len(tiktoken.get_encoding(name).encode_ordinary(text))
+
+
+def test_message_overhead_follows_the_cookbook(counter):
+    enc = tiktoken.get_encoding("o200k_base")
+    message = {"role": "user", "content": "What is the capital of France?", "name": "ann"}
+    expected = 3 + len(enc.encode("user")) + len(enc.encode(message["content"])) + 1 + len(enc.encode("ann"))
+    assert counter.count_message(message, "gpt-4o") == expected
+    assert counter.count_messages([message], "gpt-4o") == expected + 3
+
+
+def test_tool_calls_and_images_are_counted(counter):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert counter.count_message(call, "gpt-4o") > counter.count_message({"role": "assistant", "content": None}, "gpt-4o") + 5
+    image = {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}
+    assert counter.count_message(image, "gpt-4o") == counter.count_message({"role": "user", "content": "see"}, "gpt-4o") + 765
+
+
+def test_cache_is_bounded():
+    small = TokenCounter(block=True, cache_size=100)
+    for i in range(1_000):
+        small.count_text(f"text number {i}", "gpt-4o")
+    assert len(small._cache) == 100
+
+
+def _samples() -> list[str]:
+    rng = random.Random(7)
+    prose = open(tokens_module.__file__, encoding="utf-8").read()
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(2_000)),
+        prose,
+        "The quick brown fox jumps over the lazy dog. " * 200,
+        "東京は日本の首都です。今日は晴れです。" * 100,
+        " ".join(str(rng.randint(0, 10**9)) for _ in range(500)),
+        "a b c d e f g h " * 300,
+    ]
+
+
+def test_estimator_errs_high(counter):
+    enc = tiktoken.get_encoding("o200k_base")
+    for sample in _samples():
+        exact = len(enc.encode_ordinary(sample))
+        ratio = estimate_tokens(sample) / exact
+        assert 1.0 <= ratio <= 2.2, (sample[:30], ratio)
+
+
+def test_offline_counts_with_estimator_and_never_blocks(monkeypatch):
+    gate = threading.Event()
+
+    def slow_unavailable(name):
+        gate.wait(5)
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", slow_unavailable)
+    offline = TokenCounter()  # background loading, as in the filter
+    started = time.perf_counter()
+    count = offline.count_text("hello world", "gpt-4o")
+    assert time.perf_counter() - started < 1.0  # returned while the loader still hangs
+    assert count == estimate_tokens("hello world") and offline.mode("gpt-4o") == "estimate"
+    gate.set()
+    assert offline.wait_ready("gpt-4o", timeout=5) is False
+    assert offline.mode("gpt-4o") == "estimate"  # a failure is not retried at once
+
+
+async def test_loading_happens_off_the_event_loop(monkeypatch):
+    loaded = threading.Event()
+    real = tiktoken.get_encoding
+
+    def slow(name):
+        time.sleep(0.3)
+        loaded.set()
+        return real(name)
+
+    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", slow)
+    fresh = TokenCounter()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while not loaded.is_set():
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(ticker())
+    assert fresh.mode("gpt-4o") == "estimate"
+    await task
+    assert ticks >= 10  # the loop kept running while the encoding loaded
+    fresh.wait_ready("gpt-4o")
+    assert fresh.mode("gpt-4o") == "exact"
+
+
+def test_substitute_encoding_when_only_cl100k_loads(monkeypatch):
+    real = tiktoken.get_encoding
+
+    def only_cl100k(name):
+        if name != "cl100k_base":
+            raise ConnectionError("offline")
+        return real(name)
+
+    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", only_cl100k)
+    c = TokenCounter(block=True)
+    c.wait_ready("gpt-4")
+    assert c.mode("gpt-4o") == "substitute"
+    assert c.count_text("hello world", "gpt-4o") == 2
