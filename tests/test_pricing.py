@@ -152,6 +152,12 @@ def test_admin_file_missing_prices_are_unknown_and_tiers_inherit():
     assert price.tiers == (PriceTier(1000, D("0.000003"), D("0.000002"), None, None, None),)
 
 
+@pytest.mark.parametrize("tiers", [7, "abc", [3, {"min_prompt_tokens": -1}, {"prompt": "1"}]])
+def test_admin_file_malformed_tiers_are_ignored(tiers):
+    admin = PriceBook.from_json(json.dumps({"models": {"m": {"prompt": "1", "tiers": tiers}}}))
+    assert admin.prices["m"].tiers == ()
+
+
 def test_round_trip_and_layering(book):
     again = PriceBook.from_json(book.to_json())
     assert dict(again.prices) == dict(book.prices)

@@ -147,8 +147,9 @@ class LivePrices:
         except Exception as exc:  # fail open: the last good book stays
             self._next_attempt = self._clock() + self._retry_seconds
             detail = str(exc) if isinstance(exc, PricingError) else type(exc).__name__
-            _LIVE_PRICES_LOG.warning("contextwarden: live prices not refreshed (%s); using %s prices "
-                                 "from %s", detail, self.book.source, self.book.source_date)
+            _LIVE_PRICES_LOG.warning(
+                "contextwarden: live prices not refreshed (%s); using %s prices from %s",
+                detail, self.book.source, self.book.source_date)
 
     async def refresh(self) -> PriceBook:
         """Take a fresh shared table if there is one, else fetch from OpenRouter and share it.
@@ -161,7 +162,8 @@ class LivePrices:
                 text = await self._shared_get()
                 shared = PriceBook.from_json(text, source="openrouter") if text else None
             except Exception as exc:  # a broken share must not stop the fetch
-                _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s", type(exc).__name__)
+                _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s",
+                                       type(exc).__name__)
                 shared = None
             if self._is_fresh(shared):
                 self._live = shared
@@ -177,5 +179,6 @@ class LivePrices:
             try:
                 await self._shared_put(book.to_json())
             except Exception as exc:
-                _LIVE_PRICES_LOG.debug("contextwarden: price table not shared: %s", type(exc).__name__)
+                _LIVE_PRICES_LOG.debug("contextwarden: price table not shared: %s",
+                                       type(exc).__name__)
         return book

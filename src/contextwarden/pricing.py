@@ -165,12 +165,14 @@ def _model_from_record(record: Mapping) -> ModelPrice:
     base = {name: _price_decimal(record.get(name)) for name in _PRICE_TIER_FIELDS}
     reasoning = _price_decimal(record.get("internal_reasoning"))
     tiers = []
-    for raw in record.get("tiers") or ():
-        threshold = _price_positive_int(raw.get("min_prompt_tokens")) if isinstance(raw, Mapping) else None
+    raw_tiers = record.get("tiers")
+    for raw in raw_tiers if isinstance(raw_tiers, list) else ():
+        if not isinstance(raw, Mapping):
+            continue
+        threshold = _price_positive_int(raw.get("min_prompt_tokens"))
         if threshold is not None:
-            tier_fields = {
-                name: _price_decimal(raw[name]) if name in raw else base[name] for name in _PRICE_TIER_FIELDS
-            }
+            tier_fields = {name: _price_decimal(raw[name]) if name in raw else base[name]
+                           for name in _PRICE_TIER_FIELDS}
             tiers.append(PriceTier(threshold, **tier_fields))
     slug = record.get("canonical_slug")
     return ModelPrice(
@@ -223,7 +225,8 @@ class PriceBook:
     source_date: str | None = None
     fetched_at: float | None = None
     _lower: Mapping[str, str] = field(init=False, repr=False, compare=False)
-    _by_key: Mapping[str, Mapping[str, frozenset[str]]] = field(init=False, repr=False, compare=False)
+    _by_key: Mapping[str, Mapping[str, frozenset[str]]] = field(
+        init=False, repr=False, compare=False)
     _providers: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -235,9 +238,10 @@ class PriceBook:
                 continue  # variants (:free, :batch, ...) are only ever matched exactly
             _price_index_add(indexes["canonical_slug"], price.canonical_slug, model_id)
             for name in filter(None, (model_id, price.canonical_slug)):
-                _price_index_add(indexes["bare"], _model_bare_id(name), model_id)
+                bare = _model_bare_id(name)
+                _price_index_add(indexes["bare"], bare, model_id)
                 _price_index_add(indexes["dashed"], _model_dashed_id(name), model_id)
-                _price_index_add(indexes["dashed"], _model_dashed_id(_model_bare_id(name)), model_id)
+                _price_index_add(indexes["dashed"], _model_dashed_id(bare), model_id)
         object.__setattr__(self, "_lower", {k.lower(): k for k in self.prices})
         object.__setattr__(self, "_by_key", {
             step: {key: frozenset(ids) for key, ids in index.items()}
@@ -255,7 +259,8 @@ class PriceBook:
             prices[model_id] = ModelPrice(
                 prompt=_price_decimal(prompt), completion=_price_decimal(completion),
                 cache_read=_price_decimal(read), cache_write=_price_decimal(write),
-                cache_write_1h=_price_decimal(write_1h), internal_reasoning=_price_decimal(reasoning),
+                cache_write_1h=_price_decimal(write_1h),
+                internal_reasoning=_price_decimal(reasoning),
                 context_length=length, canonical_slug=slug or model_id, varies_by_time=timed,
                 tiers=tuple(PriceTier(t[0], *(_price_decimal(v) for v in t[1:])) for t in tiers),
             )
@@ -275,7 +280,8 @@ class PriceBook:
         models = document.get("models") if isinstance(document, dict) else None
         if not isinstance(models, dict):
             raise PricingError(f"{source}: expected an object with a 'models' object")
-        prices = {str(k): _model_from_record(v) for k, v in models.items() if isinstance(v, Mapping)}
+        prices = {str(k): _model_from_record(v)
+                  for k, v in models.items() if isinstance(v, Mapping)}
         fetched_at = document.get("fetched_at")
         return cls(prices, source=source, source_date=document.get("source_date"),
                    fetched_at=float(fetched_at) if isinstance(fetched_at, (int, float)) else None)
@@ -295,7 +301,8 @@ class PriceBook:
 
     @classmethod
     def from_openrouter(cls, payload: object, *, source: str = "openrouter",
-                        fetched_at: float | None = None, source_date: str | None = None) -> PriceBook:
+                        fetched_at: float | None = None,
+                        source_date: str | None = None) -> PriceBook:
         """Read a `GET /api/v1/models` payload, 2025 shape (every key) or 2026 (zeros omitted).
 
         Raises:
@@ -307,7 +314,9 @@ class PriceBook:
         prices = {}
         for entry in entries:
             model_id = entry.get("id") if isinstance(entry, dict) else None
-            price = _model_from_openrouter(entry) if isinstance(model_id, str) and model_id else None
+            if not isinstance(model_id, str) or not model_id:
+                continue
+            price = _model_from_openrouter(entry)
             if price is not None:
                 prices[model_id] = price
         if not prices:
@@ -327,7 +336,7 @@ class PriceBook:
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     def layered(self, top: PriceBook) -> PriceBook:
-        """A book where `top`'s models replace or add to these (admin file over live over bundled)."""
+        """A book where `top`'s models replace or add to these (admin file > live > bundled)."""
         return PriceBook({**self.prices, **top.prices}, source=f"{top.source}+{self.source}",
                          source_date=top.source_date or self.source_date,
                          fetched_at=top.fetched_at or self.fetched_at)
@@ -362,7 +371,9 @@ class Resolution:
     price: ModelPrice | None = None
 
 
-def _strip_connection_prefix(model_id: str, book: PriceBook, prefixes: Sequence[str]) -> tuple[str, str | None]:
+def _strip_connection_prefix(
+    model_id: str, book: PriceBook, prefixes: Sequence[str]
+) -> tuple[str, str | None]:
     """Remove an Open WebUI connection prefix (`prefix_id.model`), returning (id, prefix).
 
     Configured prefixes are removed when the id starts with `prefix.`. Without configuration
@@ -404,7 +415,8 @@ def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None,
     undated = _MODEL_DATE_SUFFIX.sub("", base)
     attempts = [("canonical_slug", "canonical_slug", base), ("bare", "bare", _model_bare_id(base))]
     if undated != base:
-        attempts += [("date_suffix", None, undated), ("date_suffix", "bare", _model_bare_id(undated))]
+        attempts += [("date_suffix", None, undated),
+                     ("date_suffix", "bare", _model_bare_id(undated))]
     attempts.append(("dots_dashes", "dashed", _model_dashed_id(undated)))
     for step, index, key in attempts:
         hits = frozenset({book.find(key)} - {None}) if index is None else book.matches(index, key)
@@ -458,7 +470,8 @@ def resolve_model(
                 return Resolution(requested, None, None, prefix=prefix, reason=(
                     f"model_aliases maps {pattern!r} to {target!r}, which is not in the price "
                     f"book ({book.source})" + (f"; {reason}" if reason else "")))
-            return Resolution(requested, resolved, "alias", prefix=prefix, price=book.prices[resolved])
+            return Resolution(requested, resolved, "alias", prefix=prefix,
+                              price=book.prices[resolved])
     for name in names:
         if _model_glob_match(name, free_models) is not None:
             return Resolution(requested, requested, "free", prefix=prefix, price=FREE_PRICE)

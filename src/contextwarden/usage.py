@@ -170,7 +170,8 @@ def _read_openai_like(usage: Mapping) -> Usage:
     summed_prompt = _usage_int(usage.get("input_tokens"))
     summed_completion = _usage_int(usage.get("output_tokens"))
     prompt = max((c for c in (last_prompt, summed_prompt) if c is not None), default=None)
-    completion = max((c for c in (last_completion, summed_completion) if c is not None), default=None)
+    completion = max((c for c in (last_completion, summed_completion) if c is not None),
+                     default=None)
     summed = (prompt != last_prompt and last_prompt is not None) or (
         completion != last_completion and last_completion is not None)
     total = _usage_int(usage.get("total_tokens"))
@@ -249,7 +250,9 @@ def read_usage(message: Mapping) -> Usage | None:
     return normalize_usage(usage) if isinstance(usage, Mapping) else None
 
 
-def _cost_term(tokens: int | None, rate: Decimal | None, what: str) -> tuple[Decimal | None, str | None]:
+def _cost_term(
+    tokens: int | None, rate: Decimal | None, what: str
+) -> tuple[Decimal | None, str | None]:
     """tokens x rate; (None, reason) when a non-zero charge cannot be known."""
     if tokens == 0 or rate == 0:
         return Decimal(0), None
@@ -295,7 +298,7 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
              (written, rates.cache_write, "cache write")]
     reasoning = usage.reasoning_tokens or 0
     completion = usage.completion_tokens
-    if price.internal_reasoning is not None and reasoning and completion is not None:
+    if price.internal_reasoning and reasoning and completion is not None:
         visible = max(completion - reasoning, 0)
         terms += [(visible, rates.completion, "completion"),
                   (completion - visible, price.internal_reasoning, "reasoning")]
@@ -308,6 +311,7 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
         for tokens, rate, what in terms:
             amount, reason = _cost_term(tokens, rate, what)
             if amount is None:
-                return Cost(None, None, reason=reason, tier=rates.min_prompt_tokens, notes=tuple(notes))
+                return Cost(None, None, reason=reason, tier=rates.min_prompt_tokens,
+                            notes=tuple(notes))
             total += amount
     return Cost(total, "price_table", tier=rates.min_prompt_tokens, notes=tuple(notes))
