@@ -443,6 +443,15 @@ async def test_live_prices_shared_table_seam(full_payload):
     assert dict(worker_b.book.prices) == dict(worker_a_book.prices)
 
 
+async def test_fetch_has_one_overall_deadline():
+    class Trickle(httpx.AsyncClient):
+        async def get(self, *args, **kwargs):
+            await asyncio.sleep(5)  # e.g. a body dribbling in under every per-read timeout
+
+    with pytest.raises(PricingError, match="no answer within 0.05s"):
+        await fetch_openrouter_prices(Trickle(), timeout=0.05)
+
+
 async def test_background_refresh_does_not_block_the_caller():
     gate = asyncio.Event()
 

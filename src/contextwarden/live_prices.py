@@ -51,9 +51,11 @@ async def fetch_openrouter_prices(
         ...     book = await fetch_openrouter_prices(client)
     """
     try:
-        response = await client.get(url, timeout=timeout, headers={"Accept": "application/json"})
+        async with asyncio.timeout(timeout):  # one deadline for connect, read and body
+            response = await client.get(url, timeout=timeout,
+                                        headers={"Accept": "application/json"})
         response.raise_for_status()
-    except httpx.TimeoutException as exc:
+    except (TimeoutError, httpx.TimeoutException) as exc:
         raise PricingError(f"OpenRouter prices: no answer within {timeout:g}s") from exc
     except httpx.HTTPStatusError as exc:
         raise PricingError(f"OpenRouter prices: HTTP {exc.response.status_code}") from exc

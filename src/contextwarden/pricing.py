@@ -360,7 +360,7 @@ class Resolution:
 
     `step` is one of alias, free, exact, variant, canonical_slug, bare, date_suffix,
     dots_dashes; `prefix` is the connection prefix that was removed, if any; `price` is
-    what to bill with (FREE_PRICE for `free`).
+    what to bill with. For `free` the model_id is the requested id and price FREE_PRICE.
     """
 
     requested: str
