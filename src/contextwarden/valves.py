@@ -6,12 +6,12 @@ Valves are parsed once per call into a frozen `Settings`; problems are collected
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
 from .errors import ConfigError
+from .pricing import parse_aliases
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS"]
 
@@ -75,18 +75,6 @@ class Settings:
         return max(budget, MIN_BUDGET_TOKENS)
 
 
-def _parse_aliases(text: str) -> dict[str, str]:
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"model_aliases is not valid JSON (line {exc.lineno}, column {exc.colno})", valve="model_aliases") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise ConfigError('model_aliases must be a JSON object of strings, e.g. {"my-gpt": "openai/gpt-4o"}', valve="model_aliases")
-    return value
-
-
 def _field(valves: object, name: str, default):
     value = getattr(valves, name, default)
     if type(value) is type(default):  # exact: True is not an int token budget
@@ -120,7 +108,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         )
         reserve = window // 4
     try:
-        aliases = _parse_aliases(take(valves, "model_aliases", ""))
+        aliases = parse_aliases(take(valves, "model_aliases", ""))
     except ConfigError as exc:
         problems.append(exc)
         aliases = {}
