@@ -13,6 +13,7 @@ The fixtures in ``conftest.py`` wire these together; see ``README.md`` beside th
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -145,7 +146,7 @@ def ensure_venv(venv: Path | None = None, *, log_path: Path | None = None) -> Pa
             return venv
         if venv.exists():
             shutil.rmtree(venv)
-        python = shutil.which("python3.11") or sys.executable
+        python = sys.executable if sys.version_info[:2] == (3, 11) else shutil.which("python3.11") or sys.executable
         steps = [
             [python, "-m", "venv", str(venv)],
             [str(venv / "bin" / "pip"), "install", f"torch=={TORCH_VERSION}"],
@@ -329,6 +330,7 @@ def start_open_webui(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    atexit.register(_stop_process, process)  # safety net if the fixture's finalizer never runs
     base_url = f"http://127.0.0.1:{port}"
 
     def fail(reason: str) -> AssertionError:
