@@ -1,0 +1,37 @@
+"""Tests written for features that land from other branches.
+
+A test marked ``@pending("stream_usage")`` asserts the final behaviour. While the built
+``open_webui_filter.py`` lacks the feature's marker text the test is an expected failure
+(strict: passing early is reported); once the feature is in the built file the mark goes away
+and the test must pass like any other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+__all__ = ["BUILT_FILE", "FEATURES", "has_feature", "pending"]
+
+BUILT_FILE = Path(__file__).resolve().parents[1] / "open_webui_filter.py"
+
+FEATURES: dict[str, tuple[str, str]] = {
+    "stream_usage": ("request_stream_usage", "the ledger branch (inlet sets stream_options.include_usage)"),
+    "cost": ('"cost_source"', "the ledger branch (cost_usd in the usage line)"),
+    "ledger": ("def read_ledger(", "the ledger branch (per user / model / day totals)"),
+    "calibration": ("def load_calibration(", "the ledger branch (calibration in the store)"),
+    "pins": ("allowed_user_flags", "the flags branch (!pin kept in the chat state)"),
+    "decisions": ("low_watermark", "the flags branch (per-chat trim decisions in the store)"),
+}
+"""feature -> (text the built file holds once it has landed, what it waits for)."""
+
+
+def has_feature(feature: str) -> bool:
+    """True when the built file holds the feature's marker text."""
+    return FEATURES[feature][0] in BUILT_FILE.read_text("utf-8")
+
+
+def pending(feature: str) -> pytest.MarkDecorator:
+    """An xfail mark (strict) that applies only while ``feature`` is missing from the built file."""
+    return pytest.mark.xfail(not has_feature(feature), reason=f"waits for {FEATURES[feature][1]}", strict=True)
