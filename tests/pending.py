@@ -8,13 +8,15 @@ and the test must pass like any other.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 __all__ = ["BUILT_FILE", "FEATURES", "has_feature", "pending"]
 
-BUILT_FILE = Path(__file__).resolve().parents[1] / "open_webui_filter.py"
+BUILT_FILE = Path(os.environ.get("CONTEXTWARDEN_BUILT_FILE") or Path(__file__).resolve().parents[1] / "open_webui_filter.py")
+"""The single file under test: the repository's, or ``$CONTEXTWARDEN_BUILT_FILE`` (another build)."""
 
 FEATURES: dict[str, tuple[str, str]] = {
     "stream_usage": ("request_stream_usage", "the ledger branch (inlet sets stream_options.include_usage)"),
