@@ -49,10 +49,14 @@ WORDS = (
 
 
 def base_valves() -> dict[str, Any]:
-    """The admin valves every scenario starts from (hermetic: no live price fetch once that exists)."""
+    """The admin valves every scenario starts from. Hermetic once those valves exist: no live
+    price fetch, and no calibration (the fake backend counts len/4 per message, ~1.3x tiktoken,
+    so calibration would rightly shrink every later budget; tests/test_workers.py covers it)."""
     valves: dict[str, Any] = {"max_context_tokens": WINDOW, "reserve_output_tokens": RESERVE, "show_status": True}
-    if "openrouter_pricing" in BUILT_FILE.read_text("utf-8"):
-        valves["openrouter_pricing"] = False
+    source = BUILT_FILE.read_text("utf-8")
+    for name in ("openrouter_pricing", "calibrate_counts"):
+        if f"{name}: bool" in source:
+            valves[name] = False
     return valves
 
 
@@ -213,7 +217,7 @@ def test_long_chat_reaches_backend_trimmed_valid_within_budget(
     assert_valid_prompt(sent, got)
     tokens = counter.count_messages(got, MODEL)
     assert tokens <= BUDGET
-    assert tokens > BUDGET * 0.8, "trimmed far more than the budget needs"
+    assert tokens > BUDGET * 0.5, "trimmed far more than the budget (and a low watermark) needs"
 
     record = one_usage_record(open_webui, since)
     assert record["model"] == MODEL and record["user_id"] == admin_id
