@@ -116,13 +116,13 @@ NO_REDIS_HELP = (
 )
 
 
-async def _usage_entries(url: str, since: date | None) -> list[LedgerEntry]:
-    """Every ledger entry since a day, read from Redis (raises ConnectionError when down)."""
+async def _usage_entries(url: str, since: date | None, until: date | None) -> list[LedgerEntry]:
+    """Every ledger entry between two days, read from Redis (raises ConnectionError when down)."""
     if not isinstance(open_store(url), RedisStore):  # checks the URL's scheme
         raise ConfigError("--redis-url is empty", valve="redis_url")
     store = RedisStore(url, timeout=USAGE_REDIS_TIMEOUT)
     try:
-        entries = await read_ledger(store, since=since)
+        entries = await read_ledger(store, since=since, until=until)
         if not store.shared:  # the store fell back to in-process: Redis did not answer
             raise ConnectionError(f"Redis at the given --redis-url did not answer within {USAGE_REDIS_TIMEOUT:g}s")
         return entries
@@ -135,7 +135,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
         print(NO_REDIS_HELP, file=sys.stderr)
         return 2
     try:
-        entries = asyncio.run(_usage_entries(args.redis_url, args.since))
+        entries = asyncio.run(_usage_entries(args.redis_url, args.since, args.until))
     except (ConfigError, ConnectionError) as exc:
         print(f"contextwarden usage: {exc}", file=sys.stderr)
         return 2
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     usage.add_argument("--redis-url", help="the Redis the filter records into (its redis_url valve)")
     usage.add_argument("--by", choices=("user", "model", "day"), default="model", help="how to add totals up (default: model)")
     usage.add_argument("--since", type=_since_date, help="first UTC day to include, YYYY-MM-DD (default: all kept)")
+    usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: today)")
     usage.add_argument("--format", choices=("table", "json", "csv"), default="table")
     usage.add_argument("--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)")
     usage.set_defaults(run=_cmd_usage)

@@ -290,7 +290,7 @@ class Filter:
             "estimated": estimated,
             "estimated_prompt_tokens": estimated_prompt,
             "usage_shape": billed.shape,
-            "cost_usd": None if cost.cost_usd is None else format(cost.cost_usd, "f"),
+            "cost_usd": None if cost.cost_usd is None else format(cost.cost_usd.normalize(), "f"),
             "cost_source": cost.cost_source,
             "cost_note": cost_note,
         }

@@ -168,12 +168,12 @@ async def record_reply(
     return key
 
 
-async def read_ledger(store: Store, *, since: date | None = None) -> list[LedgerEntry]:
-    """Every ledger key from `since` (inclusive) on, sorted by day, user, model."""
+async def read_ledger(store: Store, *, since: date | None = None, until: date | None = None) -> list[LedgerEntry]:
+    """Every ledger key from `since` to `until` (both inclusive), sorted by day, user, model."""
     entries = []
     for key in await store.keys(LEDGER_KEY_PREFIX + "*"):
         parts = _ledger_key_parts(key)
-        if parts is None or (since is not None and parts[0] < since):
+        if parts is None or (since is not None and parts[0] < since) or (until is not None and parts[0] > until):
             continue
         counters = await store.counters(key)
         if counters:

@@ -21,7 +21,6 @@ from .store import Store
 __all__ = ["PriceSources", "SHARED_PRICES_KEY"]
 
 SHARED_PRICES_KEY = "prices:openrouter"
-SHARED_PRICES_LOCK_KEY = "prices:openrouter:lock"
 SHARED_PRICES_LOCK_SECONDS = 60  # longer than one fetch may take
 SHARED_PRICES_WAIT_STEP = 0.5
 SHARED_PRICES_WAIT_STEPS = 30  # a worker without the lock waits up to 15 s for the table
@@ -30,11 +29,18 @@ SHARED_PRICES_WAIT_STEPS = 30  # a worker without the lock waits up to 15 s for 
 class PriceSources:
     """The layered price book for one worker, and the live table's background refresh."""
 
-    def __init__(self, store: Callable[[], Store], *, live_factory: Callable[..., LivePrices] | None = None) -> None:
+    def __init__(
+        self,
+        store: Callable[[], Store],
+        *,
+        live_factory: Callable[..., LivePrices] | None = None,
+        shared_key: str = SHARED_PRICES_KEY,
+    ) -> None:
         """Args: store returns the current store (it changes with the redis_url valve);
         live_factory builds the LivePrices holder (default: LivePrices; tests pass one with a
-        mocked client)."""
+        mocked client); shared_key names the shared table in the store (its lock adds ':lock')."""
         self._store = store
+        self._shared_key = shared_key
         self._live_factory = live_factory
         self._bundled: PriceBook | None = None
         self._live: LivePrices | None = None
@@ -107,14 +113,14 @@ class PriceSources:
         store = self._store()
         if not store.shared:
             return None
-        raw = await store.get(SHARED_PRICES_KEY)
+        raw = await store.get(self._shared_key)
         if raw:
             return raw.decode()
-        if await store.add(SHARED_PRICES_LOCK_KEY, b"1", ttl=SHARED_PRICES_LOCK_SECONDS):
+        if await store.add(self._shared_key + ":lock", b"1", ttl=SHARED_PRICES_LOCK_SECONDS):
             return None
         for _ in range(SHARED_PRICES_WAIT_STEPS):  # another worker is fetching: wait for it
             await asyncio.sleep(SHARED_PRICES_WAIT_STEP)
-            raw = await store.get(SHARED_PRICES_KEY)
+            raw = await store.get(self._shared_key)
             if raw:
                 return raw.decode()
         return None
@@ -123,5 +129,5 @@ class PriceSources:
         store = self._store()
         if not store.shared:
             return
-        await store.set(SHARED_PRICES_KEY, text.encode(), ttl=max(60, int(self._live_ttl_hours * 3600)))
-        await store.delete(SHARED_PRICES_LOCK_KEY)
+        await store.set(self._shared_key, text.encode(), ttl=max(60, int(self._live_ttl_hours * 3600)))
+        await store.delete(self._shared_key + ":lock")
