@@ -37,7 +37,10 @@ MODULES = [
     "price_data",
     "pricing",
     "live_prices",
+    "price_sources",
     "usage",
+    "ledger",
+    "calibration",
     "valves",
     "filter",
 ]
