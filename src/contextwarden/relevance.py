@@ -72,10 +72,10 @@ class RelevanceWeights:
     context_weight: float = 0.25
     pair_share: float = 0.3
     pair_back: float = 0.15
-    neighbour_share: float = 0.15
+    neighbour_share: float = 0.25
     header_share: float = 0.3
     header_reach: int = 12
-    recency: float = 0.05
+    recency: float = 0.01
     fold_suffixes: bool = True
 
 
@@ -178,10 +178,13 @@ _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE)
 def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
     """Query terms with their weights: the question's at 1, the context's at `context_weight`."""
     query: dict[str, float] = {}
+    # A short follow-up ("and tomorrow?") leans on the turns before it; a question with many
+    # terms of its own does not: the context weight shrinks with the question's term count.
+    context_weight = weights.context_weight / max(1, len(stats[question].counts))
     start = max(0, question - weights.context_messages)
     for index in range(start, question):
         for term in stats[index].counts:
-            query[term] = weights.context_weight
+            query[term] = context_weight
     for term in stats[question].counts:
         query[term] = 1.0
     return query
@@ -192,11 +195,14 @@ def _bm25(stats: Sequence[_TermStats], query: dict[str, float], weights: Relevan
     n = len(stats)
     total = sum(s.length for s in stats)
     average = total / n if n and total else 1.0
+    terms = query.keys()
+    matches: list[tuple[int, set[str]]] = []
     frequency = dict.fromkeys(query, 0)
-    for s in stats:
-        counts = s.counts
-        for term in query:
-            if term in counts:
+    for index, s in enumerate(stats):
+        shared = s.counts.keys() & terms
+        if shared:
+            matches.append((index, shared))
+            for term in shared:
                 frequency[term] += 1
     idf = {
         term: weight * math.log(1.0 + (n - frequency[term] + 0.5) / (frequency[term] + 0.5))
@@ -205,14 +211,14 @@ def _bm25(stats: Sequence[_TermStats], query: dict[str, float], weights: Relevan
     }
     k1, b = weights.k1, weights.b
     scores = [0.0] * n
-    for index, s in enumerate(stats):
+    for index, shared in matches:
+        s = stats[index]
         counts = s.counts
         norm = k1 * (1.0 - b + b * s.length / average)
         score = 0.0
-        for term, term_idf in idf.items():
-            tf = counts.get(term)
-            if tf:
-                score += term_idf * tf * (k1 + 1.0) / (tf + norm)
+        for term in sorted(shared):  # a fixed order: same sums in every process
+            tf = counts[term]
+            score += idf[term] * tf * (k1 + 1.0) / (tf + norm)
         scores[index] = score
     return scores
 

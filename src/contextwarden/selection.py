@@ -26,11 +26,16 @@ __all__ = [
     "choose_indices",
     "reuse_previous",
     "message_fingerprint",
+    "Fingerprints",
     "mandatory_indices",
 ]
 
 Strategy = Literal["relevance", "recent"]
 DECISION_FORMAT = 1
+# Value per cost ** 0.5: relevance scores are already length-normalised (BM25's b), so
+# dividing by the whole cost would penalise long messages twice (measured in bench/quality.py).
+DEFAULT_COST_EXPONENT = 0.5
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +86,37 @@ def message_fingerprint(message: Message) -> str:
         >>> message_fingerprint({"role": "user", "content": "hi"})
         'a9a3fe7c2ddc12d3'
     """
-    canonical = json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    canonical = _CANONICAL_JSON.encode(message)
     return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+class Fingerprints(Sequence[str]):
+    """`message_fingerprint` of each message, computed when first asked for.
+
+    Example:
+        >>> prints = Fingerprints([{"role": "user", "content": "hi"}])
+        >>> prints[0] == message_fingerprint({"role": "user", "content": "hi"}), len(prints)
+        (True, 1)
+    """
+
+    __slots__ = ("_messages", "_done")
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+        self._done: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        done = self._done.get(index)
+        if done is None:
+            done = self._done[index] = message_fingerprint(self._messages[index])
+        return done
 
 
 def select_recent(costs: Sequence[int], budget: int) -> list[int]:
@@ -106,10 +140,13 @@ def select_recent(costs: Sequence[int], budget: int) -> list[int]:
     return kept
 
 
-def select_by_value(costs: Sequence[int], values: Sequence[float], budget: int) -> list[int]:
+def select_by_value(
+    costs: Sequence[int], values: Sequence[float], budget: int, *, cost_exponent: float = DEFAULT_COST_EXPONENT
+) -> list[int]:
     """Candidates worth most in total within `budget`, in ascending order (0-1 knapsack, greedy).
 
-    Greedy by value per token (ties: newer first), skipping what does not fit; then a repair
+    Greedy by value per `cost ** cost_exponent` (ties: newer first), skipping what does not
+    fit; then a repair
     pass: when the single most valuable candidate that fits is worth more than the greedy
     pick, start from it instead (this bounds the loss at half the optimum).
 
@@ -117,7 +154,7 @@ def select_by_value(costs: Sequence[int], values: Sequence[float], budget: int) 
         >>> select_by_value([10, 10, 30], [1.0, 5.0, 9.0], budget=40)
         [1, 2]
     """
-    order = sorted(range(len(costs)), key=lambda i: (-values[i] / max(costs[i], 1), -i))
+    order = sorted(range(len(costs)), key=lambda i: (-values[i] / max(costs[i], 1) ** cost_exponent, -i))
 
     def fill(start: list[int], left: int) -> list[int]:
         taken = list(start)
@@ -198,8 +235,11 @@ def choose_indices(
     keep_last_turns: int = 1,
     pinned: Collection[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    scores: Sequence[float] | None = None,
 ) -> set[int]:
     """The message indices to send: hard part, preferred units, then the strategy's pick.
+
+    `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
 
     `budget` covers the messages (reply priming is the caller's); the hard part is returned
     even when it alone is over. The result never begins its history with an assistant or tool
@@ -232,9 +272,10 @@ def choose_indices(
     elif rest and left > 0:
         question = next((i for i in sorted(plan.hard, reverse=True) if conversation.messages[i].get("role") == "user"), None)
         if question is not None:
-            excluded = [i for unit in conversation.system for i in unit.indices]
-            excluded += [i for unit in conversation.orphans for i in unit.indices]
-            scores = score_messages(conversation.messages, question=question, exclude=excluded, weights=weights)
+            if scores is None:
+                excluded = [i for unit in conversation.system for i in unit.indices]
+                excluded += [i for unit in conversation.orphans for i in unit.indices]
+                scores = score_messages(conversation.messages, question=question, exclude=excluded, weights=weights)
             values = [sum(scores[i] for i in plan.units[u]) for u in rest]
             chosen = select_by_value([unit_cost[u] for u in rest], values, left)
             taken.update(rest[k] for k in chosen)
@@ -295,10 +336,10 @@ def reuse_previous(
     wanted = previous.kept
     matched: list[int] = []
     k = 0
-    for index, print_ in enumerate(fingerprints):
+    for index in range(len(fingerprints)):
         if k == len(wanted):
             break
-        if index not in system and print_ == wanted[k]:
+        if index not in system and fingerprints[index] == wanted[k]:
             matched.append(index)
             k += 1
     if k < len(wanted):

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .conversation import Conversation, Message, read_conversation
-from .selection import Strategy, TrimDecision, choose_indices, mandatory_indices, message_fingerprint, reuse_previous
+from .selection import Fingerprints, Strategy, TrimDecision, choose_indices, mandatory_indices, reuse_previous
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = ["TrimResult", "trim_messages", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK"]
@@ -132,7 +132,7 @@ def trim_messages(
 
     mandatory = mandatory_indices(conversation)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
-    fingerprints = [message_fingerprint(m) for m in messages]
+    fingerprints = Fingerprints(messages)
     keep: set[int] | None = None
     if previous is not None and mandatory_cost <= max_tokens:
         keep = reuse_previous(
