@@ -199,7 +199,10 @@ def _bm25(stats: Sequence[_TermStats], query: dict[str, float], weights: Relevan
     matches: list[tuple[int, set[str]]] = []
     frequency = dict.fromkeys(query, 0)
     for index, s in enumerate(stats):
-        shared = s.counts.keys() & terms
+        keys = s.counts.keys()
+        if keys.isdisjoint(terms):
+            continue
+        shared = keys & terms
         if shared:
             matches.append((index, shared))
             for term in shared:
