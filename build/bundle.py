@@ -31,6 +31,7 @@ MODULES = [
     "errors",
     "conversation",
     "tokens",
+    "relevance",
     "selection",
     "trim",
     "store",
