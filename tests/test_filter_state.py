@@ -229,3 +229,11 @@ async def test_unreadable_state_is_ignored(counter, trims, unique):
     await f._store.set(key, json.dumps({"v": 1, "decision": "{broken", "pins": [], "pin_mode": False}).encode(), ttl=60)
     out = await send(f, chat_of(20), f"u-{unique}", f"c-{unique}")
     assert trims[-1][0]["previous"] is None and len(out["messages"]) < 41
+
+
+async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
+    b = body(chat_of(20), f"u-{unique}", f"c-{unique}")
+    b["metadata"]["contextwarden"] = {"flags": {"budget": "lots"}}
+    out = await f.request(b, __user__={"id": f"u-{unique}"}, __metadata__=b["metadata"])
+    assert trims[-1][0]["max_tokens"] == 1_500 and len(out["messages"]) < 41

@@ -151,6 +151,14 @@ def _same_messages(a: Sequence[Message], b: Sequence[Message]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def _flags_of_turn(value: dict) -> Flags:
+    """The flags an earlier pass of this turn left in `__metadata__` (none when unreadable)."""
+    try:
+        return Flags.from_dict(value)
+    except (KeyError, TypeError, ValueError):
+        return Flags()
+
+
 def _decision(text: str | None) -> TrimDecision | None:
     """The stored decision, or None when there is none or it is from another version."""
     if text is None:
@@ -243,7 +251,7 @@ class Filter:
         read = read_flags(body["messages"], allowed=settings.allowed_flags)
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
-            flags = Flags.from_dict(note["flags"])  # an earlier pass of this turn removed them from the text
+            flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
         key = chat_state_key(*_ids(body, user, metadata))
         state = await self._load_state(key)
         latest = read.messages[read.latest_user] if read.latest_user is not None else None

@@ -28,7 +28,7 @@ __all__ = [
 
 FLAG_NAMES = ("full", "budget", "keep", "pin", "nosum", "+pin", "-pin")
 DEFAULT_ALLOWED_FLAGS = "budget,keep,pin,nosum,+pin,-pin"  # `full` bypasses the budget: admins opt in
-MAX_FLAG_BUDGET = 10_000_000
+MAX_FLAG_BUDGET = 999_999_999  # nine digits: any larger number is not a flag
 MAX_FLAG_KEEP = 1_000
 
 # A flag stands alone: nothing but whitespace (or the text's edge) on either side.

@@ -125,6 +125,10 @@ def _cache_key(config: SummaryConfig, transcript: str) -> str:
     return "summary:" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
 
 
+class _SummaryFailed(Exception):
+    """The endpoint answered, but not with a summary (the message names only the kind)."""
+
+
 async def _ask(config: SummaryConfig, transcript: str) -> str:
     """One chat completion; raises on any failure (callers log its kind, never its text)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -146,10 +150,6 @@ async def _ask(config: SummaryConfig, transcript: str) -> str:
     if not isinstance(text, str) or not text.strip():
         raise _SummaryFailed("empty reply")
     return text.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
-
-
-class _SummaryFailed(Exception):
-    """The endpoint answered, but not with a summary (the message names only the kind)."""
 
 
 async def summarize_messages(messages: Sequence[Message], *, config: SummaryConfig, store: Store) -> str | None:
