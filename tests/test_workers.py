@@ -237,7 +237,8 @@ def test_pin_is_shared(spawn: Callable[..., WorkerProcess], unique: str) -> None
     without Redis, where the old message goes as any other)."""
     a, b, alone = spawn(), spawn(), spawn(shared=False)
     meta = {"chat_id": f"chat-{unique}", "user_id": f"user-{unique}", "message_id": "m1"}
-    pinned = "PINNED-FACT: the vault code is 4711 !pin"
+    # Long and unrelated to the last question, so only the pin can keep it.
+    pinned = "PINNED-FACT: the vault code is 4711 !pin " + _filler(7, words=400)
     a.call("inlet", body={"model": MODEL, "messages": [{"role": "user", "content": pinned}]}, metadata=meta,
            user_id=meta["user_id"])
     later = {"model": MODEL, "messages": long_chat(30, first_user=pinned)}
@@ -252,7 +253,8 @@ def test_pin_is_shared(spawn: Callable[..., WorkerProcess], unique: str) -> None
 @pending("calibration")
 def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str, counter: TokenCounter) -> None:
     """Worker A learns that the provider counts 30% more than we do; worker B trims with that."""
-    a, b, alone = spawn(), spawn(), spawn(shared=False)
+    # low_watermark 1.0: trims fill the budget, so only calibration can explain a smaller prompt.
+    a, b, alone = spawn(low_watermark=1.0), spawn(low_watermark=1.0), spawn(shared=False, low_watermark=1.0)
     for turn in range(8):
         meta = {"chat_id": f"chat-{unique}-{turn}", "user_id": f"user-{unique}", "message_id": "m1"}
         chat = long_chat(4)
