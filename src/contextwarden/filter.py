@@ -308,8 +308,10 @@ class Filter:
             return body
         settings = await self._settings(user, emit)
         model_id = _base_model_id(body, model)
-        calibration = await self._calibration(settings, model_id, emit)
-        budget = calibrated_budget(settings.budget(model_context_length(model)), calibration)
+        resolution = await self._resolve(settings, model_id, emit)
+        calibration = await self._calibration(settings, resolution)
+        window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
+        budget = calibrated_budget(settings.budget(window), calibration)
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
         read = read_flags(body["messages"], allowed=settings.allowed_flags)
@@ -497,13 +499,12 @@ class Filter:
             model_id, book, aliases=settings.model_aliases, prefixes=settings.connection_prefixes, free_models=settings.free_models
         )
 
-    async def _calibration(self, settings: Settings, model_id: str, emit: Emitter | None) -> Calibration:
+    async def _calibration(self, settings: Settings, resolution: Resolution) -> Calibration:
         """The learned count correction for a model (none when switched off or unreadable)."""
         if not settings.calibrate_counts:
             return Calibration()
-        resolution = await self._resolve(settings, model_id, emit)
         try:
-            return await load_calibration(self._store, resolution.model_id or model_id)
+            return await load_calibration(self._store, resolution.model_id or resolution.requested)
         except Exception as exc:
             filter_log.debug("contextwarden: calibration not read (%s)", type(exc).__name__)
             return Calibration()
