@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,6 +86,18 @@ def estimate_tokens(text: str) -> int:
         else:  # punctuation or one non-ASCII character, maybe after a space
             total += 1 if ord(last) <= 0xFFFF else 3
     return total + total // 10
+
+
+def _longest_within(limit: int, fits: Callable[[int], bool]) -> int:
+    """The largest k in 0..limit with fits(k), by bisection (fits is monotone: longer never fits better)."""
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 @dataclass(slots=True)
@@ -230,8 +242,10 @@ class TokenCounter:
             if head + tail >= len(ids):
                 return text, ""
             return encoding.decode(ids[:head]), encoding.decode(ids[len(ids) - tail :]) if tail else ""
-        per_token = len(text) / max(1, estimate_tokens(text))
-        h, t = int(head * per_token), int(tail * per_token)
+        # The estimate is far from uniform per character (a math letter costs 3, a space run 1):
+        # take the longest ends whose own estimate fits, not a proportional share of characters.
+        h = _longest_within(len(text), lambda k: estimate_tokens(text[:k]) <= head)
+        t = _longest_within(len(text), lambda k: estimate_tokens(text[len(text) - k :]) <= tail) if tail else 0
         if h + t >= len(text):
             return text, ""
         return text[:h], text[len(text) - t :] if t else ""
