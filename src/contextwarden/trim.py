@@ -268,8 +268,14 @@ def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None
     total = counter.count_text(text, model)
     marker_cost = counter.count_text(SHORTENED_MARK.format(n=total), model) + 2
     keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
-    if keep >= total:
-        return None
-    head, tail = counter.keep_ends(text, keep - keep // 3, keep // 3, model)
-    cut = SHORTENED_MARK.format(n=max(0, total - keep))
-    return f"{head}\n{cut}\n{tail}" if tail else f"{head}\n{cut}"
+    while keep < total:
+        head, tail = counter.keep_ends(text, keep - keep // 3, keep // 3, model)
+        cut = SHORTENED_MARK.format(n=max(0, total - keep))
+        shorter = f"{head}\n{cut}\n{tail}" if tail else f"{head}\n{cut}"
+        # Counts of joined pieces can exceed the pieces' sum (BPE merges, estimate rounding):
+        # keep less until the whole is short enough, else a second cut would cut the marker.
+        over = counter.count_text(shorter, model) - (total - excess)
+        if over <= 0 or keep == MIN_KEPT_TEXT_TOKENS:
+            return shorter
+        keep = max(MIN_KEPT_TEXT_TOKENS, keep - over)
+    return None
