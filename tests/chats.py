@@ -41,7 +41,9 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     first = next((m for m in sent if m.get("role") not in ("system", "developer")), None)
     first_in = next((m for m in chat if m.get("role") not in ("system", "developer")), None)
     if first is not None and first.get("role") in ("assistant", "tool"):
-        assert first is first_in, "history now starts with an assistant or tool message"
+        # "unless the input did": an orphan tool message first in the input is dropped, and
+        # what followed it (an assistant reply) then leads; that is the input's own start.
+        assert first_in is not None and first_in.get("role") in ("assistant", "tool"), "history now starts with an assistant or tool message"
     # 2. hard budget, counted with the filter's own counter.
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:

@@ -1,0 +1,455 @@
+"""Fault injection: whatever breaks underneath, the chat goes on with a valid body.
+
+Faults: tiktoken encodings unavailable, failing oddly or slow to load; Redis refused at start,
+killed and restarted mid-run, cut off and restored (a proxy), slow (a proxy that delays
+replies); malformed bodies, messages, hook arguments and replies; valves of the wrong type or
+with invalid JSON. Redis here is a `redis-server` of the test's own, on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+
+import pytest
+import tiktoken
+
+import contextwarden.store as store_module
+from contextwarden import Filter
+from contextwarden.store import RedisStore
+from contextwarden.tokens import TokenCounter
+
+from chats import check_contract, frozen
+from test_filter import Events, make_filter
+from test_trim import chat_of
+from turns import OwnRedis, free_port, run_turn, usage_lines
+
+MODEL = "gpt-4o"
+
+
+def warnings_about(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and text in r.getMessage()]
+
+
+def assert_valid_turn(run, budget: int | None, counter) -> None:
+    """The chat went on: every hook returned a chat body; what was sent keeps the contract."""
+    for body in (run.after_inlet, run.after_request):
+        assert isinstance(body, dict) and isinstance(body["messages"], list)
+    assert run.after_outlet is run.outlet_body
+    if budget is not None:
+        from contextwarden import trim_messages
+
+        sent = run.after_request["messages"]
+        result = trim_messages(run.sent_in["messages"], max_tokens=budget, model=MODEL, token_counter=counter)
+        assert sent == result.messages
+        check_contract(run.sent_in["messages"], result, counter, MODEL)
+
+
+# -- tiktoken ----------------------------------------------------------------------------------
+
+
+def offline_filter(**valves) -> Filter:
+    f = Filter()  # its own counter, loading in the background as in Open WebUI
+    f.valves = f.Valves(**valves)
+    return f
+
+
+async def test_encodings_unavailable_estimates_within_budget(counter, monkeypatch, caplog):
+    def unavailable(name):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", unavailable)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = offline_filter(max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(30)
+    runs = [await run_turn(f, chat, chat_id=f"c{i}") for i in range(20)]
+    assert not f._counter.wait_ready(MODEL)
+    for run in runs:
+        sent = run.after_request["messages"]
+        assert len(sent) < len(chat)
+        assert f._counter.count_messages(sent, MODEL) <= 1_000
+        assert counter.count_messages(sent, MODEL) <= 1_000  # the estimate errs high: exact fits too
+        assert "estimated (tokenizer not loaded)" in run.events.statuses[0]
+        assert run.events.statuses[-1].startswith("~")  # no usage reported: an estimate, marked
+    assert len(warnings_about(caplog, "tiktoken encoding o200k_base unavailable")) == 1
+    lines = usage_lines(caplog.records)
+    assert len(lines) == 20 and all(line["estimated"] for line in lines)
+
+
+@pytest.mark.parametrize("error", [ValueError("corrupt cache"), KeyError("o200k_base"), MemoryError(), RuntimeError("x")])
+async def test_encodings_failing_oddly_still_estimate(error, monkeypatch):
+    def broken(name):
+        raise error
+
+    monkeypatch.setattr(tiktoken, "get_encoding", broken)
+    f = offline_filter(max_context_tokens=900, reserve_output_tokens=100)
+    f._counter = TokenCounter(block=True)  # fail in the calling thread: the error reaches our code
+    run = await run_turn(f, chat_of(20))
+    assert f._counter.count_messages(run.after_request["messages"], MODEL) <= 800
+    assert "estimated" in run.events.statuses[0]
+
+
+async def test_encodings_slow_to_load_do_not_block_and_then_count_exactly(counter, monkeypatch):
+    real = tiktoken.get_encoding
+    gate = threading.Event()
+
+    def slow(name):
+        gate.wait(30)  # the loader thread waits; the event loop must not
+        return real(name)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", slow)
+    f = offline_filter(max_context_tokens=1_500, reserve_output_tokens=500)
+    while_loading = await run_turn(f, chat_of(30))
+    assert not gate.is_set()  # the turn finished while the encoding was still loading
+    assert "estimated (tokenizer not loaded)" in while_loading.events.statuses[0]
+    assert f._counter.count_messages(while_loading.after_request["messages"], MODEL) <= 1_000
+    gate.set()
+    assert f._counter.wait_ready(MODEL)
+    loaded = await run_turn(f, chat_of(30))
+    assert "estimated" not in loaded.events.statuses[0]
+    assert counter.count_messages(loaded.after_request["messages"], MODEL) <= 1_000
+
+
+async def test_an_encoding_that_breaks_while_counting_fails_open(monkeypatch, caplog):
+    class Broken:
+        def encode_ordinary(self, text):
+            raise RuntimeError("secret message text")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Broken())
+    f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
+    f._counter = TokenCounter(block=True)
+    chat = chat_of(10)
+    run = await run_turn(f, chat)
+    assert run.after_inlet is run.sent_in and run.after_request is run.sent_in  # passed through
+    assert run.events.statuses[0] == "contextwarden skipped this turn (internal error)"
+    assert "secret message text" not in caplog.text
+
+
+# -- Redis ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    return binary
+
+
+@pytest.fixture
+def own_redis(redis_binary):
+    server = OwnRedis(redis_binary).start()
+    yield server
+    server.stop()
+
+
+class Proxy:
+    """A TCP proxy in front of Redis that can delay replies, cut connections and refuse new ones."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.delay = 0.0
+        self.port = free_port()
+        self.server: asyncio.AbstractServer | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> Proxy:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        return self
+
+    async def cut(self) -> None:
+        """Stop listening and drop every open connection (a network partition)."""
+        self.server.close()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(source, sink, delayed: bool) -> None:
+            try:
+                while data := await source.read(65_536):
+                    if delayed and self.delay:
+                        await asyncio.sleep(self.delay)
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+async def raw_counters(url: str, key: str) -> dict[str, int]:
+    import redis.asyncio as aioredis
+
+    raw = aioredis.Redis.from_url(url)
+    try:
+        return {k.decode(): int(v) for k, v in (await raw.hgetall(store_module.KEY_PREFIX + key)).items()}
+    finally:
+        await raw.aclose()
+
+
+async def test_redis_refused_at_start_chat_goes_on(counter, caplog, unique):
+    f = make_filter(counter, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_context_tokens=900, reserve_output_tokens=100)
+    runs = [await run_turn(f, chat_of(12), chat_id=f"{unique}{i}") for i in range(5)]
+    for run in runs:
+        assert_valid_turn(run, 800, counter)
+    assert isinstance(f._store, RedisStore)
+    for i in range(20):  # what the ledger and chat state will do through the filter's store
+        await f._store.incr(f"t:{unique}", {"n": 1}, ttl=60)
+    assert await f._store.counters(f"t:{unique}") == {"n": 20} and not f._store.shared
+    assert len(warnings_about(caplog, "Redis unavailable")) == 1
+
+
+async def test_redis_killed_and_restarted_mid_run(counter, own_redis, caplog, monkeypatch, unique):
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)  # retry at once instead of in 30 s
+    f = make_filter(counter, redis_url=own_redis.url, max_context_tokens=900, reserve_output_tokens=100)
+    key = f"t:{unique}"
+
+    async def phase(tag: str, n: int) -> None:
+        for i in range(n):
+            assert_valid_turn(await run_turn(f, chat_of(8), chat_id=f"{tag}{i}"), 800, counter)
+            await f._store.incr(key, {"n": 1}, ttl=60)
+            await f._store.set(f"{key}:{tag}{i}", b"x", ttl=60)
+
+    await phase("up", 10)
+    assert f._store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
+    own_redis.stop()
+    await phase("down", 10)
+    assert not f._store.shared
+    assert await f._store.fallback.counters(key) == {"n": 10}
+    own_redis.start()  # same port, empty (no persistence): what a restarted cache looks like
+    await phase("back", 10)
+    assert f._store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
+    assert await f._store.get(f"{key}:back3") == b"x"
+    assert len(warnings_about(caplog, "Redis unavailable")) == 1
+    assert len(warnings_about(caplog, "Redis reachable again")) == 1
+
+
+async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis, caplog, monkeypatch, unique):
+    """Cut off (Redis keeps its data) and restored: every increment is in Redis or in the worker's
+    fallback, exactly once. (Those made during the outage stay in the worker: not replayed.)"""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    proxy = await Proxy(own_redis.port).start()
+    store = RedisStore(proxy.url, timeout=0.3)
+    key = f"t:{unique}"
+    increments = 0
+    for step in range(3):
+        for _ in range(15):
+            await store.incr(key, {"n": 1, "tokens": 7}, ttl=60)
+            increments += 1
+        if step == 0:
+            await proxy.cut()
+        elif step == 1:
+            await proxy.start()
+    in_redis = await raw_counters(own_redis.url, key)
+    in_worker = await store.fallback.counters(key)
+    assert in_redis == {"n": 30, "tokens": 210} and in_worker == {"n": 15, "tokens": 105}
+    assert in_redis["n"] + in_worker["n"] == increments
+    assert store.shared
+    assert len(warnings_about(caplog, "Redis unavailable")) == 1
+    await store.aclose()
+    await proxy.cut()
+
+
+async def test_slow_redis_times_out_falls_back_and_recovers_consistent(counter, own_redis, caplog, monkeypatch, unique):
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    proxy = await Proxy(own_redis.port).start()
+    store = RedisStore(proxy.url, timeout=0.2)
+    f = make_filter(counter, max_context_tokens=900, reserve_output_tokens=100)
+    f._store, f._store_url = store, proxy.url
+    for i in range(10):
+        await store.set(f"k:{unique}:{i}", str(i).encode(), ttl=60)
+    proxy.delay = 1.0  # every reply arrives 5x after the store's timeout
+    for i in range(5):
+        # bounded: each call gives up after its timeout (the guard only catches a hang)
+        await asyncio.wait_for(store.set(f"slow:{unique}:{i}", b"s", ttl=60), 10)
+        assert_valid_turn(await run_turn(f, chat_of(8), chat_id=f"slow{i}"), 800, counter)
+    assert not store.shared
+    assert await store.get(f"slow:{unique}:3") == b"s"  # served by the fallback
+    proxy.delay = 0.0
+    await asyncio.sleep(1.2)  # let the delayed replies of timed-out calls arrive and be discarded
+    # back to Redis, and no reply of an abandoned call is read as the answer to a new one
+    for i in range(10):
+        assert await store.get(f"k:{unique}:{i}") == str(i).encode()
+    assert store.shared
+    assert len(warnings_about(caplog, "Redis unavailable")) == 1
+    await store.aclose()
+    await proxy.cut()
+
+
+@pytest.mark.xfail(strict=True, reason="store: an increment whose reply times out is applied by Redis AND by the fallback (see docs/reliability.md)")
+async def test_slow_redis_does_not_double_count(own_redis, monkeypatch, unique):
+    proxy = await Proxy(own_redis.port).start()
+    store = RedisStore(proxy.url, timeout=0.2)
+    key = f"t:{unique}"
+    await store.incr(key, {"n": 1}, ttl=60)
+    proxy.delay = 1.0
+    await store.incr(key, {"n": 1}, ttl=60)  # reaches Redis; the reply comes too late
+    await asyncio.sleep(1.2)
+    counted = (await raw_counters(own_redis.url, key))["n"] + (await store.fallback.counters(key)).get("n", 0)
+    await store.aclose()
+    await proxy.cut()
+    assert counted == 2
+
+
+# -- malformed input -----------------------------------------------------------------------------
+
+ODD_MESSAGES = [
+    {"role": "user", "content": 5},
+    {"role": "user", "content": 3.5},
+    {"role": "user", "content": True},
+    {"role": "user", "content": {"odd": "dict"}},
+    {"role": "user", "content": b"bytes"},
+    {"role": "user", "content": [None, 1, "str", {"type": "text"}, {"type": "text", "text": 5}, {"type": "image_url"}]},
+    {"role": None, "content": "no role"},
+    {"role": 7, "content": "int role"},
+    {"content": "missing role"},
+    {"role": "user"},
+    {},
+    {"role": "assistant", "tool_calls": "not a list"},
+    {"role": "assistant", "tool_calls": [None, 5, "x"]},
+    {"role": "assistant", "tool_calls": [{"function": "not a dict"}]},
+    {"role": "assistant", "tool_calls": [{"id": None, "function": {"name": None, "arguments": {"a": 1}}}]},
+    {"role": "assistant", "tool_calls": [{"id": 12, "function": {"name": 3, "arguments": None}}]},
+    {"role": "assistant", "tool_calls": []},
+    {"role": "tool", "tool_call_id": None, "content": "x"},
+    {"role": "tool", "tool_call_id": 12, "content": "x"},
+    {"role": "user", "content": "named", "name": 5},
+    {"role": "user", "content": "named", "name": ["a"]},
+    {"role": "user", "content": "x" * 200_000},
+    {"role": "user", "content": "\ud800 lone surrogate \udfff"},
+    {"role": "user", "content": "<|endoftext|><|im_start|>system"},
+    {"role": "user", "content": "\x00\x01\x02"},
+]
+
+
+@pytest.mark.parametrize("odd", ODD_MESSAGES, ids=[f"m{i}" for i in range(len(ODD_MESSAGES))])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+async def test_odd_messages_never_break_a_turn(counter, odd, where):
+    f = make_filter(counter, max_context_tokens=700, reserve_output_tokens=100)
+    chat = chat_of(8)
+    position = {"first": 1, "middle": 6, "last": len(chat)}[where]
+    chat = chat[:position] + [odd] + chat[position:]
+    before = frozen(chat)
+    run = await run_turn(f, chat)
+    assert frozen(chat) == before
+    assert_valid_turn(run, 600, counter)
+    assert all(e["data"]["done"] is True for e in run.events.items)
+
+
+ODD_BODIES = [None, [], "text", 7, {}, {"messages": None}, {"messages": "hi"}, {"messages": {"0": {}}},
+              {"messages": [1, 2]}, {"messages": [None]}, {"messages": []}, {"model": None, "messages": [{"role": "user", "content": "x"}]},
+              {"model": 5, "messages": [{"role": "user", "content": "x"}], "metadata": "not a dict"}]
+ODD_USERS = [None, "user", 5, {}, {"id": None}, {"id": 5, "valves": "x"}, {"id": "u", "valves": {"max_context_tokens": "9"}},
+             {"id": "u", "valves": None}, {"id": "u", "email": None, "valves": Filter.UserValves.model_construct(max_context_tokens="x")}]
+ODD_MODELS = [None, "gpt-4o", 5, {}, {"info": "x"}, {"info": {"base_model_id": 5, "params": "x"}}, {"openai": {"context_length": "big"}},
+              {"openai": {"context_length": -5}}, {"info": {"params": {"num_ctx": 10**12}}}]
+ODD_METADATA = [None, "x", {}, {"task": "title_generation"}, {"chat_id": 5}, {"contextwarden": "x"}, {"contextwarden": {"estimated_prompt_tokens": "x"}}]
+
+
+async def sync_emitter(event):  # awaitable but raising
+    raise ConnectionResetError("socket gone")
+
+
+def not_awaitable(event):
+    return None
+
+
+@pytest.mark.parametrize("body", ODD_BODIES, ids=[f"b{i}" for i in range(len(ODD_BODIES))])
+async def test_odd_bodies_pass_through_every_hook(counter, body):
+    f = make_filter(counter, max_context_tokens=100, reserve_output_tokens=0)
+    for hook in (f.inlet, f.request, f.outlet):
+        out = await hook(body, __user__={"id": "u"}, __metadata__={}, __event_emitter__=Events())
+        assert out is body or (isinstance(out, dict) and isinstance(out.get("messages"), list))
+
+
+async def test_odd_hook_arguments_never_break_a_turn(counter):
+    f = make_filter(counter, max_context_tokens=700, reserve_output_tokens=100)
+    emitters = [None, Events(), sync_emitter, not_awaitable]
+    combos = 0
+    for user in ODD_USERS:
+        for model in ODD_MODELS:
+            for metadata in ODD_METADATA:
+                emit = emitters[combos % len(emitters)]
+                chat = chat_of(8)
+                body = {"model": "gpt-4o", "messages": chat, "metadata": metadata}
+                hooks = {"__user__": user, "__metadata__": metadata, "__model__": model, "__event_emitter__": emit}
+                sent = await f.inlet(body, **hooks)
+                sent = await f.request(sent, **hooks)
+                assert isinstance(sent, dict) and isinstance(sent["messages"], list) and sent["messages"][-1] is chat[-1]
+                out_body = {"model": "gpt-4o", "messages": sent["messages"] + [{"role": "assistant", "content": "ok"}]}
+                assert await f.outlet(out_body, **hooks) is out_body
+                combos += 1
+    assert combos == len(ODD_USERS) * len(ODD_MODELS) * len(ODD_METADATA)
+
+
+ODD_REPLIES = [
+    {"role": "assistant", "content": None},
+    {"role": "assistant", "content": [{"type": "text", "text": "parts"}]},
+    {"role": "assistant", "content": "x", "usage": "not a dict"},
+    {"role": "assistant", "content": "x", "usage": {}},
+    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": "12", "completion_tokens": None}},
+    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": None, "completion_tokens": 5}},
+    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": 10**30, "completion_tokens": 1}},
+    {"role": "assistant", "content": "x", "info": "not a dict"},
+    {"role": "assistant", "content": "x", "info": {"usage": [1, 2]}},
+    {"role": "assistant", "content": "x", "usage": {"input_tokens": 3, "output_tokens": 4}},
+]
+
+
+@pytest.mark.parametrize("reply", ODD_REPLIES, ids=[f"r{i}" for i in range(len(ODD_REPLIES))])
+async def test_odd_replies_log_one_usage_line(counter, reply, caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter)
+    run = await run_turn(f, chat_of(3), reply=reply)
+    assert run.after_outlet is run.outlet_body
+    [record] = usage_lines(caplog.records)
+    assert isinstance(record["prompt_tokens"], int) and record["prompt_tokens"] >= 0
+    assert record["estimated"] is (not isinstance(read := reply.get("usage"), dict) or not isinstance(read.get("prompt_tokens", read.get("input_tokens")), int))
+
+
+# -- valves ----------------------------------------------------------------------------------------
+
+BAD_VALVES = [
+    ("max_context_tokens", "lots"), ("max_context_tokens", None), ("max_context_tokens", -5), ("max_context_tokens", True),
+    ("max_context_tokens", 1.5), ("reserve_output_tokens", -1), ("reserve_output_tokens", "x"), ("reserve_output_tokens", 10**9),
+    ("redis_url", 5), ("redis_url", None), ("redis_url", "http://x"), ("redis_url", "redis://h:port/0"),
+    ("model_aliases", "{bad"), ("model_aliases", "[1, 2]"), ("model_aliases", '{"a": 1}'), ("model_aliases", None), ("model_aliases", 5),
+    ("show_status", "yes"), ("show_status", None), ("show_status", 0),
+]
+
+
+@pytest.mark.parametrize(("valve", "value"), BAD_VALVES, ids=[f"{v}={x!r}"[:40] for v, x in BAD_VALVES])
+async def test_bad_admin_valves_are_named_and_the_chat_goes_on(counter, valve, value, caplog):
+    f = make_filter(counter)
+    f.valves = f.Valves.model_construct(**{"max_context_tokens": 1_000, "reserve_output_tokens": 200, valve: value})
+    run = await run_turn(f, chat_of(20))
+    budget = run.metadata["contextwarden"]["budget"]
+    assert isinstance(budget, int) and budget >= 64
+    assert_valid_turn(run, budget, counter)
+    assert any(valve in s for s in run.events.statuses), run.events.statuses
+    logged = warnings_about(caplog, valve)  # three hooks ran: each problem is logged once, not three times
+    assert logged and len(logged) == len(set(logged))
+
+
+@pytest.mark.parametrize("user_valves", [
+    Filter.UserValves.model_construct(max_context_tokens="x"), Filter.UserValves.model_construct(max_context_tokens=-100),
+    Filter.UserValves.model_construct(show_status="no"), {"max_context_tokens": 100}, "valves", 5,
+])
+async def test_bad_user_valves_never_break_a_turn(counter, user_valves):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=200)
+    run = await run_turn(f, chat_of(20), user={"id": "u", "valves": user_valves})
+    assert_valid_turn(run, run.metadata["contextwarden"]["budget"], counter)
+    assert 64 <= run.metadata["contextwarden"]["budget"] <= 800

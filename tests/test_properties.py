@@ -1,0 +1,276 @@
+"""Property tests: for any chat and any budget, `trim_messages` keeps the DESIGN.md contract.
+
+Chats are generated two ways. Small ones (up to ~40 messages) are built element by element by
+hypothesis, so a failure shrinks to a minimal chat. Large ones (up to 2,000 messages) come from
+a seeded generator with the same vocabulary of odd shapes, so they stay fast and reproducible.
+A size-weighted draw makes most examples small and some very large.
+
+Example counts: profile `ci` (the default) runs CI_EXAMPLES per test; set
+`HYPOTHESIS_PROFILE=thorough` for a long local run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from collections import Counter as Tally
+from typing import Any
+
+import pytest
+import tiktoken
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+from contextwarden import trim_messages
+from contextwarden.conversation import read_conversation
+from contextwarden.tokens import TokenCounter
+from contextwarden.trim import _split_mandatory
+
+from chats import check_contract, frozen
+
+CI_EXAMPLES = 400
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=5_000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+MODELS = ("gpt-4o", "gpt-4", "llama3.1:8b")
+FRAGMENTS = (
+    "budget", "context", "the", "tool", "reply", "Paris", "2024", "3.14159", "ünïcode", "日本語の文章",
+    "émoji 🙂🚀", "<|endoftext|>", "<|im_start|>", "<|fim_prefix|>", "def f(x): return {x: []}", "\n\n",
+    "    ", "\t", "ﷺ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "a" * 40, "0" * 30, "\u200b", "\u0000", "\ud800",
+)
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+# -- text --------------------------------------------------------------------------------------
+
+short_text = st.one_of(
+    st.lists(st.sampled_from(FRAGMENTS), max_size=12).map(" ".join),
+    st.text(max_size=40),
+)
+
+
+@st.composite
+def sized_text(draw, max_repeats: int = 300) -> str:
+    """Text from a few fragments repeated: empty up to tens of thousands of tokens."""
+    base = draw(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=6).map(" ".join))
+    bucket = draw(st.integers(0, 9))
+    repeats = draw(st.integers(0, 3)) if bucket < 6 else draw(st.integers(0, max_repeats))
+    return (base + " ") * repeats
+
+
+# -- messages, hypothesis-native ---------------------------------------------------------------
+
+def _content():
+    return st.one_of(
+        short_text,
+        sized_text(),
+        st.none(),
+        st.just(""),
+        st.lists(
+            st.one_of(st.builds(lambda t: {"type": "text", "text": t}, short_text), st.just(IMAGE), st.just({"type": "text"})),
+            max_size=4,
+        ),
+    )
+
+
+@st.composite
+def message_block(draw, call_ids) -> list[dict]:
+    """One unit-ish block: a user/assistant/system message, a tool group (maybe broken), an orphan."""
+    kind = draw(st.sampled_from(["user", "user", "user", "assistant", "assistant", "tools", "orphan", "odd", "system"]))
+    if kind in ("user", "assistant"):
+        message: dict[str, Any] = {"role": kind, "content": draw(_content())}
+        if draw(st.booleans()):
+            message["name"] = draw(st.sampled_from(["bob", "ann_2", "日本"]))
+        if draw(st.integers(0, 4)) == 0:
+            message["id"] = f"m{next(call_ids)}"
+            message["info"] = {"usage": {}}
+        return [message]
+    if kind == "system":
+        return [{"role": draw(st.sampled_from(["system", "developer"])), "content": draw(short_text)}]
+    if kind == "odd":
+        return [{"role": draw(st.sampled_from(["critic", "function", "", None, 7])), "content": draw(short_text)}]
+    if kind == "orphan":
+        return [{"role": "tool", "tool_call_id": f"gone{next(call_ids)}", "content": draw(short_text)}]
+    ids = [f"call_{next(call_ids)}" for _ in range(draw(st.integers(1, 4)))]
+    calls = [{"id": i, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": draw(short_text)})}} for i in ids]
+    assistant = {"role": "assistant", "content": draw(st.sampled_from([None, "", "Let me check."])), "tool_calls": calls}
+    answered = draw(st.sampled_from(["all", "all", "all", "reversed", "some", "none", "extra"]))
+    if answered == "reversed":
+        ids = ids[::-1]
+    elif answered == "some":
+        ids = ids[: max(0, len(ids) - 1)]
+    elif answered == "none":
+        ids = []
+    elif answered == "extra":
+        ids = ids + ["stranger"]
+    replies = [{"role": "tool", "tool_call_id": i, "content": draw(st.one_of(short_text, sized_text(40)))} for i in ids]
+    return [assistant, *replies]
+
+
+@st.composite
+def small_chat(draw) -> list[dict]:
+    ids = iter(range(10**9))
+    chat: list[dict] = []
+    if draw(st.integers(0, 9)) < 8:
+        chat.append({"role": "system", "content": draw(sized_text(max_repeats=4_000))})
+    for block in draw(st.lists(message_block(ids), max_size=20)):
+        chat.extend(block)
+    if draw(st.integers(0, 9)) < 8:
+        chat.append({"role": "user", "content": draw(st.one_of(short_text, sized_text(), st.lists(st.just(IMAGE), max_size=2)))})
+    return chat
+
+
+# -- messages, seeded (large chats) ------------------------------------------------------------
+
+def seeded_chat(seed: int, n: int, system_repeats: int) -> list[dict]:
+    """A chat of about `n` messages with every odd shape, from a seed (fast for thousands)."""
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(FRAGMENTS) for _ in range(k))
+
+    chat: list[dict] = []
+    if rng.random() < 0.85:
+        chat.append({"role": "system", "content": (words(8) + " ") * system_repeats})
+    call = 0
+    while len(chat) < n:
+        roll = rng.random()
+        if roll < 0.06:
+            chat.append({"role": "user", "content": [{"type": "text", "text": words(rng.randint(1, 30))}, IMAGE]})
+        elif roll < 0.10:
+            chat.append({"role": "user", "content": rng.choice([None, ""]), "name": "bob"})
+        elif roll < 0.12:
+            chat.append({"role": "tool", "tool_call_id": "orphan", "content": words(5)})
+        elif roll < 0.14:
+            chat.append({"role": rng.choice(["critic", None, "developer"]), "content": words(6)})
+        else:
+            chat.append({"role": "user", "content": words(rng.randint(1, 80)), "id": f"u{len(chat)}"})
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            ids = [f"call_{(call := call + 1)}" for _ in range(rng.randint(1, 3))]
+            chat.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": words(2)})}} for i in ids]})
+            answered = ids if rng.random() < 0.9 else ids[:-1]
+            chat.extend({"role": "tool", "tool_call_id": i, "content": words(rng.randint(1, 120))} for i in answered)
+        chat.append({"role": "assistant", "content": words(rng.randint(0, 100)), "info": {"usage": {}}})
+    if rng.random() < 0.8:
+        chat.append({"role": "user", "content": words(rng.randint(1, 30))})
+    return chat
+
+
+@st.composite
+def any_chat(draw) -> list[dict]:
+    """Size-weighted: 70% small (hypothesis-built), 20% up to 200 messages, 10% up to 2,000."""
+    bucket = draw(st.integers(0, 9))
+    if bucket < 7:
+        return draw(small_chat())
+    n = draw(st.integers(20, 200)) if bucket < 9 else draw(st.integers(200, 2_000))
+    system = draw(st.sampled_from([0, 1, 10, 200, 2_500]))  # up to ~20k tokens of system prompt
+    return seeded_chat(draw(st.integers(0, 2**32)), n, system)
+
+
+budgets = st.one_of(st.integers(64, 400), st.integers(64, 8_000), st.integers(64, 200_000))
+
+
+# -- the property ------------------------------------------------------------------------------
+
+def estimating_counter() -> TokenCounter:
+    """A counter whose encodings failed to load: every count is the offline estimate."""
+    counter = TokenCounter(block=True)
+    real = tiktoken.get_encoding
+
+    def unavailable(name):
+        raise OSError("offline")
+
+    tiktoken.get_encoding = unavailable
+    try:
+        for model in MODELS:
+            counter.mode(model)
+    finally:
+        tiktoken.get_encoding = real
+    assert counter.mode("gpt-4o") == "estimate"
+    return counter
+
+
+ESTIMATOR = None
+OVER_BUDGET: Tally = Tally()
+
+
+def _uncuttable(message: dict, counter: TokenCounter, model: str) -> int:
+    """What a mandatory message costs at the least: all of it for assistants (never cut), else
+    everything but its text (overhead, role, name, ids, tool-call arguments, images)."""
+    if message.get("role") == "assistant":
+        return counter.count_message(message, model)
+    content = message.get("content")
+    images = [p for p in content if isinstance(p, dict) and p.get("type") in ("image_url", "image")] if isinstance(content, list) else None
+    return counter.count_message({**message, "content": images}, model)
+
+
+def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: str) -> str:
+    """Why the mandatory part could not be cut to the budget (for the report), or 'FIXABLE'."""
+    mandatory, _ = _split_mandatory(read_conversation(chat))
+    floor = 3 + sum(_uncuttable(chat[i], counter, model) for i in mandatory)
+    images = sum(counter.count_message(chat[i], model) - counter.count_message({**chat[i], "content": None}, model)
+                 for i in mandatory if isinstance(chat[i].get("content"), list))
+    if floor > result.budget:
+        if images > result.budget // 2:
+            return "images in the mandatory part"
+        if any(chat[i].get("role") == "assistant" and chat[i].get("content") for i in mandatory):
+            return "assistant text in the current turn (never cut)"
+        if any(chat[i].get("tool_calls") or chat[i].get("role") == "tool" for i in mandatory):
+            return "tool calls and ids of the current turn"
+        return "per-message overhead of the mandatory messages"
+    # What cannot be cut fits; each shortened text still carries a marker (~15 tokens).
+    if floor + 16 * max(1, len(result.shortened)) > result.budget:
+        return "cut markers on a budget too small for them"
+    return "FIXABLE"
+
+
+def check_trim(chat: list[dict], budget: int, model: str, counter: TokenCounter) -> None:
+    before = frozen(chat)
+    result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+    check_contract(chat, result, counter, model)
+    assert frozen(chat) == before, "input mutated"
+    again = trim_messages(copy.deepcopy(chat), max_tokens=budget, model=model, token_counter=counter)
+    assert frozen(again.messages) == frozen(result.messages), "not deterministic"
+    assert (again.kept, again.dropped, again.shortened) == (result.kept, result.dropped, result.shortened)
+    if result.over_budget:
+        reason = over_budget_reason(chat, result, counter, model)
+        OVER_BUDGET[reason] += 1
+        event(f"over_budget: {reason}")
+        assert reason != "FIXABLE", "over budget although the uncuttable part fits"
+        return
+    OVER_BUDGET["within budget"] += 1
+    second = trim_messages(result.messages, max_tokens=budget, model=model, token_counter=counter)
+    assert not second.changed, "trimming the trimmed chat changed it"
+    assert all(a is b for a, b in zip(second.messages, result.messages))
+    event(f"messages {'>200' if len(chat) > 200 else '21-200' if len(chat) > 20 else '0-20'}")
+    event("dropped" if result.dropped else "kept all")
+    if result.shortened:
+        event("shortened")
+
+
+@given(chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+def test_contract_holds_for_any_chat_and_budget(counter, chat, budget, model):
+    check_trim(chat, budget, model, counter)
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+# Found by this test: proportional character cuts (keep_ends) and joins counting more than their parts (_cut_middle).
+@example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3}], budget=64, model="gpt-4o")
+@example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 3.14159 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 2}], budget=71, model="gpt-4o")
+def test_contract_holds_while_estimating(chat, budget, model):
+    global ESTIMATOR
+    if ESTIMATOR is None:
+        ESTIMATOR = estimating_counter()
+    check_trim(chat, budget, model, ESTIMATOR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_over_budget():
+    yield
+    if OVER_BUDGET:
+        print("\nover_budget tally:", dict(OVER_BUDGET))
