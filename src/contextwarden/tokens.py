@@ -210,12 +210,18 @@ class TokenCounter:
         cache = self._cache
         cached = cache.get(key)
         if cached is not None:
-            cache.move_to_end(key)
+            try:
+                cache.move_to_end(key)
+            except KeyError:  # evicted by another thread in between (library callers share a counter)
+                pass
             return cached
         count = len(encoding.encode_ordinary(text)) if encoding is not None else estimate_tokens(text)
         cache[key] = count
         if len(cache) > self.cache_size:
-            cache.popitem(last=False)
+            try:
+                cache.popitem(last=False)
+            except KeyError:  # emptied by other threads meanwhile
+                pass
         return count
 
     def count_message(self, message: Message, model: str | None = None) -> int:
