@@ -133,8 +133,13 @@ class RedisStore(Store):
                 socket_connect_timeout=timeout,
             )
             self._redis = aioredis.Redis(connection_pool=pool)
-        except ValueError as exc:
-            raise ConfigError(f"redis_url is not a valid Redis URL ({exc})", valve="redis_url") from None
+        except ValueError:
+            # Not the parser's message: it quotes parts of the URL, password included (a password
+            # with "/" or "#" ends the host part early and is read as the port).
+            raise ConfigError(
+                "redis_url is not a valid Redis URL (check host:port, and %-encode / # ? @ : in the password)",
+                valve="redis_url",
+            ) from None
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
 
