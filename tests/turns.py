@@ -146,7 +146,7 @@ def redis_answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -154,18 +154,21 @@ def redis_answers(port: int) -> bool:
 class OwnRedis:
     """A throwaway `redis-server` on a given port that a test may stop and start again."""
 
-    def __init__(self, binary: str, port: int | None = None) -> None:
+    def __init__(self, binary: str, port: int | None = None, *, password: str = "") -> None:
         self.binary = binary
         self.port = port or free_port()
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> OwnRedis:
         self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            + (["--requirepass", self.password] if self.password else []),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
