@@ -26,7 +26,10 @@ KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
 REDIS_RETRY_SECONDS = 30.0
-REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that wait up to the timeout for one
+REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
+# Waiting for a free pooled connection measures a busy event loop, not Redis: each holder's
+# command is already bounded by the socket timeouts. Give up only after this long.
+REDIS_POOL_WAIT_SECONDS = 10.0
 
 
 class Store:
@@ -128,7 +131,7 @@ class RedisStore(Store):
             pool = aioredis.BlockingConnectionPool.from_url(
                 url,
                 max_connections=REDIS_MAX_CONNECTIONS,
-                timeout=timeout,
+                timeout=max(timeout, REDIS_POOL_WAIT_SECONDS),
                 socket_timeout=timeout,
                 socket_connect_timeout=timeout,
             )
