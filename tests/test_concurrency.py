@@ -16,7 +16,10 @@ import threading
 import pytest
 
 from contextwarden import trim_messages
+from contextwarden.ledger import ledger_totals, read_ledger, usd_to_picodollars
 from contextwarden.tokens import TokenCounter
+
+from decimal import Decimal
 
 from chats import check_contract
 from test_filter import make_filter
@@ -46,7 +49,7 @@ def user_budget(u: int) -> int:
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
-async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store, request):
+async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store, request, unique):
     caplog.set_level(logging.INFO, logger="contextwarden")
     valves = {"max_context_tokens": 20_000, "reserve_output_tokens": 1_000}
     if store == "redis":
@@ -61,10 +64,11 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
             marker = f"MARK[{chat_id}]"
             usage = {"prompt_tokens": 1_000 * u + c, "completion_tokens": c + 1} if c % 2 else None
             turns.append((u, chat_id, marker, marked_chat(marker, rng), user_valves, usage))
+    user_id = {u: f"user-{unique}-{u}" for u in range(USERS)}  # unique: the shared Redis keeps other runs' ledgers
     rng.shuffle(turns)
 
     runs = await asyncio.gather(*(
-        run_turn(f, chat, user={"id": f"user-{u}", "email": f"user{u}@example.com", "valves": valves_},
+        run_turn(f, chat, user={"id": user_id[u], "email": f"user{u}@example.com", "valves": valves_},
                  chat_id=chat_id, reply=reply_of(f"{marker} reply", usage), events=YieldingEvents())
         for u, chat_id, marker, chat, valves_, usage in turns
     ))
@@ -91,13 +95,27 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
             assert len(run.events.statuses) == 3 and all(e["data"]["done"] is True for e in run.events.items)
             assert run.events.statuses[1].endswith(f"(fits {user_budget(u):,})")  # request: its own budget
         record = by_chat[chat_id]
-        assert record["user_id"] == f"user-{u}"
+        assert record["user_id"] == user_id[u]
         assert record["estimated_prompt_tokens"] == note["estimated_prompt_tokens"]
         if usage:
             assert (record["prompt_tokens"], record["completion_tokens"], record["estimated"]) == (1_000 * u + int(chat_id[-1]), usage["completion_tokens"], False)
         else:
             assert record["estimated"] is True and record["prompt_tokens"] == note["estimated_prompt_tokens"]
     assert trimmed > len(turns) // 3  # the budgets really bit
+
+    # a healthy Redis under load is not an outage: no fallback, no warnings
+    assert [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and r.levelno >= logging.WARNING] == []
+    # the ledger adds up exactly what the usage lines said, per user, in memory and in Redis
+    entries = [e for e in await read_ledger(f._store) if e.user.startswith(f"user-{unique}-")]
+    rows = {row.key: row.counters for row in ledger_totals(entries, "user")}
+    assert set(rows) == set(user_id.values())
+    for u, uid in user_id.items():
+        mine = [r for r in records if r["user_id"] == uid]
+        assert rows[uid]["requests"] == CHATS_PER_USER == len(mine)
+        assert rows[uid]["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
+        assert rows[uid]["completion_tokens"] == sum(r["completion_tokens"] for r in mine)
+        assert rows[uid]["estimated"] == sum(r["estimated"] for r in mine)
+        assert rows[uid]["cost_picousd"] == sum(usd_to_picodollars(Decimal(r["cost_usd"])) for r in mine if r["cost_usd"])
 
 
 async def test_concurrent_turns_of_one_chat_are_identical(counter):
