@@ -13,11 +13,16 @@ import logging
 import shutil
 import threading
 
+import httpx
 import pytest
+import respx
 import tiktoken
 
 import contextwarden.store as store_module
 from contextwarden import Filter
+from contextwarden.ledger import read_ledger
+from contextwarden import price_sources
+from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.store import RedisStore
 from contextwarden.tokens import TokenCounter
 
@@ -243,12 +248,17 @@ async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis,
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.3)
+    f = make_filter(counter, redis_url=proxy.url, max_context_tokens=900, reserve_output_tokens=100)
+    f._store, f._store_url = store, proxy.url
     key = f"t:{unique}"
     increments = 0
     for step in range(3):
-        for _ in range(15):
+        for i in range(15):
             await store.incr(key, {"n": 1, "tokens": 7}, ttl=60)
             increments += 1
+            if i < 5:  # and whole turns, whose outlets add to the usage ledger
+                run = await run_turn(f, chat_of(8), user={"id": f"u-{unique}"}, chat_id=f"p{step}{i}")
+                assert_valid_turn(run, 800, counter)
         if step == 0:
             await proxy.cut()
         elif step == 1:
@@ -257,6 +267,11 @@ async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis,
     in_worker = await store.fallback.counters(key)
     assert in_redis == {"n": 30, "tokens": 210} and in_worker == {"n": 15, "tokens": 105}
     assert in_redis["n"] + in_worker["n"] == increments
+    direct = RedisStore(own_redis.url)
+    ledger_redis = sum(e.counters["requests"] for e in await read_ledger(direct) if e.user == f"u-{unique}")
+    ledger_worker = sum(e.counters["requests"] for e in await read_ledger(store.fallback) if e.user == f"u-{unique}")
+    assert (ledger_redis, ledger_worker) == (10, 5)  # 15 replies, each recorded exactly once
+    await direct.aclose()
     assert store.shared
     assert len(warnings_about(caplog, "Redis unavailable")) == 1
     await store.aclose()
@@ -302,6 +317,47 @@ async def test_slow_redis_does_not_double_count(own_redis, monkeypatch, unique):
     await store.aclose()
     await proxy.cut()
     assert counted == 2
+
+
+# -- OpenRouter prices ------------------------------------------------------------------------------
+
+OPENROUTER_FAULTS = {
+    "timeout": dict(side_effect=httpx.ReadTimeout("slow")),
+    "refused": dict(side_effect=httpx.ConnectError("refused")),
+    "500": dict(return_value=httpx.Response(500, text="upstream error")),
+    "garbage": dict(return_value=httpx.Response(200, text="<html>not json")),
+    "wrong shape": dict(return_value=httpx.Response(200, json={"data": "nope"})),
+    "negative prices": dict(return_value=httpx.Response(200, json={"data": [
+        {"id": "openai/gpt-4o", "pricing": {"prompt": "-1", "completion": "-0.5"}}]})),
+}
+
+
+@pytest.mark.parametrize("fault", list(OPENROUTER_FAULTS))
+async def test_openrouter_failing_never_breaks_a_turn_or_the_ledger(counter, fault, caplog, unique, monkeypatch):
+    monkeypatch.setattr(price_sources, "LivePrices", LivePrices)  # the real one (conftest stubs it); respx answers
+    f = make_filter(counter, openrouter_pricing=True, max_context_tokens=900, reserve_output_tokens=100)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    with respx.mock(assert_all_called=False) as mock:
+        route = mock.get(DEFAULT_OPENROUTER_URL).mock(**OPENROUTER_FAULTS[fault])
+        for i in range(4):
+            usage = {"prompt_tokens": 700, "completion_tokens": 30}
+            run = await run_turn(f, chat_of(8), user={"id": f"u-{unique}"}, chat_id=f"or{i}", reply={"role": "assistant", "content": "ok", "usage": usage})
+            assert_valid_turn(run, 800, counter)
+            task = f._prices.live._task if f._prices.live else None
+            if task is not None:
+                await task  # let the background refresh finish (it must never raise)
+    assert route.call_count == 1  # the fault was met, once: failures wait before retrying
+    records = usage_lines(caplog.records)
+    assert len(records) == 4
+    for record in records:
+        assert record["cost_usd"] is None or float(record["cost_usd"]) >= 0
+    entries = [e for e in await read_ledger(f._store) if e.user == f"u-{unique}"]
+    assert sum(e.counters["requests"] for e in entries) == 4 and all(e.counters["cost_picousd"] >= 0 for e in entries)
+    if fault == "negative prices":  # fetched fine; a negative price is "unknown": null, never negative
+        assert all(record["cost_usd"] is None for record in records)
+    else:  # one warning, the bundled prices go on
+        assert len(warnings_about(caplog, "live prices not refreshed")) == 1
+        assert all(record["cost_source"] == "price_table" for record in records)
 
 
 # -- malformed input -----------------------------------------------------------------------------
