@@ -30,7 +30,7 @@ from contextwarden.trim import _split_mandatory
 
 from chats import check_contract, frozen
 
-CI_EXAMPLES = 400
+CI_EXAMPLES = 1_000
 settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("thorough", max_examples=5_000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
