@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from contextwarden import trim_messages
 from contextwarden.conversation import read_conversation
 from contextwarden.tokens import TokenCounter
-from contextwarden.trim import _split_mandatory
+from contextwarden.trim import SHORTENED_MARK, _split_mandatory
 
 from chats import check_contract, frozen
 
@@ -208,6 +208,21 @@ def _uncuttable(message: dict, counter: TokenCounter, model: str) -> int:
     return counter.count_message({**message, "content": images}, model)
 
 
+def _least_text_cost(message: dict, counter: TokenCounter, model: str) -> int:
+    """The fewest tokens a mandatory message's text can shrink to: itself, or a bare cut marker."""
+    if message.get("role") == "assistant":
+        return 0  # counted whole in _uncuttable
+    content = message.get("content")
+    texts = [content] if isinstance(content, str) else [
+        p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+    ] if isinstance(content, list) else []
+    least = 0
+    for text in texts:
+        total = counter.count_text(text, model)
+        least += min(total, counter.count_text("\n" + SHORTENED_MARK.format(n=total), model)) if total else 0
+    return least
+
+
 def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: str) -> str:
     """Why the mandatory part could not be cut to the budget (for the report), or 'FIXABLE'."""
     mandatory, _ = _split_mandatory(read_conversation(chat))
@@ -222,8 +237,10 @@ def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: s
         if any(chat[i].get("tool_calls") or chat[i].get("role") == "tool" for i in mandatory):
             return "tool calls and ids of the current turn"
         return "per-message overhead of the mandatory messages"
-    # What cannot be cut fits; each shortened text still carries a marker (~15 tokens).
-    if floor + 16 * max(1, len(result.shortened)) > result.budget:
+    # What cannot be cut fits; but each text cut to nothing still carries its marker (~15 tokens),
+    # and joined parts may count a token more than apart (one per message of slack).
+    least = floor + sum(_least_text_cost(chat[i], counter, model) for i in mandatory)
+    if least + len(mandatory) > result.budget:
         return "cut markers on a budget too small for them"
     return "FIXABLE"
 
@@ -262,6 +279,9 @@ def test_contract_holds_for_any_chat_and_budget(counter, chat, budget, model):
 # Found by this test: proportional character cuts (keep_ends) and joins counting more than their parts (_cut_middle).
 @example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3}], budget=64, model="gpt-4o")
 @example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 3.14159 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 2}], budget=71, model="gpt-4o")
+# Not fixable (four mandatory system texts, each cut still carries a marker): must not be flagged.
+@example(chat=[{"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 "}, {"role": "user", "content": ""}, {"role": "system", "content": "0:0:0:0:"},
+               {"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢"}, {"role": "user", "content": "budget budget"}], budget=64, model="gpt-4o")
 def test_contract_holds_while_estimating(chat, budget, model):
     global ESTIMATOR
     if ESTIMATOR is None:
