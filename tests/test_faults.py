@@ -25,6 +25,7 @@ from contextwarden import price_sources
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.store import RedisStore
 from contextwarden.tokens import TokenCounter
+from contextwarden.trim import TrimResult
 
 from chats import check_contract, frozen
 from test_filter import Events, make_filter
@@ -39,17 +40,33 @@ def warnings_about(caplog, text: str) -> list[str]:
 
 
 def assert_valid_turn(run, budget: int | None, counter) -> None:
-    """The chat went on: every hook returned a chat body; what was sent keeps the contract."""
+    """The chat went on: every hook returned a chat body; what was sent keeps the contract.
+
+    The filter's choice may differ from a stateless `trim_messages` (relevance, reuse of the
+    previous turn's selection), so the contract is checked on what it sent.
+    """
     for body in (run.after_inlet, run.after_request):
         assert isinstance(body, dict) and isinstance(body["messages"], list)
     assert run.after_outlet is run.outlet_body
     if budget is not None:
-        from contextwarden import trim_messages
-
-        sent = run.after_request["messages"]
-        result = trim_messages(run.sent_in["messages"], max_tokens=budget, model=MODEL, token_counter=counter)
-        assert sent == result.messages
-        check_contract(run.sent_in["messages"], result, counter, MODEL)
+        chat, sent = run.sent_in["messages"], run.after_request["messages"]
+        where = {id(m): i for i, m in enumerate(chat)}
+        kept, shortened, last = [], [], -1
+        for j, m in enumerate(sent):  # in input order: the very dict, or a shortened copy
+            if id(m) in where:
+                last = where[id(m)]
+                kept.append(last)
+                continue
+            upper = next((where[id(n)] for n in sent[j + 1 :] if id(n) in where), len(chat))
+            same_keys = [i for i in range(last + 1, upper)
+                         if {k: v for k, v in chat[i].items() if k != "content"} == {k: v for k, v in m.items() if k != "content"}]
+            last = max(same_keys, key=lambda i: counter.count_message(chat[i], MODEL))  # the largest text is cut
+            shortened.append(last)
+        after = counter.count_messages(sent, MODEL)
+        result = TrimResult(list(sent), tuple(kept), tuple(i for i in range(len(chat)) if i not in kept + shortened), tuple(shortened),
+                            counter.count_messages(chat, MODEL), after, budget, "exact", over_budget=after > budget,
+                            notes=("shortened",) if shortened else ())
+        check_contract(chat, result, counter, MODEL)
 
 
 # -- tiktoken ----------------------------------------------------------------------------------

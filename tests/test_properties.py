@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from contextwarden import trim_messages
 from contextwarden.conversation import read_conversation
 from contextwarden.tokens import TokenCounter
-from contextwarden.trim import SHORTENED_MARK, _split_mandatory
+from contextwarden.selection import mandatory_indices
+from contextwarden.trim import SHORTENED_MARK
 
 from chats import check_contract, frozen
 
@@ -225,7 +226,7 @@ def _least_text_cost(message: dict, counter: TokenCounter, model: str) -> int:
 
 def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: str) -> str:
     """Why the mandatory part could not be cut to the budget (for the report), or 'FIXABLE'."""
-    mandatory, _ = _split_mandatory(read_conversation(chat))
+    mandatory = mandatory_indices(read_conversation(chat))
     floor = 3 + sum(_uncuttable(chat[i], counter, model) for i in mandatory)
     images = sum(counter.count_message(chat[i], model) - counter.count_message({**chat[i], "content": None}, model)
                  for i in mandatory if isinstance(chat[i].get("content"), list))
