@@ -242,8 +242,9 @@ class Filter:
         shadow = settings.mode == "shadow"
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
-        calibration = await self._calibration(settings, resolution.model_id or model_id)
-        budget = calibrated_budget(settings.budget(model_context_length(model)), calibration)
+        calibration = await self._calibration(settings, resolution)
+        window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
+        budget = calibrated_budget(settings.budget(window), calibration)
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
         read = read_flags(body["messages"], allowed=settings.allowed_flags)
@@ -469,12 +470,12 @@ class Filter:
             model_id, book, aliases=settings.model_aliases, prefixes=settings.connection_prefixes, free_models=settings.free_models
         )
 
-    async def _calibration(self, settings: Settings, model_key: str) -> Calibration:
+    async def _calibration(self, settings: Settings, resolution: Resolution) -> Calibration:
         """The learned count correction for a model (none when switched off or unreadable)."""
         if not settings.calibrate_counts:
             return Calibration()
         try:
-            return await load_calibration(self._store, model_key)
+            return await load_calibration(self._store, resolution.model_id or resolution.requested)
         except Exception as exc:
             filter_log.debug("contextwarden: calibration not read (%s)", type(exc).__name__)
             return Calibration()
