@@ -108,7 +108,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
         explanation = explain_trim(
             messages, result, model=model, token_counter=counter, **options,
             window=args.max_tokens if (args.reserve or args.calibration) else None,
-            reserve=args.reserve, calibration=args.calibration,
+            reserve=args.reserve or None, calibration=args.calibration,
         )
     if args.json:
         document = {

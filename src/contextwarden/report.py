@@ -233,9 +233,9 @@ svg{width:100%;height:auto;display:block}.grid{stroke:#e5e5e5}.axis{stroke:#888}
 .ylabel{font-size:11px;fill:#555;text-anchor:end}.xlabel{font-size:11px;fill:#555;text-anchor:end}
 .legend{display:flex;flex-wrap:wrap;gap:6px 16px;margin:6px 0 0 80px;font-size:12px}
 .key i{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:5px;vertical-align:-1px}
-table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:13px}
-th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
-thead th{border-bottom:2px solid #ccc;background:#fafafa}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:12px}
+th,td{padding:4px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
+thead th{border-bottom:2px solid #ccc;background:#fafafa;white-space:normal;vertical-align:bottom}
 tbody th{text-align:left;font-weight:normal;max-width:360px;overflow:hidden;text-overflow:ellipsis}
 thead th:first-child{text-align:left}tr.total th,tr.total td{font-weight:600;border-top:2px solid #ccc}
 .empty{color:#666}.note{color:#666;font-size:12px}
@@ -256,11 +256,11 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
         (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
         (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
-        (f"~${total.usd('cost_saved_picousd'):,.4f}", f"saved by trimming, {total.counters['trimmed']:,} replies (estimate)"),
+        (f"~${total.usd('cost_saved_picousd'):,.4f}", f"saved by trimming (estimate; trimmed replies: {total.counters['trimmed']:,})"),
     ]
     if total.counters["shadow_trimmed"]:
         cards.append((f"~${total.usd('shadow_cost_saved_picousd'):,.4f}",
-                      f"would have saved in shadow mode, {total.counters['shadow_trimmed']:,} replies (estimate)"))
+                      f"would have saved in shadow mode (estimate; replies: {total.counters['shadow_trimmed']:,})"))
     card_html = "".join(f'<div class="card"><b>{v}</b><span>{html.escape(t)}</span></div>' for v, t in cards)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
