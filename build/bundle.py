@@ -43,6 +43,8 @@ MODULES = [
     "price_sources",
     "summarize",
     "usage",
+    "savings",
+    "status",
     "ledger",
     "calibration",
     "valves",

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,17 +53,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def redis_url():
-    """A Redis URL for tests; starts a throwaway redis-server when none answers."""
-    url = os.environ.get("CONTEXTWARDEN_TEST_REDIS_URL")
-    if url:
-        yield url
-        return
-    if _answers("127.0.0.1", 6379):
-        yield "redis://127.0.0.1:6379/0"
-        return
+def redis_server() -> Iterator[tuple[str, bool]]:
+    """A real Redis for this test session: `(url, private)`.
+
+    A private `redis-server` on a free port when the binary is there, so keys left by other
+    runs (the machine's Redis on 6379 keeps them) cannot leak into these tests; else
+    `CONTEXTWARDEN_TEST_REDIS_URL`, else the server on 127.0.0.1:6379.
+    """
     binary = shutil.which("redis-server")
     if binary is None:
+        url = os.environ.get("CONTEXTWARDEN_TEST_REDIS_URL") or ("redis://127.0.0.1:6379/0" if _answers("127.0.0.1", 6379) else "")
+        if url:
+            yield url, False
+            return
         if os.environ.get("CI"):
             pytest.fail("no Redis answers and redis-server is not installed")
         pytest.skip("no Redis answers and redis-server is not installed")
@@ -73,28 +76,25 @@ def redis_url():
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(100):
+        for _ in range(200):
             if _answers("127.0.0.1", port):
                 break
             time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", True
     finally:
         process.terminate()
         process.wait(10)
 
 
-class OfflineLivePrices(LivePrices):
-    """Live prices that never fetch: no test reaches the real OpenRouter."""
-
-    def refresh_in_background(self):
-        return None
-
-
-@pytest.fixture(autouse=True)
-def no_live_price_fetch(monkeypatch):
-    """Filters built in tests never fetch live prices; tests of live prices pass their own
-    `live_factory` (with respx) to PriceSources."""
-    monkeypatch.setattr(price_sources, "LivePrices", OfflineLivePrices)
+@pytest.fixture
+def redis_url(redis_server: tuple[str, bool]) -> Iterator[str]:
+    """The test Redis, emptied after each test when it is this session's own server."""
+    url, private = redis_server
+    yield url
+    if private:
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0])), timeout=2) as sock:
+            sock.sendall(b"FLUSHALL\r\n")
+            sock.recv(16)
 
 
 @pytest.fixture

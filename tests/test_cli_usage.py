@@ -16,6 +16,7 @@ import pytest
 
 from contextwarden.cli import main
 from contextwarden.ledger import record_reply
+from contextwarden.report import REPORT_COLUMNS
 from contextwarden.store import open_store
 
 D = Decimal
@@ -61,7 +62,10 @@ def test_table_by_model(seeded, capsys):
     gpt = next(line for line in lines if line.startswith("openai/gpt-4o")).split()
     assert gpt[1:4] == ["3", "1,600", "160"] and gpt[6] == "0.005250"
     total = lines[-1].split()
-    assert total[0] == "total" and total[1] == "5" and total[6] == "0.015750" and total[-2:] == ["1", "1"]
+    cells = dict(zip(["model"] + [f for f, _h in REPORT_COLUMNS if not f.startswith("shadow_")], total))
+    assert total[0] == "total" and total[1] == "5" and total[6] == "0.015750"
+    assert [cells[f] for f in ("estimated", "unpriced", "trimmed", "cost_saved_usd")] == ["1", "1", "0", "0.000000"]
+    assert "shadow" not in lines[0] and "estimates" not in out  # no savings recorded: no note, no shadow columns
 
 
 def test_json_by_user_is_exact(seeded, capsys):
@@ -92,7 +96,7 @@ def test_html_report_is_self_contained(seeded, capsys, tmp_path):
     page = path.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page
     assert "<script" not in page and "<link" not in page and "src=" not in page and "@import" not in page
-    assert page.count("<rect ") == 3  # (day, model) cells with a cost: gpt d0, claude d0, gpt d1 (llama is $0, bob d2 unpriced)
+    assert page.count('<rect x="') == 3  # (day, model) cells with a cost: gpt d0, claude d0, gpt d1 (llama is $0, bob d2 unpriced)
     for text in ("Cost per day by model", "By model", "By user", "By day", seeded["ann"], "anthropic/claude-sonnet-4.5",
                  "$0.0158", seeded["since"]):
         assert text in page, text

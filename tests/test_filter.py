@@ -144,6 +144,7 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
         "estimated": False, "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"), "usage_shape": "openai",
         # 321 x $2.50/M + 12 x $10/M
         "cost_usd": "0.0009225", "cost_source": "price_table", "cost_note": None,
+        "mode": "enforce", "tokens_saved": 0, "cost_saved_usd": "0",  # the chat fit: nothing trimmed
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
     assert events.statuses == ["321 in · 12 out · $0.00092"]

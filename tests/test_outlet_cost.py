@@ -17,7 +17,8 @@ import pytest
 import respx
 
 from contextwarden.calibration import Calibration, calibrated_budget, load_calibration, update_calibration
-from contextwarden.filter import format_usd, wants_stream_usage
+from contextwarden.filter import wants_stream_usage
+from contextwarden.status import format_usd
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.price_sources import PriceSources
 from contextwarden.pricing import ModelPrice, PriceBook
@@ -31,7 +32,7 @@ OPENAI_MODEL = {"id": "gpt-4o", "owned_by": "openai", "openai": {"id": "gpt-4o"}
 OLLAMA_MODEL = {"id": "llama3.1:8b", "owned_by": "ollama", "ollama": {"name": "llama3.1:8b"}, "connection_type": "local"}
 LOG_KEYS = {"model", "resolved_model", "user_id", "chat_id", "prompt_tokens", "completion_tokens", "cached_tokens",
             "reasoning_tokens", "estimated", "estimated_prompt_tokens", "usage_shape", "cost_usd", "cost_source",
-            "cost_note"}
+            "cost_note", "mode", "tokens_saved", "cost_saved_usd"}
 
 
 def cost_filter(counter, **valves):

@@ -11,6 +11,7 @@ For Open WebUI, paste `open_webui_filter.py` (built from this package) as a Func
 __version__ = "0.1.0"
 
 from .errors import ConfigError, ContextWardenError, PricingError, StoreError
+from .explain import Explanation, explain_trim
 from .filter import Filter
 from .selection import TrimDecision
 from .tokens import TokenCounter, encoding_for
@@ -22,6 +23,8 @@ __all__ = [
     "trim_messages",
     "TrimResult",
     "TrimDecision",
+    "explain_trim",
+    "Explanation",
     "TokenCounter",
     "encoding_for",
     "ContextWardenError",

@@ -23,17 +23,22 @@ CHAT_STATE_VERSION = 1
 class ChatState:
     """One chat's state.
 
-    `decision` is the last `TrimDecision` as its own JSON text (opaque here); `pins` are
-    `pin_fingerprint`s of pinned messages, oldest first; `pin_mode` is on between `!+pin`
-    and `!-pin`.
+    `decision` is the last `TrimDecision` really sent, as its own JSON text (opaque here);
+    `shadow_decision` the last one shadow mode computed but did not send, kept apart so shadow
+    turns simulate enforce's prefix reuse without ever passing an unsent choice to enforce;
+    `pins` are `pin_fingerprint`s of pinned messages, oldest first; `pin_mode` is on between
+    `!+pin` and `!-pin`.
     """
 
     decision: str | None = None
     pins: tuple[str, ...] = ()
     pin_mode: bool = False
+    shadow_decision: str | None = None
 
     def to_bytes(self) -> bytes:
         data = {"v": CHAT_STATE_VERSION, "decision": self.decision, "pins": list(self.pins), "pin_mode": self.pin_mode}
+        if self.shadow_decision is not None:  # absent otherwise: earlier versions read the same bytes
+            data["shadow_decision"] = self.shadow_decision
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -45,7 +50,8 @@ class ChatState:
                 return cls()
             decision = data["decision"] if isinstance(data["decision"], str) else None
             pins = tuple(p for p in data["pins"] if isinstance(p, str))[-MAX_PINS:]
-            return cls(decision, pins, data["pin_mode"] is True)
+            shadow = data.get("shadow_decision")
+            return cls(decision, pins, data["pin_mode"] is True, shadow if isinstance(shadow, str) else None)
         except (ValueError, KeyError, TypeError):
             return cls()
 

@@ -14,12 +14,14 @@ from typing import Any
 
 from .conversation import message_text
 from .errors import ConfigError
+from .explain import Explanation, explain_trim
 from .ledger import LedgerEntry, ledger_totals, read_ledger
 from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .report import render_csv, render_html, render_json, render_table
 from .store import RedisStore, open_store
+from .selection import TrimDecision
 from .tokens import TokenCounter
-from .trim import TrimResult, trim_messages
+from .trim import DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
 
 __all__ = ["main"]
 
@@ -54,31 +56,85 @@ def _print_table(messages: list[dict[str, Any]], result: TrimResult, counter: To
         print(f"note: {note}")
 
 
+def _print_explanation(explanation: Explanation) -> None:
+    print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<10} {'score':>6}  why")
+    for row in explanation.messages:
+        score = f"{row.score:6.2f}" if row.score is not None else f"{'':>6}"
+        print(f"{row.index:>4}  {row.role[:9]:<9} {row.tokens:>7,}  {row.action:<10} {score}  {'; '.join(row.reasons)}")
+    parts = explanation.budget
+    print()
+    if parts.window is not None:
+        derived = f"window {parts.window:,}"
+        if parts.reserve:
+            derived += f" − reserve {parts.reserve:,}"
+        if parts.calibration:
+            derived += f", ÷ calibration {parts.calibration:g}"
+        print(f"budget {parts.budget:,} = {derived}")
+    else:
+        print(f"budget {parts.budget:,}")
+    print(f"  system prompt      {parts.system_tokens:>8,}")
+    print(f"  current turn       {parts.current_turn_tokens:>8,}")
+    print(f"  reply priming      {parts.reply_priming_tokens:>8,}")
+    print(f"  left for history   {parts.history_available:>8,}"
+          + (f" (a new cut fills {parts.history_target:,}: low watermark)" if parts.history_target != parts.history_available else ""))
+    print(f"  history sent       {parts.history_sent:>8,}" + (" (the previous decision, reused)" if explanation.reused else ""))
+
+
+def _read_previous(path: str | None) -> TrimDecision | None:
+    """A decision from a file: its own JSON, or `trim --json` output holding one."""
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if isinstance(data, dict) and isinstance(data.get("decision"), dict):
+        data = data["decision"]
+    return TrimDecision.from_json(json.dumps(data))
+
+
 def _cmd_trim(args: argparse.Namespace) -> int:
     messages, file_model = _load_chat(args.chat)
     model = args.model or file_model
     seed_tiktoken_cache()
     counter = TokenCounter(block=True)
-    result = trim_messages(messages, max_tokens=args.max_tokens, model=model, token_counter=counter)
-    if args.json:
-        json.dump(
-            {
-                "model": model,
-                "budget": result.budget,
-                "tokens_before": result.tokens_before,
-                "tokens_after": result.tokens_after,
-                "count_mode": result.count_mode,
-                "kept": list(result.kept),
-                "shortened": list(result.shortened),
-                "dropped": list(result.dropped),
-                "over_budget": result.over_budget,
-                "messages": result.messages,
-            },
-            sys.stdout,
-            ensure_ascii=False,
-            indent=2,
+    budget = args.max_tokens - (args.reserve or 0)
+    if args.calibration:
+        budget = int(budget / args.calibration)
+    if budget <= 0:
+        raise ValueError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
+    options = {"keep_last_turns": args.keep_last_turns, "pinned": args.pin or (), "previous": _read_previous(args.previous),
+               "low_watermark": args.low_watermark}
+    result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
+    explanation = None
+    if args.explain:
+        explanation = explain_trim(
+            messages, result, model=model, token_counter=counter, **options,
+            window=args.max_tokens if (args.reserve or args.calibration) else None,
+            reserve=args.reserve or None, calibration=args.calibration,
         )
+    if args.json:
+        document = {
+            "model": model,
+            "budget": result.budget,
+            "tokens_before": result.tokens_before,
+            "tokens_after": result.tokens_after,
+            "count_mode": result.count_mode,
+            "kept": list(result.kept),
+            "shortened": list(result.shortened),
+            "dropped": list(result.dropped),
+            "over_budget": result.over_budget,
+            "decision": json.loads(result.decision.to_json()) if result.decision else None,
+            "messages": result.messages,
+        }
+        if explanation is not None:
+            document["explain"] = explanation.as_dict()
+        json.dump(document, sys.stdout, ensure_ascii=False, indent=2)
         print()
+    elif explanation is not None:
+        _print_explanation(explanation)
+        print()
+        print(f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
+              f"{result.tokens_after:,} tokens ({result.count_mode} counts)")
+        for note in result.notes:
+            print(f"note: {note}")
     else:
         _print_table(messages, result, counter, model)
     return 0
@@ -169,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
     trim.add_argument("--model", help="model id (picks the encoding); default: the file's model")
     trim.add_argument("--json", action="store_true", help="machine-readable output")
+    trim.add_argument("--explain", action="store_true", help="say why each message was kept, dropped or shortened, and what the budget was made of")
+    trim.add_argument("--reserve", type=int, default=0, help="tokens kept for the reply: --max-tokens is then the window (as the filter's valves)")
+    trim.add_argument("--calibration", type=float, help="the model's calibration factor (real / counted tokens); the budget is divided by it")
+    trim.add_argument("--keep-last-turns", type=int, default=1, help="latest turns kept first (default 1: the current one)")
+    trim.add_argument("--pin", type=int, action="append", metavar="INDEX", help="keep this message index first (repeatable), as !pin does")
+    trim.add_argument("--previous", metavar="FILE", help="the previous turn's decision (a trim --json output), to reuse its prefix")
+    trim.add_argument("--low-watermark", type=float, default=DEFAULT_LOW_WATERMARK, help="share of the budget a new cut fills (default 0.8)")
     trim.set_defaults(run=_cmd_trim)
 
     build = commands.add_parser("build", help="write open_webui_filter.py, the single file for Open WebUI")

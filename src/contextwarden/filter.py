@@ -11,8 +11,8 @@ import json
 import logging
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
-from decimal import ROUND_HALF_UP, Decimal
+from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
@@ -23,14 +23,16 @@ from .flags import Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
+from .savings import Savings, carried_savings, estimate_savings
+from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
-from .usage import Cost, Usage, compute_cost, read_usage
-from .valves import MIN_BUDGET_TOKENS, Settings, UserValves, Valves, read_settings
+from .usage import Usage, compute_cost, read_usage
+from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings
 
-__all__ = ["Filter", "model_context_length", "wants_stream_usage", "format_usd"]
+__all__ = ["Filter", "model_context_length", "wants_stream_usage"]
 
 filter_log = logging.getLogger("contextwarden")
 
@@ -111,94 +113,6 @@ def _with_stream_usage(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "stream_options": {**options, "include_usage": True}}
 
 
-def format_usd(amount: Decimal) -> str:
-    """Dollars for a status line: cents from $1 up, else two significant digits.
-
-    Example:
-        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456"))
-        ('0.0031', '12.35')
-    """
-    if amount == 0:
-        return "0"
-    if amount >= 1:
-        return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
-    return format(amount.quantize(Decimal(1).scaleb(amount.adjusted() - 1), rounding=ROUND_HALF_UP), "f")
-
-
-def _usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> str:
-    """`1,234 in (980 cached) · 456 out · $0.0031`; `~` marks estimates; no $ when unknown."""
-    mark = "~" if estimated else ""
-
-    def tokens(count: int | None) -> str:
-        return f"{mark}{count:,}" if isinstance(count, int) else "?"
-
-    line = f"{tokens(usage.prompt_tokens)} in"
-    if usage.cached_tokens:
-        line += f" ({usage.cached_tokens:,} cached)"
-    line += f" · {tokens(usage.completion_tokens)} out"
-    if show_cost and cost.cost_usd is not None:
-        line += f" · {mark}${format_usd(cost.cost_usd)}"
-    return line
-
-
-@dataclass(frozen=True, slots=True)
-class _Choice:
-    """What one pass decided to send, with the numbers the status line and outlet need."""
-
-    messages: list[Message]
-    count_before: int
-    tokens_before: int
-    tokens_after: int
-    budget: int
-    count_mode: str
-    decision: TrimDecision | None = None
-    dropped: int = 0
-    shortened: int = 0
-    over_budget: bool = False
-    summarized: bool = False
-    full: bool = False
-
-    @classmethod
-    def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> _Choice:
-        """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
-        count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
-        return cls(
-            messages=messages,
-            count_before=count,
-            tokens_before=result.tokens_before + extra_tokens,
-            tokens_after=result.tokens_after + extra_tokens,
-            budget=result.budget + extra_tokens,
-            count_mode=result.count_mode,
-            decision=result.decision,
-            dropped=len(result.dropped),
-            shortened=len(result.shortened),
-            over_budget=result.over_budget,
-        )
-
-
-def _status_line(choice: _Choice, flags: Flags) -> str:
-    after = len(choice.messages)
-    if choice.full:
-        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
-    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = f"Context {choice.count_before:,} → {after:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
-    else:
-        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
-    if choice.summarized:
-        line += " · earlier messages summarized"
-    if choice.shortened:
-        line += f" · {choice.shortened} shortened"
-    if choice.over_budget and not choice.full:
-        line += " · still over budget"
-    if choice.count_mode == "estimate":
-        line += " · estimated (tokenizer not loaded)"
-    if flags.used:
-        line += " · flags " + " ".join(flags.used)
-    if flags.refused:
-        line += " · not enabled: " + " ".join(flags.refused)
-    return line
-
-
 def _ids(body: dict[str, Any], user: dict | None, metadata: dict | None) -> tuple[str, str]:
     """The user id and chat id of a request ("" when unknown; API callers have no chat id)."""
     metadata = metadata or {}
@@ -217,6 +131,22 @@ def _flags_of_turn(value: dict) -> Flags:
         return Flags.from_dict(value)
     except (KeyError, TypeError, ValueError):
         return Flags()
+
+
+def _usd_text(amount: Decimal | None) -> str | None:
+    """An exact decimal string for a log line or note (None stays None)."""
+    return None if amount is None else format(amount.normalize(), "f")
+
+
+def _usd_decimal(text: object) -> Decimal | None:
+    """A non-negative USD amount an earlier hook wrote as text (None when absent or unreadable)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        amount = Decimal(text)
+    except ArithmeticError:
+        return None
+    return amount if amount.is_finite() and amount >= 0 else None
 
 
 def _decision(text: str | None) -> TrimDecision | None:
@@ -307,6 +237,9 @@ class Filter:
         if isinstance(metadata, dict) and metadata.get("task"):
             return body
         settings = await self._settings(user, emit)
+        if settings.mode == "off":
+            return body
+        shadow = settings.mode == "shadow"
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
@@ -322,39 +255,69 @@ class Filter:
         state = await self._load_state(key)
         latest = read.messages[read.latest_user] if read.latest_user is not None else None
         state = state.with_flags(flags, pin_fingerprint(latest) if latest is not None else None)
-        choice = await self._choose(read.messages, flags, state, settings, budget, model_id)
+        # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
+        # real one to begin with); enforce never sees a decision that was not sent.
+        stored = (state.shadow_decision or state.decision) if shadow else state.decision
+        chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
+        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored))
         if key is not None:
             decision = choice.decision.to_json() if choice.decision is not None else None
             if decision is None or (note.get("decided") and _same_messages(choice.messages, read.messages)):
-                decision = state.decision  # a later pass of a turn sees the trimmed chat: keep the turn's decision
-            await self._save_state(key, replace(state, decision=decision), settings.state_ttl_seconds)
+                decision = stored  # a later pass of a turn sees the trimmed chat: keep the turn's decision
+            saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
+            await self._save_state(key, saved, settings.state_ttl_seconds)
+        removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
+        removed += max(0, choice.tokens_before - choice.tokens_after)
+        savings = estimate_savings(
+            choice.tokens_after + removed, choice.tokens_after,
+            factor=calibration.factor if calibration.active else 1.0, price=resolution.price,
+        )
         if isinstance(metadata, dict):
+            sent = choice.tokens_after
+            if shadow:
+                same = _same_messages(read.messages, body["messages"])
+                sent = choice.tokens_before if same else self._counter.count_messages(body["messages"], model_id)
             note.update(
-                estimated_prompt_tokens=choice.tokens_after,
+                mode=settings.mode,
+                estimated_prompt_tokens=sent,
                 count_mode=choice.count_mode,
                 budget=choice.budget,
-                dropped=choice.dropped,
+                dropped=0 if shadow else choice.dropped,
                 decided=key is not None,
                 calibration=calibration.factor,
+                savings={"removed": removed, "messages_before": messages_before},
+                tokens_saved=savings.tokens_saved,
+                cost_saved_usd=_usd_text(savings.cost_saved_usd),
             )
             if flags.used or flags.refused:
                 note["flags"] = flags.to_dict()
             metadata[METADATA_KEY] = note
         if settings.show_status:
             calibrated = f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""
-            await self._emit(emit, _status_line(choice, flags) + calibrated)
-        if _same_messages(choice.messages, body["messages"]):
+            if shadow:
+                line = shadow_status_line(choice, flags, savings, settings.show_cost)
+            else:
+                line = status_line(choice, flags)
+            await self._emit(emit, line + calibrated)
+        if shadow or _same_messages(choice.messages, body["messages"]):
             return body
         return {**body, "messages": choice.messages}
 
     async def _choose(
-        self, messages: list[Message], flags: Flags, state: ChatState, settings: Settings, budget: int, model_id: str
-    ) -> _Choice:
-        """Trim `messages` (flags already removed) as the flags and the chat's state say."""
+        self,
+        messages: list[Message],
+        flags: Flags,
+        state: ChatState,
+        settings: Settings,
+        budget: int,
+        model_id: str,
+        previous: TrimDecision | None,
+    ) -> TurnChoice:
+        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say."""
         counter = self._counter
         if flags.full:
             tokens = counter.count_messages(messages, model_id)
-            return _Choice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
+            return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
         if flags.budget is not None:
             budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
         at, merged = find_summary(messages)
@@ -362,7 +325,6 @@ class Filter:
         base = messages if at is None else messages[:at] + messages[at + 1 :]
         pins = set(state.pins)
         pinned = [i for i, m in enumerate(base) if pins and m.get("role") == "user" and pin_fingerprint(m) in pins]
-        previous = _decision(state.decision)
 
         def retrim(limit: int) -> TrimResult:
             return trim_messages(
@@ -380,16 +342,16 @@ class Filter:
             cost = counter.count_message(summary, model_id)
             if budget - cost >= MIN_BUDGET_TOKENS:
                 result = retrim(budget - cost)
-                return _Choice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
+                return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
         result = retrim(budget)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             done = await summarize_trim(
                 base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
             )
             if done is not None:
-                chosen = _Choice.of(done.result, done.messages)
+                chosen = TurnChoice.of(done.result, done.messages)
                 return replace(chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True)
-        return _Choice.of(result, result.messages)
+        return TurnChoice.of(result, result.messages)
 
     async def _load_state(self, key: str | None) -> ChatState:
         if key is None:
@@ -435,6 +397,11 @@ class Filter:
         else:
             cost_note = "; ".join(cost.notes) or None
         user_id = (user or {}).get("id")
+        mode = note.get("mode") if note.get("mode") in MODES else settings.mode
+        tokens_saved = note.get("tokens_saved") if mode != "off" else None
+        if not isinstance(tokens_saved, int) or isinstance(tokens_saved, bool) or tokens_saved < 0:
+            tokens_saved = None
+        cost_saved = _usd_decimal(note.get("cost_saved_usd")) if tokens_saved is not None else None
         record = {
             "model": model_id,
             "resolved_model": resolution.model_id,
@@ -450,6 +417,9 @@ class Filter:
             "cost_usd": None if cost.cost_usd is None else format(cost.cost_usd.normalize(), "f"),
             "cost_source": cost.cost_source,
             "cost_note": cost_note,
+            "mode": mode,
+            "tokens_saved": tokens_saved,
+            "cost_saved_usd": _usd_text(cost_saved),
         }
         filter_log.info("usage %s", json.dumps(record, separators=(",", ":")))
         try:  # after the log line, once: never retried, so never counted twice
@@ -458,6 +428,7 @@ class Filter:
                 prompt_tokens=billed.prompt_tokens, completion_tokens=billed.completion_tokens,
                 cached_tokens=billed.cached_tokens, reasoning_tokens=billed.reasoning_tokens,
                 cost_usd=cost.cost_usd, estimated=estimated, retention_days=settings.ledger_retention_days,
+                tokens_saved=tokens_saved or 0, cost_saved_usd=cost_saved, shadow=mode == "shadow",
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
@@ -468,7 +439,7 @@ class Filter:
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if settings.show_status:
-            await self._emit(emit, _usage_status(billed, estimated, cost, settings.show_cost))
+            await self._emit(emit, usage_status(billed, estimated, cost, settings.show_cost))
 
     def _billed_usage(
         self, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
@@ -522,8 +493,9 @@ class Filter:
             if not isinstance(body, dict) or not wants_stream_usage(body, model):
                 return body
             user_valves = user.get("valves") if isinstance(user, dict) else None
-            if not read_settings(self.valves, user_valves)[0].request_stream_usage:
-                return body
+            settings = read_settings(self.valves, user_valves)[0]
+            if settings.mode != "enforce" or not settings.request_stream_usage:
+                return body  # shadow and off send the body exactly as it came
             return _with_stream_usage(body)
         except Exception as exc:  # never cost the turn
             filter_log.debug("contextwarden: stream usage not requested (%s)", type(exc).__name__)

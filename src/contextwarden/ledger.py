@@ -2,7 +2,9 @@
 
 One counter key per day, user and model holds requests, token counts, cost in integer
 picodollars (1e-12 USD, so Redis HINCRBY adds exactly) and how many replies were estimated
-or unpriced. Several workers sharing one Redis add up exactly; without Redis each worker
+or unpriced; beside real spend, what trimming saved (`trimmed`, `tokens_saved`,
+`cost_saved_picousd`: estimates, from turns really trimmed) and, apart, what shadow mode says it
+would have saved (`shadow_*`: the chat went out whole, nothing was saved). Several workers sharing one Redis add up exactly; without Redis each worker
 keeps its own totals. Query helpers add the keys up by user, model or day.
 """
 
@@ -21,6 +23,7 @@ __all__ = [
     "LedgerEntry",
     "LedgerRow",
     "LEDGER_FIELDS",
+    "LEDGER_MONEY_FIELDS",
     "DEFAULT_LEDGER_RETENTION_DAYS",
     "record_reply",
     "read_ledger",
@@ -42,7 +45,15 @@ LEDGER_FIELDS = (
     "cost_picousd",
     "estimated",
     "unpriced",
+    "trimmed",
+    "tokens_saved",
+    "cost_saved_picousd",
+    "shadow_trimmed",
+    "shadow_tokens_saved",
+    "shadow_cost_saved_picousd",
 )
+# Counters holding picodollars, shown as USD under the name without `_picousd`.
+LEDGER_MONEY_FIELDS = ("cost_picousd", "cost_saved_picousd", "shadow_cost_saved_picousd")
 
 LedgerGrouping = Literal["user", "model", "day"]
 
@@ -112,11 +123,18 @@ class LedgerRow:
     def cost_usd(self) -> Decimal:
         return picodollars_to_usd(self.counters.get("cost_picousd", 0))
 
+    def usd(self, field: str) -> Decimal:
+        """A money counter (`cost_picousd`, `cost_saved_picousd`, ...) in USD."""
+        return picodollars_to_usd(self.counters.get(field, 0))
+
     def as_dict(self) -> dict[str, object]:
-        """JSON-ready: every counter, plus cost_usd as an exact decimal string."""
+        """JSON-ready: every counter; money as exact decimal strings under `*_usd` names."""
         out: dict[str, object] = {"key": self.key}
-        out.update({name: self.counters.get(name, 0) for name in LEDGER_FIELDS if name != "cost_picousd"})
-        out["cost_usd"] = format(self.cost_usd, "f")
+        for name in LEDGER_FIELDS:
+            if name in LEDGER_MONEY_FIELDS:
+                out[name.replace("_picousd", "_usd")] = format(self.usd(name), "f")
+            else:
+                out[name] = self.counters.get(name, 0)
         return out
 
 
@@ -133,6 +151,9 @@ async def record_reply(
     estimated: bool,
     day: date | None = None,
     retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS,
+    tokens_saved: int = 0,
+    cost_saved_usd: Decimal | None = None,
+    shadow: bool = False,
 ) -> str:
     """Add one reply to its (day, user, model) totals in a single atomic increment.
 
@@ -144,6 +165,9 @@ async def record_reply(
         cost_usd: None when the price is unknown (counted in `unpriced`).
         day: UTC date of the reply; default today.
         retention_days: the key expires this long after its last reply.
+        tokens_saved: tokens trimming removed from this reply's prompt (estimate; 0 = none).
+        cost_saved_usd: what those tokens would have cost at the input price (None = unknown).
+        shadow: the savings are what shadow mode would have saved (`shadow_*` counters).
 
     Returns the key written (without the store prefix).
 
@@ -164,6 +188,11 @@ async def record_reply(
         "estimated": int(bool(estimated)),
         "unpriced": int(cost_usd is None),
     }
+    if tokens_saved > 0:
+        prefix = "shadow_" if shadow else ""
+        fields[prefix + "trimmed"] = 1
+        fields[prefix + "tokens_saved"] = tokens_saved
+        fields[prefix + "cost_saved_picousd"] = usd_to_picodollars(cost_saved_usd) if cost_saved_usd else 0
     await store.incr(key, fields, ttl=max(1, retention_days) * 86_400)
     return key
 

@@ -1,7 +1,8 @@
 """Usage reports from ledger totals: a text table, JSON, CSV, and a one-page HTML report.
 
-The HTML page is self-contained (inline CSS and SVG, no script, no network): a stacked bar
-chart of cost per day by model, and the totals by model, user and day. Not bundled into the
+The HTML page is self-contained (inline CSS and SVG, no script, no network): per day, a bar of
+cost stacked by model beside a bar of what trimming saved (solid) and what shadow mode says it
+would have saved (hatched), and the totals by model, user and day. Not bundled into the
 Open WebUI file; the `contextwarden usage` command uses it.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from datetime import date
 from decimal import ROUND_CEILING, Decimal
 
-from .ledger import LEDGER_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
+from .ledger import LEDGER_FIELDS, LEDGER_MONEY_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
 
 __all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS"]
 
@@ -29,7 +30,16 @@ REPORT_COLUMNS = (
     ("cost_usd", "cost USD"),
     ("estimated", "estimated"),
     ("unpriced", "unpriced"),
+    ("trimmed", "trimmed"),
+    ("tokens_saved", "saved tokens"),
+    ("cost_saved_usd", "saved USD~"),
+    ("shadow_trimmed", "shadow trimmed"),
+    ("shadow_tokens_saved", "shadow saved tokens"),
+    ("shadow_cost_saved_usd", "would-save USD~"),
 )
+# Shown in the text and HTML tables only when some row has them (CSV and JSON always have them).
+OPTIONAL_COLUMNS = ("shadow_trimmed", "shadow_tokens_saved", "shadow_cost_saved_usd")
+SAVED_COLOR = "#2e9e5b"
 CHART_MODELS = 8  # models drawn apart in the chart; the rest are "other"
 CHART_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
 
@@ -40,9 +50,18 @@ def _report_total(rows: Sequence[LedgerRow]) -> LedgerRow:
 
 
 def _report_cell(row: LedgerRow, field: str) -> str:
-    if field == "cost_usd":
-        return f"{row.cost_usd:,.6f}"
+    money = field.replace("_usd", "_picousd")
+    if money in LEDGER_MONEY_FIELDS:
+        return f"{row.usd(money):,.6f}"
     return f"{row.counters.get(field, 0):,}"
+
+
+def _report_columns(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
+    """REPORT_COLUMNS less the optional ones no row has (no shadow turns: no shadow columns)."""
+    def used(field: str) -> bool:
+        return any(r.counters.get(field.replace("_usd", "_picousd"), 0) for r in rows)
+
+    return [(f, h) for f, h in REPORT_COLUMNS if f not in OPTIONAL_COLUMNS or used(f)]
 
 
 def render_table(rows: Sequence[LedgerRow], by: str) -> str:
@@ -52,17 +71,21 @@ def render_table(rows: Sequence[LedgerRow], by: str) -> str:
         >>> print(render_table(ledger_totals(entries, "model"), "model"))  # doctest: +SKIP
         model           requests  prompt  ...
     """
-    header = [by] + [heading for _field, heading in REPORT_COLUMNS]
-    body = [[row.key] + [_report_cell(row, field) for field, _h in REPORT_COLUMNS] for row in rows]
+    columns = _report_columns(rows)
+    header = [by] + [heading for _field, heading in columns]
+    body = [[row.key] + [_report_cell(row, field) for field, _h in columns] for row in rows]
     total = _report_total(rows)
-    footer = ["total"] + [_report_cell(total, field) for field, _h in REPORT_COLUMNS]
+    footer = ["total"] + [_report_cell(total, field) for field, _h in columns]
     widths = [max(len(line[i]) for line in [header, *body, footer]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(b) for b in body), rule, line(footer)])
+    lines = [line(header), rule, *(line(b) for b in body), rule, line(footer)]
+    if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
+        lines.append("~ savings are estimates: removed tokens at the model's input price, as if uncached")
+    return "\n".join(lines)
 
 
 def render_json(rows: Sequence[LedgerRow], by: str, since: date | None) -> str:
@@ -117,31 +140,51 @@ def _nice_step(top: Decimal) -> Decimal:
     return power * 10
 
 
+def _savings_by_day(entries: Sequence[LedgerEntry]) -> dict[str, tuple[int, int]]:
+    """Per day: (saved, would have saved in shadow mode), in picodollars."""
+    days: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        saved, shadow = days.get(entry.day.isoformat(), (0, 0))
+        days[entry.day.isoformat()] = (
+            saved + entry.counters.get("cost_saved_picousd", 0),
+            shadow + entry.counters.get("shadow_cost_saved_picousd", 0),
+        )
+    return days
+
+
 def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
-    """Stacked bars of cost per day, one colour per model, with axes and a legend."""
+    """Per day: cost stacked by model, and beside it savings (solid) and shadow would-save (hatched)."""
     days, models, cells = _chart_series(entries)
-    if not days or not cells:
+    savings = _savings_by_day(entries)
+    if not days or not (cells or any(a or b for a, b in savings.values())):
         return '<p class="empty">No priced usage in this period.</p>'
     width, height, left, right, top, bottom = 1080, 380, 80, 20, 20, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     day_totals = {d: sum(cells.get((d, m), 0) for m in models) for d in days}
-    peak = picodollars_to_usd(max(day_totals.values()) or 1)
+    peak = picodollars_to_usd(max(max(day_totals.values()), *(a + b for a, b in savings.values())) or 1)
     step = _nice_step(peak)
     axis_top = step * ((peak / step).to_integral_value(rounding=ROUND_CEILING) or 1)
     scale = plot_h / float(axis_top)
     slot = plot_w / len(days)
-    bar = max(2.0, min(48.0, slot * 0.7))
+    bar = max(2.0, min(36.0, slot * 0.38))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
-             f'aria-label="Cost per day by model">']
+             f'aria-label="Cost and savings per day">',
+             f'<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+             f'<rect width="6" height="6" fill="#ffffff"/><rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>']
     tick = Decimal(0)
     while tick <= axis_top:
         y = top + plot_h - float(tick) * scale
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" class="grid"/>')
         parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">${tick.normalize():f}</text>')
         tick += step
+
+    def rect(x: float, y: float, h: float, fill: str, title: str) -> str:
+        return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" fill="{fill}" '
+                f'stroke="{SAVED_COLOR if fill.startswith("url") else "none"}"><title>{html.escape(title)}</title></rect>')
+
     every = max(1, len(days) // 20)
     for i, day in enumerate(days):
-        x = left + slot * i + (slot - bar) / 2
+        x = left + slot * i + slot / 2 - bar - 1
         y = top + plot_h
         for m_index, model in enumerate(models):
             amount = cells.get((day, model), 0)
@@ -149,27 +192,33 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
                 continue
             h = float(picodollars_to_usd(amount)) * scale
             y -= h
-            title = html.escape(f"{day} · {model}: ${picodollars_to_usd(amount):f}")
-            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" '
-                         f'fill="{CHART_COLORS[m_index % len(CHART_COLORS)]}"><title>{title}</title></rect>')
+            parts.append(rect(x, y, h, CHART_COLORS[m_index % len(CHART_COLORS)], f"{day} · {model}: ${picodollars_to_usd(amount):f}"))
+        y = top + plot_h
+        for amount, fill, what in zip(savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)")):
+            if not amount:
+                continue
+            h = float(picodollars_to_usd(amount)) * scale
+            y -= h
+            parts.append(rect(x + bar + 2, y, h, fill, f"{day} · {what}: ~${picodollars_to_usd(amount):f}"))
         if i % every == 0:
             cx, cy = left + slot * i + slot / 2, top + plot_h + 14
             parts.append(f'<text x="{cx:.1f}" y="{cy}" class="xlabel" transform="rotate(-35 {cx:.1f} {cy})">{day}</text>')
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" class="axis"/>')
     parts.append("</svg>")
-    legend = "".join(
-        f'<span class="key"><i style="background:{CHART_COLORS[i % len(CHART_COLORS)]}"></i>{html.escape(m)}</span>'
-        for i, m in enumerate(models)
-    )
+    keys = [(CHART_COLORS[i % len(CHART_COLORS)], m) for i, m in enumerate(models)]
+    keys += [(SAVED_COLOR, "saved by trimming (estimate)"),
+             (f"repeating-linear-gradient(45deg,{SAVED_COLOR} 0 3px,#fff 3px 6px)", "would have saved, shadow mode (estimate)")]
+    legend = "".join(f'<span class="key"><i style="background:{color}"></i>{html.escape(m)}</span>' for color, m in keys)
     return "".join(parts) + f'<div class="legend">{legend}</div>'
 
 
 def _html_table(rows: Sequence[LedgerRow], by: str) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in [by] + [h for _f, h in REPORT_COLUMNS])
+    columns = _report_columns(rows)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in [by] + [h for _f, h in columns])
     total = _report_total(rows)
     lines = []
     for row, css in [*((r, "") for r in rows), (total, ' class="total"')]:
-        cells = "".join(f"<td>{_report_cell(row, field)}</td>" for field, _h in REPORT_COLUMNS)
+        cells = "".join(f"<td>{_report_cell(row, field)}</td>" for field, _h in columns)
         lines.append(f"<tr{css}><th scope=\"row\">{html.escape(row.key)}</th>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
 
@@ -184,9 +233,9 @@ svg{width:100%;height:auto;display:block}.grid{stroke:#e5e5e5}.axis{stroke:#888}
 .ylabel{font-size:11px;fill:#555;text-anchor:end}.xlabel{font-size:11px;fill:#555;text-anchor:end}
 .legend{display:flex;flex-wrap:wrap;gap:6px 16px;margin:6px 0 0 80px;font-size:12px}
 .key i{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:5px;vertical-align:-1px}
-table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:13px}
-th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
-thead th{border-bottom:2px solid #ccc;background:#fafafa}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:12px}
+th,td{padding:4px 6px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
+thead th{border-bottom:2px solid #ccc;background:#fafafa;white-space:normal;vertical-align:bottom}
 tbody th{text-align:left;font-weight:normal;max-width:360px;overflow:hidden;text-overflow:ellipsis}
 thead th:first-child{text-align:left}tr.total th,tr.total td{font-weight:600;border-top:2px solid #ccc}
 .empty{color:#666}.note{color:#666;font-size:12px}
@@ -207,7 +256,11 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
         (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
         (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
+        (f"~${total.usd('cost_saved_picousd'):,.4f}", f"saved by trimming (estimate; trimmed replies: {total.counters['trimmed']:,})"),
     ]
+    if total.counters["shadow_trimmed"]:
+        cards.append((f"~${total.usd('shadow_cost_saved_picousd'):,.4f}",
+                      f"would have saved in shadow mode (estimate; replies: {total.counters['shadow_trimmed']:,})"))
     card_html = "".join(f'<div class="card"><b>{v}</b><span>{html.escape(t)}</span></div>' for v, t in cards)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -215,11 +268,13 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         f"<title>contextwarden usage, {html.escape(period)}</title><style>{_REPORT_CSS}</style></head><body>"
         f"<h1>contextwarden usage</h1><p class=\"sub\">{html.escape(period)} (UTC days)</p>"
         f"<div class=\"cards\">{card_html}</div>"
-        f"<h2>Cost per day by model</h2>{_chart_svg(entries)}"
+        f"<h2>Cost per day by model, and savings</h2>{_chart_svg(entries)}"
         f"<h2>By model</h2>{_html_table(by_model, 'model')}"
         f"<h2>By user</h2>{_html_table(by_user, 'user')}"
         f"<h2>By day</h2>{_html_table(by_day, 'day')}"
         "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
         "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
-        "add tokens but no cost.</p></body></html>\n"
+        "add tokens but no cost. Savings (~) are estimates: the tokens trimming removed, corrected by the "
+        "model's calibration, at its input price as if uncached; shadow mode's are what it would have saved "
+        "(those chats were sent whole).</p></body></html>\n"
     )

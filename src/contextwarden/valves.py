@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -19,7 +20,7 @@ from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
 from .summarize import SummaryConfig
 from .trim import DEFAULT_LOW_WATERMARK
 
-__all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS"]
+__all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
 
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
 MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
@@ -30,12 +31,22 @@ MAX_SUMMARY_TIMEOUT_SECONDS = 120.0
 SUMMARY_MAX_TOKENS_RANGE = (32, 4_000)
 
 _SECRET = {"input": {"type": "password"}}
+Mode = Literal["enforce", "shadow", "off"]
+MODES: tuple[Mode, ...] = ("enforce", "shadow", "off")
+# A mode we cannot read fails open, like any internal error: bodies pass unchanged, usage
+# and would-be savings are still recorded, and the admin is told which valve is wrong.
+FALLBACK_MODE: Mode = "shadow"
 
 
 class Valves(BaseModel):
     """Admin settings (Admin > Functions > contextwarden > Valves)."""
 
     priority: int = Field(default=0, description="Filter order: lower runs first. Keep contextwarden after filters that add content.")
+    mode: str = Field(
+        default="enforce",
+        description="enforce = trim chats to the budget; shadow = send chats unchanged but record and show what trimming would have sent and saved; off = no trimming, usage and cost still recorded.",
+        json_schema_extra={"enum": list(MODES)},
+    )
     max_context_tokens: int = Field(
         default=0,
         ge=0,
@@ -150,6 +161,7 @@ class Settings:
     state_ttl_seconds: int = DEFAULT_STATE_TTL_HOURS * 3600
     allowed_flags: frozenset[str] = frozenset()
     summary: SummaryConfig | None = None
+    mode: Mode = "enforce"
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -253,6 +265,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
         ttl_hours = DEFAULT_STATE_TTL_HOURS
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
+    mode = take(valves, "mode", "enforce").strip().lower()
+    if mode not in MODES:
+        problems.append(ConfigError(f"mode must be one of {', '.join(MODES)}; using {FALLBACK_MODE} (chats are sent unchanged)", valve="mode"))
+        mode = FALLBACK_MODE
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -274,6 +290,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         state_ttl_seconds=ttl_hours * 3600,
         allowed_flags=allowed,
         summary=summary,
+        mode=mode,
     )
     return settings, problems
 

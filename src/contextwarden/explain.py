@@ -1,0 +1,180 @@
+"""Why a trim kept, dropped, shortened or summarized each message, and what the budget was made of.
+
+Re-derived after the fact from the input, the `TrimResult` and the options it was made with
+(the conversation view, the same relevance scores, pins, recent turns, the previous
+decision), so `trim_messages` pays nothing for it. Pure; for the `contextwarden trim
+--explain` command and for anyone auditing a trim. Not bundled into the Open WebUI file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from .conversation import Conversation, Message, read_conversation
+from .relevance import score_messages
+from .selection import TrimDecision, mandatory_indices, message_fingerprint
+from .tokens import TOKENS_PER_REPLY, TokenCounter
+from .trim import DEFAULT_LOW_WATERMARK, TrimResult
+
+__all__ = ["MessageReason", "BudgetParts", "Explanation", "explain_trim"]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReason:
+    """One input message: what happened to it (`action`) and why (`reasons`, most decisive first)."""
+
+    index: int
+    role: str
+    tokens: int
+    action: str  # kept | dropped | shortened | summarized
+    reasons: tuple[str, ...]
+    score: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"index": self.index, "role": self.role, "tokens": self.tokens, "action": self.action,
+                "reasons": list(self.reasons), "score": None if self.score is None else round(self.score, 4)}
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetParts:
+    """What the prompt budget was made of, in our token counts.
+
+    `window`, `reserve` and `calibration` are None unless the caller says how the budget was
+    derived (budget = (window − reserve) / calibration).
+    """
+
+    budget: int
+    system_tokens: int
+    current_turn_tokens: int
+    reply_priming_tokens: int
+    history_available: int
+    history_target: int
+    history_sent: int
+    window: int | None = None
+    reserve: int | None = None
+    calibration: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """Per-message reasons and the budget's parts of one trim."""
+
+    messages: tuple[MessageReason, ...]
+    budget: BudgetParts
+    reused: bool
+    notes: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"budget": self.budget.as_dict(), "reused_previous_decision": self.reused, "notes": list(self.notes),
+                "messages": [m.as_dict() for m in self.messages]}
+
+
+def _turn_of(conversation: Conversation) -> dict[int, int]:
+    return {i: t for t, turn in enumerate(conversation.turns) for i in turn.indices}
+
+
+def _unit_of(conversation: Conversation) -> dict[int, range]:
+    units = [*conversation.system, *conversation.orphans, *(u for turn in conversation.turns for u in turn.units)]
+    return {i: unit.indices for unit in units for i in unit.indices}
+
+
+def explain_trim(
+    messages: Sequence[Message],
+    result: TrimResult,
+    *,
+    model: str | None = None,
+    token_counter: TokenCounter,
+    keep_last_turns: int = 1,
+    pinned: Collection[int] = (),
+    previous: TrimDecision | None = None,
+    low_watermark: float = DEFAULT_LOW_WATERMARK,
+    summarized: Collection[int] = (),
+    window: int | None = None,
+    reserve: int | None = None,
+    calibration: float | None = None,
+) -> Explanation:
+    """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
+
+    Args:
+        messages, model, token_counter, keep_last_turns, pinned, previous, low_watermark:
+            as given to `trim_messages`.
+        summarized: dropped indices a summary note stands for (shown as "summarized").
+        window, reserve, calibration: how the budget was derived, when it was, to show it.
+
+    Example:
+        >>> result = trim_messages(chat, max_tokens=1200, model="gpt-4o")  # doctest: +SKIP
+        >>> explain_trim(chat, result, model="gpt-4o", token_counter=counter).messages[0].reasons  # doctest: +SKIP
+        ('mandatory: system prompt',)
+    """
+    conversation = read_conversation(messages)
+    costs = [token_counter.count_message(m, model) for m in messages]
+    kept, shortened, covered = set(result.kept), set(result.shortened), set(summarized)
+    system = {i for unit in conversation.system for i in unit.indices}
+    mandatory = set(mandatory_indices(conversation))
+    orphans = {i for unit in conversation.orphans for i in unit.indices}
+    turn_of, unit_of = _turn_of(conversation), _unit_of(conversation)
+    current = conversation.current if conversation.current is not None else len(conversation.turns)
+    recent = set(range(current - max(0, keep_last_turns - 1), current))
+    pins = {i for p in pinned for i in unit_of.get(p, (p,))}
+    remembered = set(previous.kept) if previous is not None and result.reused else set()
+    trimmed = bool(result.dropped or result.shortened)
+    question = max((i for i in mandatory if messages[i].get("role") == "user"), default=None)
+    scores: list[float] | None = None
+    if trimmed and not result.reused and question is not None:
+        scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
+
+    rows = []
+    for i, message in enumerate(messages):
+        sent = i in kept or i in shortened
+        action = "shortened" if i in shortened else "kept" if sent else "summarized" if i in covered else "dropped"
+        reasons: list[str] = []
+        if i in orphans:
+            reasons.append("orphan tool message: its call is not in the chat, never sent")
+        elif i in system:
+            reasons.append("mandatory: system prompt")
+        elif i in mandatory:
+            reasons.append("mandatory: current turn" if i != question else "mandatory: current turn (latest question)")
+        elif not trimmed:
+            reasons.append("everything fits the budget")
+        else:
+            if i in pins:
+                reasons.append("pinned" if sent else "pinned, but did not fit")
+            if turn_of.get(i) in recent:
+                reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
+            if result.reused:
+                if sent and message_fingerprint(message) in remembered:
+                    reasons.append("reused from the previous decision (same prefix, provider cache hits)")
+                elif sent:
+                    reasons.append("new since the previous decision")
+            elif scores is not None and not reasons:
+                value = sum(scores[j] for j in unit_of[i]) / max(1, sum(costs[j] for j in unit_of[i])) ** 0.5
+                reasons.append(f"score: value {value:.3f} per √token, "
+                               + ("worth its tokens" if sent else "below what was kept, or did not fit"))
+            if not reasons:
+                reasons.append("kept" if sent else "older than what fit")
+        unit = unit_of.get(i)
+        if unit is not None and len(unit) > 1 and i not in orphans:
+            reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
+        if i in shortened:
+            reasons.insert(0, "mandatory content over budget: cut middle-out")
+        if i in covered:
+            reasons.append("a summary note stands for it")
+        rows.append(MessageReason(i, str(message.get("role", "?")), costs[i], action, tuple(reasons),
+                                  scores[i] if scores is not None and i not in mandatory | orphans else None))
+
+    system_tokens = sum(costs[i] for i in system)
+    current_tokens = sum(costs[i] for i in mandatory - system)
+    available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
+    target = int(result.budget * low_watermark) - TOKENS_PER_REPLY - system_tokens - current_tokens
+    sent_history = sum(costs[i] for i in kept if i not in mandatory)
+    parts = BudgetParts(
+        budget=result.budget, system_tokens=system_tokens, current_turn_tokens=current_tokens,
+        reply_priming_tokens=TOKENS_PER_REPLY, history_available=available,
+        history_target=available if result.reused or not trimmed else target,
+        history_sent=sent_history, window=window, reserve=reserve, calibration=calibration,
+    )
+    return Explanation(tuple(rows), parts, result.reused, result.notes)

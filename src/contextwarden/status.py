@@ -1,0 +1,132 @@
+"""The status lines above a reply: what a turn sent (or, in shadow mode, would have sent) and
+what the reply cost. Pure formatting of numbers the filter computed; no message text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+
+from .conversation import Message
+from .flags import Flags
+from .savings import Savings
+from .selection import TrimDecision
+from .trim import TrimResult
+from .usage import Cost, Usage
+
+__all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status"]
+
+
+def format_usd(amount: Decimal) -> str:
+    """Dollars for a status line: cents from $1 up, else two significant digits.
+
+    Example:
+        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456"))
+        ('0.0031', '12.35')
+    """
+    if amount == 0:
+        return "0"
+    if amount >= 1:
+        return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
+    return format(amount.quantize(Decimal(1).scaleb(amount.adjusted() - 1), rounding=ROUND_HALF_UP), "f")
+
+
+def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> str:
+    """`1,234 in (980 cached) · 456 out · $0.0031`; `~` marks estimates; no $ when unknown."""
+    mark = "~" if estimated else ""
+
+    def tokens(count: int | None) -> str:
+        return f"{mark}{count:,}" if isinstance(count, int) else "?"
+
+    line = f"{tokens(usage.prompt_tokens)} in"
+    if usage.cached_tokens:
+        line += f" ({usage.cached_tokens:,} cached)"
+    line += f" · {tokens(usage.completion_tokens)} out"
+    if show_cost and cost.cost_usd is not None:
+        line += f" · {mark}${format_usd(cost.cost_usd)}"
+    return line
+
+
+@dataclass(frozen=True, slots=True)
+class TurnChoice:
+    """What one pass decided to send, with the numbers the status line and outlet need."""
+
+    messages: list[Message]
+    count_before: int
+    tokens_before: int
+    tokens_after: int
+    budget: int
+    count_mode: str
+    decision: TrimDecision | None = None
+    dropped: int = 0
+    shortened: int = 0
+    over_budget: bool = False
+    summarized: bool = False
+    full: bool = False
+
+    @classmethod
+    def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
+        """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
+        count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
+        return cls(
+            messages=messages,
+            count_before=count,
+            tokens_before=result.tokens_before + extra_tokens,
+            tokens_after=result.tokens_after + extra_tokens,
+            budget=result.budget + extra_tokens,
+            count_mode=result.count_mode,
+            decision=result.decision,
+            dropped=len(result.dropped),
+            shortened=len(result.shortened),
+            over_budget=result.over_budget,
+        )
+
+
+def status_line(choice: TurnChoice, flags: Flags) -> str:
+    after = len(choice.messages)
+    if choice.full:
+        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
+    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
+        line = f"Context {choice.count_before:,} → {after:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+    else:
+        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
+    return line + _status_extras(choice, flags)
+
+
+def _status_extras(choice: TurnChoice, flags: Flags) -> str:
+    """The notes both lines share: summary, shortened, over budget, estimate, flags."""
+    line = ""
+    if choice.summarized:
+        line += " · earlier messages summarized"
+    if choice.shortened:
+        line += f" · {choice.shortened} shortened"
+    if choice.over_budget and not choice.full:
+        line += " · still over budget"
+    if choice.count_mode == "estimate":
+        line += " · estimated (tokenizer not loaded)"
+    if flags.used:
+        line += " · flags " + " ".join(flags.used)
+    if flags.refused:
+        line += " · not enabled: " + " ".join(flags.refused)
+    return line
+
+
+def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_cost: bool) -> str:
+    """`Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens (−$0.22)`: what enforce
+    mode would have done; the chat itself went out unchanged. Money is an estimate (`~`).
+
+    Example:
+        >>> shadow_status_line(TurnChoice([{}] * 38, 142, 96_210, 7_950, 8_000, "exact"), Flags(),
+        ...     Savings(96_210, 7_950, Decimal("0.2206")), True)
+        'Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens (−~$0.22)'
+    """
+    after = len(choice.messages)
+    if choice.full:
+        line = f"Shadow: !full, would send all {after:,} messages · {choice.tokens_after:,} tokens (budget {choice.budget:,})"
+    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
+        line = f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+        if show_cost and savings.cost_saved_usd:
+            line += f" (−~${format_usd(savings.cost_saved_usd)})"
+    else:
+        line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
+    return line + _status_extras(choice, flags)

@@ -1,0 +1,185 @@
+"""Modes: shadow leaves every body byte-identical while recording what enforce would have done
+(metadata note, usage line, ledger, per-chat shadow state); off does nothing before the reply
+but still records usage; a bad mode value is named and fails open (shadow)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from datetime import datetime, timezone
+from decimal import Decimal
+
+import pytest
+
+from contextwarden.chatstate import ChatState, chat_state_key
+from contextwarden.ledger import ledger_totals, read_ledger
+from contextwarden.pricing import PriceBook
+from contextwarden.savings import estimate_savings
+
+from chats import frozen
+from test_filter import Events, body_of, make_filter, usage_records
+from test_filter_state import grow
+from test_trim import chat_of
+
+MODEL = "gpt-4o"
+GPT4O_INPUT = Decimal("0.0000025")  # bundled price of openai/gpt-4o input, $2.50 / M
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_valves(request) -> dict:
+    return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+
+
+def without_metadata(body: dict) -> str:
+    """The JSON that reaches the backend: Open WebUI strips `metadata` before sending."""
+    return json.dumps({k: v for k, v in body.items() if k != "metadata"}, sort_keys=True)
+
+
+async def inlet_then_request(f, body: dict, user_id: str, events: Events) -> dict:
+    user = {"id": user_id}
+    first = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL, "owned_by": "openai"}, __event_emitter__=events)
+    return await f.request(first, __user__=user, __metadata__=first["metadata"], __model__={"id": MODEL, "owned_by": "openai"}, __event_emitter__=events)
+
+
+def reply_with_usage(prompt: int) -> dict:
+    return {"role": "assistant", "content": "Answer.", "usage": {"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10}}
+
+
+async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have_sent(counter, unique):
+    chat = chat_of(20)
+    enforce, shadow = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500), make_filter(
+        counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="shadow")
+    real = body_of(chat, chat_id=f"e-{unique}")
+    trimmed = await inlet_then_request(enforce, real, "u1", Events())
+    body = body_of(chat, chat_id=f"s-{unique}")
+    body["stream"] = True  # an OpenAI connection: enforce would ask for stream usage, shadow must not
+    before, snapshot = without_metadata(body), frozen(chat)
+    events = Events()
+    out = await inlet_then_request(shadow, body, "u1", events)
+    assert out is body and out["messages"] is chat and without_metadata(out) == before and frozen(chat) == snapshot
+    assert "stream_options" not in out
+    sent = counter.count_messages(trimmed["messages"], MODEL)
+    full = counter.count_messages(chat, MODEL)
+    note = body["metadata"]["contextwarden"]
+    assert note["mode"] == "shadow" and note["dropped"] == 0
+    assert note["estimated_prompt_tokens"] == full  # what really went out: the whole chat
+    assert note["tokens_saved"] == full - sent > 0
+    assert Decimal(note["cost_saved_usd"]) == (full - sent) * GPT4O_INPUT  # gpt-4o input, no tiers
+    line = f"Shadow: would send {len(trimmed['messages'])} of {len(chat)} messages · {full:,} → {sent:,} tokens"
+    assert events.statuses and all(s.startswith(line + " (−~$") for s in events.statuses)
+    assert all(e["data"]["done"] is True for e in events.items)
+
+
+async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_real_decision(counter, store_valves, unique):
+    valves = dict(max_context_tokens=1_500, reserve_output_tokens=0, low_watermark=0.7, **store_valves)
+    enforce, shadow = make_filter(counter, **valves), make_filter(counter, mode="shadow", **valves)
+    chat = chat_of(20)
+    for i in range(20, 24):
+        e_events, s_events = Events(), Events()
+        await inlet_then_request(enforce, body_of(chat, chat_id=f"e-{unique}", user_id="u1"), "u1", e_events)
+        await inlet_then_request(shadow, body_of(chat, chat_id=f"s-{unique}", user_id="u1"), "u1", s_events)
+        counts = re.match(r"Context (\d+) → (\d+) messages · ([\d,]+) → ([\d,]+) tokens", e_events.statuses[0]).groups()
+        would = re.match(r"Shadow: would send (\d+) of (\d+) messages · ([\d,]+) → ([\d,]+) tokens", s_events.statuses[0]).groups()
+        assert (would[1], would[0], would[2], would[3]) == counts  # the same choice, turn after turn
+        chat = grow(chat, i)
+    e_state = ChatState.from_bytes(await enforce._store.get(chat_state_key("u1", f"e-{unique}")))
+    s_state = ChatState.from_bytes(await shadow._store.get(chat_state_key("u1", f"s-{unique}")))
+    assert s_state.decision is None and s_state.shadow_decision == e_state.decision is not None
+    assert e_state.shadow_decision is None
+
+
+async def test_enforce_savings_survive_the_request_pass_on_the_trimmed_body(counter):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(20)
+    body = body_of(chat)
+    out = await inlet_then_request(f, body, "u1", Events())
+    note = body["metadata"]["contextwarden"]
+    full, sent = counter.count_messages(chat, MODEL), counter.count_messages(out["messages"], MODEL)
+    assert note["mode"] == "enforce" and note["tokens_saved"] == full - sent > 0  # not reset by the pass that had nothing to cut
+    assert Decimal(note["cost_saved_usd"]) == (full - sent) * GPT4O_INPUT
+
+
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves, unique, caplog, mode):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    # calibrate_counts off: a learned factor would land in the shared Redis and shrink other tests' budgets.
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode=mode, calibrate_counts=False, **store_valves)
+    user = f"u-{unique}"
+    saved_tokens, saved_usd = 0, Decimal(0)
+    for turn in range(2):
+        chat = chat_of(20 + turn)
+        body = body_of(chat, user_id=user, chat_id=f"c-{unique}")
+        await inlet_then_request(f, body, user, Events())
+        note = body["metadata"]["contextwarden"]
+        saved_tokens += note["tokens_saved"]
+        saved_usd += Decimal(note["cost_saved_usd"])
+        out = {"model": MODEL, "messages": chat + [reply_with_usage(900)], "chat_id": f"c-{unique}"}
+        await f.outlet(out, __user__={"id": user}, __metadata__=body["metadata"])
+    records = usage_records(caplog)
+    assert [r["mode"] for r in records] == [mode, mode]
+    assert sum(r["tokens_saved"] for r in records) == saved_tokens > 0
+    assert sum(Decimal(r["cost_saved_usd"]) for r in records) == saved_usd > 0
+    today = datetime.now(timezone.utc).date()
+    [row] = ledger_totals([e for e in await read_ledger(f._store, since=today) if e.user == user], "user")
+    real, shadow = (saved_tokens, 0) if mode == "enforce" else (0, saved_tokens)
+    assert (row.counters["tokens_saved"], row.counters["shadow_tokens_saved"]) == (real, shadow)
+    assert (row.counters["trimmed"], row.counters["shadow_trimmed"]) == ((2, 0) if mode == "enforce" else (0, 2))
+    assert row.usd("cost_saved_picousd" if mode == "enforce" else "shadow_cost_saved_picousd") == saved_usd
+    assert row.usd("shadow_cost_saved_picousd" if mode == "enforce" else "cost_saved_picousd") == 0
+    assert row.counters["requests"] == 2 and row.as_dict()[("" if mode == "enforce" else "shadow_") + "cost_saved_usd"] == format(saved_usd.normalize(), "f")
+
+
+async def test_calibrated_savings_use_the_factor(counter, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    await f._learn_calibration("openai/gpt-4o", 1_000, 1_250)  # factor 1.25 from one sample
+    chat = chat_of(20)
+    body = body_of(chat, chat_id=f"c-{unique}")
+    out = await inlet_then_request(f, body, "u1", Events())
+    full, sent = counter.count_messages(chat, MODEL), counter.count_messages(out["messages"], MODEL)
+    expected = estimate_savings(full, sent, factor=1.25, price=PriceBook.from_bundled().prices["openai/gpt-4o"])
+    note = body["metadata"]["contextwarden"]
+    assert note["tokens_saved"] == expected.tokens_saved and note["tokens_saved"] != full - sent
+    assert Decimal(note["cost_saved_usd"]) == expected.cost_saved_usd
+
+
+async def test_off_does_nothing_before_the_reply_but_records_usage(counter, caplog, unique):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="off")
+    chat = chat_of(20)
+    body = body_of(chat, chat_id=f"c-{unique}")
+    body["stream"] = True
+    before = json.dumps(body, sort_keys=True)
+    events = Events()
+    assert await inlet_then_request(f, body, "u1", events) is body
+    assert json.dumps(body, sort_keys=True) == before and events.items == []  # not even a metadata note
+    assert await f._store.get(chat_state_key("u1", f"c-{unique}")) is None
+    await f.outlet({"model": MODEL, "messages": chat + [reply_with_usage(4_000)], "chat_id": "c"}, __user__={"id": "u1"},
+                   __metadata__=body["metadata"], __event_emitter__=events)
+    [record] = usage_records(caplog)
+    assert (record["mode"], record["tokens_saved"], record["cost_saved_usd"], record["prompt_tokens"]) == ("off", None, None, 4_000)
+    assert events.statuses == ["4,000 in · 10 out · $0.010"]  # 4,000 × $2.50/M + 10 × $10/M = $0.0101
+    [row] = ledger_totals(await read_ledger(f._store), "user")
+    assert row.counters["requests"] == 1 and row.counters["trimmed"] == row.counters["shadow_trimmed"] == 0
+
+
+async def test_a_bad_mode_is_named_and_fails_open_to_shadow(counter, caplog):
+    caplog.set_level(logging.WARNING, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="enforced")
+    chat = chat_of(20)
+    body = body_of(chat)
+    before = without_metadata(body)
+    events = Events()
+    out = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
+    assert out is body and without_metadata(out) == before
+    assert "contextwarden: mode must be one of enforce, shadow, off; using shadow (chats are sent unchanged)" in events.statuses
+    assert any(s.startswith("Shadow: would send ") for s in events.statuses)
+    assert any("(valve mode)" in r.getMessage() for r in caplog.records)
+    assert body["metadata"]["contextwarden"]["mode"] == "shadow"
+
+
+def test_mode_valve_renders_as_a_select():
+    from contextwarden import Filter
+
+    schema = Filter.Valves.model_json_schema()["properties"]["mode"]
+    assert schema["enum"] == ["enforce", "shadow", "off"] and schema["default"] == "enforce"
