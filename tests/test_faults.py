@@ -260,8 +260,9 @@ async def test_redis_killed_and_restarted_mid_run(counter, own_redis, caplog, mo
 
 
 async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis, caplog, monkeypatch, unique):
-    """Cut off (Redis keeps its data) and restored: every increment is in Redis or in the worker's
-    fallback, exactly once. (Those made during the outage stay in the worker: not replayed.)"""
+    """Cut off (Redis keeps its data) and restored: every plain increment is in Redis or in the
+    worker's fallback, exactly once; the ledger's named increments are held and replayed, so all
+    replies end up in Redis, once each."""
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.3)
@@ -287,7 +288,7 @@ async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis,
     direct = RedisStore(own_redis.url)
     ledger_redis = sum(e.counters["requests"] for e in await read_ledger(direct) if e.user == f"u-{unique}")
     ledger_worker = sum(e.counters["requests"] for e in await read_ledger(store.fallback) if e.user == f"u-{unique}")
-    assert (ledger_redis, ledger_worker) == (10, 5)  # 15 replies, each recorded exactly once
+    assert (ledger_redis, ledger_worker) == (15, 0)  # 15 replies, each recorded exactly once, all shared
     await direct.aclose()
     assert store.shared
     assert len(warnings_about(caplog, "Redis unavailable")) == 1
@@ -321,19 +322,39 @@ async def test_slow_redis_times_out_falls_back_and_recovers_consistent(counter, 
     await proxy.cut()
 
 
-@pytest.mark.xfail(strict=True, reason="store: an increment whose reply times out is applied by Redis AND by the fallback (see docs/reliability.md)")
 async def test_slow_redis_does_not_double_count(own_redis, monkeypatch, unique):
+    """A named increment whose reply times out is held and sent again; Redis applies it once."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.2)
     key = f"t:{unique}"
-    await store.incr(key, {"n": 1}, ttl=60)
+    await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:1")
     proxy.delay = 1.0
-    await store.incr(key, {"n": 1}, ttl=60)  # reaches Redis; the reply comes too late
+    await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:2")  # reaches Redis; the reply comes too late
+    assert len(store._pending) == 1 and not await store.fallback.counters(key)
     await asyncio.sleep(1.2)
-    counted = (await raw_counters(own_redis.url, key))["n"] + (await store.fallback.counters(key)).get("n", 0)
+    proxy.delay = 0.0
+    await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:3")  # Redis answers: the held one is sent again
+    await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:3")  # a repeat of a named increment adds nothing
+    assert not store._pending
+    assert (await raw_counters(own_redis.url, key))["n"] == 3
     await store.aclose()
     await proxy.cut()
-    assert counted == 2
+
+
+async def test_refused_redis_holds_named_increments_until_it_returns(own_redis, monkeypatch, unique):
+    """While Redis is down, ledger increments wait in the worker and land once it is back."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    store = RedisStore(own_redis.url, timeout=0.2)
+    key = f"t:{unique}"
+    own_redis.stop()
+    for i in range(5):
+        await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:{i}")
+    assert len(store._pending) == 5
+    own_redis.start()
+    await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:5")
+    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 6
+    await store.aclose()
 
 
 # -- OpenRouter prices ------------------------------------------------------------------------------

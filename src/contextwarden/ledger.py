@@ -10,6 +10,7 @@ keeps its own totals. Query helpers add the keys up by user, model or day.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
@@ -157,7 +158,8 @@ async def record_reply(
 ) -> str:
     """Add one reply to its (day, user, model) totals in a single atomic increment.
 
-    Never retried: a failed call may or may not have counted, and a retry could count twice.
+    Counted once: the increment is named (a fresh id), so when a Redis timeout leaves unknown
+    whether it was applied, the store can send it again and Redis applies it only once.
 
     Args:
         user: Open WebUI user id (None = "-").
@@ -193,7 +195,7 @@ async def record_reply(
         fields[prefix + "trimmed"] = 1
         fields[prefix + "tokens_saved"] = tokens_saved
         fields[prefix + "cost_saved_picousd"] = usd_to_picodollars(cost_saved_usd) if cost_saved_usd else 0
-    await store.incr(key, fields, ttl=max(1, retention_days) * 86_400)
+    await store.incr(key, fields, ttl=max(1, retention_days) * 86_400, once=f"ledger:{uuid.uuid4().hex}")
     return key
 
 

@@ -11,7 +11,7 @@ import asyncio
 import fnmatch
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 
 import redis.asyncio as aioredis
@@ -26,6 +26,8 @@ KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
 REDIS_RETRY_SECONDS = 30.0
+REDIS_PENDING_LIMIT = 10_000  # named increments a worker holds while Redis is away
+ONCE_MARKER_SECONDS = 2 * 86_400  # how long Redis remembers that a named increment was applied
 REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
 # Waiting for a free pooled connection measures a busy event loop, not Redis: each holder's
 # command is already bounded by the socket timeouts. Give up only after this long.
@@ -48,8 +50,12 @@ class Store:
     async def delete(self, key: str) -> None:
         raise NotImplementedError
 
-    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
-        """Add to integer fields of a counter key atomically, refreshing its expiry."""
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        """Add to integer fields of a counter key atomically, refreshing its expiry.
+
+        `once` names this increment: a second call with the same name adds nothing, so an
+        increment whose outcome is unknown (a timeout) can be sent again safely.
+        """
         raise NotImplementedError
 
     async def counters(self, key: str) -> dict[str, int]:
@@ -71,6 +77,7 @@ class MemoryStore(Store):
     def __init__(self, *, max_keys: int = DEFAULT_MEMORY_KEYS) -> None:
         self.max_keys = max_keys
         self._data: OrderedDict[str, tuple[float, bytes | dict[str, int]]] = OrderedDict()
+        self._done: OrderedDict[str, None] = OrderedDict()  # names of `once` increments applied
 
     def _live(self, key: str) -> bytes | dict[str, int] | None:
         entry = self._data.get(key)
@@ -104,7 +111,13 @@ class MemoryStore(Store):
     async def delete(self, key: str) -> None:
         self._data.pop(key, None)
 
-    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        if once is not None:
+            if once in self._done:
+                return
+            self._done[once] = None
+            if len(self._done) > self.max_keys:
+                self._done.popitem(last=False)
         current = self._live(key)
         totals = dict(current) if isinstance(current, dict) else {}
         for name, amount in fields.items():
@@ -122,8 +135,10 @@ class MemoryStore(Store):
 class RedisStore(Store):
     """A Redis store under `KEY_PREFIX`, with short timeouts and an in-process fallback.
 
-    While Redis does not answer, calls go to the fallback store (and are not replayed to
-    Redis later: counters recorded then stay in this worker). One warning per outage.
+    While Redis does not answer, calls go to the fallback store, with one warning per outage.
+    Named increments (`incr(..., once=...)`, the ledger's) are not: a timed-out one may have
+    been applied, so they wait in this worker (up to `REDIS_PENDING_LIMIT`) and are sent again,
+    harmlessly, once Redis answers; nothing is counted twice or lost while the worker lives.
     """
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_REDIS_TIMEOUT, fallback: Store | None = None) -> None:
@@ -145,6 +160,7 @@ class RedisStore(Store):
             ) from None
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
+        self._pending: deque[tuple[str, dict[str, int], int, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
 
     @property
     def shared(self) -> bool:
@@ -171,8 +187,21 @@ class RedisStore(Store):
                 self._failed(exc)
             else:
                 self._recovered()
+                if self._pending:
+                    await self._replay()
                 return result
         return await getattr(self.fallback, name)(*args, **kwargs)
+
+    async def _replay(self) -> None:
+        """Send the named increments held during an outage (each applies at most once)."""
+        while self._pending:
+            key, fields, ttl, once = self._pending[0]
+            try:
+                await self._redis_incr(key, fields, ttl=ttl, once=once)
+            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed(exc)
+                return
+            self._pending.popleft()
 
     async def get(self, key: str) -> bytes | None:
         return await self._call("get", key)
@@ -186,8 +215,21 @@ class RedisStore(Store):
     async def delete(self, key: str) -> None:
         await self._call("delete", key)
 
-    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
-        await self._call("incr", key, fields, ttl=ttl)
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        if once is None:
+            await self._call("incr", key, fields, ttl=ttl)
+            return
+        if self._usable():
+            try:
+                await self._redis_incr(key, fields, ttl=ttl, once=once)
+            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed(exc)
+            else:
+                self._recovered()
+                if self._pending:
+                    await self._replay()
+                return
+        self._pending.append((key, dict(fields), ttl, once))
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
@@ -207,7 +249,12 @@ class RedisStore(Store):
     async def _redis_delete(self, key: str) -> None:
         await self._redis.delete(KEY_PREFIX + key)
 
-    async def _redis_incr(self, key: str, fields: Mapping[str, int], *, ttl: int) -> None:
+    async def _redis_incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        if once is not None:
+            flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
+            marker = KEY_PREFIX + "once:" + once
+            await self._redis.eval(_INCR_ONCE_SCRIPT, 2, KEY_PREFIX + key, marker, ttl, min(ttl, ONCE_MARKER_SECONDS), *flat)
+            return
         async with self._redis.pipeline(transaction=True) as pipe:
             for name, amount in fields.items():
                 pipe.hincrby(KEY_PREFIX + key, name, int(amount))
@@ -224,6 +271,15 @@ class RedisStore(Store):
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+# Applies the increments only if the marker key was not there: one atomic step in Redis.
+_INCR_ONCE_SCRIPT = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 def open_store(redis_url: str) -> Store:
