@@ -65,14 +65,14 @@ def seed_encodings() -> list[str]:
     return offline.seed_tiktoken_cache()
 
 
-def load_bundle() -> types.ModuleType:
+def load_bundle(path: Path = BUNDLE) -> types.ModuleType:
     """The single file as Open WebUI loads a function: fresh module, in sys.modules, exec."""
-    source = BUNDLE.read_text()
+    source = path.read_text()
     name = f"function_contextwarden_{uuid.uuid4().hex}"
     module = types.ModuleType(name)
-    module.__dict__["__file__"] = str(BUNDLE)
+    module.__dict__["__file__"] = str(path)
     sys.modules[name] = module
-    exec(compile(source, str(BUNDLE), "exec"), module.__dict__)
+    exec(compile(source, str(path), "exec"), module.__dict__)
     return module
 
 
