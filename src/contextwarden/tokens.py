@@ -179,7 +179,9 @@ class TokenCounter:
 
     def _pick(self, model: str | None) -> tuple[str, Any | None]:
         name = encoding_for(model)
-        encoding = self._encoding(name)
+        encoding = self._encodings.get(name)
+        if encoding is None:
+            encoding = self._encoding(name)
         if encoding is not None:
             return name, encoding
         for other, loaded in self._encodings.items():
@@ -232,10 +234,14 @@ class TokenCounter:
         call_id = message.get("tool_call_id")
         if isinstance(call_id, str) and call_id:
             total += self._count(call_id, encoding_name, encoding)
-        text = message_text(message)
+        content = message.get("content")
+        if isinstance(content, str) and message.get("tool_calls") is None:
+            text, images = content, 0  # the common case, without walking parts or calls
+        else:
+            text, images = message_text(message), image_count(message)
         if text:
             total += self._count(text, encoding_name, encoding)
-        return total + image_count(message) * self.image_tokens
+        return total + images * self.image_tokens
 
     def count_messages(self, messages: Iterable[Message], model: str | None = None) -> int:
         """Tokens a whole prompt costs, reply priming included."""
