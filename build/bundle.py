@@ -34,7 +34,13 @@ MODULES = [
     "selection",
     "trim",
     "store",
+    "price_data",
+    "pricing",
+    "live_prices",
+    "price_sources",
     "usage",
+    "ledger",
+    "calibration",
     "valves",
     "filter",
 ]

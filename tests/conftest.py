@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
+from contextwarden import price_sources  # noqa: E402
+from contextwarden.live_prices import LivePrices  # noqa: E402
 from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
 from contextwarden.tokens import TokenCounter  # noqa: E402
 
@@ -79,6 +81,20 @@ def redis_url():
     finally:
         process.terminate()
         process.wait(10)
+
+
+class OfflineLivePrices(LivePrices):
+    """Live prices that never fetch: no test reaches the real OpenRouter."""
+
+    def refresh_in_background(self):
+        return None
+
+
+@pytest.fixture(autouse=True)
+def no_live_price_fetch(monkeypatch):
+    """Filters built in tests never fetch live prices; tests of live prices pass their own
+    `live_factory` (with respx) to PriceSources."""
+    monkeypatch.setattr(price_sources, "LivePrices", OfflineLivePrices)
 
 
 @pytest.fixture

@@ -84,7 +84,7 @@ LOADER = textwrap.dedent(
     Filter = module.Filter
     f = Filter()
     assert f.valves.priority == 0
-    f.valves = Filter.Valves(**{"max_context_tokens": BUDGET + 500, "reserve_output_tokens": 500})
+    f.valves = Filter.Valves(**{"max_context_tokens": BUDGET + 500, "reserve_output_tokens": 500, "openrouter_pricing": False})
     f._counter = module.TokenCounter(block=True)
     assert f._counter.wait_ready("gpt-4o")
     Forbid.blocked.discard("contextwarden")

@@ -139,11 +139,14 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
     assert await f.outlet(out_body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"], __event_emitter__=events) is out_body
     [record] = usage_records(caplog)
     assert record == {
-        "model": "gpt-4o", "user_id": "u1", "chat_id": "c1", "prompt_tokens": 321, "completion_tokens": 12,
-        "estimated": False, "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"), "cost_usd": None,
+        "model": "gpt-4o", "resolved_model": "openai/gpt-4o", "user_id": "u1", "chat_id": "c1",
+        "prompt_tokens": 321, "completion_tokens": 12, "cached_tokens": None, "reasoning_tokens": None,
+        "estimated": False, "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"), "usage_shape": "openai",
+        # 321 x $2.50/M + 12 x $10/M
+        "cost_usd": "0.0009225", "cost_source": "price_table", "cost_note": None,
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
-    assert events.statuses == ["321 in · 12 out"]
+    assert events.statuses == ["321 in · 12 out · $0.00092"]
 
 
 async def test_outlet_usage_in_info_and_estimates(counter, caplog):

@@ -1,16 +1,23 @@
-"""The `contextwarden` command: `trim` a chat file, `build` the single Open WebUI file."""
+"""The `contextwarden` command: `trim` a chat file, `build` the single Open WebUI file, and
+`usage`: totals per user / model / day from the Redis the filter records into."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 
 from .conversation import message_text
+from .errors import ConfigError
+from .ledger import LedgerEntry, ledger_totals, read_ledger
 from .offline import seed_tiktoken_cache, tiktoken_cache_dir
+from .report import render_csv, render_html, render_json, render_table
+from .store import RedisStore, open_store
 from .tokens import TokenCounter
 from .trim import TrimResult, trim_messages
 
@@ -101,6 +108,57 @@ def _cmd_encodings(args: argparse.Namespace) -> int:
     return 0 if names else 1
 
 
+USAGE_REDIS_TIMEOUT = 5.0  # seconds; the command may wait longer than a chat would
+NO_REDIS_HELP = (
+    "contextwarden usage: give --redis-url (the filter's redis_url valve).\n"
+    "Without Redis the filter keeps its totals in memory inside each Open WebUI worker, where\n"
+    "no other process can read them; set the redis_url valve to keep totals you can report on."
+)
+
+
+async def _usage_entries(url: str, since: date | None, until: date | None) -> list[LedgerEntry]:
+    """Every ledger entry between two days, read from Redis (raises ConnectionError when down)."""
+    if not isinstance(open_store(url), RedisStore):  # checks the URL's scheme
+        raise ConfigError("--redis-url is empty", valve="redis_url")
+    store = RedisStore(url, timeout=USAGE_REDIS_TIMEOUT)
+    try:
+        entries = await read_ledger(store, since=since, until=until)
+        if not store.shared:  # the store fell back to in-process: Redis did not answer
+            raise ConnectionError(f"Redis at the given --redis-url did not answer within {USAGE_REDIS_TIMEOUT:g}s")
+        return entries
+    finally:
+        await store.aclose()
+
+
+def _cmd_usage(args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        print(NO_REDIS_HELP, file=sys.stderr)
+        return 2
+    try:
+        entries = asyncio.run(_usage_entries(args.redis_url, args.since, args.until))
+    except (ConfigError, ConnectionError) as exc:
+        print(f"contextwarden usage: {exc}", file=sys.stderr)
+        return 2
+    if args.html:
+        Path(args.html).write_text(render_html(entries, args.since), encoding="utf-8")
+        print(f"wrote {args.html} ({len(entries):,} day/user/model totals)", file=sys.stderr)
+    rows = ledger_totals(entries, args.by)
+    if args.format == "json":
+        print(render_json(rows, args.by, args.since))
+    elif args.format == "csv":
+        sys.stdout.write(render_csv(rows, args.by))
+    else:
+        print(render_table(rows, args.by) if rows else "no usage recorded" + (f" since {args.since}" if args.since else ""))
+    return 0
+
+
+def _since_date(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a date: {text!r} (use YYYY-MM-DD)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `contextwarden` command."""
     parser = argparse.ArgumentParser(prog="contextwarden", description="Keep chats inside a token budget.")
@@ -121,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     encodings = commands.add_parser("encodings", help="seed tiktoken's cache for offline machines")
     encodings.add_argument("--dir", help="cache directory (default: tiktoken's, from TIKTOKEN_CACHE_DIR)")
     encodings.set_defaults(run=_cmd_encodings)
+
+    usage = commands.add_parser("usage", help="usage and cost totals per user, model or day (from Redis)")
+    usage.add_argument("--redis-url", help="the Redis the filter records into (its redis_url valve)")
+    usage.add_argument("--by", choices=("user", "model", "day"), default="model", help="how to add totals up (default: model)")
+    usage.add_argument("--since", type=_since_date, help="first UTC day to include, YYYY-MM-DD (default: all kept)")
+    usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: today)")
+    usage.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    usage.add_argument("--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)")
+    usage.set_defaults(run=_cmd_usage)
 
     args = parser.parse_args(argv)
     if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) <= 0:

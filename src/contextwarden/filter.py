@@ -11,17 +11,23 @@ import json
 import logging
 import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
+from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
 from .conversation import message_text
 from .errors import ConfigError
+from .ledger import record_reply
+from .price_sources import PriceSources
+from .pricing import Resolution, resolve_model
 from .store import MemoryStore, Store, open_store
 from .tokens import TokenCounter
 from .trim import TrimResult, trim_messages
-from .usage import read_usage
+from .usage import Cost, Usage, compute_cost, read_usage
 from .valves import Settings, UserValves, Valves, read_settings
 
-__all__ = ["Filter", "model_context_length"]
+__all__ = ["Filter", "model_context_length", "wants_stream_usage", "format_usd"]
 
 filter_log = logging.getLogger("contextwarden")
 
@@ -77,6 +83,61 @@ def _where(exc: BaseException) -> str:
     return f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno}"
 
 
+def wants_stream_usage(body: dict[str, Any], model: dict[str, Any] | None) -> bool:
+    """True when a streamed request goes to an OpenAI-compatible connection that should be
+    asked for usage (`stream_options.include_usage`) and has not been yet.
+
+    Not for Ollama (`owned_by == "ollama"`), arena or pipe models (a pipe may call any API),
+    direct connections, or an unknown backend (`__model__` missing). Open WebUI 0.12 keeps a
+    connection's Responses-API or Azure api_version setting out of `__model__`, but drops
+    `stream_options` itself where those do not take it.
+    """
+    if body.get("stream") is not True or not isinstance(model, dict):
+        return False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return False
+    if model.get("owned_by") != "openai" or "ollama" in model or model.get("pipe") or model.get("direct"):
+        return False
+    return model.get("api_type") != "responses"
+
+
+def _with_stream_usage(body: dict[str, Any]) -> dict[str, Any]:
+    """A new body asking for usage in the stream (the input is not changed)."""
+    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    return {**body, "stream_options": {**options, "include_usage": True}}
+
+
+def format_usd(amount: Decimal) -> str:
+    """Dollars for a status line: cents from $1 up, else two significant digits.
+
+    Example:
+        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456"))
+        ('0.0031', '12.35')
+    """
+    if amount == 0:
+        return "0"
+    if amount >= 1:
+        return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
+    return format(amount.quantize(Decimal(1).scaleb(amount.adjusted() - 1), rounding=ROUND_HALF_UP), "f")
+
+
+def _usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> str:
+    """`1,234 in (980 cached) · 456 out · $0.0031`; `~` marks estimates; no $ when unknown."""
+    mark = "~" if estimated else ""
+
+    def tokens(count: int | None) -> str:
+        return f"{mark}{count:,}" if isinstance(count, int) else "?"
+
+    line = f"{tokens(usage.prompt_tokens)} in"
+    if usage.cached_tokens:
+        line += f" ({usage.cached_tokens:,} cached)"
+    line += f" · {tokens(usage.completion_tokens)} out"
+    if show_cost and cost.cost_usd is not None:
+        line += f" · {mark}${format_usd(cost.cost_usd)}"
+    return line
+
+
 def _status_line(result: TrimResult) -> str:
     before, after = len(result.kept) + len(result.dropped) + len(result.shortened), len(result.messages)
     if result.changed:
@@ -104,6 +165,7 @@ class Filter:
         self._store: Store = MemoryStore()
         self._store_url = ""
         self._reported: set[str] = set()
+        self._prices = PriceSources(lambda: self._store)
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -117,9 +179,10 @@ class Filter:
     ) -> dict:
         """Trim before Open WebUI adds RAG, memory and tools (older versions only have this hook)."""
         try:
-            return await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
+            trimmed = await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
         except Exception as exc:
             return await self._failed("inlet", exc, body, __event_emitter__)
+        return self._ask_stream_usage(trimmed, __user__, __model__)
 
     async def request(
         self,
@@ -131,9 +194,10 @@ class Filter:
     ) -> dict:
         """Trim right before each provider call, after RAG and tools were added (idempotent)."""
         try:
-            return await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
+            trimmed = await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
         except Exception as exc:
             return await self._failed("request", exc, body, __event_emitter__)
+        return self._ask_stream_usage(trimmed, __user__, __model__)
 
     async def outlet(
         self,
@@ -167,7 +231,8 @@ class Filter:
             return body
         settings = await self._settings(user, emit)
         model_id = _base_model_id(body, model)
-        budget = settings.budget(model_context_length(model))
+        calibration = await self._calibration(settings, model_id, emit)
+        budget = calibrated_budget(settings.budget(model_context_length(model)), calibration)
         result = trim_messages(body["messages"], max_tokens=budget, model=model_id, token_counter=self._counter)
         if isinstance(metadata, dict):
             metadata[METADATA_KEY] = {
@@ -175,9 +240,11 @@ class Filter:
                 "count_mode": result.count_mode,
                 "budget": budget,
                 "dropped": len(result.dropped),
+                "calibration": calibration.factor,
             }
         if settings.show_status:
-            await self._emit(emit, _status_line(result))
+            calibrated = f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""
+            await self._emit(emit, _status_line(result) + calibrated)
         if not result.changed:
             return body
         return {**body, "messages": result.messages}
@@ -198,31 +265,113 @@ class Filter:
         metadata = metadata if isinstance(metadata, dict) else {}
         note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
         model_id = _base_model_id(body, model)
+        resolution = await self._resolve(settings, model_id, emit)
         reply = body["messages"][-1]
         usage = read_usage(reply)
         estimated_prompt = note.get("estimated_prompt_tokens")
-        if usage is not None and usage.prompt_tokens is not None:
-            prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
+        if not isinstance(estimated_prompt, int) or isinstance(estimated_prompt, bool):
+            estimated_prompt = None
+        billed, estimated = self._billed_usage(usage, estimated_prompt, body["messages"], model_id)
+        cost = compute_cost(billed, resolution.price)
+        if cost.cost_usd is None:
+            cost_note = resolution.reason if resolution.price is None and resolution.reason else cost.reason
         else:
-            if not isinstance(estimated_prompt, int):
-                estimated_prompt = self._counter.count_messages(body["messages"][:-1], model_id)
-            prompt, estimated = estimated_prompt, True
-            completion = self._counter.count_text(message_text(reply), model_id)
+            cost_note = "; ".join(cost.notes) or None
+        user_id = (user or {}).get("id")
         record = {
             "model": model_id,
-            "user_id": (user or {}).get("id"),
+            "resolved_model": resolution.model_id,
+            "user_id": user_id,
             "chat_id": body.get("chat_id") or metadata.get("chat_id") or None,
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
+            "prompt_tokens": billed.prompt_tokens,
+            "completion_tokens": billed.completion_tokens,
+            "cached_tokens": billed.cached_tokens,
+            "reasoning_tokens": billed.reasoning_tokens,
             "estimated": estimated,
-            "estimated_prompt_tokens": estimated_prompt if isinstance(estimated_prompt, int) else None,
-            "cost_usd": None,
+            "estimated_prompt_tokens": estimated_prompt,
+            "usage_shape": billed.shape,
+            "cost_usd": None if cost.cost_usd is None else format(cost.cost_usd.normalize(), "f"),
+            "cost_source": cost.cost_source,
+            "cost_note": cost_note,
         }
         filter_log.info("usage %s", json.dumps(record, separators=(",", ":")))
+        try:  # after the log line, once: never retried, so never counted twice
+            await record_reply(
+                self._store, user=user_id, model=resolution.model_id or model_id,
+                prompt_tokens=billed.prompt_tokens, completion_tokens=billed.completion_tokens,
+                cached_tokens=billed.cached_tokens, reasoning_tokens=billed.reasoning_tokens,
+                cost_usd=cost.cost_usd, estimated=estimated, retention_days=settings.ledger_retention_days,
+            )
+        except Exception as exc:
+            filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
+        if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
+                and estimated_prompt is not None and note.get("count_mode") == "exact":
+            try:
+                await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
+            except Exception as exc:
+                filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if settings.show_status:
-            mark = "~" if estimated else ""
-            out = f"{completion:,}" if isinstance(completion, int) else "?"
-            await self._emit(emit, f"{mark}{prompt:,} in · {mark}{out} out")
+            await self._emit(emit, _usage_status(billed, estimated, cost, settings.show_cost))
+
+    def _billed_usage(
+        self, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
+    ) -> tuple[Usage, bool]:
+        """The usage to log and bill: the backend's, with what it left out estimated (and marked)."""
+        if usage is not None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
+            return usage, False
+        prompt = usage.prompt_tokens if usage is not None else None
+        if prompt is None:
+            prompt = estimated_prompt if estimated_prompt is not None else self._counter.count_messages(messages[:-1], model_id)
+        completion = usage.completion_tokens if usage is not None else None
+        if completion is None:
+            completion = self._counter.count_text(message_text(messages[-1]), model_id)
+        if usage is None:
+            return Usage(prompt, completion, shape="estimate"), True
+        return replace(usage, prompt_tokens=prompt, completion_tokens=completion), True
+
+    # -- prices, calibration, stream usage -----------------------------------------------------
+
+    async def _resolve(self, settings: Settings, model_id: str, emit: Emitter | None) -> Resolution:
+        """The price-book model for an id (admin file > live OpenRouter > bundled)."""
+        book, problems = self._prices.book(
+            openrouter=settings.openrouter_pricing, ttl_hours=settings.pricing_ttl_hours, pricing_file=settings.pricing_file
+        )
+        for problem in problems:
+            await self._report(problem, emit)
+        return resolve_model(
+            model_id, book, aliases=settings.model_aliases, prefixes=settings.connection_prefixes, free_models=settings.free_models
+        )
+
+    async def _calibration(self, settings: Settings, model_id: str, emit: Emitter | None) -> Calibration:
+        """The learned count correction for a model (none when switched off or unreadable)."""
+        if not settings.calibrate_counts:
+            return Calibration()
+        resolution = await self._resolve(settings, model_id, emit)
+        try:
+            return await load_calibration(self._store, resolution.model_id or model_id)
+        except Exception as exc:
+            filter_log.debug("contextwarden: calibration not read (%s)", type(exc).__name__)
+            return Calibration()
+
+    async def _learn_calibration(self, model_key: str, counted: int, real: int | None) -> None:
+        if real is None:
+            return
+        updated = update_calibration(await load_calibration(self._store, model_key), counted, real)
+        if updated is not None:
+            await save_calibration(self._store, model_key, updated)
+
+    def _ask_stream_usage(self, body: Any, user: dict | None, model: dict | None) -> Any:
+        """The body with `stream_options.include_usage` when the backend should be asked."""
+        try:
+            if not isinstance(body, dict) or not wants_stream_usage(body, model):
+                return body
+            user_valves = user.get("valves") if isinstance(user, dict) else None
+            if not read_settings(self.valves, user_valves)[0].request_stream_usage:
+                return body
+            return _with_stream_usage(body)
+        except Exception as exc:  # never cost the turn
+            filter_log.debug("contextwarden: stream usage not requested (%s)", type(exc).__name__)
+            return body
 
     # -- shared helpers -----------------------------------------------------------------------
 

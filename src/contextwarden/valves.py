@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from .errors import ConfigError
+from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
+from .live_prices import DEFAULT_PRICING_TTL_HOURS
+from .pricing import parse_aliases, parse_model_globs
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS"]
 
@@ -43,6 +46,30 @@ class Valves(BaseModel):
         description='JSON object mapping model ids (or * globs) to price-table ids, e.g. {"my-gpt": "openai/gpt-4o"}.',
     )
     show_status: bool = Field(default=True, description="Show what was trimmed and what a reply cost above each reply.")
+    openrouter_pricing: bool = Field(
+        default=True,
+        description="Refresh prices from OpenRouter's public model list in the background. Off for air-gapped installs (the bundled prices are used).",
+    )
+    pricing_ttl_hours: float = Field(default=DEFAULT_PRICING_TTL_HOURS, gt=0, description="How old live OpenRouter prices may get before a background refresh.")
+    pricing_file: str = Field(
+        default="", description="Path to your own pricing.json (same format as the bundled one); its models win over live and bundled prices. Empty = none."
+    )
+    free_models: str = Field(
+        default="", description='Models that cost nothing (local Ollama models, say): ids or * globs, comma-separated or a JSON list, e.g. "llama*, qwen3:*".'
+    )
+    connection_prefixes: str = Field(
+        default="", description='Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".'
+    )
+    request_stream_usage: bool = Field(
+        default=True,
+        description="Ask OpenAI-compatible backends for usage in streamed replies (stream_options.include_usage), so costs are real, not estimates.",
+    )
+    calibrate_counts: bool = Field(
+        default=True, description="Learn per model how far our token counts are from the provider's and shrink budgets to match."
+    )
+    ledger_retention_days: int = Field(
+        default=DEFAULT_LEDGER_RETENTION_DAYS, ge=1, description="How long per user / model / day usage totals are kept (in Redis or in-process)."
+    )
 
 
 class UserValves(BaseModel):
@@ -52,6 +79,7 @@ class UserValves(BaseModel):
     max_context_tokens: int = Field(
         default=0, ge=0, description="Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
     )
+    show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +92,15 @@ class Settings:
     redis_url: str
     model_aliases: dict[str, str]
     show_status: bool
+    show_cost: bool = True
+    openrouter_pricing: bool = True
+    pricing_ttl_hours: float = DEFAULT_PRICING_TTL_HOURS
+    pricing_file: str = ""
+    free_models: tuple[str, ...] = ()
+    connection_prefixes: tuple[str, ...] = ()
+    request_stream_usage: bool = True
+    calibrate_counts: bool = True
+    ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -75,23 +112,28 @@ class Settings:
         return max(budget, MIN_BUDGET_TOKENS)
 
 
-def _parse_aliases(text: str) -> dict[str, str]:
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"model_aliases is not valid JSON (line {exc.lineno}, column {exc.colno})", valve="model_aliases") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise ConfigError('model_aliases must be a JSON object of strings, e.g. {"my-gpt": "openai/gpt-4o"}', valve="model_aliases")
-    return value
-
-
 def _field(valves: object, name: str, default):
     value = getattr(valves, name, default)
-    if type(value) is type(default):  # exact: True is not an int token budget
-        return value, None
+    if type(value) is type(default) or (type(default) is float and type(value) is int):
+        return value, None  # exact: True is not an int token budget
     return default, ConfigError(f"{name} has the wrong type ({type(value).__name__}); using {default!r}", valve=name)
+
+
+def _parse_globs(text: str, valve: str) -> tuple[str, ...]:
+    """A comma/newline list or a JSON list of ids or globs.
+
+    Raises:
+        ConfigError: a JSON list that is not valid, or holds something other than strings.
+    """
+    if not text.strip().startswith("["):
+        return parse_model_globs(text)
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{valve} is not a valid JSON list ({exc}); or write ids separated by commas", valve=valve) from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{valve} must be a list of model id strings", valve=valve)
+    return tuple(i.strip() for i in items if i.strip())
 
 
 def read_settings(valves: object, user_valves: object | None = None) -> tuple[Settings, list[ConfigError]]:
@@ -120,14 +162,30 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         )
         reserve = window // 4
     try:
-        aliases = _parse_aliases(take(valves, "model_aliases", ""))
+        aliases = parse_aliases(take(valves, "model_aliases", ""))
     except ConfigError as exc:
         problems.append(exc)
         aliases = {}
-    user_window, show = 0, take(valves, "show_status", True)
+    globs: dict[str, tuple[str, ...]] = {}
+    for name in ("free_models", "connection_prefixes"):
+        try:
+            globs[name] = _parse_globs(take(valves, name, ""), name)
+        except ConfigError as exc:
+            problems.append(exc)
+            globs[name] = ()
+    ttl = take(valves, "pricing_ttl_hours", defaults.pricing_ttl_hours)
+    if ttl <= 0:
+        problems.append(ConfigError(f"pricing_ttl_hours must be above 0; using {DEFAULT_PRICING_TTL_HOURS:g}", valve="pricing_ttl_hours"))
+        ttl = DEFAULT_PRICING_TTL_HOURS
+    retention = take(valves, "ledger_retention_days", defaults.ledger_retention_days)
+    if retention < 1:
+        problems.append(ConfigError(f"ledger_retention_days must be 1 or more; using {DEFAULT_LEDGER_RETENTION_DAYS}", valve="ledger_retention_days"))
+        retention = DEFAULT_LEDGER_RETENTION_DAYS
+    user_window, show, show_cost = 0, take(valves, "show_status", True), True
     if user_valves is not None:
         user_window = max(0, take(user_valves, "max_context_tokens", 0))
         show = show and take(user_valves, "show_status", True)
+        show_cost = take(user_valves, "show_cost", True)
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -135,5 +193,14 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         redis_url=take(valves, "redis_url", ""),
         model_aliases=aliases,
         show_status=show,
+        show_cost=show_cost,
+        openrouter_pricing=take(valves, "openrouter_pricing", True),
+        pricing_ttl_hours=float(ttl),
+        pricing_file=take(valves, "pricing_file", "").strip(),
+        free_models=globs["free_models"],
+        connection_prefixes=globs["connection_prefixes"],
+        request_stream_usage=take(valves, "request_stream_usage", True),
+        calibrate_counts=take(valves, "calibrate_counts", True),
+        ledger_retention_days=retention,
     )
     return settings, problems

@@ -1,0 +1,205 @@
+"""The usage ledger: totals per (UTC day, user, model), added to atomically in the store.
+
+One counter key per day, user and model holds requests, token counts, cost in integer
+picodollars (1e-12 USD, so Redis HINCRBY adds exactly) and how many replies were estimated
+or unpriced. Several workers sharing one Redis add up exactly; without Redis each worker
+keeps its own totals. Query helpers add the keys up by user, model or day.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Literal
+from urllib.parse import quote, unquote
+
+from .store import Store
+
+__all__ = [
+    "LedgerEntry",
+    "LedgerRow",
+    "LEDGER_FIELDS",
+    "DEFAULT_LEDGER_RETENTION_DAYS",
+    "record_reply",
+    "read_ledger",
+    "ledger_totals",
+    "usd_to_picodollars",
+    "picodollars_to_usd",
+]
+
+DEFAULT_LEDGER_RETENTION_DAYS = 400
+LEDGER_KEY_PREFIX = "ledger:"
+PICODOLLARS_PER_USD = 10**12
+# Counter fields of one ledger key, in the order reports show them.
+LEDGER_FIELDS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "cost_picousd",
+    "estimated",
+    "unpriced",
+)
+
+LedgerGrouping = Literal["user", "model", "day"]
+
+
+def usd_to_picodollars(amount: Decimal) -> int:
+    """USD as whole picodollars (1e-12 USD), rounded half-even below that.
+
+    Example:
+        >>> usd_to_picodollars(Decimal("0.0031"))
+        3100000000
+    """
+    return int((amount * PICODOLLARS_PER_USD).to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def picodollars_to_usd(amount: int) -> Decimal:
+    """Picodollars back to an exact Decimal USD amount.
+
+    Example:
+        >>> picodollars_to_usd(3100000000)
+        Decimal('0.0031')
+    """
+    return (Decimal(amount) / PICODOLLARS_PER_USD).normalize() if amount else Decimal(0)
+
+
+def _ledger_key(day: date, user: str, model: str) -> str:
+    """`ledger:YYYY-MM-DD:<user>:<model>`, ids percent-encoded (model ids hold ':' and '/')."""
+    return f"{LEDGER_KEY_PREFIX}{day.isoformat()}:{quote(user, safe='')}:{quote(model, safe='')}"
+
+
+def _ledger_key_parts(key: str) -> tuple[date, str, str] | None:
+    """(day, user, model) of a ledger key, None for anything else."""
+    if not key.startswith(LEDGER_KEY_PREFIX):
+        return None
+    parts = key[len(LEDGER_KEY_PREFIX):].split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        day = date.fromisoformat(parts[0])
+    except ValueError:
+        return None
+    return day, unquote(parts[1]), unquote(parts[2])
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """Totals of one (day, user, model) key."""
+
+    day: date
+    user: str
+    model: str
+    counters: dict[str, int]
+
+    @property
+    def cost_usd(self) -> Decimal:
+        """The priced replies' cost in USD (unpriced replies add nothing; see `unpriced`)."""
+        return picodollars_to_usd(self.counters.get("cost_picousd", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    """Totals added up for one user, model or day."""
+
+    key: str
+    counters: dict[str, int]
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return picodollars_to_usd(self.counters.get("cost_picousd", 0))
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: every counter, plus cost_usd as an exact decimal string."""
+        out: dict[str, object] = {"key": self.key}
+        out.update({name: self.counters.get(name, 0) for name in LEDGER_FIELDS if name != "cost_picousd"})
+        out["cost_usd"] = format(self.cost_usd, "f")
+        return out
+
+
+async def record_reply(
+    store: Store,
+    *,
+    user: str | None,
+    model: str,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
+    cost_usd: Decimal | None,
+    estimated: bool,
+    day: date | None = None,
+    retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS,
+) -> str:
+    """Add one reply to its (day, user, model) totals in a single atomic increment.
+
+    Never retried: a failed call may or may not have counted, and a retry could count twice.
+
+    Args:
+        user: Open WebUI user id (None = "-").
+        model: the resolved price-book id, else the model id as sent.
+        cost_usd: None when the price is unknown (counted in `unpriced`).
+        day: UTC date of the reply; default today.
+        retention_days: the key expires this long after its last reply.
+
+    Returns the key written (without the store prefix).
+
+    Example:
+        >>> await record_reply(MemoryStore(), user="u1", model="openai/gpt-4o", prompt_tokens=10,
+        ...     completion_tokens=5, cost_usd=Decimal("0.000075"), estimated=False)  # doctest: +SKIP
+        'ledger:2026-08-19:u1:openai%2Fgpt-4o'
+    """
+    day = day or datetime.now(timezone.utc).date()
+    key = _ledger_key(day, user or "-", model or "-")
+    fields = {
+        "requests": 1,
+        "prompt_tokens": prompt_tokens or 0,
+        "completion_tokens": completion_tokens or 0,
+        "cached_tokens": cached_tokens or 0,
+        "reasoning_tokens": reasoning_tokens or 0,
+        "cost_picousd": usd_to_picodollars(cost_usd) if cost_usd is not None else 0,
+        "estimated": int(bool(estimated)),
+        "unpriced": int(cost_usd is None),
+    }
+    await store.incr(key, fields, ttl=max(1, retention_days) * 86_400)
+    return key
+
+
+async def read_ledger(store: Store, *, since: date | None = None, until: date | None = None) -> list[LedgerEntry]:
+    """Every ledger key from `since` to `until` (both inclusive), sorted by day, user, model."""
+    entries = []
+    for key in await store.keys(LEDGER_KEY_PREFIX + "*"):
+        parts = _ledger_key_parts(key)
+        if parts is None or (since is not None and parts[0] < since) or (until is not None and parts[0] > until):
+            continue
+        counters = await store.counters(key)
+        if counters:
+            entries.append(LedgerEntry(parts[0], parts[1], parts[2], counters))
+    return sorted(entries, key=lambda e: (e.day, e.user, e.model))
+
+
+def ledger_totals(entries: Iterable[LedgerEntry], by: LedgerGrouping) -> list[LedgerRow]:
+    """Add entries up by user, model or day; sorted by day ascending, else by cost descending.
+
+    Raises:
+        ValueError: `by` is not one of user, model, day.
+
+    Example:
+        >>> [r.key for r in ledger_totals(await read_ledger(store), "model")]  # doctest: +SKIP
+        ['anthropic/claude-sonnet-4.5', 'openai/gpt-4o']
+    """
+    if by not in ("user", "model", "day"):
+        raise ValueError(f"Unrecognized by={by!r}. Supported: 'user', 'model', 'day'.")
+    groups: dict[str, dict[str, int]] = {}
+    for entry in entries:
+        name = entry.day.isoformat() if by == "day" else getattr(entry, by)
+        totals = groups.setdefault(name, {field: 0 for field in LEDGER_FIELDS})
+        for field in LEDGER_FIELDS:
+            totals[field] += entry.counters.get(field, 0)
+    rows = [LedgerRow(name, totals) for name, totals in groups.items()]
+    if by == "day":
+        return sorted(rows, key=lambda r: r.key)
+    return sorted(rows, key=lambda r: (-r.counters["cost_picousd"], -r.counters["requests"], r.key))

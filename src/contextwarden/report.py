@@ -1,0 +1,225 @@
+"""Usage reports from ledger totals: a text table, JSON, CSV, and a one-page HTML report.
+
+The HTML page is self-contained (inline CSS and SVG, no script, no network): a stacked bar
+chart of cost per day by model, and the totals by model, user and day. Not bundled into the
+Open WebUI file; the `contextwarden usage` command uses it.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+from collections.abc import Sequence
+from datetime import date
+from decimal import ROUND_CEILING, Decimal
+
+from .ledger import LEDGER_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
+
+__all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS"]
+
+# (field, heading) in the order every format shows them; cost is shown in USD.
+REPORT_COLUMNS = (
+    ("requests", "requests"),
+    ("prompt_tokens", "prompt"),
+    ("completion_tokens", "completion"),
+    ("cached_tokens", "cached"),
+    ("reasoning_tokens", "reasoning"),
+    ("cost_usd", "cost USD"),
+    ("estimated", "estimated"),
+    ("unpriced", "unpriced"),
+)
+CHART_MODELS = 8  # models drawn apart in the chart; the rest are "other"
+CHART_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
+
+
+def _report_total(rows: Sequence[LedgerRow]) -> LedgerRow:
+    totals = {field: sum(r.counters.get(field, 0) for r in rows) for field in LEDGER_FIELDS}
+    return LedgerRow("total", totals)
+
+
+def _report_cell(row: LedgerRow, field: str) -> str:
+    if field == "cost_usd":
+        return f"{row.cost_usd:,.6f}"
+    return f"{row.counters.get(field, 0):,}"
+
+
+def render_table(rows: Sequence[LedgerRow], by: str) -> str:
+    """An aligned text table with a total line.
+
+    Example:
+        >>> print(render_table(ledger_totals(entries, "model"), "model"))  # doctest: +SKIP
+        model           requests  prompt  ...
+    """
+    header = [by] + [heading for _field, heading in REPORT_COLUMNS]
+    body = [[row.key] + [_report_cell(row, field) for field, _h in REPORT_COLUMNS] for row in rows]
+    total = _report_total(rows)
+    footer = ["total"] + [_report_cell(total, field) for field, _h in REPORT_COLUMNS]
+    widths = [max(len(line[i]) for line in [header, *body, footer]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(b) for b in body), rule, line(footer)])
+
+
+def render_json(rows: Sequence[LedgerRow], by: str, since: date | None) -> str:
+    """`{"by", "since", "rows": [...], "total": {...}}`; costs as exact decimal strings."""
+    document = {
+        "by": by,
+        "since": since.isoformat() if since else None,
+        "rows": [row.as_dict() for row in rows],
+        "total": _report_total(rows).as_dict(),
+    }
+    return json.dumps(document, indent=2)
+
+
+def render_csv(rows: Sequence[LedgerRow], by: str) -> str:
+    """One header line and one line per row (no total line, so the file sums cleanly)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([by] + [field for field, _h in REPORT_COLUMNS])
+    for row in rows:
+        data = row.as_dict()
+        writer.writerow([row.key] + [data[field] for field, _h in REPORT_COLUMNS])
+    return out.getvalue()
+
+
+def _chart_series(entries: Sequence[LedgerEntry]) -> tuple[list[str], list[str], dict[tuple[str, str], int]]:
+    """(days, models, cost in picodollars by (day, model)); small models folded into other."""
+    by_model: dict[str, int] = {}
+    for entry in entries:
+        by_model[entry.model] = by_model.get(entry.model, 0) + entry.counters.get("cost_picousd", 0)
+    ranked = sorted((m for m in by_model if by_model[m] > 0), key=lambda m: (-by_model[m], m))
+    shown = ranked if len(ranked) <= CHART_MODELS + 1 else ranked[:CHART_MODELS]
+    folded = len(ranked) > len(shown)
+    models = shown + (["other models"] if folded else [])
+    cells: dict[tuple[str, str], int] = {}
+    days = sorted({e.day.isoformat() for e in entries})
+    for entry in entries:
+        model = entry.model if entry.model in shown else "other models"
+        if model not in models:
+            continue
+        key = (entry.day.isoformat(), model)
+        cells[key] = cells.get(key, 0) + entry.counters.get("cost_picousd", 0)
+    return days, models, cells
+
+
+def _nice_step(top: Decimal) -> Decimal:
+    """A round axis step (1, 2 or 5 times a power of ten) giving about five gridlines."""
+    raw = top / 5
+    power = Decimal(1).scaleb(raw.adjusted())
+    for factor in (1, 2, 5, 10):
+        if raw <= power * factor:
+            return power * factor
+    return power * 10
+
+
+def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
+    """Stacked bars of cost per day, one colour per model, with axes and a legend."""
+    days, models, cells = _chart_series(entries)
+    if not days or not cells:
+        return '<p class="empty">No priced usage in this period.</p>'
+    width, height, left, right, top, bottom = 1080, 380, 80, 20, 20, 70
+    plot_w, plot_h = width - left - right, height - top - bottom
+    day_totals = {d: sum(cells.get((d, m), 0) for m in models) for d in days}
+    peak = picodollars_to_usd(max(day_totals.values()) or 1)
+    step = _nice_step(peak)
+    axis_top = step * ((peak / step).to_integral_value(rounding=ROUND_CEILING) or 1)
+    scale = plot_h / float(axis_top)
+    slot = plot_w / len(days)
+    bar = max(2.0, min(48.0, slot * 0.7))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="Cost per day by model">']
+    tick = Decimal(0)
+    while tick <= axis_top:
+        y = top + plot_h - float(tick) * scale
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">${tick.normalize():f}</text>')
+        tick += step
+    every = max(1, len(days) // 20)
+    for i, day in enumerate(days):
+        x = left + slot * i + (slot - bar) / 2
+        y = top + plot_h
+        for m_index, model in enumerate(models):
+            amount = cells.get((day, model), 0)
+            if not amount:
+                continue
+            h = float(picodollars_to_usd(amount)) * scale
+            y -= h
+            title = html.escape(f"{day} · {model}: ${picodollars_to_usd(amount):f}")
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" '
+                         f'fill="{CHART_COLORS[m_index % len(CHART_COLORS)]}"><title>{title}</title></rect>')
+        if i % every == 0:
+            cx, cy = left + slot * i + slot / 2, top + plot_h + 14
+            parts.append(f'<text x="{cx:.1f}" y="{cy}" class="xlabel" transform="rotate(-35 {cx:.1f} {cy})">{day}</text>')
+    parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" class="axis"/>')
+    parts.append("</svg>")
+    legend = "".join(
+        f'<span class="key"><i style="background:{CHART_COLORS[i % len(CHART_COLORS)]}"></i>{html.escape(m)}</span>'
+        for i, m in enumerate(models)
+    )
+    return "".join(parts) + f'<div class="legend">{legend}</div>'
+
+
+def _html_table(rows: Sequence[LedgerRow], by: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in [by] + [h for _f, h in REPORT_COLUMNS])
+    total = _report_total(rows)
+    lines = []
+    for row, css in [*((r, "") for r in rows), (total, ' class="total"')]:
+        cells = "".join(f"<td>{_report_cell(row, field)}</td>" for field, _h in REPORT_COLUMNS)
+        lines.append(f"<tr{css}><th scope=\"row\">{html.escape(row.key)}</th>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
+
+
+_REPORT_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;max-width:1120px;color:#222;padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
+.sub{color:#666;margin:0 0 16px}.cards{display:flex;gap:12px;flex-wrap:wrap;margin:12px 0}
+.card{border:1px solid #ddd;border-radius:8px;padding:10px 14px;min-width:140px}
+.card b{display:block;font-size:20px}.card span{color:#666;font-size:12px}
+svg{width:100%;height:auto;display:block}.grid{stroke:#e5e5e5}.axis{stroke:#888}
+.ylabel{font-size:11px;fill:#555;text-anchor:end}.xlabel{font-size:11px;fill:#555;text-anchor:end}
+.legend{display:flex;flex-wrap:wrap;gap:6px 16px;margin:6px 0 0 80px;font-size:12px}
+.key i{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:5px;vertical-align:-1px}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:13px}
+th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
+thead th{border-bottom:2px solid #ccc;background:#fafafa}
+tbody th{text-align:left;font-weight:normal;max-width:360px;overflow:hidden;text-overflow:ellipsis}
+thead th:first-child{text-align:left}tr.total th,tr.total td{font-weight:600;border-top:2px solid #ccc}
+.empty{color:#666}.note{color:#666;font-size:12px}
+"""
+
+
+def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
+    """A one-page report an admin can open offline: cost per day by model, totals tables."""
+    by_model, by_user, by_day = (ledger_totals(entries, k) for k in ("model", "user", "day"))
+    total = _report_total(by_day)
+    first = entries[0].day.isoformat() if entries else (since.isoformat() if since else "—")
+    last = max((e.day for e in entries), default=None)
+    period = f"{first} to {last.isoformat()}" if last else "no usage recorded"
+    cards = [
+        (f"${total.cost_usd:,.4f}", "total cost (priced replies)"),
+        (f"{total.counters['requests']:,}", "replies"),
+        (f"{total.counters['prompt_tokens']:,}", "prompt tokens"),
+        (f"{total.counters['completion_tokens']:,}", "completion tokens"),
+        (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
+        (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
+    ]
+    card_html = "".join(f'<div class="card"><b>{v}</b><span>{html.escape(t)}</span></div>' for v, t in cards)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        f"<title>contextwarden usage, {html.escape(period)}</title><style>{_REPORT_CSS}</style></head><body>"
+        f"<h1>contextwarden usage</h1><p class=\"sub\">{html.escape(period)} (UTC days)</p>"
+        f"<div class=\"cards\">{card_html}</div>"
+        f"<h2>Cost per day by model</h2>{_chart_svg(entries)}"
+        f"<h2>By model</h2>{_html_table(by_model, 'model')}"
+        f"<h2>By user</h2>{_html_table(by_user, 'user')}"
+        f"<h2>By day</h2>{_html_table(by_day, 'day')}"
+        "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
+        "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
+        "add tokens but no cost.</p></body></html>\n"
+    )

@@ -1,0 +1,131 @@
+"""`contextwarden usage` against a real Redis: table, JSON, CSV and the HTML report.
+
+Records go to far-future days unique to the run (and expire in a day), so `--since` selects
+exactly this test's data even on a Redis other runs share."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from datetime import date, timedelta
+from decimal import Decimal
+
+import pytest
+
+from contextwarden.cli import main
+from contextwarden.ledger import record_reply
+from contextwarden.store import open_store
+
+D = Decimal
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def seeded(redis_url, unique):
+    start = date(2200, 1, 1) + timedelta(days=random.Random(unique).randrange(300_000))
+    ann, bob = f"ann-{unique}", f"bob-{unique}"
+    gpt, claude, local = "openai/gpt-4o", "anthropic/claude-sonnet-4.5", "llama3.1:8b"
+    rows = [  # (day offset, user, model, prompt, completion, cost, estimated)
+        (0, ann, gpt, 1000, 100, D("0.0035"), False),
+        (0, bob, claude, 2000, 300, D("0.0105"), False),
+        (1, ann, gpt, 500, 50, D("0.00175"), True),
+        (1, ann, local, 800, 80, D(0), False),
+        (2, bob, gpt, 100, 10, None, False),
+    ]
+    store = open_store(redis_url)
+    for offset, user, model, prompt, completion, cost, estimated in rows:
+        await record_reply(store, user=user, model=model, prompt_tokens=prompt, completion_tokens=completion,
+                           cached_tokens=prompt // 10, cost_usd=cost, estimated=estimated,
+                           day=start + timedelta(days=offset), retention_days=1)
+    await store.aclose()
+    until = (start + timedelta(days=2)).isoformat()
+    return {"url": redis_url, "since": start.isoformat(), "start": start, "ann": ann, "bob": bob,
+            "range": ["--since", start.isoformat(), "--until", until]}
+
+
+def run(capsys, *args):
+    code = main(["usage", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_by_model(seeded, capsys):
+    code, out, _ = run(capsys, "--redis-url", seeded["url"], *seeded["range"])
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["model", "requests", "prompt"]
+    models = [line.split()[0] for line in lines[2:-2]]
+    assert models == ["anthropic/claude-sonnet-4.5", "openai/gpt-4o", "llama3.1:8b"]  # by cost
+    gpt = next(line for line in lines if line.startswith("openai/gpt-4o")).split()
+    assert gpt[1:4] == ["3", "1,600", "160"] and gpt[6] == "0.005250"
+    total = lines[-1].split()
+    assert total[0] == "total" and total[1] == "5" and total[6] == "0.015750" and total[-2:] == ["1", "1"]
+
+
+def test_json_by_user_is_exact(seeded, capsys):
+    code, out, _ = run(capsys, "--redis-url", seeded["url"], "--by", "user", *seeded["range"], "--format", "json")
+    assert code == 0
+    document = json.loads(out)
+    rows = {r["key"]: r for r in document["rows"]}
+    assert set(rows) == {seeded["ann"], seeded["bob"]} and document["since"] == seeded["since"]
+    assert rows[seeded["ann"]]["cost_usd"] == "0.00525" and rows[seeded["ann"]]["estimated"] == 1
+    assert rows[seeded["bob"]]["cost_usd"] == "0.0105" and rows[seeded["bob"]]["unpriced"] == 1
+    assert document["total"]["cost_usd"] == "0.01575" and document["total"]["prompt_tokens"] == 4400
+
+
+def test_csv_by_day_and_since(seeded, capsys):
+    later = (seeded["start"] + timedelta(days=1)).isoformat()
+    code, out, _ = run(capsys, "--redis-url", seeded["url"], "--by", "day", *seeded["range"], "--since", later, "--format", "csv")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [r["day"] for r in rows] == [later, (seeded["start"] + timedelta(days=2)).isoformat()]
+    assert (rows[0]["requests"], rows[0]["cost_usd"], rows[0]["cached_tokens"]) == ("2", "0.00175", "130")
+    assert (rows[1]["cost_usd"], rows[1]["unpriced"]) == ("0", "1")
+
+
+def test_html_report_is_self_contained(seeded, capsys, tmp_path):
+    path = tmp_path / "report.html"
+    code, out, err = run(capsys, "--redis-url", seeded["url"], *seeded["range"], "--html", str(path))
+    assert code == 0 and "wrote" in err and out.startswith("model")
+    page = path.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page
+    assert "<script" not in page and "<link" not in page and "src=" not in page and "@import" not in page
+    assert page.count("<rect ") == 3  # (day, model) cells with a cost: gpt d0, claude d0, gpt d1 (llama is $0, bob d2 unpriced)
+    for text in ("Cost per day by model", "By model", "By user", "By day", seeded["ann"], "anthropic/claude-sonnet-4.5",
+                 "$0.0158", seeded["since"]):
+        assert text in page, text
+
+
+def test_html_escapes_ids(redis_url, unique, capsys, tmp_path):
+    import asyncio
+
+    day = date(2199, 12, 31) - timedelta(days=random.Random(unique).randrange(10_000))
+
+    async def seed():
+        store = open_store(redis_url)
+        await record_reply(store, user=f"<b>{unique}</b>", model="<script>x</script>", prompt_tokens=1,
+                           completion_tokens=1, cost_usd=D("1"), estimated=False, day=day, retention_days=1)
+        await store.aclose()
+
+    asyncio.run(seed())
+    path = tmp_path / "r.html"
+    assert main(["usage", "--redis-url", redis_url, "--since", day.isoformat(), "--until", day.isoformat(), "--html", str(path)]) == 0
+    page = path.read_text()
+    assert "<script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page and f"&lt;b&gt;{unique}" in page
+
+
+def test_without_redis_url_explains_and_fails(capsys):
+    code, out, err = run(capsys)
+    assert code == 2 and out == ""
+    assert "in memory inside each Open WebUI worker" in err and "--redis-url" in err
+
+
+def test_unreachable_or_bad_redis_fails(capsys):
+    code, _, err = run(capsys, "--redis-url", "redis://127.0.0.1:1/0")
+    assert code == 2 and "did not answer" in err
+    code, _, err = run(capsys, "--redis-url", "http://localhost")
+    assert code == 2 and "redis_url must start with redis://" in err
+    with pytest.raises(SystemExit):
+        main(["usage", "--redis-url", "redis://x", "--since", "yesterday"])

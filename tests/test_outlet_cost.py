@@ -1,0 +1,334 @@
+"""The outlet's cost: the usage log line per backend, the status line, stream usage requests,
+calibration from real prompt tokens, and price layering (admin file > live OpenRouter > bundled).
+
+Every expected cost is computed by hand from the per-token prices written next to it."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+from decimal import Decimal
+
+import httpx
+import pytest
+import respx
+
+from contextwarden.calibration import Calibration, calibrated_budget, load_calibration, update_calibration
+from contextwarden.filter import format_usd, wants_stream_usage
+from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
+from contextwarden.price_sources import PriceSources
+from contextwarden.pricing import ModelPrice, PriceBook
+
+from shared_paths import load_fixture
+from test_filter import Events, body_of, make_filter, usage_records
+from test_trim import chat_of
+
+D = Decimal
+OPENAI_MODEL = {"id": "gpt-4o", "owned_by": "openai", "openai": {"id": "gpt-4o"}, "connection_type": "external", "urlIdx": 0}
+OLLAMA_MODEL = {"id": "llama3.1:8b", "owned_by": "ollama", "ollama": {"name": "llama3.1:8b"}, "connection_type": "local"}
+LOG_KEYS = {"model", "resolved_model", "user_id", "chat_id", "prompt_tokens", "completion_tokens", "cached_tokens",
+            "reasoning_tokens", "estimated", "estimated_prompt_tokens", "usage_shape", "cost_usd", "cost_source",
+            "cost_note"}
+
+
+def cost_filter(counter, **valves):
+    return make_filter(counter, **{"openrouter_pricing": False, **valves})
+
+
+async def outlet_once(f, caplog, model, usage=None, *, user=None, metadata=None, __model__=None, content="ok"):
+    caplog.clear()
+    reply = {"role": "assistant", "content": content, **({"usage": usage} if usage is not None else {})}
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello?"}, reply], "chat_id": "c9"}
+    events = Events()
+    assert await f.outlet(body, __user__=user or {"id": "u1"}, __metadata__=metadata, __model__=__model__,
+                          __event_emitter__=events) is body
+    [record] = usage_records(caplog)
+    assert set(record) == LOG_KEYS
+    return record, events.statuses
+
+
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    return caplog
+
+
+# ---- one log line per backend shape ---------------------------------------------------------
+
+
+async def test_openai_cached_and_reasoning(counter, logs):
+    usage = {"prompt_tokens": 1234, "completion_tokens": 456, "total_tokens": 1690,
+             "prompt_tokens_details": {"cached_tokens": 980}, "completion_tokens_details": {"reasoning_tokens": 100}}
+    record, statuses = await outlet_once(cost_filter(counter), logs, "gpt-4o", usage)
+    # openai/gpt-4o: $2.50/M prompt, $1.25/M cached, $10/M completion (reasoning billed as completion)
+    # 254 x 0.0000025 + 980 x 0.00000125 + 456 x 0.00001 = 0.000635 + 0.001225 + 0.00456
+    assert record["cost_usd"] == "0.00642"
+    assert (record["resolved_model"], record["cost_source"], record["cost_note"]) == ("openai/gpt-4o", "price_table", None)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["reasoning_tokens"]) == (1234, 980, 100)
+    assert (record["estimated"], record["usage_shape"], record["chat_id"]) == (False, "openai", "c9")
+    assert statuses == ["1,234 in (980 cached) · 456 out · $0.0064"]
+
+
+async def test_openrouter_cost_is_the_provider_figure(counter, logs):
+    f = cost_filter(counter, connection_prefixes="openrouter, azure")
+    usage = {"prompt_tokens": 2000, "completion_tokens": 300, "cost": 0.0105, "is_byok": False,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    record, statuses = await outlet_once(f, logs, "openrouter.anthropic/claude-sonnet-4.5", usage)
+    assert (record["cost_usd"], record["cost_source"]) == ("0.0105", "provider")
+    assert record["resolved_model"] == "anthropic/claude-sonnet-4.5" and record["usage_shape"] == "openrouter"
+    assert statuses == ["2,000 in · 300 out · $0.011"]
+
+
+async def test_anthropic_native_cache_reads_and_writes(counter, logs):
+    usage = {"input_tokens": 100, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200, "output_tokens": 50}
+    record, statuses = await outlet_once(cost_filter(counter), logs, "claude-sonnet-4-5-20250929", usage)
+    # claude-sonnet-4.5: $3/M in, $0.30/M cache read, $3.75/M cache write, $15/M out
+    # 100 x 0.000003 + 1000 x 0.0000003 + 200 x 0.00000375 + 50 x 0.000015 = 0.0003 + 0.0003 + 0.00075 + 0.00075
+    assert D(record["cost_usd"]) == D("0.0021") and record["resolved_model"] == "anthropic/claude-sonnet-4.5"
+    assert (record["prompt_tokens"], record["cached_tokens"], record["usage_shape"]) == (1300, 1000, "anthropic")
+    assert statuses == ["1,300 in (1,000 cached) · 50 out · $0.0021"]
+
+
+async def test_ollama_unpriced_unless_listed_free(counter, logs):
+    usage = {"prompt_eval_count": 50, "eval_count": 7, "total_duration": 123456789}
+    record, statuses = await outlet_once(cost_filter(counter), logs, "llama3.1:8b", usage, __model__=OLLAMA_MODEL)
+    assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == (None, None, None)
+    assert "free_models" in record["cost_note"] and record["usage_shape"] == "ollama"
+    assert statuses == ["50 in · 7 out"]  # unknown price: no $ part, never $0
+    record, statuses = await outlet_once(cost_filter(counter, free_models='["llama*", "qwen3:*"]'), logs, "llama3.1:8b",
+                                         usage, __model__=OLLAMA_MODEL)
+    assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == ("0", "price_table", "llama3.1:8b")
+    assert statuses == ["50 in · 7 out · $0"]
+
+
+async def test_estimated_usage_is_priced_and_marked(counter, logs):
+    f = cost_filter(counter)
+    body = body_of(chat_of(2))
+    await f.inlet(body, __metadata__=body["metadata"])
+    counted = body["metadata"]["contextwarden"]["estimated_prompt_tokens"]
+    record, statuses = await outlet_once(f, logs, "gpt-4o", None, metadata=body["metadata"], content="Hello there.")
+    completion = counter.count_text("Hello there.", "gpt-4o")
+    assert (record["estimated"], record["prompt_tokens"], record["completion_tokens"]) == (True, counted, completion)
+    expected = counted * D("0.0000025") + completion * D("0.00001")
+    assert D(record["cost_usd"]) == expected and record["cost_source"] == "price_table"
+    assert record["usage_shape"] == "estimate"
+    assert statuses == [f"~{counted:,} in · ~{completion:,} out · ~${format_usd(expected)}"]
+
+
+async def test_workspace_model_priced_as_its_base(counter, logs):
+    usage = {"prompt_tokens": 1000, "completion_tokens": 1000}
+    workspace = {"id": "my-helper", "owned_by": "openai", "info": {"base_model_id": "gpt-4.1"}}
+    record, _ = await outlet_once(cost_filter(counter), logs, "my-helper", usage, __model__=workspace)
+    # gpt-4.1: $2/M in, $8/M out
+    assert (record["model"], record["resolved_model"], D(record["cost_usd"])) == ("gpt-4.1", "openai/gpt-4.1", D("0.01"))
+
+
+async def test_aliases_and_cost_hidden_by_user_valve(counter, logs):
+    f = cost_filter(counter, model_aliases='{"corp-*": "openai/gpt-4o-mini"}')
+    user = {"id": "u1", "valves": f.UserValves(show_cost=False)}
+    record, statuses = await outlet_once(f, logs, "corp-fast", {"prompt_tokens": 10, "completion_tokens": 10}, user=user)
+    # gpt-4o-mini: $0.15/M in, $0.60/M out
+    assert record["resolved_model"] == "openai/gpt-4o-mini" and D(record["cost_usd"]) == D("0.0000075")
+    assert statuses == ["10 in · 10 out"]
+
+
+@pytest.mark.parametrize(("amount", "shown"), [
+    ("0", "0"), ("0.0031", "0.0031"), ("0.003125", "0.0031"), ("0.00000004", "0.000000040"),
+    ("0.5", "0.50"), ("1", "1.00"), ("1234.567", "1,234.57"),
+])
+def test_format_usd(amount, shown):
+    assert format_usd(D(amount)) == shown
+
+
+# ---- stream_options.include_usage -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "stream", "asked"), [
+    (OPENAI_MODEL, True, True),
+    ({**OPENAI_MODEL, "provider": "azure"}, True, True),  # 0.12 drops it itself for old api_versions
+    ({"id": "ws", "owned_by": "openai", "info": {"base_model_id": "gpt-4o"}}, True, True),
+    (OPENAI_MODEL, False, False),
+    (OLLAMA_MODEL, True, False),
+    ({"id": "x", "owned_by": "ollama"}, True, False),
+    ({"id": "ws", "owned_by": "openai", "ollama": {}}, True, False),
+    ({"id": "pipe.x", "owned_by": "openai", "pipe": {"type": "pipe"}}, True, False),
+    ({"id": "arena", "owned_by": "arena"}, True, False),
+    ({**OPENAI_MODEL, "api_type": "responses"}, True, False),
+    (None, True, False),
+])
+async def test_include_usage_per_backend(counter, model, stream, asked):
+    f = cost_filter(counter)
+    body = {**body_of(chat_of(1)), "stream": stream, "stream_options": {"other": 1}}
+    before = copy.deepcopy({k: v for k, v in body.items() if k != "metadata"})
+    for hook in (f.inlet, f.request):
+        out = await hook(body, __metadata__=body["metadata"], __model__=model)
+        assert {k: v for k, v in body.items() if k != "metadata"} == before  # never mutated (metadata is the note's place)
+        if asked:
+            assert out["stream_options"] == {"other": 1, "include_usage": True} and out is not body
+        else:
+            assert out.get("stream_options") == {"other": 1}
+
+
+async def test_include_usage_valve_off_and_already_set(counter):
+    body = {**body_of(chat_of(1)), "stream": True}
+    out = await cost_filter(counter, request_stream_usage=False).inlet(body, __model__=OPENAI_MODEL)
+    assert "stream_options" not in out
+    asked = {**body, "stream_options": {"include_usage": True}}
+    assert not wants_stream_usage(asked, OPENAI_MODEL)
+    assert await cost_filter(counter).inlet(asked, __model__=OPENAI_MODEL) is asked
+
+
+# ---- calibration ------------------------------------------------------------------------------
+
+
+def test_calibration_rule():
+    first = update_calibration(Calibration(), 1000, 1250)
+    assert first == Calibration(1.25, 1) and first.active
+    assert update_calibration(first, 10, 40) is None  # tiny prompt
+    assert update_calibration(first, 1000, 3000) is None  # beyond the clamp
+    warm = Calibration(1.2, 5)
+    assert update_calibration(warm, 1000, 1900) is None  # outlier once warmed up
+    assert update_calibration(warm, 1000, 1300) == Calibration(1.22, 6)  # EMA, alpha 0.2
+    assert calibrated_budget(2000, Calibration(1.25, 3)) == 1600
+    assert calibrated_budget(2000, Calibration(1.005, 3)) == 2000  # within 1%: not applied
+
+
+async def test_calibration_makes_real_tokens_fit_the_budget(counter):
+    """A backend whose tokenizer counts 1.25x ours: the first turn overflows the real budget,
+    every later turn fits it, and the status line says the factor is in use."""
+    model = "anthropic/claude-sonnet-4.5"
+    f = cost_filter(counter, max_context_tokens=2_500, reserve_output_tokens=500)
+    budget, reals, events = 2_000, [], Events()
+    for turn in range(5):
+        body = body_of(chat_of(30 + turn), model=model)
+        metadata = body["metadata"]
+        out = await f.inlet(body, __metadata__=metadata, __event_emitter__=events)
+        out = await f.request(out, __metadata__=metadata, __event_emitter__=events)
+        counted = counter.count_messages(out["messages"], model)
+        assert metadata["contextwarden"]["estimated_prompt_tokens"] == counted
+        real = math.ceil(counted * 1.25)  # what the provider reports for what we sent
+        reals.append(real)
+        reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": real, "completion_tokens": 5}}
+        await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=metadata)
+    assert reals[0] > budget  # uncalibrated: our count fitted, the real one did not
+    assert all(real <= budget for real in reals[1:]), reals
+    assert all(real > 0.9 * budget for real in reals[1:])  # and the budget is still used
+    assert "· calibrated ×1.25" in events.statuses[-1]
+    assert "calibrated" not in events.statuses[0]
+    assert (await load_calibration(f._store, model)).factor >= 1.25
+
+
+async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
+    model = "gpt-4o"
+    for valves, usage in [
+        ({}, {"prompt_tokens": 900, "completion_tokens": 5, "input_tokens": 2700, "output_tokens": 15}),  # 3 calls summed
+        ({}, None),  # no real usage
+        ({"calibrate_counts": False}, "real"),
+    ]:
+        f = cost_filter(counter, **valves)
+        body = body_of(chat_of(8), model=model)
+        out = await f.request(body, __metadata__=body["metadata"])
+        counted = body["metadata"]["contextwarden"]["estimated_prompt_tokens"]
+        if usage == "real":
+            usage = {"prompt_tokens": counted * 2 - 1, "completion_tokens": 5}
+        reply = {"role": "assistant", "content": "ok", **({"usage": usage} if usage else {})}
+        await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=body["metadata"])
+        assert await load_calibration(f._store, "openai/gpt-4o") == Calibration()
+
+
+# ---- price layering ---------------------------------------------------------------------------
+
+
+def _price_file(tmp_path, prices: dict[str, ModelPrice]):
+    path = tmp_path / "pricing.json"
+    path.write_text(PriceBook(prices, source="admin").to_json())
+    return str(path)
+
+
+async def test_pricing_file_over_bundled(counter, logs, tmp_path):
+    path = _price_file(tmp_path, {"acme/private-1": ModelPrice(D("0.000001"), D("0.000004")),
+                                  "openai/gpt-4o": ModelPrice(D("0.000003"), D("0.000012"))})
+    f = cost_filter(counter, pricing_file=path)
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100}
+    record, _ = await outlet_once(f, logs, "acme/private-1", usage)
+    assert (record["resolved_model"], D(record["cost_usd"])) == ("acme/private-1", D("0.0014"))
+    record, _ = await outlet_once(f, logs, "gpt-4o", usage)
+    assert D(record["cost_usd"]) == D("0.0042")  # 1000 x 3e-6 + 100 x 1.2e-5: the admin's price
+    record, _ = await outlet_once(f, logs, "gpt-4.1", usage)
+    assert D(record["cost_usd"]) == D("0.0028")  # not in the file: bundled 2e-6 / 8e-6
+
+
+async def test_unreadable_pricing_file_is_named_and_bundled_prices_go_on(counter, logs, tmp_path):
+    f = cost_filter(counter, pricing_file=str(tmp_path / "missing.json"))
+    record, statuses = await outlet_once(f, logs, "gpt-4o", {"prompt_tokens": 1000, "completion_tokens": 100})
+    assert D(record["cost_usd"]) == D("0.0035")
+    assert any("pricing_file" in s and "cannot be read" in s for s in statuses)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    f.valves = f.Valves(openrouter_pricing=False, pricing_file=str(bad))
+    _, statuses = await outlet_once(f, logs, "gpt-4o", {"prompt_tokens": 1, "completion_tokens": 1})
+    assert any("pricing_file" in s and "not valid JSON" in s for s in statuses)
+
+
+def _live_payload() -> dict:
+    payload = load_fixture("openrouter_models_sample.json")
+    for entry in payload["data"]:
+        if entry["id"] == "openai/gpt-4o":
+            entry["pricing"] = {**entry["pricing"], "prompt": "0.000005"}  # twice the bundled price
+    return payload
+
+
+async def test_live_openrouter_over_bundled_and_file_over_live(counter, logs, tmp_path):
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100}
+    with respx.mock(assert_all_called=True) as router:
+        route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
+        f = cost_filter(counter, openrouter_pricing=True)
+        f._prices = PriceSources(lambda: f._store, live_factory=LivePrices)
+        record, _ = await outlet_once(f, logs, "gpt-4o", usage)
+        assert D(record["cost_usd"]) == D("0.0035")  # bundled while the fetch runs in the background
+        await f._prices.live._task
+        record, _ = await outlet_once(f, logs, "gpt-4o", usage)
+        assert D(record["cost_usd"]) == D("0.006")  # live: 1000 x 5e-6 + 100 x 1e-5
+        record, _ = await outlet_once(f, logs, "gpt-4.1", usage)
+        assert D(record["cost_usd"]) == D("0.0028")  # same in both
+        f.valves = f.Valves(openrouter_pricing=True, pricing_file=_price_file(
+            tmp_path, {"openai/gpt-4o": ModelPrice(D("0.000001"), D("0.000001"))}))
+        record, _ = await outlet_once(f, logs, "gpt-4o", usage)
+        assert D(record["cost_usd"]) == D("0.0011")  # the admin's file wins
+        assert route.call_count == 1
+
+
+async def test_openrouter_off_never_fetches(counter, logs):
+    with respx.mock(assert_all_called=False) as router:
+        route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
+        f = cost_filter(counter, openrouter_pricing=False)
+        f._prices = PriceSources(lambda: f._store, live_factory=LivePrices)
+        await outlet_once(f, logs, "gpt-4o", {"prompt_tokens": 1, "completion_tokens": 1})
+        await asyncio.sleep(0)
+        assert route.call_count == 0 and f._prices.live is None
+
+
+@pytest.mark.redis
+async def test_workers_share_one_fetch_through_redis(counter, logs, redis_url, unique):
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100}
+    with respx.mock(assert_all_called=True) as router:
+        route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
+        workers = []
+        for _ in range(2):
+            f = cost_filter(counter, openrouter_pricing=True, redis_url=redis_url, calibrate_counts=False)
+            f._prices = PriceSources(lambda f=f: f._store, live_factory=LivePrices, shared_key=f"prices:test:{unique}")
+            workers.append(f)
+        await asyncio.gather(*(outlet_once(f, logs, "gpt-4o", usage, user={"id": unique}) for f in workers))
+        await asyncio.gather(*(f._prices.live._task for f in workers))
+        assert route.call_count == 1  # one worker fetched, the other took the shared table
+        for f in workers:
+            record, _ = await outlet_once(f, logs, "gpt-4o", usage, user={"id": unique})
+            assert D(record["cost_usd"]) == D("0.006")
+        shared = await workers[0]._store.get(f"prices:test:{unique}")
+        assert json.loads(shared)["models"]["openai/gpt-4o"]["prompt"] == "0.000005"
+        for f in workers:
+            await f._store.delete(f"prices:test:{unique}")
+            await f._store.aclose()
