@@ -83,7 +83,9 @@ def _instances(obj: object, cls: type) -> list[Any]:
 async def make_filter(module: types.ModuleType) -> Any:
     """A Filter with the bench's valves whose counter has its exact encoding loaded."""
     f = module.Filter()
-    f.valves = module.Filter.Valves(max_context_tokens=BUDGET + RESERVE, reserve_output_tokens=RESERVE)
+    wanted = {"max_context_tokens": BUDGET + RESERVE, "reserve_output_tokens": RESERVE, "openrouter_pricing": False}
+    fields = module.Filter.Valves.model_fields  # no network: the bundled price book only
+    f.valves = module.Filter.Valves(**{k: v for k, v in wanted.items() if k in fields})
     for counter in _instances(f, module.TokenCounter):
         assert counter.wait_ready(MODEL), "exact encoding did not load (seed TIKTOKEN_CACHE_DIR)"
     meta = await cw_inlet(f, module, synth.make_chat(-1, 12))
