@@ -108,7 +108,7 @@ class TokenCounter:
 
     Args:
         image_tokens: tokens counted for each image part (default 765).
-        cache_size: how many text counts to remember (LRU; default 50,000, about 6 MB).
+        cache_size: how many text counts to remember (LRU; default 50,000, about 16 MB when full, dict slack included).
         block: load encodings in the calling thread (scripts, tests) instead of in the
             background (servers: never block the event loop).
 
