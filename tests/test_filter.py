@@ -234,3 +234,16 @@ def test_valves_are_described_and_secrets_hidden():
             assert field.description, name
     assert Filter.Valves.model_json_schema()["properties"]["redis_url"]["input"] == {"type": "password"}
     assert list(Filter.Valves.model_fields)[0] == "priority"
+
+
+async def test_window_falls_back_to_the_price_table(counter):
+    f = make_filter(counter, reserve_output_tokens=1_000, openrouter_pricing=False)
+    known = body_of(chat_of(2), model="gpt-4o")
+    await f.inlet(known, __metadata__=known["metadata"])
+    assert known["metadata"]["contextwarden"]["budget"] == 128_000 - 1_000  # openai/gpt-4o in the bundled table
+    unknown = body_of(chat_of(2), model="my-local-model")
+    await f.inlet(unknown, __metadata__=unknown["metadata"])
+    assert unknown["metadata"]["contextwarden"]["budget"] == 8_192 - 1_000  # the documented default
+    listed = body_of(chat_of(2), model="gpt-4o")
+    await f.inlet(listed, __metadata__=listed["metadata"], __model__={"id": "gpt-4o", "context_length": 16_000})
+    assert listed["metadata"]["contextwarden"]["budget"] == 15_000  # what the connection lists wins

@@ -200,7 +200,7 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
     """A backend whose tokenizer counts 1.25x ours: the first turn overflows the real budget,
     every later turn fits it, and the status line says the factor is in use."""
     model = "anthropic/claude-sonnet-4.5"
-    f = cost_filter(counter, max_context_tokens=2_500, reserve_output_tokens=500)
+    f = cost_filter(counter, max_context_tokens=2_500, reserve_output_tokens=500, low_watermark=1.0)
     budget, reals, events = 2_000, [], Events()
     for turn in range(5):
         body = body_of(chat_of(30 + turn), model=model)

@@ -40,7 +40,8 @@ def test_keeps_system_and_last_user_and_most_recent_turns(counter):
     chat = chat_of(10)
     per_turn = counter.count_messages(turn(9), MODEL) - 3
     mandatory = counter.count_messages([chat[0], chat[-1]], MODEL)
-    result = trim_messages(chat, max_tokens=mandatory + 3 * per_turn + 5, model=MODEL, token_counter=counter)
+    result = trim_messages(chat, max_tokens=mandatory + 3 * per_turn + 5, model=MODEL, token_counter=counter,
+                           strategy="recent", low_watermark=1.0)
     assert result.kept == (0, 15, 16, 17, 18, 19, 20, 21)
     assert result.dropped == tuple(range(1, 15))
     check_contract(chat, result, counter, MODEL)

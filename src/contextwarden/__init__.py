@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 from .errors import ConfigError, ContextWardenError, PricingError, StoreError
 from .filter import Filter
+from .selection import TrimDecision
 from .tokens import TokenCounter, encoding_for
 from .trim import TrimResult, trim_messages
 
@@ -20,6 +21,7 @@ __all__ = [
     "Filter",
     "trim_messages",
     "TrimResult",
+    "TrimDecision",
     "TokenCounter",
     "encoding_for",
     "ContextWardenError",

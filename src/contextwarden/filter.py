@@ -10,22 +10,25 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
-from .conversation import message_text
+from .chatstate import ChatState, chat_state_key
+from .conversation import Message, message_text
 from .errors import ConfigError
+from .flags import Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .store import MemoryStore, Store, open_store
+from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
-from .trim import TrimResult, trim_messages
+from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Cost, Usage, compute_cost, read_usage
-from .valves import Settings, UserValves, Valves, read_settings
+from .valves import MIN_BUDGET_TOKENS, Settings, UserValves, Valves, read_settings
 
 __all__ = ["Filter", "model_context_length", "wants_stream_usage", "format_usd"]
 
@@ -138,19 +141,93 @@ def _usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) ->
     return line
 
 
-def _status_line(result: TrimResult) -> str:
-    before, after = len(result.kept) + len(result.dropped) + len(result.shortened), len(result.messages)
-    if result.changed:
-        line = f"Context {before:,} → {after:,} messages · {result.tokens_before:,} → {result.tokens_after:,} tokens"
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """What one pass decided to send, with the numbers the status line and outlet need."""
+
+    messages: list[Message]
+    count_before: int
+    tokens_before: int
+    tokens_after: int
+    budget: int
+    count_mode: str
+    decision: TrimDecision | None = None
+    dropped: int = 0
+    shortened: int = 0
+    over_budget: bool = False
+    summarized: bool = False
+    full: bool = False
+
+    @classmethod
+    def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> _Choice:
+        """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
+        count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
+        return cls(
+            messages=messages,
+            count_before=count,
+            tokens_before=result.tokens_before + extra_tokens,
+            tokens_after=result.tokens_after + extra_tokens,
+            budget=result.budget + extra_tokens,
+            count_mode=result.count_mode,
+            decision=result.decision,
+            dropped=len(result.dropped),
+            shortened=len(result.shortened),
+            over_budget=result.over_budget,
+        )
+
+
+def _status_line(choice: _Choice, flags: Flags) -> str:
+    after = len(choice.messages)
+    if choice.full:
+        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
+    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
+        line = f"Context {choice.count_before:,} → {after:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
     else:
-        line = f"Context {after:,} messages · {result.tokens_after:,} tokens (fits {result.budget:,})"
-    if result.shortened:
-        line += f" · {len(result.shortened)} shortened"
-    if result.over_budget:
+        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
+    if choice.summarized:
+        line += " · earlier messages summarized"
+    if choice.shortened:
+        line += f" · {choice.shortened} shortened"
+    if choice.over_budget and not choice.full:
         line += " · still over budget"
-    if result.count_mode == "estimate":
+    if choice.count_mode == "estimate":
         line += " · estimated (tokenizer not loaded)"
+    if flags.used:
+        line += " · flags " + " ".join(flags.used)
+    if flags.refused:
+        line += " · not enabled: " + " ".join(flags.refused)
     return line
+
+
+def _ids(body: dict[str, Any], user: dict | None, metadata: dict | None) -> tuple[str, str]:
+    """The user id and chat id of a request ("" when unknown; API callers have no chat id)."""
+    metadata = metadata or {}
+    user_id = (user or {}).get("id") or metadata.get("user_id") or ""
+    chat_id = metadata.get("chat_id") or body.get("chat_id") or ""
+    return str(user_id), str(chat_id)
+
+
+def _same_messages(a: Sequence[Message], b: Sequence[Message]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _flags_of_turn(value: dict) -> Flags:
+    """The flags an earlier pass of this turn left in `__metadata__` (none when unreadable)."""
+    try:
+        return Flags.from_dict(value)
+    except (KeyError, TypeError, ValueError):
+        return Flags()
+
+
+def _decision(text: str | None) -> TrimDecision | None:
+    """The stored decision, or None when there is none or it is from another version."""
+    if text is None:
+        return None
+    try:
+        return TrimDecision.from_json(text)
+    except Exception:  # a decision written by another version is simply not reused
+        filter_log.debug("contextwarden: stored trim decision not readable; starting afresh")
+        return None
 
 
 class Filter:
@@ -231,23 +308,103 @@ class Filter:
             return body
         settings = await self._settings(user, emit)
         model_id = _base_model_id(body, model)
-        calibration = await self._calibration(settings, model_id, emit)
-        budget = calibrated_budget(settings.budget(model_context_length(model)), calibration)
-        result = trim_messages(body["messages"], max_tokens=budget, model=model_id, token_counter=self._counter)
+        resolution = await self._resolve(settings, model_id, emit)
+        calibration = await self._calibration(settings, resolution)
+        window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
+        budget = calibrated_budget(settings.budget(window), calibration)
+        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+        note = note if isinstance(note, dict) else {}
+        read = read_flags(body["messages"], allowed=settings.allowed_flags)
+        flags = read.flags
+        if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
+            flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
+        key = chat_state_key(*_ids(body, user, metadata))
+        state = await self._load_state(key)
+        latest = read.messages[read.latest_user] if read.latest_user is not None else None
+        state = state.with_flags(flags, pin_fingerprint(latest) if latest is not None else None)
+        choice = await self._choose(read.messages, flags, state, settings, budget, model_id)
+        if key is not None:
+            decision = choice.decision.to_json() if choice.decision is not None else None
+            if decision is None or (note.get("decided") and _same_messages(choice.messages, read.messages)):
+                decision = state.decision  # a later pass of a turn sees the trimmed chat: keep the turn's decision
+            await self._save_state(key, replace(state, decision=decision), settings.state_ttl_seconds)
         if isinstance(metadata, dict):
-            metadata[METADATA_KEY] = {
-                "estimated_prompt_tokens": result.tokens_after,
-                "count_mode": result.count_mode,
-                "budget": budget,
-                "dropped": len(result.dropped),
-                "calibration": calibration.factor,
-            }
+            note.update(
+                estimated_prompt_tokens=choice.tokens_after,
+                count_mode=choice.count_mode,
+                budget=choice.budget,
+                dropped=choice.dropped,
+                decided=key is not None,
+                calibration=calibration.factor,
+            )
+            if flags.used or flags.refused:
+                note["flags"] = flags.to_dict()
+            metadata[METADATA_KEY] = note
         if settings.show_status:
             calibrated = f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""
-            await self._emit(emit, _status_line(result) + calibrated)
-        if not result.changed:
+            await self._emit(emit, _status_line(choice, flags) + calibrated)
+        if _same_messages(choice.messages, body["messages"]):
             return body
-        return {**body, "messages": result.messages}
+        return {**body, "messages": choice.messages}
+
+    async def _choose(
+        self, messages: list[Message], flags: Flags, state: ChatState, settings: Settings, budget: int, model_id: str
+    ) -> _Choice:
+        """Trim `messages` (flags already removed) as the flags and the chat's state say."""
+        counter = self._counter
+        if flags.full:
+            tokens = counter.count_messages(messages, model_id)
+            return _Choice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
+        if flags.budget is not None:
+            budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
+        at, merged = find_summary(messages)
+        summary = messages[at] if at is not None else None
+        base = messages if at is None else messages[:at] + messages[at + 1 :]
+        pins = set(state.pins)
+        pinned = [i for i, m in enumerate(base) if pins and m.get("role") == "user" and pin_fingerprint(m) in pins]
+        previous = _decision(state.decision)
+
+        def retrim(limit: int) -> TrimResult:
+            return trim_messages(
+                base,
+                max_tokens=limit,
+                model=model_id,
+                token_counter=counter,
+                keep_last_turns=flags.keep or settings.keep_last_turns,
+                pinned=pinned,
+                previous=previous,
+                low_watermark=settings.low_watermark,
+            )
+
+        if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
+            cost = counter.count_message(summary, model_id)
+            if budget - cost >= MIN_BUDGET_TOKENS:
+                result = retrim(budget - cost)
+                return _Choice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
+        result = retrim(budget)
+        if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
+            done = await summarize_trim(
+                base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
+            )
+            if done is not None:
+                chosen = _Choice.of(done.result, done.messages)
+                return replace(chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True)
+        return _Choice.of(result, result.messages)
+
+    async def _load_state(self, key: str | None) -> ChatState:
+        if key is None:
+            return ChatState()
+        try:
+            return ChatState.from_bytes(await self._store.get(key))
+        except Exception as exc:  # state is an optimization: the turn goes on without it
+            filter_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
+            return ChatState()
+
+    async def _save_state(self, key: str, state: ChatState, ttl: int) -> None:
+        try:
+            await self._store.set(key, state.to_bytes(), ttl=ttl)
+        except Exception as exc:
+            filter_log.warning("contextwarden: chat state not saved (%s)", type(exc).__name__)
 
     # -- outlet -----------------------------------------------------------------------------
 
@@ -342,13 +499,12 @@ class Filter:
             model_id, book, aliases=settings.model_aliases, prefixes=settings.connection_prefixes, free_models=settings.free_models
         )
 
-    async def _calibration(self, settings: Settings, model_id: str, emit: Emitter | None) -> Calibration:
+    async def _calibration(self, settings: Settings, resolution: Resolution) -> Calibration:
         """The learned count correction for a model (none when switched off or unreadable)."""
         if not settings.calibrate_counts:
             return Calibration()
-        resolution = await self._resolve(settings, model_id, emit)
         try:
-            return await load_calibration(self._store, resolution.model_id or model_id)
+            return await load_calibration(self._store, resolution.model_id or resolution.requested)
         except Exception as exc:
             filter_log.debug("contextwarden: calibration not read (%s)", type(exc).__name__)
             return Calibration()

@@ -1,14 +1,122 @@
-"""Choosing which turns to keep under a budget.
+"""Choosing what to keep under a budget, and keeping that choice stable between turns.
 
-Pure functions over costs: they know nothing of messages, only how much each candidate
-costs, and return which candidates to keep.
+The hard part (system messages, the current turn) is always kept; then pinned units and the
+last `keep_last_turns` turns while they fit; then either the newest turns (`recent`) or the
+units worth most per token (`relevance`). A unit is kept or dropped whole: one message, or an
+assistant `tool_calls` message with its `tool` replies. `TrimDecision` records what was kept
+(as content fingerprints, never text) so the next turn can send the same prefix again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["select_recent"]
+from .conversation import SYSTEM_ROLES, Conversation, Message
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+
+__all__ = [
+    "Strategy",
+    "TrimDecision",
+    "select_recent",
+    "select_by_value",
+    "choose_indices",
+    "reuse_previous",
+    "message_fingerprint",
+    "Fingerprints",
+    "mandatory_indices",
+]
+
+Strategy = Literal["relevance", "recent"]
+DECISION_FORMAT = 1
+# Value per cost ** 0.5: relevance scores are already length-normalised (BM25's b), so
+# dividing by the whole cost would penalise long messages twice (measured in bench/quality.py).
+DEFAULT_COST_EXPONENT = 0.5
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimDecision:
+    """What one trim kept, for the next turn of the same chat: fingerprints, no text.
+
+    `kept` holds the fingerprints (see `message_fingerprint`) of the kept non-system messages
+    in order; `tokens` what was sent; `max_tokens` the budget it was made for.
+
+    Example:
+        >>> d = TrimDecision(max_tokens=1000, tokens=640, strategy="relevance", kept=("a1b2c3d4e5f60718",))
+        >>> TrimDecision.from_json(d.to_json()) == d
+        True
+    """
+
+    max_tokens: int
+    tokens: int
+    strategy: str
+    kept: tuple[str, ...]
+
+    def to_json(self) -> str:
+        """A compact JSON text of this decision (what the filter stores per chat)."""
+        return json.dumps(
+            {"v": DECISION_FORMAT, "max_tokens": self.max_tokens, "tokens": self.tokens,
+             "strategy": self.strategy, "kept": list(self.kept)},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TrimDecision:
+        """Read a decision written by `to_json`; ValueError when it is not one."""
+        try:
+            data = json.loads(text)
+            if data.get("v") != DECISION_FORMAT:
+                raise ValueError(f"unknown decision format {data.get('v')!r}")
+            kept = tuple(data["kept"])
+            if not all(isinstance(k, str) for k in kept):
+                raise ValueError("kept must be strings")
+            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept)
+        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+
+
+def message_fingerprint(message: Message) -> str:
+    """8 bytes of blake2b over the message's canonical JSON, in hex: equal means byte-equal.
+
+    Example:
+        >>> message_fingerprint({"role": "user", "content": "hi"})
+        'a9a3fe7c2ddc12d3'
+    """
+    canonical = _CANONICAL_JSON.encode(message)
+    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+class Fingerprints(Sequence[str]):
+    """`message_fingerprint` of each message, computed when first asked for.
+
+    Example:
+        >>> prints = Fingerprints([{"role": "user", "content": "hi"}])
+        >>> prints[0] == message_fingerprint({"role": "user", "content": "hi"}), len(prints)
+        (True, 1)
+    """
+
+    __slots__ = ("_messages", "_done")
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+        self._done: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        done = self._done.get(index)
+        if done is None:
+            done = self._done[index] = message_fingerprint(self._messages[index])
+        return done
 
 
 def select_recent(costs: Sequence[int], budget: int) -> list[int]:
@@ -30,3 +138,224 @@ def select_recent(costs: Sequence[int], budget: int) -> list[int]:
         kept.append(index)
     kept.reverse()
     return kept
+
+
+def select_by_value(
+    costs: Sequence[int], values: Sequence[float], budget: int, *, cost_exponent: float = DEFAULT_COST_EXPONENT
+) -> list[int]:
+    """Candidates worth most in total within `budget`, in ascending order (0-1 knapsack, greedy).
+
+    Greedy by value per `cost ** cost_exponent` (ties: newer first), skipping what does not
+    fit; then a repair
+    pass: when the single most valuable candidate that fits is worth more than the greedy
+    pick, start from it instead (this bounds the loss at half the optimum).
+
+    Example:
+        >>> select_by_value([10, 10, 30], [1.0, 5.0, 9.0], budget=40)
+        [1, 2]
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-values[i] / max(costs[i], 1) ** cost_exponent, -i))
+
+    def fill(start: list[int], left: int) -> list[int]:
+        taken = list(start)
+        for i in order:
+            if i not in start and costs[i] <= left and values[i] > 0:
+                taken.append(i)
+                left -= costs[i]
+        return taken
+
+    greedy = fill([], budget)
+    fitting = [i for i in range(len(costs)) if costs[i] <= budget]
+    if fitting:
+        best = max(fitting, key=lambda i: (values[i], i))
+        if values[best] > sum(values[i] for i in greedy):
+            greedy = fill([best], budget - costs[best])
+    return sorted(greedy)
+
+
+def mandatory_indices(conversation: Conversation) -> list[int]:
+    """What is always sent: system messages and the current turn (the last user message on)."""
+    mandatory: list[int] = [i for unit in conversation.system for i in unit.indices]
+    turns = conversation.turns
+    current = conversation.current if conversation.current is not None else len(turns) - 1
+    for turn in turns[current:] if turns else ():
+        mandatory.extend(turn.indices)
+    return sorted(mandatory)
+
+
+def _history_start_ok(conversation: Conversation, keep: Collection[int]) -> bool:
+    """The kept history does not begin with an assistant or tool message unless the input did."""
+    messages = conversation.messages
+    first_in = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
+    first = next((i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES), None)
+    return first is None or first == first_in or messages[first].get("role") not in ("assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The hard indices, the optional units (oldest first), and each unit's turn number."""
+
+    hard: frozenset[int]
+    units: tuple[tuple[int, ...], ...]
+    unit_turn: tuple[int, ...]
+    turn_user: tuple[int | None, ...]
+
+
+def _plan(conversation: Conversation) -> _Plan:
+    hard = frozenset(mandatory_indices(conversation))
+    units: list[tuple[int, ...]] = []
+    unit_turn: list[int] = []
+    turn_user: list[int | None] = []
+    for t, turn in enumerate(conversation.turns):
+        first = turn.units[0]
+        turn_user.append(first.start if first.kind == "user" else None)
+        for unit in turn.units:
+            if unit.start not in hard:
+                units.append(tuple(unit.indices))
+                unit_turn.append(t)
+    return _Plan(hard, tuple(units), tuple(unit_turn), tuple(turn_user))
+
+
+def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
+    """Units to add before any other, in order: pinned ones, then the last turns newest first."""
+    pins = set(pinned)
+    order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)]
+    current = conversation.current if conversation.current is not None else len(conversation.turns)
+    recent_turns = set(range(current - max(0, keep_last_turns - 1), current))
+    order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent_turns and u not in order]
+    return order
+
+
+def choose_indices(
+    conversation: Conversation,
+    costs: Sequence[int],
+    budget: int,
+    *,
+    strategy: Strategy = "relevance",
+    keep_last_turns: int = 1,
+    pinned: Collection[int] = (),
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    scores: Sequence[float] | None = None,
+) -> set[int]:
+    """The message indices to send: hard part, preferred units, then the strategy's pick.
+
+    `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
+
+    `budget` covers the messages (reply priming is the caller's); the hard part is returned
+    even when it alone is over. The result never begins its history with an assistant or tool
+    message unless the input did: such a unit gets its turn's user message, or is let go.
+
+    Example:
+        >>> from contextwarden.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+        ...         {"role": "user", "content": "z"}]
+        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 10, strategy="recent"))
+        [2]
+    """
+    plan = _plan(conversation)
+    keep = set(plan.hard)
+    left = budget - sum(costs[i] for i in keep)
+    unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
+    taken: set[int] = set()
+    for u in _preferred(plan, conversation, keep_last_turns, pinned):
+        if unit_cost[u] <= left:
+            taken.add(u)
+            left -= unit_cost[u]
+    rest = [u for u in range(len(plan.units)) if u not in taken]
+    if strategy == "recent":
+        by_turn: dict[int, list[int]] = {}
+        for u in rest:
+            by_turn.setdefault(plan.unit_turn[u], []).append(u)
+        turns = sorted(by_turn)
+        chosen = select_recent([sum(unit_cost[u] for u in by_turn[t]) for t in turns], max(0, left))
+        taken.update(u for k in chosen for u in by_turn[turns[k]])
+    elif rest and left > 0:
+        question = next((i for i in sorted(plan.hard, reverse=True) if conversation.messages[i].get("role") == "user"), None)
+        if question is not None:
+            if scores is None:
+                excluded = [i for unit in conversation.system for i in unit.indices]
+                excluded += [i for unit in conversation.orphans for i in unit.indices]
+                scores = score_messages(conversation.messages, question=question, exclude=excluded, weights=weights)
+            values = [sum(scores[i] for i in plan.units[u]) for u in rest]
+            chosen = select_by_value([unit_cost[u] for u in rest], values, left)
+            taken.update(rest[k] for k in chosen)
+            left -= sum(unit_cost[rest[k]] for k in chosen)
+    for u in taken:
+        keep.update(plan.units[u])
+    return _repair_history_start(conversation, plan, keep, costs, left)
+
+
+def _repair_history_start(conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int) -> set[int]:
+    """Give a leading assistant/tool unit its turn's user message, or drop it, until valid."""
+    messages = conversation.messages
+    unit_of = {unit[0]: u for u, unit in enumerate(plan.units)}
+    while not _history_start_ok(conversation, keep):
+        first = next(i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES)
+        if first not in unit_of:  # cannot happen: the hard part starts with a user message
+            break
+        unit = plan.units[unit_of[first]]
+        user = plan.turn_user[plan.unit_turn[unit_of[first]]]
+        if user is not None and user not in keep and costs[user] <= left:
+            keep.add(user)
+            left -= costs[user]
+        else:
+            keep.difference_update(unit)
+            left += sum(costs[i] for i in unit)
+    return keep
+
+
+def reuse_previous(
+    previous: TrimDecision,
+    fingerprints: Sequence[str],
+    conversation: Conversation,
+    costs: Sequence[int],
+    budget: int,
+    *,
+    keep_last_turns: int = 1,
+    pinned: Collection[int] = (),
+) -> set[int] | None:
+    """The previous selection plus everything after it, if that is still valid and fits.
+
+    The previous kept messages must all be found, in order, among the non-system messages;
+    then what is sent is: system messages, those messages, every message after the last of
+    them, the hard part, pinned units and the last `keep_last_turns` turns — whole units only, no orphans. None
+    when a kept message is gone, the history would start wrongly, or it does not fit `budget`.
+
+    Example:
+        >>> from contextwarden.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...         {"role": "user", "content": "e"}]
+        >>> prints = [message_fingerprint(m) for m in chat]
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]))
+        >>> sorted(reuse_previous(before, prints, read_conversation(chat), [5] * 5, 100))
+        [0, 2, 3, 4]
+    """
+    messages = conversation.messages
+    system = {i for unit in conversation.system for i in unit.indices}
+    wanted = previous.kept
+    matched: list[int] = []
+    k = 0
+    for index in range(len(fingerprints)):
+        if k == len(wanted):
+            break
+        if index not in system and fingerprints[index] == wanted[k]:
+            matched.append(index)
+            k += 1
+    if k < len(wanted):
+        return None
+    after = matched[-1] + 1 if matched else 0
+    plan = _plan(conversation)
+    keep = set(plan.hard) | set(matched) | set(range(after, len(messages)))
+    for u in _preferred(plan, conversation, keep_last_turns, pinned):
+        keep.update(plan.units[u])
+    orphans = {i for unit in conversation.orphans for i in unit.indices}
+    keep -= orphans
+    for turn in conversation.turns:
+        for unit in turn.units:
+            if keep.intersection(unit.indices):
+                keep.update(unit.indices)
+    if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
+        return None
+    return keep
+

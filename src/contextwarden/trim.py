@@ -6,15 +6,16 @@ shortening of mandatory content that alone is over the budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from .conversation import Conversation, Message, Unit, read_conversation
-from .selection import select_recent
+from .conversation import Conversation, Message, read_conversation
+from .selection import Fingerprints, Strategy, TrimDecision, choose_indices, mandatory_indices, reuse_previous
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
-__all__ = ["TrimResult", "trim_messages", "default_counter", "SHORTENED_MARK"]
+__all__ = ["TrimResult", "trim_messages", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK"]
 
+DEFAULT_LOW_WATERMARK = 0.8
 SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
 MIN_KEPT_TEXT_TOKENS = 0
 
@@ -34,7 +35,9 @@ class TrimResult:
     """What `trim_messages` chose.
 
     `messages` is what to send. `kept` holds the ascending input indices sent as the very
-    same dicts; `shortened` those sent as shortened copies; `dropped` the rest.
+    same dicts; `shortened` those sent as shortened copies; `dropped` the rest. `decision`
+    is what to pass as `previous` next turn (None when nothing was dropped); `reused` tells
+    that the previous turn's selection was kept and only new messages were added.
     """
 
     messages: list[Message]
@@ -47,6 +50,8 @@ class TrimResult:
     count_mode: CountMode
     over_budget: bool = False
     notes: tuple[str, ...] = field(default=())
+    decision: TrimDecision | None = None
+    reused: bool = False
 
     @property
     def changed(self) -> bool:
@@ -60,17 +65,23 @@ def trim_messages(
     max_tokens: int,
     model: str | None = None,
     token_counter: TokenCounter | None = None,
+    strategy: Strategy = "relevance",
+    keep_last_turns: int = 1,
+    pinned: Collection[int] = (),
+    previous: TrimDecision | None = None,
+    low_watermark: float = DEFAULT_LOW_WATERMARK,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
     Guarantees: system messages and the latest user message (with everything after it, such
     as a tool loop in progress) are always kept; an assistant `tool_calls` message and its
     `tool` replies are kept or dropped together, and unanswered calls or orphan `tool`
-    messages are never sent; older turns are dropped whole, oldest first, so the history
-    still starts with a user message; kept messages are the same dicts, in their order; the
-    input is never modified. When the mandatory part alone is over budget, the largest
-    shortenable text (system prompt, tool results, then the latest user message as a last
-    resort) is cut middle-out with a marker. Trimming the result again changes nothing.
+    messages are never sent; the history still starts with a user message; kept messages are
+    the same dicts, in their order; the input is never modified. When the mandatory part
+    alone is over budget, the largest shortenable text (system prompt, tool results, then the
+    latest user message as a last resort) is cut middle-out with a marker. A chat that fits is
+    returned whole without scoring anything, so trimming the result again changes nothing.
+    Same input, same output.
 
     Args:
         messages: OpenAI-format messages (Open WebUI's extra keys are fine).
@@ -78,6 +89,19 @@ def trim_messages(
         model: model id, to pick the encoding (o200k_base unless GPT-4/3.5).
         token_counter: a shared `TokenCounter`; by default one that loads encodings in the
             calling thread.
+        strategy: `"relevance"` (default) keeps the older messages that matter most to the
+            latest question (BM25 and friends, see `relevance.py`), whole units, in their
+            order; `"recent"` keeps the newest whole turns that fit.
+        keep_last_turns: the last N turns (the current one counts) are kept before anything
+            else, while they fit. Default 1: the current turn only.
+        pinned: input indices kept (with their unit) before anything else, while they fit,
+            e.g. messages a user marked with `!pin`.
+        previous: the `decision` of this chat's last trim. While its kept messages are still
+            there and they plus everything newer fit, exactly those are sent again plus the
+            new messages, so the prompt prefix stays byte-identical and provider caches hit.
+        low_watermark: when a new selection is made, it fills only this share of
+            `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
+            prefix before the next cut. 1.0 fills the budget.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -87,9 +111,12 @@ def trim_messages(
         >>> result = trim_messages(chat, max_tokens=60, model="gpt-4o")
         >>> result.kept, result.dropped
         ((0, 3), (1, 2))
+        >>> chat += [{"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+        >>> again = trim_messages(chat, max_tokens=60, model="gpt-4o", previous=result.decision)
+        >>> again.kept, again.reused
+        ((0, 3, 4, 5), True)
     """
-    if not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    _check_options(max_tokens, strategy, keep_last_turns, low_watermark)
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
@@ -103,19 +130,27 @@ def trim_messages(
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
-    mandatory, optional_turns = _split_mandatory(conversation)
+    mandatory = mandatory_indices(conversation)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
-    turn_costs = [sum(costs[i] for i in turn) for turn in optional_turns]
-    chosen = select_recent(turn_costs, max(0, max_tokens - mandatory_cost))
-    keep = set(mandatory)
-    for t in chosen:
-        keep.update(optional_turns[t])
+    fingerprints = Fingerprints(messages)
+    keep: set[int] | None = None
+    if previous is not None and mandatory_cost <= max_tokens:
+        keep = reuse_previous(
+            previous, fingerprints, conversation, costs, max_tokens - TOKENS_PER_REPLY,
+            keep_last_turns=keep_last_turns, pinned=pinned,
+        )
+    reused = keep is not None
+    if keep is None:
+        target = int(max_tokens * low_watermark) - TOKENS_PER_REPLY
+        keep = choose_indices(
+            conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned
+        )
 
     replaced: dict[int, Message] = {}
     over = False
     notes: list[str] = []
     if mandatory_cost > max_tokens:
-        replaced, over = _shorten_mandatory(conversation, sorted(mandatory), costs, max_tokens, counter, model)
+        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
         notes.append("mandatory content over budget: shortened")
         if over:
             notes.append("could not shorten enough")
@@ -124,6 +159,13 @@ def trim_messages(
     sent = [replaced.get(i, messages[i]) for i in order]
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
+    )
+    system = {i for unit in conversation.system for i in unit.indices}
+    decision = TrimDecision(
+        max_tokens=max_tokens,
+        tokens=after,
+        strategy=strategy,
+        kept=tuple(fingerprints[i] for i in order if i not in system),
     )
     return TrimResult(
         messages=sent,
@@ -136,18 +178,21 @@ def trim_messages(
         count_mode=mode,
         over_budget=over,
         notes=tuple(notes),
+        decision=decision,
+        reused=reused,
     )
 
 
-def _split_mandatory(conversation: Conversation) -> tuple[list[int], list[list[int]]]:
-    """Mandatory indices (system, current turn) and the optional older turns, oldest first."""
-    mandatory: list[int] = [i for unit in conversation.system for i in unit.indices]
-    turns = conversation.turns
-    current = conversation.current if conversation.current is not None else len(turns) - 1
-    for turn in turns[current:] if turns else ():
-        mandatory.extend(turn.indices)
-    optional = [turn.indices for turn in turns[:current]] if turns else []
-    return mandatory, optional
+def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float) -> None:
+    """Raise ValueError naming the option and its valid values."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if strategy not in ("relevance", "recent"):
+        raise ValueError(f"strategy must be 'relevance' or 'recent', got {strategy!r}")
+    if not isinstance(keep_last_turns, int) or isinstance(keep_last_turns, bool) or keep_last_turns < 0:
+        raise ValueError(f"keep_last_turns must be an int >= 0, got {keep_last_turns!r}")
+    if not isinstance(low_watermark, (int, float)) or not 0.0 < low_watermark <= 1.0:
+        raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark!r}")
 
 
 def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:

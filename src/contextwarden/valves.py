@@ -15,11 +15,19 @@ from .errors import ConfigError
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .live_prices import DEFAULT_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
+from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
+from .summarize import SummaryConfig
+from .trim import DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS"]
 
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
 MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
+DEFAULT_STATE_TTL_HOURS = 72
+DEFAULT_SUMMARY_TIMEOUT_SECONDS = 10.0
+DEFAULT_SUMMARY_MAX_TOKENS = 400
+MAX_SUMMARY_TIMEOUT_SECONDS = 120.0
+SUMMARY_MAX_TOKENS_RANGE = (32, 4_000)
 
 _SECRET = {"input": {"type": "password"}}
 
@@ -70,6 +78,42 @@ class Valves(BaseModel):
     ledger_retention_days: int = Field(
         default=DEFAULT_LEDGER_RETENTION_DAYS, ge=1, description="How long per user / model / day usage totals are kept (in Redis or in-process)."
     )
+    keep_last_turns: int = Field(
+        default=1, ge=1, description="The latest turns always kept, the current one included (users can change it per message with !keep=N)."
+    )
+    low_watermark: float = Field(
+        default=DEFAULT_LOW_WATERMARK,
+        gt=0,
+        le=1,
+        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for many turns.",
+    )
+    state_ttl_hours: int = Field(
+        default=DEFAULT_STATE_TTL_HOURS, ge=1, description="How long a chat's remembered trim decision and pins are kept after its last message."
+    )
+    allowed_user_flags: str = Field(
+        default=DEFAULT_ALLOWED_FLAGS,
+        description=f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full bypasses the budget and is off by default. Empty = none.",
+    )
+    summary_enabled: bool = Field(
+        default=False, description="Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
+    )
+    summary_base_url: str = Field(
+        default="", description="OpenAI-compatible API base for summaries, e.g. https://api.openai.com/v1 or http://localhost:11434/v1."
+    )
+    summary_api_key: str = Field(default="", description="API key for the summary endpoint (sent as a Bearer token).", json_schema_extra=_SECRET)
+    summary_model: str = Field(default="", description="Model that writes summaries, e.g. gpt-4o-mini.")
+    summary_timeout_seconds: float = Field(
+        default=DEFAULT_SUMMARY_TIMEOUT_SECONDS,
+        gt=0,
+        le=MAX_SUMMARY_TIMEOUT_SECONDS,
+        description="Longest wait for a summary; past it the chat goes on without one.",
+    )
+    summary_max_tokens: int = Field(
+        default=DEFAULT_SUMMARY_MAX_TOKENS,
+        ge=SUMMARY_MAX_TOKENS_RANGE[0],
+        le=SUMMARY_MAX_TOKENS_RANGE[1],
+        description="Longest summary in tokens; this much of the budget is set aside for it when one is added.",
+    )
 
 
 class UserValves(BaseModel):
@@ -101,6 +145,11 @@ class Settings:
     request_stream_usage: bool = True
     calibrate_counts: bool = True
     ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
+    keep_last_turns: int = 1
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    state_ttl_seconds: int = DEFAULT_STATE_TTL_HOURS * 3600
+    allowed_flags: frozenset[str] = frozenset()
+    summary: SummaryConfig | None = None
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -186,6 +235,24 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         user_window = max(0, take(user_valves, "max_context_tokens", 0))
         show = show and take(user_valves, "show_status", True)
         show_cost = take(user_valves, "show_cost", True)
+    allowed, unknown = parse_flag_names(take(valves, "allowed_user_flags", DEFAULT_ALLOWED_FLAGS))
+    if unknown:
+        problems.append(
+            ConfigError(f"allowed_user_flags: unknown flag {', '.join(unknown)} (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
+        )
+    keep = take(valves, "keep_last_turns", 1)
+    if keep < 1:
+        problems.append(ConfigError("keep_last_turns must be 1 or more; using 1", valve="keep_last_turns"))
+        keep = 1
+    watermark = take(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
+    if not 0 < watermark <= 1:
+        problems.append(ConfigError(f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"))
+        watermark = DEFAULT_LOW_WATERMARK
+    ttl_hours = take(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
+    if ttl_hours < 1:
+        problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
+        ttl_hours = DEFAULT_STATE_TTL_HOURS
+    summary = _summary_config(valves, take, ttl_hours * 3600, problems)
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -202,5 +269,35 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         request_stream_usage=take(valves, "request_stream_usage", True),
         calibrate_counts=take(valves, "calibrate_counts", True),
         ledger_retention_days=retention,
+        keep_last_turns=keep,
+        low_watermark=watermark,
+        state_ttl_seconds=ttl_hours * 3600,
+        allowed_flags=allowed,
+        summary=summary,
     )
     return settings, problems
+
+
+def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError]) -> SummaryConfig | None:
+    """The summary endpoint when summaries are on and configured; problems name the valve (never the key)."""
+    if not take(valves, "summary_enabled", False):
+        return None
+    base_url = take(valves, "summary_base_url", "").strip()
+    model = take(valves, "summary_model", "").strip()
+    timeout = take(valves, "summary_timeout_seconds", DEFAULT_SUMMARY_TIMEOUT_SECONDS)
+    max_tokens = take(valves, "summary_max_tokens", DEFAULT_SUMMARY_MAX_TOKENS)
+    found: list[ConfigError] = []
+    if not base_url.startswith(("http://", "https://")):
+        found.append(ConfigError("summary_base_url must start with http:// or https://; summaries are off", valve="summary_base_url"))
+    if not model:
+        found.append(ConfigError("summary_model is empty; summaries are off", valve="summary_model"))
+    if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
+        found.append(ConfigError(f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are off", valve="summary_timeout_seconds"))
+    low, high = SUMMARY_MAX_TOKENS_RANGE
+    if not low <= max_tokens <= high:
+        found.append(ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens"))
+    problems.extend(found)
+    if found:
+        return None
+    api_key = take(valves, "summary_api_key", "")
+    return SummaryConfig(base_url=base_url, model=model, api_key=api_key, timeout=timeout, max_tokens=max_tokens, ttl=ttl)

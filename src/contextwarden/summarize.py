@@ -1,0 +1,219 @@
+"""Optional summaries of what a trim dropped: one bounded, cached call to an OpenAI-compatible API.
+
+The summary goes in as one system note right after the system prompt(s), labelled so a later
+pass recognizes it. It is counted against the budget: the chat is trimmed again with room for
+it, and when it still does not fit, or the call fails or times out, the trim goes on without
+it. The API key never reaches a log line, a status or an exception message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from .conversation import SYSTEM_ROLES, Message, message_text
+from .store import Store
+from .tokens import TokenCounter
+from .trim import TrimResult
+
+__all__ = [
+    "SUMMARY_LABEL",
+    "SummaryConfig",
+    "Summarized",
+    "summarize_messages",
+    "summarize_trim",
+    "summary_note",
+    "find_summary",
+    "insert_summary",
+]
+
+summarize_log = logging.getLogger("contextwarden")
+
+SUMMARY_LABEL = "Summary of earlier conversation (by contextwarden):"
+DEFAULT_SUMMARY_INPUT_CHARS = 24_000  # what one call may send, newest dropped messages first
+DEFAULT_SUMMARY_MESSAGE_CHARS = 4_000  # one message's share of it (middle cut)
+SUMMARY_CHARS_PER_TOKEN = 8  # the reply is cut to max_tokens * this many characters at most
+SUMMARY_RETRY_SECONDS = 60  # after a failure, the same content is not tried again this long
+SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
+SUMMARY_PROMPT = (
+    "Below is the earlier part of a conversation that no longer fits in the model's context. "
+    "Summarize it for the assistant who continues the conversation: the facts, names, numbers, "
+    "decisions, preferences and open questions it holds, briefly, in the conversation's language. "
+    "Reply with the summary only."
+)
+_CACHED, _FAILED = b"ok:", b"failed"
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryConfig:
+    """Where and how to summarize; `ttl` is how long a summary stays cached (seconds)."""
+
+    base_url: str
+    model: str
+    api_key: str = field(default="", repr=False)
+    timeout: float = 10.0
+    max_tokens: int = 400
+    ttl: int = 72 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Summarized:
+    """A trim with its summary: `result` dropped exactly what `note` covers; `messages` is
+    `result.messages` with the note inserted, costing `tokens` in all."""
+
+    result: TrimResult
+    note: Message
+    messages: list[Message]
+    tokens: int
+
+
+def summary_note(text: str) -> Message:
+    """The system note that carries a summary."""
+    return {"role": "system", "content": f"{SUMMARY_LABEL}\n{text}"}
+
+
+def find_summary(messages: Sequence[Message]) -> tuple[int | None, bool]:
+    """Where contextwarden's own note is: the index of a standalone note, and whether a system
+    message holds one at all (Open WebUI merges system messages after `request`)."""
+    present = False
+    for index, message in enumerate(messages):
+        if message.get("role") not in SYSTEM_ROLES:
+            continue
+        content = message.get("content")
+        if isinstance(content, str) and content.startswith(SUMMARY_LABEL):
+            return index, True
+        present = present or SUMMARY_LABEL in message_text(message)
+    return None, present
+
+
+def insert_summary(messages: Sequence[Message], note: Message) -> list[Message]:
+    """`messages` with `note` right after the leading system message(s)."""
+    at = 0
+    while at < len(messages) and messages[at].get("role") in SYSTEM_ROLES:
+        at += 1
+    return [*messages[:at], note, *messages[at:]]
+
+
+def _transcript(messages: Sequence[Message]) -> str:
+    """The dropped messages as `role: text` lines, bounded: each message cut in the middle,
+    and the newest messages kept when all of them are too long."""
+    lines: list[str] = []
+    room = DEFAULT_SUMMARY_INPUT_CHARS
+    for message in reversed(messages):
+        text = " ".join(message_text(message).split())
+        if not text:
+            continue
+        if len(text) > DEFAULT_SUMMARY_MESSAGE_CHARS:
+            half = DEFAULT_SUMMARY_MESSAGE_CHARS // 2
+            text = f"{text[:half]} […] {text[-half:]}"
+        line = f"{message.get('role')}: {text}"
+        if len(line) > room:
+            break
+        lines.append(line)
+        room -= len(line) + 1
+    return "\n".join(reversed(lines))
+
+
+def _cache_key(config: SummaryConfig, transcript: str) -> str:
+    data = json.dumps([SUMMARY_PROMPT_VERSION, config.model, config.max_tokens, transcript])
+    return "summary:" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+class _SummaryFailed(Exception):
+    """The endpoint answered, but not with a summary (the message names only the kind)."""
+
+
+async def _ask(config: SummaryConfig, transcript: str) -> str:
+    """One chat completion; raises on any failure (callers log its kind, never its text)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    payload = {
+        "model": config.model,
+        "messages": [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}],
+        "max_tokens": config.max_tokens,
+        "temperature": 0,
+        "stream": False,
+    }
+    async with httpx.AsyncClient(timeout=config.timeout) as client:
+        response = await client.post(config.base_url.rstrip("/") + "/chat/completions", json=payload, headers=headers)
+    if response.status_code != 200:
+        raise _SummaryFailed(f"HTTP {response.status_code}")
+    try:
+        text = response.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _SummaryFailed("unreadable reply") from None
+    if not isinstance(text, str) or not text.strip():
+        raise _SummaryFailed("empty reply")
+    return text.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
+
+
+async def summarize_messages(messages: Sequence[Message], *, config: SummaryConfig, store: Store) -> str | None:
+    """A summary of `messages`, from the store's cache or one call; None on any failure.
+
+    Cached under a hash of exactly what is sent (and the model, size and prompt version), so
+    workers sharing a Redis store share summaries. Never waits longer than `config.timeout`;
+    a failure is logged as one warning naming its kind and is not retried for a minute.
+
+    Args:
+        messages: the messages to condense (what a trim dropped).
+        config: endpoint, model, key, timeout, output size, cache lifetime.
+        store: where summaries are cached.
+
+    Example:
+        >>> text = await summarize_messages(dropped, config=SummaryConfig("http://llm/v1", "gpt-4o-mini"), store=store)  # doctest: +SKIP
+    """
+    transcript = _transcript(messages)
+    if not transcript:
+        return None
+    key = _cache_key(config, transcript)
+    cached = await store.get(key)
+    if cached is not None:
+        return cached[len(_CACHED) :].decode() if cached.startswith(_CACHED) else None
+    try:
+        text = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+    except (httpx.HTTPError, asyncio.TimeoutError, _SummaryFailed) as exc:
+        reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
+        summarize_log.warning("contextwarden: summary skipped (%s); trimmed without one", reason)
+        await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
+        return None
+    await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
+    return text
+
+
+async def summarize_trim(
+    messages: Sequence[Message],
+    first: TrimResult,
+    *,
+    retrim: Callable[[int], TrimResult],
+    config: SummaryConfig,
+    store: Store,
+    counter: TokenCounter,
+    model: str | None,
+) -> Summarized | None:
+    """Make room for a summary of what a trim drops, and write it; None to go on without one.
+
+    `first` is the trim at the full budget; `retrim(n)` trims the same chat to `n` tokens.
+    The chat is trimmed again with room for the note, the messages that trim drops are
+    summarized, and the note is cut to `config.max_tokens` by the filter's counter. The
+    result fits `first.budget`, or None is returned and `first` stands.
+    """
+    reserve = config.max_tokens + counter.count_message(summary_note(""), model)
+    if not first.dropped or first.budget - reserve <= 0:
+        return None
+    second = retrim(first.budget - reserve)
+    if second.over_budget or not second.dropped:
+        return None
+    text = await summarize_messages([messages[i] for i in second.dropped], config=config, store=store)
+    if text is None:
+        return None
+    head, _ = counter.keep_ends(text, config.max_tokens, 0, model)
+    note = summary_note(head)
+    tokens = second.tokens_after + counter.count_message(note, model)
+    if tokens > first.budget:
+        return None
+    return Summarized(second, note, insert_summary(second.messages, note), tokens)

@@ -1,0 +1,379 @@
+"""The built ``open_webui_filter.py`` inside a real Open WebUI 0.12.4, installed as an admin would.
+
+The file at the repository root (what users paste) goes in through the REST API (create,
+activate, make global, set valves). Each scenario then chats as an API caller and checks
+what reached the fake backend (trimmed, valid, within budget, counted with the product's own
+exact counter) and the ``usage {json}`` line the filter wrote to the server log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from contextwarden.pricing import PriceBook, resolve_model
+from contextwarden.tokens import TokenCounter
+from contextwarden.usage import Usage, compute_cost
+from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
+from owui import (
+    OpenWebUI,
+    add_user,
+    chat,
+    installed_function,
+    reply_text,
+    set_user_valves,
+    set_valves,
+    update_function_source,
+    wait_for_log,
+)
+from pending import BUILT_FILE, has_feature, pending
+
+pytestmark = pytest.mark.e2e
+
+FID = "contextwarden"
+MODEL = "gpt-4o"  # resolves to openai/gpt-4o in the bundled price table
+WINDOW, RESERVE = 4_000, 500
+BUDGET = WINDOW - RESERVE
+USAGE_LINE = re.compile(r" - usage (\{.*\})\s*$")
+WORDS = (
+    "river lantern copper meadow signal harbor quartz willow ember falcon orbit cedar prism "
+    "tundra velvet anchor basalt citrus dune glacier hollow ivory juniper kelp lagoon marble"
+).split()
+
+
+def base_valves() -> dict[str, Any]:
+    """The admin valves every scenario starts from. Hermetic once those valves exist: no live
+    price fetch, and no calibration (the fake backend counts len/4 per message, ~1.3x tiktoken,
+    so calibration would rightly shrink every later budget; tests/test_workers.py covers it)."""
+    valves: dict[str, Any] = {"max_context_tokens": WINDOW, "reserve_output_tokens": RESERVE, "show_status": True}
+    source = BUILT_FILE.read_text("utf-8")
+    for name in ("openrouter_pricing", "calibrate_counts"):
+        if f"{name}: bool" in source:
+            valves[name] = False
+    return valves
+
+
+# --- chats ---------------------------------------------------------------------------------------
+
+
+def _filler(seed: int, chars: int) -> str:
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(WORDS[(seed * 7 + len(words) * 3) % len(WORDS)])
+    return f"[{seed}] " + " ".join(words)
+
+
+def _tool_call(call_id: str, name: str = "lookup") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps({"q": call_id})}}
+
+
+def long_chat(turns: int = 83, tool_every: int = 5, chars: int = 305) -> list[dict[str, Any]]:
+    """System prompt, ``turns`` user/assistant turns (every ``tool_every``-th with a tool call and
+    its result), then a final question: about 200 messages and 60k characters at the defaults."""
+    chat_messages: list[dict[str, Any]] = [{"role": "system", "content": "You are careful. " + _filler(0, 200)}]
+    for turn in range(turns):
+        chat_messages.append({"role": "user", "content": f"Question {turn}: " + _filler(turn * 3 + 1, chars)})
+        if turn % tool_every == 2:
+            call_id = f"call_{turn:03d}"
+            chat_messages.append({"role": "assistant", "content": "", "tool_calls": [_tool_call(call_id)]})
+            chat_messages.append({"role": "tool", "tool_call_id": call_id, "content": "result " + _filler(turn * 3 + 2, chars)})
+        chat_messages.append({"role": "assistant", "content": f"Answer {turn}: " + _filler(turn * 3 + 3, chars)})
+    chat_messages.append({"role": "user", "content": f"Final question {uuid.uuid4().hex[:8]}: what was said about quartz?"})
+    return chat_messages
+
+
+def short_chat() -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Teal."},
+        {"role": "user", "content": f"Another one? {uuid.uuid4().hex[:8]}"},
+    ]
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def assert_valid_prompt(sent: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
+    """DESIGN.md contract rule 1 on what reached the backend (our chat has one system message)."""
+    assert got[0] == sent[0], "system message not first or changed"
+    assert all(m.get("role") != "system" for m in got[1:])
+    assert got[-1] == sent[-1], "last user message not kept verbatim"
+    assert got[1].get("role") == "user", f"history starts with {got[1].get('role')}"
+    index = 0
+    while index < len(got):
+        message = got[index]
+        assert message.get("role") != "tool", f"orphan tool message at {index}"
+        index += 1
+        ids = {call["id"] for call in message.get("tool_calls") or []}
+        answered = set()
+        while index < len(got) and got[index].get("role") == "tool":
+            answered.add(got[index].get("tool_call_id"))
+            index += 1
+        assert ids == answered, f"tool calls {sorted(ids)} answered by {sorted(answered)}"
+
+
+def is_subsequence(got: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:
+    """True when every message of ``got`` is, in order, an unchanged message of ``sent``."""
+    remaining = iter(sent)
+    return all(any(message == candidate for candidate in remaining) for message in got)
+
+
+def usage_records(owui: OpenWebUI, since: int) -> list[dict[str, Any]]:
+    """Every ``usage {json}`` record the filter logged after byte offset ``since``."""
+    found = []
+    for line in owui.log_text(since).splitlines():
+        match = USAGE_LINE.search(line)
+        if match:
+            found.append(json.loads(match.group(1)))
+    return found
+
+
+def one_usage_record(owui: OpenWebUI, since: int) -> dict[str, Any]:
+    """The single usage record of the last reply (waits for it, then checks no second one came)."""
+    wait_for_log(owui, " - usage {", timeout=20, since=since)
+    time.sleep(0.5)  # a duplicate would be written by the same outlet call, right after
+    records = usage_records(owui, since)
+    assert len(records) == 1, records
+    return records[0]
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+def warm_up(owui: OpenWebUI, backend: FakeBackend, counter: TokenCounter) -> int:
+    """Chat until the filter inside Open WebUI counts exactly; return how many chats that took.
+
+    A fresh filter loads its encodings in a background thread and meanwhile trims with the
+    conservative estimate (the first request of a worker). Every one of these must still reach
+    the backend valid and within budget.
+    """
+    for attempt in range(1, 41):
+        since = owui.log_mark()
+        backend.reset()
+        sent = long_chat(turns=12)
+        chat(owui, MODEL, sent)
+        got = backend.last_request["messages"]
+        assert is_subsequence(got, sent)
+        exact = counter.count_messages(got, MODEL)
+        assert exact <= BUDGET
+        if one_usage_record(owui, since)["estimated_prompt_tokens"] == exact:
+            return attempt
+        time.sleep(0.5)
+    raise AssertionError("the filter in Open WebUI never counted exactly: encodings missing from TIKTOKEN_CACHE_DIR?")
+
+
+@pytest.fixture(scope="module")
+def product(open_webui: OpenWebUI, fake_backend: FakeBackend, counter: TokenCounter) -> Iterator[str]:
+    """The built single file, installed through the REST API as a global filter, counting exactly."""
+    source = BUILT_FILE.read_text("utf-8")
+    with installed_function(open_webui, FID, source, valves=base_valves(), name="contextwarden",
+                            description="contextwarden, the built single file"):
+        open_webui.timings["warm_up_chats"] = warm_up(open_webui, fake_backend, counter)
+        yield FID
+
+
+@pytest.fixture
+def cw(open_webui: OpenWebUI, product: str, backend: FakeBackend) -> Iterator[str]:
+    """The installed product with the base valves, restored after the test."""
+    set_valves(open_webui, product, base_valves())
+    try:
+        yield product
+    finally:
+        set_valves(open_webui, product, base_valves())
+
+
+@pytest.fixture(scope="module")
+def admin_id(open_webui: OpenWebUI) -> str:
+    return open_webui.api("GET", "/api/v1/auths/")["id"]
+
+
+# --- scenarios -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_long_chat_reaches_backend_trimmed_valid_within_budget(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter, admin_id: str, stream: bool
+) -> None:
+    """200 messages, ~60k characters: the backend gets a valid subsequence that fits the budget,
+    counted exactly inside Open WebUI (the filter's own estimate equals our exact count)."""
+    sent = long_chat()
+    assert len(sent) >= 200 and sum(len(str(m.get("content"))) for m in sent) >= 55_000
+    since = open_webui.log_mark()
+    reply = chat(open_webui, MODEL, sent, stream=stream)
+    assert reply_text(reply) == backend.default_reply
+    assert len(backend.requests) == 1
+    got = backend.last_request["messages"]
+
+    assert len(got) < len(sent)
+    assert is_subsequence(got, sent)
+    assert_valid_prompt(sent, got)
+    tokens = counter.count_messages(got, MODEL)
+    assert tokens <= BUDGET
+    assert tokens > BUDGET * 0.5, "trimmed far more than the budget (and a low watermark) needs"
+
+    record = one_usage_record(open_webui, since)
+    assert record["model"] == MODEL and record["user_id"] == admin_id
+    # The trim inside Open WebUI counted exactly what we count here: tiktoken's real encodings
+    # loaded from TIKTOKEN_CACHE_DIR (an estimate errs high and would differ).
+    assert record["estimated_prompt_tokens"] == tokens
+
+
+def test_usage_line_has_backend_numbers(open_webui: OpenWebUI, backend: FakeBackend, cw: str, admin_id: str) -> None:
+    """Non-streaming: exactly one usage line carrying what the backend reported."""
+    since = open_webui.log_mark()
+    reply = chat(open_webui, MODEL, long_chat())
+    got = backend.last_request["messages"]
+    record = one_usage_record(open_webui, since)
+    assert record["prompt_tokens"] == expected_prompt_tokens(got) == reply["usage"]["prompt_tokens"]
+    assert record["completion_tokens"] == completion_tokens_for(backend.default_reply)
+    assert record["estimated"] is False
+    assert record["user_id"] == admin_id and record["chat_id"] is None
+
+
+@pending("stream_usage")
+def test_streaming_usage_line_has_backend_numbers(open_webui: OpenWebUI, backend: FakeBackend, cw: str) -> None:
+    """Streaming: the inlet asks for usage (include_usage), so the line carries real numbers."""
+    since = open_webui.log_mark()
+    reply = chat(open_webui, MODEL, long_chat(), stream=True)
+    request = backend.last_request
+    assert (request.get("stream_options") or {}).get("include_usage") is True
+    assert reply["usage"]["prompt_tokens"] == expected_prompt_tokens(request["messages"])
+    record = one_usage_record(open_webui, since)
+    assert record["prompt_tokens"] == expected_prompt_tokens(request["messages"])
+    assert record["completion_tokens"] == completion_tokens_for(backend.default_reply)
+    assert record["estimated"] is False
+
+
+@pending("cost")
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_priced_model_logs_cost(open_webui: OpenWebUI, backend: FakeBackend, cw: str, stream: bool) -> None:
+    """gpt-4o resolves to openai/gpt-4o in the bundled table: the line has the exact Decimal cost."""
+    backend.cached_tokens = 1_024
+    since = open_webui.log_mark()
+    chat(open_webui, MODEL, long_chat(), stream=stream)
+    got = backend.last_request["messages"]
+    record = one_usage_record(open_webui, since)
+    prompt = expected_prompt_tokens(got)
+    assert record["resolved_model"] == "openai/gpt-4o"
+    assert record["prompt_tokens"] == prompt and record["estimated"] is False
+    assert record["cached_tokens"] == 1_024
+    price = resolve_model(MODEL, PriceBook.from_bundled()).price
+    completion = completion_tokens_for(backend.default_reply)
+    expected = compute_cost(Usage(prompt, completion, cached_tokens=1_024), price).cost_usd
+    assert expected is not None and expected > 0
+    assert Decimal(record["cost_usd"]) == expected
+    assert record["cost_source"]
+
+
+def test_tool_call_chat_keeps_pairs(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+    """A tool-heavy chat (every turn calls a tool, some two at once) is trimmed by whole units."""
+    sent: list[dict[str, Any]] = [{"role": "system", "content": "Use the tools."}]
+    for turn in range(40):
+        sent.append({"role": "user", "content": f"Look up {turn}: " + _filler(turn, 200)})
+        calls = [_tool_call(f"call_{turn}_a")] + ([_tool_call(f"call_{turn}_b", "search")] if turn % 3 == 0 else [])
+        sent.append({"role": "assistant", "content": None, "tool_calls": calls})
+        for call in calls:
+            sent.append({"role": "tool", "tool_call_id": call["id"], "content": "found " + _filler(turn + 50, 250)})
+        sent.append({"role": "assistant", "content": f"Done {turn}."})
+    sent.append({"role": "user", "content": "And now?"})
+    chat(open_webui, MODEL, sent)
+    got = backend.last_request["messages"]
+    assert len(got) < len(sent) and is_subsequence(got, sent)
+    assert_valid_prompt(sent, got)
+    assert any(m.get("tool_calls") for m in got) and any(m.get("role") == "tool" for m in got)
+    assert counter.count_messages(got, MODEL) <= BUDGET
+
+
+def test_tool_loop_in_progress_is_kept(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+    """A request that ends in a tool result (the model's next step) keeps the whole loop."""
+    sent = long_chat(turns=40)
+    tail = [
+        {"role": "assistant", "content": "", "tool_calls": [_tool_call("call_live_1"), _tool_call("call_live_2")]},
+        {"role": "tool", "tool_call_id": "call_live_1", "content": "live one"},
+        {"role": "tool", "tool_call_id": "call_live_2", "content": "live two"},
+    ]
+    sent += tail
+    chat(open_webui, MODEL, sent)
+    got = backend.last_request["messages"]
+    assert len(got) < len(sent) and is_subsequence(got, sent)
+    assert got[-4:] == sent[-4:]  # the latest question and the loop after it
+    assert counter.count_messages(got, MODEL) <= BUDGET
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_short_chat_passes_unchanged(open_webui: OpenWebUI, backend: FakeBackend, cw: str, stream: bool) -> None:
+    """A chat within budget reaches the backend byte for byte (and other body keys pass through)."""
+    sent = short_chat()
+    chat(open_webui, MODEL, sent, stream=stream, temperature=0.3, max_tokens=77)
+    request = backend.last_request
+    assert json.dumps(request["messages"]) == json.dumps(sent)
+    assert request["temperature"] == 0.3 and request["max_tokens"] == 77
+
+
+def test_user_valves_lower_the_budget(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+    """A second user's own max_context_tokens gives a smaller prompt; the admin's stays."""
+    user = add_user(open_webui, "Budget User", f"budget-{uuid.uuid4().hex[:8]}@example.com")
+    assert set_user_valves(open_webui, cw, {"max_context_tokens": 1_200}, token=user["token"])["max_context_tokens"] == 1_200
+    sent = long_chat()
+    since = open_webui.log_mark()
+    chat(open_webui, MODEL, sent)
+    admin_tokens = counter.count_messages(backend.last_request["messages"], MODEL)
+    chat(open_webui, MODEL, sent, token=user["token"])
+    got = backend.last_request["messages"]
+    user_tokens = counter.count_messages(got, MODEL)
+    assert_valid_prompt(sent, got)
+    assert user_tokens <= 1_200 < admin_tokens <= BUDGET
+    records = usage_records(open_webui, since)
+    assert [r["user_id"] for r in records][-1] == user["id"]
+    assert records[-1]["prompt_tokens"] == expected_prompt_tokens(got)
+
+
+def test_bad_valve_is_reported_and_the_chat_goes_on(open_webui: OpenWebUI, backend: FakeBackend, cw: str) -> None:
+    """model_aliases="{bad": the chat still trims and answers; the log names the valve."""
+    set_valves(open_webui, cw, {**base_valves(), "model_aliases": "{bad"})
+    since = open_webui.log_mark()
+    sent = long_chat()
+    reply = chat(open_webui, MODEL, sent)
+    assert reply_text(reply) == backend.default_reply
+    assert len(backend.last_request["messages"]) < len(sent)  # still trimming
+    line = wait_for_log(open_webui, "valve model_aliases", since=since)
+    assert "WARNING" in line
+    assert one_usage_record(open_webui, since)["estimated"] is False
+
+
+FORCED_ERROR = '''
+
+def trim_messages(*args, **kwargs):  # e2e: replaces the real one (later definition wins)
+    raise RuntimeError("e2e: forced internal error")
+'''
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_internal_error_fails_open(open_webui: OpenWebUI, backend: FakeBackend, cw: str, stream: bool) -> None:
+    """A variant of the built file whose trim raises: the chat answers 200 and the backend gets
+    the untrimmed messages; one warning without message text says which hook failed."""
+    source = BUILT_FILE.read_text("utf-8")
+    assert "= trim_messages(" in source, "the filter no longer calls trim_messages: update this test"
+    update_function_source(open_webui, cw, source + FORCED_ERROR)
+    try:
+        sent = long_chat()
+        since = open_webui.log_mark()
+        reply = chat(open_webui, MODEL, sent, stream=stream)
+        assert reply_text(reply) == backend.default_reply
+        assert backend.last_request["messages"] == sent
+        line = wait_for_log(open_webui, "failed (RuntimeError", since=since)
+        assert "body passed through unchanged" in line
+        assert "quartz" not in open_webui.log_text(since)  # no message text in the log
+        one_usage_record(open_webui, since)  # outlet still logs the reply
+    finally:
+        update_function_source(open_webui, cw, source)
+    chat(open_webui, MODEL, long_chat())
+    assert len(backend.last_request["messages"]) < len(sent), "the restored file trims again"

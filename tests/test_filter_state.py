@@ -1,0 +1,239 @@
+"""Per-chat state through the store (in-process and real Redis): trim decisions carried across
+turns, pins, flags across passes of one turn, and isolation between users and chats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis.asyncio as aioredis
+
+import contextwarden.filter as filter_module
+from contextwarden.chatstate import ChatState, chat_state_key
+from contextwarden.store import KEY_PREFIX
+
+from test_filter import Events, make_filter
+from test_trim import chat_of, turn
+
+MODEL = "gpt-4o"
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_valves(request) -> dict:
+    """Valves for an in-process store, or for the real Redis."""
+    return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+
+
+@pytest.fixture
+def trims(monkeypatch) -> list[tuple[dict, object]]:
+    """Every `trim_messages` call the filter makes: its options and its result."""
+    real = filter_module.trim_messages
+    seen: list[tuple[dict, object]] = []
+
+    def spy(messages, **options):
+        result = real(messages, **options)
+        seen.append((options, result))
+        return result
+
+    monkeypatch.setattr(filter_module, "trim_messages", spy)
+    return seen
+
+
+def body(chat, user_id: str, chat_id: str) -> dict:
+    return {"model": MODEL, "messages": chat, "stream": False, "metadata": {"chat_id": chat_id, "user_id": user_id}}
+
+
+async def send(f, chat, user_id, chat_id, *, events=None) -> dict:
+    b = body(chat, user_id, chat_id)
+    return await f.inlet(b, __user__={"id": user_id}, __metadata__=b["metadata"], __event_emitter__=events)
+
+
+def grow(chat: list[dict], i: int, words: int = 60) -> list[dict]:
+    """The chat one turn later: the reply to its last question and a new question."""
+    reply, question = turn(i, words)[1], {"role": "user", "content": f"question {i}? " + "lorem " * words}
+    return chat + [reply, question]
+
+
+async def stored_state(f, user_id: str, chat_id: str) -> ChatState:
+    return ChatState.from_bytes(await f._store.get(chat_state_key(user_id, chat_id)))
+
+
+async def test_decision_is_saved_and_passed_back_next_turn(counter, store_valves, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, keep_last_turns=2, low_watermark=0.7, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(20)
+    await send(f, chat, user_id, chat_id)
+    (options, result), = trims
+    assert options["previous"] is None and options["keep_last_turns"] == 2 and options["low_watermark"] == 0.7
+    assert list(options["pinned"]) == [] and result.decision is not None
+    saved = await stored_state(f, user_id, chat_id)
+    assert saved.decision == result.decision.to_json()
+    chat = grow(chat, 20)
+    await send(f, chat, user_id, chat_id)
+    options, second = trims[-1]
+    assert options["previous"].to_json() == saved.decision
+    assert (await stored_state(f, user_id, chat_id)).decision == second.decision.to_json()
+
+
+async def test_a_later_pass_of_the_same_turn_keeps_the_turns_decision(counter, store_valves, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    b = body(chat_of(20), user_id, chat_id)
+    first = await f.inlet(b, __user__={"id": user_id}, __metadata__=b["metadata"])
+    decided = (await stored_state(f, user_id, chat_id)).decision
+    again = await f.request(first, __user__={"id": user_id}, __metadata__=first["metadata"])
+    assert again["messages"] == first["messages"]
+    assert (await stored_state(f, user_id, chat_id)).decision == decided
+
+
+async def _stable_share(f, user_id: str, chat_id: str, turns: int) -> float:
+    """Share of turns whose sent messages begin with the previous turn's (its question aside)."""
+    chat = chat_of(12)
+    previous = (await send(f, chat, user_id, chat_id))["messages"]
+    stable = 0
+    for i in range(turns):
+        chat = grow(chat, 100 + i, words=30)
+        sent = (await send(f, chat, user_id, chat_id))["messages"]
+        stable += sent[: len(previous) - 1] == previous[:-1]
+        previous = sent
+    return stable / turns
+
+
+async def test_hysteresis_keeps_the_sent_prefix_across_turns(counter, store_valves, unique):
+    f = make_filter(counter, max_context_tokens=1_600, reserve_output_tokens=0, **store_valves)
+    with_state = await _stable_share(f, f"u-{unique}", f"c-{unique}", 20)
+    without_state = await _stable_share(f, f"u-{unique}", "", 20)  # API callers: no chat id, no state
+    assert with_state >= 0.7 and with_state > without_state
+    if not store_valves:  # in-process: only the chat with an id left state
+        assert await f._store.keys("chat:*") == [chat_state_key(f"u-{unique}", f"c-{unique}")]
+
+
+async def test_api_callers_leave_no_state(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
+    await send(f, chat_of(20, last="Go !pin"), f"u-{unique}", "")
+    await send(f, chat_of(20), f"u-{unique}", "")
+    assert await f._store.keys("*") == [] and trims[-1][0]["previous"] is None
+
+
+async def test_state_is_isolated_between_users_and_chats(counter, store_valves, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    ann, bob, chat_id = f"ann-{unique}", f"bob-{unique}", f"c-{unique}"
+    chat = chat_of(20, last="Ann's secret plan !+pin")
+    await send(f, chat, ann, chat_id)
+    assert (await stored_state(f, ann, chat_id)).pin_mode
+    # the same chat id under another user, and another chat of the same user, start clean
+    for user_id, other_chat in ((bob, chat_id), (ann, f"other-{unique}")):
+        await send(f, grow(chat, 20), user_id, other_chat)
+        options, _ = trims[-1]
+        assert options["previous"] is None and list(options["pinned"]) == []
+        assert await stored_state(f, user_id, other_chat) == ChatState(
+            decision=trims[-1][1].decision.to_json(), pins=(), pin_mode=False
+        )
+    # Ann's own chat still has her pins, pin mode and decision
+    await send(f, grow(chat, 20), ann, chat_id)
+    options, _ = trims[-1]
+    assert options["previous"] is not None and list(options["pinned"]) == [41, 43]
+
+
+async def test_state_expires_after_the_ttl_valve(counter, redis_url, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, redis_url=redis_url, state_ttl_hours=2)
+    await send(f, chat_of(20), f"u-{unique}", f"c-{unique}")
+    client = aioredis.from_url(redis_url)
+    try:
+        key = KEY_PREFIX + chat_state_key(f"u-{unique}", f"c-{unique}")
+        assert 7_000 < await client.ttl(key) <= 7_200
+        assert f"u-{unique}".encode() not in await client.get(key)
+    finally:
+        await client.aclose()
+
+
+async def test_pin_keeps_a_message_on_later_turns(counter, store_valves, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_200, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(3, last="My locker code is 4711. !pin")
+    events = Events()
+    first = await send(f, chat, user_id, chat_id, events=events)
+    assert first["messages"][-1]["content"] == "My locker code is 4711."
+    assert events.statuses[-1].endswith(" · flags !pin")
+    pinned_text = chat[-1]["content"]
+    for i in range(25):  # many turns later, far beyond the budget, the pinned message is still sent
+        chat = grow(chat, 10 + i)
+        sent = (await send(f, chat, user_id, chat_id))["messages"]
+        assert any(m["content"] == "My locker code is 4711." for m in sent)
+        assert pinned_text not in [m["content"] for m in sent]  # the flag text never reaches the model
+    assert len(sent) < len(chat) / 3 and sent[1]["content"] == "My locker code is 4711."  # the turns around it went
+    assert chat.index(next(m for m in chat if m["content"] == pinned_text)) in trims[-1][0]["pinned"]
+
+
+async def test_sticky_pin_pins_until_unpinned(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=100_000, reserve_output_tokens=0)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = [{"role": "user", "content": "zero"}]
+    script = ["one !+pin", "two", "three !-pin", "four", "five !pin"]
+    for text in script:
+        chat = chat + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
+        await send(f, chat, user_id, chat_id)
+    pinned = [chat[i]["content"] for i in trims[-1][0]["pinned"]]
+    assert pinned == ["one !+pin", "two", "five !pin"]
+
+
+async def test_flags_hold_for_every_pass_of_a_turn(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=5_000, reserve_output_tokens=0)
+    b = body(chat_of(30, last="Short answer please !budget=700 !keep=2"), f"u-{unique}", f"c-{unique}")
+    user = {"id": f"u-{unique}"}
+    events = Events()
+    first = await f.inlet(b, __user__=user, __metadata__=b["metadata"], __event_emitter__=events)
+    assert first["messages"][-1]["content"] == "Short answer please"
+    second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
+    assert [o["max_tokens"] for o, _ in trims] == [700, 700] and [o["keep_last_turns"] for o, _ in trims] == [2, 2]
+    assert second["messages"] == first["messages"]
+    assert all(s.endswith(" · flags !budget=700 !keep=2") for s in events.statuses)
+    assert counter.count_messages(second["messages"], MODEL) <= 700
+
+
+async def test_budget_flag_only_lowers(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)
+    await send(f, chat_of(20, last="More! !budget=50000"), f"u-{unique}", f"c-{unique}")
+    await send(f, chat_of(20, last="Tiny !budget=5"), f"u-{unique}", f"c-{unique}")
+    assert [o["max_tokens"] for o, _ in trims] == [1_000, 64]
+
+
+async def test_full_flag_only_when_enabled(counter, trims, unique):
+    chat = chat_of(20, last="Everything! !full")
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)
+    events = Events()
+    out = await send(f, chat, f"u-{unique}", f"c-{unique}", events=events)
+    assert len(out["messages"]) < len(chat) and out["messages"][-1]["content"] == "Everything! !full"
+    assert events.statuses[-1].endswith(" · not enabled: !full")
+    f.valves = f.Valves(max_context_tokens=1_000, reserve_output_tokens=0, allowed_user_flags="full")
+    events = Events()
+    out = await send(f, chat, f"u-{unique}", f"c-{unique}", events=events)
+    assert len(out["messages"]) == len(chat) and out["messages"][-1]["content"] == "Everything!"
+    assert out["messages"][:-1] == chat[:-1] and all(a is b for a, b in zip(out["messages"][:-1], chat))
+    assert "not trimmed: !full" in events.statuses[-1] and events.statuses[-1].endswith(" · flags !full")
+    assert len(trims) == 1  # !full skipped trim_messages
+
+
+async def test_state_valves_are_checked(counter):
+    f = make_filter(counter)
+    f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "low_watermark": 1.5, "keep_last_turns": 0, "state_ttl_hours": 0})
+    events = Events()
+    await f.inlet(body(chat_of(2), "u", "c"), __user__={"id": "u"}, __event_emitter__=events)
+    text = " ".join(events.statuses)
+    assert "low_watermark must be" in text and "keep_last_turns must be" in text and "state_ttl_hours must be" in text
+
+
+async def test_unreadable_state_is_ignored(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
+    key = chat_state_key(f"u-{unique}", f"c-{unique}")
+    await f._store.set(key, json.dumps({"v": 1, "decision": "{broken", "pins": [], "pin_mode": False}).encode(), ttl=60)
+    out = await send(f, chat_of(20), f"u-{unique}", f"c-{unique}")
+    assert trims[-1][0]["previous"] is None and len(out["messages"]) < 41
+
+
+async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
+    b = body(chat_of(20), f"u-{unique}", f"c-{unique}")
+    b["metadata"]["contextwarden"] = {"flags": {"budget": "lots"}}
+    out = await f.request(b, __user__={"id": f"u-{unique}"}, __metadata__=b["metadata"])
+    assert trims[-1][0]["max_tokens"] == 1_500 and len(out["messages"]) < 41

@@ -1,0 +1,199 @@
+"""Selection: value-based choice of whole units, pins, last turns, prefix reuse across turns."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from contextwarden import TrimDecision, trim_messages
+from contextwarden.conversation import read_conversation
+from contextwarden.selection import choose_indices, message_fingerprint, reuse_previous, select_by_value
+
+from chatgen import random_chat
+from chats import check_contract, frozen
+
+MODEL = "gpt-4o"
+TOPICS = ["garden tomatoes", "kernel compile", "violin lessons", "tax return", "marathon training",
+          "sourdough starter", "python asyncio", "roof repair", "chess openings", "moving to Lisbon"]
+
+
+def topic_chat(turns: int, last: str, *, system: str = "You are helpful.") -> list[dict]:
+    chat = [{"role": "system", "content": system}]
+    for i in range(turns):
+        topic = TOPICS[i % len(TOPICS)]
+        chat += [{"role": "user", "content": f"Question {i} about {topic}: " + "some detail here " * 20},
+                 {"role": "assistant", "content": f"Answer {i} on {topic}. " + "more words follow " * 20}]
+    return chat + [{"role": "user", "content": last}]
+
+
+def test_select_by_value_prefers_value_per_token_and_repairs_with_the_single_best():
+    assert select_by_value([10, 10, 30], [1.0, 5.0, 9.0], budget=40) == [1, 2]
+    # greedy by density would take the two small ones (worth 2); the big one alone is worth 10
+    assert select_by_value([1, 1, 10], [1.0, 1.0, 10.0], budget=10, cost_exponent=1.0) == [2]
+    assert select_by_value([5, 5], [0.0, 0.0], budget=100) == []
+
+
+def test_relevance_keeps_the_old_turn_about_the_question(counter):
+    chat = topic_chat(30, "Back to sourdough starter: how often to feed it?")
+    result = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter)
+    check_contract(chat, result, counter, MODEL)
+    sourdough = [i for i, m in enumerate(chat[:-1]) if "sourdough" in str(m["content"])]
+    assert set(sourdough) & set(result.kept)
+    recent = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter, strategy="recent")
+    assert not set(sourdough[:-2]) & set(recent.kept)
+
+
+def test_history_never_starts_with_a_kept_reply_whose_question_was_dropped(counter):
+    chat = [{"role": "user", "content": "filler " * 300},
+            {"role": "assistant", "content": "The secret word is zanzibar."},
+            {"role": "user", "content": "padding " * 300},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "What was the secret word zanzibar?"}]
+    for budget in range(40, 700, 9):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
+        check_contract(chat, result, counter, MODEL)
+        assert result.messages[0]["role"] == "user"
+
+
+def test_tool_group_and_units_kept_whole(counter):
+    chat = [{"role": "user", "content": "weather in Paris? " * 10},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "Paris sunny 25C " * 30},
+            {"role": "assistant", "content": "Sunny in Paris."},
+            {"role": "user", "content": "unrelated " * 50}, {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "Paris weather again?"}]
+    for budget in range(30, counter.count_messages(chat, MODEL) + 1, 11):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
+        check_contract(chat, result, counter, MODEL)
+        assert {1, 2} <= set(result.kept) or not {1, 2} & set(result.kept)
+
+
+def test_pinned_and_last_turns_are_kept_first(counter):
+    chat = topic_chat(20, "What about chess openings?")
+    budget = 700
+    plain = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+    assert 3 not in plain.kept
+    pinned = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, pinned=[3])
+    assert 3 in pinned.kept and 4 not in pinned.kept  # the pinned message's unit only
+    check_contract(chat, pinned, counter, MODEL)
+    last = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, keep_last_turns=3)
+    assert set(range(len(chat) - 5, len(chat))) <= set(last.kept)
+    check_contract(chat, last, counter, MODEL)
+
+
+def test_pins_and_last_turns_yield_to_the_hard_budget(counter):
+    chat = topic_chat(20, "and now?")
+    result = trim_messages(chat, max_tokens=150, model=MODEL, token_counter=counter,
+                           keep_last_turns=10, pinned=range(len(chat)))
+    check_contract(chat, result, counter, MODEL)
+    assert result.tokens_after <= 150 and len(chat) - 1 in result.kept
+
+
+def test_low_watermark_cuts_below_the_budget(counter):
+    chat = topic_chat(30, "tax return deadline?")
+    full = trim_messages(chat, max_tokens=2_000, model=MODEL, token_counter=counter, low_watermark=1.0)
+    low = trim_messages(chat, max_tokens=2_000, model=MODEL, token_counter=counter)
+    assert low.tokens_after <= 0.8 * 2_000 < full.tokens_after <= 2_000
+
+
+def test_hysteresis_across_turns_through_json(counter):
+    """Turn after turn the sent prefix is last turn's, until the budget forces a new cut."""
+    chat = topic_chat(25, "tax return deadline?")
+    budget = 1_500
+    decision: TrimDecision | None = None
+    sent_before: list[dict] | None = None
+    reused = reselected = 0
+    for turn in range(15):
+        stored = decision.to_json() if decision else None
+        previous = TrimDecision.from_json(stored) if stored else None
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=previous)
+        check_contract(chat, result, counter, MODEL)
+        assert result.tokens_after <= budget
+        if result.reused:
+            reused += 1
+            assert result.messages[: len(sent_before)] == sent_before
+        else:
+            reselected += 1
+            assert result.tokens_after <= 0.8 * budget
+        assert stored is None or "tax" not in stored  # fingerprints, never text
+        decision, sent_before = result.decision, list(result.messages)
+        topic = TOPICS[turn % len(TOPICS)]
+        chat = chat + [{"role": "assistant", "content": f"Reply {turn} on {topic}. " + "words " * 40},
+                       {"role": "user", "content": f"Follow-up {turn} on {topic}?"}]
+    assert reused >= 10 and reselected >= 2
+
+
+def test_reuse_refused_when_a_kept_message_is_gone_or_over_budget(counter):
+    chat = topic_chat(10, "marathon training plan?")
+    first = trim_messages(chat, max_tokens=800, model=MODEL, token_counter=counter)
+    kept_history = [i for i in first.kept if i > 0 and i < len(chat) - 1]
+    assert kept_history
+    edited = [dict(m) for m in chat]
+    edited[kept_history[0]]["content"] = "edited by the user"
+    conversation = read_conversation(edited)
+    costs = [counter.count_message(m, MODEL) for m in edited]
+    prints = [message_fingerprint(m) for m in edited]
+    assert reuse_previous(first.decision, prints, conversation, costs, 800) is None
+    same = read_conversation(chat)
+    costs = [counter.count_message(m, MODEL) for m in chat]
+    prints = [message_fingerprint(m) for m in chat]
+    assert reuse_previous(first.decision, prints, same, costs, 800) == set(first.kept)
+    assert reuse_previous(first.decision, prints, same, costs, first.tokens_after - 10) is None
+
+
+def test_system_prompt_change_keeps_the_history_selection(counter):
+    chat = topic_chat(20, "violin lessons price?")
+    first = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
+    changed = [{"role": "system", "content": "You are helpful. Today is Monday."}] + chat[1:]
+    again = trim_messages(changed, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision)
+    assert again.reused and again.kept == first.kept
+
+
+def test_decision_json_round_trip_and_rejects_garbage():
+    decision = TrimDecision(max_tokens=100, tokens=80, strategy="recent", kept=("00ff00ff00ff00ff",))
+    assert TrimDecision.from_json(decision.to_json()) == decision
+    for bad in ("", "[]", '{"v": 2}', '{"v": 1, "kept": [1]}', "not json"):
+        with pytest.raises(ValueError):
+            TrimDecision.from_json(bad)
+
+
+def test_fitting_chat_has_no_decision_and_bad_options_raise(counter):
+    chat = topic_chat(2, "hi")
+    assert trim_messages(chat, max_tokens=10_000, token_counter=counter).decision is None
+    for options in ({"strategy": "best"}, {"keep_last_turns": -1}, {"low_watermark": 0.0}, {"low_watermark": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(options))):
+            trim_messages(chat, max_tokens=100, token_counter=counter, **options)
+
+
+def test_choose_indices_recent_keeps_whole_turns():
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}]
+    conversation = read_conversation(chat)
+    assert choose_indices(conversation, [5] * 5, 15, strategy="recent") == {2, 3, 4}
+    assert choose_indices(conversation, [5] * 5, 14, strategy="recent") == {4}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_contract_idempotence_determinism_on_random_chats(counter, seed):
+    rng = random.Random(1000 + seed)
+    chat = random_chat(rng, rng.choice([3, 10, 60, 250, 700]), system_words=rng.choice([0, 20, 300]))
+    before = frozen(chat)
+    total = counter.count_messages(chat, MODEL)
+    pins = rng.sample(range(len(chat)), k=min(3, len(chat)))
+    for budget in {64, 300, 1_500, max(64, total // 3), total + 10}:
+        options = {"keep_last_turns": rng.choice([0, 1, 3]), "pinned": pins, "low_watermark": rng.choice([0.6, 0.8, 1.0])}
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
+        check_contract(chat, result, counter, MODEL)
+        same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
+        assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
+        again = trim_messages(result.messages, max_tokens=budget, model=MODEL, token_counter=counter,
+                              previous=result.decision)
+        assert not again.changed
+        if result.decision is not None:
+            grown = chat + [{"role": "assistant", "content": "reply"}, {"role": "user", "content": "next?"}]
+            follow = trim_messages(grown, max_tokens=budget, model=MODEL, token_counter=counter,
+                                   previous=TrimDecision.from_json(result.decision.to_json()), **options)
+            check_contract(grown, follow, counter, MODEL)
+    assert frozen(chat) == before

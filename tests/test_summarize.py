@@ -1,0 +1,221 @@
+"""Summaries of what a trim dropped: one mocked call (respx), cache, failures, budget, idempotence."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import pytest
+import respx
+
+from contextwarden import trim_messages
+from contextwarden.store import MemoryStore
+from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, find_summary, summarize_messages, summarize_trim
+
+from chats import frozen
+from test_filter import Events, body_of, make_filter
+from test_trim import chat_of
+
+URL = "http://llm.test/v1"
+KEY = "sk-test-SECRET-0123456789"
+SUMMARY = "The user asked ten questions about lorem ipsum; the answers were dolor sit."
+CONFIG = SummaryConfig(base_url=URL, model="mini", api_key=KEY, timeout=2.0, max_tokens=120)
+DROPPED = [{"role": "user", "content": "My cat is called Ada."}, {"role": "assistant", "content": "Nice name."}]
+SUMMARY_VALVES = dict(
+    summary_enabled=True, summary_base_url=URL, summary_model="mini", summary_api_key=KEY, summary_max_tokens=120
+)
+
+
+def completion(text: str = SUMMARY) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": text}}]})
+
+
+@pytest.fixture
+def llm():
+    with respx.mock(assert_all_called=False) as mock:
+        yield mock
+
+
+def no_secret(caplog, events: Events | None = None) -> None:
+    assert KEY not in caplog.text and "Ada" not in caplog.text and "lorem" not in caplog.text
+    if events is not None:
+        assert KEY not in json.dumps(events.items)
+
+
+async def test_success_sends_one_bounded_request(llm):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    assert await summarize_messages(DROPPED, config=CONFIG, store=MemoryStore()) == SUMMARY
+    request = route.calls.last.request
+    assert request.headers["authorization"] == f"Bearer {KEY}"
+    sent = json.loads(request.content)
+    assert sent["model"] == "mini" and sent["max_tokens"] == 120 and sent["stream"] is False
+    assert sent["messages"][1]["content"] == "user: My cat is called Ada.\nassistant: Nice name."
+
+
+async def test_input_and_output_are_bounded(llm):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion("word " * 50_000))
+    huge = [{"role": "user", "content": f"message {i} " + "x" * 9_000} for i in range(40)]
+    text = await summarize_messages(huge, config=CONFIG, store=MemoryStore())
+    assert len(text) <= CONFIG.max_tokens * 8
+    transcript = json.loads(route.calls.last.request.content)["messages"][1]["content"]
+    assert len(transcript) <= 24_000 and "message 39 " in transcript and "message 0 " not in transcript
+
+
+async def test_cache_hit_makes_no_second_call(llm):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    store = MemoryStore()
+    first = await summarize_messages(DROPPED, config=CONFIG, store=store)
+    second = await summarize_messages([dict(m) for m in DROPPED], config=CONFIG, store=store)
+    assert first == second == SUMMARY and route.call_count == 1
+    [key] = await store.keys("summary:*")
+    other = await summarize_messages(DROPPED[:1], config=CONFIG, store=store)  # other content, other key
+    assert other == SUMMARY and route.call_count == 2 and len(await store.keys("summary:*")) == 2
+    assert KEY not in key
+
+
+async def test_cache_is_shared_through_redis(llm, redis_url, unique):
+    from contextwarden.store import RedisStore
+
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    llm.route(host="127.0.0.1").pass_through()
+    content = [{"role": "user", "content": f"unique {unique}"}]
+    one, two = RedisStore(redis_url), RedisStore(redis_url)
+    try:
+        assert await summarize_messages(content, config=CONFIG, store=one) == SUMMARY
+        assert await summarize_messages(content, config=CONFIG, store=two) == SUMMARY
+        assert route.call_count == 1 and one.shared and two.shared
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+@pytest.mark.parametrize(
+    ("effect", "reason"),
+    [
+        (httpx.ReadTimeout("timed out"), "ReadTimeout"),
+        (httpx.ConnectError("refused"), "ConnectError"),
+        (httpx.Response(500, text=f"upstream said {KEY}"), "HTTP 500"),
+        (httpx.Response(200, text="<html>not json</html>"), "unreadable reply"),
+        (httpx.Response(200, json={"choices": []}), "unreadable reply"),
+        (httpx.Response(200, json={"choices": [{"message": {"content": "  "}}]}), "empty reply"),
+    ],
+)
+async def test_failures_give_none_and_one_clean_warning(llm, caplog, effect, reason):
+    caplog.set_level(logging.DEBUG, logger="contextwarden")
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=[effect])
+    store = MemoryStore()
+    assert await summarize_messages(DROPPED, config=CONFIG, store=store) is None
+    [line] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.getMessage() == f"contextwarden: summary skipped ({reason}); trimmed without one"
+    no_secret(caplog)
+    # not retried at once (a tool loop calls the filter again within seconds)
+    assert await summarize_messages(DROPPED, config=CONFIG, store=store) is None and route.call_count == 1
+
+
+async def test_a_hanging_endpoint_is_abandoned_at_the_timeout(llm, caplog):
+    hang = asyncio.Event()
+
+    async def never_answers(request):
+        await hang.wait()
+
+    llm.post(f"{URL}/chat/completions").mock(side_effect=never_answers)
+    config = SummaryConfig(base_url=URL, model="mini", api_key=KEY, timeout=0.05, max_tokens=120)
+    assert await summarize_messages(DROPPED, config=config, store=MemoryStore()) is None
+    assert "summary skipped (TimeoutError)" in caplog.text or "summary skipped (ReadTimeout)" in caplog.text
+
+
+def test_api_key_is_not_in_the_config_repr():
+    assert KEY not in repr(CONFIG)
+
+
+async def test_summarize_trim_fits_the_budget_and_covers_what_it_dropped(llm, counter):
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    chat = chat_of(20)
+
+    def retrim(limit):
+        return trim_messages(chat, max_tokens=limit, model="gpt-4o", token_counter=counter)
+
+    first = retrim(1_500)
+    done = await summarize_trim(chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o")
+    assert done is not None and done.tokens == counter.count_messages(done.messages, "gpt-4o") <= 1_500
+    assert done.messages[0] is chat[0] and done.messages[1] is done.note
+    assert done.note["content"] == f"{SUMMARY_LABEL}\n{SUMMARY}" and find_summary(done.messages) == (1, True)
+    transcript = json.loads(llm.calls.last.request.content)["messages"][1]["content"]
+    assert transcript.count("\n") + 1 == len(done.result.dropped)
+
+
+async def test_summarize_trim_gives_up_when_there_is_no_room(llm, counter):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    chat = chat_of(20)
+
+    def retrim(limit):
+        return trim_messages(chat, max_tokens=limit, model="gpt-4o", token_counter=counter)
+
+    first = retrim(150)  # mandatory part alone nearly fills it: no room for 120 summary tokens
+    assert await summarize_trim(chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o") is None
+    assert route.call_count == 0
+
+
+# -- through the filter ----------------------------------------------------------------------
+
+
+async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, caplog):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    chat = chat_of(20)
+    before = frozen(chat)
+    body = body_of(chat)
+    events = Events()
+    user = {"id": "u1"}
+    first = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __event_emitter__=events)
+    sent = first["messages"]
+    assert [m["role"] for m in sent[:3]] == ["system", "system", "user"] and sent[1]["content"].startswith(SUMMARY_LABEL)
+    assert counter.count_messages(sent, "gpt-4o") <= 1_500 == body["metadata"]["contextwarden"]["budget"]
+    assert "earlier messages summarized" in events.statuses[-1]
+    second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
+    assert second["messages"] == sent and all(a is b for a, b in zip(second["messages"], sent))
+    assert route.call_count == 1 and frozen(chat) == before
+    # next turn: the same history is dropped, so the cached summary keeps the prefix identical
+    nxt = chat + [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And 3+3?"}]
+    body2 = body_of(nxt)
+    third = await f.inlet(body2, __user__=user, __metadata__=body2["metadata"])
+    assert third["messages"][: len(sent) - 1] == sent[:-1]
+    assert route.call_count == 1
+    no_secret(caplog, events)
+
+
+async def test_filter_respects_a_merged_summary(llm, counter):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    chat = chat_of(20, system=f"You are helpful.\n{SUMMARY_LABEL}\nold summary")  # as Open WebUI merges system messages
+    out = await f.request(body_of(chat), __user__={"id": "u1"})
+    assert route.call_count == 0 and find_summary(out["messages"]) == (None, True)
+    assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+
+
+async def test_nosum_flag_and_failures_trim_without_a_summary(llm, counter, caplog):
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=[httpx.Response(503)])
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    nosum = await f.inlet(body_of(chat_of(20, last="What now? !nosum")), __user__={"id": "u1"})
+    assert route.call_count == 0 and find_summary(nosum["messages"]) == (None, False)
+    assert nosum["messages"][-1]["content"] == "What now?"
+    events = Events()
+    failed = await f.inlet(body_of(chat_of(20)), __user__={"id": "u1"}, __event_emitter__=events)
+    assert route.call_count == 1 and find_summary(failed["messages"]) == (None, False)
+    assert counter.count_messages(failed["messages"], "gpt-4o") <= 1_500
+    assert "summarized" not in events.statuses[-1]
+    no_secret(caplog, events)
+
+
+async def test_summary_valves_are_checked(counter):
+    f = make_filter(counter, summary_enabled=True, summary_base_url="llm.test", summary_api_key=KEY)
+    events = Events()
+    await f.inlet(body_of(chat_of(2)), __event_emitter__=events)
+    text = " ".join(events.statuses)
+    assert "summary_base_url must start with http" in text and "summary_model is empty" in text
+    assert KEY not in text
+    schema = f.Valves.model_json_schema()["properties"]
+    assert schema["summary_api_key"]["input"] == {"type": "password"}
+    assert f.Valves().summary_enabled is False
