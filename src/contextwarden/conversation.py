@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 __all__ = [
@@ -120,13 +121,30 @@ def _role(message: Message) -> str:
     return role if isinstance(role, str) else ""
 
 
+_UNIT_KIND_BY_ROLE: dict[str, UnitKind] = {
+    **{role: "system" for role in SYSTEM_ROLES},
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "orphan_tool",  # a `tool` message not taken by the tool group before it
+}
+
+
+@lru_cache(maxsize=4096)
+def _unit(start: int, stop: int, kind: UnitKind) -> Unit:
+    """The unit for these values, built once: units are immutable values, and a frozen
+    dataclass costs about 4x a cache lookup to construct (a chat is re-read every turn)."""
+    return Unit(start, stop, kind)
+
+
 def _split_units(messages: Sequence[Message]) -> list[Unit]:
     """Cut the list into units; a tool group takes the `tool` replies that answer its calls."""
     units: list[Unit] = []
+    kinds = _UNIT_KIND_BY_ROLE
     i, n = 0, len(messages)
     while i < n:
-        role = _role(messages[i])
-        ids = tool_call_ids(messages[i]) if role == "assistant" else []
+        message = messages[i]
+        role = _role(message)
+        ids = tool_call_ids(message) if role == "assistant" and message.get("tool_calls") else None
         if ids:
             pending = set(ids)
             j = i + 1
@@ -134,20 +152,10 @@ def _split_units(messages: Sequence[Message]) -> list[Unit]:
                 pending.discard(str(messages[j].get("tool_call_id")))
                 j += 1
             # A group whose calls are not all answered is invalid for every provider.
-            units.append(Unit(i, j, "orphan_tool" if pending else "tool_group"))
+            units.append(_unit(i, j, "orphan_tool" if pending else "tool_group"))
             i = j
             continue
-        if role in SYSTEM_ROLES:
-            kind: UnitKind = "system"
-        elif role == "user":
-            kind = "user"
-        elif role == "assistant":
-            kind = "assistant"
-        elif role == "tool":
-            kind = "orphan_tool"
-        else:
-            kind = "other"
-        units.append(Unit(i, i + 1, kind))
+        units.append(_unit(i, i + 1, kinds.get(role, "other")))
         i += 1
     return units
 
