@@ -7,19 +7,27 @@ top of that, signals measured in `bench/quality.py`: a reply inherits part of it
 score, neighbours of a strong match share in it, short date-carrying messages (session
 headers) share in what follows them, and newer messages get a small recency bonus.
 
-Term statistics per message are cached by content hash, so a warm turn only tokenizes what
-is new.
+Term statistics per message are cached by the text's length and string hash (as token counts
+are), so a warm turn only tokenizes what is new; a turn then costs one pass over the cached
+terms of its messages (document frequencies, then BM25 of the query terms each holds).
+Memory: the term cache holds at most `DEFAULT_TERM_CACHE_SIZE` messages and
+`DEFAULT_TERM_CACHE_TERMS` (message, term) entries in all, LRU (about 9 bytes per entry plus
+~350 bytes per message: under 16 MiB when full); terms are interned, so a word seen in many
+messages is stored once. The word -> term memo holds at most `TERM_MEMO_SIZE` words of up to `TERM_MEMO_CHARS`
+characters (under 6 MiB).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
+import sys
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
 
 from .conversation import Message, message_text
 
@@ -29,9 +37,13 @@ __all__ = [
     "relevance_terms",
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
+    "DEFAULT_TERM_CACHE_TERMS",
 ]
 
-DEFAULT_TERM_CACHE_SIZE = 20_000  # messages; one entry is a few hundred bytes
+DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
+DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
+TERM_MEMO_SIZE = 32_768  # distinct words whose term is memoised (LRU)
+TERM_MEMO_CHARS = 40  # longer words are not memoised
 
 # Han, Hiragana, Katakana, Hangul: scripts written without spaces between words.
 _CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
@@ -103,6 +115,23 @@ def _fold_suffix(word: str) -> str:
     return word
 
 
+def _word_term(piece: str, fold: bool) -> str:
+    """The interned term of one lower-cased word (suffix folded when `fold`); "" when it is none."""
+    if piece in _STOP_WORDS or (len(piece) == 1 and not piece.isdigit()):
+        return ""
+    return sys.intern(_fold_suffix(piece) if fold else piece)
+
+
+@lru_cache(maxsize=TERM_MEMO_SIZE)
+def _folded_term(piece: str) -> str:
+    return _word_term(piece, True)
+
+
+@lru_cache(maxsize=TERM_MEMO_SIZE)
+def _plain_term(piece: str) -> str:
+    return _word_term(piece, False)
+
+
 def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
     """The search terms of a text: lower-cased words and numbers without stop words; runs
     of CJK characters as overlapping character pairs.
@@ -112,6 +141,7 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
         ['carolin', 'paint', '2', 'sunris', '2022', '日本', '本語']
     """
     terms: list[str] = []
+    word_term = _folded_term if fold else _plain_term
     for piece in _TERM_PIECES.findall(text.lower()):
         first = piece[0]
         if not first.isascii() and _is_cjk(first):
@@ -120,9 +150,9 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
             else:
                 terms.extend(piece[k : k + 2] for k in range(len(piece) - 1))
             continue
-        if piece in _STOP_WORDS or (len(piece) == 1 and not piece.isdigit()):
-            continue
-        terms.append(_fold_suffix(piece) if fold else piece)
+        term = word_term(piece) if len(piece) <= TERM_MEMO_CHARS else _word_term(piece, fold)
+        if term:
+            terms.append(term)
     return terms
 
 
@@ -139,40 +169,58 @@ def _is_cjk(char: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _TermStats:
-    counts: dict[str, int]
+    """One text's terms: the distinct ones sorted (interned), each one's count, the total."""
+
+    terms: tuple[str, ...]
+    tfs: bytes | tuple[int, ...]  # bytes while every count is under 256 (9x smaller than a tuple)
     length: int
     short_date: bool
 
 
-class _TermStatsCache:
-    """Per-text term statistics keyed by a content hash, least recently used out first."""
+def _term_stats(text: str, fold: bool) -> _TermStats:
+    found = relevance_terms(text, fold=fold)
+    counts = Counter(found)
+    terms = tuple(sorted(sys.intern(term) for term in counts))
+    tfs = [counts[term] for term in terms]
+    short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
+    return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), len(found), short_date)
 
-    def __init__(self, size: int) -> None:
+
+class _TermStatsCache:
+    """Per-text term statistics, least recently used out first, bounded by messages and by terms.
+
+    The key is the text's length and Python's string hash (see `TokenCounter._count`): about 5x
+    cheaper than hashing the UTF-8 bytes with BLAKE2 on every turn.
+    """
+
+    def __init__(self, size: int, max_terms: int) -> None:
         self.size = size
-        self._entries: OrderedDict[tuple[bytes, bool], _TermStats] = OrderedDict()
+        self.max_terms = max_terms
+        self._entries: OrderedDict[tuple[int, int, bool], _TermStats] = OrderedDict()
+        self._terms = 0
         self._lock = threading.Lock()
 
     def get(self, text: str, fold: bool) -> _TermStats:
-        key = (hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest(), fold)
+        key = (len(text), hash(text), fold)
+        entries = self._entries
+        stats = entries.get(key)
+        if stats is not None:
+            try:
+                entries.move_to_end(key)
+            except KeyError:  # evicted by another thread in between
+                pass
+            return stats
+        stats = _term_stats(text, fold)
         with self._lock:
-            stats = self._entries.get(key)
-            if stats is not None:
-                self._entries.move_to_end(key)
-                return stats
-        terms = relevance_terms(text, fold=fold)
-        counts: dict[str, int] = {}
-        for term in terms:
-            counts[term] = counts.get(term, 0) + 1
-        short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
-        stats = _TermStats(counts, len(terms), short_date)
-        with self._lock:
-            self._entries[key] = stats
-            if len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+            if key not in entries:
+                entries[key] = stats
+                self._terms += len(stats.terms)
+                while entries and (len(entries) > self.size or self._terms > self.max_terms):
+                    self._terms -= len(entries.popitem(last=False)[1].terms)
         return stats
 
 
-_term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE)
+_term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
 
 
 def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
@@ -180,48 +228,50 @@ def _query_weights(stats: Sequence[_TermStats], question: int, weights: Relevanc
     query: dict[str, float] = {}
     # A short follow-up ("and tomorrow?") leans on the turns before it; a question with many
     # terms of its own does not: the context weight shrinks with the question's term count.
-    context_weight = weights.context_weight / max(1, len(stats[question].counts))
+    context_weight = weights.context_weight / max(1, len(stats[question].terms))
     start = max(0, question - weights.context_messages)
     for index in range(start, question):
-        for term in stats[index].counts:
+        for term in stats[index].terms:
             query[term] = context_weight
-    for term in stats[question].counts:
+    for term in stats[question].terms:
         query[term] = 1.0
     return query
 
 
-def _bm25(stats: Sequence[_TermStats], query: dict[str, float], weights: RelevanceWeights) -> list[float]:
-    """Okapi BM25 of every message against the weighted query, over the chat as corpus."""
+def _bm25(
+    stats: Sequence[_TermStats], skip: set[int], query: dict[str, float], weights: RelevanceWeights
+) -> list[float]:
+    """Okapi BM25 of every message against the weighted query, over the chat (less `skip`) as corpus.
+
+    Only query terms are weighed; each message's sum runs over its terms in sorted order, so
+    the floating-point result is the same in every process.
+    """
     n = len(stats)
-    total = sum(s.length for s in stats)
+    corpus = [(i, s) for i, s in enumerate(stats) if i not in skip]
+    total = 0
+    for _, s in corpus:
+        total += s.length
     average = total / n if n and total else 1.0
-    terms = query.keys()
-    matches: list[tuple[int, set[str]]] = []
-    frequency = dict.fromkeys(query, 0)
-    for index, s in enumerate(stats):
-        keys = s.counts.keys()
-        if keys.isdisjoint(terms):
-            continue
-        shared = keys & terms
-        if shared:
-            matches.append((index, shared))
-            for term in shared:
-                frequency[term] += 1
-    idf = {
-        term: weight * math.log(1.0 + (n - frequency[term] + 0.5) / (frequency[term] + 0.5))
-        for term, weight in query.items()
-        if frequency[term]
-    }
+    frequency = Counter(chain.from_iterable(s.terms for _, s in corpus))
     k1, b = weights.k1, weights.b
+    k1_plus = k1 + 1.0
+    idf: dict[str, float] = {}
+    for term, weight in query.items():
+        found = frequency.get(term, 0)
+        if found:
+            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+    # For a term met once, idf * 1 * (k1 + 1) / (1 + norm) is (idf * (k1 + 1)) / (1 + norm) exactly.
+    once = {term: value * k1_plus for term, value in idf.items()}
+    once_get = once.get
     scores = [0.0] * n
-    for index, shared in matches:
-        s = stats[index]
-        counts = s.counts
+    for index, s in corpus:
         norm = k1 * (1.0 - b + b * s.length / average)
+        norm_once = 1 + norm
         score = 0.0
-        for term in sorted(shared):  # a fixed order: same sums in every process
-            tf = counts[term]
-            score += idf[term] * tf * (k1 + 1.0) / (tf + norm)
+        for term, tf in zip(s.terms, s.tfs):
+            value = once_get(term)
+            if value is not None:
+                score += value / norm_once if tf == 1 else idf[term] * tf * k1_plus / (tf + norm)
         scores[index] = score
     return scores
 
@@ -252,13 +302,12 @@ def score_messages(
     """
     n = len(messages)
     fold = weights.fold_suffixes
-    stats = [_term_cache.get(message_text(m), fold) for m in messages]
+    get = _term_cache.get
+    stats = [get(message_text(m), fold) for m in messages]
     skip = set(exclude)
     skip.add(question)
-    empty = _TermStats({}, 0, False)
-    corpus = [empty if i in skip else s for i, s in enumerate(stats)]
     query = _query_weights(stats, question, weights)
-    base = _bm25(corpus, query, weights) if query else [0.0] * n
+    base = _bm25(stats, skip, query, weights) if query else [0.0] * n
     top = max(base, default=0.0)
     scores = list(base)
     roles = [m.get("role") for m in messages]
@@ -274,7 +323,7 @@ def score_messages(
             scores[i] += weights.neighbour_share * max(left, right)
     if weights.header_share:
         for i in range(n):
-            if corpus[i].short_date:
+            if stats[i].short_date and i not in skip:
                 following = base[i + 1 : i + 1 + weights.header_reach]
                 scores[i] += weights.header_share * max(following, default=0.0)
     if weights.recency and n > 1:
