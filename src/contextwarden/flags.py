@@ -35,6 +35,9 @@ MAX_FLAG_KEEP = 1_000
 _FLAG_TOKEN = re.compile(r"(?<!\S)!(\+pin|-pin|full|pin|nosum|budget=\d{1,9}|keep=\d{1,4})(?!\S)", re.IGNORECASE)
 # Fenced blocks (to their closing fence, or the end when unclosed), then inline code spans.
 _CODE_SPAN = re.compile(r"^[ \t]*(`{3,}|~{3,})[^\n]*\n[\s\S]*?(?:^[ \t]*\1[ \t]*$|\Z)|(`+)(?!`)[\s\S]*?(?<!`)\2(?!`)", re.MULTILINE)
+# What every flag contains: a text without it has no flag, whatever its code spans (a literal
+# "!" first lets the regex engine skip to each "!" instead of trying every position).
+_FLAG_HINT = re.compile(r"!(?:[+-]pin|full|pin|nosum|budget=\d|keep=\d)", re.IGNORECASE)
 _SPACES_AFTER = re.compile(r"[ \t]*")
 _SPACES_BEFORE = re.compile(r"[ \t]*\Z")
 
@@ -128,7 +131,7 @@ def _code_ranges(text: str) -> list[tuple[int, int]]:
 
 def _flag_matches(text: str) -> Iterable[re.Match[str]]:
     """Well-formed flags outside code, in order."""
-    if "!" not in text:
+    if "!" not in text or _FLAG_HINT.search(text) is None:
         return []
     code = _code_ranges(text)
     return [m for m in _FLAG_TOKEN.finditer(text) if not any(a <= m.start() < b for a, b in code)]
