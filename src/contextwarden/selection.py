@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +38,9 @@ DECISION_FORMAT = 1
 # dividing by the whole cost would penalise long messages twice (measured in bench/quality.py).
 DEFAULT_COST_EXPONENT = 0.5
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages; about 200 bytes an entry, under 5 MiB when full
+_fingerprint_lock = threading.Lock()
+_fingerprint_cache: OrderedDict[int, str] = OrderedDict()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +91,35 @@ def message_fingerprint(message: Message) -> str:
         >>> message_fingerprint({"role": "user", "content": "hi"})
         'a9a3fe7c2ddc12d3'
     """
+    key = _fingerprint_key(message)
+    if key is not None:
+        cached = _fingerprint_cache.get(key)
+        if cached is not None:
+            try:
+                _fingerprint_cache.move_to_end(key)
+            except KeyError:  # evicted by another thread in between
+                pass
+            return cached
     canonical = _CANONICAL_JSON.encode(message)
-    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    fingerprint = hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    if key is not None:
+        with _fingerprint_lock:
+            _fingerprint_cache[key] = fingerprint
+            if len(_fingerprint_cache) > DEFAULT_FINGERPRINT_CACHE_SIZE:
+                _fingerprint_cache.popitem(last=False)
+    return fingerprint
+
+
+def _fingerprint_key(message: Message) -> int | None:
+    """A cheap stand-in for a message whose values are all strings (most are): a hash of each
+    key with its value's length and string hash (see `TokenCounter._count`), in this process
+    only; None for other messages (tool calls, content parts), which are hashed in full."""
+    parts: list = []
+    for name, value in message.items():
+        if type(value) is not str:
+            return None
+        parts += (name, len(value), hash(value))
+    return hash(tuple(parts))
 
 
 class Fingerprints(Sequence[str]):
