@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from contextwarden import relevance
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 
 OFF = dataclasses.replace(
@@ -98,3 +103,26 @@ def test_scores_are_deterministic_and_non_negative():
     first = score_messages(chat, question=60)
     assert first == score_messages([dict(m) for m in chat], question=60)
     assert all(s >= 0 for s in first)
+
+
+# Characters where a byte-level word split could part from the Unicode one: case mappings that
+# change length or depend on context (İ, final sigma), the Kelvin sign, non-word marks inside
+# CJK ranges (・, ゛), combining marks, non-ASCII digits and spaces, ligatures, lone surrogates.
+TRICKY = "aZ9_ -'.,!?\u00e9\u00dfİΣσς\u0307\u212aK東京タワー・゛가힯\ud800\u00a0\u2019—\t\n0١２ﬁǅ"
+
+
+@given(st.text(alphabet=st.sampled_from(TRICKY) | st.characters(), max_size=60), st.booleans())
+@example("Caroline painted 2 sunrises in 2022! 日本語 ΟΔΟΣ'Α İstanbul don’t", True)
+def test_term_counts_match_relevance_terms(text, fold):
+    """The cache's fast counting yields exactly the terms `relevance_terms` lists."""
+    terms = relevance_terms(text, fold=fold)
+    assert relevance._term_counts(text, fold) == (dict(Counter(terms)), len(terms))
+
+
+def test_term_cache_is_bounded_by_messages_and_terms():
+    cache = relevance._TermStatsCache(size=3, max_terms=10)
+    for k in range(6):
+        cache.get(f"alpha{k} beta{k} gamma{k}", True)
+    assert len(cache._entries) == 3 and cache._terms == 9
+    cache.get(" ".join(f"word{k}" for k in range(8)), True)  # 8 terms: older entries go until 10 terms hold
+    assert len(cache._entries) == 1 and cache._terms == 8

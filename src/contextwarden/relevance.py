@@ -42,7 +42,7 @@ __all__ = [
 
 DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
 DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
-TERM_MEMO_SIZE = 32_768  # distinct words whose term is memoised (LRU)
+TERM_MEMO_SIZE = 16_384  # distinct words whose term is memoised, per memo
 TERM_MEMO_CHARS = 40  # longer words are not memoised
 
 # Han, Hiragana, Katakana, Hangul: scripts written without spaces between words.
@@ -64,6 +64,11 @@ _STOP_WORDS = frozenset(
     doesn isn wasn weren hasn haven also get got ok okay yes yeah oh like really just""".split()
 )
 _SHORT_MESSAGE_CHARS = 160
+# Lower-cased UTF-8 bytes to words: ASCII letters and digits and every non-ASCII byte stay,
+# every other ASCII byte becomes a space.
+_FOLDED_BYTES_MEMO: dict[bytes, str] = {}  # ASCII word -> term ("" for none), emptied when full
+_PLAIN_BYTES_MEMO: dict[bytes, str] = {}
+_WORD_BYTES = bytes(b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +145,14 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
         >>> relevance_terms("Caroline painted 2 sunrises in 2022! 日本語")
         ['carolin', 'paint', '2', 'sunris', '2022', '日本', '本語']
     """
+    return _lowered_terms(text.lower(), fold)
+
+
+def _lowered_terms(lowered: str, fold: bool) -> list[str]:
+    """`relevance_terms` of a text already lower-cased."""
     terms: list[str] = []
     word_term = _folded_term if fold else _plain_term
-    for piece in _TERM_PIECES.findall(text.lower()):
+    for piece in _TERM_PIECES.findall(lowered):
         first = piece[0]
         if not first.isascii() and _is_cjk(first):
             if len(piece) == 1:
@@ -154,6 +164,33 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
         if term:
             terms.append(term)
     return terms
+
+
+def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
+    """How often each term of `relevance_terms(text)` occurs, and their total, without a Python
+    step per word: the lower-cased UTF-8 bytes are cut at every ASCII byte that is not a letter
+    or digit and counted in C; each distinct ASCII word is then looked up once (memoised), and
+    a word holding non-ASCII characters goes through `_lowered_terms` (such a word never spans
+    an ASCII separator, so it yields exactly the pieces the full scan would)."""
+    memo = _FOLDED_BYTES_MEMO if fold else _PLAIN_BYTES_MEMO
+    known = memo.get
+    counts: dict[str, int] = {}
+    pieces = Counter(text.lower().encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split())
+    for piece, times in pieces.items():
+        term = known(piece)
+        if term is None:
+            if not piece.isascii():
+                for term in _lowered_terms(piece.decode("utf-8", "surrogatepass"), fold):
+                    counts[term] = counts.get(term, 0) + times
+                continue
+            term = _word_term(piece.decode("ascii"), fold)
+            if len(piece) <= TERM_MEMO_CHARS:
+                if len(memo) >= TERM_MEMO_SIZE:
+                    memo.clear()
+                memo[piece] = term
+        counts[term] = counts.get(term, 0) + times
+    counts.pop("", None)  # stop words and single letters
+    return counts, sum(counts.values())
 
 
 def _is_cjk(char: str) -> bool:
@@ -178,12 +215,11 @@ class _TermStats:
 
 
 def _term_stats(text: str, fold: bool) -> _TermStats:
-    found = relevance_terms(text, fold=fold)
-    counts = Counter(found)
+    counts, length = _term_counts(text, fold)
     terms = tuple(sorted(sys.intern(term) for term in counts))
     tfs = [counts[term] for term in terms]
     short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
-    return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), len(found), short_date)
+    return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), length, short_date)
 
 
 class _TermStatsCache:
