@@ -197,3 +197,23 @@ def test_contract_idempotence_determinism_on_random_chats(counter, seed):
                                    previous=TrimDecision.from_json(result.decision.to_json()), **options)
             check_contract(grown, follow, counter, MODEL)
     assert frozen(chat) == before
+
+
+def test_cached_fingerprints_equal_the_full_hash_and_tell_json_types_apart():
+    """The fingerprint cache's cheap key never lets two messages with different canonical JSON
+    share a fingerprint (True, 1, 1.0, "1", None, "None", [], {} ...), and it caches only."""
+    import hashlib
+    import json
+
+    def full(message):
+        canonical = json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+        return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+    values = [True, 1, 1.0, "1", None, "None", [], {}, [{}], {"a": []}, {"a": "b"}, ["a", "b"], [["a"], "b"], -0.0, 0.0]
+    messages = [{"role": "user", "content": "hi", "x": v} for v in values]
+    messages += [{"content": "hi", "role": "user"}, {"role": "user", "content": "hi"}, {"role": "user", "content": "hi\ud800"}]
+    messages += random_chat(random.Random(11), 80)
+    for _ in range(2):  # the second pass is served by the cache
+        prints = [message_fingerprint(m) for m in messages]
+        assert prints == [full(m) for m in messages]
+    assert len(set(prints[: len(values)])) == len(values)

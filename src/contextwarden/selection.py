@@ -111,15 +111,35 @@ def message_fingerprint(message: Message) -> str:
 
 
 def _fingerprint_key(message: Message) -> int | None:
-    """A cheap stand-in for a message whose values are all strings (most are): a hash of each
-    key with its value's length and string hash (see `TokenCounter._count`), in this process
-    only; None for other messages (tool calls, content parts), which are hashed in full."""
-    parts: list = []
-    for name, value in message.items():
-        if type(value) is not str:
-            return None
-        parts += (name, len(value), hash(value))
-    return hash(tuple(parts))
+    """A cheap stand-in for a message's canonical JSON, in this process only: each string as its
+    length and string hash (see `TokenCounter._count`), other JSON scalars as their repr, dicts
+    and lists as tagged tuples (a dict in its key order: the same items in another order are
+    just a cache miss). None for anything else (hashed in full)."""
+    try:
+        return hash(_key_of(message, 0))
+    except _NoKey:
+        return None
+
+
+class _NoKey(Exception):
+    """A value `_key_of` does not describe (the message is fingerprinted in full)."""
+
+
+def _key_of(value: object, depth: int) -> object:
+    kind = type(value)
+    if kind is str:
+        return (len(value), hash(value))
+    if kind is dict and depth < 8:
+        return ("d", *((name, _key_of(item, depth + 1)) if type(name) is str else _no_key() for name, item in value.items()))
+    if kind is list and depth < 8:
+        return ("l", *(_key_of(item, depth + 1) for item in value))
+    if value is None or kind is bool or kind is int or kind is float:
+        return repr(value)
+    return _no_key()
+
+
+def _no_key() -> object:
+    raise _NoKey
 
 
 class Fingerprints(Sequence[str]):
