@@ -5,6 +5,9 @@ last `keep_last_turns` turns while they fit; then either the newest turns (`rece
 units worth most per token (`relevance`). A unit is kept or dropped whole: one message, or an
 assistant `tool_calls` message with its `tool` replies. `TrimDecision` records what was kept
 (as content fingerprints, never text) so the next turn can send the same prefix again.
+Fingerprints are cached per process (`DEFAULT_FINGERPRINT_CACHE_SIZE` = 20,000 messages, LRU,
+under 3 MiB), keyed by a cheap stand-in for the content; the fingerprint itself is BLAKE2b
+over canonical JSON, the same in every process.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ DECISION_FORMAT = 1
 # dividing by the whole cost would penalise long messages twice (measured in bench/quality.py).
 DEFAULT_COST_EXPONENT = 0.5
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages; about 200 bytes an entry, under 5 MiB when full
+DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages, LRU; ~125 bytes an entry: under 3 MiB when full
 _fingerprint_lock = threading.Lock()
 _fingerprint_cache: OrderedDict[int, str] = OrderedDict()
 
