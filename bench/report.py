@@ -134,14 +134,19 @@ def write_report(result: dict[str, Any]) -> str:
             lim = traced["limits"]
             lines.append(
                 f"Limits: TokenCounter cache_size = {', '.join(f'{c:,}' for c in lim['counter_cache_size'])} entries; "
-                f"MemoryStore max_keys = {', '.join(f'{c:,}' for c in lim['memory_store_max_keys']) or 'none'}."
+                f"MemoryStore max_keys = {', '.join(f'{c:,}' for c in lim['memory_store_max_keys']) or 'none'}"
+                + (f"; relevance term cache {lim['term_cache_size']:,} messages" if "term_cache_size" in lim else "")
+                + (f" and {lim['term_cache_max_terms']:,} (message, term) entries" if "term_cache_max_terms" in lim else "")
+                + (f"; fingerprint cache {lim['fingerprint_cache_size']:,} messages" if "fingerprint_cache_size" in lim else "")
+                + "."
             )
-            lines += ["", "| chats | messages seen | counter entries | store keys | retained (tracemalloc) | RSS growth (separate run, no tracemalloc) |", "|---:|---:|---:|---:|---:|---:|"]
+            lines += ["", "| chats | messages seen | counter entries | store keys | term cache (messages / entries) | retained (tracemalloc) | RSS growth (separate run, no tracemalloc) |", "|---:|---:|---:|---:|---:|---:|---:|"]
             rss = {p["chats"]: p["rss_delta_kib"] for p in (plain["points"] if plain else [])}
             for p in traced["points"]:
                 r = rss.get(p["chats"])
                 lines.append(
                     f"| {p['chats']:,} | {p['messages_seen']:,} | {p['counter_entries']:,} | {p['store_keys']:,} | "
+                    f"{p.get('term_cache_entries', 0):,} / {p.get('term_cache_terms', 0):,} | "
                     f"{p['retained_kib'] / 1024:.1f} MiB | {f'{r / 1024:.1f} MiB' if r is not None else '—'} |"
                 )
             lines += [

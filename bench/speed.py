@@ -307,6 +307,33 @@ def rss_kib() -> dict[str, int]:
     return {"rss_kib": values.get("VmRSS", 0), "hwm_kib": values.get("VmHWM", 0)}
 
 
+def _module_cache_limits(module: types.ModuleType) -> dict[str, Any]:
+    """The bounds of the bundle's module-level caches (absent in builds without them)."""
+    terms = getattr(module, "_term_cache", None)
+    out: dict[str, Any] = {}
+    if terms is not None:
+        out["term_cache_size"] = terms.size
+        if hasattr(terms, "max_terms"):
+            out["term_cache_max_terms"] = terms.max_terms
+    if hasattr(module, "DEFAULT_FINGERPRINT_CACHE_SIZE"):
+        out["fingerprint_cache_size"] = module.DEFAULT_FINGERPRINT_CACHE_SIZE
+    return out
+
+
+def _module_cache_sizes(module: types.ModuleType) -> dict[str, Any]:
+    """How full the bundle's module-level caches are."""
+    terms = getattr(module, "_term_cache", None)
+    out: dict[str, Any] = {}
+    if terms is not None:
+        out["term_cache_entries"] = len(terms._entries)
+        if hasattr(terms, "_terms"):
+            out["term_cache_terms"] = terms._terms
+    prints = getattr(module, "_fingerprint_cache", None)
+    if prints is not None:
+        out["fingerprint_cache_entries"] = len(prints)
+    return out
+
+
 async def memory_run(traced: bool) -> dict[str, Any]:
     """4,000 distinct chats through one Filter; what stays allocated, and the peak."""
     import tracemalloc
@@ -318,6 +345,7 @@ async def memory_run(traced: bool) -> dict[str, Any]:
     limits = {
         "counter_cache_size": [c.cache_size for c in counters],
         "memory_store_max_keys": [s.max_keys for s in stores],
+        **_module_cache_limits(module),
     }
     gc.collect()
     if traced:
@@ -339,6 +367,7 @@ async def memory_run(traced: bool) -> dict[str, Any]:
                 "messages_seen": messages,
                 "counter_entries": sum(len(getattr(c, "_cache", ())) for c in counters),
                 "store_keys": sum(len(getattr(s, "_data", ())) for s in stores),
+                **_module_cache_sizes(module),
                 "rss_delta_kib": rss_kib()["rss_kib"] - base_rss["rss_kib"],
             }
             if traced:

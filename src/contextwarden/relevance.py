@@ -41,6 +41,7 @@ __all__ = [
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
+    "lru_hit",
 ]
 
 DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
@@ -227,6 +228,23 @@ def _term_stats(text: str, fold: bool) -> _TermStats:
     return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), length, short_date)
 
 
+def lru_hit(cache: OrderedDict, key: object) -> object | None:
+    """`cache[key]` marked as just used, or None; safe while other threads evict (no lock).
+
+    Example:
+        >>> cache = OrderedDict(a=1, b=2)
+        >>> lru_hit(cache, "a"), list(cache), lru_hit(cache, "c")
+        (1, ['b', 'a'], None)
+    """
+    value = cache.get(key)
+    if value is not None:
+        try:
+            cache.move_to_end(key)
+        except KeyError:  # evicted by another thread in between
+            pass
+    return value
+
+
 class _TermStatsCache:
     """Per-text term statistics, least recently used out first, bounded by messages and by terms.
 
@@ -244,12 +262,8 @@ class _TermStatsCache:
     def get(self, text: str, fold: bool) -> _TermStats:
         key = (len(text), hash(text), fold)
         entries = self._entries
-        stats = entries.get(key)
+        stats = lru_hit(entries, key)
         if stats is not None:
-            try:
-                entries.move_to_end(key)
-            except KeyError:  # evicted by another thread in between
-                pass
             return stats
         stats = _term_stats(text, fold)
         with self._lock:

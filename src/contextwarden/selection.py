@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .conversation import SYSTEM_ROLES, Conversation, Message
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, lru_hit, score_messages
 
 __all__ = [
     "Strategy",
@@ -96,12 +96,8 @@ def message_fingerprint(message: Message) -> str:
     """
     key = _fingerprint_key(message)
     if key is not None:
-        cached = _fingerprint_cache.get(key)
+        cached = lru_hit(_fingerprint_cache, key)
         if cached is not None:
-            try:
-                _fingerprint_cache.move_to_end(key)
-            except KeyError:  # evicted by another thread in between
-                pass
             return cached
     canonical = _CANONICAL_JSON.encode(message)
     fingerprint = hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
