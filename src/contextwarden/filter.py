@@ -185,11 +185,7 @@ class Filter:
         __event_emitter__: Emitter | None = None,
     ) -> dict:
         """Trim before Open WebUI adds RAG, memory and tools (older versions only have this hook)."""
-        try:
-            trimmed = await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
-        except Exception as exc:
-            return await self._failed("inlet", exc, body, __event_emitter__)
-        return self._ask_stream_usage(trimmed, __user__, __model__)
+        return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__)
 
     async def request(
         self,
@@ -200,11 +196,7 @@ class Filter:
         __event_emitter__: Emitter | None = None,
     ) -> dict:
         """Trim right before each provider call, after RAG and tools were added (idempotent)."""
-        try:
-            trimmed = await self._trim(body, __user__, __metadata__, __model__, __event_emitter__)
-        except Exception as exc:
-            return await self._failed("request", exc, body, __event_emitter__)
-        return self._ask_stream_usage(trimmed, __user__, __model__)
+        return await self._trim_hook("request", body, __user__, __metadata__, __model__, __event_emitter__)
 
     async def outlet(
         self,
@@ -222,6 +214,16 @@ class Filter:
         return body
 
     # -- inlet / request ----------------------------------------------------------------------
+
+    async def _trim_hook(
+        self, hook: str, body: Any, user: dict | None, metadata: dict | None, model: dict | None, emit: Emitter | None
+    ) -> Any:
+        """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
+        try:
+            trimmed = await self._trim(body, user, metadata, model, emit)
+        except Exception as exc:
+            return await self._failed(hook, exc, body, emit)
+        return self._ask_stream_usage(trimmed, user, model)
 
     async def _trim(
         self,

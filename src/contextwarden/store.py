@@ -13,6 +13,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -26,6 +27,7 @@ KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
 REDIS_RETRY_SECONDS = 30.0
+_REDIS_ERRORS = (aioredis.RedisError, OSError, asyncio.TimeoutError)
 REDIS_PENDING_LIMIT = 10_000  # named increments a worker holds while Redis is away
 ONCE_MARKER_SECONDS = 2 * 86_400  # how long Redis remembers that a named increment was applied
 REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
@@ -179,18 +181,23 @@ class RedisStore(Store):
             store_log.warning("contextwarden: Redis reachable again; shared state resumed")
             self._down_since = None
 
+    async def _try_redis(self, name: str, *args, **kwargs) -> tuple[bool, Any]:
+        """Run `_redis_<name>` when Redis is usable: `(True, result)`, or `(False, None)`."""
+        if not self._usable():
+            return False, None
+        try:
+            result = await getattr(self, "_redis_" + name)(*args, **kwargs)
+        except _REDIS_ERRORS as exc:
+            self._failed(exc)
+            return False, None
+        self._recovered()
+        if self._pending:
+            await self._replay()
+        return True, result
+
     async def _call(self, name: str, *args, **kwargs):
-        if self._usable():
-            try:
-                result = await getattr(self, "_redis_" + name)(*args, **kwargs)
-            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
-                self._failed(exc)
-            else:
-                self._recovered()
-                if self._pending:
-                    await self._replay()
-                return result
-        return await getattr(self.fallback, name)(*args, **kwargs)
+        ok, result = await self._try_redis(name, *args, **kwargs)
+        return result if ok else await getattr(self.fallback, name)(*args, **kwargs)
 
     async def _replay(self) -> None:
         """Send the named increments held during an outage (each applies at most once)."""
@@ -198,7 +205,7 @@ class RedisStore(Store):
             key, fields, ttl, once = self._pending[0]
             try:
                 await self._redis_incr(key, fields, ttl=ttl, once=once)
-            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+            except _REDIS_ERRORS as exc:
                 self._failed(exc)
                 return
             self._pending.popleft()
@@ -219,17 +226,9 @@ class RedisStore(Store):
         if once is None:
             await self._call("incr", key, fields, ttl=ttl)
             return
-        if self._usable():
-            try:
-                await self._redis_incr(key, fields, ttl=ttl, once=once)
-            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
-                self._failed(exc)
-            else:
-                self._recovered()
-                if self._pending:
-                    await self._replay()
-                return
-        self._pending.append((key, dict(fields), ttl, once))
+        done, _ = await self._try_redis("incr", key, fields, ttl=ttl, once=once)
+        if not done:
+            self._pending.append((key, dict(fields), ttl, once))
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
