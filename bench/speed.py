@@ -52,7 +52,7 @@ REPS = {20: 150, 200: 50, 1_000: 15}
 MEMORY_CHATS = 4_000
 MEMORY_CHECKPOINTS = (250, 500, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000)
 MEMORY_MEAN_TOKENS = 120
-SYSTEMS = ("cw_cold", "cw_warm", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
+SYSTEMS = ("cw_cold", "cw_warm", "cw_next", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
 
 
 # -- set-up -----------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ async def _emit(event: dict) -> None:
     return None
 
 
-async def cw_inlet(f: Any, module: types.ModuleType, chat: list[dict[str, Any]]) -> dict:
-    body = request_body(chat, "warmup")
+async def cw_inlet(f: Any, module: types.ModuleType, chat: list[dict[str, Any]], chat_id: str = "warmup") -> dict:
+    body = request_body(chat, chat_id)
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
     await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
     return body["metadata"]["contextwarden"]
@@ -187,6 +187,10 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     orchestrator, conversation_cls = ctx["lethes"], ctx["lethes_conversation"]
     base = synth.make_chat(10_000_000 + n, n)
     await cw_inlet(f, module, fresh(base))  # the turn before: the filter has seen `base`
+    # cw_next: one chat that goes on turn after turn (same chat id, each turn adds the reply and a
+    # new question), so the previous turn's stored decision applies as in a real chat.
+    next_chat = list(base)
+    await cw_inlet(f, module, fresh(next_chat), f"chat-{n}-next")
     wall: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     cpu: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     new_tokens_cold: list[int] = []
@@ -197,14 +201,16 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
         cold_chat = synth.make_chat(n * 100_000 + rep, n)
         pair = synth.next_turn(n * 100_000 + 50_000 + rep)
         warm_chat = base + pair
+        next_chat = next_chat + pair
         new_tokens_cold.append(floor(encoding, cold_chat))
         new_tokens_warm.append(floor(encoding, pair))
 
         async def run(system: str) -> Any:
-            chat = cold_chat if system.endswith("cold") else warm_chat
+            chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
             if system.startswith("floor"):
                 return floor(encoding, chat if system == "floor_cold" else pair)
-            body = request_body(fresh(chat), f"chat-{n}-{'cold-' + str(rep) if system.endswith('cold') else 'warm'}")
+            suffix = "next" if system == "cw_next" else f"cold-{rep}" if system.endswith("cold") else "warm"
+            body = request_body(fresh(chat), f"chat-{n}-{suffix}")
             if system.startswith("cw"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 out = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
@@ -232,7 +238,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             wall[system].append(took / 1e6)
             cpu[system].append(took_cpu / 1e6)
             if rep == 0 and out is not None:
-                chat = cold_chat if system.endswith("cold") else warm_chat
+                chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
                 checks[system] = {
                     "messages_in": len(chat),
                     "messages_out": len(out),
@@ -258,6 +264,8 @@ def paired_ratios(wall: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Median and IQR of per-repetition ratios (same repetition, same machine load)."""
     pairs = {
         "cw_cold/floor_cold": ("cw_cold", "floor_cold"),
+        "cw_next/floor_warm": ("cw_next", "floor_warm"),
+        "lethes_warm/cw_next": ("lethes_warm", "cw_next"),
         "cw_warm/floor_warm": ("cw_warm", "floor_warm"),
         "lethes_warm/cw_warm": ("lethes_warm", "cw_warm"),
         "lethes_cold/cw_cold": ("lethes_cold", "cw_cold"),
