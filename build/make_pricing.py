@@ -1,13 +1,13 @@
 """Generate pricing.json and src/contextwarden/price_data.py from an OpenRouter models dump.
 
-Stdlib only. Usage (from the repository root):
+Needs the package's dependencies (run it with the dev venv). Usage (from the repository root):
 
     python build/make_pricing.py [DUMP.json] [--source-date YYYY-MM-DD] [--check]
 
 DUMP defaults to ../shared/fixtures/openrouter_models_2026-08.json (a saved response of
 GET https://openrouter.ai/api/v1/models). Output is deterministic: same dump, same bytes.
 
-Rules (the same ones `contextwarden.pricing` applies to a live payload; a test holds them equal):
+Rules (those of `contextwarden.pricing`, which reads the dump; the same apply to live payloads):
 - Prices are USD per token, kept as the decimal strings OpenRouter gave.
 - A key that is missing means 0 (the 2026 API leaves zero prices out), except
   `input_cache_write_1h`, which is null when not listed (5-minute writes are the default).
@@ -26,25 +26,20 @@ import json
 import re
 import sys
 from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "src"))
+
+from contextwarden.errors import PricingError  # noqa: E402  (after the path above)
+from contextwarden.pricing import PriceBook  # noqa: E402
 DEFAULT_DUMP = REPO_ROOT / ".." / "shared" / "fixtures" / "openrouter_models_2026-08.json"
 DEFAULT_JSON_OUT = REPO_ROOT / "pricing.json"
 DEFAULT_PY_OUT = REPO_ROOT / "src" / "contextwarden" / "price_data.py"
 SOURCE_URL = "https://openrouter.ai/api/v1/models"
 
-# OpenRouter pricing key -> our field name; tier fields are the same minus internal_reasoning.
-PRICE_KEYS = (
-    ("prompt", "prompt"),
-    ("completion", "completion"),
-    ("input_cache_read", "cache_read"),
-    ("input_cache_write", "cache_write"),
-    ("input_cache_write_1h", "cache_write_1h"),
-)
-NULL_WHEN_MISSING = frozenset({"cache_write_1h"})
-TIER_FIELDS = tuple(field for _key, field in PRICE_KEYS)
+# The price fields of a prompt-size tier, in price_data.py's order.
+TIER_FIELDS = ("prompt", "completion", "cache_read", "cache_write", "cache_write_1h")
 COLUMNS = (
     "canonical_slug",
     "context_length",
@@ -59,75 +54,6 @@ COLUMNS = (
 )
 
 
-def price_text(raw: object) -> str | None:
-    """A validated decimal string for one price, or None when negative or malformed."""
-    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
-        return None
-    text = str(raw).strip()
-    try:
-        value = Decimal(text)
-    except (InvalidOperation, ValueError):
-        return None
-    if not value.is_finite() or value < 0:
-        return None
-    return text
-
-
-def read_prices(pricing: dict, base: dict | None) -> dict:
-    """Our price fields from one OpenRouter pricing object (or override, inheriting `base`)."""
-    out: dict = {}
-    for key, field in PRICE_KEYS:
-        if key in pricing:
-            out[field] = price_text(pricing[key])
-        elif base is not None:
-            out[field] = base[field]
-        else:
-            out[field] = None if field in NULL_WHEN_MISSING else "0"
-    return out
-
-
-def separate_reasoning_rate(pricing: dict, completion: str | None) -> str | None:
-    """`internal_reasoning` only when it is a rate of its own (positive, not = completion)."""
-    text = price_text(pricing.get("internal_reasoning"))
-    if text is None or Decimal(text) == 0:
-        return None
-    if completion is not None and Decimal(text) == Decimal(completion):
-        return None
-    return text
-
-
-def convert_model(entry: dict) -> tuple[str, dict] | None:
-    """One catalogue entry -> (id, our record), or None when the entry has no usable id."""
-    model_id = entry.get("id")
-    pricing = entry.get("pricing")
-    if not isinstance(model_id, str) or not model_id or not isinstance(pricing, dict):
-        return None
-    record = read_prices(pricing, None)
-    record["internal_reasoning"] = separate_reasoning_rate(pricing, record["completion"])
-    slug = entry.get("canonical_slug")
-    record["canonical_slug"] = slug if isinstance(slug, str) and slug else None
-    length = entry.get("context_length")
-    record["context_length"] = length if isinstance(length, int) and length > 0 else None
-    tiers = []
-    varies_by_time = False
-    overrides = pricing.get("overrides")
-    for override in overrides if isinstance(overrides, list) else ():
-        if not isinstance(override, dict):
-            continue
-        if "utc_start" in override or "utc_end" in override:
-            varies_by_time = True
-            continue
-        threshold = override.get("min_prompt_tokens")
-        if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold > 0:
-            tier = read_prices(override, record)
-            tier["min_prompt_tokens"] = threshold
-            tiers.append(tier)
-    tiers.sort(key=lambda tier: tier["min_prompt_tokens"])
-    record["tiers"] = tiers
-    record["varies_by_time"] = varies_by_time
-    return model_id, record
-
-
 def default_source_date(dump_path: Path, entries: list) -> str:
     """A YYYY-MM-DD in the file name, else the day of the newest model (a lower bound)."""
     found = re.search(r"(\d{4}-\d{2}-\d{2})", dump_path.name)
@@ -140,16 +66,16 @@ def default_source_date(dump_path: Path, entries: list) -> str:
 
 
 def build_table(dump: dict) -> dict:
-    """id -> record for every usable entry of a models dump."""
-    entries = dump.get("data") if isinstance(dump, dict) else None
-    if not isinstance(entries, list):
-        raise SystemExit("not an OpenRouter models dump: no 'data' list")
-    models = {}
-    for entry in entries:
-        converted = convert_model(entry) if isinstance(entry, dict) else None
-        if converted is not None:
-            models[converted[0]] = converted[1]
-    return models
+    """id -> pricing.json record for every usable entry of a models dump.
+
+    Read with the package's own `PriceBook.from_openrouter`, so the bundled table follows
+    exactly the rules live prices follow.
+    """
+    try:
+        book = PriceBook.from_openrouter(dump, source="bundle")
+    except PricingError as exc:
+        raise SystemExit(f"not a usable OpenRouter models dump: {exc}") from None
+    return json.loads(book.to_json())["models"]
 
 
 def render_json(models: dict, source_name: str, source_date: str) -> str:

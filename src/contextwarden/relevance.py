@@ -33,6 +33,7 @@ from functools import lru_cache
 from itertools import chain
 
 from .conversation import Message, message_text
+from .tokens import lru_hit
 
 __all__ = [
     "RelevanceWeights",
@@ -41,7 +42,6 @@ __all__ = [
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
-    "lru_hit",
 ]
 
 DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
@@ -226,23 +226,6 @@ def _term_stats(text: str, fold: bool) -> _TermStats:
     tfs = list(map(counts.__getitem__, terms))
     short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
     return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), length, short_date)
-
-
-def lru_hit(cache: OrderedDict, key: object) -> object | None:
-    """`cache[key]` marked as just used, or None; safe while other threads evict (no lock).
-
-    Example:
-        >>> cache = OrderedDict(a=1, b=2)
-        >>> lru_hit(cache, "a"), list(cache), lru_hit(cache, "c")
-        (1, ['b', 'a'], None)
-    """
-    value = cache.get(key)
-    if value is not None:
-        try:
-            cache.move_to_end(key)
-        except KeyError:  # evicted by another thread in between
-            pass
-    return value
 
 
 class _TermStatsCache:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .conversation import SYSTEM_ROLES, Conversation, Message
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, lru_hit, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+from .tokens import lru_hit
 
 __all__ = [
     "Strategy",

@@ -22,6 +22,7 @@ import tiktoken
 from .conversation import Message, image_count, message_text
 
 __all__ = [
+    "lru_hit",
     "CountMode",
     "TokenCounter",
     "encoding_for",
@@ -104,6 +105,23 @@ def _longest_within(limit: int, fits: Callable[[int], bool]) -> int:
         else:
             high = middle - 1
     return low
+
+
+def lru_hit(cache: OrderedDict, key: object) -> object | None:
+    """`cache[key]` marked as just used, or None; safe while other threads evict (no lock).
+
+    Example:
+        >>> cache = OrderedDict(a=1, b=2)
+        >>> lru_hit(cache, "a"), list(cache), lru_hit(cache, "c")
+        (1, ['b', 'a'], None)
+    """
+    value = cache.get(key)
+    if value is not None:
+        try:
+            cache.move_to_end(key)
+        except KeyError:  # evicted by another thread in between
+            pass
+    return value
 
 
 @dataclass(slots=True)
@@ -226,12 +244,8 @@ class TokenCounter:
         """
         key = (name, len(text), hash(text))
         cache = self._cache
-        cached = cache.get(key)
+        cached = lru_hit(cache, key)
         if cached is not None:
-            try:
-                cache.move_to_end(key)
-            except KeyError:  # evicted by another thread in between (library callers share a counter)
-                pass
             return cached
         count = len(encoding.encode_ordinary(text)) if encoding is not None else estimate_tokens(text)
         cache[key] = count
