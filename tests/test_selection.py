@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -217,3 +218,49 @@ def test_cached_fingerprints_equal_the_full_hash_and_tell_json_types_apart():
         prints = [message_fingerprint(m) for m in messages]
         assert prints == [full(m) for m in messages]
     assert len(set(prints[: len(values)])) == len(values)
+
+
+class CountingPrints(list):
+    """Fingerprints that count how many were looked at."""
+
+    looked = 0
+
+    def __getitem__(self, index):
+        CountingPrints.looked += 1
+        return super().__getitem__(index)
+
+
+def test_reuse_checks_recorded_positions_first_and_falls_back_to_a_scan(counter):
+    chat = topic_chat(40, "marathon training plan?")
+    first = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
+    assert first.dropped and len(first.decision.at) == len(first.decision.kept)
+    grown = chat + [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
+    prints = CountingPrints(message_fingerprint(m) for m in grown)
+    CountingPrints.looked = 0
+    keep = reuse_previous(first.decision, prints, read_conversation(grown), [counter.count_message(m, MODEL) for m in grown], 900)
+    assert keep is not None and CountingPrints.looked == len(first.decision.kept)
+    # A message inserted before the kept ones moves them: the positions miss, the scan finds them.
+    shifted = [chat[0], {"role": "user", "content": "inserted"}, {"role": "assistant", "content": "ok"}] + grown[1:]
+    again = trim_messages(shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision)
+    assert again.reused and [again.messages[k] for k in range(len(again.messages))][-2:] == grown[-2:]
+    assert again.decision.at == tuple(i for i in again.kept if i > 0)
+
+
+def test_reuse_keeps_the_recorded_copy_of_a_repeated_message():
+    chat = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "ok"}, {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "z"}]
+    prints = [message_fingerprint(m) for m in chat]
+    kept = TrimDecision(100, 20, "relevance", (prints[2], prints[3]), (2, 3))
+    assert reuse_previous(kept, prints, read_conversation(chat), [5] * 5, 100) == {2, 3, 4}
+    # Without positions the first "ok" in the chat is taken for the kept one.
+    assert reuse_previous(replace(kept, at=()), prints, read_conversation(chat), [5] * 5, 100) == {0, 3, 4}
+
+
+def test_decision_positions_are_optional_and_checked():
+    old = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"]}'
+    assert TrimDecision.from_json(old).at == ()
+    bad = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[3]}'
+    assert TrimDecision.from_json(bad).at == ()
+    good = TrimDecision(100, 80, "recent", ("aa", "bb"), (2, 5))
+    assert TrimDecision.from_json(good.to_json()) == good

@@ -111,7 +111,7 @@ def explain_trim(
         ('mandatory: system prompt',)
     """
     conversation = read_conversation(messages)
-    costs = [token_counter.count_message(m, model) for m in messages]
+    costs = token_counter.count_each(messages, model)
     kept, shortened, covered = set(result.kept), set(result.shortened), set(summarized)
     system = {i for unit in conversation.system for i in unit.indices}
     mandatory = set(mandatory_indices(conversation))

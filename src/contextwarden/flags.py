@@ -243,6 +243,9 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
     for index, message in enumerate(messages):
         if message.get("role") != "user":
             continue
+        content = message.get("content")
+        if type(content) is str and ("!" not in content or _FLAG_HINT.search(content) is None):
+            continue  # most messages: no flag can be in them
         out[index], used, refused = _strip_message(message, allowed)
         if index == latest:
             flags = _flags_of(used, refused)

@@ -173,30 +173,35 @@ def _lowered_terms(lowered: str, fold: bool) -> list[str]:
 def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
     """How often each (interned) term of `relevance_terms(text)` occurs, and their total,
     without a Python step per word: the lower-cased UTF-8 bytes are cut at every ASCII byte
-    that is not a letter or digit and counted in C; each distinct ASCII word is then looked up
-    once (memoised), and a word holding non-ASCII characters goes through `_lowered_terms`
-    (such a word never spans an ASCII separator, so it yields exactly the pieces the full scan
-    would)."""
+    that is not a letter or digit, and every word is mapped to its term and counted in C
+    through a memo of words met before. Only words the memo lacks take the Python path: a
+    word holding non-ASCII characters goes through `_lowered_terms` (such a word never spans
+    an ASCII separator, so it yields exactly the pieces the full scan would)."""
     memo = _FOLDED_BYTES_MEMO if fold else _PLAIN_BYTES_MEMO
-    known = memo.get
-    counts: dict[str, int] = {}
-    pieces = Counter(text.lower().encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split())
-    for piece, times in pieces.items():
-        term = known(piece)
-        if term is None:
-            if not piece.isascii():
-                for term in _lowered_terms(piece.decode("utf-8", "surrogatepass"), fold):
-                    term = sys.intern(term)  # CJK pairs (words are interned already)
-                    counts[term] = counts.get(term, 0) + times
-                continue
-            term = _word_term(piece.decode("ascii"), fold)
-            if len(piece) <= TERM_MEMO_CHARS:
+    words = text.lower().encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split()
+    known = list(map(memo.get, words))
+    counts: dict[str, int] = Counter(known)
+    if None in counts:
+        del counts[None]
+        for word, times in Counter(word for word, term in zip(words, known) if term is None).items():
+            terms = _word_terms(word, fold)
+            if len(word) <= TERM_MEMO_CHARS and len(terms) <= 1:
                 if len(memo) >= TERM_MEMO_SIZE:
                     memo.clear()
-                memo[piece] = term
-        counts[term] = counts.get(term, 0) + times
+                memo[word] = terms[0] if terms else ""
+            for term in terms:
+                counts[term] = counts.get(term, 0) + times
     counts.pop("", None)  # stop words and single letters
     return counts, sum(counts.values())
+
+
+def _word_terms(word: bytes, fold: bool) -> list[str]:
+    """The (interned) terms of one lower-cased word cut from UTF-8 bytes: at most one for an
+    ASCII word, CJK pairs or several pieces for a word holding non-ASCII characters."""
+    if word.isascii():
+        term = _word_term(word.decode("ascii"), fold)
+        return [term] if term else []
+    return [sys.intern(term) for term in _lowered_terms(word.decode("utf-8", "surrogatepass"), fold)]
 
 
 def _is_cjk(char: str) -> bool:
@@ -212,7 +217,7 @@ def _is_cjk(char: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _TermStats:
-    """One text's terms: the distinct ones sorted (interned), each one's count, the total."""
+    """One text's terms: the distinct ones (interned, in order of first use), each one's count, the total."""
 
     terms: tuple[str, ...]
     tfs: bytes | tuple[int, ...]  # bytes while every count is under 256 (9x smaller than a tuple)
@@ -222,10 +227,12 @@ class _TermStats:
 
 def _term_stats(text: str, fold: bool) -> _TermStats:
     counts, length = _term_counts(text, fold)
-    terms = tuple(sorted(counts))  # interned by _term_counts
-    tfs = list(map(counts.__getitem__, terms))
+    try:
+        tfs: bytes | tuple[int, ...] = bytes(counts.values())
+    except ValueError:  # a count of 256 or more
+        tfs = tuple(counts.values())
     short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
-    return _TermStats(terms, bytes(tfs) if max(tfs, default=0) < 256 else tuple(tfs), length, short_date)
+    return _TermStats(tuple(counts), tfs, length, short_date)
 
 
 class _TermStatsCache:
@@ -281,35 +288,36 @@ def _bm25(
 ) -> list[float]:
     """Okapi BM25 of every message against the weighted query, over the chat (less `skip`) as corpus.
 
-    Only query terms are weighed; each message's sum runs over its terms in sorted order, so
-    the floating-point result is the same in every process.
+    Only query terms are weighed: each message's query terms are found by a set intersection
+    (in C), and its sum runs over them in sorted order, so the floating-point result is the
+    same in every process.
     """
     n = len(stats)
-    corpus = [(i, s) for i, s in enumerate(stats) if i not in skip]
+    wanted = set(query)
     total = 0
-    for _, s in corpus:
-        total += s.length
+    found: list[tuple[int, _TermStats, list[str]]] = []
+    for index, s in enumerate(stats):
+        if index not in skip:
+            total += s.length
+            found.append((index, s, sorted(wanted.intersection(s.terms))))
     average = total / n if n and total else 1.0
-    frequency = Counter(chain.from_iterable(s.terms for _, s in corpus))
+    frequency = Counter(chain.from_iterable(common for _, _, common in found))
     k1, b = weights.k1, weights.b
     k1_plus = k1 + 1.0
-    idf: dict[str, float] = {}
-    for term, weight in query.items():
-        found = frequency.get(term, 0)
-        if found:
-            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+    idf = {term: query[term] * math.log(1.0 + (n - df + 0.5) / (df + 0.5)) for term, df in frequency.items()}
     # For a term met once, idf * 1 * (k1 + 1) / (1 + norm) is (idf * (k1 + 1)) / (1 + norm) exactly.
     once = {term: value * k1_plus for term, value in idf.items()}
-    once_get = once.get
     scores = [0.0] * n
-    for index, s in corpus:
+    for index, s, common in found:
+        if not common:
+            continue
         norm = k1 * (1.0 - b + b * s.length / average)
         norm_once = 1 + norm
+        terms, tfs = s.terms, s.tfs
         score = 0.0
-        for term, tf in zip(s.terms, s.tfs):
-            value = once_get(term)
-            if value is not None:
-                score += value / norm_once if tf == 1 else idf[term] * tf * k1_plus / (tf + norm)
+        for term in common:
+            tf = tfs[terms.index(term)]
+            score += once[term] / norm_once if tf == 1 else idf[term] * tf * k1_plus / (tf + norm)
         scores[index] = score
     return scores
 

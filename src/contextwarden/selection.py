@@ -52,7 +52,9 @@ class TrimDecision:
     """What one trim kept, for the next turn of the same chat: fingerprints, no text.
 
     `kept` holds the fingerprints (see `message_fingerprint`) of the kept non-system messages
-    in order; `tokens` what was sent; `max_tokens` the budget it was made for.
+    in order, and `at` their positions in the list it was made for (so the next turn checks
+    those positions first instead of fingerprinting the whole chat); `tokens` what was sent;
+    `max_tokens` the budget it was made for.
 
     Example:
         >>> d = TrimDecision(max_tokens=1000, tokens=640, strategy="relevance", kept=("a1b2c3d4e5f60718",))
@@ -64,12 +66,13 @@ class TrimDecision:
     tokens: int
     strategy: str
     kept: tuple[str, ...]
+    at: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
         return json.dumps(
             {"v": DECISION_FORMAT, "max_tokens": self.max_tokens, "tokens": self.tokens,
-             "strategy": self.strategy, "kept": list(self.kept)},
+             "strategy": self.strategy, "kept": list(self.kept), "at": list(self.at)},
             separators=(",", ":"),
         )
 
@@ -83,7 +86,10 @@ class TrimDecision:
             kept = tuple(data["kept"])
             if not all(isinstance(k, str) for k in kept):
                 raise ValueError("kept must be strings")
-            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept)
+            at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
+            if at and (len(at) != len(kept) or not all(type(i) is int and i >= 0 for i in at)):
+                at = ()  # unusable positions only cost the fast path
+            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at)
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
 
@@ -248,14 +254,14 @@ class _Plan:
     """The hard indices, the optional units (oldest first), and each unit's turn number."""
 
     hard: frozenset[int]
-    units: tuple[tuple[int, ...], ...]
+    units: tuple[range, ...]
     unit_turn: tuple[int, ...]
     turn_user: tuple[int | None, ...]
 
 
 def _plan(conversation: Conversation) -> _Plan:
     hard = frozenset(mandatory_indices(conversation))
-    units: list[tuple[int, ...]] = []
+    units: list[range] = []
     unit_turn: list[int] = []
     turn_user: list[int | None] = []
     for t, turn in enumerate(conversation.turns):
@@ -263,7 +269,7 @@ def _plan(conversation: Conversation) -> _Plan:
         turn_user.append(first.start if first.kind == "user" else None)
         for unit in turn.units:
             if unit.start not in hard:
-                units.append(tuple(unit.indices))
+                units.append(range(unit.start, unit.stop))
                 unit_turn.append(t)
     return _Plan(hard, tuple(units), tuple(unit_turn), tuple(turn_user))
 
@@ -271,7 +277,7 @@ def _plan(conversation: Conversation) -> _Plan:
 def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
     """Units to add before any other, in order: pinned ones, then the last turns newest first."""
     pins = set(pinned)
-    order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)]
+    order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
     current = conversation.current if conversation.current is not None else len(conversation.turns)
     recent_turns = set(range(current - max(0, keep_last_turns - 1), current))
     order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent_turns and u not in order]
@@ -385,16 +391,8 @@ def reuse_previous(
     """
     messages = conversation.messages
     system = {i for unit in conversation.system for i in unit.indices}
-    wanted = previous.kept
-    matched: list[int] = []
-    k = 0
-    for index in range(len(fingerprints)):
-        if k == len(wanted):
-            break
-        if index not in system and fingerprints[index] == wanted[k]:
-            matched.append(index)
-            k += 1
-    if k < len(wanted):
+    matched = _find_kept(previous, fingerprints, system)
+    if matched is None:
         return None
     after = matched[-1] + 1 if matched else 0
     plan = _plan(conversation)
@@ -405,9 +403,32 @@ def reuse_previous(
     keep -= orphans
     for turn in conversation.turns:
         for unit in turn.units:
-            if keep.intersection(unit.indices):
+            if unit.stop - unit.start > 1 and keep.intersection(unit.indices):
                 keep.update(unit.indices)
     if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
         return None
     return keep
 
+
+
+def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[int]) -> list[int] | None:
+    """Where the previous turn's kept messages are now, in order; None when one is gone.
+
+    First at the positions the decision recorded (a chat only grows at its end, so they are
+    usually still right, and only the kept messages are fingerprinted); else the first
+    in-order match among all non-system messages.
+    """
+    wanted = previous.kept
+    at = previous.at
+    if at and at[-1] < len(fingerprints) and all(a < b for a, b in zip(at, at[1:])) and system.isdisjoint(at):
+        if all(fingerprints[i] == kept for i, kept in zip(at, wanted)):
+            return list(at)
+    matched: list[int] = []
+    k = 0
+    for index in range(len(fingerprints)):
+        if k == len(wanted):
+            break
+        if index not in system and fingerprints[index] == wanted[k]:
+            matched.append(index)
+            k += 1
+    return matched if k == len(wanted) else None

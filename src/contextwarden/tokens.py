@@ -258,7 +258,20 @@ class TokenCounter:
 
     def count_message(self, message: Message, model: str | None = None) -> int:
         """Tokens one message costs in a prompt: overhead, role, name, text, tool calls, images."""
+        return self._count_message(message, *self._pick(model))
+
+    def count_each(self, messages: Iterable[Message], model: str | None = None) -> list[int]:
+        """`count_message` of every message, choosing the encoding once (a turn counts them all).
+
+        Example:
+            >>> TokenCounter(block=True).count_each([{"role": "user", "content": "hi"}] * 2, "gpt-4o")
+            [5, 5]
+        """
         encoding_name, encoding = self._pick(model)
+        count = self._count_message
+        return [count(message, encoding_name, encoding) for message in messages]
+
+    def _count_message(self, message: Message, encoding_name: str, encoding: Any | None) -> int:
         total = TOKENS_PER_MESSAGE + 1
         name = message.get("name")
         if isinstance(name, str) and name:
@@ -277,7 +290,7 @@ class TokenCounter:
 
     def count_messages(self, messages: Iterable[Message], model: str | None = None) -> int:
         """Tokens a whole prompt costs, reply priming included."""
-        return TOKENS_PER_REPLY + sum(self.count_message(m, model) for m in messages)
+        return TOKENS_PER_REPLY + sum(self.count_each(messages, model))
 
     def keep_ends(self, text: str, head: int, tail: int, model: str | None = None) -> tuple[str, str]:
         """The first `head` and last `tail` tokens of `text` as text (by characters when estimating)."""

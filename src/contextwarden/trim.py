@@ -121,7 +121,7 @@ def trim_messages(
         if not isinstance(message, dict):
             raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
     counter = token_counter or default_counter()
-    costs = [counter.count_message(m, model) for m in messages]
+    costs = counter.count_each(messages, model)
     before = TOKENS_PER_REPLY + sum(costs)
     conversation = read_conversation(messages)
     mode = counter.mode(model)
@@ -166,6 +166,7 @@ def trim_messages(
         tokens=after,
         strategy=strategy,
         kept=tuple(fingerprints[i] for i in order if i not in system),
+        at=tuple(i for i in order if i not in system),
     )
     return TrimResult(
         messages=sent,
