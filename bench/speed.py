@@ -195,6 +195,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     cpu: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     new_tokens_cold: list[int] = []
     new_tokens_warm = []
+    outlet_ms: list[float] = []
     checks: dict[str, Any] = {}
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
     for rep in range(reps):
@@ -211,6 +212,12 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
                 return floor(encoding, chat if system == "floor_cold" else pair)
             suffix = "next" if system == "cw_next" else f"cold-{rep}" if system.endswith("cold") else "warm"
             body = request_body(fresh(chat), f"chat-{n}-{suffix}")
+            if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
+                reply = {"model": MODEL, "messages": fresh(chat[:-1]), "chat_id": f"chat-{n}-next"}
+                t0 = time.perf_counter_ns()
+                await f.outlet(reply, __user__=user, __metadata__={"chat_id": f"chat-{n}-next"}, __model__={"id": MODEL}, __event_emitter__=_emit)
+                outlet_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                gc.collect()
             if system.startswith("cw"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 out = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
@@ -249,6 +256,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {"messages": n, "reps": reps, "systems": {}, "checks": checks}
     summary["tokens_cold_median"] = statistics.median(new_tokens_cold)
     summary["tokens_warm_new_median"] = statistics.median(new_tokens_warm)
+    summary["outlet_median_ms"] = statistics.median(outlet_ms)
     for system in SYSTEMS:
         if wall[system]:
             q1, med, q3 = quartiles(wall[system])

@@ -248,3 +248,32 @@ async def test_window_falls_back_to_the_price_table(counter):
     listed = body_of(chat_of(2), model="gpt-4o")
     await f.inlet(listed, __metadata__=listed["metadata"], __model__={"id": "gpt-4o", "context_length": 16_000})
     assert listed["metadata"]["contextwarden"]["budget"] == 15_000  # what the connection lists wins
+
+
+async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_question():
+    from contextwarden.tokens import TokenCounter
+
+    class Spy:
+        """An encoding that records which texts it was asked to encode."""
+
+        def __init__(self, inner):
+            self.inner, self.texts = inner, []
+
+        def encode_ordinary(self, text):
+            self.texts.append(text)
+            return self.inner.encode_ordinary(text)
+
+    counter = TokenCounter(block=True)
+    assert counter.wait_ready("gpt-4o")
+    spy = counter._encodings["o200k_base"] = Spy(counter._encodings["o200k_base"])
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(20)
+    await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    reply = {"role": "assistant", "content": "A reply nobody has counted yet, with some words.", "usage": {"prompt_tokens": 9, "completion_tokens": 9}}
+    await f.outlet({"model": "gpt-4o", "messages": chat + [reply], "chat_id": "c1"}, __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    assert spy.texts[-1] == reply["content"]
+    spy.texts.clear()
+    question = {"role": "user", "content": "And a new question?"}
+    await f.inlet(body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
+                  __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    assert spy.texts == [question["content"]]

@@ -141,21 +141,21 @@ def _split_units(messages: Sequence[Message]) -> list[Unit]:
     units: list[Unit] = []
     kinds = _UNIT_KIND_BY_ROLE
     i, n = 0, len(messages)
+    unit = _unit
     while i < n:
         message = messages[i]
-        role = _role(message)
-        ids = tool_call_ids(message) if role == "assistant" and message.get("tool_calls") else None
-        if ids:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls") and (ids := tool_call_ids(message)):
             pending = set(ids)
             j = i + 1
             while j < n and _role(messages[j]) == "tool" and pending:
                 pending.discard(str(messages[j].get("tool_call_id")))
                 j += 1
             # A group whose calls are not all answered is invalid for every provider.
-            units.append(_unit(i, j, "orphan_tool" if pending else "tool_group"))
+            units.append(unit(i, j, "orphan_tool" if pending else "tool_group"))
             i = j
             continue
-        units.append(_unit(i, i + 1, kinds.get(role, "other")))
+        units.append(unit(i, i + 1, kinds.get(role, "other") if type(role) is str else "other"))
         i += 1
     return units
 

@@ -440,6 +440,8 @@ class Filter:
                 await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
+        if reply.get("role") == "assistant":
+            self._counter.count_message(reply, model_id)  # sent back next turn: counted now, off that turn's path
         if settings.show_status:
             await self._emit(emit, usage_status(billed, estimated, cost, settings.show_cost))
 

@@ -129,9 +129,20 @@ def _code_ranges(text: str) -> list[tuple[int, int]]:
     return [m.span() for m in _CODE_SPAN.finditer(text)] if "`" in text or "~~~" in text else []
 
 
+def _may_hold_flags(text: str) -> bool:
+    """Whether a flag name follows some `!` in `text` (a regex tried only where a `!` is:
+    most messages hold none, and prose holds a few)."""
+    at = text.find("!")
+    while at != -1:
+        if _FLAG_HINT.match(text, at):
+            return True
+        at = text.find("!", at + 1)
+    return False
+
+
 def _flag_matches(text: str) -> Iterable[re.Match[str]]:
     """Well-formed flags outside code, in order."""
-    if "!" not in text or _FLAG_HINT.search(text) is None:
+    if not _may_hold_flags(text):
         return []
     code = _code_ranges(text)
     return [m for m in _FLAG_TOKEN.finditer(text) if not any(a <= m.start() < b for a, b in code)]
@@ -244,7 +255,7 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         if message.get("role") != "user":
             continue
         content = message.get("content")
-        if type(content) is str and ("!" not in content or _FLAG_HINT.search(content) is None):
+        if type(content) is str and not _may_hold_flags(content):
             continue  # most messages: no flag can be in them
         out[index], used, refused = _strip_message(message, allowed)
         if index == latest:

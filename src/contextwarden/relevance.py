@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import chain
+from itertools import chain, repeat
 
 from .conversation import Message, message_text
 from .tokens import lru_hit
@@ -217,22 +217,30 @@ def _is_cjk(char: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _TermStats:
-    """One text's terms: the distinct ones (interned, in order of first use), each one's count, the total."""
+    """One text's distinct terms (interned): those it holds once, and the others with their
+    counts; the total count; whether it is a short date-carrying message."""
 
-    terms: tuple[str, ...]
-    tfs: bytes | tuple[int, ...]  # bytes while every count is under 256 (9x smaller than a tuple)
+    once: tuple[str, ...]
+    more: tuple[str, ...]
+    more_tfs: bytes | tuple[int, ...]  # bytes while every count is under 256 (9x smaller than a tuple)
     length: int
     short_date: bool
+
+    @property
+    def distinct(self) -> int:
+        return len(self.once) + len(self.more)
 
 
 def _term_stats(text: str, fold: bool) -> _TermStats:
     counts, length = _term_counts(text, fold)
+    once = tuple([term for term, tf in counts.items() if tf == 1])
+    more = {term: tf for term, tf in counts.items() if tf > 1}
     try:
-        tfs: bytes | tuple[int, ...] = bytes(counts.values())
+        more_tfs: bytes | tuple[int, ...] = bytes(more.values())
     except ValueError:  # a count of 256 or more
-        tfs = tuple(counts.values())
+        more_tfs = tuple(more.values())
     short_date = len(text) <= _SHORT_MESSAGE_CHARS and _DATE_LIKE.search(text) is not None
-    return _TermStats(tuple(counts), tfs, length, short_date)
+    return _TermStats(once, tuple(more), more_tfs, length, short_date)
 
 
 class _TermStatsCache:
@@ -259,9 +267,9 @@ class _TermStatsCache:
         with self._lock:
             if key not in entries:
                 entries[key] = stats
-                self._terms += len(stats.terms)
+                self._terms += stats.distinct
                 while entries and (len(entries) > self.size or self._terms > self.max_terms):
-                    self._terms -= len(entries.popitem(last=False)[1].terms)
+                    self._terms -= entries.popitem(last=False)[1].distinct
         return stats
 
 
@@ -273,13 +281,13 @@ def _query_weights(stats: Sequence[_TermStats], question: int, weights: Relevanc
     query: dict[str, float] = {}
     # A short follow-up ("and tomorrow?") leans on the turns before it; a question with many
     # terms of its own does not: the context weight shrinks with the question's term count.
-    context_weight = weights.context_weight / max(1, len(stats[question].terms))
+    context_weight = weights.context_weight / max(1, stats[question].distinct)
     start = max(0, question - weights.context_messages)
     for index in range(start, question):
-        for term in stats[index].terms:
-            query[term] = context_weight
-    for term in stats[question].terms:
-        query[term] = 1.0
+        query.update(dict.fromkeys(stats[index].once, context_weight))
+        query.update(dict.fromkeys(stats[index].more, context_weight))
+    query.update(dict.fromkeys(stats[question].once, 1.0))
+    query.update(dict.fromkeys(stats[question].more, 1.0))
     return query
 
 
@@ -288,36 +296,34 @@ def _bm25(
 ) -> list[float]:
     """Okapi BM25 of every message against the weighted query, over the chat (less `skip`) as corpus.
 
-    Only query terms are weighed: each message's query terms are found by a set intersection
-    (in C), and its sum runs over them in sorted order, so the floating-point result is the
-    same in every process.
+    Only query terms are weighed. Sums are `math.fsum`: exact whatever the order of the terms
+    (which follows the text and the word memo), so every process computes the same scores.
     """
     n = len(stats)
-    wanted = set(query)
+    corpus = [(i, s) for i, s in enumerate(stats) if i not in skip]
     total = 0
-    found: list[tuple[int, _TermStats, list[str]]] = []
-    for index, s in enumerate(stats):
-        if index not in skip:
-            total += s.length
-            found.append((index, s, sorted(wanted.intersection(s.terms))))
+    for _, s in corpus:
+        total += s.length
     average = total / n if n and total else 1.0
-    frequency = Counter(chain.from_iterable(common for _, _, common in found))
+    frequency = Counter(chain.from_iterable(chain(s.once, s.more) for _, s in corpus)).get
     k1, b = weights.k1, weights.b
     k1_plus = k1 + 1.0
-    idf = {term: query[term] * math.log(1.0 + (n - df + 0.5) / (df + 0.5)) for term, df in frequency.items()}
-    # For a term met once, idf * 1 * (k1 + 1) / (1 + norm) is (idf * (k1 + 1)) / (1 + norm) exactly.
-    once = {term: value * k1_plus for term, value in idf.items()}
+    idf: dict[str, float] = {}
+    for term, weight in query.items():
+        found = frequency(term, 0)
+        if found:
+            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+    idf_of = idf.get
+    zeros = repeat(0.0)
     scores = [0.0] * n
-    for index, s, common in found:
-        if not common:
-            continue
+    for index, s in corpus:
         norm = k1 * (1.0 - b + b * s.length / average)
-        norm_once = 1 + norm
-        terms, tfs = s.terms, s.tfs
-        score = 0.0
-        for term in common:
-            tf = tfs[terms.index(term)]
-            score += once[term] / norm_once if tf == 1 else idf[term] * tf * k1_plus / (tf + norm)
+        # Each term held once adds idf * (k1 + 1) / (1 + norm): one product for all of them.
+        score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
+        if s.more:
+            parts = [value * tf * k1_plus / (tf + norm) for term, tf in zip(s.more, s.more_tfs) if (value := idf_of(term))]
+            if parts:
+                score += math.fsum(parts)
         scores[index] = score
     return scores
 

@@ -268,8 +268,24 @@ class TokenCounter:
             [5, 5]
         """
         encoding_name, encoding = self._pick(model)
-        count = self._count_message
-        return [count(message, encoding_name, encoding) for message in messages]
+        cache = self._cache
+        counts: list[int] = []
+        for message in messages:
+            content = message.get("content")
+            # The common message (text only, no name or tools) inline: one cache lookup.
+            if type(content) is str and content and "tool_calls" not in message and "name" not in message \
+                    and "tool_call_id" not in message:
+                key = (encoding_name, len(content), hash(content))
+                cached = cache.get(key)
+                if cached is not None:
+                    try:
+                        cache.move_to_end(key)
+                    except KeyError:  # evicted by another thread in between
+                        pass
+                    counts.append(TOKENS_PER_MESSAGE + 1 + cached)
+                    continue
+            counts.append(self._count_message(message, encoding_name, encoding))
+        return counts
 
     def _count_message(self, message: Message, encoding_name: str, encoding: Any | None) -> int:
         total = TOKENS_PER_MESSAGE + 1
