@@ -1,4 +1,4 @@
-"""A/B two builds of the single file: contextwarden inlet warm and cold, interleaved in one process.
+"""A/B two builds of the single file: contextwarden inlet next turn, re-selecting warm turn and cold, interleaved.
 
     bench/.venv/bin/python bench/ab.py BEFORE.py AFTER.py [--sizes 200 1000] [--reps 40]
 
@@ -33,19 +33,25 @@ async def main(paths: list[Path], sizes: list[int], reps: int) -> None:
         for _, module, f in builds:
             await speed.cw_inlet(f, module, speed.fresh(base))
         times: dict[tuple[str, str], list[float]] = {}
+        going = list(base)  # "next": one chat that goes on, each reply through outlet first (as in Open WebUI)
         for rep in range(reps):
-            bodies = {"warm": base + synth.next_turn(n * 100_000 + 50_000 + rep), "cold": synth.make_chat(n * 100_000 + rep, n)}
+            pair = synth.next_turn(n * 100_000 + 50_000 + rep)
+            going = going + pair
+            bodies = {"next": going, "warm": base + pair, "cold": synth.make_chat(n * 100_000 + rep, n)}
             order = builds if rep % 2 == 0 else builds[::-1]
             for kind, chat in bodies.items():
                 for label, module, f in order:
                     body = speed.request_body(speed.fresh(chat), f"ab-{n}-{kind}-{rep if kind == 'cold' else ''}")
                     user = {"id": "u", "valves": module.Filter.UserValves()}
+                    if kind == "next":
+                        reply = {"model": speed.MODEL, "messages": speed.fresh(chat[:-1]), "chat_id": body["metadata"]["chat_id"]}
+                        await f.outlet(reply, __user__=user, __metadata__=dict(body["metadata"]), __model__={"id": speed.MODEL})
                     gc.collect()
                     t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                     await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=speed._emit)
                     times.setdefault((kind, "wall", label), []).append((time.perf_counter_ns() - t0) / 1e6)
                     times.setdefault((kind, "cpu", label), []).append((time.thread_time_ns() - c0) / 1e6)
-        for kind in ("warm", "cold"):
+        for kind in ("next", "warm", "cold"):
             for clock in ("wall", "cpu"):
                 (a, ta), (b, tb) = [(label, times[(kind, clock, label)]) for label, _, _ in builds]
                 ratios = [y / x for x, y in zip(ta, tb)]

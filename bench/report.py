@@ -34,6 +34,10 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if s200:
         warm = s200["systems"]["cw_next"]["median_ms"]
         rows.append(("warm 200-message turn (next turn of a chat) < 2 ms median", f"{warm:.2f} ms", warm < 2.0))
+        for kind, label in (("reused", "the previous selection sent again"), ("reselected", "a new selection made")):
+            part = s200.get("next_by_kind", {}).get(kind)
+            if part:
+                rows.append((f"info: next turns where {label}", f"{part['turns']} of {s200['reps']} turns, median {part['median_ms']:.2f} ms", None))
         rows.append(("info: outlet before it (logs usage, counts the reply the next turn sends back)", f"{s200['outlet_median_ms']:.2f} ms", None))
         reselect = s200["systems"]["cw_warm"]["median_ms"]
         rows.append(("info: warm 200 when the selection must be redone for a new question", f"{reselect:.2f} ms", None))

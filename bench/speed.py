@@ -196,6 +196,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     new_tokens_cold: list[int] = []
     new_tokens_warm = []
     outlet_ms: list[float] = []
+    next_kind: list[str] = []  # per cw_next turn: the previous selection sent again, or a new one
     checks: dict[str, Any] = {}
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
     for rep in range(reps):
@@ -244,6 +245,8 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
                 took, took_cpu, out, meta = await run(system)
             wall[system].append(took / 1e6)
             cpu[system].append(took_cpu / 1e6)
+            if system == "cw_next":
+                next_kind.append("reused" if meta.get("reused") else "reselected")
             if rep == 0 and out is not None:
                 chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
                 checks[system] = {
@@ -257,6 +260,10 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     summary["tokens_cold_median"] = statistics.median(new_tokens_cold)
     summary["tokens_warm_new_median"] = statistics.median(new_tokens_warm)
     summary["outlet_median_ms"] = statistics.median(outlet_ms)
+    summary["next_by_kind"] = {
+        kind: {"turns": next_kind.count(kind), "median_ms": statistics.median(t for t, k in zip(wall["cw_next"], next_kind) if k == kind)}
+        for kind in ("reused", "reselected") if kind in next_kind
+    }
     for system in SYSTEMS:
         if wall[system]:
             q1, med, q3 = quartiles(wall[system])

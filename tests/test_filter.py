@@ -277,3 +277,19 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
     await f.inlet(body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
                   __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
     assert spy.texts == [question["content"]]
+
+
+async def test_settings_follow_the_valves_values_not_the_objects(counter):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(20)
+    first = await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "a"})
+    assert len(first["messages"]) < len(chat)
+    f.valves = f.Valves(max_context_tokens=1_500, reserve_output_tokens=500)  # a new object, same values: same settings
+    assert (await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "b"}))["messages"] == first["messages"]
+    f.valves.mode = "off"  # changed in place, as an admin saving the valves form may
+    assert (await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "c"}))["messages"] is chat
+    f.valves = f.Valves(max_context_tokens=1_500, reserve_output_tokens=500, model_aliases="{not json")
+    events = Events()
+    await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "d"}, __event_emitter__=events)
+    await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "e"}, __event_emitter__=events)
+    assert sum("model_aliases" in s for s in events.statuses) == 2  # a bad valve is still named every turn

@@ -126,3 +126,16 @@ def test_term_cache_is_bounded_by_messages_and_terms():
     assert len(cache._entries) == 3 and cache._terms == 9
     cache.get(" ".join(f"word{k}" for k in range(8)), True)  # 8 terms: older entries go until 10 terms hold
     assert len(cache._entries) == 1 and cache._terms == 8
+
+
+def test_word_memo_is_bounded_and_replaced_whole(monkeypatch):
+    monkeypatch.setattr(relevance, "TERM_MEMO_SIZE", 8)
+    monkeypatch.setitem(relevance._word_memos, True, relevance._WordTerms(True))
+    texts = ["alpha beta gamma delta", "東京タワー epsilon zeta 123456 eta theta", "iota kappa 東京タワー lambda mu nu xi",
+             "omicron pi rho sigma tau upsilon", "phi chi psi omega 2024 99999 東京"]
+    for text in texts * 3:
+        terms = relevance_terms(text)
+        assert relevance._term_counts(text, True) == (dict(Counter(terms)), len(terms))
+        memo = relevance._word_memos[True]
+        assert len(memo) + len(memo.several) <= 8
+        assert b"123456" not in memo and b"99999" not in memo  # long numbers are not remembered

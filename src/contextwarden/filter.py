@@ -30,7 +30,7 @@ from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_usage
-from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings
+from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
 __all__ = ["Filter", "model_context_length", "wants_stream_usage"]
 
@@ -39,6 +39,7 @@ filter_log = logging.getLogger("contextwarden")
 Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
+SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -172,6 +173,7 @@ class Filter:
         self._store: Store = MemoryStore()
         self._store_url = ""
         self._reported: set[str] = set()
+        self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = PriceSources(lambda: self._store)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -256,7 +258,8 @@ class Filter:
         key = chat_state_key(*_ids(body, user, metadata))
         state = await self._load_state(key)
         latest = read.messages[read.latest_user] if read.latest_user is not None else None
-        state = state.with_flags(flags, pin_fingerprint(latest) if latest is not None else None)
+        pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
+        state = state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
@@ -285,6 +288,7 @@ class Filter:
                 count_mode=choice.count_mode,
                 budget=choice.budget,
                 dropped=0 if shadow else choice.dropped,
+                reused=choice.reused,
                 decided=key is not None,
                 calibration=calibration.factor,
                 savings={"removed": removed, "messages_before": messages_before},
@@ -326,7 +330,7 @@ class Filter:
         summary = messages[at] if at is not None else None
         base = messages if at is None else messages[:at] + messages[at + 1 :]
         pins = set(state.pins)
-        pinned = [i for i, m in enumerate(base) if pins and m.get("role") == "user" and pin_fingerprint(m) in pins]
+        pinned = [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
 
         def retrim(limit: int) -> TrimResult:
             return trim_messages(
@@ -497,7 +501,7 @@ class Filter:
             if not isinstance(body, dict) or not wants_stream_usage(body, model):
                 return body
             user_valves = user.get("valves") if isinstance(user, dict) else None
-            settings = read_settings(self.valves, user_valves)[0]
+            settings = self._read_settings(user_valves)[0]
             if settings.mode != "enforce" or not settings.request_stream_usage:
                 return body  # shadow and off send the body exactly as it came
             return _with_stream_usage(body)
@@ -509,7 +513,7 @@ class Filter:
 
     async def _settings(self, user: dict | None, emit: Emitter | None) -> Settings:
         user_valves = user.get("valves") if isinstance(user, dict) else None
-        settings, problems = read_settings(self.valves, user_valves)
+        settings, problems = self._read_settings(user_valves)
         for problem in problems:
             await self._report(problem, emit)
         if settings.redis_url != self._store_url:
@@ -520,6 +524,20 @@ class Filter:
                 self._store = MemoryStore()
             self._store_url = settings.redis_url
         return settings
+
+    def _read_settings(self, user_valves: object | None) -> tuple[Settings, list[ConfigError]]:
+        """`read_settings`, remembered by the valves' values (Open WebUI builds new valve objects
+        for every request; reading them costs more than a short chat's whole trim)."""
+        key = (valves_key(self.valves), valves_key(user_valves))
+        if None in key:
+            return read_settings(self.valves, user_valves)
+        read = self._settings_memo.get(key)
+        if read is None:
+            read = read_settings(self.valves, user_valves)
+            if len(self._settings_memo) >= SETTINGS_MEMO_SIZE:
+                self._settings_memo.clear()
+            self._settings_memo[key] = read
+        return read
 
     async def _report(self, problem: ConfigError, emit: Emitter | None) -> None:
         """Tell the admin about a bad valve: a warning once per process, a status every time."""

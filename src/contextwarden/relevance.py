@@ -16,8 +16,9 @@ messages and `DEFAULT_TERM_CACHE_TERMS` (1,000,000) (message, term) entries in a
 recently used out first: about 9 bytes an entry plus ~400 bytes a message, so at most ~17 MiB
 (measured: 15.5k short messages holding 1M entries retain 15 MiB). Terms are interned: a word
 met in many messages is stored once. Two word -> term memos (folded, plain) hold at most
-`TERM_MEMO_SIZE` (16,384) words of up to `TERM_MEMO_CHARS` (40) characters each, and two
-more of the same size memoise `relevance_terms` word by word (under 3 MiB each).
+`TERM_MEMO_SIZE` (16,384) words of up to `TERM_MEMO_CHARS` (40) bytes each (numbers of more
+than three digits are not kept), and two more of the same size memoise `relevance_terms`
+word by word (under 3 MiB each).
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ _STOP_WORDS = frozenset(
 _SHORT_MESSAGE_CHARS = 160
 # Lower-cased UTF-8 bytes to words: ASCII letters and digits and every non-ASCII byte stay,
 # every other ASCII byte becomes a space.
-_FOLDED_BYTES_MEMO: dict[bytes, str] = {}  # ASCII word -> term ("" for none), emptied when full
-_PLAIN_BYTES_MEMO: dict[bytes, str] = {}
 _WORD_BYTES = bytes(b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256))
 
 
@@ -170,26 +169,49 @@ def _lowered_terms(lowered: str, fold: bool) -> list[str]:
     return terms
 
 
+class _WordTerms(dict):
+    """Lower-cased UTF-8 word -> its term ("" for a stop word), computed on first use.
+
+    A word that yields several terms (CJK pairs, words joined by non-ASCII punctuation) maps
+    to their tuple, also listed in `several`. Numbers of more than three digits are not kept
+    (there is no end to them); when full, a fresh memo takes this one's place, so a call
+    under way never sees its memo emptied.
+    """
+
+    def __init__(self, fold: bool) -> None:
+        super().__init__()
+        self.fold = fold
+        self.several: set[tuple[str, ...]] = set()
+
+    def __missing__(self, word: bytes) -> str | tuple[str, ...]:
+        terms = _word_terms(word, self.fold)
+        value: str | tuple[str, ...] = (terms[0] if terms else "") if len(terms) <= 1 else tuple(terms)
+        if type(value) is tuple:
+            self.several.add(value)  # before anything else: the caller looks for it there
+        if len(self) + len(self.several) >= TERM_MEMO_SIZE:
+            _word_memos[self.fold] = _WordTerms(self.fold)
+        elif len(word) <= TERM_MEMO_CHARS and not (len(word) > 3 and word.isdigit()):
+            self[word] = value
+        return value
+
+
+_word_memos = {True: _WordTerms(True), False: _WordTerms(False)}
+
+
 def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
     """How often each (interned) term of `relevance_terms(text)` occurs, and their total,
     without a Python step per word: the lower-cased UTF-8 bytes are cut at every ASCII byte
     that is not a letter or digit, and every word is mapped to its term and counted in C
-    through a memo of words met before. Only words the memo lacks take the Python path: a
-    word holding non-ASCII characters goes through `_lowered_terms` (such a word never spans
-    an ASCII separator, so it yields exactly the pieces the full scan would)."""
-    memo = _FOLDED_BYTES_MEMO if fold else _PLAIN_BYTES_MEMO
+    through the word memo (a word holding non-ASCII characters goes through `_lowered_terms`
+    once; such a word never spans an ASCII separator, so it yields exactly the pieces the
+    full scan would)."""
+    memo = _word_memos[fold]
     words = text.lower().encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split()
-    known = list(map(memo.get, words))
-    counts: dict[str, int] = Counter(known)
-    if None in counts:
-        del counts[None]
-        for word, times in Counter(word for word, term in zip(words, known) if term is None).items():
-            terms = _word_terms(word, fold)
-            if len(word) <= TERM_MEMO_CHARS and len(terms) <= 1:
-                if len(memo) >= TERM_MEMO_SIZE:
-                    memo.clear()
-                memo[word] = terms[0] if terms else ""
-            for term in terms:
+    counts: dict = Counter(map(memo.__getitem__, words))
+    if memo.several:
+        for several in counts.keys() & memo.several:
+            times = counts.pop(several)
+            for term in several:
                 counts[term] = counts.get(term, 0) + times
     counts.pop("", None)  # stop words and single letters
     return counts, sum(counts.values())

@@ -63,6 +63,7 @@ class TurnChoice:
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
+    reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
 
     @classmethod
     def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
@@ -79,6 +80,7 @@ class TurnChoice:
             dropped=len(result.dropped),
             shortened=len(result.shortened),
             over_budget=result.over_budget,
+            reused=result.reused,
         )
 
 

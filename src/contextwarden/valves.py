@@ -20,7 +20,7 @@ from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
 from .summarize import SummaryConfig
 from .trim import DEFAULT_LOW_WATERMARK
 
-__all__ = ["Valves", "UserValves", "Settings", "read_settings", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
+__all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
 
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
 MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
@@ -195,6 +195,24 @@ def _parse_globs(text: str, valve: str) -> tuple[str, ...]:
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         raise ConfigError(f"{valve} must be a list of model id strings", valve=valve)
     return tuple(i.strip() for i in items if i.strip())
+
+
+def valves_key(valves: object | None) -> tuple:
+    """A hashable snapshot of a valves object's values (`()` for None), or None when a value is
+    not hashable or the object keeps no `__dict__`.
+
+    Example:
+        >>> valves_key(Valves()) == valves_key(Valves()), valves_key(Valves()) == valves_key(Valves(mode="shadow"))
+        (True, False)
+    """
+    if valves is None:
+        return ()
+    try:
+        key = (type(valves), tuple(vars(valves).items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def read_settings(valves: object, user_valves: object | None = None) -> tuple[Settings, list[ConfigError]]:
