@@ -59,12 +59,12 @@ async def stored_state(f, user_id: str, chat_id: str) -> ChatState:
 
 
 async def test_decision_is_saved_and_passed_back_next_turn(counter, store_valves, trims, unique):
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, keep_last_turns=2, low_watermark=0.7, **store_valves)
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, keep_last_turns=2, low_watermark=0.7, growth_turns=3, **store_valves)
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     chat = chat_of(20)
     await send(f, chat, user_id, chat_id)
     (options, result), = trims
-    assert options["previous"] is None and options["keep_last_turns"] == 2 and options["low_watermark"] == 0.7
+    assert options["previous"] is None and options["keep_last_turns"] == 2 and options["low_watermark"] == 0.7 and options["growth_turns"] == 3
     assert list(options["pinned"]) == [] and result.decision is not None
     saved = await stored_state(f, user_id, chat_id)
     assert saved.decision == result.decision.to_json()
@@ -216,11 +216,12 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
 
 async def test_state_valves_are_checked(counter):
     f = make_filter(counter)
-    f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "low_watermark": 1.5, "keep_last_turns": 0, "state_ttl_hours": 0})
+    f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "low_watermark": 1.5, "keep_last_turns": 0, "state_ttl_hours": 0, "growth_turns": -1})
     events = Events()
     await f.inlet(body(chat_of(2), "u", "c"), __user__={"id": "u"}, __event_emitter__=events)
     text = " ".join(events.statuses)
     assert "low_watermark must be" in text and "keep_last_turns must be" in text and "state_ttl_hours must be" in text
+    assert "growth_turns must be 0 to 10" in text
 
 
 async def test_unreadable_state_is_ignored(counter, trims, unique):

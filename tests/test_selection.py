@@ -99,6 +99,31 @@ def test_low_watermark_cuts_below_the_budget(counter):
     assert low.tokens_after <= 0.8 * 2_000 < full.tokens_after <= 2_000
 
 
+def test_long_turns_get_room_for_two_more_before_the_next_cut(counter):
+    chat = topic_chat(30, "tax return deadline?")
+    turn = [{"role": "assistant", "content": "A long reply about taxes. " + "words " * 300},
+            {"role": "user", "content": "And the deadline for the return? " + "context " * 60}]
+    chat = chat + turn
+    growth = sum(counter.count_message(m, MODEL) for m in turn)
+    budget = 3_000
+    assert 2 * growth > 0.2 * budget  # the watermark alone would leave room for less than two such turns
+    result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+    assert result.tokens_after <= budget - 2 * growth
+    plain = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, growth_turns=0)
+    assert budget - 2 * growth < plain.tokens_after <= 0.8 * budget
+    # Two more such turns reuse the selection; the third needs a new one.
+    decision, reused = result.decision, []
+    for k in range(3):
+        chat = chat + [dict(m, content=f"{m['content']} {k}") for m in turn]
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=decision)
+        reused.append(result.reused)
+        decision = result.decision
+    assert reused == [True, True, False]
+    # Never more than half the budget is left free for growth.
+    huge = topic_chat(30, "tax?") + [{"role": "assistant", "content": "words " * 3_000}, {"role": "user", "content": "tax?"}]
+    assert budget // 2 - 200 < trim_messages(huge, max_tokens=budget, model=MODEL, token_counter=counter).tokens_after <= budget // 2
+
+
 def test_hysteresis_across_turns_through_json(counter):
     """Turn after turn the sent prefix is last turn's, until the budget forces a new cut."""
     chat = topic_chat(25, "tax return deadline?")
@@ -163,7 +188,7 @@ def test_decision_json_round_trip_and_rejects_garbage():
 def test_fitting_chat_has_no_decision_and_bad_options_raise(counter):
     chat = topic_chat(2, "hi")
     assert trim_messages(chat, max_tokens=10_000, token_counter=counter).decision is None
-    for options in ({"strategy": "best"}, {"keep_last_turns": -1}, {"low_watermark": 0.0}, {"low_watermark": 1.5}):
+    for options in ({"strategy": "best"}, {"keep_last_turns": -1}, {"low_watermark": 0.0}, {"low_watermark": 1.5}, {"growth_turns": -1}):
         with pytest.raises(ValueError, match=next(iter(options))):
             trim_messages(chat, max_tokens=100, token_counter=counter, **options)
 

@@ -21,7 +21,7 @@ from .report import render_csv, render_html, render_json, render_table
 from .store import RedisStore, open_store
 from .selection import TrimDecision
 from .tokens import TokenCounter
-from .trim import DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
+from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
 
 __all__ = ["main"]
 
@@ -101,7 +101,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     if budget <= 0:
         raise ValueError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
     options = {"keep_last_turns": args.keep_last_turns, "pinned": args.pin or (), "previous": _read_previous(args.previous),
-               "low_watermark": args.low_watermark}
+               "low_watermark": args.low_watermark, "growth_turns": args.growth_turns}
     result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     trim.add_argument("--pin", type=int, action="append", metavar="INDEX", help="keep this message index first (repeatable), as !pin does")
     trim.add_argument("--previous", metavar="FILE", help="the previous turn's decision (a trim --json output), to reuse its prefix")
     trim.add_argument("--low-watermark", type=float, default=DEFAULT_LOW_WATERMARK, help="share of the budget a new cut fills (default 0.8)")
+    trim.add_argument("--growth-turns", type=int, default=DEFAULT_GROWTH_TURNS,
+                      help="a new cut also leaves room for this many turns like the last one (default 2, at most half the budget)")
     trim.set_defaults(run=_cmd_trim)
 
     build = commands.add_parser("build", help="write open_webui_filter.py, the single file for Open WebUI")

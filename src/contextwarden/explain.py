@@ -15,7 +15,7 @@ from .conversation import Conversation, Message, read_conversation
 from .relevance import score_messages
 from .selection import TrimDecision, mandatory_indices, message_fingerprint
 from .tokens import TOKENS_PER_REPLY, TokenCounter
-from .trim import DEFAULT_LOW_WATERMARK, TrimResult
+from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
 __all__ = ["MessageReason", "BudgetParts", "Explanation", "explain_trim"]
 
@@ -92,6 +92,7 @@ def explain_trim(
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
     low_watermark: float = DEFAULT_LOW_WATERMARK,
+    growth_turns: int = DEFAULT_GROWTH_TURNS,
     summarized: Collection[int] = (),
     window: int | None = None,
     reserve: int | None = None,
@@ -100,8 +101,8 @@ def explain_trim(
     """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
 
     Args:
-        messages, model, token_counter, keep_last_turns, pinned, previous, low_watermark:
-            as given to `trim_messages`.
+        messages, model, token_counter, keep_last_turns, pinned, previous, low_watermark,
+            growth_turns: as given to `trim_messages`.
         summarized: dropped indices a summary note stands for (shown as "summarized").
         window, reserve, calibration: how the budget was derived, when it was, to show it.
 
@@ -169,7 +170,7 @@ def explain_trim(
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
-    target = int(result.budget * low_watermark) - TOKENS_PER_REPLY - system_tokens - current_tokens
+    target = selection_target(conversation, costs, result.budget, low_watermark, growth_turns) - TOKENS_PER_REPLY - system_tokens - current_tokens
     sent_history = sum(costs[i] for i in kept if i not in mandatory)
     parts = BudgetParts(
         budget=result.budget, system_tokens=system_tokens, current_turn_tokens=current_tokens,

@@ -342,6 +342,7 @@ class Filter:
                 pinned=pinned,
                 previous=previous,
                 low_watermark=settings.low_watermark,
+                growth_turns=settings.growth_turns,
             )
 
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one

@@ -13,9 +13,10 @@ from .conversation import Conversation, Message, read_conversation
 from .selection import Fingerprints, Strategy, TrimDecision, choose_indices, mandatory_indices, reuse_previous
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
-__all__ = ["TrimResult", "trim_messages", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK"]
+__all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
 
 DEFAULT_LOW_WATERMARK = 0.8
+DEFAULT_GROWTH_TURNS = 2
 SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
 MIN_KEPT_TEXT_TOKENS = 0
 
@@ -70,6 +71,7 @@ def trim_messages(
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
     low_watermark: float = DEFAULT_LOW_WATERMARK,
+    growth_turns: int = DEFAULT_GROWTH_TURNS,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -102,6 +104,10 @@ def trim_messages(
         low_watermark: when a new selection is made, it fills only this share of
             `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
             prefix before the next cut. 1.0 fills the budget.
+        growth_turns: below a `low_watermark` of 1.0, a new selection also leaves room for
+            this many more turns the size of the last one (default 2; never more than half
+            the budget), so chats with long turns keep their prefix, and the provider's
+            prompt cache, for as many turns as chats with short ones. 0: the watermark only.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -116,7 +122,7 @@ def trim_messages(
         >>> again.kept, again.reused
         ((0, 3, 4, 5), True)
     """
-    _check_options(max_tokens, strategy, keep_last_turns, low_watermark)
+    _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns)
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
@@ -141,7 +147,7 @@ def trim_messages(
         )
     reused = keep is not None
     if keep is None:
-        target = int(max_tokens * low_watermark) - TOKENS_PER_REPLY
+        target = selection_target(conversation, costs, max_tokens, low_watermark, growth_turns) - TOKENS_PER_REPLY
         keep = choose_indices(
             conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned
         )
@@ -184,7 +190,32 @@ def trim_messages(
     )
 
 
-def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float) -> None:
+def selection_target(
+    conversation: Conversation, costs: Sequence[int], max_tokens: int, low_watermark: float, growth_turns: int = DEFAULT_GROWTH_TURNS
+) -> int:
+    """The tokens a new selection fills: `low_watermark` of the budget and, below 1.0, at most
+    the budget less room for `growth_turns` turns like the last one (what came since the
+    previous user message: its replies and this turn), never less than half the budget.
+
+    Example:
+        >>> from contextwarden.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}]
+        >>> selection_target(read_conversation(chat), [100, 900, 100], 10_000, 0.8)
+        8000
+        >>> selection_target(read_conversation(chat), [100, 900, 100], 4_000, 0.8)
+        2000
+    """
+    target = int(max_tokens * low_watermark)
+    current = conversation.current
+    if low_watermark >= 1.0 or growth_turns <= 0 or not current:
+        return target
+    since = conversation.turns[current - 1].units[0].stop
+    growth = sum(costs[since:])
+    return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
+
+
+def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float, growth_turns: int) -> None:
     """Raise ValueError naming the option and its valid values."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
@@ -194,6 +225,8 @@ def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_wat
         raise ValueError(f"keep_last_turns must be an int >= 0, got {keep_last_turns!r}")
     if not isinstance(low_watermark, (int, float)) or not 0.0 < low_watermark <= 1.0:
         raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark!r}")
+    if not isinstance(growth_turns, int) or isinstance(growth_turns, bool) or growth_turns < 0:
+        raise ValueError(f"growth_turns must be an int >= 0, got {growth_turns!r}")
 
 
 def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:

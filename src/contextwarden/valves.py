@@ -18,7 +18,7 @@ from .live_prices import DEFAULT_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
 from .summarize import SummaryConfig
-from .trim import DEFAULT_LOW_WATERMARK
+from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
 
@@ -96,7 +96,13 @@ class Valves(BaseModel):
         default=DEFAULT_LOW_WATERMARK,
         gt=0,
         le=1,
-        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for many turns.",
+        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 fills the budget.",
+    )
+    growth_turns: int = Field(
+        default=DEFAULT_GROWTH_TURNS,
+        ge=0,
+        le=10,
+        description="Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one (never more than half the budget), so chats with long turns keep their prefix as long as chats with short ones. 0: the watermark alone.",
     )
     state_ttl_hours: int = Field(
         default=DEFAULT_STATE_TTL_HOURS, ge=1, description="How long a chat's remembered trim decision and pins are kept after its last message."
@@ -158,6 +164,7 @@ class Settings:
     ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
     keep_last_turns: int = 1
     low_watermark: float = DEFAULT_LOW_WATERMARK
+    growth_turns: int = DEFAULT_GROWTH_TURNS
     state_ttl_seconds: int = DEFAULT_STATE_TTL_HOURS * 3600
     allowed_flags: frozenset[str] = frozenset()
     summary: SummaryConfig | None = None
@@ -278,6 +285,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     if not 0 < watermark <= 1:
         problems.append(ConfigError(f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"))
         watermark = DEFAULT_LOW_WATERMARK
+    growth = take(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
+    if not 0 <= growth <= 10:
+        problems.append(ConfigError(f"growth_turns must be 0 to 10; using {DEFAULT_GROWTH_TURNS}", valve="growth_turns"))
+        growth = DEFAULT_GROWTH_TURNS
     ttl_hours = take(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
     if ttl_hours < 1:
         problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
@@ -305,6 +316,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         ledger_retention_days=retention,
         keep_last_turns=keep,
         low_watermark=watermark,
+        growth_turns=growth,
         state_ttl_seconds=ttl_hours * 3600,
         allowed_flags=allowed,
         summary=summary,
