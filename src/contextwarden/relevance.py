@@ -69,9 +69,10 @@ _STOP_WORDS = frozenset(
     doesn isn wasn weren hasn haven also get got ok okay yes yeah oh like really just""".split()
 )
 _SHORT_MESSAGE_CHARS = 160
-# Lower-cased UTF-8 bytes to words: ASCII letters and digits and every non-ASCII byte stay,
-# every other ASCII byte becomes a space.
-_WORD_BYTES = bytes(b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256))
+# UTF-8 bytes to words in one pass: ASCII letters lower-cased, ASCII digits and every
+# non-ASCII byte kept, every other ASCII byte a space.
+_WORD_BYTES = bytes(b + 32 if 65 <= b <= 90 else b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256))
+_ASCII_SEPARATORS = re.compile(r"[\x00-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +143,18 @@ def _plain_term(piece: str) -> str:
 
 def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
     """The search terms of a text: lower-cased words and numbers without stop words; runs
-    of CJK characters as overlapping character pairs.
+    of CJK characters as overlapping character pairs. Each word (a run between ASCII
+    punctuation, spaces and controls) is lower-cased on its own.
 
     Example:
         >>> relevance_terms("Caroline painted 2 sunrises in 2022! 日本語")
         ['carolin', 'paint', '2', 'sunris', '2022', '日本', '本語']
     """
-    return _lowered_terms(text.lower(), fold)
+    terms: list[str] = []
+    for word in _ASCII_SEPARATORS.split(text):
+        if word:
+            terms += _lowered_terms(word.lower(), fold)
+    return terms
 
 
 def _lowered_terms(lowered: str, fold: bool) -> list[str]:
@@ -200,13 +206,12 @@ _word_memos = {True: _WordTerms(True), False: _WordTerms(False)}
 
 def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
     """How often each (interned) term of `relevance_terms(text)` occurs, and their total,
-    without a Python step per word: the lower-cased UTF-8 bytes are cut at every ASCII byte
-    that is not a letter or digit, and every word is mapped to its term and counted in C
-    through the word memo (a word holding non-ASCII characters goes through `_lowered_terms`
-    once; such a word never spans an ASCII separator, so it yields exactly the pieces the
-    full scan would)."""
+    without a Python step per word: one byte translation of the UTF-8 text lower-cases ASCII
+    letters and blanks every other ASCII byte that is not a digit; the words between are
+    mapped to their terms and counted in C through the word memo (a word holding non-ASCII
+    characters is lower-cased and cut into pieces by `_lowered_terms` on first use)."""
     memo = _word_memos[fold]
-    words = text.lower().encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split()
+    words = text.encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split()
     counts: dict = Counter(map(memo.__getitem__, words))
     if memo.several:
         for several in counts.keys() & memo.several:
@@ -218,12 +223,12 @@ def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
 
 
 def _word_terms(word: bytes, fold: bool) -> list[str]:
-    """The (interned) terms of one lower-cased word cut from UTF-8 bytes: at most one for an
-    ASCII word, CJK pairs or several pieces for a word holding non-ASCII characters."""
+    """The (interned) terms of one word cut from UTF-8 bytes (ASCII letters already lower-cased):
+    at most one for an ASCII word, CJK pairs or several pieces for a word holding non-ASCII characters."""
     if word.isascii():
         term = _word_term(word.decode("ascii"), fold)
         return [term] if term else []
-    return [sys.intern(term) for term in _lowered_terms(word.decode("utf-8", "surrogatepass"), fold)]
+    return [sys.intern(term) for term in _lowered_terms(word.decode("utf-8", "surrogatepass").lower(), fold)]
 
 
 def _is_cjk(char: str) -> bool:
