@@ -51,11 +51,13 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         rows.append((f"cold {n} messages within 1.5x of the tokenizer floor", f"{r['median']:.2f}x (IQR {r['q1']:.2f}–{r['q3']:.2f})", r["median"] <= 1.5))
     if "200" in sizes and "1000" in sizes:
         per = {n: sizes[n]["systems"]["cw_cold"]["median_ms"] / sizes[n]["tokens_cold_median"] * 1000 for n in ("200", "1000")}
-        growth = per["1000"] / per["200"]
+        floor = {n: sizes[n]["systems"]["floor_cold"]["median_ms"] / sizes[n]["tokens_cold_median"] * 1000 for n in ("200", "1000")}
+        growth, floor_growth = per["1000"] / per["200"], floor["1000"] / floor["200"]
+        # The tokenizer is linear; its own per-token drift between the two sizes is the machine's.
         rows.append((
-            "1,000 messages: cold cost per new token no worse than at 200 (linear)",
-            f"{per['200']:.3f} → {per['1000']:.3f} ms per 1k new tokens ({growth:.2f}x)",
-            growth <= 1.15,
+            "1,000 messages: cold cost per new token no worse than at 200 (linear), against the tokenizer's own drift",
+            f"{per['200']:.3f} → {per['1000']:.3f} ms per 1k new tokens ({growth:.2f}x; the floor's {floor_growth:.2f}x: {growth / floor_growth:.2f}x relative)",
+            growth / floor_growth <= 1.15,
         ))
         c200, c1000 = sizes["200"]["systems"]["cw_warm"]["cpu_median_ms"], sizes["1000"]["systems"]["cw_warm"]["cpu_median_ms"]
         rows.append((
@@ -99,8 +101,11 @@ def write_report(result: dict[str, Any]) -> str:
         "filter has never seen (new texts, same warmed-up Filter instance); *warm* = the chat it saw last turn",
         "plus two new messages (assistant reply + new question). Floors encode exactly that new text once",
         "with tiktoken `encode_ordinary`. lethes has no cross-turn cache, so its warm chat is as cold as any.",
-        "In the *next turn* chat, as in Open WebUI, each reply first goes through `outlet` (timed apart), which",
-        "counts the reply text there, so the next request encodes only the new question.",
+        "*Next turn*: chats that go on turn after turn (same chat id; each turn adds the reply and a new question),",
+        "each seen once before its first timed turn and run for a few turns around the nominal size ("
+        + ", ".join(f"{int(n):,}: {s['next_messages'][0]:,}–{s['next_messages'][1]:,} messages" for n, s in sizes.items() if "next_messages" in s)
+        + "). As in Open WebUI, each reply first goes through `outlet` (timed apart), which counts the reply text,",
+        "so the next request encodes only the new question.",
         "",
         "## Summary",
         "",

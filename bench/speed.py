@@ -187,10 +187,14 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     orchestrator, conversation_cls = ctx["lethes"], ctx["lethes_conversation"]
     base = synth.make_chat(10_000_000 + n, n)
     await cw_inlet(f, module, fresh(base))  # the turn before: the filter has seen `base`
-    # cw_next: one chat that goes on turn after turn (same chat id, each turn adds the reply and a
-    # new question), so the previous turn's stored decision applies as in a real chat.
-    next_chat = list(base)
-    await cw_inlet(f, module, fresh(next_chat), f"chat-{n}-next")
+    # cw_next: chats that go on turn after turn (same chat id, each turn adds the reply and a new
+    # question), so the previous turn's stored decision applies as in a real chat. Each runs
+    # `window` turns from a request of about n - window messages (seen once, untimed), so its
+    # turns straddle n messages; then the next one starts.
+    window = min(reps, max(5, n // 4))
+    start = max(k for k in range(n - window + 1) if base[k]["role"] == "user") + 1
+    next_chat: list[dict[str, Any]] = []
+    next_id = ""
     wall: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     cpu: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     new_tokens_cold: list[int] = []
@@ -203,6 +207,9 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
         cold_chat = synth.make_chat(n * 100_000 + rep, n)
         pair = synth.next_turn(n * 100_000 + 50_000 + rep)
         warm_chat = base + pair
+        if rep % window == 0:
+            next_id, next_chat = f"chat-{n}-next-{rep // window}", base[:start]
+            await cw_inlet(f, module, fresh(next_chat), next_id)
         next_chat = next_chat + pair
         new_tokens_cold.append(floor(encoding, cold_chat))
         new_tokens_warm.append(floor(encoding, pair))
@@ -211,12 +218,12 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
             if system.startswith("floor"):
                 return floor(encoding, chat if system == "floor_cold" else pair)
-            suffix = "next" if system == "cw_next" else f"cold-{rep}" if system.endswith("cold") else "warm"
-            body = request_body(fresh(chat), f"chat-{n}-{suffix}")
+            chat_id = next_id if system == "cw_next" else f"chat-{n}-cold-{rep}" if system.endswith("cold") else f"chat-{n}-warm"
+            body = request_body(fresh(chat), chat_id)
             if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
-                reply = {"model": MODEL, "messages": fresh(chat[:-1]), "chat_id": f"chat-{n}-next"}
+                reply = {"model": MODEL, "messages": fresh(chat[:-1]), "chat_id": chat_id}
                 t0 = time.perf_counter_ns()
-                await f.outlet(reply, __user__=user, __metadata__={"chat_id": f"chat-{n}-next"}, __model__={"id": MODEL}, __event_emitter__=_emit)
+                await f.outlet(reply, __user__=user, __metadata__={"chat_id": chat_id}, __model__={"id": MODEL}, __event_emitter__=_emit)
                 outlet_ms.append((time.perf_counter_ns() - t0) / 1e6)
                 gc.collect()
             if system.startswith("cw"):
@@ -256,7 +263,8 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
                     "sent_tokens_o200k": 3 + sum(4 + len(encoding.encode_ordinary(bench_text(m))) for m in out),
                     **({"count_mode": meta.get("count_mode"), "tokens_after": meta.get("estimated_prompt_tokens")} if meta else {}),
                 }
-    summary: dict[str, Any] = {"messages": n, "reps": reps, "systems": {}, "checks": checks}
+    summary: dict[str, Any] = {"messages": n, "reps": reps, "systems": {}, "checks": checks,
+                               "next_messages": [start + 2, start + 2 * window], "next_turns_per_chat": window}
     summary["tokens_cold_median"] = statistics.median(new_tokens_cold)
     summary["tokens_warm_new_median"] = statistics.median(new_tokens_warm)
     summary["outlet_median_ms"] = statistics.median(outlet_ms)

@@ -19,7 +19,7 @@ from .calibration import Calibration, calibrated_budget, load_calibration, save_
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
 from .errors import ConfigError
-from .flags import Flags, pin_fingerprint, read_flags
+from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
@@ -235,6 +235,8 @@ class Filter:
         model: dict | None,
         emit: Emitter | None,
     ) -> Any:
+        """One pass over a request: the budget (valves, model window, calibration), the flags and
+        the chat's state in; the body to send, the turn's note for outlet and a status line out."""
         if not _is_chat_body(body):
             return body
         metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
@@ -256,19 +258,16 @@ class Filter:
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
         key = chat_state_key(*_ids(body, user, metadata))
-        state = await self._load_state(key)
-        latest = read.messages[read.latest_user] if read.latest_user is not None else None
-        pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
-        state = state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None)
+        state = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored))
         if key is not None:
-            decision = choice.decision.to_json() if choice.decision is not None else None
-            if decision is None or (note.get("decided") and _same_messages(choice.messages, read.messages)):
-                decision = stored  # a later pass of a turn sees the trimmed chat: keep the turn's decision
+            # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
+            later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
+            decision = stored if choice.decision is None or later_pass else choice.decision.to_json()
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await self._save_state(key, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
@@ -279,32 +278,21 @@ class Filter:
         )
         if isinstance(metadata, dict):
             sent = choice.tokens_after
-            if shadow:
+            if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
                 sent = choice.tokens_before if same else self._counter.count_messages(body["messages"], model_id)
             note.update(
-                mode=settings.mode,
-                estimated_prompt_tokens=sent,
-                count_mode=choice.count_mode,
-                budget=choice.budget,
-                dropped=0 if shadow else choice.dropped,
-                reused=choice.reused,
-                decided=key is not None,
-                calibration=calibration.factor,
-                savings={"removed": removed, "messages_before": messages_before},
-                tokens_saved=savings.tokens_saved,
-                cost_saved_usd=_usd_text(savings.cost_saved_usd),
+                mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
+                dropped=0 if shadow else choice.dropped, reused=choice.reused, decided=key is not None,
+                calibration=calibration.factor, savings={"removed": removed, "messages_before": messages_before},
+                tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd),
             )
             if flags.used or flags.refused:
                 note["flags"] = flags.to_dict()
             metadata[METADATA_KEY] = note
         if settings.show_status:
-            calibrated = f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""
-            if shadow:
-                line = shadow_status_line(choice, flags, savings, settings.show_cost)
-            else:
-                line = status_line(choice, flags)
-            await self._emit(emit, line + calibrated)
+            line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(choice, flags)
+            await self._emit(emit, line + (f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""))
         if shadow or _same_messages(choice.messages, body["messages"]):
             return body
         return {**body, "messages": choice.messages}
@@ -360,14 +348,17 @@ class Filter:
                 return replace(chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True)
         return TurnChoice.of(result, result.messages)
 
-    async def _load_state(self, key: str | None) -> ChatState:
-        if key is None:
-            return ChatState()
-        try:
-            return ChatState.from_bytes(await self._store.get(key))
-        except Exception as exc:  # state is an optimization: the turn goes on without it
-            filter_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
-            return ChatState()
+    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> ChatState:
+        """The chat's stored state, with this turn's pin flags applied."""
+        state = ChatState()
+        if key is not None:
+            try:
+                state = ChatState.from_bytes(await self._store.get(key))
+            except Exception as exc:  # state is an optimization: the turn goes on without it
+                filter_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
+        latest = read.messages[read.latest_user] if read.latest_user is not None else None
+        pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
+        return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None)
 
     async def _save_state(self, key: str, state: ChatState, ttl: int) -> None:
         try:

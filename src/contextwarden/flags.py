@@ -38,6 +38,7 @@ _CODE_SPAN = re.compile(r"^[ \t]*(`{3,}|~{3,})[^\n]*\n[\s\S]*?(?:^[ \t]*\1[ \t]*
 # What every flag contains: a text without it has no flag, whatever its code spans (a literal
 # "!" first lets the regex engine skip to each "!" instead of trying every position).
 _FLAG_HINT = re.compile(r"!(?:[+-]pin|full|pin|nosum|budget=\d|keep=\d)", re.IGNORECASE)
+_FLAG_START = re.compile(r"![-+pfnbkPFNBK]")  # a cheaper first test: a case-insensitive search scans slower
 _SPACES_AFTER = re.compile(r"[ \t]*")
 _SPACES_BEFORE = re.compile(r"[ \t]*\Z")
 
@@ -131,7 +132,7 @@ def _code_ranges(text: str) -> list[tuple[int, int]]:
 
 def _may_hold_flags(text: str) -> bool:
     """Whether a flag name follows some `!` in `text` (most messages hold none)."""
-    return "!" in text and _FLAG_HINT.search(text) is not None
+    return "!" in text and _FLAG_START.search(text) is not None and _FLAG_HINT.search(text) is not None
 
 
 def _flag_matches(text: str) -> Iterable[re.Match[str]]:

@@ -98,8 +98,24 @@ def _ledger_key_parts(key: str) -> tuple[date, str, str] | None:
     return day, unquote(parts[1]), unquote(parts[2])
 
 
+class _Money:
+    """Dollar amounts of the integer picodollar counters in `counters`."""
+
+    __slots__ = ()
+    counters: dict[str, int]
+
+    def usd(self, field: str) -> Decimal:
+        """A money counter (`cost_picousd`, `cost_saved_picousd`, ...) in USD."""
+        return picodollars_to_usd(self.counters.get(field, 0))
+
+    @property
+    def cost_usd(self) -> Decimal:
+        """The priced replies' cost in USD (unpriced replies add nothing; see `unpriced`)."""
+        return self.usd("cost_picousd")
+
+
 @dataclass(frozen=True, slots=True)
-class LedgerEntry:
+class LedgerEntry(_Money):
     """Totals of one (day, user, model) key."""
 
     day: date
@@ -107,26 +123,13 @@ class LedgerEntry:
     model: str
     counters: dict[str, int]
 
-    @property
-    def cost_usd(self) -> Decimal:
-        """The priced replies' cost in USD (unpriced replies add nothing; see `unpriced`)."""
-        return picodollars_to_usd(self.counters.get("cost_picousd", 0))
-
 
 @dataclass(frozen=True, slots=True)
-class LedgerRow:
+class LedgerRow(_Money):
     """Totals added up for one user, model or day."""
 
     key: str
     counters: dict[str, int]
-
-    @property
-    def cost_usd(self) -> Decimal:
-        return picodollars_to_usd(self.counters.get("cost_picousd", 0))
-
-    def usd(self, field: str) -> Decimal:
-        """A money counter (`cost_picousd`, `cost_saved_picousd`, ...) in USD."""
-        return picodollars_to_usd(self.counters.get(field, 0))
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready: every counter; money as exact decimal strings under `*_usd` names."""
