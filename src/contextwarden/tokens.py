@@ -275,13 +275,8 @@ class TokenCounter:
             # The common message (text only, no name or tools) inline: one cache lookup.
             if type(content) is str and content and "tool_calls" not in message and "name" not in message \
                     and "tool_call_id" not in message:
-                key = (encoding_name, len(content), hash(content))
-                cached = cache.get(key)
+                cached = lru_hit(cache, (encoding_name, len(content), hash(content)))
                 if cached is not None:
-                    try:
-                        cache.move_to_end(key)
-                    except KeyError:  # evicted by another thread in between
-                        pass
                     counts.append(TOKENS_PER_MESSAGE + 1 + cached)
                     continue
             counts.append(self._count_message(message, encoding_name, encoding))
