@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python build/make_pricing.py" + (
         f" --source-date {args.source_date}" if args.source_date else ""
     )
-    if args.dump.resolve() != DEFAULT_DUMP.resolve():
+    if args.dump.name != DEFAULT_DUMP.name:  # by name: the same dump may sit elsewhere (a clone not beside shared/)
         command += f" {args.dump.name}"
     outputs = {
         args.json_out: render_json(models, args.dump.name, source_date),
