@@ -176,7 +176,8 @@ def _lowered_terms(lowered: str, fold: bool) -> list[str]:
 
 
 class _WordTerms(dict):
-    """Lower-cased UTF-8 word -> its term ("" for a stop word), computed on first use.
+    """A word as `_term_counts` cuts it (UTF-8, ASCII letters lower-cased) -> its term ("" for a
+    stop word), computed on first use.
 
     A word that yields several terms (CJK pairs, words joined by non-ASCII punctuation) maps
     to their tuple, also listed in `several`. Numbers of more than three digits are not kept
