@@ -23,7 +23,7 @@ import tiktoken
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from contextwarden import trim_messages
+from contextwarden import TrimDecision, trim_messages
 from contextwarden.conversation import read_conversation
 from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
@@ -288,6 +288,41 @@ def test_contract_holds_while_estimating(chat, budget, model):
     if ESTIMATOR is None:
         ESTIMATOR = estimating_counter()
     check_trim(chat, budget, model, ESTIMATOR)
+
+
+@st.composite
+def later_turn(draw, chat: list[dict]) -> list[dict]:
+    """The chat a later request brings: grown by a reply and a question, and sometimes edited,
+    shortened or shifted (a message inserted, removed or changed anywhere)."""
+    later = [dict(m) for m in chat]
+    for _ in range(draw(st.integers(0, 2))):
+        change = draw(st.sampled_from(("insert", "remove", "edit")))
+        at = draw(st.integers(0, len(later)))
+        if change == "insert":
+            later.insert(at, {"role": draw(st.sampled_from(("user", "assistant", "system"))), "content": draw(short_text)})
+        elif later and at < len(later):
+            if change == "remove":
+                del later[at]
+            else:
+                later[at]["content"] = draw(short_text)
+    return later + [{"role": "assistant", "content": draw(short_text)}, {"role": "user", "content": draw(short_text)}]
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+def test_contract_holds_when_the_previous_decision_is_reused(counter, data, chat, budget, model):
+    """Next turns pass the last decision (through JSON); whatever changed (messages added,
+    inserted, removed or edited), the contract holds and the result is deterministic."""
+    first = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+    if first.decision is None or first.over_budget:
+        return
+    later = data.draw(later_turn(chat))
+    previous = TrimDecision.from_json(first.decision.to_json())
+    result = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous)
+    check_contract(later, result, counter, model)
+    assert frozen(trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous).messages) \
+        == frozen(result.messages), "not deterministic"
+    event("reused" if result.reused else "selected anew")
 
 
 @pytest.fixture(scope="module", autouse=True)
