@@ -76,7 +76,7 @@ def _print_explanation(explanation: Explanation) -> None:
     print(f"  current turn       {parts.current_turn_tokens:>8,}")
     print(f"  reply priming      {parts.reply_priming_tokens:>8,}")
     print(f"  left for history   {parts.history_available:>8,}"
-          + (f" (a new cut fills {parts.history_target:,}: low watermark)" if parts.history_target != parts.history_available else ""))
+          + (f" (a new cut fills {parts.history_target:,}: low watermark, room to grow)" if parts.history_target != parts.history_available else ""))
     print(f"  history sent       {parts.history_sent:>8,}" + (" (the previous decision, reused)" if explanation.reused else ""))
 
 
