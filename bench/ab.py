@@ -44,8 +44,7 @@ async def main(paths: list[Path], sizes: list[int], reps: int) -> None:
                     body = speed.request_body(speed.fresh(chat), f"ab-{n}-{kind}-{rep if kind == 'cold' else ''}")
                     user = {"id": "u", "valves": module.Filter.UserValves()}
                     if kind == "next":
-                        reply = {"model": speed.MODEL, "messages": speed.fresh(chat[:-1]), "chat_id": body["metadata"]["chat_id"]}
-                        await f.outlet(reply, __user__=user, __metadata__=dict(body["metadata"]), __model__={"id": speed.MODEL})
+                        await speed.cw_outlet(f, user, chat[:-1], body["metadata"]["chat_id"])
                     gc.collect()
                     t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                     await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=speed._emit)

@@ -109,6 +109,14 @@ async def cw_inlet(f: Any, module: types.ModuleType, chat: list[dict[str, Any]],
     return body["metadata"]["contextwarden"]
 
 
+async def cw_outlet(f: Any, user: dict, chat: list[dict[str, Any]], chat_id: str) -> float:
+    """Outlet for the reply that ends `chat`, as Open WebUI calls it before the next turn; its milliseconds."""
+    reply = {"model": MODEL, "messages": fresh(chat), "chat_id": chat_id}
+    t0 = time.perf_counter_ns()
+    await f.outlet(reply, __user__=user, __metadata__={"chat_id": chat_id}, __model__={"id": MODEL}, __event_emitter__=_emit)
+    return (time.perf_counter_ns() - t0) / 1e6
+
+
 def fresh(obj: Any) -> Any:
     """A new object tree, as Open WebUI's JSON parsing hands every request a new one."""
     return json.loads(json.dumps(obj))
@@ -221,10 +229,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             chat_id = next_id if system == "cw_next" else f"chat-{n}-cold-{rep}" if system.endswith("cold") else f"chat-{n}-warm"
             body = request_body(fresh(chat), chat_id)
             if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
-                reply = {"model": MODEL, "messages": fresh(chat[:-1]), "chat_id": chat_id}
-                t0 = time.perf_counter_ns()
-                await f.outlet(reply, __user__=user, __metadata__={"chat_id": chat_id}, __model__={"id": MODEL}, __event_emitter__=_emit)
-                outlet_ms.append((time.perf_counter_ns() - t0) / 1e6)
+                outlet_ms.append(await cw_outlet(f, user, chat[:-1], chat_id))
                 gc.collect()
             if system.startswith("cw"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()

@@ -70,6 +70,21 @@ class Conversation:
     current: int | None
     orphans: tuple[Unit, ...]
 
+    @property
+    def system_indices(self) -> list[int]:
+        """Indices of the system (and developer) messages."""
+        return [i for unit in self.system for i in unit.indices]
+
+    @property
+    def orphan_indices(self) -> list[int]:
+        """Indices of tool messages and calls that are never sent (see `read_conversation`)."""
+        return [i for unit in self.orphans for i in unit.indices]
+
+    @property
+    def question(self) -> int | None:
+        """Index of the latest user message (the current turn's first); None without one."""
+        return None if self.current is None else self.turns[self.current].units[0].start
+
 
 def message_text(message: Message) -> str:
     """The text a message carries: string content, the text parts of a list, tool-call arguments.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .conversation import Conversation, Message, read_conversation
 from .relevance import score_messages
-from .selection import TrimDecision, mandatory_indices, message_fingerprint
+from .selection import TrimDecision, mandatory_indices, message_fingerprint, recent_turns
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
@@ -114,16 +114,15 @@ def explain_trim(
     conversation = read_conversation(messages)
     costs = token_counter.count_each(messages, model)
     kept, shortened, covered = set(result.kept), set(result.shortened), set(summarized)
-    system = {i for unit in conversation.system for i in unit.indices}
+    system = set(conversation.system_indices)
     mandatory = set(mandatory_indices(conversation))
-    orphans = {i for unit in conversation.orphans for i in unit.indices}
+    orphans = set(conversation.orphan_indices)
     turn_of, unit_of = _turn_of(conversation), _unit_of(conversation)
-    current = conversation.current if conversation.current is not None else len(conversation.turns)
-    recent = set(range(current - max(0, keep_last_turns - 1), current))
+    recent = recent_turns(conversation, keep_last_turns)
     pins = {i for p in pinned for i in unit_of.get(p, (p,))}
     remembered = set(previous.kept) if previous is not None and result.reused else set()
     trimmed = bool(result.dropped or result.shortened)
-    question = max((i for i in mandatory if messages[i].get("role") == "user"), default=None)
+    question = conversation.question
     scores: list[float] | None = None
     if trimmed and not result.reused and question is not None:
         scores = score_messages(messages, question=question, exclude=sorted(system | orphans))

@@ -412,7 +412,7 @@ class Filter:
             "estimated": estimated,
             "estimated_prompt_tokens": estimated_prompt,
             "usage_shape": billed.shape,
-            "cost_usd": None if cost.cost_usd is None else format(cost.cost_usd.normalize(), "f"),
+            "cost_usd": _usd_text(cost.cost_usd),
             "cost_source": cost.cost_source,
             "cost_note": cost_note,
             "mode": mode,

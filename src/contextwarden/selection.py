@@ -34,6 +34,7 @@ __all__ = [
     "message_fingerprint",
     "Fingerprints",
     "mandatory_indices",
+    "recent_turns",
 ]
 
 Strategy = Literal["relevance", "recent"]
@@ -236,7 +237,7 @@ def select_by_value(
 
 def mandatory_indices(conversation: Conversation) -> list[int]:
     """What is always sent: system messages and the current turn (the last user message on)."""
-    mandatory: list[int] = [i for unit in conversation.system for i in unit.indices]
+    mandatory = conversation.system_indices
     turns = conversation.turns
     current = conversation.current if conversation.current is not None else len(turns) - 1
     for turn in turns[current:] if turns else ():
@@ -281,10 +282,15 @@ def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pi
     """Units to add before any other, in order: pinned ones, then the last turns newest first."""
     pins = set(pinned)
     order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
-    current = conversation.current if conversation.current is not None else len(conversation.turns)
-    recent_turns = set(range(current - max(0, keep_last_turns - 1), current))
-    order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent_turns and u not in order]
+    recent = recent_turns(conversation, keep_last_turns)
+    order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent and u not in order]
     return order
+
+
+def recent_turns(conversation: Conversation, keep_last_turns: int) -> set[int]:
+    """The turns before the current one that `keep_last_turns` keeps first (it counts the current one)."""
+    current = conversation.current if conversation.current is not None else len(conversation.turns)
+    return set(range(current - max(0, keep_last_turns - 1), current))
 
 
 def choose_indices(
@@ -331,11 +337,10 @@ def choose_indices(
         chosen = select_recent([sum(unit_cost[u] for u in by_turn[t]) for t in turns], max(0, left))
         taken.update(u for k in chosen for u in by_turn[turns[k]])
     elif rest and left > 0:
-        question = next((i for i in sorted(plan.hard, reverse=True) if conversation.messages[i].get("role") == "user"), None)
+        question = conversation.question
         if question is not None:
             if scores is None:
-                excluded = [i for unit in conversation.system for i in unit.indices]
-                excluded += [i for unit in conversation.orphans for i in unit.indices]
+                excluded = conversation.system_indices + conversation.orphan_indices
                 scores = score_messages(conversation.messages, question=question, exclude=excluded, weights=weights)
             values = [sum(scores[i] for i in plan.units[u]) for u in rest]
             chosen = select_by_value([unit_cost[u] for u in rest], values, left)
@@ -393,8 +398,7 @@ def reuse_previous(
         [0, 2, 3, 4]
     """
     messages = conversation.messages
-    system = {i for unit in conversation.system for i in unit.indices}
-    matched = _find_kept(previous, fingerprints, system)
+    matched = _find_kept(previous, fingerprints, set(conversation.system_indices))
     if matched is None:
         return None
     after = matched[-1] + 1 if matched else 0
@@ -402,8 +406,7 @@ def reuse_previous(
     keep = set(plan.hard) | set(matched) | set(range(after, len(messages)))
     for u in _preferred(plan, conversation, keep_last_turns, pinned):
         keep.update(plan.units[u])
-    orphans = {i for unit in conversation.orphans for i in unit.indices}
-    keep -= orphans
+    keep.difference_update(conversation.orphan_indices)
     for turn in conversation.turns:
         for unit in turn.units:
             if unit.stop - unit.start > 1 and keep.intersection(unit.indices):
@@ -411,7 +414,6 @@ def reuse_previous(
     if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
         return None
     return keep
-
 
 
 def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[int]) -> list[int] | None:

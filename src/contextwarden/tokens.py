@@ -268,21 +268,14 @@ class TokenCounter:
             [5, 5]
         """
         encoding_name, encoding = self._pick(model)
-        cache = self._cache
-        counts: list[int] = []
-        for message in messages:
-            content = message.get("content")
-            # The common message (text only, no name or tools) inline: one cache lookup.
-            if type(content) is str and content and "tool_calls" not in message and "name" not in message \
-                    and "tool_call_id" not in message:
-                cached = lru_hit(cache, (encoding_name, len(content), hash(content)))
-                if cached is not None:
-                    counts.append(TOKENS_PER_MESSAGE + 1 + cached)
-                    continue
-            counts.append(self._count_message(message, encoding_name, encoding))
-        return counts
+        count = self._count_message
+        return [count(message, encoding_name, encoding) for message in messages]
 
     def _count_message(self, message: Message, encoding_name: str, encoding: Any | None) -> int:
+        content = message.get("content")
+        if type(content) is str and content and "tool_calls" not in message and "name" not in message \
+                and "tool_call_id" not in message:
+            return TOKENS_PER_MESSAGE + 1 + self._count(content, encoding_name, encoding)  # the common message
         total = TOKENS_PER_MESSAGE + 1
         name = message.get("name")
         if isinstance(name, str) and name:
@@ -290,9 +283,8 @@ class TokenCounter:
         call_id = message.get("tool_call_id")
         if isinstance(call_id, str) and call_id:
             total += self._count(call_id, encoding_name, encoding)
-        content = message.get("content")
         if isinstance(content, str) and message.get("tool_calls") is None:
-            text, images = content, 0  # the common case, without walking parts or calls
+            text, images = content, 0  # no parts or calls to walk
         else:
             text, images = message_text(message), image_count(message)
         if text:

@@ -166,14 +166,9 @@ def trim_messages(
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
     )
-    system = {i for unit in conversation.system for i in unit.indices}
-    decision = TrimDecision(
-        max_tokens=max_tokens,
-        tokens=after,
-        strategy=strategy,
-        kept=tuple(fingerprints[i] for i in order if i not in system),
-        at=tuple(i for i in order if i not in system),
-    )
+    system = set(conversation.system_indices)
+    at = tuple(i for i in order if i not in system)
+    decision = TrimDecision(max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at)
     return TrimResult(
         messages=sent,
         kept=tuple(i for i in order if i not in replaced),
@@ -232,9 +227,7 @@ def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_wat
 def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:
     """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
     messages = conversation.messages
-    last_user: int | None = None
-    if conversation.current is not None:
-        last_user = conversation.turns[conversation.current].units[0].start
+    last_user = conversation.question
     first_choice = [
         i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"
     ]
