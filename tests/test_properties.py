@@ -16,6 +16,7 @@ import json
 import os
 import random
 from collections import Counter as Tally
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -323,6 +324,42 @@ def test_contract_holds_when_the_previous_decision_is_reused(counter, data, chat
     assert frozen(trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous).messages) \
         == frozen(result.messages), "not deterministic"
     event("reused" if result.reused else "selected anew")
+
+
+@st.composite
+def grown_turn(draw, chat: list[dict]) -> list[dict]:
+    """The chat a later request brings as Open WebUI sends it (fresh objects): new blocks at
+    the end (replies, tool groups, system or odd messages, a question), and sometimes one
+    earlier message edited in place to another length."""
+    later = json.loads(json.dumps(chat))
+    if later and draw(st.booleans()):
+        at = draw(st.integers(0, len(later) - 1))
+        content = later[at].get("content")
+        if isinstance(content, str):
+            later[at]["content"] = content + draw(st.text(min_size=1, max_size=20))
+    ids = iter(range(10**6, 10**9))
+    for block in draw(st.lists(message_block(ids), max_size=4)):
+        later.extend(block)
+    return later + [{"role": "user", "content": draw(short_text)}]
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, chat, budget, model):
+    """A next turn that reads only the kept and new messages (the decision's size figures) ends
+    exactly where reading the whole chat ends: same messages, counts and decision."""
+    first = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+    if first.decision is None:
+        return
+    later = data.draw(grown_turn(chat))
+    previous = TrimDecision.from_json(first.decision.to_json())
+    fast = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous)
+    full = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=replace(previous, seen=0))
+    assert fast.messages == full.messages  # the kept ones the same dicts: check_contract
+    assert (fast.kept, fast.dropped, fast.shortened, fast.tokens_before, fast.tokens_after, fast.reused, fast.decision) \
+        == (full.kept, full.dropped, full.shortened, full.tokens_before, full.tokens_after, full.reused, full.decision)
+    check_contract(later, fast, counter, model)
+    event("reused" if fast.reused else "selected anew")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ import pytest
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.conversation import read_conversation
 from contextwarden.selection import choose_indices, message_fingerprint, reuse_previous, select_by_value
+from contextwarden.tokens import TokenCounter
 
 from chatgen import random_chat
 from chats import check_contract, frozen
@@ -289,3 +291,88 @@ def test_decision_positions_are_optional_and_checked():
     assert TrimDecision.from_json(bad).at == ()
     good = TrimDecision(100, 80, "recent", ("aa", "bb"), (2, 5))
     assert TrimDecision.from_json(good.to_json()) == good
+
+
+class SpyCounter(TokenCounter):
+    """A counter that remembers which text objects it was asked to count."""
+
+    def __init__(self) -> None:
+        super().__init__(block=True)
+        self.asked: list[str] = []
+
+    def _count(self, text, name, encoding):
+        self.asked.append(text)
+        return super()._count(text, name, encoding)
+
+
+def _next_turn(counter, chat, budget, extra):
+    """Trim `chat`, then the same chat grown by `extra` (a fresh JSON copy, as Open WebUI sends it)
+    with the decision passed through JSON: (first, grown, previous)."""
+    first = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+    grown = json.loads(json.dumps(chat + extra))
+    return first, grown, TrimDecision.from_json(first.decision.to_json())
+
+
+def _same_result(a, b) -> None:
+    assert [id(m) for m in a.messages] == [id(m) for m in b.messages]
+    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision) == \
+        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision)
+
+
+def test_next_turn_reads_only_what_it_sends_and_what_is_new():
+    spy = SpyCounter()
+    chat = topic_chat(40, "marathon training plan?")
+    extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far this week?"}]
+    first, grown, previous = _next_turn(spy, chat, 900, extra)
+    assert previous.seen == len(chat) and previous.counted_with == "o200k_base" and previous.seen_chars > 0
+    spy.asked.clear()
+    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=previous)
+    assert result.reused and result.messages[-2:] == grown[-2:]
+    asked = {id(text) for text in spy.asked}
+    assert not any(id(grown[i]["content"]) in asked for i in result.dropped), "a dropped message was counted"
+    assert result.tokens_before == spy.count_messages(grown, MODEL)
+    # The full path (no size figures in the decision) makes the very same choice.
+    _same_result(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0)))
+    check_contract(grown, result, spy, MODEL)
+
+
+def test_next_turn_shortcut_declines_when_the_history_changed(counter):
+    chat = topic_chat(40, "marathon training plan?")
+    extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
+    first, grown, previous = _next_turn(counter, chat, 900, extra)
+    dropped = first.dropped[3]
+    grown[dropped]["content"] += " (edited)"
+    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
+    assert result.reused and result.tokens_before == counter.count_messages(grown, MODEL)
+    _same_result(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)))
+    # Another encoding counts (the model changed): the old figures are not used either.
+    gpt4 = trim_messages(grown, max_tokens=900, model="gpt-4", token_counter=counter, previous=previous)
+    assert gpt4.tokens_before == counter.count_messages(grown, "gpt-4")
+    # A chat that now fits whole is sent whole, as without a decision.
+    roomy = trim_messages(grown, max_tokens=100_000, model=MODEL, token_counter=counter, previous=previous)
+    assert not roomy.dropped and not roomy.reused
+
+
+def test_next_turn_carries_the_count_of_a_dropped_message_edited_to_the_same_length(counter):
+    """The documented limit of the shortcut: it checks dropped messages by their total length only,
+    so an in-place edit that keeps the length is counted as before until the next new selection."""
+    chat = topic_chat(40, "marathon training plan?")
+    extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
+    first, grown, previous = _next_turn(counter, chat, 900, extra)
+    dropped = first.dropped[3]
+    grown[dropped]["content"] = "x" * len(grown[dropped]["content"])
+    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
+    assert result.reused and result.dropped == first.dropped
+    assert result.tokens_before == first.tokens_before + counter.count_messages(extra, MODEL) - 3
+    check_contract(grown, result, counter, MODEL)
+
+
+def test_decision_size_figures_round_trip_and_are_optional():
+    decision = TrimDecision(100, 80, "recent", ("aa", "bb"), (2, 5), seen=9, seen_tokens=700, seen_chars=2_100, counted_with="o200k_base")
+    assert TrimDecision.from_json(decision.to_json()) == decision
+    old = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[2,5]}'
+    assert TrimDecision.from_json(old).seen == 0
+    odd = old[:-1] + ',"seen":[9,"700",2100,"o200k_base"]}'
+    assert TrimDecision.from_json(odd).seen == 0
+    unordered = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[5,2],"seen":[9,700,2100,"x"]}'
+    assert TrimDecision.from_json(unordered).at == () and TrimDecision.from_json(unordered).seen == 0

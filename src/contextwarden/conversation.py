@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
 from typing import Any, Literal
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "message_text",
     "image_count",
     "tool_call_ids",
+    "system_positions",
 ]
 
 Message = dict[str, Any]
@@ -129,6 +131,23 @@ def tool_call_ids(message: Message) -> list[str]:
     if not isinstance(calls, list):
         return []
     return [str(call.get("id")) for call in calls if isinstance(call, dict)]
+
+
+def system_positions(messages: Sequence[Message]) -> list[int]:
+    """Indices of the system (and developer) messages, without reading the chat's structure.
+
+    Example:
+        >>> system_positions([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+        [0]
+    """
+    roles = list(map(dict.get, messages, repeat("role")))
+    found: list[int] = []
+    for role in SYSTEM_ROLES:  # list.count and list.index run in C; a chat has few system messages
+        at = -1
+        for _ in range(roles.count(role)):
+            at = roles.index(role, at + 1)
+            found.append(at)
+    return sorted(found)
 
 
 def _role(message: Message) -> str:

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from decimal import Decimal
+from itertools import repeat
 from typing import Any
 
 from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
@@ -77,7 +78,7 @@ def _base_model_id(body: dict[str, Any], model: dict[str, Any] | None) -> str:
 
 def _is_chat_body(body: Any) -> bool:
     messages = body.get("messages") if isinstance(body, dict) else None
-    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+    return isinstance(messages, list) and all(map(isinstance, messages, repeat(dict)))
 
 
 def _where(exc: BaseException) -> str:

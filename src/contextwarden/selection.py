@@ -18,9 +18,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Literal
 
-from .conversation import SYSTEM_ROLES, Conversation, Message
+from .conversation import SYSTEM_ROLES, Conversation, Message, read_conversation, system_positions
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 from .tokens import lru_hit
 
@@ -31,6 +32,8 @@ __all__ = [
     "select_by_value",
     "choose_indices",
     "reuse_previous",
+    "extend_previous",
+    "history_chars",
     "message_fingerprint",
     "Fingerprints",
     "mandatory_indices",
@@ -55,7 +58,10 @@ class TrimDecision:
     `kept` holds the fingerprints (see `message_fingerprint`) of the kept non-system messages
     in order, and `at` their positions in the list it was made for (so the next turn checks
     those positions first instead of fingerprinting the whole chat); `tokens` what was sent;
-    `max_tokens` the budget it was made for.
+    `max_tokens` the budget it was made for. `seen` is the length of that list, `seen_tokens`
+    what its non-system messages cost as counted with `counted_with` (an encoding's name, or
+    "estimate"), and `seen_chars` their `history_chars`: with these the next turn knows the
+    whole chat's size without reading the messages it dropped again.
 
     Example:
         >>> d = TrimDecision(max_tokens=1000, tokens=640, strategy="relevance", kept=("a1b2c3d4e5f60718",))
@@ -68,12 +74,17 @@ class TrimDecision:
     strategy: str
     kept: tuple[str, ...]
     at: tuple[int, ...] = ()
+    seen: int = 0
+    seen_tokens: int = 0
+    seen_chars: int = -1
+    counted_with: str = ""
 
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
         return json.dumps(
             {"v": DECISION_FORMAT, "max_tokens": self.max_tokens, "tokens": self.tokens,
-             "strategy": self.strategy, "kept": list(self.kept), "at": list(self.at)},
+             "strategy": self.strategy, "kept": list(self.kept), "at": list(self.at),
+             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with]},
             separators=(",", ":"),
         )
 
@@ -88,9 +99,14 @@ class TrimDecision:
             if not all(isinstance(k, str) for k in kept):
                 raise ValueError("kept must be strings")
             at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
-            if at and (len(at) != len(kept) or not all(type(i) is int and i >= 0 for i in at)):
+            if at and (len(at) != len(kept) or not all(type(i) is int and i >= 0 for i in at)
+                       or any(a >= b for a, b in zip(at, at[1:]))):
                 at = ()  # unusable positions only cost the fast path
-            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at)
+            seen = data.get("seen")  # absent in decisions written before the chat's size was kept
+            if not (isinstance(seen, list) and len(seen) == 4 and all(type(x) is int for x in seen[:3])
+                    and isinstance(seen[3], str)) or not at:
+                seen = [0, 0, -1, ""]
+            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at, *seen)
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
 
@@ -247,7 +263,10 @@ def mandatory_indices(conversation: Conversation) -> list[int]:
 
 def _history_start_ok(conversation: Conversation, keep: Collection[int]) -> bool:
     """The kept history does not begin with an assistant or tool message unless the input did."""
-    messages = conversation.messages
+    return _starts_well(conversation.messages, keep)
+
+
+def _starts_well(messages: Sequence[Message], keep: Collection[int]) -> bool:
     first_in = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
     first = next((i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES), None)
     return first is None or first == first_in or messages[first].get("role") not in ("assistant", "tool")
@@ -397,13 +416,21 @@ def reuse_previous(
         >>> sorted(reuse_previous(before, prints, read_conversation(chat), [5] * 5, 100))
         [0, 2, 3, 4]
     """
-    messages = conversation.messages
     matched = _find_kept(previous, fingerprints, set(conversation.system_indices))
     if matched is None:
         return None
+    keep = _grown(conversation, matched, keep_last_turns, pinned)
+    if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
+        return None
+    return keep
+
+
+def _grown(conversation: Conversation, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
+    """`matched` plus everything after the last of it, the hard part, pinned units and the
+    last `keep_last_turns` turns, as whole units without orphans."""
     after = matched[-1] + 1 if matched else 0
     plan = _plan(conversation)
-    keep = set(plan.hard) | set(matched) | set(range(after, len(messages)))
+    keep = set(plan.hard) | set(matched) | set(range(after, len(conversation.messages)))
     for u in _preferred(plan, conversation, keep_last_turns, pinned):
         keep.update(plan.units[u])
     keep.difference_update(conversation.orphan_indices)
@@ -411,9 +438,64 @@ def reuse_previous(
         for unit in turn.units:
             if unit.stop - unit.start > 1 and keep.intersection(unit.indices):
                 keep.update(unit.indices)
-    if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
-        return None
     return keep
+
+
+def extend_previous(
+    previous: TrimDecision, messages: Sequence[Message], fingerprints: Sequence[str], *, keep_last_turns: int = 1
+) -> set[int] | None:
+    """`reuse_previous` without reading the whole chat: the indices it would keep (budget not
+    checked), from the previous kept messages at their recorded positions and the messages
+    after the last of them; None when that is not enough to know.
+
+    The chat is read only from the last kept message that starts a unit; what comes before
+    it is either kept (found by fingerprint) or was dropped and stays dropped. System
+    messages are kept wherever they are. None when a kept message is not at its recorded
+    place, the window holds no user message, or a turn `keep_last_turns` keeps begins before it.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...         {"role": "user", "content": "e"}]
+        >>> prints = [message_fingerprint(m) for m in chat]
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]), at=(0, 2))
+        >>> sorted(extend_previous(before, chat, prints))
+        [0, 2, 3, 4]
+    """
+    at = previous.at
+    if not at or at[-1] >= len(messages) or not all(fingerprints[i] == kept for i, kept in zip(at, previous.kept)):
+        return None
+    start = next((i for i in reversed(at) if messages[i].get("role") != "tool"), None)
+    if start is None:
+        return None
+    window = read_conversation(messages[start:])
+    if window.current is None:
+        return None
+    turns = window.turns
+    if any(t < 0 or turns[t].units[0].kind != "user" for t in recent_turns(window, keep_last_turns)):
+        return None  # a turn kept as recent starts before the window
+    grown = _grown(window, [i - start for i in at if i >= start], keep_last_turns, ())
+    keep = set(system_positions(messages))
+    keep.update(i for i in at if i < start)
+    keep.update(start + i for i in grown)
+    return keep if _starts_well(messages, keep) else None
+
+
+def history_chars(messages: Sequence[Message], stop: int) -> int:
+    """Total length of the content of the non-system messages before `stop`: a cheap check
+    (no pass in Python over the texts) that no earlier message was edited; -1 for content
+    without a length.
+
+    Example:
+        >>> history_chars([{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"}], 2)
+        2
+    """
+    head = messages[:stop]
+    try:
+        total = sum(map(len, filter(None, map(dict.get, head, repeat("content")))))
+        return total - sum(len(head[i].get("content") or ()) for i in system_positions(head))
+    except TypeError:  # content that is not text, parts or None
+        return -1
 
 
 def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[int]) -> list[int] | None:

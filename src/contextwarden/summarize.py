@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .conversation import SYSTEM_ROLES, Message, message_text
+from .conversation import SYSTEM_ROLES, Message, message_text, system_positions
 from .store import Store
 from .tokens import TokenCounter
 from .trim import TrimResult
@@ -82,9 +82,8 @@ def find_summary(messages: Sequence[Message]) -> tuple[int | None, bool]:
     """Where contextwarden's own note is: the index of a standalone note, and whether a system
     message holds one at all (Open WebUI merges system messages after `request`)."""
     present = False
-    for index, message in enumerate(messages):
-        if message.get("role") not in SYSTEM_ROLES:
-            continue
+    for index in system_positions(messages):
+        message = messages[index]
         content = message.get("content")
         if isinstance(content, str) and content.startswith(SUMMARY_LABEL):
             return index, True

@@ -218,6 +218,10 @@ class TokenCounter:
             return other, loaded
         return "estimate", None
 
+    def scheme(self, model: str | None) -> str:
+        """What counts for this model are made with right now: an encoding's name, or "estimate"."""
+        return self._pick(model)[0]
+
     def mode(self, model: str | None) -> CountMode:
         """How counts for this model are made right now."""
         name, encoding = self._pick(model)

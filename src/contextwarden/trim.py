@@ -8,9 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
 
-from .conversation import Conversation, Message, read_conversation
-from .selection import Fingerprints, Strategy, TrimDecision, choose_indices, mandatory_indices, reuse_previous
+from .conversation import SYSTEM_ROLES, Conversation, Message, read_conversation
+from .selection import (
+    Fingerprints,
+    Strategy,
+    TrimDecision,
+    choose_indices,
+    extend_previous,
+    history_chars,
+    mandatory_indices,
+    reuse_previous,
+)
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
@@ -123,10 +133,14 @@ def trim_messages(
         ((0, 3, 4, 5), True)
     """
     _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns)
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
+    if not all(map(isinstance, messages, repeat(dict))):
+        index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
+        raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
     counter = token_counter or default_counter()
+    if previous is not None and previous.seen and not pinned:
+        extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns)
+        if extended is not None:
+            return extended
     costs = counter.count_each(messages, model)
     before = TOKENS_PER_REPLY + sum(costs)
     conversation = read_conversation(messages)
@@ -168,7 +182,11 @@ def trim_messages(
     )
     system = set(conversation.system_indices)
     at = tuple(i for i in order if i not in system)
-    decision = TrimDecision(max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at)
+    decision = TrimDecision(
+        max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
+        seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
+        seen_chars=history_chars(messages, len(messages)), counted_with=counter.scheme(model),
+    )
     return TrimResult(
         messages=sent,
         kept=tuple(i for i in order if i not in replaced),
@@ -182,6 +200,56 @@ def trim_messages(
         notes=tuple(notes),
         decision=decision,
         reused=reused,
+    )
+
+
+def _extend_previous(
+    messages: Sequence[Message], previous: TrimDecision, max_tokens: int, counter: TokenCounter, model: str | None,
+    strategy: Strategy, keep_last_turns: int,
+) -> TrimResult | None:
+    """The previous turn's selection plus the new messages, reading and counting only what is
+    sent and what is new: the messages dropped before are known from the decision's `seen`
+    figures (their total length must be unchanged). None when this shortcut cannot tell (the
+    chat was edited or shortened, another encoding counts, the whole chat now fits, the
+    selection no longer fits); the full path then decides, with the same result."""
+    seen = previous.seen
+    scheme = counter.scheme(model)
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
+        return None
+    chars = history_chars(messages, len(messages))
+    if chars - history_chars(messages[seen:], len(messages) - seen) != previous.seen_chars:
+        return None
+    fingerprints = Fingerprints(messages)
+    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns)
+    if keep is None:
+        return None
+    order = sorted(keep)
+    count = counter.count_message
+    cost = {i: count(messages[i], model) for i in order}
+    system = {i for i in order if messages[i].get("role") in SYSTEM_ROLES}
+    new = [i for i in range(seen, len(messages)) if i not in system]  # kept, but for orphans
+    new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
+    before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
+    after = TOKENS_PER_REPLY + sum(cost.values())
+    if before <= max_tokens or after > max_tokens:
+        return None
+    at = tuple(i for i in order if i not in system)
+    decision = TrimDecision(
+        max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
+        seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
+        seen_chars=chars, counted_with=scheme,
+    )
+    return TrimResult(
+        messages=[messages[i] for i in order],
+        kept=tuple(order),
+        dropped=tuple(filterfalse(keep.__contains__, range(len(messages)))),
+        shortened=(),
+        tokens_before=before,
+        tokens_after=after,
+        budget=max_tokens,
+        count_mode=counter.mode(model),
+        decision=decision,
+        reused=True,
     )
 
 
