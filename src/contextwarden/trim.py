@@ -111,6 +111,9 @@ def trim_messages(
         previous: the `decision` of this chat's last trim. While its kept messages are still
             there and they plus everything newer fit, exactly those are sent again plus the
             new messages, so the prompt prefix stays byte-identical and provider caches hit.
+            Such a turn reads and counts only those messages: the dropped ones are known
+            from the decision, checked by their total length (an edit that keeps a dropped
+            message's length shows in `tokens_before` only at the next new selection).
         low_watermark: when a new selection is made, it fills only this share of
             `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
             prefix before the next cut. 1.0 fills the budget.
@@ -216,8 +219,8 @@ def _extend_previous(
     scheme = counter.scheme(model)
     if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
-    chars = history_chars(messages, len(messages))
-    if chars - history_chars(messages[seen:], len(messages) - seen) != previous.seen_chars:
+    chars, new_chars = history_chars(messages, len(messages)), history_chars(messages[seen:], len(messages) - seen)
+    if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
         return None
     fingerprints = Fingerprints(messages)
     keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns)
