@@ -1,8 +1,10 @@
 """contextwarden: keep every chat inside a token budget; record what each reply cost.
 
     >>> from contextwarden import trim_messages
+    >>> messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     >>> result = trim_messages(messages, max_tokens=8_000, model="gpt-4o")
-    >>> result.messages  # what to send
+    >>> result.messages == messages  # what to send: here all of it, it fits
+    True
 
 For Open WebUI, paste `open_webui_filter.py` (built from this package) as a Function, or
 `from contextwarden import Filter` in a two-line function.

@@ -442,7 +442,12 @@ def _grown(conversation: Conversation, matched: list[int], keep_last_turns: int,
 
 
 def extend_previous(
-    previous: TrimDecision, messages: Sequence[Message], fingerprints: Sequence[str], *, keep_last_turns: int = 1
+    previous: TrimDecision,
+    messages: Sequence[Message],
+    fingerprints: Sequence[str],
+    *,
+    keep_last_turns: int = 1,
+    system: Sequence[int] | None = None,
 ) -> set[int] | None:
     """`reuse_previous` without reading the whole chat: the indices it would keep (budget not
     checked), from the previous kept messages at their recorded positions and the messages
@@ -452,6 +457,7 @@ def extend_previous(
     it is either kept (found by fingerprint) or was dropped and stays dropped. System
     messages are kept wherever they are. None when a kept message is not at its recorded
     place, the window holds no user message, or a turn `keep_last_turns` keeps begins before it.
+    `system` gives the system messages' indices when the caller has them.
 
     Example:
         >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -475,25 +481,25 @@ def extend_previous(
     if any(t < 0 or turns[t].units[0].kind != "user" for t in recent_turns(window, keep_last_turns)):
         return None  # a turn kept as recent starts before the window
     grown = _grown(window, [i - start for i in at if i >= start], keep_last_turns, ())
-    keep = set(system_positions(messages))
+    keep = set(system_positions(messages) if system is None else system)
     keep.update(i for i in at if i < start)
     keep.update(start + i for i in grown)
     return keep if _starts_well(messages, keep) else None
 
 
-def history_chars(messages: Sequence[Message], stop: int) -> int:
-    """Total length of the content of the non-system messages before `stop`: a cheap check
-    (no pass in Python over the texts) that no earlier message was edited; -1 for content
-    without a length.
+def history_chars(messages: Sequence[Message], system: Sequence[int] | None = None) -> int:
+    """Total length of the content of the non-system messages: a cheap check (no pass in
+    Python over the texts) that no message was edited; -1 for content without a length.
+    `system` gives the system messages' indices when the caller has them.
 
     Example:
-        >>> history_chars([{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"}], 2)
+        >>> history_chars([{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"}])
         2
     """
-    head = messages[:stop]
     try:
-        total = sum(map(len, filter(None, map(dict.get, head, repeat("content")))))
-        return total - sum(len(head[i].get("content") or ()) for i in system_positions(head))
+        total = sum(map(len, filter(None, map(dict.get, messages, repeat("content")))))
+        system = system_positions(messages) if system is None else system
+        return total - sum(len(messages[i].get("content") or ()) for i in system)
     except TypeError:  # content that is not text, parts or None
         return -1
 

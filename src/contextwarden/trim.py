@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 
-from .conversation import SYSTEM_ROLES, Conversation, Message, read_conversation
+from .conversation import Conversation, Message, read_conversation, system_positions
 from .selection import (
     Fingerprints,
     Strategy,
@@ -188,7 +188,7 @@ def trim_messages(
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
-        seen_chars=history_chars(messages, len(messages)), counted_with=counter.scheme(model),
+        seen_chars=history_chars(messages, conversation.system_indices), counted_with=counter.scheme(model),
     )
     return TrimResult(
         messages=sent,
@@ -219,24 +219,26 @@ def _extend_previous(
     scheme = counter.scheme(model)
     if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
-    chars, new_chars = history_chars(messages, len(messages)), history_chars(messages[seen:], len(messages) - seen)
+    system = system_positions(messages)
+    chars = history_chars(messages, system)
+    new_chars = history_chars(messages[seen:], [i - seen for i in system if i >= seen])
     if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
         return None
     fingerprints = Fingerprints(messages)
-    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns)
+    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns, system=system)
     if keep is None:
         return None
     order = sorted(keep)
     count = counter.count_message
     cost = {i: count(messages[i], model) for i in order}
-    system = {i for i in order if messages[i].get("role") in SYSTEM_ROLES}
-    new = [i for i in range(seen, len(messages)) if i not in system]  # kept, but for orphans
+    is_system = set(system).__contains__
+    new = list(filterfalse(is_system, range(seen, len(messages))))  # kept, but for orphans
     new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
     before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
     after = TOKENS_PER_REPLY + sum(cost.values())
     if before <= max_tokens or after > max_tokens:
         return None
-    at = tuple(i for i in order if i not in system)
+    at = tuple(filterfalse(is_system, order))
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
