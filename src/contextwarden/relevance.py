@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain, repeat
+from operator import mul
 
 from .conversation import Message, message_text
 from .tokens import lru_hit
@@ -349,9 +350,10 @@ def _bm25(
         # Each term held once adds idf * (k1 + 1) / (1 + norm): one product for all of them.
         score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
         if s.more:
-            parts = [value * tf * k1_plus / (tf + norm) for term, tf in zip(s.more, s.more_tfs) if (value := idf_of(term))]
-            if parts:
-                score += math.fsum(parts)
+            # A term held tf times adds idf * tf (k1 + 1) / (tf + norm): the factor once per
+            # distinct count, the products and their sum in C.
+            factor = {tf: tf * k1_plus / (tf + norm) for tf in set(s.more_tfs)}
+            score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
         scores[index] = score
     return scores
 
