@@ -344,17 +344,19 @@ def grown_turn(draw, chat: list[dict]) -> list[dict]:
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 4))
-@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
-def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, chat, budget, model):
+@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS),
+       keep=st.integers(0, 4), strategy=st.sampled_from(("relevance", "recent")))
+def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, chat, budget, model, keep, strategy):
     """A next turn that reads only the kept and new messages (the decision's size figures) ends
     exactly where reading the whole chat ends: same messages, counts and decision."""
-    first = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+    options = {"max_tokens": budget, "model": model, "token_counter": counter, "keep_last_turns": keep, "strategy": strategy}
+    first = trim_messages(chat, **options)
     if first.decision is None:
         return
     later = data.draw(grown_turn(chat))
     previous = TrimDecision.from_json(first.decision.to_json())
-    fast = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous)
-    full = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=replace(previous, seen=0))
+    fast = trim_messages(later, previous=previous, **options)
+    full = trim_messages(later, previous=replace(previous, seen=0), **options)
     assert fast.messages == full.messages  # the kept ones the same dicts: check_contract
     assert (fast.kept, fast.dropped, fast.shortened, fast.tokens_before, fast.tokens_after, fast.reused, fast.decision) \
         == (full.kept, full.dropped, full.shortened, full.tokens_before, full.tokens_after, full.reused, full.decision)
