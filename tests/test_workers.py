@@ -225,10 +225,16 @@ def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: st
     assert grown <= BUDGET, "the next turn must fit on top of the earlier cut"
     meta2 = {**meta, "message_id": "m2"}
     body = {"model": MODEL, "messages": following}
-    on_b = b.call("inlet", body=body, metadata=meta2, user_id=meta["user_id"])["body"]
+    seen_b = b.call("inlet", body=body, metadata=meta2, user_id=meta["user_id"])
+    on_b = seen_b["body"]
     fresh = alone.call("inlet", body=body, metadata=meta2, user_id=meta["user_id"])["body"]
     assert on_b["messages"] == first["messages"] + following[-2:]
     assert fresh["messages"][: len(first["messages"])] != first["messages"]
+    # B counted only what it sent and the new messages; the dropped ones' size came with A's
+    # decision, and the chat's size it reports is still exact.
+    note = seen_b["metadata"]["contextwarden"]
+    assert note["reused"] is True
+    assert note["savings"]["removed"] == counter.count_messages(following, MODEL) - counter.count_messages(on_b["messages"], MODEL)
 
 
 @pending("pins")
