@@ -131,6 +131,12 @@ def write_report(result: dict[str, Any]) -> str:
     lines += ["", "Paired ratios (per repetition, then median):", "", "| ratio | " + " | ".join(f"{int(n):,}" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for label in next(iter(sizes.values()))["ratios"]:
         lines.append(f"| {label} | " + " | ".join(f"{s['ratios'][label]['median']:.2f}" if label in s["ratios"] else "—" for s in sizes.values()) + " |")
+    lines += ["", "Next turns by what they did (turns, median ms):", ""]
+    lines += ["| messages | previous selection again | new selection or whole chat |", "|---:|---:|---:|"]
+    for n, s in sizes.items():
+        kinds = s.get("next_by_kind", {})
+        cells = [f"{k['turns']} turns, {_ms(k['median_ms'])}" if k else "—" for k in (kinds.get("reused"), kinds.get("reselected"))]
+        lines.append(f"| {int(n):,} | {cells[0]} | {cells[1]} |")
     lines += ["", "contextwarden thread CPU time, median (fastest), ms: " + "; ".join(
         f"{int(n):,} msgs: warm {s['systems']['cw_warm']['cpu_median_ms']:.2f} ({s['systems']['cw_warm']['cpu_min_ms']:.2f}), "
         f"cold {s['systems']['cw_cold']['cpu_median_ms']:.1f} ({s['systems']['cw_cold']['cpu_min_ms']:.1f})"
