@@ -226,6 +226,33 @@ def test_long_chat_reaches_backend_trimmed_valid_within_budget(
     assert record["estimated_prompt_tokens"] == tokens
 
 
+def test_next_turn_sends_the_same_prefix(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
+    """Two turns of one chat (a temporary chat id, which Open WebUI hands to the filter without
+    storing the chat): the second prompt starts with exactly what the first one sent, so a
+    provider's prompt cache keeps hitting, and it is counted exactly (the dropped messages' size
+    comes from the first turn's decision)."""
+    chat_id = f"temporary:{uuid.uuid4()}"
+    first_chat = long_chat()
+    chat(open_webui, MODEL, first_chat, chat_id=chat_id)
+    first = backend.last_request["messages"]
+    assert len(first) < len(first_chat)
+    following = first_chat + [
+        {"role": "assistant", "content": backend.default_reply},
+        {"role": "user", "content": f"One more {uuid.uuid4().hex[:8]}: and about granite?"},
+    ]
+    since = open_webui.log_mark()
+    chat(open_webui, MODEL, following, chat_id=chat_id)
+    second = backend.last_request["messages"]
+    assert second[: len(first)] == first, "the second prompt does not start with the first"
+    assert second[len(first) :] == following[-2:]
+    assert_valid_prompt(following, second)
+    tokens = counter.count_messages(second, MODEL)
+    assert tokens <= BUDGET
+    assert one_usage_record(open_webui, since)["estimated_prompt_tokens"] == tokens
+
+
 def test_usage_line_has_backend_numbers(open_webui: OpenWebUI, backend: FakeBackend, cw: str, admin_id: str) -> None:
     """Non-streaming: exactly one usage line carrying what the backend reported."""
     since = open_webui.log_mark()
