@@ -6,6 +6,7 @@ from typing import Any
 
 LABELS = {
     "cw_cold": "contextwarden cold",
+    "cw_recent_cold": "contextwarden cold, strategy valve = recent (no scoring)",
     "cw_warm": "contextwarden warm, re-selecting (same history, another new question each rep)",
     "cw_next": "contextwarden next turn (the chat goes on; previous decision applies; the reply went through outlet)",
     "lethes_cold": "lethes 1.0.2 (cold chat)",
@@ -49,6 +50,10 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     for n, s in sizes.items():
         r = s["ratios"]["cw_cold/floor_cold"]
         rows.append((f"cold {n} messages within 1.5x of the tokenizer floor", f"{r['median']:.2f}x (IQR {r['q1']:.2f}–{r['q3']:.2f})", r["median"] <= 1.5))
+    recent = [(n, s["ratios"]["cw_recent_cold/floor_cold"]) for n, s in sizes.items() if "cw_recent_cold/floor_cold" in s["ratios"]]
+    if recent:
+        rows.append(("info: cold with the strategy valve set to recent (no scoring), × the floor",
+                     "; ".join(f"{int(n):,} messages {r['median']:.2f}x" for n, r in recent), None))
     if "200" in sizes and "1000" in sizes:
         per = {n: sizes[n]["systems"]["cw_cold"]["median_ms"] / sizes[n]["tokens_cold_median"] * 1000 for n in ("200", "1000")}
         floor = {n: sizes[n]["systems"]["floor_cold"]["median_ms"] / sizes[n]["tokens_cold_median"] * 1000 for n in ("200", "1000")}

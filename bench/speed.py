@@ -52,7 +52,7 @@ REPS = {20: 150, 200: 50, 1_000: 15}
 MEMORY_CHATS = 4_000
 MEMORY_CHECKPOINTS = (250, 500, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000)
 MEMORY_MEAN_TOKENS = 120
-SYSTEMS = ("cw_cold", "cw_warm", "cw_next", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
+SYSTEMS = ("cw_cold", "cw_recent_cold", "cw_warm", "cw_next", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
 
 
 # -- set-up -----------------------------------------------------------------------------------
@@ -81,10 +81,10 @@ def _instances(obj: object, cls: type) -> list[Any]:
     return [v for v in vars(obj).values() if isinstance(v, cls)]
 
 
-async def make_filter(module: types.ModuleType) -> Any:
+async def make_filter(module: types.ModuleType, **valves: Any) -> Any:
     """A Filter with the bench's valves whose counter has its exact encoding loaded."""
     f = module.Filter()
-    wanted = {"max_context_tokens": BUDGET + RESERVE, "reserve_output_tokens": RESERVE, "openrouter_pricing": False}
+    wanted = {"max_context_tokens": BUDGET + RESERVE, "reserve_output_tokens": RESERVE, "openrouter_pricing": False, **valves}
     fields = module.Filter.Valves.model_fields  # no network: the bundled price book only
     f.valves = module.Filter.Valves(**{k: v for k, v in wanted.items() if k in fields})
     for counter in _instances(f, module.TokenCounter):
@@ -192,6 +192,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """All systems on chats of `n` messages, round-robin within each repetition."""
     f, module, encoding = ctx["filter"], ctx["module"], ctx["encoding"]
+    f_recent = ctx["filter_recent"]  # the same, with the strategy valve set to recent (its own counter and store)
     orchestrator, conversation_cls = ctx["lethes"], ctx["lethes_conversation"]
     base = synth.make_chat(10_000_000 + n, n)
     await cw_inlet(f, module, fresh(base))  # the turn before: the filter has seen `base`
@@ -226,14 +227,15 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
             if system.startswith("floor"):
                 return floor(encoding, chat if system == "floor_cold" else pair)
-            chat_id = next_id if system == "cw_next" else f"chat-{n}-cold-{rep}" if system.endswith("cold") else f"chat-{n}-warm"
+            chat_id = next_id if system == "cw_next" else f"chat-{n}-{system}-{rep}" if system.endswith("cold") else f"chat-{n}-warm"
             body = request_body(fresh(chat), chat_id)
             if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
                 outlet_ms.append(await cw_outlet(f, user, chat[:-1], chat_id))
                 gc.collect()
             if system.startswith("cw"):
+                trimmer = f_recent if system == "cw_recent_cold" else f
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                out = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
+                out = await trimmer.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
                 return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out["messages"], body["metadata"].get("contextwarden"))
             if system.startswith("lethes"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -292,6 +294,7 @@ def paired_ratios(wall: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Median and IQR of per-repetition ratios (same repetition, same machine load)."""
     pairs = {
         "cw_cold/floor_cold": ("cw_cold", "floor_cold"),
+        "cw_recent_cold/floor_cold": ("cw_recent_cold", "floor_cold"),
         "cw_next/floor_warm": ("cw_next", "floor_warm"),
         "lethes_warm/cw_next": ("lethes_warm", "cw_next"),
         "cw_warm/floor_warm": ("cw_warm", "floor_warm"),
@@ -316,6 +319,7 @@ async def timing_run(reps: dict[int, int]) -> dict[str, Any]:
     ctx = {
         "module": module,
         "filter": f,
+        "filter_recent": await make_filter(module, strategy="recent"),
         "encoding": tiktoken.get_encoding(ENCODING),
         "lethes": orchestrator,
         "lethes_conversation": conversation_cls,

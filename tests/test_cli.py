@@ -30,6 +30,17 @@ def test_trim_json_is_consistent(capsys):
     assert data["messages"][-1] == chat["messages"][-1]
 
 
+def test_trim_strategy_recent_keeps_the_newest_turns(capsys):
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "2000", "--json", "--strategy", "recent"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    chat = json.loads(EXAMPLE.read_text())["messages"]
+    history = [i for i in data["kept"] if chat[i]["role"] != "system"]
+    assert data["dropped"] and max(data["dropped"]) < min(history)
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "2000", "--strategy", "recent", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "among the newest turns that fit" in out and "score:" not in out
+
+
 def test_trim_rejects_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -522,6 +522,7 @@ BAD_VALVES = [
     ("redis_url", 5), ("redis_url", None), ("redis_url", "http://x"), ("redis_url", "redis://h:port/0"),
     ("model_aliases", "{bad"), ("model_aliases", "[1, 2]"), ("model_aliases", '{"a": 1}'), ("model_aliases", None), ("model_aliases", 5),
     ("show_status", "yes"), ("show_status", None), ("show_status", 0),
+    ("strategy", "smartest"), ("strategy", 5), ("strategy", None),
 ]
 
 

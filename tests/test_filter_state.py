@@ -214,6 +214,23 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
     assert len(trims) == 1  # !full skipped trim_messages
 
 
+async def test_strategy_valve_reaches_the_trim(counter, trims):
+    """strategy = recent: the history sent is the newest turns that fit (one unbroken stretch
+    before the question); the valve is read case-insensitively, and a bad one is named."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, strategy="Recent")
+    chat = chat_of(20)
+    await send(f, chat, "u", "c")
+    (options, result), = trims
+    assert options["strategy"] == "recent" and result.dropped
+    history = [i for i in result.kept if chat[i]["role"] != "system"]
+    assert max(result.dropped) < min(history)
+    f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "strategy": "smartest"})
+    events = Events()
+    await f.inlet(body(chat_of(2), "u", "c2"), __user__={"id": "u"}, __event_emitter__=events)
+    assert any("strategy must be one of relevance, recent; using relevance" in s for s in events.statuses), events.statuses
+    assert trims[-1][0]["strategy"] == "relevance"
+
+
 async def test_state_valves_are_checked(counter):
     f = make_filter(counter)
     f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "low_watermark": 1.5, "keep_last_turns": 0, "state_ttl_hours": 0, "growth_turns": -1})

@@ -19,7 +19,7 @@ from .ledger import LedgerEntry, ledger_totals, read_ledger
 from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .report import render_csv, render_html, render_json, render_table
 from .store import RedisStore, open_store
-from .selection import TrimDecision
+from .selection import STRATEGIES, TrimDecision
 from .tokens import TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
 
@@ -100,8 +100,8 @@ def _cmd_trim(args: argparse.Namespace) -> int:
         budget = int(budget / args.calibration)
     if budget <= 0:
         raise ValueError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
-    options = {"keep_last_turns": args.keep_last_turns, "pinned": args.pin or (), "previous": _read_previous(args.previous),
-               "low_watermark": args.low_watermark, "growth_turns": args.growth_turns}
+    options = {"strategy": args.strategy, "keep_last_turns": args.keep_last_turns, "pinned": args.pin or (),
+               "previous": _read_previous(args.previous), "low_watermark": args.low_watermark, "growth_turns": args.growth_turns}
     result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     trim.add_argument("--explain", action="store_true", help="say why each message was kept, dropped or shortened, and what the budget was made of")
     trim.add_argument("--reserve", type=int, default=0, help="tokens kept for the reply: --max-tokens is then the window (as the filter's valves)")
     trim.add_argument("--calibration", type=float, help="the model's calibration factor (real / counted tokens); the budget is divided by it")
+    trim.add_argument("--strategy", choices=STRATEGIES, default="relevance",
+                      help="relevance: what matters to the latest question (default); recent: the newest turns that fit")
     trim.add_argument("--keep-last-turns", type=int, default=1, help="latest turns kept first (default 1: the current one)")
     trim.add_argument("--pin", type=int, action="append", metavar="INDEX", help="keep this message index first (repeatable), as !pin does")
     trim.add_argument("--previous", metavar="FILE", help="the previous turn's decision (a trim --json output), to reuse its prefix")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .conversation import Conversation, Message, read_conversation
 from .relevance import score_messages
-from .selection import TrimDecision, mandatory_indices, message_fingerprint, recent_turns
+from .selection import Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
@@ -88,6 +88,7 @@ def explain_trim(
     *,
     model: str | None = None,
     token_counter: TokenCounter,
+    strategy: Strategy = "relevance",
     keep_last_turns: int = 1,
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
@@ -101,8 +102,8 @@ def explain_trim(
     """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
 
     Args:
-        messages, model, token_counter, keep_last_turns, pinned, previous, low_watermark,
-            growth_turns: as given to `trim_messages`.
+        messages, model, token_counter, strategy, keep_last_turns, pinned, previous,
+            low_watermark, growth_turns: as given to `trim_messages`.
         summarized: dropped indices a summary note stands for (shown as "summarized").
         window, reserve, calibration: how the budget was derived, when it was, to show it.
 
@@ -124,7 +125,7 @@ def explain_trim(
     trimmed = bool(result.dropped or result.shortened)
     question = conversation.question
     scores: list[float] | None = None
-    if trimmed and not result.reused and question is not None:
+    if trimmed and not result.reused and question is not None and strategy == "relevance":
         scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
 
     rows = []
@@ -155,7 +156,8 @@ def explain_trim(
                 reasons.append(f"score: value {value:.3f} per √token, "
                                + ("worth its tokens" if sent else "below what was kept, or did not fit"))
             if not reasons:
-                reasons.append("kept" if sent else "older than what fit")
+                newest = strategy == "recent" and not result.reused
+                reasons.append(("among the newest turns that fit" if newest else "kept") if sent else "older than what fit")
         unit = unit_of.get(i)
         if unit is not None and len(unit) > 1 and i not in orphans:
             reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")

@@ -327,6 +327,7 @@ class Filter:
                 max_tokens=limit,
                 model=model_id,
                 token_counter=counter,
+                strategy=settings.strategy,
                 keep_last_turns=flags.keep or settings.keep_last_turns,
                 pinned=pinned,
                 previous=previous,

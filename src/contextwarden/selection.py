@@ -27,6 +27,7 @@ from .tokens import lru_hit
 
 __all__ = [
     "Strategy",
+    "STRATEGIES",
     "TrimDecision",
     "select_recent",
     "select_by_value",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 Strategy = Literal["relevance", "recent"]
+STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
 DECISION_FORMAT = 1
 # Value per cost ** 0.5: relevance scores are already length-normalised (BM25's b), so
 # dividing by the whole cost would penalise long messages twice (measured in bench/quality.py).

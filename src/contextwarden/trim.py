@@ -12,6 +12,7 @@ from itertools import filterfalse, repeat
 
 from .conversation import Conversation, Message, read_conversation, system_positions
 from .selection import (
+    STRATEGIES,
     Fingerprints,
     Strategy,
     TrimDecision,
@@ -287,8 +288,8 @@ def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_wat
     """Raise ValueError naming the option and its valid values."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if strategy not in ("relevance", "recent"):
-        raise ValueError(f"strategy must be 'relevance' or 'recent', got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
     if not isinstance(keep_last_turns, int) or isinstance(keep_last_turns, bool) or keep_last_turns < 0:
         raise ValueError(f"keep_last_turns must be an int >= 0, got {keep_last_turns!r}")
     if not isinstance(low_watermark, (int, float)) or not 0.0 < low_watermark <= 1.0:

@@ -18,6 +18,7 @@ from .live_prices import DEFAULT_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
 from .summarize import SummaryConfig
+from .selection import STRATEGIES, Strategy
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
@@ -88,6 +89,11 @@ class Valves(BaseModel):
     )
     ledger_retention_days: int = Field(
         default=DEFAULT_LEDGER_RETENTION_DAYS, ge=1, description="How long per user / model / day usage totals are kept (in Redis or in-process)."
+    )
+    strategy: str = Field(
+        default="relevance",
+        description="What a trim keeps of the older history: relevance = the messages that matter most to the latest question (BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long chat never seen).",
+        json_schema_extra={"enum": list(STRATEGIES)},
     )
     keep_last_turns: int = Field(
         default=1, ge=1, description="The latest turns always kept, the current one included (users can change it per message with !keep=N)."
@@ -162,6 +168,7 @@ class Settings:
     request_stream_usage: bool = True
     calibrate_counts: bool = True
     ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
+    strategy: Strategy = "relevance"
     keep_last_turns: int = 1
     low_watermark: float = DEFAULT_LOW_WATERMARK
     growth_turns: int = DEFAULT_GROWTH_TURNS
@@ -277,6 +284,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(
             ConfigError(f"allowed_user_flags: unknown flag {', '.join(unknown)} (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
         )
+    strategy = take(valves, "strategy", "relevance").strip().lower()
+    if strategy not in STRATEGIES:
+        problems.append(ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}; using relevance", valve="strategy"))
+        strategy = "relevance"
     keep = take(valves, "keep_last_turns", 1)
     if keep < 1:
         problems.append(ConfigError("keep_last_turns must be 1 or more; using 1", valve="keep_last_turns"))
@@ -314,6 +325,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         request_stream_usage=take(valves, "request_stream_usage", True),
         calibrate_counts=take(valves, "calibrate_counts", True),
         ledger_retention_days=retention,
+        strategy=strategy,
         keep_last_turns=keep,
         low_watermark=watermark,
         growth_turns=growth,
