@@ -118,7 +118,7 @@ async def main() -> None:
 
 
 def _cell(values: list[float]) -> str:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    q1, median, q3 = speed.quartiles(values)
     return f"{median:.2f} ({q1:.2f}–{q3:.2f})"
 
 

@@ -55,6 +55,16 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     assert sorted(result.kept + result.dropped + result.shortened) == list(range(len(chat)))
 
 
+def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
+    """Two trims of one chat chose alike: the same messages (each kept one the very same dict),
+    counts and decision."""
+    assert a.messages == b.messages
+    sent = sorted(a.kept + a.shortened)
+    assert all(x is y for i, x, y in zip(sent, a.messages, b.messages) if i in a.kept)
+    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision) == \
+        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision)
+
+
 def frozen(chat: list[dict[str, Any]]) -> str:
     """A snapshot to prove the input was not mutated."""
     return json.dumps(copy.deepcopy(chat), sort_keys=True, default=str)

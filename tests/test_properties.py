@@ -30,7 +30,7 @@ from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
 from contextwarden.trim import SHORTENED_MARK
 
-from chats import check_contract, frozen
+from chats import assert_same_trim, check_contract, frozen
 
 CI_EXAMPLES = 1_000
 settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -357,9 +357,7 @@ def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, ch
     previous = TrimDecision.from_json(first.decision.to_json())
     fast = trim_messages(later, previous=previous, **options)
     full = trim_messages(later, previous=replace(previous, seen=0), **options)
-    assert fast.messages == full.messages  # the kept ones the same dicts: check_contract
-    assert (fast.kept, fast.dropped, fast.shortened, fast.tokens_before, fast.tokens_after, fast.reused, fast.decision) \
-        == (full.kept, full.dropped, full.shortened, full.tokens_before, full.tokens_after, full.reused, full.decision)
+    assert_same_trim(fast, full)
     check_contract(later, fast, counter, model)
     event("reused" if fast.reused else "selected anew")
 

@@ -14,7 +14,7 @@ from contextwarden.selection import choose_indices, message_fingerprint, reuse_p
 from contextwarden.tokens import TokenCounter
 
 from chatgen import random_chat
-from chats import check_contract, frozen
+from chats import assert_same_trim, check_contract, frozen
 
 MODEL = "gpt-4o"
 TOPICS = ["garden tomatoes", "kernel compile", "violin lessons", "tax return", "marathon training",
@@ -313,12 +313,6 @@ def _next_turn(counter, chat, budget, extra):
     return first, grown, TrimDecision.from_json(first.decision.to_json())
 
 
-def _same_result(a, b) -> None:
-    assert [id(m) for m in a.messages] == [id(m) for m in b.messages]
-    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision) == \
-        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision)
-
-
 def test_next_turn_reads_only_what_it_sends_and_what_is_new():
     spy = SpyCounter()
     chat = topic_chat(40, "marathon training plan?")
@@ -332,7 +326,7 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
     assert not any(id(grown[i]["content"]) in asked for i in result.dropped), "a dropped message was counted"
     assert result.tokens_before == spy.count_messages(grown, MODEL)
     # The full path (no size figures in the decision) makes the very same choice.
-    _same_result(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0)))
+    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0)))
     check_contract(grown, result, spy, MODEL)
 
 
@@ -344,7 +338,7 @@ def test_next_turn_shortcut_declines_when_the_history_changed(counter):
     grown[dropped]["content"] += " (edited)"
     result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
     assert result.reused and result.tokens_before == counter.count_messages(grown, MODEL)
-    _same_result(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)))
+    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)))
     # Another encoding counts (the model changed): the old figures are not used either.
     gpt4 = trim_messages(grown, max_tokens=900, model="gpt-4", token_counter=counter, previous=previous)
     assert gpt4.tokens_before == counter.count_messages(grown, "gpt-4")

@@ -525,7 +525,10 @@ class Filter:
         key = (valves_key(self.valves), valves_key(user_valves))
         if None in key:
             return read_settings(self.valves, user_valves)
-        read = self._settings_memo.get(key)
+        try:
+            read = self._settings_memo.get(key)
+        except TypeError:  # a valve value that cannot be hashed: read every time
+            return read_settings(self.valves, user_valves)
         if read is None:
             read = read_settings(self.valves, user_valves)
             if len(self._settings_memo) >= SETTINGS_MEMO_SIZE:

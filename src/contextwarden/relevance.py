@@ -17,8 +17,7 @@ recently used out first: about 9 bytes an entry plus ~400 bytes a message, so at
 (measured: 15.5k short messages holding 1M entries retain 15 MiB). Terms are interned: a word
 met in many messages is stored once. Two word -> term memos (folded, plain) hold at most
 `TERM_MEMO_SIZE` (16,384) words of up to `TERM_MEMO_CHARS` (40) bytes each (numbers of more
-than three digits are not kept), and two more of the same size memoise `relevance_terms`
-word by word (under 3 MiB each).
+than three digits are not kept; under 3 MiB each).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import chain, repeat
 from operator import mul
 
@@ -132,16 +130,6 @@ def _word_term(piece: str, fold: bool) -> str:
     return sys.intern(_fold_suffix(piece) if fold else piece)
 
 
-@lru_cache(maxsize=TERM_MEMO_SIZE)
-def _folded_term(piece: str) -> str:
-    return _word_term(piece, True)
-
-
-@lru_cache(maxsize=TERM_MEMO_SIZE)
-def _plain_term(piece: str) -> str:
-    return _word_term(piece, False)
-
-
 def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
     """The search terms of a text: lower-cased words and numbers without stop words; runs
     of CJK characters as overlapping character pairs. Each word (a run between ASCII
@@ -161,7 +149,6 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
 def _lowered_terms(lowered: str, fold: bool) -> list[str]:
     """`relevance_terms` of a text already lower-cased."""
     terms: list[str] = []
-    word_term = _folded_term if fold else _plain_term
     for piece in _TERM_PIECES.findall(lowered):
         first = piece[0]
         if not first.isascii() and _is_cjk(first):
@@ -170,7 +157,7 @@ def _lowered_terms(lowered: str, fold: bool) -> list[str]:
             else:
                 terms.extend(piece[k : k + 2] for k in range(len(piece) - 1))
             continue
-        term = word_term(piece) if len(piece) <= TERM_MEMO_CHARS else _word_term(piece, fold)
+        term = _word_term(piece, fold)
         if term:
             terms.append(term)
     return terms

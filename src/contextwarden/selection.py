@@ -81,6 +81,16 @@ class TrimDecision:
     seen_chars: int = -1
     counted_with: str = ""
 
+    def __post_init__(self) -> None:
+        """Positions that cannot be right (not one ascending int per kept message) are dropped,
+        and the size figures with them: they only ever cost the fast path."""
+        at = self.at
+        if at and (len(at) != len(self.kept) or not all(type(i) is int and i >= 0 for i in at)
+                   or any(a >= b for a, b in zip(at, at[1:]))):
+            object.__setattr__(self, "at", ())
+        if not self.at and self.seen:
+            object.__setattr__(self, "seen", 0)
+
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
         return json.dumps(
@@ -101,12 +111,9 @@ class TrimDecision:
             if not all(isinstance(k, str) for k in kept):
                 raise ValueError("kept must be strings")
             at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
-            if at and (len(at) != len(kept) or not all(type(i) is int and i >= 0 for i in at)
-                       or any(a >= b for a, b in zip(at, at[1:]))):
-                at = ()  # unusable positions only cost the fast path
             seen = data.get("seen")  # absent in decisions written before the chat's size was kept
             if not (isinstance(seen, list) and len(seen) == 4 and all(type(x) is int for x in seen[:3])
-                    and isinstance(seen[3], str)) or not at:
+                    and isinstance(seen[3], str)):
                 seen = [0, 0, -1, ""]
             return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at, *seen)
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
@@ -471,7 +478,7 @@ def extend_previous(
         [0, 2, 3, 4]
     """
     at = previous.at
-    if not at or at[-1] >= len(messages) or not all(fingerprints[i] == kept for i, kept in zip(at, previous.kept)):
+    if not _kept_in_place(previous, fingerprints):
         return None
     start = next((i for i in reversed(at) if messages[i].get("role") != "tool"), None)
     if start is None:
@@ -514,10 +521,8 @@ def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[
     in-order match among all non-system messages.
     """
     wanted = previous.kept
-    at = previous.at
-    if at and at[-1] < len(fingerprints) and all(a < b for a, b in zip(at, at[1:])) and system.isdisjoint(at):
-        if all(fingerprints[i] == kept for i, kept in zip(at, wanted)):
-            return list(at)
+    if system.isdisjoint(previous.at) and _kept_in_place(previous, fingerprints):
+        return list(previous.at)
     matched: list[int] = []
     k = 0
     for index in range(len(fingerprints)):
@@ -527,3 +532,9 @@ def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[
             matched.append(index)
             k += 1
     return matched if k == len(wanted) else None
+
+
+def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
+    """The previous turn's kept messages are all still at the positions it recorded."""
+    at = previous.at
+    return bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -211,9 +211,9 @@ def _parse_globs(text: str, valve: str) -> tuple[str, ...]:
     return tuple(i.strip() for i in items if i.strip())
 
 
-def valves_key(valves: object | None) -> tuple:
-    """A hashable snapshot of a valves object's values (`()` for None), or None when a value is
-    not hashable or the object keeps no `__dict__`.
+def valves_key(valves: object | None) -> tuple | None:
+    """A snapshot of a valves object's values (`()` for None; hashable unless a value is not),
+    or None when the object keeps no `__dict__`.
 
     Example:
         >>> valves_key(Valves()) == valves_key(Valves()), valves_key(Valves()) == valves_key(Valves(mode="shadow"))
@@ -222,11 +222,9 @@ def valves_key(valves: object | None) -> tuple:
     if valves is None:
         return ()
     try:
-        key = (type(valves), tuple(vars(valves).items()))
-        hash(key)
+        return (type(valves), tuple(vars(valves).items()))
     except TypeError:
         return None
-    return key
 
 
 def read_settings(valves: object, user_valves: object | None = None) -> tuple[Settings, list[ConfigError]]:
@@ -284,10 +282,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(
             ConfigError(f"allowed_user_flags: unknown flag {', '.join(unknown)} (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
         )
-    strategy = take(valves, "strategy", "relevance").strip().lower()
-    if strategy not in STRATEGIES:
-        problems.append(ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}; using relevance", valve="strategy"))
-        strategy = "relevance"
+    strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
     keep = take(valves, "keep_last_turns", 1)
     if keep < 1:
         problems.append(ConfigError("keep_last_turns must be 1 or more; using 1", valve="keep_last_turns"))
@@ -305,10 +300,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
         ttl_hours = DEFAULT_STATE_TTL_HOURS
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
-    mode = take(valves, "mode", "enforce").strip().lower()
-    if mode not in MODES:
-        problems.append(ConfigError(f"mode must be one of {', '.join(MODES)}; using {FALLBACK_MODE} (chats are sent unchanged)", valve="mode"))
-        mode = FALLBACK_MODE
+    mode = _one_of(take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)")
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -335,6 +327,15 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         mode=mode,
     )
     return settings, problems
+
+
+def _one_of(value: str, valve: str, choices: tuple[str, ...], fallback: str, problems: list[ConfigError], consequence: str = "") -> Any:
+    """`value` as one of `choices` (spaces and case ignored); else `fallback`, with the problem named."""
+    value = value.strip().lower()
+    if value in choices:
+        return value
+    problems.append(ConfigError(f"{valve} must be one of {', '.join(choices)}; using {fallback}{consequence}", valve=valve))
+    return fallback
 
 
 def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError]) -> SummaryConfig | None:
