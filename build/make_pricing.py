@@ -4,7 +4,7 @@ Needs the package's dependencies (run it with the dev venv). Usage (from the rep
 
     python build/make_pricing.py [DUMP.json] [--source-date YYYY-MM-DD] [--check]
 
-DUMP defaults to ../shared/fixtures/openrouter_models_2026-08.json (a saved response of
+DUMP defaults to tests/fixtures/openrouter_models_2026-08.json (a saved response of
 GET https://openrouter.ai/api/v1/models). Output is deterministic: same dump, same bytes.
 
 Rules (those of `contextwarden.pricing`, which reads the dump; the same apply to live payloads):
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 
 from contextwarden.errors import PricingError  # noqa: E402  (after the path above)
 from contextwarden.pricing import PriceBook  # noqa: E402
-DEFAULT_DUMP = REPO_ROOT / ".." / "shared" / "fixtures" / "openrouter_models_2026-08.json"
+DEFAULT_DUMP = REPO_ROOT / "tests" / "fixtures" / "openrouter_models_2026-08.json"
 DEFAULT_JSON_OUT = REPO_ROOT / "pricing.json"
 DEFAULT_PY_OUT = REPO_ROOT / "src" / "contextwarden" / "price_data.py"
 SOURCE_URL = "https://openrouter.ai/api/v1/models"
