@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from contextwarden.cli import main
 
@@ -52,3 +55,54 @@ def test_build_check_via_command():
     run = subprocess.run([sys.executable, "-m", "contextwarden.cli", "build", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "up to date" in run.stdout
+
+
+def _trim_error(tmp_path, capsys, text: str | None, *extra: str) -> str:
+    """The error line of `trim` on a chat file holding `text` (None: the example chat)."""
+    path = EXAMPLE
+    if text is not None:
+        path = tmp_path / "chat.json"
+        path.write_text(text)
+    assert main(["trim", str(path), "--max-tokens", "2000", *extra]) == 2
+    return capsys.readouterr().err
+
+
+def test_trim_names_the_file_and_the_line_of_invalid_json(tmp_path, capsys):
+    err = _trim_error(tmp_path, capsys, '{"messages": [\n  {"role": "user",}\n]}')
+    assert "chat.json" in err and "line 2" in err and "Traceback" not in err
+
+
+def test_trim_refuses_a_file_without_messages(tmp_path, capsys):
+    assert "no \"messages\" list" in _trim_error(tmp_path, capsys, '{"foo": 1}')
+    assert "a list of messages" in _trim_error(tmp_path, capsys, "null")
+    assert "message 1 is not an object" in _trim_error(tmp_path, capsys, '[{"role": "user", "content": "hi"}, 3]')
+
+
+def test_trim_names_the_option_that_is_wrong(tmp_path, capsys):
+    assert "--calibration" in _trim_error(tmp_path, capsys, None, "--calibration", "-1")
+    assert "--calibration" in _trim_error(tmp_path, capsys, None, "--calibration", "0")
+    err = _trim_error(tmp_path, capsys, None, "--pin", "99")
+    assert "--pin 99" in err and "22 messages" in err
+    assert "--keep-last-turns" in _trim_error(tmp_path, capsys, None, "--keep-last-turns", "0")
+    err = _trim_error(tmp_path, capsys, None, "--reserve", "2000")
+    assert "--reserve 2000" in err
+
+
+def test_version_flag(capsys):
+    import contextwarden
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"contextwarden {contextwarden.__version__}"
+
+
+def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
+    """The command's own message only: no library warning leaks through logging's last resort."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    run = subprocess.run([sys.executable, "-m", "contextwarden.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith("contextwarden usage:")

@@ -12,6 +12,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from . import __version__
+from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
 from .conversation import message_text
 from .errors import ConfigError
 from .explain import Explanation, explain_trim
@@ -26,12 +28,47 @@ from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, trim_
 __all__ = ["main"]
 
 
+class InputError(ValueError):
+    """A chat file or an option the command cannot use; the text names which."""
+
+
 def _load_chat(path: str) -> tuple[list[dict[str, Any]], str | None]:
     """Messages (and a model id, when given) from a JSON file: a list or `{"messages": [...]}`."""
-    data = json.loads(Path(path).read_text(encoding="utf-8") if path != "-" else sys.stdin.read())
+    name = "stdin" if path == "-" else path
+    try:
+        data = json.loads(sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{name}: not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    model = None
     if isinstance(data, dict):
-        return data.get("messages", []), data.get("model")
-    return data, None
+        if not isinstance(data.get("messages"), list):
+            raise InputError(f'{name}: no "messages" list (expected a list of messages or {{"messages": [...]}})')
+        data, model = data["messages"], data.get("model")
+    if not isinstance(data, list):
+        raise InputError(f"{name}: expected a list of messages or {{\"messages\": [...]}}, found {type(data).__name__}")
+    for index, message in enumerate(data):
+        if not isinstance(message, dict):
+            raise InputError(f"{name}: message {index} is not an object")
+    return data, model if isinstance(model, str) else None
+
+
+def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]) -> int:
+    """The prompt budget the options give; raises InputError naming the option that is wrong."""
+    if args.calibration is not None and not MIN_CALIBRATION <= args.calibration <= MAX_CALIBRATION:
+        raise InputError(f"--calibration must be between {MIN_CALIBRATION:g} and {MAX_CALIBRATION:g} (real / counted tokens)")
+    if args.keep_last_turns < 1:
+        raise InputError("--keep-last-turns must be 1 or more (the current turn is always kept)")
+    for index in args.pin or ():
+        if not 0 <= index < len(messages):
+            raise InputError(f"--pin {index}: the chat has {len(messages):,} messages (0-{len(messages) - 1})")
+    if args.reserve < 0:
+        raise InputError("--reserve must be 0 or more")
+    budget = args.max_tokens - args.reserve
+    if args.calibration:
+        budget = int(budget / args.calibration)
+    if budget <= 0:
+        raise InputError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
+    return budget
 
 
 def _preview(text: str, width: int) -> str:
@@ -94,12 +131,8 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     messages, file_model = _load_chat(args.chat)
     model = args.model or file_model
     seed_tiktoken_cache()
+    budget = _check_trim_options(args, messages)
     counter = TokenCounter(block=True)
-    budget = args.max_tokens - (args.reserve or 0)
-    if args.calibration:
-        budget = int(budget / args.calibration)
-    if budget <= 0:
-        raise ValueError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
     options = {"strategy": args.strategy, "keep_last_turns": args.keep_last_turns, "pinned": args.pin or (),
                "previous": _read_previous(args.previous), "low_watermark": args.low_watermark, "growth_turns": args.growth_turns}
     result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
@@ -218,6 +251,7 @@ def _since_date(text: str) -> date:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `contextwarden` command."""
     parser = argparse.ArgumentParser(prog="contextwarden", description="Keep chats inside a token budget.")
+    parser.add_argument("--version", action="version", version=f"contextwarden {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
