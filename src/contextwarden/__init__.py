@@ -12,6 +12,12 @@ For Open WebUI, paste `open_webui_filter.py` (built from this package) as a Func
 
 __version__ = "0.1.0"
 
+import logging
+
+# A library logs through its own logger and lets the application choose handlers: without one,
+# warnings would reach stderr through logging's last resort (e.g. in the command line).
+logging.getLogger("contextwarden").addHandler(logging.NullHandler())
+
 from .errors import ConfigError, ContextWardenError, PricingError, StoreError
 from .explain import Explanation, explain_trim
 from .filter import Filter
