@@ -133,3 +133,13 @@ def test_unreachable_or_bad_redis_fails(capsys):
     assert code == 2 and "redis_url must start with redis://" in err
     with pytest.raises(SystemExit):
         main(["usage", "--redis-url", "redis://x", "--since", "yesterday"])
+
+
+def test_html_tables_scroll_on_narrow_screens(seeded, capsys, tmp_path):
+    """Below ~800 px the wide tables scroll inside the page instead of being cut off."""
+    path = tmp_path / "report.html"
+    code, _out, _err = run(capsys, "--redis-url", seeded["url"], *seeded["range"], "--html", str(path))
+    page = path.read_text()
+    assert code == 0
+    assert ".scroll{overflow-x:auto" in page
+    assert page.count('<div class="scroll"><table>') == page.count("<table>") == 3

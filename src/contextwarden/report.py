@@ -239,6 +239,7 @@ thead th{border-bottom:2px solid #ccc;background:#fafafa;white-space:normal;vert
 tbody th{text-align:left;font-weight:normal;max-width:360px;overflow:hidden;text-overflow:ellipsis}
 thead th:first-child{text-align:left}tr.total th,tr.total td{font-weight:600;border-top:2px solid #ccc}
 .empty{color:#666}.note{color:#666;font-size:12px}
+.scroll{overflow-x:auto;max-width:100%}
 """
 
 
@@ -269,9 +270,9 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         f"<h1>contextwarden usage</h1><p class=\"sub\">{html.escape(period)} (UTC days)</p>"
         f"<div class=\"cards\">{card_html}</div>"
         f"<h2>Cost per day by model, and savings</h2>{_chart_svg(entries)}"
-        f"<h2>By model</h2>{_html_table(by_model, 'model')}"
-        f"<h2>By user</h2>{_html_table(by_user, 'user')}"
-        f"<h2>By day</h2>{_html_table(by_day, 'day')}"
+        f"<h2>By model</h2><div class=\"scroll\">{_html_table(by_model, 'model')}</div>"
+        f"<h2>By user</h2><div class=\"scroll\">{_html_table(by_user, 'user')}</div>"
+        f"<h2>By day</h2><div class=\"scroll\">{_html_table(by_day, 'day')}</div>"
         "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
         "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
         "add tokens but no cost. Savings (~) are estimates: the tokens trimming removed, corrected by the "
