@@ -13,6 +13,16 @@ required_open_webui_version: 0.10.0
 # Modules, in order: errors, conversation, tokens, relevance, selection, trim, flags, chatstate, store, price_data, pricing, live_prices, price_sources, summarize, usage, savings, status, ledger, calibration, valves, filter.
 
 
+# Audit map (line numbers in this file):
+#   line  5545  the Filter class Open WebUI instantiates (inlet, request, outlet): Filter
+#   line  5927  fail open: any error returns the body, one log line, admins told once: Filter._failed
+#   line  3592  network: OpenRouter's public price list (GET, background refresh): fetch_openrouter_prices
+#   line  3714  network: OpenRouter fetch client (the only place it is opened): LivePrices.refresh
+#   line  4011  network: the optional summary model (POST, admin's summary_base_url): _ask
+#   line  2439  network: Redis (only when the redis_url valve is set): RedisStore.__init__
+#   line  3313  file: the admin's pricing_file valve (read only): PriceBook.from_file
+
+
 from __future__ import annotations
 
 
@@ -58,6 +68,7 @@ import tiktoken
     └── PricingError       a price table could not be loaded or parsed
 """
 
+# from __future__ import annotations  (hoisted to the top)
 
 # exports: ContextWardenError, ConfigError, StoreError, PricingError
 
@@ -93,6 +104,13 @@ A *unit* is what must be kept or dropped whole: one message, or an assistant mes
 everything up to the next user message. Nothing here copies or changes a message.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# from collections.abc import Sequence  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from functools import lru_cache  (hoisted to the top)
+# from itertools import repeat  (hoisted to the top)
+# from typing import Any, Literal  (hoisted to the top)
 
 # exports: Message, UnitKind, Unit, Turn, Conversation, read_conversation, message_text, image_count, tool_call_ids, system_positions
 
@@ -307,6 +325,19 @@ therefore loads encodings in a background thread and, until one is there, counts
 conservative estimator; `mode()` says which it used so the caller can tell the user.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import logging  (hoisted to the top)
+# import re  (hoisted to the top)
+# import threading  (hoisted to the top)
+# import time  (hoisted to the top)
+# from collections import OrderedDict  (hoisted to the top)
+# from collections.abc import Callable, Iterable  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from functools import lru_cache  (hoisted to the top)
+# from typing import Any, Literal  (hoisted to the top)
+
+# import tiktoken  (hoisted to the top)
 
 # from .conversation import Message, image_count, message_text  (bundled above)
 
@@ -622,6 +653,17 @@ met in many messages is stored once. Two word -> term memos (folded, plain) hold
 than three digits are not kept; under 3 MiB each).
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import math  (hoisted to the top)
+# import re  (hoisted to the top)
+# import sys  (hoisted to the top)
+# import threading  (hoisted to the top)
+# from collections import Counter, OrderedDict  (hoisted to the top)
+# from collections.abc import Sequence  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from itertools import chain, repeat  (hoisted to the top)
+# from operator import mul  (hoisted to the top)
 
 # from .conversation import Message, message_text  (bundled above)
 # from .tokens import lru_hit  (bundled above)
@@ -1005,6 +1047,16 @@ under 3 MiB), keyed by a cheap stand-in for the content; the fingerprint itself 
 over canonical JSON, the same in every process.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import hashlib  (hoisted to the top)
+# import json  (hoisted to the top)
+# import threading  (hoisted to the top)
+# from collections import OrderedDict  (hoisted to the top)
+# from collections.abc import Collection, Sequence  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from itertools import repeat  (hoisted to the top)
+# from typing import Literal  (hoisted to the top)
 
 # from .conversation import SYSTEM_ROLES, Conversation, Message, read_conversation, system_positions  (bundled above)
 # from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages  (bundled above)
@@ -1521,6 +1573,11 @@ Composes the core: the conversation view, token counts, the selection, and middl
 shortening of mandatory content that alone is over the budget.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# from collections.abc import Collection, Sequence  (hoisted to the top)
+# from dataclasses import dataclass, field  (hoisted to the top)
+# from itertools import filterfalse, repeat  (hoisted to the top)
 
 # from .conversation import Conversation, Message, read_conversation, system_positions  (bundled above)
 # from .selection import STRATEGIES, Fingerprints, Strategy, TrimDecision, choose_indices, extend_previous, history_chars, mandatory_indices, reuse_previous  (bundled above)
@@ -1897,6 +1954,12 @@ Only the latest user message's flags act; allowed flags are removed from every u
 `!pinned`, `a!b`, a flag in a code span) is ordinary text and stays as it was. Pure: no I/O.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import hashlib  (hoisted to the top)
+# import re  (hoisted to the top)
+# from collections.abc import Collection, Iterable, Sequence  (hoisted to the top)
+# from dataclasses import asdict, dataclass  (hoisted to the top)
 
 # from .conversation import Message, message_text  (bundled above)
 
@@ -2156,6 +2219,11 @@ with the chat id, so one user's state can never be read for another user's chat,
 appears in a Redis key name.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import hashlib  (hoisted to the top)
+# import json  (hoisted to the top)
+# from dataclasses import dataclass, replace  (hoisted to the top)
 
 # from .flags import Flags  (bundled above)
 
@@ -2230,6 +2298,17 @@ and expires. A Redis store that cannot reach its server falls back to an in-proc
 (with one warning) and goes back to Redis once it answers again.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import asyncio  (hoisted to the top)
+# import fnmatch  (hoisted to the top)
+# import logging  (hoisted to the top)
+# import time  (hoisted to the top)
+# from collections import OrderedDict, deque  (hoisted to the top)
+# from collections.abc import Mapping  (hoisted to the top)
+# from typing import Any  (hoisted to the top)
+
+# import redis.asyncio as aioredis  (hoisted to the top)
 
 # from .errors import ConfigError  (bundled above)
 
@@ -2522,6 +2601,7 @@ def open_store(redis_url: str) -> Store:
 # cache_write_1h None = not listed; internal_reasoning None = billed as completion;
 # tiers: (min_prompt_tokens, prompt, completion, cache_read, cache_write, cache_write_1h).
 
+# from __future__ import annotations  (hoisted to the top)
 
 # exports: BUNDLED_PRICES, BUNDLED_PRICES_DATE, BUNDLED_PRICE_COLUMNS
 
@@ -2955,6 +3035,16 @@ resolution of the model ids Open WebUI sees (aliases, connection prefixes, :vari
 dated snapshots, dots vs dashes) to one priced id, or to None with the reason. Pure: no I/O
 but reading a file on request; the network edge is live_prices.py."""
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import fnmatch  (hoisted to the top)
+# import json  (hoisted to the top)
+# import re  (hoisted to the top)
+# from collections.abc import Iterable, Mapping, Sequence  (hoisted to the top)
+# from dataclasses import dataclass, field  (hoisted to the top)
+# from decimal import Decimal, InvalidOperation  (hoisted to the top)
+# from pathlib import Path  (hoisted to the top)
+# from types import MappingProxyType  (hoisted to the top)
 
 # from .errors import ConfigError, PricingError  (bundled above)
 # from .price_data import BUNDLED_PRICES, BUNDLED_PRICES_DATE  (bundled above)
@@ -3476,6 +3566,15 @@ def parse_model_globs(text: str) -> tuple[str, ...]:
 """Live OpenRouter prices: one fetch of the public model list into a PriceBook, and a holder
 that refreshes it in the background (never on the request path) and keeps the last good one."""
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import asyncio  (hoisted to the top)
+# import logging  (hoisted to the top)
+# import time  (hoisted to the top)
+# from collections.abc import Awaitable, Callable  (hoisted to the top)
+# from datetime import datetime, timezone  (hoisted to the top)
+
+# import httpx  (hoisted to the top)
 
 # from .errors import PricingError  (bundled above)
 # from .pricing import PriceBook  (bundled above)
@@ -3658,6 +3757,11 @@ admin's pricing file (re-read when it changes), and caches their layering. With 
 `store.add`, fetches and publishes it; the others wait briefly and take the published table.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import asyncio  (hoisted to the top)
+# import os  (hoisted to the top)
+# from collections.abc import Callable  (hoisted to the top)
 
 # from .errors import ConfigError, PricingError  (bundled above)
 # from .live_prices import LivePrices  (bundled above)
@@ -3791,6 +3895,16 @@ it, and when it still does not fit, or the call fails or times out, the trim goe
 it. The API key never reaches a log line, a status or an exception message.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import asyncio  (hoisted to the top)
+# import hashlib  (hoisted to the top)
+# import json  (hoisted to the top)
+# import logging  (hoisted to the top)
+# from collections.abc import Callable, Sequence  (hoisted to the top)
+# from dataclasses import dataclass, field  (hoisted to the top)
+
+# import httpx  (hoisted to the top)
 
 # from .conversation import SYSTEM_ROLES, Message, message_text, system_positions  (bundled above)
 # from .store import Store  (bundled above)
@@ -3991,6 +4105,11 @@ async def summarize_trim(
 """Usage and cost of one reply: the real token counts in an Open WebUI outlet message, read
 for every backend shape (missing = unknown, never 0), and their price in Decimal USD."""
 
+# from __future__ import annotations  (hoisted to the top)
+
+# from collections.abc import Mapping  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from decimal import Decimal, InvalidOperation, localcontext  (hoisted to the top)
 
 # from .pricing import ModelPrice  (bundled above)
 
@@ -4314,6 +4433,11 @@ trimmed prompt (each at the price tier its size reaches), as if nothing were cac
 the filter passes the numbers in and carries the result to the outlet in `__metadata__`.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# from collections.abc import Mapping  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from decimal import ROUND_HALF_EVEN, Decimal  (hoisted to the top)
 
 # from .pricing import ModelPrice  (bundled above)
 
@@ -4401,6 +4525,10 @@ def carried_savings(note: Mapping, message_count: int, *, chained: bool) -> tupl
 what the reply cost. Pure formatting of numbers the filter computed; no message text.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# from dataclasses import dataclass  (hoisted to the top)
+# from decimal import ROUND_HALF_UP, Decimal  (hoisted to the top)
 
 # from .conversation import Message  (bundled above)
 # from .flags import Flags  (bundled above)
@@ -4543,6 +4671,15 @@ would have saved (`shadow_*`: the chat went out whole, nothing was saved). Sever
 keeps its own totals. Query helpers add the keys up by user, model or day.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import uuid  (hoisted to the top)
+# from collections.abc import Iterable  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from datetime import date, datetime, timezone  (hoisted to the top)
+# from decimal import ROUND_HALF_EVEN, Decimal  (hoisted to the top)
+# from typing import Literal  (hoisted to the top)
+# from urllib.parse import quote, unquote  (hoisted to the top)
 
 # from .store import Store  (bundled above)
 
@@ -4768,6 +4905,11 @@ the mean of the first samples, then an exponential moving average, clamped to
 budget by the factor; counts themselves stay pure (tokens.py never sees it).
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import json  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from urllib.parse import quote  (hoisted to the top)
 
 # from .store import Store  (bundled above)
 
@@ -4873,6 +5015,13 @@ Valves are parsed once per call into a frozen `Settings`; problems are collected
 `ConfigError`s naming the valve, so the filter can report them and go on.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import json  (hoisted to the top)
+# from dataclasses import dataclass  (hoisted to the top)
+# from typing import Any, Literal  (hoisted to the top)
+
+# from pydantic import BaseModel, Field  (hoisted to the top)
 
 # from .errors import ConfigError  (bundled above)
 # from .ledger import DEFAULT_LEDGER_RETENTION_DAYS  (bundled above)
@@ -5236,6 +5385,16 @@ One instance serves every user of a worker: per-request values live in locals an
 Every hook fails open: on any internal error the body goes on as it came.
 """
 
+# from __future__ import annotations  (hoisted to the top)
+
+# import json  (hoisted to the top)
+# import logging  (hoisted to the top)
+# import traceback  (hoisted to the top)
+# from collections.abc import Awaitable, Callable, Sequence  (hoisted to the top)
+# from dataclasses import replace  (hoisted to the top)
+# from decimal import Decimal  (hoisted to the top)
+# from itertools import repeat  (hoisted to the top)
+# from typing import Any  (hoisted to the top)
 
 # from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration  (bundled above)
 # from .chatstate import ChatState, chat_state_key  (bundled above)

@@ -1,8 +1,10 @@
 """Build `open_webui_filter.py`, the single file an admin pastes into Open WebUI.
 
 Concatenates the modules of `src/contextwarden/` in a fixed order, each framed by banners.
-Standard-library and allowed third-party imports are hoisted into one block at the top;
-intra-package imports stay as comments where they were. The output depends only on the
+Standard-library and allowed third-party imports are hoisted into one block at the top and
+stay as comments where they were, as do intra-package imports. An audit map at the top gives
+the line of the Filter class and of every place that reaches outside the process (network,
+files); the build fails when such a place is not in the map. The output depends only on the
 sources (no timestamps), so `--check` can tell a stale committed file.
 
     python build/bundle.py            # write open_webui_filter.py
@@ -52,6 +54,21 @@ MODULES = [
 ]
 # What Open WebUI itself ships besides the standard library.
 ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
+
+# The audit map at the top of the file: where to read first, and every place that reaches
+# outside the process. Each entry is (what, "module.qualname"). The bundler fails when a
+# network or file access appears outside the places listed here, so the map stays true.
+AUDIT = [
+    ("the Filter class Open WebUI instantiates (inlet, request, outlet)", "filter.Filter"),
+    ("fail open: any error returns the body, one log line, admins told once", "filter.Filter._failed"),
+    ("network: OpenRouter's public price list (GET, background refresh)", "live_prices.fetch_openrouter_prices"),
+    ("network: OpenRouter fetch client (the only place it is opened)", "live_prices.LivePrices.refresh"),
+    ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
+    ("network: Redis (only when the redis_url valve is set)", "store.RedisStore.__init__"),
+    ("file: the admin's pricing_file valve (read only)", "pricing.PriceBook.from_file"),
+]
+# What counts as reaching outside: opening an HTTP client or a Redis connection, reading a file.
+OUTSIDE = re.compile(r"httpx\.(?:Async)?Client\(|aioredis\.\w+\(|\.from_url\(|\bopen\(|\.read_(?:text|bytes)\(")
 
 FRONTMATTER = {
     "title": "contextwarden",
@@ -118,7 +135,7 @@ def _bundle_module(name: str, source: str, seen: list[str], hoisted: dict[tuple[
             elif node.module != "__future__":
                 names = hoisted.setdefault(("from", node.module), set())
                 names.update(f"{a.name} as {a.asname}" if a.asname else a.name for a in node.names)
-            take(node, [])
+            take(node, [f"# {ast.unparse(node)}  (hoisted to the top)"])
         elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             exported = ", ".join(ast.literal_eval(node.value))
             take(node, [f"# exports: {exported}"])
@@ -149,6 +166,51 @@ def _import_block(hoisted: dict[tuple[str, str], set]) -> tuple[str, str]:
     return "\n".join(blocks[True]), "\n".join(blocks[False])
 
 
+def _import_bindings(hoisted: dict[tuple[str, str], set]) -> dict[str, str]:
+    """Each name the hoisted imports bind at the top, mapped to the import that binds it."""
+    bound: dict[str, str] = {}
+    for (kind, module), names in sorted(hoisted.items(), key=str):
+        for entry in sorted(names, key=str):
+            if kind == "import":
+                name, statement = entry or module.split(".")[0], f"import {module}" + (f" as {entry}" if entry else "")
+            else:
+                name, statement = entry.split(" as ")[-1], f"from {module} import {entry}"
+            if bound.get(name, statement) != statement:
+                raise BundleError(f"name collision: {name!r} is bound by {bound[name]!r} and {statement!r}")
+            bound[name] = statement
+    return bound
+
+
+def _spans(tree: ast.Module) -> dict[str, tuple[int, int]]:
+    """(first, last) line of each top-level function and class and of each method, by qualname."""
+    spans: dict[str, tuple[int, int]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            spans[node.name] = (node.lineno, node.end_lineno or node.lineno)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        spans[f"{node.name}.{item.name}"] = (item.lineno, item.end_lineno or item.lineno)
+    return spans
+
+
+def _audit_map(text: str) -> list[str]:
+    """The map's lines for this text; raises when a listed place is gone or an unlisted one reaches out."""
+    spans = _spans(ast.parse(text))
+    lines = ["# Audit map (line numbers in this file):"]
+    for what, target in AUDIT:
+        qualname = target.split(".", 1)[1]
+        if qualname not in spans:
+            raise BundleError(f"audit map: {target} is not defined (update AUDIT in build/bundle.py)")
+        lines.append(f"#   line {spans[qualname][0]:>5}  {what}: {qualname}")
+    listed = [spans[t.split(".", 1)[1]] for _w, t in AUDIT]
+    for number, line in enumerate(text.splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if OUTSIDE.search(code) and not any(first <= number <= last for first, last in listed):
+            raise BundleError(f"audit map: line {number} reaches outside the process but is not listed in AUDIT: {line.strip()}")
+    return lines
+
+
 def build() -> str:
     """The bundle's full text."""
     sources = {name: (PACKAGE / f"{name}.py").read_text(encoding="utf-8") for name in MODULES}
@@ -167,21 +229,31 @@ def build() -> str:
         seen.append(name)
     if "class Filter" not in bodies[-1]:
         raise BundleError("the last module must define class Filter")
+    for name, statement in _import_bindings(hoisted).items():
+        if name in owners:
+            raise BundleError(f"name collision: {name!r} is defined in {owners[name]}.py and bound by {statement!r}")
 
     front = {"title": FRONTMATTER["title"], "author": FRONTMATTER["author"], "version": _version()}
     front.update({k: v for k, v in FRONTMATTER.items() if k not in front})
     stdlib, third = _import_block(hoisted)
-    parts = [
-        '"""\n' + "\n".join(f"{k}: {v}" for k, v in front.items()) + '\n"""',
-        "# Generated by build/bundle.py from src/contextwarden/ "
-        f"(contextwarden {_version()}, source sha256 {digest}).\n"
-        "# Do not edit: change src/contextwarden/ and run `python build/bundle.py`.\n"
-        "# Modules, in order: " + ", ".join(MODULES) + ".",
-        "from __future__ import annotations",
-        stdlib + "\n\n" + third,
-        *bodies,
-    ]
-    text = "\n\n\n".join(parts) + "\n"
+
+    def assemble(audit: list[str]) -> str:
+        parts = [
+            '"""\n' + "\n".join(f"{k}: {v}" for k, v in front.items()) + '\n"""',
+            "# Generated by build/bundle.py from src/contextwarden/ "
+            f"(contextwarden {_version()}, source sha256 {digest}).\n"
+            "# Do not edit: change src/contextwarden/ and run `python build/bundle.py`.\n"
+            "# Modules, in order: " + ", ".join(MODULES) + ".",
+            "\n".join(audit),
+            "from __future__ import annotations",
+            stdlib + "\n\n" + third,
+            *bodies,
+        ]
+        return "\n\n\n".join(parts) + "\n"
+
+    # The map has one line per entry whatever its numbers, so numbering a draft is exact.
+    draft = assemble(["#"] * (len(AUDIT) + 1))
+    text = assemble(_audit_map(draft))
     if re.search(r"^\s*from \.", text, re.M):
         raise BundleError("a relative import survived bundling")
     compile(text, str(OUTPUT), "exec")

@@ -39,26 +39,53 @@ def test_bundle_reads_like_source():
         assert marker not in text
 
 
-def test_bundle_fails_on_name_collision(tmp_path):
+def _build_with_appended(tmp_path: Path, module: str, code: str) -> str:
+    """What build() says after `code` is appended to a copy of one source module."""
     script = textwrap.dedent(
         f"""
-        import sys
+        import shutil, sys
+        from pathlib import Path
         sys.path.insert(0, {str(ROOT / 'build')!r})
         import bundle
-        original = bundle.PACKAGE
-        import shutil
-        shutil.copytree(original, {str(tmp_path / 'pkg')!r})
-        bundle.PACKAGE = __import__('pathlib').Path({str(tmp_path / 'pkg')!r})
-        with open(bundle.PACKAGE / 'usage.py', 'a') as f:
-            f.write('\\n\\ndef read_settings():\\n    pass\\n')
+        shutil.copytree(bundle.PACKAGE, {str(tmp_path / 'pkg')!r})
+        bundle.PACKAGE = Path({str(tmp_path / 'pkg')!r})
+        with open(bundle.PACKAGE / {module + '.py'!r}, 'a') as f:
+            f.write({code!r})
         try:
             bundle.build()
+            print('BUILT')
         except bundle.BundleError as e:
             print('ERR', e)
         """
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert "ERR name collision: 'read_settings'" in run.stdout, run.stderr
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_bundle_fails_on_name_collision(tmp_path):
+    out = _build_with_appended(tmp_path, "usage", "\n\ndef read_settings():\n    pass\n")
+    assert "ERR name collision: 'read_settings'" in out
+
+
+def test_bundle_fails_when_a_name_shadows_a_hoisted_import(tmp_path):
+    out = _build_with_appended(tmp_path, "usage", "\n\ndef replace():\n    pass\n")  # dataclasses.replace
+    assert "ERR name collision: 'replace'" in out and "from dataclasses import" in out
+
+
+def test_audit_map_points_at_what_it_names():
+    lines = BUNDLE.read_text().splitlines()
+    entries = [line for line in lines[:40] if line.startswith("#   line ")]
+    assert len(entries) >= 6
+    for entry in entries:
+        number, qualname = int(entry.split()[2]), entry.rsplit(": ", 1)[1]
+        name = qualname.rsplit(".", 1)[-1]
+        assert lines[number - 1].lstrip().startswith((f"def {name}(", f"async def {name}(", f"class {name}")), entry
+
+
+def test_audit_map_refuses_an_unlisted_network_call(tmp_path):
+    out = _build_with_appended(tmp_path, "usage", "\n\nasync def _sneaky():\n    return httpx.AsyncClient()\n")
+    assert "ERR audit map: line" in out and "not listed in AUDIT" in out
 
 
 LOADER = textwrap.dedent(
