@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import sys
 import time
@@ -92,11 +93,50 @@ def conversation_chat(sample: dict) -> tuple[list[dict], dict[str, int]]:
     return chat, where
 
 
-def load_cases(path: Path) -> list[dict]:
+# Exchanges merged into one block of the reshaped chats: mostly short, some long.
+RESHAPE_BLOCK_SIZES = (1, 1, 2, 3, 5)
+
+
+def reshaped_chat(sample: dict) -> tuple[list[dict], dict[str, int]]:
+    """The same conversation shaped like chats people type, and dia_id -> message index.
+
+    No session headers and no "Name:" prefixes; runs of 1-5 consecutive exchanges (seeded by
+    the sample id) merged into one multi-line message per speaker, so messages vary from one
+    line to ten and evidence often sits inside a long message. A second dev set for rules
+    that must hold on conversations unlike LoCoMo's one-line turns.
+    """
+    conv = sample["conversation"]
+    roles = {conv["speaker_a"]: "user", conv["speaker_b"]: "assistant"}
+    sessions = sorted(int(k.split("_")[1]) for k in conv if re.fullmatch(r"session_\d+", k) and conv[k])
+    turns = [turn for number in sessions for turn in conv[f"session_{number}"]]
+    rng = random.Random(sample.get("sample_id", ""))
+    chat: list[dict] = []
+    where: dict[str, int] = {}
+    start = 0
+    while start < len(turns):
+        block = turns[start : start + 2 * rng.choice(RESHAPE_BLOCK_SIZES)]
+        start += len(block)
+        lines: dict[str, list[str]] = {}
+        ids: dict[str, list[str]] = {}
+        for turn in block:
+            role = roles.get(turn["speaker"], "assistant")
+            caption = f" [shares an image: {turn['blip_caption']}]" if turn.get("blip_caption") else ""
+            lines.setdefault(role, []).append(turn["text"] + caption)
+            ids.setdefault(role, []).append(turn["dia_id"])
+        for role, text in lines.items():  # in the order the speakers first spoke
+            where.update(dict.fromkeys(ids[role], len(chat)))
+            chat.append({"role": role, "content": "\n".join(text)})
+    return chat, where
+
+
+SHAPES = {"locomo": conversation_chat, "reshaped": reshaped_chat}
+
+
+def load_cases(path: Path, shape: str = "locomo") -> list[dict]:
     """One case per QA item with resolvable evidence: chat, question, evidence indices."""
     cases = []
     for sample in json.loads(path.read_text()):
-        chat, where = conversation_chat(sample)
+        chat, where = SHAPES[shape](sample)
         for qa in sample["qa"]:
             ids = [d for e in qa.get("evidence", []) for d in re.split(r"[;,\s]+", str(e)) if d]
             evidence = sorted({where[d] for d in ids if d in where})
@@ -148,13 +188,43 @@ def bm25_baseline(counts: list[Counter], question: list[str], costs: list[int], 
 # -- the run -------------------------------------------------------------------------------
 
 
-def run(path: Path, quick: bool) -> dict:
+def sentence_embedder(model_dir: str, texts: list[str]):
+    """An `embed` function for `trim_messages` from a local sentence-transformers model.
+
+    Every text is embedded once, up front, in batches (vectors kept in bench/.cache by the
+    texts' hash, so later runs skip it); the function then looks vectors up.
+    """
+    import numpy as np  # the Open WebUI venv has numpy, torch and sentence-transformers
+    from sentence_transformers import SentenceTransformer
+
+    from contextwarden.semantic import embed_text
+
+    wanted = sorted({embed_text({"content": t}) for t in texts})
+    digest = hashlib.sha256(("\x00".join(wanted) + model_dir).encode()).hexdigest()[:16]
+    cache = ROOT / "bench" / ".cache" / f"vectors-{digest}.npy"
+    if cache.exists():
+        matrix = np.load(cache)
+    else:
+        model = SentenceTransformer(model_dir, device="cpu")
+        matrix = model.encode(wanted, batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, matrix)
+    table = {text: row.tolist() for text, row in zip(wanted, matrix)}
+    return lambda batch: [table[text] for text in batch]
+
+
+def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None = None) -> dict:
     counter = TokenCounter(block=True)
     assert counter.wait_ready(MODEL)
-    cases = load_cases(path)
+    cases = load_cases(path, shape)
     if quick:
         cases = cases[::3]
     methods = ["contextwarden", "most recent", "BM25", *ABLATIONS]
+    embed = None
+    if embed_model:
+        texts = {m["content"] for c in cases for m in c["chat"]} | {c["question"] for c in cases}
+        embed = sentence_embedder(embed_model, sorted(texts))
+        methods.insert(1, "contextwarden + embedder")
     hits: dict[tuple[str, int, int], list[tuple[float, bool]]] = {}
     plain_cache: dict[int, tuple[list[list[str]], list[int]]] = {}
     mismatches = 0
@@ -173,8 +243,13 @@ def run(path: Path, quick: bool) -> dict:
         for budget in BUDGETS:
             room = budget - TOKENS_PER_REPLY - costs[q]
             result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
+            if embed is not None:
+                semantic = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0,
+                                         embed=embed)
+                assert not semantic.notes, semantic.notes
             picks = {
                 "contextwarden": set(result.kept),
+                **({"contextwarden + embedder": set(semantic.kept)} if embed is not None else {}),
                 "most recent": recent_baseline(history_costs, room),
                 "BM25": bm25_baseline(texts, _plain_terms(case["question"]), history_costs, room),
             }
@@ -211,8 +286,11 @@ def summarize(hits: dict, methods: list[str]) -> dict:
 
 def markdown(table: dict, meta: dict) -> str:
     lines = [
-        "# Selection quality on LoCoMo (dev half)",
+        f"# Selection quality on LoCoMo (dev half){' reshaped' if meta['shape'] == 'reshaped' else ''}",
         "",
+        *(["Chats reshaped by `reshaped_chat`: no session headers or speaker names, runs of 1-5 exchanges",
+           "merged into one multi-line message per speaker (a second dev set unlike LoCoMo's one-line turns).", ""]
+          if meta["shape"] == "reshaped" else []),
         "Generated by `bench/quality.py`. Data: LoCoMo by Maharana et al., ACL 2024,",
         "snap-research/locomo, CC BY-NC 4.0 (non-commercial); these numbers are under the same terms.",
         "",
@@ -220,6 +298,7 @@ def markdown(table: dict, meta: dict) -> str:
         f"- contextwarden {meta['version']}, tiktoken {meta['tiktoken']}, Python {meta['python']}, {meta['machine']}",
         f"- token counts: cl100k_base + 4 per message; the budget includes the question and reply priming; "
         f"contextwarden runs with `low_watermark=1.0` (fill the budget); run took {meta['seconds']:.0f} s",
+        *([f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into relevance's base signal"] if meta.get('embedder') else []),
         "",
         "## All evidence kept, categories 1-4 (recall in brackets)",
         "",
@@ -246,11 +325,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA), help="locomo_dev.json")
     parser.add_argument("--quick", action="store_true", help="every third case, no files written")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="locomo",
+                        help="locomo: one message a turn with session headers (default); reshaped: see reshaped_chat")
+    parser.add_argument("--embed-model", metavar="DIR",
+                        help="a sentence-transformers model folder (e.g. all-MiniLM-L6-v2): adds 'contextwarden + embedder'")
     args = parser.parse_args()
     seed_tiktoken_cache()
     path = Path(args.data)
     started = time.perf_counter()
-    out = run(path, args.quick)
+    out = run(path, args.quick, args.shape, args.embed_model)
     table = summarize(out["hits"], out["methods"])
     meta = {
         "cases": out["cases"],
@@ -261,6 +344,8 @@ def main() -> None:
         "python": platform.python_version(),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "seconds": time.perf_counter() - started,
+        "shape": args.shape,
+        "embedder": Path(args.embed_model).name if args.embed_model else None,
     }
     text = markdown(table, meta)
     print(text)
@@ -269,8 +354,9 @@ def main() -> None:
         return
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "quality.md").write_text(text)
-    (results / "quality.json").write_text(json.dumps({"meta": meta, "table": table}, indent=1) + "\n")
+    name = "quality" if args.shape == "locomo" else f"quality-{args.shape}"
+    (results / f"{name}.md").write_text(text)
+    (results / f"{name}.json").write_text(json.dumps({"meta": meta, "table": table}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
