@@ -33,6 +33,7 @@ MODULES = [
     "errors",
     "conversation",
     "tokens",
+    "semantic",
     "relevance",
     "selection",
     "trim",

@@ -33,6 +33,7 @@ from itertools import chain, repeat
 from operator import mul
 
 from .conversation import Message, message_text
+from .semantic import SEMANTIC_SHARE
 from .tokens import lru_hit
 
 __all__ = [
@@ -83,7 +84,8 @@ class RelevanceWeights:
     inherits (and `pair_back` the share a question gets from its reply); `neighbour_share` the
     share of the best adjacent message's score; `header_share` the share of the best score in
     the `header_reach` messages after a short date-carrying message; `recency` a bonus rising
-    linearly to this share of the top score for the newest message.
+    linearly to this share of the top score for the newest message. `semantic_share` is the
+    embedder's share of the base signal when similarities are given.
     """
 
     k1: float = 1.2
@@ -97,6 +99,7 @@ class RelevanceWeights:
     header_reach: int = 12
     recency: float = 0.01
     fold_suffixes: bool = True
+    semantic_share: float = SEMANTIC_SHARE
 
 
 DEFAULT_RELEVANCE_WEIGHTS = RelevanceWeights()
@@ -345,12 +348,21 @@ def _bm25(
     return scores
 
 
+def _fuse(lexical: Sequence[float], similarity: Sequence[float], share: float) -> list[float]:
+    """`1 - share` of BM25 relative to its best, plus `share` of the cosine (negatives as 0),
+    on BM25's scale so that the later steps weigh as they do without an embedder."""
+    top = max(lexical, default=0.0) or 1.0
+    keep = (1.0 - share) / top
+    return [top * (keep * bm25 + share * max(0.0, cosine)) for bm25, cosine in zip(lexical, similarity)]
+
+
 def score_messages(
     messages: Sequence[Message],
     *,
     question: int,
     exclude: Sequence[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    similarity: Sequence[float] | None = None,
 ) -> list[float]:
     """How relevant each message is to `messages[question]`, higher is better (all >= 0).
 
@@ -359,6 +371,9 @@ def score_messages(
         question: index of the message to score against (the latest user message).
         exclude: indices left out of the corpus and scored 0 (e.g. system prompts).
         weights: how the signals are mixed (see `RelevanceWeights`).
+        similarity: one cosine per message to the question (see `semantic.similarities`);
+            when given, the base signal is `1 - semantic_share` BM25 (as a share of its
+            best score) plus `semantic_share` cosine, before pairing, neighbours and recency.
 
     Example:
         >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
@@ -377,6 +392,8 @@ def score_messages(
     skip.add(question)
     query = _query_weights(stats, question, weights)
     base = _bm25(stats, skip, query, weights) if query else [0.0] * n
+    if similarity is not None and len(similarity) == n:
+        base = _fuse(base, [0.0 if i in skip else s for i, s in enumerate(similarity)], weights.semantic_share)
     top = max(base, default=0.0)
     scores = list(base)
     roles = [m.get("role") for m in messages]

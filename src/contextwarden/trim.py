@@ -22,6 +22,8 @@ from .selection import (
     mandatory_indices,
     reuse_previous,
 )
+from .relevance import score_messages
+from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
@@ -83,6 +85,7 @@ def trim_messages(
     previous: TrimDecision | None = None,
     low_watermark: float = DEFAULT_LOW_WATERMARK,
     growth_turns: int = DEFAULT_GROWTH_TURNS,
+    embed: Embed | None = None,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -122,6 +125,11 @@ def trim_messages(
             this many more turns the size of the last one (default 2; never more than half
             the budget), so chats with long turns keep their prefix, and the provider's
             prompt cache, for as many turns as chats with short ones. 0: the watermark only.
+        embed: an embedder, `fn(texts) -> vectors` (e.g. a sentence-transformers model's
+            `encode`), for semantic relevance: a new selection then weighs each message's
+            cosine to the question beside BM25. Vectors are cached per process by text, so
+            later turns embed only new messages. When it fails, relevance stays lexical and
+            a note says so.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -154,6 +162,7 @@ def trim_messages(
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
+    notes: list[str] = []
     mandatory = mandatory_indices(conversation)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
@@ -166,13 +175,14 @@ def trim_messages(
     reused = keep is not None
     if keep is None:
         target = selection_target(conversation, costs, max_tokens, low_watermark, growth_turns) - TOKENS_PER_REPLY
+        scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
         keep = choose_indices(
-            conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned
+            conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
+            scores=scores,
         )
 
     replaced: dict[int, Message] = {}
     over = False
-    notes: list[str] = []
     if mandatory_cost > max_tokens:
         replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
         notes.append("mandatory content over budget: shortened")
@@ -205,6 +215,22 @@ def trim_messages(
         decision=decision,
         reused=reused,
     )
+
+
+def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str]) -> list[float] | None:
+    """Relevance with the embedder's similarities fused in; None (lexical) when it fails."""
+    question = conversation.question
+    if question is None:
+        return None
+    try:
+        similarity = similarities(conversation.messages, question, VECTORS, embed)
+    except Exception as exc:  # any embedder: its failure must not cost the trim
+        notes.append(f"embedder failed ({type(exc).__name__}): relevance is lexical")
+        return None
+    if similarity is None:
+        return None
+    excluded = conversation.system_indices + conversation.orphan_indices
+    return score_messages(conversation.messages, question=question, exclude=excluded, similarity=similarity)
 
 
 def _extend_previous(

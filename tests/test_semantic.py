@@ -1,0 +1,96 @@
+"""Semantic relevance: an embedder's cosine fused into the base signal, lexical when it fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from contextwarden import trim_messages
+from contextwarden.semantic import VectorCache, similarities
+
+# A toy embedder with two topics: pets and weather. "feline" shares no word with "cat".
+TOPICS = {"pets": ("cat", "feline", "miso", "kitten"), "weather": ("rain", "storm", "umbrella")}
+
+
+def topic_embed(texts: list[str]) -> list[list[float]]:
+    def vector(text: str) -> list[float]:
+        low = text.lower()
+        return [float(any(w in low for w in words)) for words in TOPICS.values()] + [0.1]
+
+    return [vector(t) for t in texts]
+
+
+def chat_about_a_cat() -> list[dict]:
+    filler = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"The storm and the rain today, part {i}. " * 2}
+        for i in range(30)
+    ]
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "I adopted a cat named Miso last week."},
+        {"role": "assistant", "content": "Congratulations on the new family member!"},
+        *filler,
+        {"role": "user", "content": "What was my feline called?"},
+    ]
+
+
+def test_similarities_are_cosines_to_the_question():
+    chat = chat_about_a_cat()
+    found = similarities(chat, len(chat) - 1, VectorCache(), topic_embed)
+    assert found is not None and found[-1] == 0.0
+    assert found[1] == pytest.approx(1.0) and found[3] == pytest.approx(0.01 / 1.01, rel=1e-3)
+
+
+def test_without_filling_only_cached_vectors_count():
+    cache = VectorCache()
+    chat = chat_about_a_cat()
+    assert similarities(chat, len(chat) - 1, cache, topic_embed, fill=False) is None  # nothing cached: lexical
+    similarities(chat, len(chat) - 1, cache, topic_embed)
+    assert similarities(chat, len(chat) - 1, cache, topic_embed, fill=False) is not None
+
+
+def test_vectors_of_different_embedders_never_mix():
+    cache = VectorCache()
+    cache.fill(["a"], topic_embed)
+    other = lambda texts: [[0.0, 0.0, 1.0] for _ in texts]  # noqa: E731
+    assert cache.get("a", topic_embed) is not None and cache.get("a", other) is None
+
+
+def test_cache_is_bounded_and_embeds_each_text_once():
+    calls: list[int] = []
+
+    def counting(texts: list[str]) -> list[list[float]]:
+        calls.append(len(texts))
+        return topic_embed(texts)
+
+    cache = VectorCache(size=3)
+    cache.fill(["a", "b", "a"], counting)
+    cache.fill(["a", "b", "c", "d"], counting)
+    assert calls == [2, 2] and len(cache) == 3 and cache.get("a", counting) is None
+
+
+def test_embedder_shape_errors_are_refused():
+    with pytest.raises(ValueError):
+        VectorCache().put(["a", "b"], [[1.0]], topic_embed)
+    with pytest.raises(ValueError):
+        VectorCache().put(["a"], [[float("nan")]], topic_embed)
+
+
+def test_the_embedder_finds_what_words_do_not():
+    chat = chat_about_a_cat()
+    lexical = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0)
+    semantic = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=topic_embed)
+    assert 1 not in lexical.kept and 1 in lexical.dropped  # no word of the question is in it
+    assert 1 in semantic.kept and semantic.tokens_after <= 150
+    again = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=topic_embed)
+    assert again.kept == semantic.kept  # deterministic
+
+
+def test_a_failing_embedder_leaves_relevance_lexical():
+    def broken(texts: list[str]) -> list[list[float]]:
+        raise RuntimeError("model not loaded")
+
+    chat = chat_about_a_cat()
+    lexical = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0)
+    result = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=broken)
+    assert result.kept == lexical.kept
+    assert result.notes == ("embedder failed (RuntimeError): relevance is lexical",)
