@@ -44,6 +44,7 @@ MODULES = [
     "pricing",
     "live_prices",
     "price_sources",
+    "embedder",
     "summarize",
     "usage",
     "savings",
@@ -67,9 +68,10 @@ AUDIT = [
     ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
     ("network: Redis (only when the redis_url valve is set)", "store.RedisStore.__init__"),
     ("file: the admin's pricing_file valve (read only)", "pricing.PriceBook.from_file"),
+    ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder.prefetch"),
 ]
 # What counts as reaching outside: opening an HTTP client or a Redis connection, reading a file.
-OUTSIDE = re.compile(r"httpx\.(?:Async)?Client\(|aioredis\.\w+\(|\.from_url\(|\bopen\(|\.read_(?:text|bytes)\(")
+OUTSIDE = re.compile(r"httpx\.(?:Async)?Client\(|aioredis\.\w+\(|\.from_url\(|\bopen\(|\.read_(?:text|bytes)\(|self\._function\(")
 
 FRONTMATTER = {
     "title": "contextwarden",

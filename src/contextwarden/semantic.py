@@ -19,7 +19,7 @@ import math
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from operator import mul
 
 from .conversation import Message, message_text
@@ -113,9 +113,15 @@ def _unit_vector(vector: Sequence[float]) -> array:
 
 
 def similarities(
-    messages: Sequence[Message], question: int, cache: VectorCache, embed: Embed, *, fill: bool = True
+    messages: Sequence[Message],
+    question: int,
+    cache: VectorCache,
+    embed: Embed,
+    *,
+    fill: bool = True,
+    skip: Collection[int] = (),
 ) -> list[float] | None:
-    """Cosine of each message to `messages[question]` (0 for the question itself), or None.
+    """Cosine of each message to `messages[question]` (0 for the question and `skip`), or None.
 
     Texts `embed` has no cached vector for are embedded first (one call); with `fill=False`
     only cached vectors are used and None says some are missing, so the caller scores
@@ -129,16 +135,16 @@ def similarities(
         >>> similarities(chat, 2, cache, fake)
         [1.0, 0.0, 0.0]
     """
-    texts = [embed_text(m) for m in messages]
+    wanted = [i for i in range(len(messages)) if i not in skip]
+    texts = {i: embed_text(messages[i]) for i in wanted}
     if fill:
-        cache.fill(texts, embed)
-    vectors = [cache.get(t, embed) for t in texts]
-    query = vectors[question]
-    if query is None or any(v is None for v in vectors):
+        cache.fill(list(texts.values()), embed)
+    vectors = {i: cache.get(text, embed) for i, text in texts.items()}
+    query = vectors.get(question)
+    if query is None or any(v is None or len(v) != len(query) for v in vectors.values()):
         return None
-    dimension = len(query)
-    if any(len(v) != dimension for v in vectors):  # type: ignore[arg-type]
-        return None
-    out = [math.fsum(map(mul, v, query)) for v in vectors]  # type: ignore[arg-type]
+    out = [0.0] * len(messages)
+    for i, vector in vectors.items():
+        out[i] = math.fsum(map(mul, vector, query))  # type: ignore[arg-type]
     out[question] = 0.0
     return out

@@ -222,14 +222,17 @@ def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str])
     question = conversation.question
     if question is None:
         return None
+    excluded = conversation.system_indices + conversation.orphan_indices
     try:
-        similarity = similarities(conversation.messages, question, VECTORS, embed)
+        similarity = similarities(conversation.messages, question, VECTORS, embed, skip=excluded)
+    except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
+        notes.append("some messages not embedded yet: relevance is lexical")
+        return None
     except Exception as exc:  # any embedder: its failure must not cost the trim
         notes.append(f"embedder failed ({type(exc).__name__}): relevance is lexical")
         return None
     if similarity is None:
         return None
-    excluded = conversation.system_indices + conversation.orphan_indices
     return score_messages(conversation.messages, question=question, exclude=excluded, similarity=similarity)
 
 

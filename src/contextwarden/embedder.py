@@ -1,0 +1,74 @@
+"""Open WebUI's own embedder as the trim's `embed`: vectors fetched ahead, bounded, never waited on.
+
+Open WebUI loads an embedding model for RAG and a filter reaches it as
+`__request__.app.state.EMBEDDING_FUNCTION`: `await fn(texts, prefix=None, user=None)`, a list
+of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
+embeds what is not cached yet, newest messages first, at most `max_texts` of them within
+`timeout` seconds, into the process's `VECTORS`. The trim then only looks vectors up: when
+some are still missing (a long chat seen for the first time, a slow or failing embedder), that
+turn's relevance is lexical and later turns fill in the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from .conversation import Message
+from .semantic import MAX_EMBEDDERS, VECTORS, embed_text
+
+__all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_TIMEOUT", "DEFAULT_EMBED_TEXTS"]
+
+DEFAULT_EMBED_TIMEOUT = 2.0  # seconds a turn waits for the embedder, at most
+DEFAULT_EMBED_TEXTS = 64  # texts embedded per turn, at most (newest first)
+_adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
+
+
+class VectorsPending(LookupError):
+    """Some messages have no vector yet: this turn's relevance is lexical."""
+
+
+class OpenWebUIEmbedder:
+    """One of Open WebUI's embedding functions, seen by the trim as an `embed` that only looks up.
+
+    One instance per function (see `embedder_of`), so its vectors keep their key space in
+    `VECTORS` from turn to turn and a new model's vectors never mix with an old one's.
+    """
+
+    def __init__(self, function: Any) -> None:
+        self._function = function
+
+    def __call__(self, texts: list[str]) -> list[list[float]]:
+        """Called by the trim only for texts without a vector: they were not fetched in time."""
+        raise VectorsPending(f"{len(texts)} messages not embedded yet")
+
+    async def prefetch(self, messages: Sequence[Message], *, timeout: float, max_texts: int) -> int:
+        """Embed up to `max_texts` uncached messages, newest first, within `timeout`; how many.
+
+        Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
+        """
+        texts = [embed_text(m) for m in reversed(messages) if m.get("role") not in ("system", "developer")]
+        todo = VECTORS.missing(texts, self)[:max_texts]
+        if not todo:
+            return 0
+        vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), timeout)
+        if not isinstance(vectors, list):
+            raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
+        VECTORS.put(todo, vectors, self)
+        return len(todo)
+
+
+def embedder_of(request: Any) -> OpenWebUIEmbedder | None:
+    """The adapter for the embedder Open WebUI has loaded (`request.app.state`), or None."""
+    state = getattr(getattr(request, "app", None), "state", None)
+    function = getattr(state, "EMBEDDING_FUNCTION", None)
+    if function is None or not callable(function):
+        return None
+    adapter = _adapters.get(function)
+    if adapter is None:
+        adapter = _adapters[function] = OpenWebUIEmbedder(function)
+        while len(_adapters) > MAX_EMBEDDERS:
+            _adapters.popitem(last=False)
+    return adapter

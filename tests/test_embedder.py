@@ -1,0 +1,70 @@
+"""Open WebUI's embedder as the trim's `embed`: fetched ahead, bounded in count and time."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from contextwarden import trim_messages
+from contextwarden.embedder import OpenWebUIEmbedder, embedder_of
+from embedders import chat_about_a_cat, topic_embed
+
+
+def request_with(function) -> SimpleNamespace:
+    """What a filter gets as `__request__`: the embedder sits on `app.state`."""
+    return SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=function)))
+
+
+class FakeEmbeddingFunction:
+    """Open WebUI's async `(texts, prefix=None, user=None)`; records what it was asked."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls: list[list[str]] = []
+        self.delay = delay
+
+    async def __call__(self, texts, prefix=None, user=None):
+        self.calls.append(list(texts))
+        await asyncio.sleep(self.delay)
+        return topic_embed(texts)
+
+
+def test_one_adapter_per_embedding_function():
+    function = FakeEmbeddingFunction()
+    assert embedder_of(request_with(function)) is embedder_of(request_with(function))
+    assert embedder_of(request_with(FakeEmbeddingFunction())) is not embedder_of(request_with(function))
+    assert embedder_of(request_with(None)) is None and embedder_of(None) is None
+
+
+async def test_prefetch_embeds_newest_first_up_to_the_cap_then_the_rest():
+    function = FakeEmbeddingFunction()
+    embedder = OpenWebUIEmbedder(function)
+    chat = chat_about_a_cat()
+    assert await embedder.prefetch(chat, timeout=5, max_texts=4) == 4
+    assert function.calls[0][0] == "What was my feline called?"  # the question first
+    assert all("Be brief" not in t for t in function.calls[0])  # system prompts are not embedded
+    lexical = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0)
+    pending = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=embedder)
+    assert pending.kept == lexical.kept and pending.notes == ("some messages not embedded yet: relevance is lexical",)
+    while await embedder.prefetch(chat, timeout=5, max_texts=16):
+        pass
+    ready = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=embedder)
+    assert 1 in ready.kept and not ready.notes
+    assert sum(len(c) for c in function.calls) == len(chat) - 1  # each text once
+
+
+async def test_a_slow_embedder_times_out_and_nothing_is_cached():
+    embedder = OpenWebUIEmbedder(FakeEmbeddingFunction(delay=5))
+    with pytest.raises(TimeoutError):
+        await embedder.prefetch(chat_about_a_cat(), timeout=0.05, max_texts=8)
+    result = trim_messages(chat_about_a_cat(), max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=embedder)
+    assert result.notes == ("some messages not embedded yet: relevance is lexical",)
+
+
+async def test_a_wrong_shaped_answer_is_refused():
+    async def broken(texts, prefix=None, user=None):
+        return {"error": "no model"}
+
+    with pytest.raises(TypeError):
+        await OpenWebUIEmbedder(broken).prefetch(chat_about_a_cat(), timeout=1, max_texts=8)
