@@ -68,3 +68,46 @@ async def test_a_wrong_shaped_answer_is_refused():
 
     with pytest.raises(TypeError):
         await OpenWebUIEmbedder(broken).prefetch(chat_about_a_cat(), timeout=1, max_texts=8)
+
+
+# -- through the filter, as Open WebUI calls it ----------------------------------------------
+
+
+def cat_body() -> dict:
+    return {"model": "gpt-4o", "messages": chat_about_a_cat(), "stream": False,
+            "metadata": {"chat_id": "cat", "user_id": "u1"}}
+
+
+async def inlet_with(counter, function, **valves) -> dict:
+    from contextwarden import Filter
+
+    f = Filter()
+    f._counter = counter
+    f.valves = f.Valves(max_context_tokens=1_174, reserve_output_tokens=1_024, low_watermark=1.0, **valves)
+    body = cat_body()
+    return await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __request__=request_with(function))
+
+
+def sends_the_cat(body: dict) -> bool:
+    return any("named Miso" in str(m.get("content")) for m in body["messages"])
+
+
+async def test_the_filter_uses_open_webuis_embedder(counter):
+    function = FakeEmbeddingFunction()
+    assert sends_the_cat(await inlet_with(counter, function))
+    assert function.calls  # asked once for the chat's messages, newest first
+    assert not sends_the_cat(await inlet_with(counter, None))  # no embedder loaded: word matching
+
+
+async def test_the_embedder_valve_turns_it_off(counter):
+    function = FakeEmbeddingFunction()
+    assert not sends_the_cat(await inlet_with(counter, function, semantic_relevance=False))
+    assert function.calls == []
+
+
+async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, caplog):
+    function = FakeEmbeddingFunction(delay=5)
+    body = await inlet_with(counter, function, embed_timeout_seconds=0.05)
+    assert not sends_the_cat(body) and len(body["messages"]) < len(chat_about_a_cat())
+    warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
+    assert warnings == ["contextwarden: embedder: timed out; relevance is lexical this turn"]

@@ -19,6 +19,7 @@ from typing import Any
 from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
+from .embedder import OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
@@ -186,9 +187,10 @@ class Filter:
         __metadata__: dict | None = None,
         __model__: dict | None = None,
         __event_emitter__: Emitter | None = None,
+        __request__: Any = None,
     ) -> dict:
         """Trim before Open WebUI adds RAG, memory and tools (older versions only have this hook)."""
-        return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__)
+        return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
     async def request(
         self,
@@ -197,9 +199,10 @@ class Filter:
         __metadata__: dict | None = None,
         __model__: dict | None = None,
         __event_emitter__: Emitter | None = None,
+        __request__: Any = None,
     ) -> dict:
         """Trim right before each provider call, after RAG and tools were added (idempotent)."""
-        return await self._trim_hook("request", body, __user__, __metadata__, __model__, __event_emitter__)
+        return await self._trim_hook("request", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
     async def outlet(
         self,
@@ -219,11 +222,12 @@ class Filter:
     # -- inlet / request ----------------------------------------------------------------------
 
     async def _trim_hook(
-        self, hook: str, body: Any, user: dict | None, metadata: dict | None, model: dict | None, emit: Emitter | None
+        self, hook: str, body: Any, user: dict | None, metadata: dict | None, model: dict | None, emit: Emitter | None,
+        request: Any = None,
     ) -> Any:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
         try:
-            trimmed = await self._trim(body, user, metadata, model, emit)
+            trimmed = await self._trim(body, user, metadata, model, emit, request)
         except Exception as exc:
             return await self._failed(hook, exc, body, emit)
         return self._ask_stream_usage(trimmed, user, model)
@@ -235,6 +239,7 @@ class Filter:
         metadata: dict | None,
         model: dict | None,
         emit: Emitter | None,
+        request: Any = None,
     ) -> Any:
         """One pass over a request: the budget (valves, model window, calibration), the flags and
         the chat's state in; the body to send, the turn's note for outlet and a status line out."""
@@ -264,7 +269,8 @@ class Filter:
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
-        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored))
+        embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
+        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
@@ -307,6 +313,7 @@ class Filter:
         budget: int,
         model_id: str,
         previous: TrimDecision | None,
+        embedder: OpenWebUIEmbedder | None = None,
     ) -> TurnChoice:
         """Trim `messages` (flags already removed) as the flags, the pins and `previous` say."""
         counter = self._counter
@@ -321,7 +328,7 @@ class Filter:
         pins = set(state.pins)
         pinned = [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
 
-        def retrim(limit: int) -> TrimResult:
+        def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
             return trim_messages(
                 base,
                 max_tokens=limit,
@@ -333,6 +340,7 @@ class Filter:
                 previous=previous,
                 low_watermark=settings.low_watermark,
                 growth_turns=settings.growth_turns,
+                embed=embed,
             )
 
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
@@ -341,6 +349,8 @@ class Filter:
                 result = retrim(budget - cost)
                 return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
         result = retrim(budget)
+        if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings) and not result.reused:
+            result = retrim(budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             done = await summarize_trim(
                 base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
@@ -349,6 +359,21 @@ class Filter:
                 chosen = TurnChoice.of(done.result, done.messages)
                 return replace(chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True)
         return TurnChoice.of(result, result.messages)
+
+    async def _embed_ahead(self, embedder: OpenWebUIEmbedder, messages: list[Message], settings: Settings) -> bool:
+        """Fetch this chat's missing vectors from Open WebUI's embedder, within the turn's limits.
+
+        True when the embedder answered (the trim may use it); a failure is logged once a kind
+        and the turn's relevance stays lexical."""
+        try:
+            await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts)
+        except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
+            reason = "embedder: " + ("timed out" if isinstance(exc, TimeoutError) else type(exc).__name__)
+            if reason not in self._reported and len(self._reported) < MAX_REPORTED_PROBLEMS:
+                self._reported.add(reason)
+                filter_log.warning("contextwarden: %s; relevance is lexical this turn", reason)
+            return False
+        return True
 
     async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> ChatState:
         """The chat's stored state, with this turn's pin flags applied."""

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .live_prices import DEFAULT_PRICING_TTL_HOURS
@@ -23,6 +24,8 @@ from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
 
+MAX_EMBED_TIMEOUT_SECONDS = 30.0
+MAX_EMBED_TEXTS = 1_000
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
 MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
 DEFAULT_STATE_TTL_HOURS = 72
@@ -110,6 +113,22 @@ class Valves(BaseModel):
         le=10,
         description="Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one (never more than half the budget), so chats with long turns keep their prefix as long as chats with short ones. 0: the watermark alone.",
     )
+    semantic_relevance: bool = Field(
+        default=True,
+        description="Use Open WebUI's own embedding model (the one RAG uses) beside word matching to find what matters to the latest question. Off, or with no embedder loaded, relevance is word matching only.",
+    )
+    embed_timeout_seconds: float = Field(
+        default=DEFAULT_EMBED_TIMEOUT,
+        gt=0,
+        le=MAX_EMBED_TIMEOUT_SECONDS,
+        description=f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word matching and later turns embed the rest.",
+    )
+    embed_max_texts: int = Field(
+        default=DEFAULT_EMBED_TEXTS,
+        ge=1,
+        le=MAX_EMBED_TEXTS,
+        description=f"Most messages embedded per turn, newest first (1-{MAX_EMBED_TEXTS:,}); a long chat seen for the first time is embedded over a few turns.",
+    )
     state_ttl_hours: int = Field(
         default=DEFAULT_STATE_TTL_HOURS, ge=1, description="How long a chat's remembered trim decision and pins are kept after its last message."
     )
@@ -176,6 +195,9 @@ class Settings:
     allowed_flags: frozenset[str] = frozenset()
     summary: SummaryConfig | None = None
     mode: Mode = "enforce"
+    semantic_relevance: bool = True
+    embed_timeout_seconds: float = DEFAULT_EMBED_TIMEOUT
+    embed_max_texts: int = DEFAULT_EMBED_TEXTS
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -300,6 +322,14 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
         ttl_hours = DEFAULT_STATE_TTL_HOURS
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
+    embed_timeout = take(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
+    if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
+        problems.append(ConfigError(f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using {DEFAULT_EMBED_TIMEOUT:g}", valve="embed_timeout_seconds"))
+        embed_timeout = DEFAULT_EMBED_TIMEOUT
+    embed_texts = take(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
+    if not 1 <= embed_texts <= MAX_EMBED_TEXTS:
+        problems.append(ConfigError(f"embed_max_texts must be 1 to {MAX_EMBED_TEXTS:,}; using {DEFAULT_EMBED_TEXTS}", valve="embed_max_texts"))
+        embed_texts = DEFAULT_EMBED_TEXTS
     mode = _one_of(take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)")
     settings = Settings(
         max_context_tokens=window,
@@ -325,6 +355,9 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         allowed_flags=allowed,
         summary=summary,
         mode=mode,
+        semantic_relevance=take(valves, "semantic_relevance", True),
+        embed_timeout_seconds=float(embed_timeout),
+        embed_max_texts=embed_texts,
     )
     return settings, problems
 
