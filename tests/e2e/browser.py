@@ -158,9 +158,11 @@ def wait_for_replies(driver: Any, count: int, done: Callable[[Reply], bool], tim
 
 def expand_status(driver: Any, index: int) -> Reply:
     """Open the status history of reply ``index`` (a click, as a person would) and read it."""
-    toggles = driver.find_elements("css selector", f".chat-assistant {TOGGLE}")
-    if read_replies(driver)[index].expanded is False:
-        toggles[index].click()
+    if not read_replies(driver)[index].expanded:
+        toggle = driver.find_elements("css selector", ".chat-assistant")[index].find_element("css selector", TOGGLE)
+        # centred, so neither the sticky header nor the message box at the bottom covers it
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", toggle)
+        toggle.click()
     _wait(lambda: read_replies(driver)[index].expanded, PAGE_TIMEOUT_S, "status history did not open")
     return read_replies(driver)[index]
 
