@@ -62,6 +62,19 @@ async def test_a_slow_embedder_times_out_and_nothing_is_cached():
     assert result.notes == ("some messages not embedded yet: relevance is lexical",)
 
 
+async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again():
+    function = FakeEmbeddingFunction(delay=5)
+    embedder = OpenWebUIEmbedder(function)
+    chat = chat_about_a_cat()
+    for expected in (32, 16, 8, 4, 4):
+        with pytest.raises(TimeoutError):
+            await embedder.prefetch(chat, timeout=0.01, max_texts=32)
+        assert len(function.calls[-1]) == expected
+    function.delay = 0
+    assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 4  # the slow embedder still makes progress
+    assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 8  # and is asked for more once it answers
+
+
 async def test_a_wrong_shaped_answer_is_refused():
     async def broken(texts, prefix=None, user=None):
         return {"error": "no model"}

@@ -23,6 +23,7 @@ __all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_
 
 DEFAULT_EMBED_TIMEOUT = 2.0  # seconds a turn waits for the embedder, at most
 DEFAULT_EMBED_TEXTS = 64  # texts embedded per turn, at most (newest first)
+MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
 
 
@@ -39,6 +40,11 @@ class OpenWebUIEmbedder:
 
     def __init__(self, function: Any) -> None:
         self._function = function
+        self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
+
+    def batch(self, max_texts: int) -> int:
+        """How many texts the next turn asks for: `max_texts`, less after timeouts."""
+        return max(1, min(max_texts, self._batch or max_texts))
 
     def __call__(self, texts: list[str]) -> list[list[float]]:
         """Called by the trim only for texts without a vector: they were not fetched in time."""
@@ -50,10 +56,16 @@ class OpenWebUIEmbedder:
         Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
         """
         texts = [embed_text(m) for m in reversed(messages) if m.get("role") not in ("system", "developer")]
-        todo = VECTORS.missing(texts, self)[:max_texts]
+        todo = VECTORS.missing(texts, self)[: self.batch(max_texts)]
         if not todo:
             return 0
-        vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), timeout)
+        try:
+            vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), timeout)
+        except TimeoutError:
+            # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time.
+            self._batch = max(MIN_EMBED_BATCH, len(todo) // 2)
+            raise
+        self._batch = min(max_texts, 2 * len(todo)) if self._batch else None
         if not isinstance(vectors, list):
             raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
         VECTORS.put(todo, vectors, self)
