@@ -7,7 +7,6 @@ Every hook fails open: on any internal error the body goes on as it came.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import traceback
@@ -48,7 +47,6 @@ Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
-MAX_LIMIT_LOCKS = 10_000  # per-user locks kept around limit checks
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -187,7 +185,6 @@ class Filter:
         self._prices = PriceSources(lambda: self._store)
         self._inflight = InFlight()
         self._groups = GroupReader()
-        self._limit_locks: dict[str, asyncio.Lock] = {}
         self._now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -409,19 +406,18 @@ class Filter:
         limits = await self._user_limits(settings, user_id, role)
         if not limits.any:
             return
-        lock = self._limit_lock(user_id)
-        async with lock:  # check and hold in one step: a racing turn of this user waits here
-            spend = await self._spend_or_none(user_id, settings)
-            if spend is None:
-                return
-            verdict = check_limits(limits, *spend)
-            if not verdict.allowed:
-                filter_log.info("contextwarden: turn refused (%s limit reached)", verdict.kind)
-                raise TurnRefused(refusal_text(verdict, self._now()))
-            if verdict.near and self._inflight.count(user_id):
-                filter_log.info("contextwarden: turn refused (near the %s limit, another turn running)", verdict.warn_kind)
-                raise TurnRefused(BUSY_TEXT)
-            hold = self._inflight.hold(user_id)
+        spend = await self._spend_or_none(user_id, settings)
+        if spend is None:
+            return
+        verdict = check_limits(limits, *spend)
+        if not verdict.allowed:
+            filter_log.info("contextwarden: turn refused (%s limit reached)", verdict.kind)
+            raise TurnRefused(refusal_text(verdict, self._now()))
+        # No await from here to the hold: a racing turn of this user sees it (one event loop).
+        if verdict.near and self._inflight.count(user_id):
+            filter_log.info("contextwarden: turn refused (near the %s limit, another turn running)", verdict.warn_kind)
+            raise TurnRefused(BUSY_TEXT)
+        hold = self._inflight.hold(user_id)
         if isinstance(metadata, dict):
             note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
             metadata[METADATA_KEY] = {**note, "limit_hold": hold}
@@ -456,14 +452,6 @@ class Filter:
                 raise TurnRefused(STORE_DOWN_TEXT) from None
             filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
             return None
-
-    def _limit_lock(self, user_id: str) -> asyncio.Lock:
-        lock = self._limit_locks.get(user_id)
-        if lock is None:
-            if len(self._limit_locks) >= MAX_LIMIT_LOCKS:
-                self._limit_locks = {k: v for k, v in self._limit_locks.items() if v.locked()}
-            lock = self._limit_locks[user_id] = asyncio.Lock()
-        return lock
 
     async def _spend_status(self, settings: Settings, user: dict | None, note: dict, shown: bool) -> str:
         """After a reply: release its hold; `today $0.42 of $2.00` (and the 80% warning) or ""."""

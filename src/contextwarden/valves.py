@@ -364,7 +364,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
 
 def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRules:
     """The limit valves and their overrides; a bad value is named and counts as no limit."""
-    amounts: dict[str, Decimal | int] = {}
+    amounts: dict[str, Any] = {}
     for name, kind, bound in (
         ("daily_limit_usd", "daily_usd", MAX_LIMIT_USD), ("monthly_limit_usd", "monthly_usd", MAX_LIMIT_USD),
         ("daily_limit_tokens", "daily_tokens", MAX_LIMIT_TOKENS), ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
