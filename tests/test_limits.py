@@ -409,7 +409,7 @@ async def test_usage_command_for_users_shows_their_own_spend_only(counter, uniqu
     with pytest.raises(TurnRefused) as answer:
         await f.inlet(body, __user__=who, __metadata__=body["metadata"])
     assert str(answer.value) == (
-        "contextwarden: today $0.25 of $2.00 · this month $0.2500 · monthly tokens 1,000 of 1,000,000.")
+        "contextwarden: today $0.25 of $2.00 · this month $0.25 · monthly tokens 1,000 of 1,000,000.")
     assert "bob" not in str(answer.value)
 
 

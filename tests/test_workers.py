@@ -341,7 +341,8 @@ def test_limit_races_let_one_turn_per_worker_past(spawn: Callable[..., WorkerPro
     assert [len(v["allowed"]) for v in views] == [0, 0], workers[0].log()[-3000:]
     spent = (replies + 4) * per_reply
     texts = {text.split(" It resets")[0] for v in views for text in v["refused"]}
-    assert texts == {f"TurnRefused: contextwarden: your daily limit of $0.05 is reached (${spent.quantize(Decimal('0.01'))} used today)."}
+    assert spent == Decimal("0.063")
+    assert texts == {"TurnRefused: contextwarden: your daily limit of $0.05 is reached ($0.063 used today)."}
 
 
 def test_pending_features_are_detected() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .conversation import Message, message_text
 from .ledger import LedgerEntry, LedgerRow, ledger_totals, read_ledger
-from .limits import KINDS, LimitRules, Limits, check_limits, month_start, spend_of, spend_text
+from .limits import KINDS, LimitRules, Limits, amount_text, check_limits, month_start, spend_of, spend_text
 from .store import Store
 
 __all__ = ["USAGE_COMMAND", "is_usage_command", "usage_answer", "usage_markdown", "cost_cell"]
@@ -114,9 +114,10 @@ def own_usage_text(limits: Limits, entries: Sequence[LedgerEntry], now: datetime
     """What a user sees for `!usage`: their spend today and this month, and their limits."""
     day, month = spend_of(entries, now.date())
     verdict = check_limits(limits, day, month)
-    parts = [f"contextwarden: {spend_text(limits, day, verdict, True)}", f"this month ${month.usd:,.4f}"]
-    if limits.cap("monthly_usd") is not None:
-        parts[-1] += f" of ${limits.cap('monthly_usd'):,}"
+    parts = [f"contextwarden: {spend_text(limits, day, verdict, True)}", f"this month {amount_text('monthly_usd', month.usd)}"]
+    monthly = limits.cap("monthly_usd")
+    if monthly is not None:
+        parts[-1] += f" of {amount_text('monthly_usd', monthly)}"
     for kind in KINDS:
         if kind.endswith("tokens") and limits.cap(kind) is not None:
             spent = (day if kind.startswith("daily") else month).tokens

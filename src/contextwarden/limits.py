@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import date, datetime, timedelta, timezone
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from time import monotonic
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ __all__ = [
     "next_reset",
     "refusal_text",
     "spend_text",
+    "amount_text",
     "WARN_FRACTION",
     "InFlight",
     "BUSY_TEXT",
@@ -52,6 +53,7 @@ OVERRIDES_VALVE = "limit_overrides"
 HOLD_SECONDS = 600.0  # a turn whose outlet never came stops counting as running after this
 MAX_HELD_USERS = 100_000
 LimitKind = Literal["daily_usd", "daily_tokens", "monthly_usd", "monthly_tokens"]
+CENT = Decimal("0.01")
 KINDS: tuple[LimitKind, ...] = ("daily_usd", "daily_tokens", "monthly_usd", "monthly_tokens")
 
 
@@ -274,11 +276,11 @@ def check_limits(limits: Limits, day: Spend, month: Spend) -> Verdict:
     return Verdict(True, warn_kind=warn_kind, warn_share=warn_share)
 
 
-def _amount(kind: LimitKind, value: Decimal | int) -> str:
-    """`$2.00`, `$0.0031` (two significant digits below a cent), `12,000 tokens`."""
+def amount_text(kind: LimitKind, value: Decimal | int) -> str:
+    """`$2.00` (whole cents), `$0.013` (else as the status line rounds), `12,000 tokens`."""
     if kind.endswith("_usd"):
         amount = Decimal(value)
-        return f"${amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}" if amount >= Decimal("0.01") or amount == 0 else f"${format_usd(amount)}"
+        return f"${amount:,.2f}" if amount == amount.quantize(CENT) else f"${format_usd(amount)}"
     return f"{int(value):,} tokens"
 
 
@@ -300,8 +302,8 @@ def refusal_text(verdict: Verdict, now: datetime) -> str:
     period = "today" if kind.startswith("daily") else "this month"
     when = "00:00 UTC" if kind.startswith("daily") else f"00:00 UTC on {reset.date().isoformat()}"
     return (
-        f"contextwarden: your {kind.split('_')[0]} limit of {_amount(kind, verdict.cap)} is reached "
-        f"({_amount(kind, verdict.spent)} used {period}). It resets at {when} (in {_until(reset, now)})."
+        f"contextwarden: your {kind.split('_')[0]} limit of {amount_text(kind, verdict.cap)} is reached "
+        f"({amount_text(kind, verdict.spent)} used {period}). It resets at {when} (in {_until(reset, now)})."
     )
 
 
@@ -321,10 +323,10 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
     """
     parts = []
     if show_spend:
-        line = f"today {_amount('daily_usd', day.usd)}"
+        line = f"today {amount_text('daily_usd', day.usd)}"
         usd_cap, token_cap = limits.cap("daily_usd"), limits.cap("daily_tokens")
         if usd_cap is not None:
-            line += f" of {_amount('daily_usd', usd_cap)}"
+            line += f" of {amount_text('daily_usd', usd_cap)}"
         elif token_cap is not None:
             line = f"today {day.tokens:,} of {token_cap:,} tokens"
         if day.unpriced and limits.cap("daily_usd") is not None:

@@ -103,7 +103,7 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
     widths = [max(len(line[i]) for line in [header, *body, footer]) for i in range(len(header))]
     if not wide:
         rest = sum(widths[1:]) + 2 * (len(widths) - 1)
-        widths[0] = max(min(widths[0], TABLE_WIDTH - rest), MIN_KEY_WIDTH, len(by), len("total"))
+        widths[0] = max(min(widths[0], TABLE_WIDTH - rest), min(widths[0], MIN_KEY_WIDTH))
 
     def line(cells: list[str]) -> str:
         first = _fit(cells[0], widths[0])
