@@ -50,6 +50,7 @@ MODULES = [
     "status",
     "ledger",
     "limits",
+    "spendbook",
     "adminview",
     "usergroups",
     "calibration",

@@ -438,3 +438,65 @@ async def test_group_reader_without_open_webui_and_with_a_sync_lookup(monkeypatc
         raise RuntimeError("db down")
 
     assert await GroupReader(broken).groups("u1") == frozenset()
+
+
+# -- the spend totals limits read (one key per user and month) ------------------------------------
+
+
+class CountingStore:
+    """Counts ledger scans (`keys`) of the store it wraps."""
+
+    def __init__(self, store) -> None:
+        self._inner, self.scans = store, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def keys(self, pattern):
+        self.scans += 1
+        return await self._inner.keys(pattern)
+
+
+async def outlet_on(f, user: str, prompt: int) -> None:
+    """A reply of `user` through the filter's outlet (gpt-4o: $2.50 per 1M prompt tokens)."""
+    body, who = turn(user)
+    reply = reply_of(usage={"prompt_tokens": prompt, "completion_tokens": 0})
+    await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+
+
+async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, store_valves, unique):
+    """Replies from before this version are only in the ledger: the month they are in still adds
+    up exactly; later checks read one key (no ledger scan), and later months need no ledger."""
+    clock = datetime(2026, 12, 10, 9, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock)
+    user = f"u-{unique}"
+    await spent(f, user, "1.5", date(2026, 12, 3))   # before the upgrade: in the ledger only
+    await spent(f, user, "0.25", date(2026, 12, 10))  # the upgrade day, earlier that day
+    await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
+    day, month = await f._spend(user)
+    assert (day.usd, month.usd, month.requests) == (D("1.25"), D("2.75"), 3)
+    f._now.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
+    await outlet_on(f, user, 200_000)  # $0.50
+    f._store = CountingStore(f._store)
+    for _ in range(3):
+        day, month = await f._spend(user)
+        assert (day.usd, month.usd, month.tokens) == (D("0.5"), D("3.25"), 600_000 + 2_000)
+    assert f._store.scans == 1  # the days up to the upgrade, once; remembered after
+    f._now.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
+    await outlet_on(f, user, 40_000)  # $0.10
+    scans = f._store.scans
+    assert await f._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+    assert f._store.scans == scans  # a month after the upgrade: the key alone
+    g = await limited(counter, store_valves, datetime(2027, 1, 2, 10, tzinfo=UTC))  # another worker, same store
+    if store_valves:
+        assert await g._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+
+
+async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
+    """Outlet input is user-controlled: a reply counts at most $1,000 toward limits, never below 0."""
+    f = await limited(counter, {"daily_limit_usd": 5}, datetime(2026, 12, 1, tzinfo=UTC))
+    await f._spendbook.record(f._store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
+    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
+    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
+    day, _ = await f._spend(unique)
+    assert day.usd == D(1000) and day.tokens == 10**10

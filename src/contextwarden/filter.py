@@ -23,10 +23,9 @@ from .conversation import Message, message_text
 from .adminview import is_usage_command, usage_answer
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
-from .ledger import read_ledger, record_reply
-from .limits import (
-    BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, month_start, refusal_text, spend_text, spend_of,
-)
+from .ledger import record_reply
+from .limits import BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, refusal_text, spend_text
+from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .savings import Savings, carried_savings, estimate_savings
@@ -184,6 +183,7 @@ class Filter:
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = PriceSources(lambda: self._store)
         self._inflight = InFlight()
+        self._spendbook = SpendBook()
         self._groups = GroupReader()
         self._now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
@@ -436,11 +436,10 @@ class Filter:
         Raises:
             ConnectionError: the Redis store did not answer (its in-process fallback is no total).
         """
-        today = self._now().date()
-        entries = await read_ledger(self._store, since=month_start(today), until=today, user=user_id)
+        spend = await self._spendbook.spend(self._store, user_id, self._now().date())
         if isinstance(self._store, RedisStore) and not self._store.shared:
             raise ConnectionError("usage store unreachable")
-        return spend_of(entries, today)
+        return spend
 
     async def _spend_or_none(self, user_id: str, settings: Settings) -> tuple[Spend, Spend] | None:
         """The spend to check; None lets the turn go (fail-open); fail-closed refuses it."""
@@ -452,6 +451,15 @@ class Filter:
                 raise TurnRefused(STORE_DOWN_TEXT) from None
             filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
             return None
+
+    async def _record_spend(self, user_id: object, cost_usd: Decimal | None, tokens: int) -> None:
+        """Add a reply to its user's spend totals (what limits read); never costs the reply."""
+        if not isinstance(user_id, str) or not user_id:
+            return
+        try:
+            await self._spendbook.record(self._store, user=user_id, day=self._now().date(), cost_usd=cost_usd, tokens=tokens)
+        except Exception as exc:
+            filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
 
     async def _spend_status(self, settings: Settings, user: dict | None, note: dict, shown: bool) -> str:
         """After a reply: release its hold; `today $0.42 of $2.00` (and the 80% warning) or ""."""
@@ -534,6 +542,8 @@ class Filter:
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
+        else:
+            await self._record_spend(user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0))
         if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
                 and estimated_prompt is not None and note.get("count_mode") == "exact":
             try:
