@@ -500,3 +500,14 @@ async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
     await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
     day, _ = await f._spend(unique)
     assert day.usd == D(1000) and day.tokens == 10**10
+
+
+async def test_an_outlet_that_fails_still_ends_the_hold(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 1}, datetime(2026, 12, 1, tzinfo=UTC))
+    user = f"u-{unique}"
+    await spent(f, user, "0.9", date(2026, 12, 1))
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    assert f._inflight.count(user) == 1
+    await f.outlet({"model": "gpt-4o", "messages": "not a list"}, __user__=who, __metadata__=body["metadata"])
+    assert f._inflight.count(user) == 0

@@ -231,6 +231,8 @@ class Filter:
             await self._record(body, __user__, __metadata__, __model__, __event_emitter__)
         except Exception as exc:
             return await self._failed("outlet", exc, body, __event_emitter__)
+        finally:  # after the reply is recorded: a turn racing this one sees its cost
+            self._release_hold(__user__, __metadata__)
         return body
 
     # -- inlet / request ----------------------------------------------------------------------
@@ -431,7 +433,7 @@ class Filter:
         return limits_for(rules, role=role, groups=groups, user_id=user_id)
 
     async def _spend(self, user_id: str) -> tuple[Spend, Spend]:
-        """(today's, this month's) spend of a user from the ledger.
+        """(today's, this month's) spend of a user, from the spend totals (`spendbook.py`).
 
         Raises:
             ConnectionError: the Redis store did not answer (its in-process fallback is no total).
@@ -452,6 +454,14 @@ class Filter:
             filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
             return None
 
+    def _release_hold(self, user: dict | None, metadata: dict | None) -> None:
+        """End the hold inlet took for this turn (a user near a limit may start the next)."""
+        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+        hold = note.get("limit_hold") if isinstance(note, dict) else None
+        user_id = user.get("id") if isinstance(user, dict) else None
+        if isinstance(hold, str) and isinstance(user_id, str):
+            self._inflight.release(user_id, hold)
+
     async def _record_spend(self, user_id: object, cost_usd: Decimal | None, tokens: int) -> None:
         """Add a reply to its user's spend totals (what limits read); never costs the reply."""
         if not isinstance(user_id, str) or not user_id:
@@ -462,10 +472,8 @@ class Filter:
             filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
 
     async def _spend_status(self, settings: Settings, user: dict | None, note: dict, shown: bool) -> str:
-        """After a reply: release its hold; `today $0.42 of $2.00` (and the 80% warning) or ""."""
+        """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
         user_id, role = str((user or {}).get("id") or ""), str((user or {}).get("role") or "")
-        if isinstance(note.get("limit_hold"), str) and user_id:
-            self._inflight.release(user_id, note["limit_hold"])
         if not user_id or not settings.show_status or not shown:
             return ""
         limits = await self._user_limits(settings, user_id, role)

@@ -170,7 +170,7 @@ class UserValves(BaseModel):
         default=0, ge=0, description="Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
     )
     show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
-    show_spend: bool = Field(default=True, description="Show what you spent today (and your limit) in the line after each reply, when the admin shows it.")
+    show_spend: bool = Field(default=True, description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.")
 
 
 @dataclass(frozen=True, slots=True)
