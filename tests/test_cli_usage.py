@@ -16,7 +16,6 @@ import pytest
 
 from contextwarden.cli import main
 from contextwarden.ledger import record_reply
-from contextwarden.report import REPORT_COLUMNS
 from contextwarden.store import open_store
 
 D = Decimal
@@ -56,16 +55,52 @@ def test_table_by_model(seeded, capsys):
     code, out, _ = run(capsys, "--redis-url", seeded["url"], *seeded["range"])
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["model", "requests", "prompt"]
-    models = [line.split()[0] for line in lines[2:-2]]
+    assert lines[0].split() == ["model", "replies", "prompt", "completion", "cost", "USD", "unpriced", "saved", "USD~"]
+    assert max(map(len, lines)) <= 100
+    table = lines[: lines.index(next(line for line in lines if line.startswith("total"))) + 1]
+    models = [line.split()[0] for line in table[2:-2]]
     assert models == ["anthropic/claude-sonnet-4.5", "openai/gpt-4o", "llama3.1:8b"]  # by cost
     gpt = next(line for line in lines if line.startswith("openai/gpt-4o")).split()
-    assert gpt[1:4] == ["3", "1,600", "160"] and gpt[6] == "0.005250"
-    total = lines[-1].split()
-    cells = dict(zip(["model"] + [f for f, _h in REPORT_COLUMNS if not f.startswith("shadow_")], total))
-    assert total[0] == "total" and total[1] == "5" and total[6] == "0.015750"
-    assert [cells[f] for f in ("estimated", "unpriced", "trimmed", "cost_saved_usd")] == ["1", "1", "0", "0.000000"]
+    assert gpt[1:] == ["3", "1,600", "160", "≥0.005250", "1", "0.000000"]  # one of its replies had no price
+    assert next(line for line in lines if line.startswith("llama3.1:8b")).split()[4] == "0.000000"  # priced at 0: free
+    assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.015750", "1", "0.000000"]
+    assert lines[len(table):] == [
+        "1 replies had no known price: their tokens are counted, their cost is not (≥, unknown)",
+        "1 replies were estimated (the backend sent no usage)",
+    ]
     assert "shadow" not in lines[0] and "estimates" not in out  # no savings recorded: no note, no shadow columns
+
+
+def test_unknown_price_is_unknown_in_every_format(seeded, capsys):
+    _, out, _ = run(capsys, "--redis-url", seeded["url"], "--by", "day", *seeded["range"])
+    last_day = (seeded["start"] + timedelta(days=2)).isoformat()
+    assert next(line for line in out.splitlines() if line.startswith(last_day)).split()[4] == "unknown"
+    _, out, _ = run(capsys, "--redis-url", seeded["url"], "--by", "day", *seeded["range"], "--format", "json")
+    rows = {r["key"]: r for r in json.loads(out)["rows"]}
+    assert rows[last_day]["cost_usd"] is None and rows[last_day]["cost_complete"] is False
+    assert rows[seeded["since"]]["cost_usd"] == "0.014" and rows[seeded["since"]]["cost_complete"] is True
+
+
+def test_long_keys_are_cut_to_fit_and_wide_shows_everything(redis_url, unique, capsys):
+    import asyncio
+
+    day = date(2199, 1, 1) + timedelta(days=random.Random(unique).randrange(10_000))
+    model = f"openrouter/some-provider/{'x' * 60}-{unique}-instruct"
+
+    async def seed():
+        store = open_store(redis_url)
+        await record_reply(store, user=unique, model=model, prompt_tokens=123_456_789, completion_tokens=9_876_543,
+                           cached_tokens=5, cost_usd=D("12345.678901"), estimated=False, day=day, retention_days=1)
+        await store.aclose()
+
+    asyncio.run(seed())
+    span = ["--since", day.isoformat(), "--until", day.isoformat()]
+    _, out, _ = run(capsys, "--redis-url", redis_url, *span)
+    assert max(map(len, out.splitlines())) <= 100
+    cut = out.splitlines()[2].split()[0]
+    assert "…" in cut and cut.startswith("openrouter/") and cut.endswith("-instruct")
+    _, wide, _ = run(capsys, "--redis-url", redis_url, *span, "--wide")
+    assert model in wide and wide.splitlines()[0].split()[:6] == ["model", "requests", "prompt", "completion", "cached", "reasoning"]
 
 
 def test_json_by_user_is_exact(seeded, capsys):
@@ -86,7 +121,7 @@ def test_csv_by_day_and_since(seeded, capsys):
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [r["day"] for r in rows] == [later, (seeded["start"] + timedelta(days=2)).isoformat()]
     assert (rows[0]["requests"], rows[0]["cost_usd"], rows[0]["cached_tokens"]) == ("2", "0.00175", "130")
-    assert (rows[1]["cost_usd"], rows[1]["unpriced"]) == ("0", "1")
+    assert (rows[1]["cost_usd"], rows[1]["unpriced"]) == ("", "1")  # unknown: empty, never a guessed 0
 
 
 def test_html_report_is_self_contained(seeded, capsys, tmp_path):

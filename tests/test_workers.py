@@ -307,6 +307,44 @@ def test_worker_without_redis_keeps_its_own_ledger(spawn: Callable[..., WorkerPr
     assert [r["counters"]["requests"] for r in alone.call("ledger", user_id=user)["rows"]] == [3]
 
 
+# --- spending limits across workers ---------------------------------------------------------------
+
+
+def concurrent_inlets(workers: list[WorkerProcess], n: int, user_id: str) -> list[dict[str, Any]]:
+    """Every worker starts ``n`` turns of one user at once, all workers together."""
+    barrier = {"key": f"barrier:{uuid.uuid4().hex}", "parties": len(workers)} if len(workers) > 1 else None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Last question?"}]}
+    for worker in workers:
+        worker.send("inlets", n=n, body=body, metadata={"chat_id": "", "user_id": user_id}, user_id=user_id, barrier=barrier)
+    return [worker.receive() for worker in workers]
+
+
+def test_limit_races_let_one_turn_per_worker_past(spawn: Callable[..., WorkerProcess], unique: str) -> None:
+    """Two workers, one Redis, a user at 90% of a $0.05 daily limit: of 8 turns started at once on
+    each worker, one per worker goes on; once the replies bring the total over the limit, every
+    turn on either worker is refused with a text naming the limit."""
+    limit = Decimal("0.05")
+    per_reply = cost_per_reply()
+    replies = int(limit * Decimal("0.9") / per_reply)
+    assert Decimal("0.8") * limit <= replies * per_reply < limit
+    workers = [spawn(daily_limit_usd=float(limit)), spawn(daily_limit_usd=float(limit))]
+    user = f"user-{unique}"
+    concurrent_outlets(workers[:1], replies, user)
+    views = concurrent_inlets(workers, 8, user)
+    assert [len(v["allowed"]) for v in views] == [1, 1]
+    assert {text for v in views for text in v["refused"]} == {
+        "TurnRefused: contextwarden: you are near your usage limit and another of your replies is still running; "
+        "send this again when it has finished."
+    }
+    concurrent_outlets(workers, 2, user)  # the two turns' replies (and one more each): over the limit
+    views = concurrent_inlets(workers, 3, user)
+    assert [len(v["allowed"]) for v in views] == [0, 0], workers[0].log()[-3000:]
+    spent = (replies + 4) * per_reply
+    texts = {text.split(" It resets")[0] for v in views for text in v["refused"]}
+    assert spent == Decimal("0.063")
+    assert texts == {"TurnRefused: contextwarden: your daily limit of $0.05 is reached ($0.063 used today)."}
+
+
 def test_pending_features_are_detected() -> None:
     """The pending marks read the built file: a feature on main is no longer marked."""
     assert has_feature("stream_usage") == ("request_stream_usage" in BUILT_FILE.read_text("utf-8"))

@@ -8,7 +8,8 @@ line on stdin, one JSON reply per line on stdout. Logs (the ``usage`` lines) go 
     python tests/worker_proc.py <built file> <redis key prefix or "">
 
 Commands (``op``): ``valves``, ``inlet``, ``outlet``, ``outlets`` (n concurrent, after an
-optional Redis barrier so two workers write at the same time), ``ledger``, ``store``, ``quit``.
+optional Redis barrier so two workers write at the same time), ``inlets`` (the same for turns
+starting, refusals reported), ``ledger``, ``store``, ``quit``.
 Nothing here imports the contextwarden package: only the built file runs.
 """
 
@@ -83,6 +84,19 @@ class Worker:
             ]
             results = await asyncio.gather(*calls)
             return {"status": [r["status"] for r in results]}
+        if op == "inlets":  # n concurrent turns; a refusal (an exception Open WebUI shows) is reported
+            barrier = command.get("barrier")
+            if barrier:
+                self._barrier(barrier["key"], barrier["parties"])
+            calls = [
+                self._hook("inlet", command, copy.deepcopy(command["body"]), copy.deepcopy(command.get("metadata") or {}))
+                for _ in range(command["n"])
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            return {
+                "allowed": [r["metadata"] for r in results if not isinstance(r, BaseException)],
+                "refused": [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)],
+            }
         if op == "ledger":
             if not hasattr(self.module, "read_ledger"):
                 return {"missing": True}

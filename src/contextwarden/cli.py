@@ -238,7 +238,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     elif args.format == "csv":
         sys.stdout.write(render_csv(rows, args.by))
     else:
-        print(render_table(rows, args.by) if rows else "no usage recorded" + (f" since {args.since}" if args.since else ""))
+        print(render_table(rows, args.by, wide=args.wide) if rows else "no usage recorded" + (f" since {args.since}" if args.since else ""))
     return 0
 
 
@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     usage.add_argument("--since", type=_since_date, help="first UTC day to include, YYYY-MM-DD (default: all kept)")
     usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: today)")
     usage.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    usage.add_argument("--wide", action="store_true", help="every column in the table (cached, reasoning, estimated, shadow); default: fits 100 columns")
     usage.add_argument("--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)")
     usage.set_defaults(run=_cmd_usage)
 

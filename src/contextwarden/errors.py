@@ -3,12 +3,13 @@
     ContextWardenError
     ├── ConfigError        a valve (or option) has a value we cannot use; names the valve
     ├── StoreError         shared state (Redis) could not be read or written
-    └── PricingError       a price table could not be loaded or parsed
+    ├── PricingError       a price table could not be loaded or parsed
+    └── TurnRefused        a turn stopped on purpose (a limit); its text is shown to the user
 """
 
 from __future__ import annotations
 
-__all__ = ["ContextWardenError", "ConfigError", "StoreError", "PricingError"]
+__all__ = ["ContextWardenError", "ConfigError", "StoreError", "PricingError", "TurnRefused"]
 
 
 class ContextWardenError(Exception):
@@ -29,3 +30,9 @@ class StoreError(ContextWardenError):
 
 class PricingError(ContextWardenError):
     """A price table could not be loaded or parsed."""
+
+
+class TurnRefused(ContextWardenError):
+    """A turn stopped on purpose before the model is called (a spending limit, an admin
+    command's answer). Its text is for the user: Open WebUI shows it. The hooks' fail-open
+    wrapper re-raises it; never put message text, keys or emails in it."""

@@ -12,6 +12,7 @@ import logging
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from datetime import datetime, timezone
 from decimal import Decimal
 from itertools import repeat
 from typing import Any
@@ -19,19 +20,23 @@ from typing import Any
 from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
+from .adminview import is_usage_command, usage_answer
 from .embedder import OpenWebUIEmbedder, embedder_of
-from .errors import ConfigError
+from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
+from .limits import BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, refusal_text, spend_text
+from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .savings import Savings, carried_savings, estimate_savings
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
-from .store import MemoryStore, Store, open_store
+from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_usage
+from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
 __all__ = ["Filter", "model_context_length", "wants_stream_usage"]
@@ -174,9 +179,14 @@ class Filter:
         self._counter = TokenCounter()
         self._store: Store = MemoryStore()
         self._store_url = ""
+        self._store_problem: ConfigError | None = None
         self._reported: set[str] = set()
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = PriceSources(lambda: self._store)
+        self._inflight = InFlight()
+        self._spendbook = SpendBook()
+        self._groups = GroupReader()
+        self._now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -189,7 +199,14 @@ class Filter:
         __event_emitter__: Emitter | None = None,
         __request__: Any = None,
     ) -> dict:
-        """Trim before Open WebUI adds RAG, memory and tools (older versions only have this hook)."""
+        """Refuse a turn over its spending limit (or answer `!usage`); then trim, before Open WebUI
+        adds RAG, memory and tools (older versions only have this hook)."""
+        try:
+            await self._before_turn(body, __user__, __metadata__, __event_emitter__)
+        except TurnRefused:
+            raise  # on purpose: Open WebUI shows its text to the user
+        except Exception as exc:
+            filter_log.warning("contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc))
         return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
     async def request(
@@ -217,6 +234,8 @@ class Filter:
             await self._record(body, __user__, __metadata__, __model__, __event_emitter__)
         except Exception as exc:
             return await self._failed("outlet", exc, body, __event_emitter__)
+        finally:  # after the reply is recorded: a turn racing this one sees its cost
+            self._release_hold(__user__, __metadata__)
         return body
 
     # -- inlet / request ----------------------------------------------------------------------
@@ -393,6 +412,105 @@ class Filter:
         except Exception as exc:
             filter_log.warning("contextwarden: chat state not saved (%s)", type(exc).__name__)
 
+    # -- limits -----------------------------------------------------------------------------
+
+    async def _before_turn(self, body: Any, user: dict | None, metadata: dict | None, emit: Emitter | None) -> None:
+        """Answer `!usage`, or refuse a turn over the user's limits (raises `TurnRefused`); a turn
+        let through while the user is near a limit is held until its outlet."""
+        if not _is_chat_body(body) or not isinstance(user, dict):
+            return
+        metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
+        if isinstance(metadata, dict) and metadata.get("task"):
+            return
+        settings = await self._settings(user, None)  # problems are shown once, by the trim
+        user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
+        if is_usage_command(body["messages"]):
+            limits = await self._user_limits(settings, user_id, role)
+            raise TurnRefused(await usage_answer(
+                self._store, now=self._now(), admin=role == "admin", user_id=user_id, limits=limits,
+                rules=settings.limits, emit=emit, chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
+            ))
+        limits = await self._user_limits(settings, user_id, role)
+        if not limits.any:
+            return
+        spend = await self._spend_or_none(user_id, settings)
+        if spend is None:
+            return
+        verdict = check_limits(limits, *spend)
+        if not verdict.allowed:
+            filter_log.info("contextwarden: turn refused (%s limit reached)", verdict.kind)
+            raise TurnRefused(refusal_text(verdict, self._now()))
+        # No await from here to the hold: a racing turn of this user sees it (one event loop).
+        if verdict.near and self._inflight.count(user_id):
+            filter_log.info("contextwarden: turn refused (near the %s limit, another turn running)", verdict.warn_kind)
+            raise TurnRefused(BUSY_TEXT)
+        hold = self._inflight.hold(user_id)
+        if isinstance(metadata, dict):
+            note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
+            metadata[METADATA_KEY] = {**note, "limit_hold": hold}
+
+    async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
+        """The limits of one user (none without an id, or when no limit is set anywhere)."""
+        rules = settings.limits
+        if not user_id or not rules.active:
+            return Limits()
+        groups = await self._groups.groups(user_id) if rules.needs_groups else frozenset()
+        return limits_for(rules, role=role, groups=groups, user_id=user_id)
+
+    async def _spend(self, user_id: str) -> tuple[Spend, Spend]:
+        """(today's, this month's) spend of a user, from the spend totals (`spendbook.py`).
+
+        Raises:
+            ConnectionError: the Redis store did not answer (its in-process fallback is no total).
+        """
+        spend = await self._spendbook.spend(self._store, user_id, self._now().date())
+        if isinstance(self._store, RedisStore) and not self._store.shared:
+            raise ConnectionError("usage store unreachable")
+        return spend
+
+    async def _spend_or_none(self, user_id: str, settings: Settings) -> tuple[Spend, Spend] | None:
+        """The spend to check; None lets the turn go (fail-open); fail-closed refuses it."""
+        try:
+            return await self._spend(user_id)
+        except Exception as exc:
+            if settings.limit_store_failure == "fail-closed":
+                filter_log.warning("contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__)
+                raise TurnRefused(STORE_DOWN_TEXT) from None
+            filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
+            return None
+
+    def _release_hold(self, user: dict | None, metadata: dict | None) -> None:
+        """End the hold inlet took for this turn (a user near a limit may start the next)."""
+        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+        hold = note.get("limit_hold") if isinstance(note, dict) else None
+        user_id = user.get("id") if isinstance(user, dict) else None
+        if isinstance(hold, str) and isinstance(user_id, str):
+            self._inflight.release(user_id, hold)
+
+    async def _record_spend(self, user_id: object, cost_usd: Decimal | None, tokens: int) -> None:
+        """Add a reply to its user's spend totals (what limits read); never costs the reply."""
+        if not isinstance(user_id, str) or not user_id:
+            return
+        try:
+            await self._spendbook.record(self._store, user=user_id, day=self._now().date(), cost_usd=cost_usd, tokens=tokens)
+        except Exception as exc:
+            filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
+
+    async def _spend_status(self, settings: Settings, user: dict | None, note: dict, shown: bool) -> str:
+        """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
+        user_id, role = str((user or {}).get("id") or ""), str((user or {}).get("role") or "")
+        if not user_id or not settings.show_status or not shown:
+            return ""
+        limits = await self._user_limits(settings, user_id, role)
+        if not settings.show_spend or not (limits.any or settings.spend_for_all):
+            return ""
+        try:
+            day, month = await self._spend(user_id)
+        except Exception as exc:
+            filter_log.debug("contextwarden: spend not read (%s)", type(exc).__name__)
+            return ""
+        return spend_text(limits, day, check_limits(limits, day, month), settings.show_spend)
+
     # -- outlet -----------------------------------------------------------------------------
 
     async def _record(
@@ -452,11 +570,13 @@ class Filter:
                 self._store, user=user_id, model=resolution.model_id or model_id,
                 prompt_tokens=billed.prompt_tokens, completion_tokens=billed.completion_tokens,
                 cached_tokens=billed.cached_tokens, reasoning_tokens=billed.reasoning_tokens,
-                cost_usd=cost.cost_usd, estimated=estimated, retention_days=settings.ledger_retention_days,
+                cost_usd=cost.cost_usd, estimated=estimated, retention_days=settings.ledger_retention_days, day=self._now().date(),
                 tokens_saved=tokens_saved or 0, cost_saved_usd=cost_saved, shadow=mode == "shadow",
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
+        else:
+            await self._record_spend(user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0))
         if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
                 and estimated_prompt is not None and note.get("count_mode") == "exact":
             try:
@@ -465,8 +585,9 @@ class Filter:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if reply.get("role") == "assistant":
             self._counter.count_message(reply, model_id)  # sent back next turn: counted now, off that turn's path
+        spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
-            await self._emit(emit, usage_status(billed, estimated, cost, settings.show_cost))
+            await self._emit(emit, " · ".join(filter(None, (usage_status(billed, estimated, cost, settings.show_cost), spent))))
 
     def _billed_usage(
         self, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
@@ -536,12 +657,15 @@ class Filter:
         for problem in problems:
             await self._report(problem, emit)
         if settings.redis_url != self._store_url:
+            self._store_problem = None
             try:
                 self._store = open_store(settings.redis_url)
             except ConfigError as exc:
-                await self._report(exc, emit)
+                self._store_problem = exc
                 self._store = MemoryStore()
             self._store_url = settings.redis_url
+        if self._store_problem is not None:  # told on every call, like any other bad valve
+            await self._report(self._store_problem, emit)
         return settings
 
     def _read_settings(self, user_valves: object | None) -> tuple[Settings, list[ConfigError]]:

@@ -202,12 +202,21 @@ async def record_reply(
     return key
 
 
-async def read_ledger(store: Store, *, since: date | None = None, until: date | None = None) -> list[LedgerEntry]:
-    """Every ledger key from `since` to `until` (both inclusive), sorted by day, user, model."""
+async def read_ledger(
+    store: Store, *, since: date | None = None, until: date | None = None, user: str | None = None
+) -> list[LedgerEntry]:
+    """Every ledger key from `since` to `until` (both inclusive), sorted by day, user, model;
+    only one user's when `user` is given (a spending limit reads just those)."""
+    pattern = LEDGER_KEY_PREFIX + "*"
+    if user is not None:  # ids are percent-encoded: no glob character is left in them
+        month = since.isoformat()[:8] if since is not None and until is not None and since.isoformat()[:8] == until.isoformat()[:8] else ""
+        pattern = f"{LEDGER_KEY_PREFIX}{month}*:{quote(user or '-', safe='')}:*"
     entries = []
-    for key in await store.keys(LEDGER_KEY_PREFIX + "*"):
+    for key in await store.keys(pattern):
         parts = _ledger_key_parts(key)
         if parts is None or (since is not None and parts[0] < since) or (until is not None and parts[0] > until):
+            continue
+        if user is not None and parts[1] != (user or "-"):
             continue
         counters = await store.counters(key)
         if counters:

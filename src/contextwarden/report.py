@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from datetime import date
 from decimal import ROUND_CEILING, Decimal
 
+from .adminview import cost_cell
 from .ledger import LEDGER_FIELDS, LEDGER_MONEY_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
 
-__all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS"]
+__all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS", "TABLE_COLUMNS", "TABLE_WIDTH"]
 
 # (field, heading) in the order every format shows them; cost is shown in USD.
 REPORT_COLUMNS = (
@@ -39,6 +40,17 @@ REPORT_COLUMNS = (
 )
 # Shown in the text and HTML tables only when some row has them (CSV and JSON always have them).
 OPTIONAL_COLUMNS = ("shadow_trimmed", "shadow_tokens_saved", "shadow_cost_saved_usd")
+# The text table's default: what fits TABLE_WIDTH columns (`--wide` shows REPORT_COLUMNS).
+TABLE_COLUMNS = (
+    ("requests", "replies"),
+    ("prompt_tokens", "prompt"),
+    ("completion_tokens", "completion"),
+    ("cost_usd", "cost USD"),
+    ("unpriced", "unpriced"),
+    ("cost_saved_usd", "saved USD~"),
+)
+TABLE_WIDTH = 100
+MIN_KEY_WIDTH = 12
 SAVED_COLOR = "#2e9e5b"
 CHART_MODELS = 8  # models drawn apart in the chart; the rest are "other"
 CHART_COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
@@ -51,62 +63,94 @@ def _report_total(rows: Sequence[LedgerRow]) -> LedgerRow:
 
 def _report_cell(row: LedgerRow, field: str) -> str:
     money = field.replace("_usd", "_picousd")
+    if field == "cost_usd":
+        return cost_cell(row.counters, row.cost_usd)  # never a guessed 0 for an unknown price
     if money in LEDGER_MONEY_FIELDS:
         return f"{row.usd(money):,.6f}"
     return f"{row.counters.get(field, 0):,}"
 
 
-def _report_columns(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
-    """REPORT_COLUMNS less the optional ones no row has (no shadow turns: no shadow columns)."""
+def _report_columns(rows: Sequence[LedgerRow], columns: Sequence[tuple[str, str]] = REPORT_COLUMNS) -> list[tuple[str, str]]:
+    """`columns` less the optional ones no row has (no shadow turns: no shadow columns)."""
     def used(field: str) -> bool:
         return any(r.counters.get(field.replace("_usd", "_picousd"), 0) for r in rows)
 
-    return [(f, h) for f, h in REPORT_COLUMNS if f not in OPTIONAL_COLUMNS or used(f)]
+    return [(f, h) for f, h in columns if f not in OPTIONAL_COLUMNS or used(f)]
 
 
-def render_table(rows: Sequence[LedgerRow], by: str) -> str:
-    """An aligned text table with a total line.
+def _fit(key: str, width: int) -> str:
+    """A key cut in the middle to `width` characters (model ids differ at both ends)."""
+    if len(key) <= width:
+        return key
+    head = (width - 1) // 2
+    return key[:head] + "…" + key[len(key) - (width - 1 - head):]
+
+
+def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> str:
+    """An aligned text table with a total line: TABLE_COLUMNS in TABLE_WIDTH characters (long
+    keys cut in the middle), or every column with `wide`. Unknown costs read `unknown`, costs
+    missing some unpriced replies `≥x`.
 
     Example:
         >>> print(render_table(ledger_totals(entries, "model"), "model"))  # doctest: +SKIP
-        model           requests  prompt  ...
+        model           replies  prompt  ...
     """
-    columns = _report_columns(rows)
+    columns = _report_columns(rows, REPORT_COLUMNS if wide else TABLE_COLUMNS)
     header = [by] + [heading for _field, heading in columns]
     body = [[row.key] + [_report_cell(row, field) for field, _h in columns] for row in rows]
     total = _report_total(rows)
     footer = ["total"] + [_report_cell(total, field) for field, _h in columns]
     widths = [max(len(line[i]) for line in [header, *body, footer]) for i in range(len(header))]
+    if not wide:
+        rest = sum(widths[1:]) + 2 * (len(widths) - 1)
+        widths[0] = max(min(widths[0], TABLE_WIDTH - rest), min(widths[0], MIN_KEY_WIDTH))
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        first = _fit(cells[0], widths[0])
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip([first, *cells[1:]], widths))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     lines = [line(header), rule, *(line(b) for b in body), rule, line(footer)]
+    if total.counters["unpriced"]:
+        lines.append(f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not (≥, unknown)")
+    if total.counters["estimated"]:
+        lines.append(f"{total.counters['estimated']:,} replies were estimated (the backend sent no usage)")
     if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
         lines.append("~ savings are estimates: removed tokens at the model's input price, as if uncached")
     return "\n".join(lines)
 
 
+def _honest(row: LedgerRow) -> dict[str, object]:
+    """`row.as_dict()` with `cost_usd` None when no reply had a price, and `cost_complete`."""
+    data = row.as_dict()
+    requests, unpriced = row.counters.get("requests", 0), row.counters.get("unpriced", 0)
+    if requests and unpriced >= requests:
+        data["cost_usd"] = None
+    data["cost_complete"] = unpriced == 0
+    return data
+
+
 def render_json(rows: Sequence[LedgerRow], by: str, since: date | None) -> str:
-    """`{"by", "since", "rows": [...], "total": {...}}`; costs as exact decimal strings."""
+    """`{"by", "since", "rows": [...], "total": {...}}`; costs as exact decimal strings, `null`
+    when unknown (`cost_complete` false when some replies had no price)."""
     document = {
         "by": by,
         "since": since.isoformat() if since else None,
-        "rows": [row.as_dict() for row in rows],
-        "total": _report_total(rows).as_dict(),
+        "rows": [_honest(row) for row in rows],
+        "total": _honest(_report_total(rows)),
     }
     return json.dumps(document, indent=2)
 
 
 def render_csv(rows: Sequence[LedgerRow], by: str) -> str:
-    """One header line and one line per row (no total line, so the file sums cleanly)."""
+    """One header line and one line per row (no total line, so the file sums cleanly); an
+    unknown cost is an empty cell, never 0."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow([by] + [field for field, _h in REPORT_COLUMNS])
     for row in rows:
-        data = row.as_dict()
-        writer.writerow([row.key] + [data[field] for field, _h in REPORT_COLUMNS])
+        data = _honest(row)
+        writer.writerow([row.key] + ["" if data[field] is None else data[field] for field, _h in REPORT_COLUMNS])
     return out.getvalue()
 
 
@@ -251,7 +295,7 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
     last = max((e.day for e in entries), default=None)
     period = f"{first} to {last.isoformat()}" if last else "no usage recorded"
     cards = [
-        (f"${total.cost_usd:,.4f}", "total cost (priced replies)"),
+        (cost_cell(total.counters, total.cost_usd, places=4, dollar="$"), "total cost (priced replies)"),
         (f"{total.counters['requests']:,}", "replies"),
         (f"{total.counters['prompt_tokens']:,}", "prompt tokens"),
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
@@ -275,7 +319,8 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         f"<h2>By day</h2><div class=\"scroll\">{_html_table(by_day, 'day')}</div>"
         "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
         "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
-        "add tokens but no cost. Savings (~) are estimates: the tokens trimming removed, corrected by the "
+        "add tokens but no cost (≥: some replies unpriced; unknown: none priced). Open WebUI's own background "
+        "calls (titles, tags, follow-ups, compaction summaries) pass no filter and are not here. Savings (~) are estimates: the tokens trimming removed, corrected by the "
         "model's calibration, at its input price as if uncached; shadow mode's are what it would have saved "
         "(those chats were sent whole).</p></body></html>\n"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field
 from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
+from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
@@ -40,6 +42,7 @@ MODES: tuple[Mode, ...] = ("enforce", "shadow", "off")
 # A mode we cannot read fails open, like any internal error: bodies pass unchanged, usage
 # and would-be savings are still recorded, and the admin is told which valve is wrong.
 FALLBACK_MODE: Mode = "shadow"
+LIMIT_STORE_FAILURES = ("fail-open", "fail-closed")
 
 
 class Valves(BaseModel):
@@ -156,6 +159,26 @@ class Valves(BaseModel):
         le=SUMMARY_MAX_TOKENS_RANGE[1],
         description="Longest summary in tokens; this much of the budget is set aside for it when one is added.",
     )
+    daily_limit_usd: float = Field(
+        default=0, ge=0, le=float(MAX_LIMIT_USD),
+        description="Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role.",
+    )
+    monthly_limit_usd: float = Field(default=0, ge=0, le=float(MAX_LIMIT_USD), description="Each user's spending limit per calendar month (UTC) in USD. 0 = none.")
+    daily_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description="Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none.")
+    monthly_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description="Each user's limit per calendar month (UTC) in tokens. 0 = none.")
+    limit_overrides: str = Field(
+        default="",
+        description='JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": {"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, daily_tokens, monthly_tokens (0 = none).',
+    )
+    show_spend: bool = Field(
+        default=False,
+        description="Show every user what they spent today in the line after each reply, also users without a limit (users with one see it anyway, unless they hide it).",
+    )
+    limit_store_failure: str = Field(
+        default="fail-open",
+        description="When the usage store (Redis) cannot be read to check a limit: fail-open = let the turn go (logged); fail-closed = refuse it.",
+        json_schema_extra={"enum": list(LIMIT_STORE_FAILURES)},
+    )
 
 
 class UserValves(BaseModel):
@@ -166,6 +189,7 @@ class UserValves(BaseModel):
         default=0, ge=0, description="Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
     )
     show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
+    show_spend: bool = Field(default=True, description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +222,10 @@ class Settings:
     semantic_relevance: bool = True
     embed_timeout_seconds: float = DEFAULT_EMBED_TIMEOUT
     embed_max_texts: int = DEFAULT_EMBED_TEXTS
+    limits: LimitRules = LimitRules()
+    limit_store_failure: str = "fail-open"
+    show_spend: bool = True
+    spend_for_all: bool = False
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -294,11 +322,12 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     if retention < 1:
         problems.append(ConfigError(f"ledger_retention_days must be 1 or more; using {DEFAULT_LEDGER_RETENTION_DAYS}", valve="ledger_retention_days"))
         retention = DEFAULT_LEDGER_RETENTION_DAYS
-    user_window, show, show_cost = 0, take(valves, "show_status", True), True
+    user_window, show, show_cost, show_spend = 0, take(valves, "show_status", True), True, True
     if user_valves is not None:
         user_window = max(0, take(user_valves, "max_context_tokens", 0))
         show = show and take(user_valves, "show_status", True)
         show_cost = take(user_valves, "show_cost", True)
+        show_spend = take(user_valves, "show_spend", True)
     allowed, unknown = parse_flag_names(take(valves, "allowed_user_flags", DEFAULT_ALLOWED_FLAGS))
     if unknown:
         problems.append(
@@ -358,8 +387,33 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         semantic_relevance=take(valves, "semantic_relevance", True),
         embed_timeout_seconds=float(embed_timeout),
         embed_max_texts=embed_texts,
+        limits=_limit_rules(valves, take, problems),
+        limit_store_failure=_one_of(take(valves, "limit_store_failure", "fail-open"), "limit_store_failure", LIMIT_STORE_FAILURES, "fail-open", problems),
+        show_spend=show_spend,
+        spend_for_all=take(valves, "show_spend", False),
     )
     return settings, problems
+
+
+def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRules:
+    """The limit valves and their overrides; a bad value is named and counts as no limit."""
+    amounts: dict[str, Any] = {}
+    for name, kind, bound in (
+        ("daily_limit_usd", "daily_usd", MAX_LIMIT_USD), ("monthly_limit_usd", "monthly_usd", MAX_LIMIT_USD),
+        ("daily_limit_tokens", "daily_tokens", MAX_LIMIT_TOKENS), ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
+    ):
+        value = take(valves, name, 0.0 if kind.endswith("usd") else 0)
+        amount = Decimal(str(value)) if kind.endswith("usd") else value
+        if not (amount.is_finite() if isinstance(amount, Decimal) else True) or not 0 <= amount <= bound:
+            problems.append(ConfigError(f"{name} must be 0 (none) to {bound:,}; no such limit used", valve=name))
+            amount = 0
+        amounts[kind] = amount
+    base = Limits(**amounts)
+    try:
+        return parse_overrides(take(valves, "limit_overrides", ""), base)
+    except ConfigError as exc:
+        problems.append(exc)
+        return LimitRules(base=base)
 
 
 def _one_of(value: str, valve: str, choices: tuple[str, ...], fallback: str, problems: list[ConfigError], consequence: str = "") -> Any:

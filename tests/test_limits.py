@@ -1,0 +1,513 @@
+"""Spending limits: the rules (role, group, user; admins), resets at the UTC day and month
+boundary, refusals through the fail-open wrapper, the store down, turns racing a limit, the
+status line with spend, and `!usage` inside Open WebUI. Memory store and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import types
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+
+from contextwarden.errors import ConfigError, TurnRefused
+from contextwarden.ledger import record_reply
+from contextwarden.limits import (
+    BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, next_reset, parse_overrides, refusal_text,
+)
+from contextwarden.usergroups import GroupReader
+from contextwarden.valves import read_settings
+
+from test_filter import Events, make_filter
+from turns import free_port, reply_of, run_turn
+
+D = Decimal
+UTC = timezone.utc
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a fjord?"}]
+
+
+class Clock:
+    """The filter's clock, set by the test."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_valves(request) -> dict:
+    return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+
+
+async def limited(counter, valves: dict, now: datetime):
+    f = make_filter(counter, **valves)
+    f._now = Clock(now)
+    await f._settings(None, None)  # opens the store the valves name
+    return f
+
+
+async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -> None:
+    """One reply of `user` on `day` in the filter's ledger (usd None: an unknown price)."""
+    await record_reply(f._store, user=user, model="openai/gpt-4o", prompt_tokens=tokens, completion_tokens=0,
+                       cost_usd=None if usd is None else D(usd), estimated=False, day=day, retention_days=1)
+
+
+def turn(user: str, role: str = "user", text: str = "What is a fjord?", **metadata) -> tuple[dict, dict]:
+    meta = {"chat_id": "", "user_id": user, "message_id": "m1", **metadata}
+    return {"model": "gpt-4o", "messages": [CHAT[0], {"role": "user", "content": text}], "stream": False, "metadata": meta}, {
+        "id": user, "role": role, "name": "N", "email": "ann@example.com"}
+
+
+async def inlet(f, user: str, role: str = "user", events=None, text: str = "What is a fjord?", **metadata):
+    body, who = turn(user, role, text, **metadata)
+    return await f.inlet(body, __user__=who, __metadata__=body["metadata"], __event_emitter__=events)
+
+
+# -- the rules ------------------------------------------------------------------------------
+
+
+OVERRIDES = """{
+  "roles": {"user": {"daily_usd": 2}, "pending": {"daily_usd": 0.1}},
+  "groups": {"research": {"daily_usd": 10, "monthly_tokens": 5000000}, "g-42": {"daily_usd": 4}, "interns": {"daily_usd": 0}},
+  "users": {"u-vip": {"daily_usd": 0, "monthly_usd": 500}}
+}"""
+
+
+def test_most_specific_level_wins_per_kind():
+    rules = parse_overrides(OVERRIDES, Limits(daily_usd=D(1), monthly_usd=D(30)))
+    assert limits_for(rules, role="user", groups=[], user_id="u1") == Limits(D(2), D(30), None, None)
+    assert limits_for(rules, role="pending", groups=[], user_id="u1").daily_usd == D("0.1")
+    research = limits_for(rules, role="user", groups=["research"], user_id="u1")
+    assert (research.daily_usd, research.monthly_usd, research.monthly_tokens) == (D(10), D(30), 5_000_000)
+    # Of several groups the most generous; 0 (no limit) is the most generous of all.
+    assert limits_for(rules, role="user", groups=["g-42", "research"], user_id="u1").daily_usd == D(10)
+    assert limits_for(rules, role="user", groups=["g-42", "interns"], user_id="u1").cap("daily_usd") is None
+    vip = limits_for(rules, role="user", groups=["research"], user_id="u-vip")
+    assert vip.cap("daily_usd") is None and vip.monthly_usd == D(500) and vip.monthly_tokens == 5_000_000
+
+
+def test_admins_are_unlimited_unless_their_role_has_an_override():
+    base = Limits(daily_usd=D(1))
+    assert not limits_for(parse_overrides(OVERRIDES, base), role="admin", groups=["research"], user_id="u-vip").any
+    rules = parse_overrides('{"roles": {"admin": {"monthly_usd": 50}}}', base)
+    admin = limits_for(rules, role="admin", groups=[], user_id="a1")
+    assert admin.daily_usd == D(1) and admin.monthly_usd == D(50)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("{not json", "not valid JSON (at line 1 column 2)"),
+    ('{"roles": {"user": {"daily_usd": -1}}}', "roles.user.daily_usd: Input should be greater than or equal to 0"),
+    ('{"roles": {"user": {"daily_usd": "sk-secret-123"}}}', "roles.user.daily_usd"),
+    ('{"groups": {"g": {"weekly_usd": 1}}}', "groups.g.weekly_usd: Extra inputs are not permitted"),
+    ('{"teams": {}}', "teams"),
+    ('{"users": {"u": {"daily_tokens": 1e30}}}', "users.u.daily_tokens"),
+    ('{"roles": {"user": {"daily_usd": NaN}}}', "roles.user.daily_usd"),
+])
+def test_bad_overrides_are_named_without_their_values(text, named):
+    settings, problems = read_settings(make_filter(None, daily_limit_usd=3, limit_overrides=text).valves)
+    assert [p.valve for p in problems] == ["limit_overrides"]
+    assert named in str(problems[0]) and "no overrides used" in str(problems[0])
+    assert "sk-secret" not in str(problems[0])
+    assert settings.limits.base.daily_usd == D(3) and not settings.limits.roles  # the valve limits still apply
+
+
+def test_overrides_are_bounded():
+    with pytest.raises(ConfigError, match="longer than 65,536"):
+        parse_overrides('{"users": {' + ",".join(f'"u{i}": {{}}' for i in range(9_000)) + "}}", Limits())
+
+
+def test_a_bad_limit_valve_is_named():
+    valves = make_filter(None).valves.model_copy(update={"daily_limit_usd": float("inf"), "monthly_limit_tokens": -5})
+    settings, problems = read_settings(valves)
+    assert {p.valve for p in problems} == {"daily_limit_usd", "monthly_limit_tokens"}
+    assert not settings.limits.active
+
+
+@pytest.mark.parametrize(("now", "kind", "reset"), [
+    (datetime(2026, 12, 1, 20, 48, tzinfo=UTC), "daily_usd", datetime(2026, 12, 2, tzinfo=UTC)),
+    (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "daily_tokens", datetime(2027, 1, 1, tzinfo=UTC)),
+    (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "monthly_usd", datetime(2027, 1, 1, tzinfo=UTC)),
+    (datetime(2028, 2, 29, 0, 0, tzinfo=UTC), "monthly_usd", datetime(2028, 3, 1, tzinfo=UTC)),
+    (datetime(2026, 1, 31, 12, 0, tzinfo=UTC), "monthly_tokens", datetime(2026, 2, 1, tzinfo=UTC)),
+    (datetime(2026, 12, 1, 23, 30, tzinfo=timezone(timedelta(hours=-5))), "daily_usd", datetime(2026, 12, 3, tzinfo=UTC)),
+])
+def test_limits_reset_at_the_utc_day_and_month(now, kind, reset):
+    assert next_reset(kind, now) == reset
+
+
+def test_refusal_names_the_limit_the_spend_and_the_reset():
+    now = datetime(2026, 12, 1, 20, 48, tzinfo=UTC)
+    verdict = check_limits(Limits(daily_usd=D(2)), Spend(usd=D("2.034")), Spend(usd=D("2.034")))
+    assert refusal_text(verdict, now) == (
+        "contextwarden: your daily limit of $2.00 is reached ($2.03 used today). It resets at 00:00 UTC (in 3 h 12 min).")
+    monthly = check_limits(Limits(monthly_tokens=100_000), Spend(tokens=5), Spend(tokens=100_000))
+    assert refusal_text(monthly, now) == (
+        "contextwarden: your monthly limit of 100,000 tokens is reached (100,000 tokens used this month). "
+        "It resets at 00:00 UTC on 2027-01-01 (in 30 days).")
+
+
+def test_warning_from_80_percent_of_the_nearest_limit():
+    limits = Limits(daily_usd=D(2), monthly_tokens=1_000)
+    assert not check_limits(limits, Spend(usd=D("1.59")), Spend(tokens=799)).near
+    verdict = check_limits(limits, Spend(usd=D("1.60")), Spend(tokens=900))
+    assert verdict.allowed and verdict.warn_kind == "monthly_tokens" and verdict.warn_share == D("0.9")
+
+
+# -- the filter: refusals, resets, unknown prices -----------------------------------------------
+
+
+async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, store_valves, unique):
+    now = datetime(2026, 12, 1, 20, 48, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 2}, now)
+    user = f"u-{unique}"
+    await spent(f, user, "1.99", now.date())
+    assert (await inlet(f, user))["messages"][-1]["content"] == "What is a fjord?"  # under the limit: goes on
+    await spent(f, user, "0.02", now.date())
+    with pytest.raises(TurnRefused) as refused:
+        await inlet(f, user)
+    assert str(refused.value) == (
+        "contextwarden: your daily limit of $2.00 is reached ($2.01 used today). It resets at 00:00 UTC (in 3 h 12 min).")
+    assert "ann@example.com" not in str(refused.value)
+    await inlet(f, f"other-{unique}")  # another user is not held back
+    f._now.now = datetime(2026, 12, 2, 0, 0, 0, tzinfo=UTC)  # the next UTC day
+    assert await inlet(f, user)
+
+
+async def test_monthly_limit_resets_on_the_first(counter, store_valves, unique):
+    f = await limited(counter, {**store_valves, "monthly_limit_usd": 10}, datetime(2026, 12, 31, 23, 59, tzinfo=UTC))
+    user = f"u-{unique}"
+    await spent(f, user, "6", date(2026, 12, 3))
+    await spent(f, user, "4", date(2026, 12, 31))
+    await spent(f, user, "50", date(2026, 11, 30))  # last month does not count
+    with pytest.raises(TurnRefused, match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)"):
+        await inlet(f, user)
+    f._now.now = datetime(2027, 1, 1, 0, 0, tzinfo=UTC)
+    assert await inlet(f, user)
+
+
+async def test_limits_per_role_group_and_user_in_the_filter(counter, store_valves, unique, monkeypatch):
+    """Groups come from Open WebUI's own model (`open_webui.models.groups.Groups`), async in 0.12."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    members = {f"in-research-{unique}": ["research"]}
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.id, self.name = f"id-{name}", name
+
+    class Groups:
+        calls = 0
+
+        @classmethod
+        async def get_groups_by_member_id(cls, user_id):
+            cls.calls += 1
+            return [Group(n) for n in members.get(user_id, [])]
+
+    monkeypatch.setitem(sys.modules, "open_webui.models.groups", types.SimpleNamespace(Groups=Groups))
+    overrides = f'{{"roles": {{"user": {{"daily_usd": 1}}}}, "groups": {{"research": {{"daily_usd": 5}}}}, "users": {{"vip-{unique}": {{"daily_usd": 0}}}}}}'
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 0.5, "limit_overrides": overrides}, now)
+    for user in ("plain", "in-research", "vip", "admin", "pending"):
+        await spent(f, f"{user}-{unique}", "3", now.date())
+    with pytest.raises(TurnRefused, match=r"daily limit of \$1.00"):
+        await inlet(f, f"plain-{unique}")
+    with pytest.raises(TurnRefused, match=r"daily limit of \$0.50"):  # a role without an override: the valve
+        await inlet(f, f"pending-{unique}", role="pending")
+    assert await inlet(f, f"in-research-{unique}")  # the group's $5
+    assert await inlet(f, f"vip-{unique}")  # the user's own: none
+    assert await inlet(f, f"admin-{unique}", role="admin")  # admins: none without an admin role override
+    calls = Groups.calls
+    await inlet(f, f"in-research-{unique}")
+    assert Groups.calls == calls  # remembered a minute
+
+
+async def test_unknown_prices_count_tokens_not_dollars(counter, store_valves, unique):
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1, "daily_limit_tokens": 50_000}, now)
+    user = f"u-{unique}"
+    for _ in range(4):
+        await spent(f, user, None, now.date(), tokens=12_000)  # unpriced: no dollars, 48,000 tokens
+    assert await inlet(f, user)
+    await spent(f, user, None, now.date(), tokens=2_000)
+    with pytest.raises(TurnRefused, match="daily limit of 50,000 tokens is reached"):
+        await inlet(f, user)
+
+
+async def test_a_real_turn_counts_toward_the_limit(counter, store_valves, unique):
+    """The outlet's own ledger record is what the next inlet checks (gpt-4o: $2.50 per 1M in)."""
+    now = datetime.now(UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user = {"id": f"u-{unique}", "role": "user"}
+    await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 400_000, "completion_tokens": 0}))
+    with pytest.raises(TurnRefused, match=r"\$1.00 is reached \(\$1.00 used today\)"):
+        await run_turn(f, CHAT, user=user)
+
+
+# -- the store down ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fail-open", "fail-closed"])
+async def test_store_unreachable_follows_the_valve(counter, caplog, policy):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    valves = {"redis_url": f"redis://127.0.0.1:{free_port()}/0", "daily_limit_usd": 1, "limit_store_failure": policy}
+    f = await limited(counter, valves, datetime.now(UTC))
+    if policy == "fail-open":
+        assert await inlet(f, "u1")
+        assert "limits not checked (ConnectionError); turn allowed (fail-open)" in caplog.text
+    else:
+        with pytest.raises(TurnRefused) as refused:
+            await inlet(f, "u1")
+        assert str(refused.value) == STORE_DOWN_TEXT
+        assert "turn refused (fail-closed)" in caplog.text
+
+
+def test_a_bad_store_failure_valve_is_named():
+    settings, problems = read_settings(make_filter(None, limit_store_failure="closed").valves)
+    assert [p.valve for p in problems] == ["limit_store_failure"] and settings.limit_store_failure == "fail-open"
+
+
+async def test_other_errors_in_the_limit_check_fail_open(counter, caplog, unique):
+    f = await limited(counter, {"daily_limit_usd": 1}, datetime.now(UTC))
+
+    async def broken(*args, **kwargs):
+        raise ZeroDivisionError
+
+    f._user_limits = broken
+    assert await inlet(f, f"u-{unique}")
+    assert "limits not checked (ZeroDivisionError" in caplog.text
+
+
+# -- turns racing the limit --------------------------------------------------------------------------
+
+
+class SlowStore:
+    """Wraps a store so every read yields to the loop a few times (turns interleave)."""
+
+    def __init__(self, store) -> None:
+        self._inner = store
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def keys(self, pattern):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return await self._inner.keys(pattern)
+
+
+async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valves, unique):
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user = f"u-{unique}"
+    await spent(f, user, "0.85", now.date())  # 85%: near the limit
+    f._store = SlowStore(f._store)
+    turns = [turn(user) for _ in range(12)]
+    results = await asyncio.gather(
+        *(f.inlet(body, __user__=who, __metadata__=body["metadata"]) for body, who in turns), return_exceptions=True
+    )
+    refused = [r for r in results if isinstance(r, TurnRefused)]
+    assert len(results) - len(refused) == 1 and {str(r) for r in refused} == {BUSY_TEXT}
+    assert f._inflight.count(user) == 1
+    # The admitted turn's outlet ends its hold: the next turn may start.
+    (body, who), = [t for t, r in zip(turns, results) if not isinstance(r, Exception)]
+    reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 1})
+    await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    assert f._inflight.count(user) == 0
+    assert await inlet(f, user)
+
+
+async def test_below_80_percent_turns_of_one_user_run_together(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 1}, datetime(2026, 12, 1, tzinfo=UTC))
+    user = f"u-{unique}"
+    await spent(f, user, "0.5", date(2026, 12, 1))
+    results = await asyncio.gather(*(inlet(f, user) for _ in range(5)), return_exceptions=True)
+    assert not [r for r in results if isinstance(r, Exception)] and f._inflight.count(user) == 5
+
+
+def test_a_hold_without_outlet_expires():
+    clock = [0.0]
+    held = InFlight(clock=lambda: clock[0])
+    token = held.hold("u1")
+    held.hold("u1")
+    assert held.count("u1") == 2
+    held.release("u1", token)
+    assert held.count("u1") == 1
+    clock[0] = 601.0
+    assert held.count("u1") == 0
+
+
+# -- the status line with spend ----------------------------------------------------------------
+
+
+async def test_status_line_shows_spend_and_the_limit(counter, store_valves, unique):
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 2}, datetime.now(UTC))
+    user = {"id": f"u-{unique}", "role": "user"}
+    await spent(f, user["id"], "0.4", datetime.now(UTC).date())
+    run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
+    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020 · today $0.42 of $2.00"
+    await spent(f, user["id"], "1.3", datetime.now(UTC).date())
+    run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
+    assert run.events.statuses[-1] == "4,000 in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
+
+
+async def test_spend_hidden_by_the_user_valve_and_off_without_a_limit(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime.now(UTC))
+    hidden = {"id": f"u-{unique}", "role": "user", "valves": f.UserValves(show_spend=False)}
+    run = await run_turn(f, CHAT, user=hidden, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
+    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
+    g = await limited(counter, {}, datetime.now(UTC))  # no limit: not shown unless the admin asks
+    run = await run_turn(g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
+    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
+    g.valves = g.Valves(show_spend=True)
+    run = await run_turn(g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
+    assert run.events.statuses[-1] == "4,000 in · 0 out · $0.010 · today $0.03"
+
+
+# -- !usage ------------------------------------------------------------------------------------
+
+
+async def test_admin_usage_command_answers_without_the_model(counter, store_valves, unique):
+    now = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 2, "limit_overrides": '{"groups": {"g": {"daily_usd": 5}}}'}, now)
+    ann, bob = f"ann-{unique}", f"bob-{unique}"
+    await spent(f, ann, "1.25", now.date(), tokens=500_000)
+    await spent(f, ann, "0.5", date(2026, 12, 1) - timedelta(days=0))
+    await spent(f, bob, None, date(2026, 12, 1), tokens=777)
+    await spent(f, bob, "9", date(2026, 11, 30))  # last month: not shown
+    body, who = turn("admin-1", role="admin", text="  !usage ")
+    with pytest.raises(TurnRefused) as answer:  # an API caller: the answer is the error text
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    text = str(answer.value)
+    assert text.startswith("### contextwarden usage · 2026-12 (UTC, to 2026-12-01 09:30)")
+    assert "Today: ≥$1.7500 · 3 replies." in text
+    assert f"| {ann} | 2 | 501,000 | 1.7500 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
+    assert "1 replies had no known price: dollar limits could not count them (token limits did)." in text
+    assert "overrides for 0 roles, 1 group, 0 users" in text and "background calls" in text
+    assert "9.0000" not in text
+
+
+async def test_usage_command_in_a_browser_chat_writes_the_reply(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    await spent(f, f"ann-{unique}", "0.25", date(2026, 12, 1))
+    events = Events()
+    with pytest.raises(TurnRefused) as answer:
+        await inlet(f, "admin-1", role="admin", events=events, text="!usage", session_id="s1", chat_id="c1")
+    assert str(answer.value) == "contextwarden: the usage report is above; the model was not called."
+    [replace] = [e for e in events.items if e["type"] == "replace"]
+    assert f"| ann-{unique} | 1 |" in replace["data"]["content"]
+
+
+async def test_usage_command_for_users_shows_their_own_spend_only(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 2, "monthly_limit_tokens": 1_000_000}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    await spent(f, f"ann-{unique}", "0.25", date(2026, 12, 1))
+    await spent(f, f"bob-{unique}", "1.5", date(2026, 12, 1))
+    body, who = turn(f"ann-{unique}", text="!usage")
+    with pytest.raises(TurnRefused) as answer:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    assert str(answer.value) == (
+        "contextwarden: today $0.25 of $2.00 · this month $0.25 · monthly tokens 1,000 of 1,000,000.")
+    assert "bob" not in str(answer.value)
+
+
+async def test_usage_inside_a_longer_message_is_just_text(counter):
+    f = await limited(counter, {}, datetime.now(UTC))
+    body, who = turn("admin-1", role="admin", text="what does !usage do?")
+    assert (await f.inlet(body, __user__=who, __metadata__=body["metadata"]))["messages"][-1]["content"] == "what does !usage do?"
+
+
+# -- groups outside Open WebUI -------------------------------------------------------------
+
+
+async def test_group_reader_without_open_webui_and_with_a_sync_lookup(monkeypatch):
+    monkeypatch.delitem(sys.modules, "open_webui.models.groups", raising=False)
+    assert await GroupReader().groups("u1") == frozenset()
+    threads = []
+
+    def sync_lookup(user_id):  # older Open WebUI: synchronous database access, run off the event loop
+        threads.append(threading.current_thread())
+        return [types.SimpleNamespace(id="gid", name="Research")]
+
+    assert await GroupReader(sync_lookup).groups("u1") == frozenset({"gid", "Research"})
+    assert threads and threads[0] is not threading.main_thread()
+
+    def broken(user_id):
+        raise RuntimeError("db down")
+
+    assert await GroupReader(broken).groups("u1") == frozenset()
+
+
+# -- the spend totals limits read (one key per user and month) ------------------------------------
+
+
+class CountingStore:
+    """Counts ledger scans (`keys`) of the store it wraps."""
+
+    def __init__(self, store) -> None:
+        self._inner, self.scans = store, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def keys(self, pattern):
+        self.scans += 1
+        return await self._inner.keys(pattern)
+
+
+async def outlet_on(f, user: str, prompt: int) -> None:
+    """A reply of `user` through the filter's outlet (gpt-4o: $2.50 per 1M prompt tokens)."""
+    body, who = turn(user)
+    reply = reply_of(usage={"prompt_tokens": prompt, "completion_tokens": 0})
+    await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+
+
+async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, store_valves, unique):
+    """Replies from before this version are only in the ledger: the month they are in still adds
+    up exactly; later checks read one key (no ledger scan), and later months need no ledger."""
+    clock = datetime(2026, 12, 10, 9, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock)
+    user = f"u-{unique}"
+    await spent(f, user, "1.5", date(2026, 12, 3))   # before the upgrade: in the ledger only
+    await spent(f, user, "0.25", date(2026, 12, 10))  # the upgrade day, earlier that day
+    await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
+    day, month = await f._spend(user)
+    assert (day.usd, month.usd, month.requests) == (D("1.25"), D("2.75"), 3)
+    f._now.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
+    await outlet_on(f, user, 200_000)  # $0.50
+    f._store = CountingStore(f._store)
+    for _ in range(3):
+        day, month = await f._spend(user)
+        assert (day.usd, month.usd, month.tokens) == (D("0.5"), D("3.25"), 600_000 + 2_000)
+    assert f._store.scans == 1  # the days up to the upgrade, once; remembered after
+    f._now.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
+    await outlet_on(f, user, 40_000)  # $0.10
+    scans = f._store.scans
+    assert await f._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+    assert f._store.scans == scans  # a month after the upgrade: the key alone
+    g = await limited(counter, store_valves, datetime(2027, 1, 2, 10, tzinfo=UTC))  # another worker, same store
+    if store_valves:
+        assert await g._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+
+
+async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
+    """Outlet input is user-controlled: a reply counts at most $1,000 toward limits, never below 0."""
+    f = await limited(counter, {"daily_limit_usd": 5}, datetime(2026, 12, 1, tzinfo=UTC))
+    await f._spendbook.record(f._store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
+    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
+    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
+    day, _ = await f._spend(unique)
+    assert day.usd == D(1000) and day.tokens == 10**10
+
+
+async def test_an_outlet_that_fails_still_ends_the_hold(counter, unique):
+    f = await limited(counter, {"daily_limit_usd": 1}, datetime(2026, 12, 1, tzinfo=UTC))
+    user = f"u-{unique}"
+    await spent(f, user, "0.9", date(2026, 12, 1))
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    assert f._inflight.count(user) == 1
+    await f.outlet({"model": "gpt-4o", "messages": "not a list"}, __user__=who, __metadata__=body["metadata"])
+    assert f._inflight.count(user) == 0
