@@ -488,7 +488,7 @@ class Filter:
 
     async def _resolve(self, settings: Settings, model_id: str, emit: Emitter | None) -> Resolution:
         """The price-book model for an id (admin file > live OpenRouter > bundled)."""
-        book, problems = self._prices.book(
+        book, problems = await self._prices.book(
             openrouter=settings.openrouter_pricing, ttl_hours=settings.pricing_ttl_hours, pricing_file=settings.pricing_file
         )
         for problem in problems:
