@@ -31,7 +31,7 @@ from .store import MemoryStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
-from .usage import Usage, compute_cost, read_cost, read_count, read_usage
+from .usage import Usage, compute_cost, read_cost, read_count, read_usage, with_counts
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
 __all__ = ["Filter", "model_context_length", "wants_stream_usage"]
@@ -490,7 +490,7 @@ class Filter:
             completion = self._counter.count_text(message_text(messages[-1]), model_id)
         if usage is None:
             return Usage(prompt, completion, shape="estimate"), True
-        return replace(usage, prompt_tokens=prompt, completion_tokens=completion), True
+        return with_counts(usage, prompt, completion), True
 
     # -- prices, calibration, stream usage -----------------------------------------------------
 

@@ -19,6 +19,7 @@ __all__ = [
     "read_cost",
     "read_usage",
     "normalize_usage",
+    "with_counts",
     "compute_cost",
 ]
 
@@ -286,10 +287,20 @@ def normalize_usage(usage: Mapping, rejected: list[str] | None = None) -> Usage 
         result = _read_openai_like(fields)
     if result.prompt_tokens is None and result.completion_tokens is None:
         return None
-    cached, written = _cache_parts(result.prompt_tokens, result.cached_tokens, result.cache_write_tokens)
-    if (cached, written) != (result.cached_tokens, result.cache_write_tokens):
-        result = replace(result, cached_tokens=cached, cache_write_tokens=written)
-    return result
+    return with_counts(result, result.prompt_tokens, result.completion_tokens)
+
+
+def with_counts(usage: Usage, prompt_tokens: int | None, completion_tokens: int | None) -> Usage:
+    """`usage` with its prompt and completion counts replaced (e.g. by estimates), the cached
+    parts kept within the new prompt.
+
+    Example:
+        >>> with_counts(Usage(None, 5, cached_tokens=10**6), 8, 5).cached_tokens
+        8
+    """
+    cached, written = _cache_parts(prompt_tokens, usage.cached_tokens, usage.cache_write_tokens)
+    return replace(usage, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   cached_tokens=cached, cache_write_tokens=written)
 
 
 def read_usage(message: Mapping, rejected: list[str] | None = None) -> Usage | None:
