@@ -407,7 +407,7 @@ async def test_live_prices_failure_keeps_last_good_book_and_warns_once(caplog, f
 
 async def test_live_prices_survive_unexpected_errors(caplog):
     class Broken(httpx.AsyncClient):
-        async def get(self, *args, **kwargs):
+        async def send(self, *args, **kwargs):
             raise RuntimeError("secret-token-should-not-appear")
 
     live = LivePrices(PriceBook.from_bundled(), client=Broken())
@@ -445,7 +445,7 @@ async def test_live_prices_shared_table_seam(full_payload):
 
 async def test_fetch_has_one_overall_deadline():
     class Trickle(httpx.AsyncClient):
-        async def get(self, *args, **kwargs):
+        async def send(self, *args, **kwargs):
             await asyncio.sleep(5)  # e.g. a body dribbling in under every per-read timeout
 
     with pytest.raises(PricingError, match="no answer within 0.05s"):
@@ -456,7 +456,7 @@ async def test_background_refresh_does_not_block_the_caller():
     gate = asyncio.Event()
 
     class Slow(httpx.AsyncClient):
-        async def get(self, *args, **kwargs):
+        async def send(self, *args, **kwargs):
             await gate.wait()
             raise httpx.ReadTimeout("late")
 

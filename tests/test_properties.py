@@ -11,6 +11,7 @@ Example counts: profile `ci` (the default) runs CI_EXAMPLES per test; set
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -24,7 +25,9 @@ import tiktoken
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from contextwarden import TrimDecision, trim_messages
+from contextwarden import Filter, TrimDecision, trim_messages
+from contextwarden.ledger import read_ledger, usd_to_picodollars
+from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
 from contextwarden.conversation import read_conversation
 from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
@@ -360,6 +363,65 @@ def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, ch
     assert_same_trim(fast, full)
     check_contract(later, fast, counter, model)
     event("reused" if fast.reused else "selected anew")
+
+
+# -- hostile usage in the outlet (issue 13): whatever a client forges, the body comes back, no
+# -- error, and the ledger stays within the per-reply bounds ------------------------------------
+
+HOSTILE_TEXT = ("²", "١٢", "1_000", " 12 ", "0x10", "-1", "NaN", "sNaN", "Infinity", "1e999000", "1E30", "0.0105",
+                "1e-999000", "9" * 5_000, "0." + "1" * 5_000, "", "12")
+hostile_number = st.one_of(
+    st.integers(min_value=-(10**30), max_value=10**30), st.integers(min_value=0, max_value=10**10),
+    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+    st.sampled_from(HOSTILE_TEXT), st.text(max_size=12), st.decimals().map(str),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens", "input_tokens", "output_tokens", "cost", "is_byok",
+              "cache_read_input_tokens", "cache_creation_input_tokens", "prompt_eval_count", "eval_count",
+              "promptTokenCount", "candidatesTokenCount", "thoughtsTokenCount", "input_tokens_details")
+DETAIL_KEYS = {"prompt_tokens_details": ("cached_tokens", "cache_write_tokens"),
+               "completion_tokens_details": ("reasoning_tokens",), "cost_details": ("upstream_inference_cost",)}
+
+
+@st.composite
+def hostile_usage(draw) -> dict:
+    usage = draw(st.dictionaries(st.sampled_from(USAGE_KEYS), hostile_number, max_size=8))
+    for group, keys in DETAIL_KEYS.items():
+        if draw(st.booleans()):
+            usage[group] = draw(st.one_of(st.dictionaries(st.sampled_from(keys), hostile_number, max_size=2), hostile_number))
+    return usage
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(usages=st.lists(hostile_usage(), min_size=1, max_size=4))
+@example(usages=[{"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"}, {"prompt_tokens": 1e20, "completion_tokens": "²"}])
+@example(usages=[{"completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 10**6}}])
+def test_outlet_survives_any_forged_usage(counter, usages):
+    async def outlets() -> tuple[list, list[str]]:
+        f = Filter()
+        f._counter = counter
+        f.valves = f.Valves(openrouter_pricing=False, calibrate_counts=False)
+        statuses: list[str] = []
+
+        async def emit(event: dict) -> None:
+            statuses.append(event["data"]["description"])
+
+        for usage in usages:
+            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "ok", "usage": usage}]}
+            assert await f.outlet(body, __user__={"id": "u"}, __event_emitter__=emit) is body
+        return await read_ledger(f._store), statuses
+
+    entries, statuses = asyncio.run(outlets())
+    assert not any("internal error" in s for s in statuses) and all(len(s) < 120 for s in statuses)
+    [entry] = entries
+    replies = len(usages)
+    assert entry.counters["requests"] == replies
+    for name in ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens"):
+        assert 0 <= entry.counters[name] <= replies * MAX_TOKEN_COUNT
+    assert entry.counters["cached_tokens"] <= entry.counters["prompt_tokens"]
+    assert 0 <= entry.counters["cost_picousd"] <= replies * usd_to_picodollars(MAX_REPLY_COST_USD)
+    event("estimated" if entry.counters["estimated"] else "believed")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -330,8 +330,8 @@ def test_cost_notes(prices):
     # 1000 x 0.00000066 = 0.00066 (base window price)
     assert timed.cost_usd == D("0.00066") and "time of day" in timed.notes[0]
     odd = compute_cost(Usage(100, 0, cached_tokens=150), prices["openai/gpt-4o"])
-    # uncached clamped to 0; 150 x 0.00000125 = 0.0001875
-    assert odd.cost_usd == D("0.0001875") and "exceed" in odd.notes[0]
+    # cached counted up to the 100-token prompt (never billed beyond it): 100 x 0.00000125 = 0.000125
+    assert odd.cost_usd == D("0.000125") and "exceed" in odd.notes[0]
 
 
 _counts = st.one_of(st.none(), st.integers(min_value=0, max_value=3_000_000))

@@ -35,7 +35,7 @@ from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
-from .usage import Usage, compute_cost, read_usage
+from .usage import Usage, compute_cost, read_cost, read_count, read_usage, with_counts
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
@@ -46,6 +46,7 @@ filter_log = logging.getLogger("contextwarden")
 Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
+MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
 
 
@@ -142,19 +143,25 @@ def _flags_of_turn(value: dict) -> Flags:
 
 
 def _usd_text(amount: Decimal | None) -> str | None:
-    """An exact decimal string for a log line or note (None stays None)."""
-    return None if amount is None else format(amount.normalize(), "f")
+    """An exact decimal string for a log line or note (None, and anything not plausible, is None)."""
+    if amount is None or not amount.is_finite() or not -30 <= amount.adjusted() <= 30:
+        return None
+    return format(amount.normalize(), "f")
 
 
 def _usd_decimal(text: object) -> Decimal | None:
-    """A non-negative USD amount an earlier hook wrote as text (None when absent or unreadable)."""
-    if not isinstance(text, str):
-        return None
-    try:
-        amount = Decimal(text)
-    except ArithmeticError:
-        return None
-    return amount if amount.is_finite() and amount >= 0 else None
+    """A USD amount an earlier hook wrote as text (None when absent, unreadable or implausible:
+    the outlet's metadata can come from the client)."""
+    return read_cost(text) if isinstance(text, str) else None
+
+
+def _log_value(value: object) -> object:
+    """An id or note for a usage line: text clipped to MAX_LOG_TEXT, numbers only when small."""
+    if isinstance(value, str):
+        return value[:MAX_LOG_TEXT]
+    if isinstance(value, (int, float)) and abs(value) < 10**18:
+        return value
+    return None if value is None else type(value).__name__
 
 
 def _decision(text: str | None) -> TrimDecision | None:
@@ -529,10 +536,12 @@ class Filter:
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
         reply = body["messages"][-1]
-        usage = read_usage(reply)
+        rejected: list[str] = []
+        usage = read_usage(reply, rejected)
+        if rejected:
+            self._warn_once(f"contextwarden: reply usage not believed ({', '.join(rejected[:6])}); estimated instead")
         estimated_prompt = note.get("estimated_prompt_tokens")
-        if not isinstance(estimated_prompt, int) or isinstance(estimated_prompt, bool):
-            estimated_prompt = None
+        estimated_prompt = read_count(estimated_prompt) if isinstance(estimated_prompt, int) else None
         billed, estimated = self._billed_usage(usage, estimated_prompt, body["messages"], model_id)
         cost = compute_cost(billed, resolution.price)
         if cost.cost_usd is None:
@@ -542,14 +551,13 @@ class Filter:
         user_id = (user or {}).get("id")
         mode = note.get("mode") if note.get("mode") in MODES else settings.mode
         tokens_saved = note.get("tokens_saved") if mode != "off" else None
-        if not isinstance(tokens_saved, int) or isinstance(tokens_saved, bool) or tokens_saved < 0:
-            tokens_saved = None
+        tokens_saved = read_count(tokens_saved) if isinstance(tokens_saved, int) else None
         cost_saved = _usd_decimal(note.get("cost_saved_usd")) if tokens_saved is not None else None
         record = {
-            "model": model_id,
-            "resolved_model": resolution.model_id,
-            "user_id": user_id,
-            "chat_id": body.get("chat_id") or metadata.get("chat_id") or None,
+            "model": _log_value(model_id),
+            "resolved_model": _log_value(resolution.model_id),
+            "user_id": _log_value(user_id),
+            "chat_id": _log_value(body.get("chat_id") or metadata.get("chat_id") or None),
             "prompt_tokens": billed.prompt_tokens,
             "completion_tokens": billed.completion_tokens,
             "cached_tokens": billed.cached_tokens,
@@ -559,7 +567,7 @@ class Filter:
             "usage_shape": billed.shape,
             "cost_usd": _usd_text(cost.cost_usd),
             "cost_source": cost.cost_source,
-            "cost_note": cost_note,
+            "cost_note": _log_value(cost_note),
             "mode": mode,
             "tokens_saved": tokens_saved,
             "cost_saved_usd": _usd_text(cost_saved),
@@ -603,13 +611,13 @@ class Filter:
             completion = self._counter.count_text(message_text(messages[-1]), model_id)
         if usage is None:
             return Usage(prompt, completion, shape="estimate"), True
-        return replace(usage, prompt_tokens=prompt, completion_tokens=completion), True
+        return with_counts(usage, prompt, completion), True
 
     # -- prices, calibration, stream usage -----------------------------------------------------
 
     async def _resolve(self, settings: Settings, model_id: str, emit: Emitter | None) -> Resolution:
         """The price-book model for an id (admin file > live OpenRouter > bundled)."""
-        book, problems = self._prices.book(
+        book, problems = await self._prices.book(
             openrouter=settings.openrouter_pricing, ttl_hours=settings.pricing_ttl_hours, pricing_file=settings.pricing_file
         )
         for problem in problems:
@@ -688,10 +696,16 @@ class Filter:
     async def _report(self, problem: ConfigError, emit: Emitter | None) -> None:
         """Tell the admin about a bad valve: a warning once per process, a status every time."""
         text = f"contextwarden: {problem}"
+        self._warn_once(f"{text} (valve {problem.valve})")
+        await self._emit(emit, text)
+
+    def _warn_once(self, text: str) -> None:
+        """One warning per distinct text per process (at most MAX_REPORTED_PROBLEMS), then debug."""
         if text not in self._reported and len(self._reported) < MAX_REPORTED_PROBLEMS:
             self._reported.add(text)
-            filter_log.warning("%s (valve %s)", text, problem.valve)
-        await self._emit(emit, text)
+            filter_log.warning("%s", text)
+        else:
+            filter_log.debug("%s", text)
 
     async def _failed(self, hook: str, exc: BaseException, body: Any, emit: Emitter | None) -> Any:
         filter_log.warning(

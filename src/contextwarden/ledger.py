@@ -19,6 +19,7 @@ from typing import Literal
 from urllib.parse import quote, unquote
 
 from .store import Store
+from .usage import MAX_TOKEN_COUNT
 
 __all__ = [
     "LedgerEntry",
@@ -35,7 +36,11 @@ __all__ = [
 
 DEFAULT_LEDGER_RETENTION_DAYS = 400
 LEDGER_KEY_PREFIX = "ledger:"
+MAX_KEY_ID_CHARS = 200  # of a user or model id in a ledger key; real ids are far shorter
 PICODOLLARS_PER_USD = 10**12
+# The most one increment may add, in USD: far below the 9.2e18 picodollars (9.2 million USD) a
+# Redis counter holds, and far above a reply's cost ceiling (usage.MAX_REPLY_COST_USD).
+MAX_INCREMENT_USD = Decimal(10**6)
 # Counter fields of one ledger key, in the order reports show them.
 LEDGER_FIELDS = (
     "requests",
@@ -56,16 +61,25 @@ LEDGER_FIELDS = (
 # Counters holding picodollars, shown as USD under the name without `_picousd`.
 LEDGER_MONEY_FIELDS = ("cost_picousd", "cost_saved_picousd", "shadow_cost_saved_picousd")
 
+# The most one reply may add to a field: a token count's bound, or for money the increment bound.
+_FIELD_LIMITS = {name: int(MAX_INCREMENT_USD) * PICODOLLARS_PER_USD for name in LEDGER_MONEY_FIELDS}
+
 LedgerGrouping = Literal["user", "model", "day"]
 
 
 def usd_to_picodollars(amount: Decimal) -> int:
     """USD as whole picodollars (1e-12 USD), rounded half-even below that.
 
+    Raises:
+        ValueError: not finite, negative or above MAX_INCREMENT_USD (checked before converting:
+            int() of a forged Decimal("1e999000") would take half a minute).
+
     Example:
         >>> usd_to_picodollars(Decimal("0.0031"))
         3100000000
     """
+    if not amount.is_finite() or not 0 <= amount <= MAX_INCREMENT_USD:
+        raise ValueError("a ledger amount must be from 0 to MAX_INCREMENT_USD")
     return int((amount * PICODOLLARS_PER_USD).to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
@@ -80,7 +94,9 @@ def picodollars_to_usd(amount: int) -> Decimal:
 
 
 def _ledger_key(day: date, user: str, model: str) -> str:
-    """`ledger:YYYY-MM-DD:<user>:<model>`, ids percent-encoded (model ids hold ':' and '/')."""
+    """`ledger:YYYY-MM-DD:<user>:<model>`, ids percent-encoded (model ids hold ':' and '/') and
+    cut to MAX_KEY_ID_CHARS (a model id in the outlet body is the client's)."""
+    user, model = user[:MAX_KEY_ID_CHARS], model[:MAX_KEY_ID_CHARS]
     return f"{LEDGER_KEY_PREFIX}{day.isoformat()}:{quote(user, safe='')}:{quote(model, safe='')}"
 
 
@@ -161,6 +177,9 @@ async def record_reply(
 ) -> str:
     """Add one reply to its (day, user, model) totals in a single atomic increment.
 
+    Every value is checked first (counts 0 to MAX_TOKEN_COUNT, money 0 to MAX_INCREMENT_USD):
+    out of range raises ValueError and nothing is written.
+
     Counted once: the increment is named (a fresh id), so when a Redis timeout leaves unknown
     whether it was applied, the store can send it again and Redis applies it only once.
 
@@ -198,6 +217,9 @@ async def record_reply(
         fields[prefix + "trimmed"] = 1
         fields[prefix + "tokens_saved"] = tokens_saved
         fields[prefix + "cost_saved_picousd"] = usd_to_picodollars(cost_saved_usd) if cost_saved_usd else 0
+    for name, amount in fields.items():  # checked before anything is written
+        if not isinstance(amount, int) or isinstance(amount, bool) or not 0 <= amount <= _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT):
+            raise ValueError(f"ledger field {name} out of range")
     await store.incr(key, fields, ttl=max(1, retention_days) * 86_400, once=f"ledger:{uuid.uuid4().hex}")
     return key
 

@@ -4,7 +4,9 @@ that refreshes it in the background (never on the request path) and keeps the la
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -12,14 +14,18 @@ from datetime import datetime, timezone
 import httpx
 
 from .errors import PricingError
-from .pricing import PriceBook
+from .pricing import PriceBook, openrouter_unlisted
 
 __all__ = [
     "DEFAULT_OPENROUTER_URL",
     "DEFAULT_PRICE_FETCH_TIMEOUT",
     "DEFAULT_PRICING_TTL_HOURS",
     "DEFAULT_PRICE_RETRY_SECONDS",
+    "MIN_PRICING_TTL_HOURS",
+    "MAX_PRICING_TTL_HOURS",
+    "MAX_PRICE_REPLY_BYTES",
     "fetch_openrouter_prices",
+    "pricing_ttl_seconds",
     "LivePrices",
 ]
 
@@ -27,6 +33,10 @@ DEFAULT_OPENROUTER_URL = "https://openrouter.ai/api/v1/models"
 DEFAULT_PRICE_FETCH_TIMEOUT = 10.0
 DEFAULT_PRICING_TTL_HOURS = 24.0
 DEFAULT_PRICE_RETRY_SECONDS = 600.0
+# pricing_ttl_hours is kept in this range: 1e-6 would fetch on every request, inf never.
+MIN_PRICING_TTL_HOURS = 0.1
+MAX_PRICING_TTL_HOURS = 24.0 * 365
+MAX_PRICE_REPLY_BYTES = 16 * 1024 * 1024  # OpenRouter's full list is ~1.5 MiB (2026)
 
 _LIVE_PRICES_LOG = logging.getLogger("contextwarden")
 
@@ -35,16 +45,22 @@ async def fetch_openrouter_prices(
     client: httpx.AsyncClient,
     url: str = DEFAULT_OPENROUTER_URL,
     timeout: float = DEFAULT_PRICE_FETCH_TIMEOUT,
+    *,
+    max_bytes: int = MAX_PRICE_REPLY_BYTES,
 ) -> PriceBook:
     """GET OpenRouter's public model list (no key needed) and read it into a PriceBook.
+
+    The body is read up to `max_bytes` and parsed in a worker thread, off the event loop.
+    Entries without a prompt or completion price are priced as unknown, with one warning.
 
     Args:
         client: the httpx client to use (the caller owns and closes it).
         url: the models endpoint.
         timeout: seconds for the whole request.
+        max_bytes: a larger answer is refused.
 
     Raises:
-        PricingError: timeout, connection or HTTP error, non-JSON body, or no usable model.
+        PricingError: timeout, connection or HTTP error, too large, non-JSON body, or no usable model.
 
     Example:
         >>> async with httpx.AsyncClient() as client:  # doctest: +SKIP
@@ -52,22 +68,58 @@ async def fetch_openrouter_prices(
     """
     try:
         async with asyncio.timeout(timeout):  # one deadline for connect, read and body
-            response = await client.get(url, timeout=timeout,
-                                        headers={"Accept": "application/json"})
-        response.raise_for_status()
+            body = await _read_capped(client, url, timeout, max_bytes)
     except (TimeoutError, httpx.TimeoutException) as exc:
         raise PricingError(f"OpenRouter prices: no answer within {timeout:g}s") from exc
     except httpx.HTTPStatusError as exc:
         raise PricingError(f"OpenRouter prices: HTTP {exc.response.status_code}") from exc
     except httpx.HTTPError as exc:
         raise PricingError(f"OpenRouter prices: {type(exc).__name__}") from exc
-    try:
-        payload = response.json()
-    except ValueError as exc:
-        raise PricingError("OpenRouter prices: the answer is not JSON") from exc
     now = time.time()
     day = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y-%m-%d")
-    return PriceBook.from_openrouter(payload, source="openrouter", fetched_at=now, source_date=day)
+    return await asyncio.to_thread(_parse_openrouter, body, now, day)
+
+
+async def _read_capped(client: httpx.AsyncClient, url: str, timeout: float, max_bytes: int) -> bytes:
+    """The body of a successful GET, refused once it passes `max_bytes` (declared or read)."""
+    too_large = PricingError(f"OpenRouter prices: the answer is larger than {max_bytes:,} bytes")
+    request = client.build_request("GET", url, timeout=timeout, headers={"Accept": "application/json"})
+    response = await client.send(request, stream=True)
+    try:
+        response.raise_for_status()
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and len(declared) < 20 and int(declared) > max_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    return b"".join(chunks)
+
+
+def _parse_openrouter(body: bytes, now: float, day: str) -> PriceBook:
+    """The PriceBook of a models-list body (run in a worker thread: ~1.5 MiB of JSON)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise PricingError("OpenRouter prices: the answer is not JSON") from exc
+    book = PriceBook.from_openrouter(payload, source="openrouter", fetched_at=now, source_date=day)
+    missing, entries = openrouter_unlisted(payload)
+    if missing:
+        _LIVE_PRICES_LOG.warning(
+            "contextwarden: OpenRouter prices: %d of %d models have no prompt or completion price "
+            "(empty or renamed `pricing` keys); they are priced as unknown, never $0", missing, entries)
+    return book
+
+
+def pricing_ttl_seconds(hours: float) -> float:
+    """pricing_ttl_hours in seconds, kept from MIN_PRICING_TTL_HOURS to MAX_PRICING_TTL_HOURS."""
+    hours = hours if isinstance(hours, (int, float)) and math.isfinite(hours) else DEFAULT_PRICING_TTL_HOURS
+    return min(max(hours, MIN_PRICING_TTL_HOURS), MAX_PRICING_TTL_HOURS) * 3600.0
 
 
 class LivePrices:
@@ -101,7 +153,7 @@ class LivePrices:
         self._fallback = fallback
         self._live: PriceBook | None = None
         self._url = url
-        self._ttl_seconds = ttl_hours * 3600.0
+        self._ttl_seconds = pricing_ttl_seconds(ttl_hours)
         self._timeout = timeout
         self._retry_seconds = retry_seconds
         self._client = client
@@ -162,7 +214,7 @@ class LivePrices:
         if self._shared_get is not None:
             try:
                 text = await self._shared_get()
-                shared = PriceBook.from_json(text, source="openrouter") if text else None
+                shared = await asyncio.to_thread(PriceBook.from_json, text, source="openrouter") if text else None
             except Exception as exc:  # a broken share must not stop the fetch
                 _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s",
                                        type(exc).__name__)

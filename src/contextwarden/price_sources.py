@@ -2,7 +2,7 @@
 
 One `PriceSources` per Filter instance (so one per worker). It owns the bundled book, the
 `LivePrices` holder (refreshed in the background, never awaited on the request path) and the
-admin's pricing file (re-read when it changes), and caches their layering. With a shared
+admin's pricing file (re-read off the event loop when it changes), and caches their layering. With a shared
 (Redis) store the live table is shared: the first worker to miss it takes a lock with
 `store.add`, fetches and publishes it; the others wait briefly and take the published table.
 """
@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 
 from .errors import ConfigError, PricingError
-from .live_prices import LivePrices
+from .live_prices import LivePrices, pricing_ttl_seconds
 from .pricing import PriceBook
 from .store import Store
 
@@ -47,6 +47,7 @@ class PriceSources:
         self._live_ttl_hours = 0.0
         self._admin: tuple[tuple[str, float], PriceBook | None, str | None] | None = None
         self._layered: tuple[tuple[PriceBook, ...], PriceBook] | None = None
+        self._admin_lock = asyncio.Lock()
 
     @property
     def live(self) -> LivePrices | None:
@@ -59,7 +60,7 @@ class PriceSources:
             self._bundled = PriceBook.from_bundled()
         return self._bundled
 
-    def book(self, *, openrouter: bool, ttl_hours: float, pricing_file: str) -> tuple[PriceBook, list[ConfigError]]:
+    async def book(self, *, openrouter: bool, ttl_hours: float, pricing_file: str) -> tuple[PriceBook, list[ConfigError]]:
         """The book to price with now, and problems with the pricing_file valve.
 
         Starts a background refresh of live prices when they are on and stale; never waits
@@ -73,7 +74,7 @@ class PriceSources:
             if live.book is not layers[0]:
                 layers.append(live.book)
         if pricing_file:
-            admin, problem = self._admin_book(pricing_file)
+            admin, problem = await self._admin_book(pricing_file)
             if problem:
                 problems.append(ConfigError(problem, valve="pricing_file"))
             if admin is not None:
@@ -87,6 +88,7 @@ class PriceSources:
         return cached[1], problems
 
     def _live_holder(self, ttl_hours: float) -> LivePrices:
+        ttl_hours = pricing_ttl_seconds(ttl_hours) / 3600  # in range, so NaN never differs from itself
         if self._live is None or ttl_hours != self._live_ttl_hours:
             factory = self._live_factory or LivePrices
             self._live = factory(
@@ -95,17 +97,21 @@ class PriceSources:
             self._live_ttl_hours = ttl_hours
         return self._live
 
-    def _admin_book(self, path: str) -> tuple[PriceBook | None, str | None]:
-        """The admin's file, re-read only when its modification time changes."""
+    async def _admin_book(self, path: str) -> tuple[PriceBook | None, str | None]:
+        """The admin's file, re-read (in a worker thread, one read at a time) only when its
+        modification time changes. Problems name the valve, never its value (the path)."""
         try:
             stamp = (path, os.stat(path).st_mtime)
         except OSError as exc:
-            return None, f"pricing_file {path!r} cannot be read ({exc.strerror}); using live and bundled prices"
-        if self._admin is None or self._admin[0] != stamp:
-            try:
-                self._admin = (stamp, PriceBook.from_file(path), None)
-            except PricingError as exc:
-                self._admin = (stamp, None, f"pricing_file: {exc}; using live and bundled prices")
+            return None, f"pricing_file cannot be read ({exc.strerror}); using live and bundled prices"
+        async with self._admin_lock:
+            if self._admin is None or self._admin[0] != stamp:
+                try:
+                    book = await asyncio.to_thread(PriceBook.from_file, path, source="pricing_file")
+                    self._admin = (stamp, book, None)
+                except Exception as exc:  # any failure: named, and the other prices go on
+                    detail = str(exc) if isinstance(exc, PricingError) else f"unreadable ({type(exc).__name__})"
+                    self._admin = (stamp, None, f"pricing_file: {detail.removeprefix('pricing_file: ')}; using live and bundled prices")
         return self._admin[1], self._admin[2]
 
     async def _shared_get(self) -> str | None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from types import MappingProxyType
 
@@ -18,6 +21,10 @@ from .errors import ConfigError, PricingError
 from .price_data import BUNDLED_PRICES, BUNDLED_PRICES_DATE
 
 __all__ = [
+    "MAX_DECIMAL_CHARS",
+    "MAX_PRICE_USD_PER_TOKEN",
+    "MAX_PRICE_FILE_BYTES",
+    "read_decimal",
     "FREE_PRICE",
     "PriceTier",
     "ModelPrice",
@@ -29,8 +36,16 @@ __all__ = [
 ]
 
 _PRICE_ZERO = Decimal(0)
+# Bounds on what a price or cost may be, checked before any Decimal is built: longer number text
+# (or an exponent of more than 3 digits) is not a price, and converting it could take seconds.
+MAX_DECIMAL_CHARS = 64
+MAX_PRICE_USD_PER_TOKEN = Decimal(1)  # the dearest real price is ~0.0006; above this = unknown
+MAX_PRICE_FILE_BYTES = 8 * 1024 * 1024  # the bundled pricing.json is ~0.2 MiB
+_DECIMAL_TEXT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
 # OpenRouter pricing key -> ModelPrice field. Missing means 0 in the 2026 API (zero keys are
-# left out), except the 1-hour cache write, which is simply "not listed" (None).
+# left out), except the 1-hour cache write, which is simply "not listed" (None), and prompt and
+# completion: every model lists them (free ones as "0"), so an entry without them (an empty or
+# renamed `pricing`) is unknown, never $0.
 _OPENROUTER_PRICE_KEYS = (
     ("prompt", "prompt"),
     ("completion", "completion"),
@@ -38,6 +53,7 @@ _OPENROUTER_PRICE_KEYS = (
     ("input_cache_write", "cache_write"),
     ("input_cache_write_1h", "cache_write_1h"),
 )
+_OPENROUTER_REQUIRED = ("prompt", "completion")
 _PRICE_TIER_FIELDS = ("prompt", "completion", "cache_read", "cache_write", "cache_write_1h")
 _MODEL_DATE_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
 
@@ -93,17 +109,73 @@ class ModelPrice:
 FREE_PRICE = ModelPrice(prompt=_PRICE_ZERO, completion=_PRICE_ZERO)
 
 
-def _price_decimal(raw: object) -> Decimal | None:
-    """A non-negative finite Decimal from a price value, else None (unknown)."""
-    if isinstance(raw, bool) or not isinstance(raw, (str, int, float, Decimal)):
+def read_decimal(raw: object, *, ceiling: Decimal) -> Decimal | None:
+    """A finite Decimal from 0 to `ceiling` (a number, or plain ASCII decimal text), else None.
+
+    Bounded before converting: text over MAX_DECIMAL_CHARS, exponents of more than 3 digits,
+    non-ASCII digits and ints of more than 64 bits are refused unread, so no input can make a
+    huge number (forged `"1e999000"` would take ~30 s to turn into an int later on).
+
+    Example:
+        >>> read_decimal("0.0105", ceiling=Decimal(1000)), read_decimal("1e999000", ceiling=Decimal(1000))
+        (Decimal('0.0105'), None)
+    """
+    if isinstance(raw, bool):
         return None
-    try:
-        value = Decimal(str(raw).strip())
-    except (InvalidOperation, ValueError):
-        return None
-    if not value.is_finite() or value < 0:
+    if isinstance(raw, int):
+        value = Decimal(raw) if raw.bit_length() <= 64 else None
+    elif isinstance(raw, float):
+        value = Decimal(repr(raw)) if math.isfinite(raw) else None
+    elif isinstance(raw, Decimal):
+        value = raw
+    elif isinstance(raw, str) and len(raw) <= MAX_DECIMAL_CHARS and _DECIMAL_TEXT.fullmatch(raw.strip()):
+        value = Decimal(raw.strip())
+    else:
+        value = None
+    if value is None or not value.is_finite() or value < 0 or value > ceiling:
         return None
     return value
+
+
+def _price_decimal(raw: object) -> Decimal | None:
+    """A per-token price (see `read_decimal`), else None (unknown)."""
+    return read_decimal(raw, ceiling=MAX_PRICE_USD_PER_TOKEN)
+
+
+def _price_timestamp(raw: object) -> float | None:
+    """A finite, non-negative Unix time from JSON, else None (1e400 or a 4,000-digit int too)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    try:
+        value = float(raw)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _read_price_file(path: str | Path) -> str:
+    """The text of a price file, checked before it is opened (see `PriceBook.from_file`)."""
+    limit = f"larger than {MAX_PRICE_FILE_BYTES // (1024 * 1024)} MiB"
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise PricingError("price file is not a regular file")
+        if info.st_size > MAX_PRICE_FILE_BYTES:
+            raise PricingError(f"price file is {limit}")
+        # O_NONBLOCK: should it be swapped for a FIFO after the check, opening still returns.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise PricingError("price file is not a regular file")
+            data = handle.read(MAX_PRICE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise PricingError(f"cannot read price file ({exc.strerror or type(exc).__name__})") from exc
+    if len(data) > MAX_PRICE_FILE_BYTES:
+        raise PricingError(f"price file is {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PricingError(f"price file is not UTF-8 text (bad byte at {exc.start})") from exc
 
 
 def _price_text(value: Decimal | None) -> str | None:
@@ -128,7 +200,7 @@ def _model_from_openrouter(entry: Mapping) -> ModelPrice | None:
         if key in pricing:
             fields[name] = _price_decimal(pricing[key])
         else:
-            fields[name] = None if name == "cache_write_1h" else _PRICE_ZERO
+            fields[name] = None if name == "cache_write_1h" or key in _OPENROUTER_REQUIRED else _PRICE_ZERO
     reasoning = _price_decimal(pricing.get("internal_reasoning"))
     if reasoning is not None and (reasoning == 0 or reasoning == fields["completion"]):
         reasoning = None
@@ -157,6 +229,16 @@ def _model_from_openrouter(entry: Mapping) -> ModelPrice | None:
         varies_by_time=varies_by_time,
         **fields,
     )
+
+
+def openrouter_unlisted(payload: object) -> tuple[int, int]:
+    """(entries whose `pricing` lacks prompt or completion, entries): priced as unknown, worth
+    a warning, since a renamed key in the API would otherwise go unnoticed."""
+    entries = payload.get("data") if isinstance(payload, dict) else None
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    missing = sum(1 for e in entries if isinstance(e.get("pricing"), Mapping)
+                  and any(key not in e["pricing"] for key in _OPENROUTER_REQUIRED))
+    return missing, len(entries)
 
 
 def _model_from_record(record: Mapping) -> ModelPrice:
@@ -275,6 +357,8 @@ class PriceBook:
         """
         try:
             document = json.loads(text)
+        except RecursionError as exc:
+            raise PricingError(f"{source}: JSON nested too deeply") from exc
         except ValueError as exc:
             raise PricingError(f"{source}: not valid JSON ({exc})") from exc
         models = document.get("models") if isinstance(document, dict) else None
@@ -282,22 +366,21 @@ class PriceBook:
             raise PricingError(f"{source}: expected an object with a 'models' object")
         prices = {str(k): _model_from_record(v)
                   for k, v in models.items() if isinstance(v, Mapping)}
-        fetched_at = document.get("fetched_at")
-        return cls(prices, source=source, source_date=document.get("source_date"),
-                   fetched_at=float(fetched_at) if isinstance(fetched_at, (int, float)) else None)
+        day = document.get("source_date")
+        return cls(prices, source=source, source_date=day[:32] if isinstance(day, str) else None,
+                   fetched_at=_price_timestamp(document.get("fetched_at")))
 
     @classmethod
-    def from_file(cls, path: str | Path) -> PriceBook:
-        """Load an admin's (or the repository's) pricing.json.
+    def from_file(cls, path: str | Path, *, source: str | None = None) -> PriceBook:
+        """Load an admin's (or the repository's) pricing.json. Blocking: call it off the loop.
+
+        Only a regular file of at most MAX_PRICE_FILE_BYTES is opened (a FIFO or a device
+        would block or never end), and it must be UTF-8 JSON.
 
         Raises:
-            PricingError: unreadable file or bad content.
+            PricingError: unreadable, not a regular file, too large, or bad content.
         """
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise PricingError(f"cannot read price file {path}: {exc.strerror}") from exc
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(_read_price_file(path), source=source or str(path))
 
     @classmethod
     def from_openrouter(cls, payload: object, *, source: str = "openrouter",

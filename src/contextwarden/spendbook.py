@@ -18,11 +18,11 @@ from urllib.parse import quote
 from .ledger import picodollars_to_usd, read_ledger, usd_to_picodollars
 from .limits import Spend, month_start, spend_of
 from .store import Store
+from .usage import MAX_REPLY_COST_USD
 
 __all__ = ["SpendBook", "SPEND_TTL_SECONDS"]
 
 SPEND_TTL_SECONDS = 40 * 86_400  # a month's key outlives the month
-MAX_REPLY_PICOUSD = 10**15  # $1,000: one reply's cost as counted toward limits, at most
 MAX_REPLY_TOKENS = 10**10
 MAX_REMEMBERED_MONTHS = 10_000
 STARTED_KEY = "spend:started"
@@ -35,7 +35,9 @@ def _spend_key(month: date, user: str) -> str:
 
 
 def _fields(day: date, cost_usd: Decimal | None, tokens: int) -> dict[str, int]:
-    cost = 0 if cost_usd is None else min(max(usd_to_picodollars(cost_usd), 0), MAX_REPLY_PICOUSD)
+    # Bounded before converting (outlet input is hostile): one reply counts at most MAX_REPLY_COST_USD.
+    known = cost_usd is not None and cost_usd.is_finite()
+    cost = usd_to_picodollars(min(max(cost_usd, Decimal(0)), MAX_REPLY_COST_USD)) if known else 0
     amounts = (cost, min(max(tokens, 0), MAX_REPLY_TOKENS), int(cost_usd is None), 1)
     fields = dict(zip(FIELDS, amounts))
     fields.update({f"d{day.day:02d}:{name}": amount for name, amount in zip(FIELDS, amounts)})

@@ -17,31 +17,47 @@ from .usage import Cost, Usage
 __all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status"]
 
 
-def format_usd(amount: Decimal) -> str:
-    """Dollars for a status line: cents from $1 up, else two significant digits.
+# Beyond these a status line shows the amount in scientific notation, never a million digits.
+_USD_PLAIN_RANGE = (Decimal("1e-12"), Decimal("1e12"))
+
+
+def format_usd(amount: Decimal | None) -> str:
+    """Dollars for a status line: cents from $1 up, else two significant digits. Total: None,
+    NaN and infinities give "?", amounts outside 1e-12 to 1e12 scientific notation.
 
     Example:
-        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456"))
-        ('0.0031', '12.35')
+        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456")), format_usd(Decimal("1e30"))
+        ('0.0031', '12.35', '1.0E+30')
     """
+    if not isinstance(amount, Decimal) or not amount.is_finite():
+        return "?"
     if amount == 0:
         return "0"
+    if amount < 0:
+        return "-" + format_usd(-amount)
+    low, high = _USD_PLAIN_RANGE
+    if not low <= amount < high:
+        return format(amount, ".1E")
     if amount >= 1:
         return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
     return format(amount.quantize(Decimal(1).scaleb(amount.adjusted() - 1), rounding=ROUND_HALF_UP), "f")
+
+
+def _count_text(count: object, mark: str = "") -> str:
+    """A token count with thousands separators; "?" for anything but a plausible count."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 10**15:
+        return "?"
+    return f"{mark}{count:,}"
 
 
 def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> str:
     """`1,234 in (980 cached) · 456 out · $0.0031`; `~` marks estimates; no $ when unknown."""
     mark = "~" if estimated else ""
 
-    def tokens(count: int | None) -> str:
-        return f"{mark}{count:,}" if isinstance(count, int) else "?"
-
-    line = f"{tokens(usage.prompt_tokens)} in"
+    line = f"{_count_text(usage.prompt_tokens, mark)} in"
     if usage.cached_tokens:
-        line += f" ({usage.cached_tokens:,} cached)"
-    line += f" · {tokens(usage.completion_tokens)} out"
+        line += f" ({_count_text(usage.cached_tokens)} cached)"
+    line += f" · {_count_text(usage.completion_tokens, mark)} out"
     if show_cost and cost.cost_usd is not None:
         line += f" · {mark}${format_usd(cost.cost_usd)}"
     return line

@@ -27,7 +27,10 @@ KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
 REDIS_RETRY_SECONDS = 30.0
-_REDIS_ERRORS = (aioredis.RedisError, OSError, asyncio.TimeoutError)
+# Only these mean Redis is away (an outage: fall back, hold named increments). Any other
+# RedisError is an answer, e.g. a ResponseError for a counter that would overflow: it reaches
+# the caller, and the worker keeps using Redis.
+_REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, asyncio.TimeoutError)
 REDIS_PENDING_LIMIT = 10_000  # named increments a worker holds while Redis is away
 ONCE_MARKER_SECONDS = 2 * 86_400  # how long Redis remembers that a named increment was applied
 REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
@@ -208,6 +211,8 @@ class RedisStore(Store):
             except _REDIS_ERRORS as exc:
                 self._failed(exc)
                 return
+            except aioredis.RedisError as exc:  # refused, so never applied: drop it, not the rest
+                store_log.warning("contextwarden: Redis refused a held ledger increment (%s); dropped", type(exc).__name__)
             self._pending.popleft()
 
     async def get(self, key: str) -> bytes | None:
@@ -249,16 +254,9 @@ class RedisStore(Store):
         await self._redis.delete(KEY_PREFIX + key)
 
     async def _redis_incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
-        if once is not None:
-            flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
-            marker = KEY_PREFIX + "once:" + once
-            await self._redis.eval(_INCR_ONCE_SCRIPT, 2, KEY_PREFIX + key, marker, ttl, min(ttl, ONCE_MARKER_SECONDS), *flat)
-            return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for name, amount in fields.items():
-                pipe.hincrby(KEY_PREFIX + key, name, int(amount))
-            pipe.expire(KEY_PREFIX + key, ttl)
-            await pipe.execute()
+        flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
+        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + once] if once is not None else [])
+        await self._redis.eval(_INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), *flat)
 
     async def _redis_counters(self, key: str) -> dict[str, int]:
         raw = await self._redis.hgetall(KEY_PREFIX + key)
@@ -272,11 +270,24 @@ class RedisStore(Store):
         await self._redis.aclose()
 
 
-# Applies the increments only if the marker key was not there: one atomic step in Redis.
-_INCR_ONCE_SCRIPT = """
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then return 0 end
+# One atomic, all-or-nothing step: nothing when the marker (KEYS[2], if given) says this named
+# increment was applied; else every field is checked first (an integer, staying within
+# +-9e18, below the 2^63 where HINCRBY fails) and only then are all added, the expiry refreshed
+# and the marker set. A refused increment writes nothing (Redis does not undo a half-run script).
+_INCR_SCRIPT = """
+if #KEYS == 2 and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'hash' and kind ~= 'none' then return redis.error_reply('ERR contextwarden: not a counter key') end
+for i = 3, #ARGV, 2 do
+  local current = redis.call('HGET', KEYS[1], ARGV[i]) or '0'
+  if not string.match(current, '^-?%d+$') or not string.match(ARGV[i + 1], '^-?%d+$')
+      or math.abs(tonumber(current) + tonumber(ARGV[i + 1])) > 9e18 then
+    return redis.error_reply('ERR contextwarden: counter ' .. ARGV[i] .. ' would leave the integer range')
+  end
+end
 for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+if #KEYS == 2 then redis.call('SET', KEYS[2], '1', 'EX', ARGV[2]) end
 return 1
 """
 

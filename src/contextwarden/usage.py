@@ -3,14 +3,32 @@ for every backend shape (missing = unknown, never 0), and their price in Decimal
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation, localcontext
+from dataclasses import dataclass, replace
+from decimal import Decimal, localcontext
 
-from .pricing import ModelPrice
+from .pricing import ModelPrice, read_decimal
 
-__all__ = ["Usage", "Cost", "read_usage", "normalize_usage", "compute_cost"]
+__all__ = [
+    "MAX_TOKEN_COUNT",
+    "MAX_REPLY_COST_USD",
+    "Usage",
+    "Cost",
+    "read_count",
+    "read_cost",
+    "read_usage",
+    "normalize_usage",
+    "with_counts",
+    "compute_cost",
+]
 
+# What the outlet believes (its input is the client's: POST /api/chat/completed): a count or
+# cost outside these is unknown, and the turn is estimated instead. Each bound in one place.
+MAX_TOKEN_COUNT = 1_000_000_000  # per reply and field; real windows are at most a few million
+MAX_REPLY_COST_USD = Decimal(1000)  # per reply; the dearest real replies cost a few dollars
+_MAX_COUNT_CHARS = 12
+_COUNT_TEXT = re.compile(r"[0-9]{1,10}")
 # Token counts times prices with up to ~25 significant digits: compute exactly, no rounding.
 _COST_PRECISION = 80
 _ANTHROPIC_KEYS = ("cache_read_input_tokens", "cache_creation_input_tokens")
@@ -53,42 +71,72 @@ class Cost:
     notes: tuple[str, ...] = ()
 
 
-def _usage_int(raw: object) -> int | None:
-    """A token count: a non-negative int (or integral float / digit string), else None."""
+def read_count(raw: object) -> int | None:
+    """A token count from 0 to MAX_TOKEN_COUNT (an int, a whole float or ASCII digit text), else
+    None. Bools, Unicode digits ("²", "١٢"), "1_000", NaN and larger values are refused before
+    any conversion: outlet input is the client's, and int("²") raises."""
     if isinstance(raw, bool):
         return None
     if isinstance(raw, int):
-        return raw if raw >= 0 else None
-    if isinstance(raw, float) and raw.is_integer() and raw >= 0:
-        return int(raw)
-    if isinstance(raw, str) and raw.strip().isdigit():
-        return int(raw.strip())
-    return None
-
-
-def _usage_decimal(raw: object) -> Decimal | None:
-    """A non-negative finite USD amount from a number or string, else None."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        value = raw
+    elif isinstance(raw, float) and raw.is_integer():
+        value = int(raw)
+    elif isinstance(raw, str) and len(raw) <= _MAX_COUNT_CHARS and _COUNT_TEXT.fullmatch(raw.strip()):
+        value = int(raw.strip())
+    else:
         return None
-    try:
-        value = Decimal(repr(raw) if isinstance(raw, float) else str(raw).strip())
-    except (InvalidOperation, ValueError):
+    return value if 0 <= value <= MAX_TOKEN_COUNT else None
+
+
+def read_cost(raw: object) -> Decimal | None:
+    """A reply's cost in USD from 0 to MAX_REPLY_COST_USD (bounded before parsing), else None."""
+    return read_decimal(raw, ceiling=MAX_REPLY_COST_USD)
+
+
+def _described(raw: object) -> str:
+    """What a refused value was, never the value itself: its type and size."""
+    if isinstance(raw, str):
+        return f"str of {len(raw):,} char{'' if len(raw) == 1 else 's'}"
+    if isinstance(raw, (Mapping, list, tuple)):
+        return f"{type(raw).__name__} of {len(raw):,} items"
+    if isinstance(raw, (bool, int, float, Decimal)):
+        return f"{type(raw).__name__} out of range"
+    return type(raw).__name__[:20]
+
+
+class _Fields:
+    """Reads the fields of one usage object, noting each value present but not believed."""
+
+    __slots__ = ("usage", "_rejected")
+
+    def __init__(self, usage: Mapping, rejected: list[str] | None) -> None:
+        self.usage = usage
+        self._rejected = rejected
+
+    def _read(self, key: str, group: str | None, parse):  # parse: read_count or read_cost
+        source = self.usage.get(group) if group else self.usage
+        raw = source.get(key) if isinstance(source, Mapping) else None
+        value = None if raw is None else parse(raw)
+        if value is None and raw is not None and self._rejected is not None:
+            note = f"{group + '.' if group else ''}{key} ({_described(raw)})"
+            if note not in self._rejected:
+                self._rejected.append(note)
+        return value
+
+    def count(self, key: str, group: str | None = None) -> int | None:
+        """usage[key] (or usage[group][key]) as a token count; None = absent or refused."""
+        return self._read(key, group, read_count)
+
+    def cost(self, key: str, group: str | None = None) -> Decimal | None:
+        """usage[key] (or usage[group][key]) as a USD amount; None = absent or refused."""
+        return self._read(key, group, read_cost)
+
+    def first(self, *keys: str) -> int | None:
+        """The first of keys present as a token count (for camelCase / snake_case twins)."""
+        for key in keys:
+            if key in self.usage:
+                return self.count(key)
         return None
-    return value if value.is_finite() and value >= 0 else None
-
-
-def _usage_detail(usage: Mapping, group: str, key: str) -> int | None:
-    """usage[group][key] as a token count, e.g. prompt_tokens_details.cached_tokens."""
-    details = usage.get(group)
-    return _usage_int(details.get(key)) if isinstance(details, Mapping) else None
-
-
-def _usage_first(usage: Mapping, *keys: str) -> int | None:
-    """The first of keys present as a token count (for camelCase / snake_case twins)."""
-    for key in keys:
-        if key in usage:
-            return _usage_int(usage[key])
-    return None
 
 
 def _usage_add(*counts: int | None) -> int | None:
@@ -96,62 +144,69 @@ def _usage_add(*counts: int | None) -> int | None:
     return None if any(c is None for c in counts) else sum(counts)  # type: ignore[arg-type]
 
 
-def _provider_cost(usage: Mapping) -> Decimal | None:
+def _cache_parts(prompt: int | None, cached: int | None, written: int | None) -> tuple[int | None, int | None]:
+    """Cached and cache-write counts within the prompt they are part of (never billed beyond it)."""
+    if prompt is None:
+        return cached, written
+    cached = None if cached is None else min(cached, prompt)
+    written = None if written is None else min(written, prompt - (cached or 0))
+    return cached, written
+
+
+def _provider_cost(fields: _Fields) -> Decimal | None:
     """OpenRouter's `cost`; with BYOK (`is_byok` true) plus the upstream provider's charge."""
-    cost = _usage_decimal(usage.get("cost"))
-    details = usage.get("cost_details")
-    if cost is not None and usage.get("is_byok") is True and isinstance(details, Mapping):
-        upstream = _usage_decimal(details.get("upstream_inference_cost"))
+    cost = fields.cost("cost")
+    if cost is not None and fields.usage.get("is_byok") is True and isinstance(fields.usage.get("cost_details"), Mapping):
+        upstream = fields.cost("upstream_inference_cost", "cost_details")
         cost = None if upstream is None else cost + upstream
-    return cost
+    return cost if cost is None or cost <= MAX_REPLY_COST_USD else None
 
 
-def _read_anthropic(usage: Mapping) -> Usage:
+def _read_anthropic(fields: _Fields) -> Usage:
     """Anthropic native: input_tokens excludes cache reads and cache writes."""
-    fresh = _usage_int(usage.get("input_tokens"))
-    read = _usage_int(usage.get("cache_read_input_tokens")) or 0
-    written = _usage_int(usage.get("cache_creation_input_tokens")) or 0
+    fresh = fields.count("input_tokens")
+    read = fields.count("cache_read_input_tokens") or 0
+    written = fields.count("cache_creation_input_tokens") or 0
     prompt = _usage_add(fresh, read, written)
-    completion = _usage_int(usage.get("output_tokens"))
+    completion = fields.count("output_tokens")
     return Usage(prompt, completion, cached_tokens=read, cache_write_tokens=written,
                  total_tokens=_usage_add(prompt, completion), shape="anthropic")
 
 
-def _read_responses(usage: Mapping) -> Usage:
+def _read_responses(fields: _Fields) -> Usage:
     """OpenAI Responses API: input_tokens includes cached, output_tokens includes reasoning."""
-    prompt = _usage_int(usage.get("input_tokens"))
-    completion = _usage_int(usage.get("output_tokens"))
-    total = _usage_int(usage.get("total_tokens"))
+    prompt = fields.count("input_tokens")
+    completion = fields.count("output_tokens")
+    total = fields.count("total_tokens")
     return Usage(prompt, completion,
-                 cached_tokens=_usage_detail(usage, "input_tokens_details", "cached_tokens"),
-                 reasoning_tokens=_usage_detail(usage, "output_tokens_details", "reasoning_tokens"),
+                 cached_tokens=fields.count("cached_tokens", "input_tokens_details"),
+                 reasoning_tokens=fields.count("reasoning_tokens", "output_tokens_details"),
                  total_tokens=total if total is not None else _usage_add(prompt, completion),
                  shape="openai_responses")
 
 
-def _read_gemini_native(usage: Mapping) -> Usage:
+def _read_gemini_native(fields: _Fields) -> Usage:
     """Gemini usageMetadata: candidates exclude thoughts; bill output = candidates + thoughts."""
-    prompt = _usage_first(usage, "promptTokenCount", "prompt_token_count")
-    thoughts = _usage_first(usage, "thoughtsTokenCount", "thoughts_token_count")
-    candidates = _usage_first(usage, "candidatesTokenCount", "candidates_token_count")
+    prompt = fields.first("promptTokenCount", "prompt_token_count")
+    thoughts = fields.first("thoughtsTokenCount", "thoughts_token_count")
+    candidates = fields.first("candidatesTokenCount", "candidates_token_count")
     completion = _usage_add(candidates, thoughts or 0)
-    total = _usage_first(usage, "totalTokenCount", "total_token_count")
+    total = fields.first("totalTokenCount", "total_token_count")
     return Usage(prompt, completion,
-                 cached_tokens=_usage_first(usage, "cachedContentTokenCount",
-                                            "cached_content_token_count"),
+                 cached_tokens=fields.first("cachedContentTokenCount", "cached_content_token_count"),
                  reasoning_tokens=thoughts,
                  total_tokens=total if total is not None else _usage_add(prompt, completion),
                  shape="gemini_native")
 
 
-def _read_ollama(usage: Mapping) -> Usage:
+def _read_ollama(fields: _Fields) -> Usage:
     """Ollama counts. prompt_eval_count is left out when the prompt came from Ollama's cache,
     and Open WebUI then writes 0: a reply never has an empty prompt, so 0 is unknown too."""
-    summed_prompt = _usage_int(usage.get("input_tokens"))
-    last_prompt = _usage_int(usage.get("prompt_eval_count"))
+    summed_prompt = fields.count("input_tokens")
+    last_prompt = fields.count("prompt_eval_count")
     prompt = next((c for c in (summed_prompt, last_prompt) if c), None)
-    completion = _usage_first(usage, "output_tokens", "eval_count")
-    last_completion = _usage_int(usage.get("eval_count"))
+    completion = fields.first("output_tokens", "eval_count")
+    last_completion = fields.count("eval_count")
     summed = bool(
         (summed_prompt and last_prompt and summed_prompt > last_prompt)
         or (completion is not None and last_completion is not None and completion > last_completion)
@@ -160,22 +215,23 @@ def _read_ollama(usage: Mapping) -> Usage:
                  shape="ollama", calls_summed=summed)
 
 
-def _read_openai_like(usage: Mapping) -> Usage:
+def _read_openai_like(fields: _Fields) -> Usage:
     """OpenAI chat shape (also OpenRouter, Gemini's OpenAI endpoint, vLLM ...), with Open
     WebUI's input/output/total_tokens. In a tool loop those are sums over every provider call
     while prompt/completion_tokens are the last call's: billing needs the sums, so the larger
     of the two is taken (they are equal for a single call)."""
-    last_prompt = _usage_int(usage.get("prompt_tokens"))
-    last_completion = _usage_int(usage.get("completion_tokens"))
-    summed_prompt = _usage_int(usage.get("input_tokens"))
-    summed_completion = _usage_int(usage.get("output_tokens"))
+    usage = fields.usage
+    last_prompt = fields.count("prompt_tokens")
+    last_completion = fields.count("completion_tokens")
+    summed_prompt = fields.count("input_tokens")
+    summed_completion = fields.count("output_tokens")
     prompt = max((c for c in (last_prompt, summed_prompt) if c is not None), default=None)
     completion = max((c for c in (last_completion, summed_completion) if c is not None),
                      default=None)
     summed = (prompt != last_prompt and last_prompt is not None) or (
         completion != last_completion and last_completion is not None)
-    total = _usage_int(usage.get("total_tokens"))
-    reasoning = _usage_detail(usage, "completion_tokens_details", "reasoning_tokens")
+    total = fields.count("total_tokens")
+    reasoning = fields.count("reasoning_tokens", "completion_tokens_details")
     is_openrouter = "cost" in usage or "is_byok" in usage
     shape = "openrouter" if is_openrouter else ("openai" if last_prompt is not None
                                                 or last_completion is not None else "open_webui")
@@ -189,21 +245,26 @@ def _read_openai_like(usage: Mapping) -> Usage:
         shape = "gemini" if not is_openrouter else shape
     return Usage(
         prompt, completion,
-        cached_tokens=_usage_detail(usage, "prompt_tokens_details", "cached_tokens"),
-        cache_write_tokens=_usage_detail(usage, "prompt_tokens_details", "cache_write_tokens"),
+        cached_tokens=fields.count("cached_tokens", "prompt_tokens_details"),
+        cache_write_tokens=fields.count("cache_write_tokens", "prompt_tokens_details"),
         reasoning_tokens=reasoning,
         total_tokens=total if total is not None else _usage_add(prompt, completion),
-        provider_cost=_provider_cost(usage),
+        provider_cost=_provider_cost(fields),
         shape=shape,
         calls_summed=bool(summed),
     )
 
 
-def normalize_usage(usage: Mapping) -> Usage | None:
+def normalize_usage(usage: Mapping, rejected: list[str] | None = None) -> Usage | None:
     """Read one usage object (any backend shape, with or without Open WebUI's additions).
+
+    Every count is bounded (0 to MAX_TOKEN_COUNT) and the provider's cost too (0 to
+    MAX_REPLY_COST_USD): a value outside is unknown, as if absent, so the caller estimates it.
 
     Args:
         usage: e.g. a response's or stream's last chunk's `usage`.
+        rejected: when given, gets one short note per value refused ("cost (str of 8 chars)"),
+            never the value itself.
 
     Returns None when it holds no token count at all.
 
@@ -213,26 +274,41 @@ def normalize_usage(usage: Mapping) -> Usage | None:
     """
     if not isinstance(usage, Mapping) or not usage:
         return None
+    fields = _Fields(usage, rejected)
     if any(key in usage for key in _ANTHROPIC_KEYS) and "prompt_tokens_details" not in usage:
-        result = _read_anthropic(usage)
+        result = _read_anthropic(fields)
     elif "input_tokens_details" in usage or "output_tokens_details" in usage:
-        result = _read_responses(usage)
+        result = _read_responses(fields)
     elif "promptTokenCount" in usage or "prompt_token_count" in usage:
-        result = _read_gemini_native(usage)
+        result = _read_gemini_native(fields)
     elif "prompt_eval_count" in usage or "eval_count" in usage:
-        result = _read_ollama(usage)
+        result = _read_ollama(fields)
     else:
-        result = _read_openai_like(usage)
+        result = _read_openai_like(fields)
     if result.prompt_tokens is None and result.completion_tokens is None:
         return None
-    return result
+    return with_counts(result, result.prompt_tokens, result.completion_tokens)
 
 
-def read_usage(message: Mapping) -> Usage | None:
+def with_counts(usage: Usage, prompt_tokens: int | None, completion_tokens: int | None) -> Usage:
+    """`usage` with its prompt and completion counts replaced (e.g. by estimates), the cached
+    parts kept within the new prompt.
+
+    Example:
+        >>> with_counts(Usage(None, 5, cached_tokens=10**6), 8, 5).cached_tokens
+        8
+    """
+    cached, written = _cache_parts(prompt_tokens, usage.cached_tokens, usage.cache_write_tokens)
+    return replace(usage, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   cached_tokens=cached, cache_write_tokens=written)
+
+
+def read_usage(message: Mapping, rejected: list[str] | None = None) -> Usage | None:
     """Real usage of an outlet message: `message["usage"]`, else `message["info"]["usage"]`.
 
     Args:
         message: the assistant message (usually `body["messages"][-1]` in outlet).
+        rejected: collects notes on values not believed (see `normalize_usage`).
 
     Returns None when the backend reported no usage (the caller then estimates).
 
@@ -247,7 +323,7 @@ def read_usage(message: Mapping) -> Usage | None:
     if not isinstance(usage, Mapping) or not usage:
         info = message.get("info")
         usage = info.get("usage") if isinstance(info, Mapping) else None
-    return normalize_usage(usage) if isinstance(usage, Mapping) else None
+    return normalize_usage(usage, rejected) if isinstance(usage, Mapping) else None
 
 
 def _cost_term(
@@ -270,7 +346,9 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     + writes x cache write + completion x completion, with the prices of the prompt-size
     tier reached. Reasoning tokens are part of completion (OpenAI semantics) and are billed
     apart only when the model lists a separate `internal_reasoning` rate. Unreported cached or
-    cache-write counts are taken as 0 (every prompt token at the full rate).
+    cache-write counts are taken as 0 (every prompt token at the full rate); more than the
+    prompt are counted up to it. Counts beyond MAX_TOKEN_COUNT or a total above
+    MAX_REPLY_COST_USD are unknown (None), never converted.
 
     Args:
         usage: from read_usage(); None = nothing reported.
@@ -282,18 +360,22 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     """
     if usage is None:
         return Cost(None, None, reason="the backend reported no usage")
-    if usage.provider_cost is not None:
+    if usage.provider_cost is not None and read_cost(usage.provider_cost) is not None:
         return Cost(usage.provider_cost, "provider")
     if price is None:
         return Cost(None, None, reason="no price for this model")
+    counts = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+              usage.cache_write_tokens, usage.reasoning_tokens)
+    if any(c is not None and read_count(c) is None for c in counts):
+        return Cost(None, None, reason=f"a token count is beyond {MAX_TOKEN_COUNT:,}")
     rates = price.rates_for(usage.prompt_tokens)
-    cached = usage.cached_tokens or 0
-    written = usage.cache_write_tokens or 0
+    reported = (usage.cached_tokens or 0, usage.cache_write_tokens or 0)
+    parts = _cache_parts(usage.prompt_tokens, *reported)
+    cached, written = parts[0] or 0, parts[1] or 0
     notes: list[str] = []
+    if (cached, written) != reported:
+        notes.append("cached + cache-write tokens exceed prompt tokens; counted up to the prompt")
     uncached = None if usage.prompt_tokens is None else usage.prompt_tokens - cached - written
-    if uncached is not None and uncached < 0:
-        notes.append("cached + cache-write tokens exceed prompt tokens; uncached taken as 0")
-        uncached = 0
     terms = [(uncached, rates.prompt, "prompt"), (cached, rates.cache_read, "cache read"),
              (written, rates.cache_write, "cache write")]
     reasoning = usage.reasoning_tokens or 0
@@ -314,4 +396,7 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
                 return Cost(None, None, reason=reason, tier=rates.min_prompt_tokens,
                             notes=tuple(notes))
             total += amount
+    if total > MAX_REPLY_COST_USD:
+        return Cost(None, None, reason=f"cost above the ${MAX_REPLY_COST_USD:,} per-reply ceiling",
+                    tier=rates.min_prompt_tokens, notes=tuple(notes))
     return Cost(total, "price_table", tier=rates.min_prompt_tokens, notes=tuple(notes))

@@ -17,7 +17,7 @@ from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
-from .live_prices import DEFAULT_PRICING_TTL_HOURS
+from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
 from .summarize import SummaryConfig
@@ -76,7 +76,10 @@ class Valves(BaseModel):
         default=True,
         description="Refresh prices from OpenRouter's public model list in the background. Off for air-gapped installs (the bundled prices are used).",
     )
-    pricing_ttl_hours: float = Field(default=DEFAULT_PRICING_TTL_HOURS, gt=0, description="How old live OpenRouter prices may get before a background refresh.")
+    pricing_ttl_hours: float = Field(
+        default=DEFAULT_PRICING_TTL_HOURS, ge=MIN_PRICING_TTL_HOURS, le=MAX_PRICING_TTL_HOURS,
+        description=f"How old live OpenRouter prices may get before a background refresh, {MIN_PRICING_TTL_HOURS:g} to {MAX_PRICING_TTL_HOURS:g} hours.",
+    )
     pricing_file: str = Field(
         default="", description="Path to your own pricing.json (same format as the bundled one); its models win over live and bundled prices. Empty = none."
     )

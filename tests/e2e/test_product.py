@@ -404,3 +404,29 @@ def test_internal_error_fails_open(open_webui: OpenWebUI, backend: FakeBackend, 
         update_function_source(open_webui, cw, source)
     chat(open_webui, MODEL, long_chat())
     assert len(backend.last_request["messages"]) < len(sent), "the restored file trims again"
+
+
+@pending("cost")
+def test_forged_usage_through_chat_completed_is_not_believed(open_webui: OpenWebUI, cw: str) -> None:
+    """Any signed-in user can POST /api/chat/completed with their own `usage` (issue 13): a cost
+    of "1e999000" and counts of 1e20 or "²" are unknown. The reply is priced from its tokens or
+    estimated, the usage line stays short, and the server answers (once, this took 33 s and
+    stalled every other user)."""
+    forged = [
+        ({"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"}, False),
+        ({"prompt_tokens": 1e20, "completion_tokens": "²"}, True),
+    ]
+    for usage, estimated in forged:
+        since = open_webui.log_mark()
+        body = {"model": MODEL, "chat_id": f"local:{uuid.uuid4()}", "id": str(uuid.uuid4()), "session_id": None,
+                "messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi.", "usage": usage}]}
+        open_webui.api("POST", "/api/chat/completed", json_body=body)
+        line = wait_for_log(open_webui, " - usage {", timeout=20, since=since)
+        assert len(line) < 2_000
+        record = one_usage_record(open_webui, since)
+        assert record["estimated"] is estimated and record["cost_source"] == "price_table"
+        assert record["prompt_tokens"] <= 1_000_000_000 and Decimal(record["cost_usd"]) < 1
+        if not estimated:  # gpt-4o: 1000 x $2.50/M + 100 x $10/M
+            assert Decimal(record["cost_usd"]) == Decimal("0.0035")
+        assert "usage not believed" in open_webui.log_text(since)  # one warning, no value in it
+        assert "1e999000" not in open_webui.log_text(since)
