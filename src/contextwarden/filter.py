@@ -47,6 +47,7 @@ Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
+UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -283,7 +284,7 @@ class Filter:
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
         key = chat_state_key(*_ids(body, user, metadata))
-        state = await self._load_state(key, read, flags)
+        state, stored_bytes = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
@@ -295,7 +296,7 @@ class Filter:
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
             decision = stored if choice.decision is None or later_pass else choice.decision.to_json()
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
-            await self._save_state(key, saved, settings.state_ttl_seconds)
+            await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
         removed += max(0, choice.tokens_before - choice.tokens_after)
         savings = estimate_savings(
@@ -394,21 +395,31 @@ class Filter:
             return False
         return True
 
-    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> ChatState:
-        """The chat's stored state, with this turn's pin flags applied."""
-        state = ChatState()
+    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> tuple[ChatState, bytes | None | object]:
+        """The chat's stored state with this turn's pin flags applied, and the bytes it was read
+        from (`UNREADABLE` when the read failed or the bytes are not this version's)."""
+        state, stored = ChatState(), None
         if key is not None:
             try:
-                state = ChatState.from_bytes(await self._store.get(key))
+                stored = await self._store.get(key)
+                parsed = ChatState.parse(stored)
             except Exception as exc:  # state is an optimization: the turn goes on without it
                 filter_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
+                parsed = None
+            if parsed is None:
+                stored = UNREADABLE
+            state = parsed or state
         latest = read.messages[read.latest_user] if read.latest_user is not None else None
         pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
-        return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None)
+        return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None), stored
 
-    async def _save_state(self, key: str, state: ChatState, ttl: int) -> None:
+    async def _save_state(self, key: str, stored: bytes | None | object, state: ChatState, ttl: int) -> None:
+        """Replace the state read as `stored`; never one that could not be read, nor one that
+        changed since (a read the fallback answered while Redis was away, or another pass)."""
+        if stored is UNREADABLE:
+            return
         try:
-            await self._store.set(key, state.to_bytes(), ttl=ttl)
+            await self._store.swap(key, stored, state.to_bytes(), ttl=ttl)
         except Exception as exc:
             filter_log.warning("contextwarden: chat state not saved (%s)", type(exc).__name__)
 
