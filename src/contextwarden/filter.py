@@ -17,7 +17,14 @@ from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
-from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
+from .calibration import (
+    Calibration,
+    calibrated_budget,
+    comparable_turn,
+    load_calibration,
+    save_calibration,
+    update_calibration,
+)
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
 from .adminview import is_usage_command, usage_answer
@@ -276,7 +283,7 @@ class Filter:
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
-        budget = calibrated_budget(settings.budget(window), calibration)
+        budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
         read = read_flags(body["messages"], allowed=settings.allowed_flags)
@@ -301,17 +308,18 @@ class Filter:
         removed += max(0, choice.tokens_before - choice.tokens_after)
         savings = estimate_savings(
             choice.tokens_after + removed, choice.tokens_after,
-            factor=calibration.factor if calibration.active else 1.0, price=resolution.price,
+            factor=calibration.effect, price=resolution.price,
         )
         if isinstance(metadata, dict):
-            sent = choice.tokens_after
+            sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
                 sent = choice.tokens_before if same else self._counter.count_messages(body["messages"], model_id)
+                sent_messages = body["messages"]
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
                 dropped=0 if shadow else choice.dropped, reused=choice.reused, decided=key is not None,
-                calibration=calibration.factor, savings={"removed": removed, "messages_before": messages_before},
+                calibration=calibration.effect, comparable=comparable_turn(sent_messages, body), savings={"removed": removed, "messages_before": messages_before},
                 tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd),
             )
             if flags.used or flags.refused:
@@ -319,7 +327,7 @@ class Filter:
             metadata[METADATA_KEY] = note
         if settings.show_status:
             line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(choice, flags)
-            await self._emit(emit, line + (f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""))
+            await self._emit(emit, line + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""))
         if shadow or _same_messages(choice.messages, body["messages"]):
             return body
         return {**body, "messages": choice.messages}
@@ -589,7 +597,7 @@ class Filter:
         else:
             await self._record_spend(user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0))
         if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
-                and estimated_prompt is not None and note.get("count_mode") == "exact":
+                and estimated_prompt is not None and note.get("count_mode") == "exact" and note.get("comparable") is True:
             try:
                 await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
             except Exception as exc:
