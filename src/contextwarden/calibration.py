@@ -35,9 +35,10 @@ __all__ = [
 DEFAULT_CALIBRATION_TTL_SECONDS = 30 * 86_400
 MIN_CALIBRATION = 0.5
 MAX_CALIBRATION = 2.0
-# How far a factor may move a budget: one user's chats (or forged usage) can shrink another's
-# budget by at most 20% or grow it by at most 25%, and never past the window less the reserve.
-MIN_EFFECT, MAX_EFFECT = 0.8, 1.25
+# How far a factor may move a budget (the learned factor itself is kept as it is): at most a
+# third smaller (Claude-family tokenizers count up to ~1.4x o200k, so 1.5 still corrects them),
+# at most 25% larger, and never past the window less the reserve (calibrated_budget's ceiling).
+MIN_EFFECT, MAX_EFFECT = 0.8, 1.5
 CALIBRATION_MIN_PROMPT = 64  # below this, per-message overhead guesses dominate the ratio
 CALIBRATION_WARMUP = 5  # plain mean of the first samples, then EMA
 CALIBRATION_ALPHA = 0.2
