@@ -7,10 +7,14 @@ Every hook fails open: on any internal error the body goes on as it came.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+import os
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -55,6 +59,41 @@ METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
 UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
+
+
+# Chats with less text than this are counted and trimmed on the event loop: a cold trim of
+# them takes about 10 ms (bench/loopstall.py), and each hop to the thread and back costs the
+# loop a GIL hand-over (up to sys.getswitchinterval(), 5 ms) while the thread computes.
+OFF_LOOP_MIN_CHARS = 50_000
+_cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
+
+
+def heavy(messages: Sequence[Message]) -> bool:
+    """True when the messages hold OFF_LOOP_MIN_CHARS characters of text or more (stops counting there)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if size >= OFF_LOOP_MIN_CHARS:
+            return True
+    return False
+
+
+async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`: with `off`, in the process's one contextwarden thread, so the event
+    loop serves other users while a hook counts, scores or trims a big chat (tiktoken releases
+    the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`). One thread runs
+    the calls one at a time, so the shared caches never see two trims at once. What `fn` raises
+    is raised here; if the awaiting request is cancelled, the call runs to its end unseen."""
+    if not off:
+        return fn(*args, **kwargs)
+    global _cpu_worker
+    if _cpu_worker is None or _cpu_worker[0] != os.getpid():
+        _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
+    return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -286,7 +325,8 @@ class Filter:
         budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
-        read = read_flags(body["messages"], allowed=settings.allowed_flags)
+        off = heavy(body["messages"])
+        read = await compute(off, read_flags, body["messages"], allowed=settings.allowed_flags)
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
@@ -297,7 +337,7 @@ class Filter:
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
-        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder)
+        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
@@ -314,7 +354,7 @@ class Filter:
             sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
-                sent = choice.tokens_before if same else self._counter.count_messages(body["messages"], model_id)
+                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id)
                 sent_messages = body["messages"]
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
@@ -342,11 +382,14 @@ class Filter:
         model_id: str,
         previous: TrimDecision | None,
         embedder: OpenWebUIEmbedder | None = None,
+        *,
+        off: bool = False,
     ) -> TurnChoice:
-        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say."""
+        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say
+        (`off`: the counting and the trim run off the event loop)."""
         counter = self._counter
         if flags.full:
-            tokens = counter.count_messages(messages, model_id)
+            tokens = await compute(off, counter.count_messages, messages, model_id)
             return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
         if flags.budget is not None:
             budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
@@ -374,11 +417,11 @@ class Filter:
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
             cost = counter.count_message(summary, model_id)
             if budget - cost >= MIN_BUDGET_TOKENS:
-                result = retrim(budget - cost)
+                result = await compute(off, retrim, budget - cost)
                 return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
-        result = retrim(budget)
+        result = await compute(off, retrim, budget)
         if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings) and not result.reused:
-            result = retrim(budget, embedder)
+            result = await compute(off, retrim, budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             done = await summarize_trim(
                 base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
@@ -552,7 +595,8 @@ class Filter:
         estimated_prompt = note.get("estimated_prompt_tokens")
         if not isinstance(estimated_prompt, int) or isinstance(estimated_prompt, bool):
             estimated_prompt = None
-        billed, estimated = self._billed_usage(usage, estimated_prompt, body["messages"], model_id)
+        off = heavy(body["messages"])
+        billed, estimated = await compute(off, self._billed_usage, usage, estimated_prompt, body["messages"], model_id)
         cost = compute_cost(billed, resolution.price)
         if cost.cost_usd is None:
             cost_note = resolution.reason if resolution.price is None and resolution.reason else cost.reason
@@ -603,7 +647,7 @@ class Filter:
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if reply.get("role") == "assistant":
-            self._counter.count_message(reply, model_id)  # sent back next turn: counted now, off that turn's path
+            await compute(off, self._counter.count_message, reply, model_id)  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
             await self._emit(emit, " · ".join(filter(None, (usage_status(billed, estimated, cost, settings.show_cost), spent))))
