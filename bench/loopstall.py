@@ -105,6 +105,17 @@ async def outlet_turn(f: Any, module: Any, chat: list[dict]) -> None:
     await f.outlet({"model": MODEL, "messages": chat, "chat_id": hooks["__metadata__"]["chat_id"]}, **hooks)
 
 
+def under_threshold(seed: int, limit: int = 24_000) -> list[dict]:
+    """A chat just under the 25,000 characters of text from which the filter trims off the loop."""
+    chat = synth.make_chat(seed, 60)
+    size = lambda: sum(len(m["content"]) for m in chat if isinstance(m.get("content"), str))  # noqa: E731
+    while size() > limit and len(chat) > 3:
+        del chat[1]
+    while chat[1]["role"] != "user":  # start the history with a user message, no orphan tool result
+        del chat[1]
+    return chat
+
+
 def big_text(seed: int, shape: str) -> str:
     rng = random.Random(seed)
     if shape == "prose":
@@ -116,6 +127,7 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     """name -> (seed -> (hook runner, its argument)); every seed makes new texts."""
     out: dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]], Any]]] = {}
     out["idle loop, 0.5 s (the machine's own share)"] = lambda seed: ("idle", None)
+    out["cold trim, just under 25,000 characters (stays on the loop)"] = lambda seed: (trim_turn, under_threshold(seed))
     for n in (200, 1_000, 2_000):
         out[f"cold trim, {n:,} messages"] = lambda seed, n=n: (trim_turn, synth.make_chat(seed, n))
     for shape in ("prose", "base64"):

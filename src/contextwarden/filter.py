@@ -62,9 +62,9 @@ UNREADABLE = object()  # a chat state that could not be read: the turn goes on, 
 
 
 # Chats with less text than this are counted and trimmed on the event loop: a cold trim of
-# them takes about 10 ms (bench/loopstall.py), and each hop to the thread and back costs the
-# loop a GIL hand-over (up to sys.getswitchinterval(), 5 ms) while the thread computes.
-OFF_LOOP_MIN_CHARS = 50_000
+# them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
+# and each hop to the thread costs the loop a GIL hand-over (up to sys.getswitchinterval()).
+OFF_LOOP_MIN_CHARS = 25_000
 _cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
 
 
