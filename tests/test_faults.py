@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from decimal import Decimal
 import shutil
+import signal
 import threading
 
 import httpx
@@ -21,6 +23,7 @@ import tiktoken
 
 import contextwarden.store as store_module
 from contextwarden import Filter
+from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.ledger import read_ledger
 from contextwarden import price_sources
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
@@ -214,6 +217,16 @@ class Proxy:
         return f"redis://127.0.0.1:{self.port}/0"
 
 
+async def raw_get(url: str, key: str) -> bytes | None:
+    import redis.asyncio as aioredis
+
+    raw = aioredis.Redis.from_url(url)
+    try:
+        return await raw.get(store_module.KEY_PREFIX + key)
+    finally:
+        await raw.aclose()
+
+
 async def raw_counters(url: str, key: str) -> dict[str, int]:
     import redis.asyncio as aioredis
 
@@ -357,6 +370,111 @@ async def test_refused_redis_holds_named_increments_until_it_returns(own_redis, 
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:5")
     assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 6
     await store.aclose()
+
+
+async def test_concurrent_callers_replay_held_increments_once(own_redis, monkeypatch, unique):
+    """Once Redis answers, one caller replays what was held; the others are answered at once,
+    and none sees an error of the replay (it used to pop an emptied deque: IndexError)."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    store = RedisStore(own_redis.url, timeout=0.2)
+    key = f"t:{unique}"
+    await store.set(f"k:{unique}", b"v", ttl=60)
+    own_redis.stop()
+    for i in range(30):
+        await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:{i}")
+    own_redis.start()
+    await RedisStore(own_redis.url).set(f"k:{unique}", b"v", ttl=60)  # a restarted Redis is empty
+    sent, replaying, most = [], 0, 0
+    real_incr = store._redis_incr
+
+    async def spy(key, fields, *, ttl, once=None):
+        nonlocal replaying, most
+        replaying += 1
+        most = max(most, replaying)
+        try:
+            await asyncio.sleep(0.001)
+            await real_incr(key, fields, ttl=ttl, once=once)
+            sent.append(once)
+        finally:
+            replaying -= 1
+
+    monkeypatch.setattr(store, "_redis_incr", spy)
+    answers = await asyncio.gather(*(store.get(f"k:{unique}") for _ in range(40)))
+    assert answers == [b"v"] * 40
+    assert most == 1 and sent == [f"{unique}:{i}" for i in range(30)]  # one replayer, in order, each once
+    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 30
+    await store.aclose()
+
+
+async def test_a_replay_that_fails_never_fails_the_call(own_redis, monkeypatch, caplog, unique):
+    """A held increment Redis cannot take is dropped (logged); one dropped meanwhile by a full
+    queue is not taken for the next, unsent one."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(store_module, "REDIS_PENDING_LIMIT", 3)
+    store = RedisStore(own_redis.url, timeout=0.2)
+    key = f"t:{unique}"
+    for i in range(3):
+        store._pending.append((key, {"n": 1}, 60, f"{unique}:{i}"))
+    real_incr = store._redis_incr
+
+    async def spy(key, fields, *, ttl, once=None):
+        if once == f"{unique}:0":  # while it is sent, a new one fills the queue and pushes it out
+            store._pending.append((key, {"n": 100}, 60, f"{unique}:3"))
+        if once == f"{unique}:1":
+            raise ValueError("cannot apply")
+        await real_incr(key, fields, ttl=ttl, once=once)
+
+    monkeypatch.setattr(store, "_redis_incr", spy)
+    assert await store.get(f"absent:{unique}") is None
+    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 102  # 0, 2 and 3; 1 dropped
+    assert warnings_about(caplog, "held usage increment dropped (ValueError)")
+    await store.aclose()
+
+
+async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog, monkeypatch, unique):
+    """SIGSTOP / SIGCONT of redis-server with 40 pinned chats taking turns at once, three rounds.
+
+    While Redis is paused, reads time out and fall back and the ledger's increments are held;
+    once it answers, the held increments are replayed by one caller while the rest go on; a state
+    read that failed or came from the fallback is never written over the real one in Redis.
+    """
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)  # every call tries Redis again
+    f = make_filter(counter, redis_url=own_redis.url, max_context_tokens=900, reserve_output_tokens=100)
+    f._store, f._store_url = RedisStore(own_redis.url, timeout=0.2), own_redis.url
+    user = {"id": f"u-{unique}"}
+    chats = {f"c{i}": chat_of(6, last=f"My locker code is {4000 + i}. !pin") for i in range(40)}
+    for chat_id, chat in chats.items():
+        await run_turn(f, chat, user=user, chat_id=chat_id)
+
+    async def next_turn(chat_id: str, step: int) -> None:
+        chats[chat_id] = chats[chat_id][:-1] + [{"role": "user", "content": chats[chat_id][-1]["content"].replace(" !pin", "")},
+                                                {"role": "assistant", "content": "Noted. " + "lorem " * 80},
+                                                {"role": "user", "content": f"step {step}: what else?"}]
+        run = await run_turn(f, chats[chat_id], user=user, chat_id=chat_id)
+        assert_valid_turn(run, 800, counter)
+
+    for step in range(3):
+        os.kill(own_redis.process.pid, signal.SIGSTOP)
+        try:
+            turns = asyncio.gather(*(next_turn(chat_id, step) for chat_id in chats))
+            await asyncio.sleep((0.3, 1.0, 1.8)[step])  # resumed while the turns are in flight (reads, saves, outlets)
+        finally:
+            os.kill(own_redis.process.pid, signal.SIGCONT)
+        await turns
+    await asyncio.gather(*(next_turn(chat_id, 9) for chat_id in chats))  # Redis up: every pin is read back
+    lost = []
+    for i, chat_id in enumerate(chats):
+        state = ChatState.from_bytes(await raw_get(own_redis.url, chat_state_key(user["id"], chat_id)))
+        if len(state.pins) != 1:
+            lost.append(chat_id)
+    assert not lost, f"{len(lost)} of 40 chats lost their pin"
+    assert not warnings_about(caplog, "chat state not read")  # the replay's trouble never reached a read
+    assert not f._store._pending
+    direct = RedisStore(own_redis.url)
+    replies = sum(e.counters["requests"] for e in await read_ledger(direct) if e.user == user["id"])
+    assert replies == 40 * 5  # every reply recorded once, in Redis, the held ones replayed
+    await direct.aclose()
+    await f._store.aclose()
 
 
 # -- OpenRouter prices ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 import contextwarden.filter as filter_module
@@ -247,6 +248,60 @@ async def test_unreadable_state_is_ignored(counter, trims, unique):
     await f._store.set(key, json.dumps({"v": 1, "decision": "{broken", "pins": [], "pin_mode": False}).encode(), ttl=60)
     out = await send(f, chat_of(20), f"u-{unique}", f"c-{unique}")
     assert trims[-1][0]["previous"] is None and len(out["messages"]) < 41
+
+
+@pytest.mark.parametrize("raw", [b'{"v": 2, "pins": ["from a newer version"]}', b"\xff not json", b""])
+async def test_state_this_version_cannot_read_is_never_written_over(counter, store_valves, trims, unique, raw):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    key = chat_state_key(f"u-{unique}", f"c-{unique}")
+    await f._settings(None, None)  # opens the store the valves name
+    await f._store.set(key, raw, ttl=60)
+    out = await send(f, chat_of(20, last="Keep this !pin"), f"u-{unique}", f"c-{unique}")
+    assert len(out["messages"]) < 41 and out["messages"][-1]["content"] == "Keep this"  # the turn went on
+    assert await f._store.get(key) == raw
+
+
+async def test_a_failed_state_read_saves_nothing(counter, trims, unique, caplog):
+    """A read that raised says nothing of what is stored: the turn trims without state and
+    nothing is written over the state it could not read."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    await send(f, chat_of(20, last="Keep this !pin"), user_id, chat_id)
+    pinned = await stored_state(f, user_id, chat_id)
+    assert len(pinned.pins) == 1
+    real_get = f._store.get
+
+    async def failing_get(key):
+        raise RuntimeError("read failed")
+
+    f._store.get = failing_get
+    out = await send(f, grow(chat_of(20, last="Keep this"), 30), user_id, chat_id)
+    assert len(out["messages"]) < 43 and trims[-1][0]["previous"] is None
+    f._store.get = real_get
+    assert await stored_state(f, user_id, chat_id) == pinned
+    assert [r.getMessage() for r in caplog.records if "chat state" in r.getMessage()] == ["contextwarden: chat state not read (RuntimeError)"]
+
+
+async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, store_valves, unique, monkeypatch):
+    """Between this turn's read and its save another pass saved: the other pass's state stays."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    key = chat_state_key(user_id, chat_id)
+    other = ChatState(pins=("someone else's pin",)).to_bytes()
+    await f._settings(None, None)
+    real_trim = filter_module.trim_messages
+
+    def trim_while_another_pass_saves(messages, **options):
+        if store_valves:  # another worker, through its own connection
+            with redis.Redis.from_url(store_valves["redis_url"]) as client:
+                client.set(KEY_PREFIX + key, other, ex=60)
+        else:
+            f._store._put(key, other, 60)
+        return real_trim(messages, **options)
+
+    monkeypatch.setattr(filter_module, "trim_messages", trim_while_another_pass_saves)
+    await send(f, chat_of(20), user_id, chat_id)
+    assert await f._store.get(key) == other
 
 
 async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):

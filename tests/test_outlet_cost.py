@@ -16,7 +16,15 @@ import httpx
 import pytest
 import respx
 
-from contextwarden.calibration import Calibration, calibrated_budget, load_calibration, update_calibration
+from contextwarden.calibration import (
+    MAX_EFFECT,
+    MIN_EFFECT,
+    Calibration,
+    calibrated_budget,
+    load_calibration,
+    save_calibration,
+    update_calibration,
+)
 from contextwarden.filter import wants_stream_usage
 from contextwarden.status import format_usd
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
@@ -238,6 +246,60 @@ async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
         reply = {"role": "assistant", "content": "ok", **({"usage": usage} if usage else {})}
         await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=body["metadata"])
         assert await load_calibration(f._store, "openai/gpt-4o") == Calibration()
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+TOOLS = [{"type": "function", "function": {"name": "search_web", "description": "Search the web.",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+
+
+async def learning_turn(f, chat, user: str, real_of, *, model: str, tools=None) -> dict:
+    """One request and its outlet with the provider's prompt tokens `real_of(our count)`; the note."""
+    body = body_of(chat, model=model, user_id=user, chat_id=f"c-{user}")
+    if tools:
+        body["tools"] = tools
+    metadata = body["metadata"]
+    out = await f.request(body, __user__={"id": user}, __metadata__=metadata)
+    note = metadata["contextwarden"]
+    reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": real_of(note["estimated_prompt_tokens"]), "completion_tokens": 5}}
+    await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __user__={"id": user}, __metadata__=metadata)
+    return note
+
+
+async def test_one_users_image_and_tool_chats_do_not_move_anothers_budget(counter):
+    """We count an image 765 tokens, a provider may bill 85; tool definitions we do not count
+    at all. Those turns are not comparable, so they teach the model's factor nothing."""
+    model = "anthropic/claude-sonnet-4.5"
+    f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000)
+    with_image = chat_of(4)[:-1] + [{"role": "user", "content": [{"type": "text", "text": "What is in it?"}, IMAGE]}]
+    for _ in range(8):  # ratio about 0.6: the image billed 85, not 765
+        await learning_turn(f, with_image, "ann", lambda n: n - 680, model=model)
+    for _ in range(8):  # ratio 1.6: the tool definitions billed on top
+        await learning_turn(f, chat_of(4), "ann", lambda n: int(n * 1.6), model=model, tools=TOOLS)
+    tool_loop = chat_of(4) + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "search_web", "arguments": '{"query": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "results " * 50}]
+    for _ in range(8):
+        await learning_turn(f, tool_loop, "ann", lambda n: int(n * 1.6), model=model)
+    assert await load_calibration(f._store, model) == Calibration()
+    note = await learning_turn(f, chat_of(4), "bob", lambda n: n, model=model)
+    assert note["budget"] == 15_000 and note["calibration"] == 1.0
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.6, 0.9, 1.6, 2.0])
+@pytest.mark.parametrize("user_budget", [0, 8_000])
+async def test_a_calibrated_budget_stays_within_the_window_and_the_bounded_effect(counter, factor, user_budget):
+    """Whatever factor is stored, its effect is within [MIN_EFFECT, MAX_EFFECT] and the budget
+    never exceeds the window less the reserve."""
+    model = "anthropic/claude-sonnet-4.5"
+    f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000)
+    await save_calibration(f._store, model, Calibration(factor, 20))
+    body = body_of(chat_of(4), model=model, user_id="bob", chat_id="c-bob")
+    user = {"id": "bob", "valves": f.UserValves(max_context_tokens=user_budget)}
+    await f.request(body, __user__=user, __metadata__=body["metadata"])
+    budget = body["metadata"]["contextwarden"]["budget"]
+    effect = min(MAX_EFFECT, max(MIN_EFFECT, factor))
+    assert budget == min(15_000, int((user_budget or 15_000) / effect))
 
 
 # ---- price layering ---------------------------------------------------------------------------

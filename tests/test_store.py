@@ -21,6 +21,13 @@ async def exercise(store, unique: str) -> None:
     assert await store.add(key + ":lock", b"me", ttl=60) is True
     await store.delete(key)
     assert await store.get(key) is None
+    # swap: set only over exactly what was read (None = absent)
+    assert await store.swap(key, b"other", b"s1", ttl=60) is False and await store.get(key) is None
+    assert await store.swap(key, None, b"s1", ttl=60) is True and await store.get(key) == b"s1"
+    assert await store.swap(key, None, b"s2", ttl=60) is False
+    assert await store.swap(key, b"s", b"s2", ttl=60) is False and await store.get(key) == b"s1"
+    assert await store.swap(key, b"s1", b"s2", ttl=60) is True and await store.get(key) == b"s2"
+    await store.delete(key)
     await asyncio.gather(*(store.incr(f"{key}:n", {"requests": 1, "tokens": 10}, ttl=60) for _ in range(200)))
     assert await store.counters(f"{key}:n") == {"requests": 200, "tokens": 2000}
     assert f"{key}:n" in await store.keys(f"test:{unique}:*")

@@ -44,16 +44,24 @@ class ChatState:
     @classmethod
     def from_bytes(cls, raw: bytes | None) -> ChatState:
         """The state stored as `raw`; an empty state for None or anything this version did not write."""
+        return cls.parse(raw) or cls()
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> ChatState | None:
+        """The state stored as `raw` (empty for None); None for bytes this version did not write,
+        which a caller must not write over (another version's state, or damaged: it expires)."""
+        if raw is None:
+            return cls()
         try:
-            data = json.loads(raw) if raw else None
+            data = json.loads(raw)
             if not isinstance(data, dict) or data.get("v") != CHAT_STATE_VERSION:
-                return cls()
+                return None
             decision = data["decision"] if isinstance(data["decision"], str) else None
             pins = tuple(p for p in data["pins"] if isinstance(p, str))[-MAX_PINS:]
             shadow = data.get("shadow_decision")
             return cls(decision, pins, data["pin_mode"] is True, shadow if isinstance(shadow, str) else None)
         except (ValueError, KeyError, TypeError):
-            return cls()
+            return None
 
     def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
         """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode

@@ -7,17 +7,28 @@ Every hook fails open: on any internal error the body goes on as it came.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+import os
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
 from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
-from .calibration import Calibration, calibrated_budget, load_calibration, save_calibration, update_calibration
+from .calibration import (
+    Calibration,
+    calibrated_budget,
+    comparable_turn,
+    load_calibration,
+    save_calibration,
+    update_calibration,
+)
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
 from .adminview import is_usage_command, usage_answer
@@ -48,6 +59,42 @@ METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
+UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
+
+
+# Chats with less text than this are counted and trimmed on the event loop: a cold trim of
+# them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
+# and each hop to the thread costs the loop a GIL hand-over (up to sys.getswitchinterval()).
+OFF_LOOP_MIN_CHARS = 25_000
+_cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
+
+
+def heavy(messages: Sequence[Message]) -> bool:
+    """True when the messages hold OFF_LOOP_MIN_CHARS characters of text or more (stops counting there)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if size >= OFF_LOOP_MIN_CHARS:
+            return True
+    return False
+
+
+async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`: with `off`, in the process's one contextwarden thread, so the event
+    loop serves other users while a hook counts, scores or trims a big chat (tiktoken releases
+    the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`). One thread runs
+    the calls one at a time, so the shared caches never see two trims at once. What `fn` raises
+    is raised here; if the awaiting request is cancelled, the call runs to its end unseen."""
+    if not off:
+        return fn(*args, **kwargs)
+    global _cpu_worker
+    if _cpu_worker is None or _cpu_worker[0] != os.getpid():
+        _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
+    return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -282,42 +329,44 @@ class Filter:
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
-        budget = calibrated_budget(settings.budget(window), calibration)
+        budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
-        read = read_flags(body["messages"], allowed=settings.allowed_flags)
+        off = heavy(body["messages"])
+        read = await compute(off, read_flags, body["messages"], allowed=settings.allowed_flags)
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
         key = chat_state_key(*_ids(body, user, metadata))
-        state = await self._load_state(key, read, flags)
+        state, stored_bytes = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
-        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder)
+        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
             decision = stored if choice.decision is None or later_pass else choice.decision.to_json()
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
-            await self._save_state(key, saved, settings.state_ttl_seconds)
+            await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
         removed += max(0, choice.tokens_before - choice.tokens_after)
         savings = estimate_savings(
             choice.tokens_after + removed, choice.tokens_after,
-            factor=calibration.factor if calibration.active else 1.0, price=resolution.price,
+            factor=calibration.effect, price=resolution.price,
         )
         if isinstance(metadata, dict):
-            sent = choice.tokens_after
+            sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
-                sent = choice.tokens_before if same else self._counter.count_messages(body["messages"], model_id)
+                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id)
+                sent_messages = body["messages"]
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
                 dropped=0 if shadow else choice.dropped, reused=choice.reused, decided=key is not None,
-                calibration=calibration.factor, savings={"removed": removed, "messages_before": messages_before},
+                calibration=calibration.effect, comparable=comparable_turn(sent_messages, body), savings={"removed": removed, "messages_before": messages_before},
                 tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd),
             )
             if flags.used or flags.refused:
@@ -325,7 +374,7 @@ class Filter:
             metadata[METADATA_KEY] = note
         if settings.show_status:
             line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(choice, flags)
-            await self._emit(emit, line + (f" · calibrated ×{calibration.factor:.2f}" if calibration.active else ""))
+            await self._emit(emit, line + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""))
         if shadow or _same_messages(choice.messages, body["messages"]):
             return body
         return {**body, "messages": choice.messages}
@@ -340,11 +389,14 @@ class Filter:
         model_id: str,
         previous: TrimDecision | None,
         embedder: OpenWebUIEmbedder | None = None,
+        *,
+        off: bool = False,
     ) -> TurnChoice:
-        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say."""
+        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say
+        (`off`: the counting and the trim run off the event loop)."""
         counter = self._counter
         if flags.full:
-            tokens = counter.count_messages(messages, model_id)
+            tokens = await compute(off, counter.count_messages, messages, model_id)
             return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
         if flags.budget is not None:
             budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
@@ -372,11 +424,11 @@ class Filter:
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
             cost = counter.count_message(summary, model_id)
             if budget - cost >= MIN_BUDGET_TOKENS:
-                result = retrim(budget - cost)
+                result = await compute(off, retrim, budget - cost)
                 return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
-        result = retrim(budget)
+        result = await compute(off, retrim, budget)
         if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings) and not result.reused:
-            result = retrim(budget, embedder)
+            result = await compute(off, retrim, budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             done = await summarize_trim(
                 base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
@@ -401,21 +453,31 @@ class Filter:
             return False
         return True
 
-    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> ChatState:
-        """The chat's stored state, with this turn's pin flags applied."""
-        state = ChatState()
+    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> tuple[ChatState, bytes | None | object]:
+        """The chat's stored state with this turn's pin flags applied, and the bytes it was read
+        from (`UNREADABLE` when the read failed or the bytes are not this version's)."""
+        state, stored = ChatState(), None
         if key is not None:
             try:
-                state = ChatState.from_bytes(await self._store.get(key))
+                stored = await self._store.get(key)
+                parsed = ChatState.parse(stored)
             except Exception as exc:  # state is an optimization: the turn goes on without it
                 filter_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
+                parsed = None
+            if parsed is None:
+                stored = UNREADABLE
+            state = parsed or state
         latest = read.messages[read.latest_user] if read.latest_user is not None else None
         pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
-        return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None)
+        return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None), stored
 
-    async def _save_state(self, key: str, state: ChatState, ttl: int) -> None:
+    async def _save_state(self, key: str, stored: bytes | None | object, state: ChatState, ttl: int) -> None:
+        """Replace the state read as `stored`; never one that could not be read, nor one that
+        changed since (a read the fallback answered while Redis was away, or another pass)."""
+        if stored is UNREADABLE:
+            return
         try:
-            await self._store.set(key, state.to_bytes(), ttl=ttl)
+            await self._store.swap(key, stored, state.to_bytes(), ttl=ttl)
         except Exception as exc:
             filter_log.warning("contextwarden: chat state not saved (%s)", type(exc).__name__)
 
@@ -542,7 +604,8 @@ class Filter:
             self._warn_once(f"contextwarden: reply usage not believed ({', '.join(rejected[:6])}); estimated instead")
         estimated_prompt = note.get("estimated_prompt_tokens")
         estimated_prompt = read_count(estimated_prompt) if isinstance(estimated_prompt, int) else None
-        billed, estimated = self._billed_usage(usage, estimated_prompt, body["messages"], model_id)
+        off = heavy(body["messages"])
+        billed, estimated = await compute(off, self._billed_usage, usage, estimated_prompt, body["messages"], model_id)
         cost = compute_cost(billed, resolution.price)
         if cost.cost_usd is None:
             cost_note = resolution.reason if resolution.price is None and resolution.reason else cost.reason
@@ -586,13 +649,13 @@ class Filter:
         else:
             await self._record_spend(user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0))
         if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
-                and estimated_prompt is not None and note.get("count_mode") == "exact":
+                and estimated_prompt is not None and note.get("count_mode") == "exact" and note.get("comparable") is True:
             try:
                 await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if reply.get("role") == "assistant":
-            self._counter.count_message(reply, model_id)  # sent back next turn: counted now, off that turn's path
+            await compute(off, self._counter.count_message, reply, model_id)  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
             await self._emit(emit, " · ".join(filter(None, (usage_status(billed, estimated, cost, settings.show_cost), spent))))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import hashlib
 import logging
 import time
 from collections import OrderedDict, deque
@@ -50,6 +51,14 @@ class Store:
 
     async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
         """Set only when absent (a lock); True when this call set it."""
+        raise NotImplementedError
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        """Set only while the key still holds `expected` (None: absent); True when this call set it.
+
+        A read-modify-write that read nothing real (a failed read, or a fallback's empty answer
+        while the shared copy was away) then cannot write over what it did not read.
+        """
         raise NotImplementedError
 
     async def delete(self, key: str) -> None:
@@ -113,6 +122,12 @@ class MemoryStore(Store):
         self._put(key, value, ttl)
         return True
 
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        if self._live(key) != expected:
+            return False
+        self._put(key, value, ttl)
+        return True
+
     async def delete(self, key: str) -> None:
         self._data.pop(key, None)
 
@@ -166,6 +181,7 @@ class RedisStore(Store):
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
         self._pending: deque[tuple[str, dict[str, int], int, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
+        self._replaying = False
 
     @property
     def shared(self) -> bool:
@@ -194,7 +210,7 @@ class RedisStore(Store):
             self._failed(exc)
             return False, None
         self._recovered()
-        if self._pending:
+        if self._pending and not self._replaying:
             await self._replay()
         return True, result
 
@@ -203,17 +219,27 @@ class RedisStore(Store):
         return result if ok else await getattr(self.fallback, name)(*args, **kwargs)
 
     async def _replay(self) -> None:
-        """Send the named increments held during an outage (each applies at most once)."""
-        while self._pending:
-            key, fields, ttl, once = self._pending[0]
-            try:
-                await self._redis_incr(key, fields, ttl=ttl, once=once)
-            except _REDIS_ERRORS as exc:
-                self._failed(exc)
-                return
-            except aioredis.RedisError as exc:  # refused, so never applied: drop it, not the rest
-                store_log.warning("contextwarden: Redis refused a held ledger increment (%s); dropped", type(exc).__name__)
-            self._pending.popleft()
+        """Send the named increments held during an outage (each applies at most once).
+
+        Single-flight: one caller replays while the others go on, and a held increment is
+        removed only by the caller that sent it. Nothing raised here reaches the caller, whose
+        own command has already succeeded.
+        """
+        self._replaying = True
+        try:
+            while self._pending:
+                held = self._pending[0]
+                try:
+                    await self._redis_incr(held[0], held[1], ttl=held[2], once=held[3])
+                except _REDIS_ERRORS as exc:
+                    self._failed(exc)
+                    return
+                except Exception as exc:  # refused for good: sending it again cannot help
+                    store_log.warning("contextwarden: held usage increment dropped (%s)", type(exc).__name__)
+                if self._pending and self._pending[0] is held:  # a full deque may have dropped it meanwhile
+                    self._pending.popleft()
+        finally:
+            self._replaying = False
 
     async def get(self, key: str) -> bytes | None:
         return await self._call("get", key)
@@ -223,6 +249,9 @@ class RedisStore(Store):
 
     async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
         return await self._call("add", key, value, ttl=ttl)
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        return await self._call("swap", key, expected, value, ttl=ttl)
 
     async def delete(self, key: str) -> None:
         await self._call("delete", key)
@@ -249,6 +278,10 @@ class RedisStore(Store):
 
     async def _redis_add(self, key: str, value: bytes, *, ttl: int) -> bool:
         return bool(await self._redis.set(KEY_PREFIX + key, value, ex=ttl, nx=True))
+
+    async def _redis_swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        digest = "" if expected is None else hashlib.sha1(expected).hexdigest()
+        return bool(await self._redis.eval(_SWAP_SCRIPT, 1, KEY_PREFIX + key, digest, value, ttl))
 
     async def _redis_delete(self, key: str) -> None:
         await self._redis.delete(KEY_PREFIX + key)
@@ -288,6 +321,17 @@ end
 for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 if #KEYS == 2 then redis.call('SET', KEYS[2], '1', 'EX', ARGV[2]) end
+return 1
+"""
+
+
+# Sets the key only while it holds the value whose SHA-1 is ARGV[1] ("" = absent): one atomic step.
+_SWAP_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  if redis.sha1hex(current) ~= ARGV[1] then return 0 end
+elseif ARGV[1] ~= '' then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 return 1
 """
 

@@ -230,11 +230,16 @@ class Settings:
     show_spend: bool = True
     spend_for_all: bool = False
 
+    def window_budget(self, model_context: int | None) -> int:
+        """The window (valve, else the model's, else the default) less the reserve: no budget,
+        calibrated or not, goes past it."""
+        window = self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
+        return window - self.reserve_output_tokens
+
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
         lowered by the user's own budget."""
-        window = self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
-        budget = window - self.reserve_output_tokens
+        budget = self.window_budget(model_context)
         if self.user_max_context_tokens:
             budget = min(budget, self.user_max_context_tokens)
         return max(budget, MIN_BUDGET_TOKENS)

@@ -1,0 +1,229 @@
+"""The longest event-loop stall while contextwarden handles a request, per chat size.
+
+One Open WebUI worker serves every user from one event loop: while a hook computes on it,
+no other user's request moves. A ticker task asks to wake every millisecond and records the
+longest gap between its wake-ups while a scenario runs (inlet then request, as Open WebUI
+calls them, or outlet); the gap is how long every other user waited.
+
+Run from the repository root (the dev venv has everything; no network):
+
+    /work/main/.venv/bin/python bench/loopstall.py                      # the tree's open_webui_filter.py
+    /work/main/.venv/bin/python bench/loopstall.py --bundle OLD.py --bundle open_webui_filter.py
+    /work/main/.venv/bin/python bench/loopstall.py --reps 3 --markdown bench/results/loopstall.md
+
+Several bundles run in one process, interleaved within each repetition (the order rotates),
+so machine load hits each alike. Every call gets fresh texts (a new seed), so nothing is
+cached from an earlier repetition: these are cold trims, the worst case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import speed  # noqa: E402  (its loader and machine notes; it sets TIKTOKEN_CACHE_DIR)
+import synth  # noqa: E402
+
+MODEL = "gpt-4o"
+TICK_SECONDS = 0.001
+MEGABYTE = 1_000_000
+CONCURRENT = 8
+
+
+class Ticker:
+    """The longest gap between the wake-ups of a task that sleeps TICK_SECONDS at a time."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(TICK_SECONDS * 3)  # running before the scenario starts
+        self.longest = 0.0
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.sleep(TICK_SECONDS * 3)  # a stall at the very end is counted too
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+def make_filter(module: Any) -> Any:
+    f = module.Filter()
+    f.valves = f.Valves(max_context_tokens=8_000, reserve_output_tokens=1_024, openrouter_pricing=False)
+    assert f._counter.wait_ready(MODEL), "tiktoken encoding not available"
+    return f
+
+
+async def _emit(event: dict) -> None:
+    return None
+
+
+def _hooks(module: Any, chat_id: str) -> dict[str, Any]:
+    metadata = {"chat_id": chat_id, "message_id": uuid.uuid4().hex, "user_id": "bench-user"}
+    user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
+    return {"__user__": user, "__metadata__": metadata, "__model__": {"id": MODEL}, "__event_emitter__": _emit}
+
+
+async def trim_turn(f: Any, module: Any, chat: list[dict]) -> None:
+    """inlet then request on what inlet returned, one shared metadata dict (as Open WebUI)."""
+    hooks = _hooks(module, uuid.uuid4().hex)
+    body = {"model": MODEL, "messages": chat, "stream": True, "metadata": hooks["__metadata__"]}
+    body = await f.inlet(body, **hooks)
+    await f.request(body, **hooks)
+
+
+async def outlet_turn(f: Any, module: Any, chat: list[dict]) -> None:
+    """outlet of a reply (the chat's last message) that carries no usage: everything is counted."""
+    hooks = _hooks(module, uuid.uuid4().hex)
+    await f.outlet({"model": MODEL, "messages": chat, "chat_id": hooks["__metadata__"]["chat_id"]}, **hooks)
+
+
+def under_threshold(seed: int, limit: int = 24_000) -> list[dict]:
+    """A chat just under the 25,000 characters of text from which the filter trims off the loop."""
+    chat = synth.make_chat(seed, 60)
+    size = lambda: sum(len(m["content"]) for m in chat if isinstance(m.get("content"), str))  # noqa: E731
+    while size() > limit and len(chat) > 3:
+        del chat[1]
+    while chat[1]["role"] != "user":  # start the history with a user message, no orphan tool result
+        del chat[1]
+    return chat
+
+
+def big_text(seed: int, shape: str) -> str:
+    rng = random.Random(seed)
+    if shape == "prose":
+        return synth.prose(rng, MEGABYTE // 4)[:MEGABYTE]
+    return base64.b64encode(rng.randbytes(MEGABYTE * 3 // 4)).decode()  # a pasted blob: few long pieces
+
+
+def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]], Any]]]:
+    """name -> (seed -> (hook runner, its argument)); every seed makes new texts."""
+    out: dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]], Any]]] = {}
+    out["idle loop, 0.5 s (the machine's own share)"] = lambda seed: ("idle", None)
+    out["cold trim, just under 25,000 characters (stays on the loop)"] = lambda seed: (trim_turn, under_threshold(seed))
+    for n in (200, 1_000, 2_000):
+        out[f"cold trim, {n:,} messages"] = lambda seed, n=n: (trim_turn, synth.make_chat(seed, n))
+    for shape in ("prose", "base64"):
+        def with_big(seed: int, shape: str = shape) -> tuple:
+            chat = synth.make_chat(seed, 20)
+            chat[-1] = {"role": "user", "content": big_text(seed, shape)}
+            return trim_turn, chat
+        out[f"1 MB {shape} message, 20 messages"] = with_big
+
+        def big_reply(seed: int, shape: str = shape) -> tuple:
+            return outlet_turn, synth.make_chat(seed, 20) + [{"role": "assistant", "content": big_text(seed, shape)}]
+        out[f"outlet, 1 MB {shape} reply"] = big_reply
+    out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
+        "concurrent", [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)])
+    return out
+
+
+async def run_one(f: Any, module: Any, runner: Any, arg: Any, *, tick: bool = True) -> tuple[float, float]:
+    """(longest stall, wall time) in milliseconds for one scenario run (no stall without `tick`)."""
+    gc.collect()
+    ticker = Ticker()
+    if tick:
+        await ticker.__aenter__()
+    t0 = time.perf_counter()
+    if runner == "idle":
+        await asyncio.sleep(0.5)
+    elif runner == "concurrent":
+        await asyncio.gather(*(trim_turn(f, module, chat) for chat in arg))
+    else:
+        await runner(f, module, arg)
+    wall = time.perf_counter() - t0
+    if tick:
+        await ticker.__aexit__()
+    return ticker.longest * 1e3, wall * 1e3
+
+
+async def measure(bundles: list[Path], reps: int, only: str | None, tick: bool) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    modules = {str(path): speed.load_bundle(path) for path in bundles}
+    filters = {name: make_filter(module) for name, module in modules.items()}
+    for name, f in filters.items():  # warm-up: imports, regexes, encodings, price book
+        await trim_turn(f, modules[name], synth.make_chat(1, 50))
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for index, (title, make) in enumerate(scenarios().items()):
+        if only and only not in title:
+            continue
+        results[title] = {name: [] for name in modules}
+        for rep in range(reps):
+            runner, arg = make(10_000 * (index + 1) + rep)  # texts no earlier run has counted
+            names = list(modules)
+            names = names[rep % len(names):] + names[: rep % len(names)]
+            for name in names:
+                fresh_arg = json.loads(json.dumps(arg))  # each its own objects, as Open WebUI parses every request anew
+                results[title][name].append(await run_one(filters[name], modules[name], runner, fresh_arg, tick=tick))
+        line = "  ".join(f"{Path(n).name}: max stall {max(s for s, _ in v):.0f} ms, wall {statistics.median(w for _, w in v):.0f} ms"
+                         for n, v in results[title].items())
+        print(f"{title}: {line}", flush=True)
+    return results
+
+
+def markdown(results: dict, bundles: list[Path], reps: int, notes: dict[str, Any]) -> str:
+    names = [str(b) for b in bundles]
+    head = "| scenario | " + " | ".join(f"{Path(n).name}: longest stall (median) / wall" for n in names) + " |"
+    rows = [head, "|---|" + "---|" * len(names)]
+    for title, per in results.items():
+        cells = []
+        for n in names:
+            stalls = [s for s, _ in per[n]]
+            cells.append(f"{max(stalls):.0f} ms ({statistics.median(stalls):.0f}) / {statistics.median(w for _, w in per[n]):.0f} ms")
+        rows.append(f"| {title} | " + " | ".join(cells) + " |")
+    meta = ", ".join(f"{k} {v}" for k, v in notes.items())
+    return "\n".join(rows) + f"\n\n{reps} repetitions each; {meta}.\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bundle", action="append", type=Path, help="a built single file (repeat to compare)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", help="run the scenarios whose title holds this text")
+    parser.add_argument("--markdown", type=Path, help="append the table to this file")
+    parser.add_argument("--no-ticker", action="store_true", help="wall times only (the ticker itself costs the hooks time)")
+    args = parser.parse_args()
+    bundles = args.bundle or [speed.BUNDLE]
+    speed.seed_encodings()
+    load_start = os.getloadavg()
+    results = asyncio.run(measure(bundles, args.reps, args.only, not args.no_ticker))
+    info = speed.machine()
+    notes = {"cpu": f"{info['cpu']} x{info['nproc']}", "python": info["python"], "tiktoken": info["tiktoken"],
+             "load average (1, 5, 15 min) at start": tuple(round(x, 1) for x in load_start),
+             "at end": tuple(round(x, 1) for x in os.getloadavg()), "sys.getswitchinterval()": sys.getswitchinterval(),
+             "ticker": "off (stalls not measured)" if args.no_ticker else f"every {TICK_SECONDS * 1e3:g} ms"}
+    table = markdown(results, bundles, args.reps, notes)
+    print(table)
+    if args.markdown:
+        with args.markdown.open("a") as out:
+            out.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

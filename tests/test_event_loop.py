@@ -1,0 +1,134 @@
+"""The trim of a big chat runs off the event loop: other users' requests go on meanwhile.
+
+How long the loop stalls is measured in bench/loopstall.py (results in bench/results/); these
+tests check what must hold whatever the timing: a big chat's counting and trimming run in the
+contextwarden thread, the loop serves other coroutines while they run, errors raised there
+still fail open, a cancelled request writes no state, and the result is the one the loop
+itself would have computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+import contextwarden.filter as filter_module
+from contextwarden.chatstate import chat_state_key
+
+from test_filter import Events, make_filter
+from test_trim import chat_of
+from turns import run_turn
+
+MODEL = "gpt-4o"
+
+
+def big_chat(turns: int = 60) -> list[dict]:
+    chat = chat_of(turns)
+    assert filter_module.heavy(chat) and not filter_module.heavy(chat_of(3))
+    return chat
+
+
+def body(chat: list[dict], chat_id: str = "c1") -> dict:
+    return {"model": MODEL, "messages": chat, "stream": False, "metadata": {"chat_id": chat_id, "user_id": "u1"}}
+
+
+async def request(f, b: dict, events=None) -> dict:
+    return await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
+
+
+@pytest.fixture
+def spy_trim(monkeypatch):
+    """Wraps `trim_messages`: `spy.threads` are the threads it ran in; `spy.before` runs first."""
+    real = filter_module.trim_messages
+
+    class Spy:
+        threads: list[str] = []
+        before = None
+
+        def __call__(self, messages, **options):
+            self.threads.append(threading.current_thread().name)
+            if self.before is not None:
+                self.before()
+            return real(messages, **options)
+
+    spy = Spy()
+    spy.threads = []
+    monkeypatch.setattr(filter_module, "trim_messages", spy)
+    return spy
+
+
+async def test_a_big_chat_is_trimmed_in_the_worker_thread_a_small_one_on_the_loop(counter, spy_trim):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    await request(f, body(big_chat()))
+    await request(f, body(chat_of(3), "c2"))
+    assert spy_trim.threads == ["contextwarden-cpu_0", threading.current_thread().name]
+
+
+async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):
+    """The trim waits for a coroutine on the loop: on the loop itself it could never finish."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    served = threading.Event()
+
+    async def another_user() -> None:
+        await asyncio.sleep(0.01)
+        served.set()
+
+    spy_trim.before = lambda: served.wait(10) or pytest.fail("the event loop was blocked during the trim")
+    other = asyncio.create_task(another_user())
+    out = await request(f, body(big_chat()))
+    await other
+    assert len(out["messages"]) < len(big_chat())
+
+
+async def test_an_error_in_the_worker_thread_fails_open(counter, spy_trim, caplog):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+
+    def broken() -> None:
+        raise RuntimeError("secret message text")
+
+    spy_trim.before = broken
+    events = Events()
+    b = body(big_chat())
+    assert await request(f, b, events) is b
+    assert spy_trim.threads == ["contextwarden-cpu_0"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
+    assert "request failed (RuntimeError at test_event_loop.py:" in warning and "secret" not in warning
+    assert "internal error" in events.statuses[-1]
+
+
+async def test_a_request_cancelled_during_the_trim_writes_no_state(counter, spy_trim):
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    key = chat_state_key("u1", "c1")
+    chat = big_chat()
+    await request(f, body(chat[:-1] + [{"role": "user", "content": "Remember this !pin"}]))
+    before = await f._store.get(key)
+    entered, release = threading.Event(), threading.Event()
+    spy_trim.before = lambda: (entered.set(), release.wait(10))
+    task = asyncio.create_task(request(f, body(chat[:-1] + [{"role": "user", "content": "Forget it !pin"}])))
+    while not entered.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)  # the thread finishes its trim; nobody takes its result
+    assert await f._store.get(key) == before
+    spy_trim.before = None
+    out = await request(f, body(chat))  # and the chat goes on
+    assert len(out["messages"]) < len(chat)
+
+
+async def test_off_the_loop_the_trim_is_the_same_deterministic_and_idempotent(counter, monkeypatch):
+    chat = big_chat(80)
+    results = []
+    for threshold in (filter_module.OFF_LOOP_MIN_CHARS, 10**12):  # in the thread, then on the loop
+        monkeypatch.setattr(filter_module, "OFF_LOOP_MIN_CHARS", threshold)
+        f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0, openrouter_pricing=False)
+        runs = [await run_turn(f, chat, chat_id=f"c{i}") for i in range(2)]
+        again = await request(f, body(runs[0].after_request["messages"], "c9"))
+        assert again["messages"] == runs[0].after_request["messages"]
+        results.append([r.after_request["messages"] for r in runs])
+    assert results[0] == results[1] and results[0][0] == results[0][1]
