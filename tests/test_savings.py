@@ -182,3 +182,33 @@ def test_the_lines_say_when_the_untrimmed_chat_is_cheaper():
     assert savings_status(Savings(8_000, 8_000, D(0)), False) == ""
     line = usage_status(Usage(8_000, 50, cached_tokens=7_000), False, Cost(D("0.01"), "price_table"), True, cheaper)
     assert line == "8,000 in (7,000 cached) · 50 out · $0.010 · untrimmed ~$0.019 cheaper (prompt cache)"
+
+
+def test_explain_prices_the_cache_by_hand(counter):
+    import json as _json
+    from pathlib import Path
+
+    from contextwarden.explain import explain_trim
+    from contextwarden.trim import trim_messages
+
+    data = _json.loads((Path(__file__).parents[1] / "examples" / "long_chat.json").read_text())
+    chat = data["messages"]
+    result = trim_messages(chat, max_tokens=1_200, model="gpt-4o", token_counter=counter)
+    explanation = explain_trim(chat, result, model="gpt-4o", token_counter=counter, price=BUNDLED["openai/gpt-4o"])
+    # the untrimmed chat's previous prompt: all but the last reply and the question, less the reply priming
+    prefix = result.tokens_before - 3 - counter.count_messages(chat[-2:], "gpt-4o") + 3
+    assert prefix >= 1_024 and not result.reused  # cacheable; the trim is a new selection (system prompt < 1,024)
+    # gpt-4o: $2.50/M input, $1.25/M cached
+    expected = (result.tokens_before - prefix) * D("0.0000025") + prefix * D("0.00000125") - result.tokens_after * D("0.0000025")
+    assert explanation.savings.cost_saved_usd == expected
+    assert explanation.as_dict()["savings"]["assumption"].startswith("savings are estimates, cache-aware")
+
+
+async def test_negative_savings_reach_the_ledger(store, unique):
+    day = date(2199, 12, 30)
+    common = dict(user=f"neg-{unique}", model="anthropic/claude-sonnet-4.5", prompt_tokens=8_000, completion_tokens=20,
+                  cost_usd=D("0.03"), estimated=False, day=day, retention_days=1)
+    await record_reply(store, **common, tokens_saved=18_000, cost_saved_usd=D("-0.01875"))
+    await record_reply(store, **common, tokens_saved=18_000, cost_saved_usd=D("0.0054"))
+    [row] = ledger_totals([e for e in await read_ledger(store, since=day, until=day) if e.user == common["user"]], "user")
+    assert row.usd("cost_saved_picousd") == D("-0.01335") and row.counters["trimmed"] == 2

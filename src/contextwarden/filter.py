@@ -35,12 +35,12 @@ from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .savings import (
-    Savings, calibrated_tokens, carried_savings, estimate_savings, predicted_cache, previous_prompt_end, price_caches, reply_savings,
+    Savings, cached_prefixes, calibrated_tokens, carried_savings, estimate_savings, predicted_cache, price_caches, reply_savings,
 )
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
-from .tokens import TOKENS_PER_REPLY, TokenCounter
+from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_usage
 from .usergroups import GroupReader
@@ -384,18 +384,11 @@ class Filter:
             filter_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
             learned = None
         view["caches"] = bool(expected if learned is None else learned)
-        end = previous_prompt_end(messages)
-        if end is None:
-            return view
-        tail = messages[end:]
-        tail_tokens = sum(self._counter.count_each(tail, model_id))
-        view["untrimmed"] = calibrated_tokens(max(0, untrimmed - TOKENS_PER_REPLY - tail_tokens), factor)
-        sent = choice.messages
-        if choice.reused and len(sent) >= len(tail) and _same_messages(sent[len(sent) - len(tail):], tail):
-            view["trimmed"] = calibrated_tokens(max(0, choice.tokens_after - TOKENS_PER_REPLY - tail_tokens), factor)
-        else:
-            system = [m for m in sent[: next((i for i, m in enumerate(sent) if m.get("role") != "system"), len(sent))]]
-            view["trimmed"] = calibrated_tokens(sum(self._counter.count_each(system, model_id)), factor)
+        untrimmed_prefix, sent_prefix = cached_prefixes(
+            messages, choice.messages, untrimmed, choice.tokens_after, choice.reused,
+            lambda part: self._counter.count_each(part, model_id))
+        view["untrimmed"] = calibrated_tokens(untrimmed_prefix, factor)
+        view["trimmed"] = calibrated_tokens(sent_prefix, factor)
         return view
 
     async def _choose(

@@ -11,12 +11,13 @@ Pure: the filter passes the numbers in and carries the result to the outlet in `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from .conversation import Message
 from .pricing import ModelPrice
+from .tokens import TOKENS_PER_REPLY
 from .usage import Usage
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "carried_savings",
     "calibrated_tokens",
     "previous_prompt_end",
+    "cached_prefixes",
     "price_caches",
     "predicted_cache",
     "reply_savings",
@@ -212,3 +214,30 @@ def previous_prompt_end(messages: Sequence[Message]) -> int | None:
     if latest is None:
         return None
     return next((i for i in range(latest - 1, -1, -1) if messages[i].get("role") == "assistant"), None)
+
+
+def cached_prefixes(
+    messages: Sequence[Message], sent: Sequence[Message], untrimmed_tokens: int, sent_tokens: int, reused: bool,
+    count_each: Callable[[Sequence[Message]], list[int]],
+) -> tuple[int, int]:
+    """(untrimmed, sent) prefix tokens, our counts, that the previous turn's prompt shares with
+    each prompt: the untrimmed chat's previous prompt (all but the newest reply and turn); for the
+    sent prompt the same when the previous selection was reused (the newest reply and turn are
+    its end), else only its leading system messages. Prompts count their reply priming; prefixes do not.
+
+    Args:
+        messages: the untrimmed chat; sent: what was (or would be) sent.
+        untrimmed_tokens, sent_tokens: their prompt tokens (`count_messages`).
+        reused: the trim kept the previous turn's selection (`TrimResult.reused`).
+        count_each: the token counter's `count_each` for the model.
+    """
+    end = previous_prompt_end(messages)
+    if end is None:
+        return 0, 0
+    tail = messages[end:]
+    tail_tokens = sum(count_each(tail))
+    untrimmed = max(0, untrimmed_tokens - TOKENS_PER_REPLY - tail_tokens)
+    if reused and len(sent) >= len(tail) and all(a is b for a, b in zip(sent[len(sent) - len(tail):], tail)):
+        return untrimmed, max(0, sent_tokens - TOKENS_PER_REPLY - tail_tokens)
+    leading = next((i for i, m in enumerate(sent) if m.get("role") != "system"), len(sent))
+    return untrimmed, sum(count_each(sent[:leading]))
