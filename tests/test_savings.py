@@ -212,3 +212,35 @@ async def test_negative_savings_reach_the_ledger(store, unique):
     await record_reply(store, **common, tokens_saved=18_000, cost_saved_usd=D("0.0054"))
     [row] = ledger_totals([e for e in await read_ledger(store, since=day, until=day) if e.user == common["user"]], "user")
     assert row.usd("cost_saved_picousd") == D("-0.01335") and row.counters["trimmed"] == 2
+
+
+def test_cached_prefixes_of_a_reused_selection_stop_before_the_newest_reply(counter):
+    from contextwarden.savings import cached_prefixes
+
+    def each(part):
+        return counter.count_each(part, "gpt-4o")
+
+    system = {"role": "system", "content": "S " * 50}
+    old = [{"role": "user", "content": "q0 " * 400}, {"role": "assistant", "content": "a0 " * 400}]
+    reply, question = {"role": "assistant", "content": "a1 " * 30}, {"role": "user", "content": "q2?"}
+    chat = [system, *old, {"role": "user", "content": "q1"}, reply, question]
+    total = counter.count_messages(chat, "gpt-4o")
+    previous = counter.count_messages(chat[:4], "gpt-4o") - 3  # the previous prompt: up to q1
+    assert cached_prefixes(chat, chat, total, total, True, each) == (previous, previous)
+    # a per-turn block between the reply and the question is not part of the cached prefix
+    recall = {"role": "user", "content": "[recalled] q0"}
+    sent = [*chat[:5], recall, question]
+    assert cached_prefixes(chat, sent, total, counter.count_messages(sent, "gpt-4o"), True, each)[1] == previous
+    # a new selection: only the system prompt repeats
+    assert cached_prefixes(chat, [system, question], total, 0, False, each)[1] == counter.count_messages([system], "gpt-4o") - 3
+    assert cached_prefixes([system, question], [system, question], 10, 10, True, each) == (0, 0)  # a first turn
+
+
+def test_shadow_line_says_when_trimming_would_cost_more():
+    from contextwarden.flags import Flags
+    from contextwarden.status import TurnChoice, shadow_status_line
+
+    choice = TurnChoice([{}] * 38, 142, 26_000, 8_000, 8_000, "exact")
+    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("-0.01875")), True).endswith(
+        "26,000 → 8,000 tokens (+~$0.019: untrimmed cheaper, prompt cache)")
+    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("0.0054")), True).endswith("(−~$0.0054)")

@@ -222,8 +222,9 @@ def cached_prefixes(
 ) -> tuple[int, int]:
     """(untrimmed, sent) prefix tokens, our counts, that the previous turn's prompt shares with
     each prompt: the untrimmed chat's previous prompt (all but the newest reply and turn); for the
-    sent prompt the same when the previous selection was reused (the newest reply and turn are
-    its end), else only its leading system messages. Prompts count their reply priming; prefixes do not.
+    sent prompt, when the previous selection was reused, what it sends before the newest reply
+    (wherever that is: a per-turn block before the question is not counted), else only its
+    leading system messages. Prompts count their reply priming; prefixes do not.
 
     Args:
         messages: the untrimmed chat; sent: what was (or would be) sent.
@@ -237,7 +238,9 @@ def cached_prefixes(
     tail = messages[end:]
     tail_tokens = sum(count_each(tail))
     untrimmed = max(0, untrimmed_tokens - TOKENS_PER_REPLY - tail_tokens)
-    if reused and len(sent) >= len(tail) and all(a is b for a, b in zip(sent[len(sent) - len(tail):], tail)):
-        return untrimmed, max(0, sent_tokens - TOKENS_PER_REPLY - tail_tokens)
+    reply = messages[end]
+    at = next((k for k in range(len(sent) - 1, -1, -1) if sent[k] is reply), None) if reused else None
+    if at is not None:
+        return untrimmed, max(0, sent_tokens - TOKENS_PER_REPLY - sum(count_each(sent[at:])))
     leading = next((i for i, m in enumerate(sent) if m.get("role") != "system"), len(sent))
     return untrimmed, sum(count_each(sent[:leading]))
