@@ -197,3 +197,36 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
                        {**reply, "usage": {"prompt_tokens": 9_000, "completion_tokens": 20}}]},
                        __user__={"id": "u1"}, __metadata__={})
     assert (await load_cache_stats(f._store, "openai/gpt-4.1")).caches() is False
+
+
+async def test_a_connection_prefix_is_removed_before_deciding(counter):
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False,
+                    connection_prefixes="openrouter")
+    prefixed = "openrouter." + SONNET
+    _, out = await two_passes(f, long_chat(30), model=prefixed, info={**OPENROUTER_SONNET, "id": prefixed}, chat_id="c6")
+    assert marked_positions(out["messages"])
+
+
+async def test_savings_follow_what_the_model_was_learned_to_do(counter):
+    """The same trimmed reply: priced with the untrimmed chat's previous prompt cached while
+    gpt-4.1 is expected to cache; priced uncached once three replies over the minimum had none."""
+    from decimal import Decimal
+
+    from contextwarden.cache_stats import CacheStats, save_cache_stats
+    model = "openai/gpt-4.1"  # $2.00/M input, $0.50/M cached
+
+    async def saved(f) -> Decimal:
+        note = {"mode": "enforce", "tokens_saved": 18_000,
+                "cache": {"untrimmed": 25_000, "trimmed": 0, "caches": True, "minimum": 1_024}}
+        reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": 8_000, "completion_tokens": 20}}
+        events = Events()
+        await f.outlet({"model": model, "messages": [{"role": "user", "content": "q"}, reply]}, __user__={"id": "u1"},
+                       __metadata__={"contextwarden": note}, __event_emitter__=events)
+        return events.statuses[-1]
+
+    f = make_filter(counter, openrouter_pricing=False)
+    # untrimmed: 1,000 × $2/M + 25,000 × $0.5/M = $0.0145; sent: 8,000 × $2/M = $0.016 → −$0.0015
+    assert (await saved(f)).endswith(" · untrimmed ~$0.0015 cheaper (prompt cache)")
+    f = make_filter(counter, openrouter_pricing=False)
+    await save_cache_stats(f._store, model, CacheStats(3, 0))
+    assert (await saved(f)).endswith(" · saved ~$0.036 vs untrimmed")  # 18,000 × $2/M
