@@ -48,6 +48,7 @@ MODULES = [
     "summarize",
     "usage",
     "savings",
+    "cache_hints",
     "status",
     "ledger",
     "limits",
@@ -55,6 +56,7 @@ MODULES = [
     "adminview",
     "usergroups",
     "calibration",
+    "cache_stats",
     "valves",
     "filter",
 ]

@@ -15,7 +15,7 @@ import pytest
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.ledger import ledger_totals, read_ledger
 from contextwarden.pricing import PriceBook
-from contextwarden.savings import estimate_savings
+from contextwarden.savings import PromptCache, estimate_savings
 
 from chats import frozen
 from test_filter import Events, body_of, make_filter, usage_records
@@ -24,6 +24,24 @@ from test_trim import chat_of
 
 MODEL = "gpt-4o"
 GPT4O_INPUT = Decimal("0.0000025")  # bundled price of openai/gpt-4o input, $2.50 / M
+GPT4O_CACHED = Decimal("0.00000125")  # and its cache-read price, $1.25 / M
+
+
+def previous_prompt(chat: list[dict], total: int) -> int:
+    """Tokens of the untrimmed chat's previous prompt (all but the last reply and the question,
+    less the reply priming): the cached prefix savings assume for the untrimmed chat."""
+    return total - 3 - counter_of().count_messages(chat[-2:], MODEL) + 3
+
+
+def counter_of():
+    from contextwarden.tokens import TokenCounter
+    return TokenCounter(block=True)
+
+
+def cached_savings(full: int, sent: int, prefix: int, sent_cached: int = 0) -> Decimal:
+    """Hand arithmetic: the untrimmed prompt with `prefix` at the cache-read price, minus the sent
+    one with `sent_cached` at it (gpt-4o caches automatically from 1,024 tokens)."""
+    return ((full - prefix) * GPT4O_INPUT + prefix * GPT4O_CACHED) - ((sent - sent_cached) * GPT4O_INPUT + sent_cached * GPT4O_CACHED)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -65,7 +83,12 @@ async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have
     assert note["mode"] == "shadow" and note["dropped"] == 0
     assert note["estimated_prompt_tokens"] == full  # what really went out: the whole chat
     assert note["tokens_saved"] == full - sent > 0
-    assert Decimal(note["cost_saved_usd"]) == (full - sent) * GPT4O_INPUT  # gpt-4o input, no tiers
+    prefix = previous_prompt(chat, full)
+    assert prefix >= 1_024  # cacheable: the untrimmed chat's previous prompt is priced as cached
+    # the would-be trim is a new selection: only its system prompt repeats, below the 1,024 minimum
+    assert Decimal(note["cost_saved_usd"]) == cached_savings(full, sent, prefix)
+    system = counter.count_messages(chat[:1], MODEL) - 3
+    assert note["cache"] == {"untrimmed": prefix, "trimmed": system, "caches": True, "minimum": 1_024}
     line = f"Shadow: would send {len(trimmed['messages'])} of {len(chat)} messages · {full:,} → {sent:,} tokens"
     assert events.statuses and all(s.startswith(line + " (−~$") for s in events.statuses)
     assert all(e["data"]["done"] is True for e in events.items)
@@ -97,7 +120,7 @@ async def test_enforce_savings_survive_the_request_pass_on_the_trimmed_body(coun
     note = body["metadata"]["contextwarden"]
     full, sent = counter.count_messages(chat, MODEL), counter.count_messages(out["messages"], MODEL)
     assert note["mode"] == "enforce" and note["tokens_saved"] == full - sent > 0  # not reset by the pass that had nothing to cut
-    assert Decimal(note["cost_saved_usd"]) == (full - sent) * GPT4O_INPUT
+    assert Decimal(note["cost_saved_usd"]) == cached_savings(full, sent, previous_prompt(chat, full))
 
 
 @pytest.mark.parametrize("mode", ["enforce", "shadow"])
@@ -110,11 +133,21 @@ async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves
     for turn in range(2):
         chat = chat_of(20 + turn)
         body = body_of(chat, user_id=user, chat_id=f"c-{unique}")
-        await inlet_then_request(f, body, user, Events())
+        sent = counter.count_messages((await inlet_then_request(f, body, user, Events()))["messages"], MODEL)
         note = body["metadata"]["contextwarden"]
         saved_tokens += note["tokens_saved"]
-        saved_usd += Decimal(note["cost_saved_usd"])
-        out = {"model": MODEL, "messages": chat + [reply_with_usage(900)], "chat_id": f"c-{unique}"}
+        # After the reply the side that went out is priced as reported (1,000 prompt tokens, 400
+        # cached); the other as assumed: the untrimmed chat's previous prompt cached, the would-be
+        # trim a new selection (nothing cached).
+        prompt, cached = (sent, 400) if mode == "enforce" else (sent + note["tokens_saved"], 400)
+        if mode == "enforce":
+            full = prompt + note["tokens_saved"]
+            saved_usd += cached_savings(full, prompt, note["cache"]["untrimmed"], sent_cached=cached)
+        else:
+            saved_usd += cached_savings(prompt, prompt - note["tokens_saved"], cached)
+        reply = reply_with_usage(prompt)
+        reply["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        out = {"model": MODEL, "messages": chat + [reply], "chat_id": f"c-{unique}"}
         await f.outlet(out, __user__={"id": user}, __metadata__=body["metadata"])
     records = usage_records(caplog)
     assert [r["mode"] for r in records] == [mode, mode]
@@ -137,8 +170,13 @@ async def test_calibrated_savings_use_the_factor(counter, unique):
     body = body_of(chat, chat_id=f"c-{unique}")
     out = await inlet_then_request(f, body, "u1", Events())
     full, sent = counter.count_messages(chat, MODEL), counter.count_messages(out["messages"], MODEL)
-    expected = estimate_savings(full, sent, factor=1.25, price=PriceBook.from_bundled().prices["openai/gpt-4o"])
     note = body["metadata"]["contextwarden"]
+    # 1.25 × each count, the untrimmed chat's previous prompt (also × 1.25) at the cache-read price
+    prefix = round(previous_prompt(chat, full) * 1.25)
+    assert note["cache"]["untrimmed"] == prefix
+    expected = estimate_savings(full, sent, factor=1.25, price=PriceBook.from_bundled().prices["openai/gpt-4o"],
+                                cache_before=PromptCache(prefix))
+    assert expected.cost_saved_usd == cached_savings(round(full * 1.25), round(sent * 1.25), prefix)
     assert note["tokens_saved"] == expected.tokens_saved and note["tokens_saved"] != full - sent
     assert Decimal(note["cost_saved_usd"]) == expected.cost_saved_usd
 

@@ -17,6 +17,9 @@ from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
 from .conversation import message_text
 from .errors import ConfigError
 from .explain import Explanation, explain_trim
+from .pricing import PriceBook, resolve_model
+from .savings import SAVINGS_ASSUMPTION
+from .status import savings_status
 from .ledger import LedgerEntry, ledger_totals, read_ledger
 from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .report import render_csv, render_html, render_json, render_table
@@ -138,10 +141,11 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
+        price = resolve_model(model, PriceBook.from_bundled()).price if model else None
         explanation = explain_trim(
             messages, result, model=model, token_counter=counter, **options,
             window=args.max_tokens if (args.reserve or args.calibration) else None,
-            reserve=args.reserve or None, calibration=args.calibration,
+            reserve=args.reserve or None, calibration=args.calibration, price=price,
         )
     if args.json:
         document = {
@@ -168,6 +172,9 @@ def _cmd_trim(args: argparse.Namespace) -> int:
               f"{result.tokens_after:,} tokens ({result.count_mode} counts)")
         for note in result.notes:
             print(f"note: {note}")
+        if explanation.savings is not None and explanation.savings.cost_saved_usd is not None:
+            print(savings_status(explanation.savings, False).removeprefix(" · ") + f" (bundled {model} prices)")
+            print(f"note: {SAVINGS_ASSUMPTION}")
     else:
         _print_table(messages, result, counter, model)
     return 0

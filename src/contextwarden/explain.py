@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from .cache_hints import min_cacheable_tokens
 from .conversation import Conversation, Message, read_conversation
+from .pricing import ModelPrice
+from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .relevance import score_messages
 from .selection import Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -67,10 +70,18 @@ class Explanation:
     budget: BudgetParts
     reused: bool
     notes: tuple[str, ...]
+    savings: Savings | None = None  # with a price: the input cost difference, cache-aware (SAVINGS_ASSUMPTION)
 
     def as_dict(self) -> dict[str, object]:
-        return {"budget": self.budget.as_dict(), "reused_previous_decision": self.reused, "notes": list(self.notes),
-                "messages": [m.as_dict() for m in self.messages]}
+        out: dict[str, object] = {"budget": self.budget.as_dict(), "reused_previous_decision": self.reused,
+                                  "notes": list(self.notes), "messages": [m.as_dict() for m in self.messages]}
+        if self.savings is not None:
+            saved = self.savings.cost_saved_usd
+            out["savings"] = {"tokens_saved": self.savings.tokens_saved, "cached_before": self.savings.cached_before,
+                              "cached_after": self.savings.cached_after,
+                              "cost_saved_usd": None if saved is None else format(saved.normalize(), "f"),
+                              "assumption": SAVINGS_ASSUMPTION}
+        return out
 
 
 def _turn_of(conversation: Conversation) -> dict[int, int]:
@@ -98,6 +109,7 @@ def explain_trim(
     window: int | None = None,
     reserve: int | None = None,
     calibration: float | None = None,
+    price: ModelPrice | None = None,
 ) -> Explanation:
     """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
 
@@ -106,6 +118,8 @@ def explain_trim(
             low_watermark, growth_turns: as given to `trim_messages`.
         summarized: dropped indices a summary note stands for (shown as "summarized").
         window, reserve, calibration: how the budget was derived, when it was, to show it.
+        price: the model's price, to show what the trim saved (cache-aware, see `SAVINGS_ASSUMPTION`;
+            a Claude model is taken to get the filter's breakpoints).
 
     Example:
         >>> result = trim_messages(chat, max_tokens=1200, model="gpt-4o")  # doctest: +SKIP
@@ -179,4 +193,18 @@ def explain_trim(
         history_target=available if result.reused or not trimmed else target,
         history_sent=sent_history, window=window, reserve=reserve, calibration=calibration,
     )
-    return Explanation(tuple(rows), parts, result.reused, result.notes)
+    savings = _savings(messages, result, model, token_counter, price) if price is not None else None
+    return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
+
+
+def _savings(messages: Sequence[Message], result: TrimResult, model: str | None, counter: TokenCounter,
+             price: ModelPrice) -> Savings:
+    """What the trim saved at `price`, the untrimmed and the sent prompt each with the prefix the
+    previous turn's prompt shares with it priced as cached (as the filter estimates it)."""
+    before, after = result.tokens_before, result.tokens_after
+    untrimmed, sent = cached_prefixes(messages, result.messages, before, after, result.reused,
+                                      lambda part: counter.count_each(part, model))
+    minimum, caches = min_cacheable_tokens(model or ""), price_caches(price)
+    return estimate_savings(before, after, price=price,
+                            cache_before=predicted_cache(before, untrimmed, price, caches=caches, minimum=minimum),
+                            cache_after=predicted_cache(after, sent, price, caches=caches, minimum=minimum))

@@ -21,6 +21,11 @@ from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
+from .cache_hints import (
+    breakpoint_positions, breakpoint_provider, has_cache_markers, min_cacheable_tokens, needs_breakpoints, place_breakpoints,
+    remove_breakpoints,
+)
+from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
 from .calibration import (
     Calibration,
     calibrated_budget,
@@ -40,13 +45,15 @@ from .limits import BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_l
 from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
-from .savings import Savings, carried_savings, estimate_savings
+from .savings import (
+    Savings, cached_prefixes, calibrated_tokens, carried_savings, estimate_savings, predicted_cache, price_caches, reply_savings,
+)
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
 from .tokens import TokenCounter
 from .trim import TrimDecision, TrimResult, trim_messages
-from .usage import Usage, compute_cost, read_cost, read_count, read_usage, with_counts
+from .usage import Usage, compute_cost, read_count, read_usage, with_counts
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
@@ -196,12 +203,6 @@ def _usd_text(amount: Decimal | None) -> str | None:
     return format(amount.normalize(), "f")
 
 
-def _usd_decimal(text: object) -> Decimal | None:
-    """A USD amount an earlier hook wrote as text (None when absent, unreadable or implausible:
-    the outlet's metadata can come from the client)."""
-    return read_cost(text) if isinstance(text, str) else None
-
-
 def _log_value(value: object) -> object:
     """An id or note for a usage line: text clipped to MAX_LOG_TEXT, numbers only when small."""
     if isinstance(value, str):
@@ -209,6 +210,19 @@ def _log_value(value: object) -> object:
     if isinstance(value, (int, float)) and abs(value) < 10**18:
         return value
     return None if value is None else type(value).__name__
+
+
+def _sent_id(model_id: str, resolution: Resolution) -> str:
+    """The model id the connection receives: without the Open WebUI connection prefix the price
+    resolution removed (`openrouter.anthropic/claude-sonnet-4.5` -> `anthropic/claude-sonnet-4.5`)."""
+    prefix = resolution.prefix
+    return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
+
+
+def _cache_view_ok(view: object) -> bool:
+    """True for a cache view an earlier pass of this turn noted (see `Filter._cache_view`)."""
+    return isinstance(view, dict) and isinstance(view.get("caches"), bool) and all(
+        type(view.get(k)) is int and view[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
 
 
 def _decision(text: str | None) -> TrimDecision | None:
@@ -300,7 +314,7 @@ class Filter:
     ) -> Any:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
         try:
-            trimmed = await self._trim(body, user, metadata, model, emit, request)
+            trimmed = await self._trim(body, user, metadata, model, emit, request, hook)
         except Exception as exc:
             return await self._failed(hook, exc, body, emit)
         return self._ask_stream_usage(trimmed, user, model)
@@ -313,6 +327,7 @@ class Filter:
         model: dict | None,
         emit: Emitter | None,
         request: Any = None,
+        hook: str = "request",
     ) -> Any:
         """One pass over a request: the budget (valves, model window, calibration), the flags and
         the chat's state in; the body to send, the turn's note for outlet and a status line out."""
@@ -332,8 +347,11 @@ class Filter:
         budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
-        off = heavy(body["messages"])
-        read = await compute(off, read_flags, body["messages"], allowed=settings.allowed_flags)
+        incoming = body["messages"]
+        if isinstance(note.get("cache_marked"), dict):  # an earlier pass's breakpoints off: trim what it saw
+            incoming = remove_breakpoints(incoming, note["cache_marked"])
+        off = heavy(incoming)
+        read = await compute(off, read_flags, incoming, allowed=settings.allowed_flags)
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
@@ -353,9 +371,18 @@ class Filter:
             await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
         removed += max(0, choice.tokens_before - choice.tokens_after)
+        factor = calibration.effect
+        hints = settings.prompt_cache_hints == "auto" and not shadow and breakpoint_provider(
+            _sent_id(model_id, resolution), resolution.model_id, model) is not None
+        cache = note.get("cache") if _cache_view_ok(note.get("cache")) else None
+        if cache is None:  # a later pass of this turn keeps the first pass's view: that pass saw the whole chat
+            cache = await self._cache_view(read.messages, choice, choice.tokens_after + removed, resolution, model_id, factor, hints)
         savings = estimate_savings(
-            choice.tokens_after + removed, choice.tokens_after,
-            factor=calibration.effect, price=resolution.price,
+            choice.tokens_after + removed, choice.tokens_after, factor=factor, price=resolution.price,
+            cache_before=predicted_cache(calibrated_tokens(choice.tokens_after + removed, factor), cache["untrimmed"],
+                                         resolution.price, caches=cache["caches"], minimum=cache["minimum"]),
+            cache_after=predicted_cache(calibrated_tokens(choice.tokens_after, factor), cache["trimmed"],
+                                        resolution.price, caches=cache["caches"], minimum=cache["minimum"]),
         )
         if isinstance(metadata, dict):
             sent, sent_messages = choice.tokens_after, choice.messages
@@ -366,8 +393,9 @@ class Filter:
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
                 dropped=0 if shadow else choice.dropped, reused=choice.reused, decided=key is not None,
-                calibration=calibration.effect, comparable=comparable_turn(sent_messages, body), savings={"removed": removed, "messages_before": messages_before},
-                tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd),
+                calibration=calibration.effect, comparable=comparable_turn(sent_messages, body),
+                savings={"removed": removed, "messages_before": messages_before},
+                tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd), cache=cache,
             )
             if flags.used or flags.refused:
                 note["flags"] = flags.to_dict()
@@ -375,9 +403,55 @@ class Filter:
         if settings.show_status:
             line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(choice, flags)
             await self._emit(emit, line + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""))
-        if shadow or _same_messages(choice.messages, body["messages"]):
+        if shadow:
             return body
-        return {**body, "messages": choice.messages}
+        out = choice.messages
+        if hook == "request" and hints:
+            out = self._with_breakpoints(out, choice, cache["minimum"], model_id, note)
+        if _same_messages(out, body["messages"]):
+            return body
+        return {**body, "messages": out}
+
+    def _with_breakpoints(self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str, note: dict) -> list[Message]:
+        """`messages` with prompt-cache breakpoints on the stable prefix, unless some are there already
+        (another filter's, or the caller's): never a second set. What was marked is noted, so a
+        later pass of this turn takes them off before it trims."""
+        note.pop("cache_marked", None)
+        if has_cache_markers(messages):
+            return messages
+        carried = len(messages) if choice.carried is None else choice.carried
+        positions = breakpoint_positions(messages, self._counter.count_each(messages, model_id), carried, minimum)
+        if not positions:
+            return messages
+        marked, undo = place_breakpoints(messages, positions)
+        note["cache_marked"] = undo
+        return marked
+
+    async def _cache_view(
+        self, messages: list[Message], choice: TurnChoice, untrimmed: int, resolution: Resolution, model_id: str,
+        factor: float, hints: bool,
+    ) -> dict[str, Any]:
+        """What the provider's cache would serve (provider tokens): the untrimmed chat's previous
+        prompt (`untrimmed`), the sent prompt's reused prefix (`trimmed`: all but the newest reply
+        and turn when the previous selection was reused, else its system prompt); whether the model
+        caches at all (learned from replies, else expected from its price and breakpoints)."""
+        minimum = min_cacheable_tokens(resolution.model_id or model_id)
+        view: dict[str, Any] = {"untrimmed": 0, "trimmed": 0, "caches": False, "minimum": minimum}
+        if untrimmed <= choice.tokens_after or not price_caches(resolution.price):
+            return view  # nothing removed (savings are 0 whatever is cached), or a model without a cache price
+        expected = hints or not needs_breakpoints(resolution.model_id or model_id)
+        try:
+            learned = (await load_cache_stats(self._store, resolution.model_id or model_id)).caches()
+        except Exception as exc:  # stats are an estimate's input: go on with the expectation
+            filter_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
+            learned = None
+        view["caches"] = bool(expected if learned is None else learned)
+        untrimmed_prefix, sent_prefix = cached_prefixes(
+            messages, choice.messages, untrimmed, choice.tokens_after, choice.reused,
+            lambda part: self._counter.count_each(part, model_id))
+        view["untrimmed"] = calibrated_tokens(untrimmed_prefix, factor)
+        view["trimmed"] = calibrated_tokens(sent_prefix, factor)
+        return view
 
     async def _choose(
         self,
@@ -615,7 +689,8 @@ class Filter:
         mode = note.get("mode") if note.get("mode") in MODES else settings.mode
         tokens_saved = note.get("tokens_saved") if mode != "off" else None
         tokens_saved = read_count(tokens_saved) if isinstance(tokens_saved, int) else None
-        cost_saved = _usd_decimal(note.get("cost_saved_usd")) if tokens_saved is not None else None
+        savings = await self._reply_savings(billed, note, str(mode), tokens_saved, resolution, model_id)
+        cost_saved = savings.cost_saved_usd if savings is not None else None
         record = {
             "model": _log_value(model_id),
             "resolved_model": _log_value(resolution.model_id),
@@ -654,11 +729,47 @@ class Filter:
                 await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
+        if not estimated:
+            try:
+                await self._learn_caching(resolution.model_id or model_id, billed)
+            except Exception as exc:
+                filter_log.debug("contextwarden: cache stats not updated (%s)", type(exc).__name__)
         if reply.get("role") == "assistant":
             await compute(off, self._counter.count_message, reply, model_id)  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
-            await self._emit(emit, " · ".join(filter(None, (usage_status(billed, estimated, cost, settings.show_cost), spent))))
+            await self._emit(emit, " · ".join(filter(None, (
+                usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow"), spent))))
+
+    async def _reply_savings(
+        self, billed: Usage, note: dict, mode: str, tokens_saved: int | None, resolution: Resolution, model_id: str
+    ) -> Savings | None:
+        """This reply's savings, cache-aware now that the backend said what its cache served (None
+        in `off` mode). The model caches when this reply was served from cache, else as learned
+        from earlier replies, else as the request hook expected from its price and breakpoints."""
+        if tokens_saved is None:
+            return None
+        model_key = resolution.model_id or model_id
+        view = note.get("cache") if isinstance(note.get("cache"), dict) else {}
+        caches = bool(billed.cached_tokens)
+        if not caches and tokens_saved > 0:
+            try:
+                learned = (await load_cache_stats(self._store, model_key)).caches()
+            except Exception as exc:
+                filter_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
+                learned = None
+            caches = view.get("caches") is True if learned is None else learned
+        prefix = view.get("trimmed" if mode == "shadow" else "untrimmed")
+        prefix = prefix if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0 else 0
+        return reply_savings(billed, shadow=mode == "shadow", tokens_saved=tokens_saved, other_prefix=prefix,
+                             price=resolution.price, caches=caches, minimum=min_cacheable_tokens(model_key))
+
+    async def _learn_caching(self, model_key: str, billed: Usage) -> None:
+        """Count this reply in the model's cache stats (prompts over the minimum, and cache hits)."""
+        stats = await load_cache_stats(self._store, model_key)
+        updated = update_cache_stats(stats, billed.prompt_tokens, billed.cached_tokens, min_cacheable_tokens(model_key))
+        if updated is not None:
+            await save_cache_stats(self._store, model_key, updated)
 
     def _billed_usage(
         self, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str

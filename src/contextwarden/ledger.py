@@ -61,6 +61,8 @@ LEDGER_FIELDS = (
 # Counters holding picodollars, shown as USD under the name without `_picousd`.
 LEDGER_MONEY_FIELDS = ("cost_picousd", "cost_saved_picousd", "shadow_cost_saved_picousd")
 
+# Savings may be negative (the untrimmed chat would have cost less, prompt cache counted).
+SIGNED_MONEY_FIELDS = frozenset({"cost_saved_picousd", "shadow_cost_saved_picousd"})
 # The most one reply may add to a field: a token count's bound, or for money the increment bound.
 _FIELD_LIMITS = {name: int(MAX_INCREMENT_USD) * PICODOLLARS_PER_USD for name in LEDGER_MONEY_FIELDS}
 
@@ -216,9 +218,12 @@ async def record_reply(
         prefix = "shadow_" if shadow else ""
         fields[prefix + "trimmed"] = 1
         fields[prefix + "tokens_saved"] = tokens_saved
-        fields[prefix + "cost_saved_picousd"] = usd_to_picodollars(cost_saved_usd) if cost_saved_usd else 0
+        saved = cost_saved_usd or Decimal(0)  # negative when the untrimmed chat was cheaper (prompt cache)
+        fields[prefix + "cost_saved_picousd"] = -usd_to_picodollars(-saved) if saved.is_finite() and saved < 0 else usd_to_picodollars(saved)
     for name, amount in fields.items():  # checked before anything is written
-        if not isinstance(amount, int) or isinstance(amount, bool) or not 0 <= amount <= _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT):
+        limit = _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT)
+        low = -limit if name in SIGNED_MONEY_FIELDS else 0
+        if not isinstance(amount, int) or isinstance(amount, bool) or not low <= amount <= limit:
             raise ValueError(f"ledger field {name} out of range")
     await store.incr(key, fields, ttl=max(1, retention_days) * 86_400, once=f"ledger:{uuid.uuid4().hex}")
     return key

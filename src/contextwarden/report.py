@@ -18,6 +18,7 @@ from decimal import ROUND_CEILING, Decimal
 
 from .adminview import cost_cell
 from .ledger import LEDGER_FIELDS, LEDGER_MONEY_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
+from .savings import SAVINGS_ASSUMPTION
 
 __all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS", "TABLE_COLUMNS", "TABLE_WIDTH"]
 
@@ -116,7 +117,7 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
     if total.counters["estimated"]:
         lines.append(f"{total.counters['estimated']:,} replies were estimated (the backend sent no usage)")
     if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
-        lines.append("~ savings are estimates: removed tokens at the model's input price, as if uncached")
+        lines.append(f"~ {SAVINGS_ASSUMPTION}")
     return "\n".join(lines)
 
 
@@ -320,7 +321,9 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
         "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
         "add tokens but no cost (≥: some replies unpriced; unknown: none priced). Open WebUI's own background "
-        "calls (titles, tags, follow-ups, compaction summaries) pass no filter and are not here. Savings (~) are estimates: the tokens trimming removed, corrected by the "
-        "model's calibration, at its input price as if uncached; shadow mode's are what it would have saved "
+        "calls (titles, tags, follow-ups, compaction summaries) pass no filter and are not here. Savings (~) are "
+        "estimates: the untrimmed prompt's input cost minus the sent one's, tokens corrected by the model's "
+        f"calibration, with the provider's prompt cache priced in ({html.escape(SAVINGS_ASSUMPTION)}; negative "
+        "when the untrimmed chat would have been cheaper); shadow mode's are what it would have saved "
         "(those chats were sent whole).</p></body></html>\n"
     )

@@ -11,10 +11,11 @@ from .conversation import Message
 from .flags import Flags
 from .savings import Savings
 from .selection import TrimDecision
+from .cache_hints import carried_prefix
 from .trim import TrimResult
 from .usage import Cost, Usage
 
-__all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status"]
+__all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status", "savings_status"]
 
 
 # Beyond these a status line shows the amount in scientific notation, never a million digits.
@@ -50,8 +51,9 @@ def _count_text(count: object, mark: str = "") -> str:
     return f"{mark}{count:,}"
 
 
-def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> str:
-    """`1,234 in (980 cached) · 456 out · $0.0031`; `~` marks estimates; no $ when unknown."""
+def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False) -> str:
+    """`1,234 in (980 cached) · 456 out · $0.0031 · saved ~$0.0054 vs untrimmed`; `~` marks
+    estimates; no $ when unknown; the savings part as `savings_status` words it."""
     mark = "~" if estimated else ""
 
     line = f"{_count_text(usage.prompt_tokens, mark)} in"
@@ -60,7 +62,26 @@ def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool) -> 
     line += f" · {_count_text(usage.completion_tokens, mark)} out"
     if show_cost and cost.cost_usd is not None:
         line += f" · {mark}${format_usd(cost.cost_usd)}"
+    if show_cost and savings is not None:
+        line += savings_status(savings, shadow)
     return line
+
+
+def savings_status(savings: Savings, shadow: bool) -> str:
+    """` · saved ~$0.0054 vs untrimmed` (shadow: `would save`), or, when the untrimmed chat
+    would have cost less (its prompt cache outweighs what the trim removed),
+    ` · untrimmed ~$0.019 cheaper (prompt cache)`; "" when nothing was trimmed or the price is unknown.
+
+    Example:
+        >>> savings_status(Savings(26_000, 8_000, Decimal("-0.01875")), False)
+        ' · untrimmed ~$0.019 cheaper (prompt cache)'
+    """
+    amount = savings.cost_saved_usd
+    if amount is None or amount == 0 or savings.tokens_saved <= 0:
+        return ""
+    if amount > 0:
+        return f" · {'would save' if shadow else 'saved'} ~${format_usd(amount)} vs untrimmed"
+    return f" · untrimmed ~${format_usd(-amount)} cheaper (prompt cache)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +101,7 @@ class TurnChoice:
     summarized: bool = False
     full: bool = False
     reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
+    carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
 
     @classmethod
     def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
@@ -97,6 +119,7 @@ class TurnChoice:
             shortened=len(result.shortened),
             over_budget=result.over_budget,
             reused=result.reused,
+            carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
         )
 
 
@@ -144,7 +167,8 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
         line = f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
         if show_cost and savings.cost_saved_usd:
-            line += f" (−~${format_usd(savings.cost_saved_usd)})"
+            amount = savings.cost_saved_usd
+            line += f" (−~${format_usd(amount)})" if amount > 0 else f" (+~${format_usd(-amount)}: untrimmed cheaper, prompt cache)"
     else:
         line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
     return line + _status_extras(choice, flags)

@@ -43,6 +43,7 @@ MODES: tuple[Mode, ...] = ("enforce", "shadow", "off")
 # and would-be savings are still recorded, and the admin is told which valve is wrong.
 FALLBACK_MODE: Mode = "shadow"
 LIMIT_STORE_FAILURES = ("fail-open", "fail-closed")
+CACHE_HINTS = ("auto", "off")
 
 
 class Valves(BaseModel):
@@ -142,6 +143,11 @@ class Valves(BaseModel):
         default=DEFAULT_ALLOWED_FLAGS,
         description=f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full bypasses the budget and is off by default. Empty = none.",
     )
+    prompt_cache_hints: str = Field(
+        default="auto",
+        description="auto = mark the stable start of each prompt with cache_control breakpoints for models that cache only what is marked (Claude through OpenRouter), so repeated prefixes are billed at the cache-read price; off = never add them.",
+        json_schema_extra={"enum": list(CACHE_HINTS)},
+    )
     summary_enabled: bool = Field(
         default=False, description="Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
     )
@@ -229,6 +235,7 @@ class Settings:
     limit_store_failure: str = "fail-open"
     show_spend: bool = True
     spend_for_all: bool = False
+    prompt_cache_hints: str = "auto"
 
     def window_budget(self, model_context: int | None) -> int:
         """The window (valve, else the model's, else the default) less the reserve: no budget,
@@ -368,6 +375,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         problems.append(ConfigError(f"embed_max_texts must be 1 to {MAX_EMBED_TEXTS:,}; using {DEFAULT_EMBED_TEXTS}", valve="embed_max_texts"))
         embed_texts = DEFAULT_EMBED_TEXTS
     mode = _one_of(take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)")
+    cache_hints = _one_of(take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems)
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -399,6 +407,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         limit_store_failure=_one_of(take(valves, "limit_store_failure", "fail-open"), "limit_store_failure", LIMIT_STORE_FAILURES, "fail-open", problems),
         show_spend=show_spend,
         spend_for_all=take(valves, "show_spend", False),
+        prompt_cache_hints=cache_hints,
     )
     return settings, problems
 

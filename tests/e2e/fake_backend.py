@@ -40,6 +40,8 @@ __all__ = [
 DEFAULT_MODELS: list[dict[str, Any]] = [
     {"id": "gpt-4o", "object": "model", "created": 1715367049, "owned_by": "system"},
     {"id": "openai/gpt-4o-mini", "object": "model", "created": 1721172741, "owned_by": "openai"},
+    # An OpenRouter-style entry (no owned_by): the Claude id the filter marks with cache breakpoints.
+    {"id": "anthropic/claude-sonnet-4.5", "object": "model", "created": 1759161676, "context_length": 1000000},
     {
         "id": "small-ctx-model",
         "object": "model",
