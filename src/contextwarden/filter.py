@@ -59,6 +59,9 @@ METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
+# What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
+# is one), fails open. Cancellation and shutdown are not errors of the filter's.
+NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
 UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
 
 
@@ -257,9 +260,9 @@ class Filter:
         adds RAG, memory and tools (older versions only have this hook)."""
         try:
             await self._before_turn(body, __user__, __metadata__, __event_emitter__)
-        except TurnRefused:
-            raise  # on purpose: Open WebUI shows its text to the user
-        except Exception as exc:
+        except (TurnRefused, *NEVER_SWALLOWED):
+            raise  # on purpose: Open WebUI shows a refusal's text to the user
+        except BaseException as exc:
             filter_log.warning("contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc))
         return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
@@ -286,7 +289,9 @@ class Filter:
         """Log what the reply really used: one `usage {json}` line, and a status line."""
         try:
             await self._record(body, __user__, __metadata__, __model__, __event_emitter__)
-        except Exception as exc:
+        except NEVER_SWALLOWED:
+            raise
+        except BaseException as exc:
             return await self._failed("outlet", exc, body, __event_emitter__)
         finally:  # after the reply is recorded: a turn racing this one sees its cost
             self._release_hold(__user__, __metadata__)
@@ -301,7 +306,9 @@ class Filter:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
         try:
             trimmed = await self._trim(body, user, metadata, model, emit, request)
-        except Exception as exc:
+        except NEVER_SWALLOWED:
+            raise
+        except BaseException as exc:
             return await self._failed(hook, exc, body, emit)
         return self._ask_stream_usage(trimmed, user, model)
 
