@@ -336,6 +336,8 @@ class Filter:
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
+        if (problem := settings.reserve_problem(window)) is not None:
+            await self._report(problem, emit)
         budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
