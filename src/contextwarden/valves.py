@@ -20,7 +20,7 @@ from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_o
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
-from .summarize import SummaryConfig
+from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .selection import STRATEGIES, Strategy
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
@@ -463,8 +463,8 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     timeout = take(valves, "summary_timeout_seconds", DEFAULT_SUMMARY_TIMEOUT_SECONDS)
     max_tokens = take(valves, "summary_max_tokens", DEFAULT_SUMMARY_MAX_TOKENS)
     found: list[ConfigError] = []
-    if not base_url.startswith(("http://", "https://")):
-        found.append(ConfigError("summary_base_url must start with http:// or https://; summaries are off", valve="summary_base_url"))
+    if (url_problem := endpoint_problem(base_url)) is not None:
+        found.append(ConfigError(f"summary_base_url {url_problem}; summaries are off", valve="summary_base_url"))
     if not model:
         found.append(ConfigError("summary_model is empty; summaries are off", valve="summary_model"))
     if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
@@ -472,8 +472,10 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     low, high = SUMMARY_MAX_TOKENS_RANGE
     if not low <= max_tokens <= high:
         found.append(ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens"))
+    api_key = take(valves, "summary_api_key", "").strip()
+    if (bad_key := key_problem(api_key)) is not None:
+        found.append(ConfigError(f"summary_api_key {bad_key}; summaries are off", valve="summary_api_key"))
     problems.extend(found)
     if found:
         return None
-    api_key = take(valves, "summary_api_key", "")
     return SummaryConfig(base_url=base_url, model=model, api_key=api_key, timeout=timeout, max_tokens=max_tokens, ttl=ttl)
