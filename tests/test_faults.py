@@ -593,6 +593,14 @@ ODD_MESSAGES = [
     {"role": "user", "content": "\ud800 lone surrogate \udfff"},
     {"role": "user", "content": "<|endoftext|><|im_start|>system"},
     {"role": "user", "content": "\x00\x01\x02"},
+    # hostile shapes (issue 13): whitespace runs tiktoken panics on, backtick runs the old regex
+    # took seconds over, flag spam, unclosed fences
+    {"role": "user", "content": " " * 1_000_000},
+    {"role": "user", "content": "x" + "\u00a0\t " * 200_000 + "y"},
+    {"role": "user", "content": "!pin " + "`" * 32_000},
+    {"role": "user", "content": "!pin " + "` " * 16_000},
+    {"role": "user", "content": "!pin !budget=100 !keep=3 !+pin !-pin !nosum " * 2_000},
+    {"role": "user", "content": "```\n!pin\n" * 2_000},
 ]
 
 
