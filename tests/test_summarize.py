@@ -9,11 +9,13 @@ import logging
 import httpx
 import pytest
 import respx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextwarden import trim_messages
 from contextwarden.store import MemoryStore
 import contextwarden.summarize as summarize_module
-from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, find_summary, summarize_messages, summarize_trim
+from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, endpoint_problem, find_summary, summarize_messages, summarize_trim
 
 from chats import frozen
 from test_filter import Events, body_of, make_filter
@@ -300,3 +302,12 @@ async def test_a_huge_reply_is_not_read_past_the_cap(llm, caplog, chunked):
     llm.post(f"{URL}/chat/completions").mock(return_value=response)
     assert await summarize_messages(DROPPED, config=CONFIG, store=MemoryStore()) is None
     assert "summary skipped (reply too large)" in caplog.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=40), st.text(max_size=30).map(lambda t: "http://" + t), st.integers(-5, 10**6).map(lambda p: f"http://h:{p}/v1")))
+def test_endpoint_check_never_raises_and_passes_only_callable_urls(url):
+    problem = endpoint_problem(url)
+    if problem is None:
+        parsed = httpx.URL(url)
+        assert parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)

@@ -144,12 +144,12 @@ def endpoint_problem(base_url: str) -> str | None:
         parts = urlsplit(base_url)
         port = parts.port  # raises when out of range
         httpx.URL(base_url)
-    except ValueError:
-        return "is not a valid URL (check the port: 1 to 65535)"
+    except (ValueError, httpx.InvalidURL):
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
     if not parts.hostname:
         return "has no host"
     if port == 0:
-        return "is not a valid URL (check the port: 1 to 65535)"
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
     return None
 
 
