@@ -254,12 +254,25 @@ def test_backtick_runs_cost_linear_work(unit):
         assert flags.pin and content == body.strip()
 
 
-def test_flags_are_read_in_the_first_scanned_characters_only():
-    head = "x " * (MAX_FLAG_SCAN_CHARS // 2)
-    assert read_one("!pin " + head)[1].pin
-    assert read_one(head + "!pin")[1] == Flags()  # past the window: ordinary text, left as written
-    assert read_one(head[:-1] + "!pin")[1] == Flags()  # straddling the window's edge: not a flag either
-    assert _python_lines(read_one, "!pin " + "` " * 500_000) < 3 * _python_lines(read_one, "!pin " + "` " * MAX_FLAG_SCAN_CHARS)
+def test_flags_are_read_in_texts_up_to_the_limit_only():
+    head = "x " * ((MAX_FLAG_SCAN_CHARS - 5) // 2)
+    assert read_one("!pin " + head)[1].pin and len("!pin " + head) <= MAX_FLAG_SCAN_CHARS
+    long = "!pin " + head + "xx"
+    assert read_one(long) == (long, Flags())  # over the limit: sent as written, like any text
+    assert _python_lines(read_one, "!pin " + "` " * 500_000) < 100
+
+
+def test_a_second_read_finds_nothing_more():
+    # Flags past a scan window came into reach once earlier ones were removed: request (which
+    # reads what inlet sent) removed more than inlet, and pins were looked up by another text.
+    text = "!pin " * 4_000 + "tail " * 4_000 + "!nosum"
+    assert len(text) > MAX_FLAG_SCAN_CHARS > len(text) - 4_000 * 5
+    once = read_flags([user(text)], allowed=ALL).messages
+    assert read_flags(once, allowed=ALL).messages[0] is once[0]
+    assert pin_fingerprint(once[0]) == pin_fingerprint(user(text))
+    short = "!pin " * 1_000 + "tail !nosum"
+    once = read_flags([user(short)], allowed=ALL).messages
+    assert once[0]["content"] == "tail" and read_flags(once, allowed=ALL).messages[0] is once[0]
 
 
 def test_older_messages_are_scanned_once_per_text():

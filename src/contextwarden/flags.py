@@ -4,8 +4,8 @@ A flag is a word of its own (whitespace or the text's edge on both sides) outsid
 `!full`, `!budget=N`, `!keep=N`, `!pin`, `!nosum`, `!+pin`, `!-pin` (case-insensitive).
 Only the latest user message's flags act; allowed flags are removed from every user message
 (as copies) so the model never sees them. Anything else that looks like a flag (`!budget=abc`,
-`!pinned`, `a!b`, a flag in a code span, a flag past a message's first `MAX_FLAG_SCAN_CHARS`)
-is ordinary text and stays as it was. Code spans are found in linear time (hostile backtick
+`!pinned`, `a!b`, a flag in a code span, any flag in a text over `MAX_FLAG_SCAN_CHARS`) is
+ordinary text and stays as it was. Code spans are found in linear time (hostile backtick
 runs cost no more than text); older messages' results are memoised. No I/O.
 """
 
@@ -42,7 +42,10 @@ _FLAG_TOKEN = re.compile(r"(?<!\S)!(\+pin|-pin|full|pin|nosum|budget=\d{1,9}|kee
 # a code span that closes at the next run of exactly N (CommonMark); unmatched runs are text.
 _FENCE_LINE = re.compile(r"^[ \t]*(`{3,}|~{3,})", re.MULTILINE)
 _BACKTICK_RUN = re.compile(r"`+")
-MAX_FLAG_SCAN_CHARS = 16_384  # flags are read in a message's first 16k characters; later ones are text
+# Flags are read in texts up to this long; a longer text is sent as written. All or nothing, so
+# removing flags never brings unread text into reach: a second read (request after inlet) and a
+# pin fingerprint see what the first read saw.
+MAX_FLAG_SCAN_CHARS = 32_768
 CODE_MEMO_SIZE = 4_096  # texts whose flags-outside-code are remembered: older messages come back every turn
 _outside_code_memo: dict[tuple[int, int], tuple[int, ...]] = {}
 # What every flag contains: a text without it has no flag, whatever its code spans (a literal
@@ -207,19 +210,22 @@ def _may_hold_flags(text: str) -> bool:
     return "!" in text and _FLAG_START.search(text) is not None and _FLAG_HINT.search(text) is not None
 
 
+def _readable(text: str) -> bool:
+    """Whether flags in `text` are read: not too long, and some `!` followed by a flag name."""
+    return len(text) <= MAX_FLAG_SCAN_CHARS and _may_hold_flags(text)
+
+
 def _flag_matches(text: str) -> Iterable[re.Match[str]]:
-    """Well-formed flags outside code in the first `MAX_FLAG_SCAN_CHARS` of `text`, in order."""
-    window = text[:MAX_FLAG_SCAN_CHARS]
-    if not _may_hold_flags(window):
+    """Well-formed flags outside code, in order (none in a text over `MAX_FLAG_SCAN_CHARS`)."""
+    if not _readable(text):
         return []
-    cut = len(window) < len(text) and not text[len(window)].isspace()  # a word goes on past the window
-    matches = [m for m in _FLAG_TOKEN.finditer(window) if not (cut and m.end() == len(window))]
-    if not matches or ("`" not in window and "~~~" not in window):
+    matches = list(_FLAG_TOKEN.finditer(text))
+    if not matches or ("`" not in text and "~~~" not in text):
         return matches
-    key = (len(window), hash(window))
+    key = (len(text), hash(text))
     starts = _outside_code_memo.get(key)
     if starts is None:
-        starts = _outside_code(window, [m.start() for m in matches])
+        starts = _outside_code(text, [m.start() for m in matches])
         if len(_outside_code_memo) >= CODE_MEMO_SIZE:
             _outside_code_memo.clear()
         _outside_code_memo[key] = starts
@@ -345,7 +351,7 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         if message.get("role") != "user" or (index != latest and not allowed):
             continue  # with no flag allowed, nothing is removed: only the latest is read (to say so)
         content = message.get("content")
-        if type(content) is str and not _may_hold_flags(content[:MAX_FLAG_SCAN_CHARS]):
+        if type(content) is str and not _readable(content):
             continue  # most messages: no flag can be in them
         out[index], used, refused = _strip_message(message, allowed)
         if index == latest:
