@@ -290,3 +290,15 @@ def test_with_no_flag_allowed_older_messages_are_not_read():
     read = read_flags(chat, allowed=frozenset())
     assert read.messages == chat and all(a is b for a, b in zip(read.messages, chat))
     assert read.flags.refused == ("!pin",)
+
+
+def test_removing_a_flag_never_exposes_one_that_was_code():
+    # Found by the property suite: "!PIN ```" is not a fence line, but it is once the flag is
+    # removed, and the last !PIN (inside the following fence) then stood outside code: a second
+    # read (request after inlet) removed it and the pin fingerprint changed with stripping.
+    text = "```\n```\n!PIN ```\n```\n!PIN"
+    read = read_flags([user(text)], allowed=ALL)
+    assert read.messages[0]["content"] == text and read.flags == Flags()
+    assert read_flags(read.messages, allowed=ALL).messages[0] is read.messages[0]
+    assert pin_fingerprint(user(text)) == pin_fingerprint(read.messages[0])
+    assert read_one("!pin\n```\ncode\n```") == ("```\ncode\n```", Flags(pin=True, used=("!pin",)))

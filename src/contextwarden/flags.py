@@ -283,7 +283,10 @@ def _strip(text: str, allowed: Collection[str]) -> tuple[str, list[str], list[st
     if not used:
         return text, used, refused
     out.append(text[position:])
-    return "".join(out).strip(), used, refused
+    stripped = "".join(out).strip()
+    if any(_valid(m.group(1)) and _flag_name(m.group(1)) in allowed for m in _flag_matches(stripped)):
+        return text, [], refused  # removing them made code text (`!pin ``` `) into flags: leave it all as written
+    return stripped, used, refused
 
 
 def _strip_message(message: Message, allowed: Collection[str]) -> tuple[Message, list[str], list[str]]:
