@@ -101,3 +101,13 @@ def redis_url(redis_server: tuple[str, bool]) -> Iterator[str]:
 def unique() -> str:
     """A fresh id for chat ids, user ids and key names."""
     return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_summary_backoff() -> Iterator[None]:
+    """Summary endpoint back-off is process-wide: each test starts with none."""
+    from contextwarden import summarize
+
+    summarize._backoff.clear()
+    yield
+    summarize._backoff.clear()

@@ -154,6 +154,52 @@ async def test_an_encoding_that_breaks_while_counting_fails_open(monkeypatch, ca
     assert "secret message text" not in caplog.text
 
 
+class Panic(BaseException):
+    """Like pyo3's PanicException (tiktoken's, on ~1M spaces): a BaseException, not an Exception."""
+
+
+@pytest.mark.parametrize("hook", ["inlet", "request", "outlet"])
+async def test_a_base_exception_inside_a_hook_fails_open(monkeypatch, caplog, hook):
+    class Panicking:
+        def encode_ordinary(self, text):
+            raise Panic("secret message text")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Panicking())
+    f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
+    f._counter = TokenCounter(block=True)
+    body = {"model": MODEL, "messages": chat_of(10) + ([{"role": "assistant", "content": "ok"}] if hook == "outlet" else [])}
+    events = Events()
+    assert await getattr(f, hook)(body, __user__={"id": "u"}, __metadata__={}, __event_emitter__=events) is body
+    assert any("skipped" in s for s in events.statuses) and "secret message text" not in caplog.text
+    assert warnings_about(caplog, "Panic at")
+
+
+@pytest.mark.parametrize("stop", [asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit])
+async def test_cancellation_and_shutdown_are_not_swallowed(monkeypatch, stop):
+    f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
+
+    async def stopped(*args, **kwargs):
+        raise stop()
+
+    monkeypatch.setattr(f, "_trim", stopped)
+    monkeypatch.setattr(f, "_record", stopped)
+    for hook in (f.inlet, f.request, f.outlet):
+        with pytest.raises(stop):
+            await hook({"model": MODEL, "messages": chat_of(2)}, __user__={"id": "u"})
+
+
+@pytest.mark.parametrize("run", ["spaces", "tabs", "nbsp"])
+async def test_a_million_spaces_in_a_message_trim_and_count(counter, run):
+    # Before: tiktoken panicked, the panic escaped the hook, Open WebUI answered HTTP 500.
+    text = {"spaces": " ", "tabs": "\t", "nbsp": "\u00a0"}[run] * 1_000_000
+    f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=200)
+    chat = chat_of(6)
+    chat = chat[:3] + [{"role": "user", "content": "look: " + text + " end"}] + chat[3:]
+    run_ = await run_turn(f, chat)
+    assert not any("skipped" in s for s in run_.events.statuses), run_.events.statuses
+    assert_valid_turn(run_, 1_800, counter)
+
+
 # -- Redis ---------------------------------------------------------------------------------------
 
 
@@ -547,6 +593,14 @@ ODD_MESSAGES = [
     {"role": "user", "content": "\ud800 lone surrogate \udfff"},
     {"role": "user", "content": "<|endoftext|><|im_start|>system"},
     {"role": "user", "content": "\x00\x01\x02"},
+    # hostile shapes (issue 13): whitespace runs tiktoken panics on, backtick runs the old regex
+    # took seconds over, flag spam, unclosed fences
+    {"role": "user", "content": " " * 1_000_000},
+    {"role": "user", "content": "x" + "\u00a0\t " * 200_000 + "y"},
+    {"role": "user", "content": "!pin " + "`" * 32_000},
+    {"role": "user", "content": "!pin " + "` " * 16_000},
+    {"role": "user", "content": "!pin !budget=100 !keep=3 !+pin !-pin !nosum " * 2_000},
+    {"role": "user", "content": "```\n!pin\n" * 2_000},
 ]
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, Flags, parse_flag_names, pin_fingerprint, read_flags
+from contextwarden.flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_SCAN_CHARS, Flags, code_spans, parse_flag_names, pin_fingerprint, read_flags
 from contextwarden.valves import Valves, read_settings
 
 from chats import frozen
@@ -149,7 +153,8 @@ def test_parse_flag_names():
 def test_allowlist_valve_reports_unknown_names():
     settings, problems = read_settings(Valves(allowed_user_flags="pin, shout"))
     assert settings.allowed_flags == frozenset({"pin"})
-    assert [p.valve for p in problems] == ["allowed_user_flags"] and "shout" in str(problems[0])
+    assert [p.valve for p in problems] == ["allowed_user_flags"] and "1 unknown flag name" in str(problems[0])
+    assert "shout" not in str(problems[0])  # a valve's value is never echoed into status lines
     assert read_settings(Valves())[0].allowed_flags == DEFAULT
 
 
@@ -184,3 +189,116 @@ def test_chat_state_bytes_and_keys():
     key = chat_state_key("u1", "c1")
     assert key != chat_state_key("u2", "c1") and key != chat_state_key("u1", "c2")
     assert "u1" not in key and "c1" not in key
+
+
+# -- hostile shapes (issue 13, item 2) ---------------------------------------------------------
+
+def _commonmark_inline(text: str) -> list[tuple[int, int]]:
+    """The CommonMark pairing written the obvious (quadratic) way: each run looks ahead for
+    the next run of its length; an unpaired run is text and the search goes on after it."""
+    runs, i = [], 0
+    while i < len(text):
+        if text[i] == "`":
+            j = i
+            while j < len(text) and text[j] == "`":
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    spans, k = [], 0
+    while k < len(runs):
+        partner = next((m for m in range(k + 1, len(runs)) if runs[m][1] - runs[m][0] == runs[k][1] - runs[k][0]), None)
+        if partner is None:
+            k += 1
+        else:
+            spans.append((runs[k][0], runs[partner][1]))
+            k = partner + 1
+    return spans
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="`` a!", max_size=60))
+def test_inline_code_spans_pair_backtick_runs_of_equal_length(text):
+    assert code_spans(text) == _commonmark_inline(text)
+
+
+def _python_lines(fn, *args, **kwargs) -> int:
+    """How many lines of Python `fn(*args)` runs: a deterministic measure of work."""
+    steps = 0
+
+    def tracer(frame, event, arg):
+        nonlocal steps
+        if event == "line":
+            steps += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args, **kwargs)
+    finally:
+        sys.settrace(None)
+    return steps
+
+
+@pytest.mark.parametrize("unit", ["`", "` ", "``x`", "```\n"])
+def test_backtick_runs_cost_linear_work(unit):
+    # `!pin` then N backticks cost 1.6 s at 8k and 22 s at 32k (a backtracking regex): now the
+    # work grows with the text (4x the text, at most ~4x the steps), and the flag still acts.
+    small, large = "!pin " + unit * (2_000 // len(unit)), "!pin " + unit * (8_000 // len(unit))
+    ratio = _python_lines(code_spans, large) / max(1, _python_lines(code_spans, small))
+    assert ratio <= 4.5, ratio
+    for n in (8_000, 32_000):
+        body = unit * (n // len(unit))
+        content, flags = read_one("!pin " + body)
+        assert flags.pin and content == body.strip()
+
+
+def test_flags_are_read_in_texts_up_to_the_limit_only():
+    head = "x " * ((MAX_FLAG_SCAN_CHARS - 5) // 2)
+    assert read_one("!pin " + head)[1].pin and len("!pin " + head) <= MAX_FLAG_SCAN_CHARS
+    long = "!pin " + head + "xx"
+    assert read_one(long) == (long, Flags())  # over the limit: sent as written, like any text
+    assert _python_lines(read_one, "!pin " + "` " * 500_000) < 100
+
+
+def test_a_second_read_finds_nothing_more():
+    # Flags past a scan window came into reach once earlier ones were removed: request (which
+    # reads what inlet sent) removed more than inlet, and pins were looked up by another text.
+    text = "!pin " * 4_000 + "tail " * 4_000 + "!nosum"
+    assert len(text) > MAX_FLAG_SCAN_CHARS > len(text) - 4_000 * 5
+    once = read_flags([user(text)], allowed=ALL).messages
+    assert read_flags(once, allowed=ALL).messages[0] is once[0]
+    assert pin_fingerprint(once[0]) == pin_fingerprint(user(text))
+    short = "!pin " * 1_000 + "tail !nosum"
+    once = read_flags([user(short)], allowed=ALL).messages
+    assert once[0]["content"] == "tail" and read_flags(once, allowed=ALL).messages[0] is once[0]
+
+
+def test_older_messages_are_scanned_once_per_text():
+    # Older user messages come back on every turn: the code spans of each are found once.
+    chat = [user("!pin " + "` " * 5_000 + str(i)) for i in range(20)] + [user("now")]
+    first = _python_lines(read_flags, chat, allowed=ALL)
+    again = _python_lines(read_flags, [dict(m) for m in chat], allowed=ALL)
+    assert again * 5 < first
+    assert all(m["content"] == c["content"][5:] for m, c in zip(read_flags(chat, allowed=ALL).messages, chat[:-1]))
+
+
+def test_with_no_flag_allowed_older_messages_are_not_read():
+    chat = [user("!pin " + "` " * 5_001 + str(i)) for i in range(20)] + [user("!pin now")]
+    assert _python_lines(read_flags, chat, allowed=frozenset()) < 1_000  # first: before any memo
+    read = read_flags(chat, allowed=frozenset())
+    assert read.messages == chat and all(a is b for a, b in zip(read.messages, chat))
+    assert read.flags.refused == ("!pin",)
+
+
+def test_removing_a_flag_never_exposes_one_that_was_code():
+    # Found by the property suite: "!PIN ```" is not a fence line, but it is once the flag is
+    # removed, and the last !PIN (inside the following fence) then stood outside code: a second
+    # read (request after inlet) removed it and the pin fingerprint changed with stripping.
+    text = "```\n```\n!PIN ```\n```\n!PIN"
+    read = read_flags([user(text)], allowed=ALL)
+    assert read.messages[0]["content"] == text and read.flags == Flags()
+    assert read_flags(read.messages, allowed=ALL).messages[0] is read.messages[0]
+    assert pin_fingerprint(user(text)) == pin_fingerprint(read.messages[0])
+    assert read_one("!pin\n```\ncode\n```") == ("```\ncode\n```", Flags(pin=True, used=("!pin",)))

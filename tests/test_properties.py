@@ -29,6 +29,7 @@ from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.ledger import read_ledger, usd_to_picodollars
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
 from contextwarden.conversation import read_conversation
+from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
 from contextwarden.trim import SHORTENED_MARK
@@ -45,6 +46,8 @@ FRAGMENTS = (
     "budget", "context", "the", "tool", "reply", "Paris", "2024", "3.14159", "ünïcode", "日本語の文章",
     "émoji 🙂🚀", "<|endoftext|>", "<|im_start|>", "<|fim_prefix|>", "def f(x): return {x: []}", "\n\n",
     "    ", "\t", "ﷺ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "a" * 40, "0" * 30, "\u200b", "\u0000", "\ud800",
+) + (  # hostile shapes (issue 13): whitespace runs (repeated into long ones), backtick runs, flag spam
+    " " * 64, "\t" * 16, "\u00a0" * 16, "`" * 64, "``", "` `", "```\n", "!pin", "!budget=100 !keep=2", "!+pin !-pin",
 )
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
@@ -275,6 +278,7 @@ def check_trim(chat: list[dict], budget: int, model: str, counter: TokenCounter)
 
 
 @given(chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+@example(chat=[{"role": "user", "content": "a" + " " * 1_000_000 + "b"}, {"role": "user", "content": "\u00a0" * 1_000_000}], budget=500, model="gpt-4o")
 def test_contract_holds_for_any_chat_and_budget(counter, chat, budget, model):
     check_trim(chat, budget, model, counter)
 
@@ -429,3 +433,19 @@ def report_over_budget():
     yield
     if OVER_BUDGET:
         print("\nover_budget tally:", dict(OVER_BUDGET))
+
+
+@given(texts=st.lists(st.one_of(short_text, sized_text()), min_size=1, max_size=6), allowed=st.sets(st.sampled_from(FLAG_NAMES)))
+def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
+    """Any text (hostile fragments included): flags are read without error or mutation, nothing
+    but flag text is removed, and a message's pin fingerprint is the same stripped or not."""
+    chat = [{"role": "user", "content": t} for t in texts]
+    before = frozen(chat)
+    read = read_flags(chat, allowed=allowed)
+    assert frozen(chat) == before
+    for original, sent in zip(chat, read.messages):
+        assert pin_fingerprint(original) == pin_fingerprint(sent)
+        if sent is not original:
+            assert len(sent["content"]) < len(original["content"])
+        if not allowed:
+            assert sent is original

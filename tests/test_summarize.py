@@ -9,10 +9,13 @@ import logging
 import httpx
 import pytest
 import respx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextwarden import trim_messages
 from contextwarden.store import MemoryStore
-from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, find_summary, summarize_messages, summarize_trim
+import contextwarden.summarize as summarize_module
+from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, endpoint_problem, find_summary, summarize_messages, summarize_trim
 
 from chats import frozen
 from test_filter import Events, body_of, make_filter
@@ -219,3 +222,92 @@ async def test_summary_valves_are_checked(counter):
     schema = f.Valves.model_json_schema()["properties"]
     assert schema["summary_api_key"]["input"] == {"type": "password"}
     assert f.Valves().summary_enabled is False
+
+
+# -- careless admins, dead endpoints, huge replies (issue 13) ------------------------------------
+
+@pytest.mark.parametrize(("valve", "value", "kind"), [
+    ("summary_api_key", "sk-test\u200b0123", "HTTP header cannot carry"),  # a zero-width space pasted along
+    ("summary_api_key", "sk-tést-0123", "HTTP header cannot carry"),
+    ("summary_api_key", "sk-test 0123", "HTTP header cannot carry"),
+    ("summary_base_url", "http://llm.test:99999/v1", "port"),
+    ("summary_base_url", "http://llm.test:0/v1", "port"),
+    ("summary_base_url", "http://:8080/v1", "no host"),
+    ("summary_base_url", "http://llm.test:80x/v1", "port"),
+    ("summary_base_url", "http://llm test/v1", "space"),
+])
+async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_without_a_summary(llm, counter, caplog, valve, value, kind):
+    # Before: every trimmed turn went out untrimmed with "internal error" (UnicodeEncodeError
+    # from the header, InvalidURL from the port).
+    route = llm.route(host="llm.test").mock(return_value=completion())  # any call to the summary host
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **{**SUMMARY_VALVES, valve: value})
+    events = Events()
+    chat = chat_of(20)
+    out = await f.inlet(body_of(chat), __user__={"id": "u1"}, __event_emitter__=events)
+    assert route.call_count == 0, [str(c.request.url) for c in route.calls]
+    assert len(out["messages"]) < len(chat) and counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+    assert find_summary(out["messages"]) == (None, False)
+    [named] = [s for s in events.statuses if valve in s]
+    assert kind in named and "summaries are off" in named and value not in named
+    assert not any("internal error" in s for s in events.statuses)
+    assert value not in caplog.text
+
+
+async def test_a_key_that_cannot_be_sent_fails_like_the_endpoint_not_the_turn(llm, caplog):
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    config = SummaryConfig(base_url=URL, model="mini", api_key="sk-\u200b", timeout=2.0, max_tokens=120)
+    assert await summarize_messages(DROPPED, config=config, store=MemoryStore()) is None
+    assert "summary skipped (UnicodeEncodeError)" in caplog.text
+
+
+async def test_a_dead_endpoint_is_skipped_with_a_growing_pause(llm, caplog, monkeypatch):
+    # Before: every new trim (new dropped content) waited the full timeout for a dead endpoint.
+    now = [1_000.0]
+    monkeypatch.setattr(summarize_module.time, "monotonic", lambda: now[0])
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=httpx.ConnectError("refused"))
+    store = MemoryStore()
+
+    def dropped(i):
+        return [{"role": "user", "content": f"question {i}"}]
+
+    assert await summarize_messages(dropped(1), config=CONFIG, store=store) is None and route.call_count == 1
+    assert await summarize_messages(dropped(2), config=CONFIG, store=store) is None and route.call_count == 1  # skipped
+    first, longest = summarize_module.SUMMARY_BACKOFF_SECONDS
+    now[0] += first + 0.1
+    assert await summarize_messages(dropped(3), config=CONFIG, store=store) is None and route.call_count == 2
+    now[0] += first + 0.1  # the pause doubled: still skipped
+    assert await summarize_messages(dropped(4), config=CONFIG, store=store) is None and route.call_count == 2
+    other = SummaryConfig(base_url="http://other.test/v1", model="mini", timeout=2.0, max_tokens=120)
+    llm.post("http://other.test/v1/chat/completions").mock(return_value=completion())
+    assert await summarize_messages(dropped(4), config=other, store=store) == SUMMARY  # per endpoint
+    for _ in range(12):  # bounded: never longer than the longest pause
+        now[0] += longest + 0.1
+        await summarize_messages(dropped(now[0]), config=CONFIG, store=store)
+    calls = route.call_count
+    assert calls == 2 + 12
+    route.mock(side_effect=None, return_value=completion())
+    now[0] += longest + 0.1
+    assert await summarize_messages(dropped(5), config=CONFIG, store=store) == SUMMARY and route.call_count == calls + 1
+    assert await summarize_messages(dropped(6), config=CONFIG, store=store) == SUMMARY  # success ends the pause
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == calls
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_huge_reply_is_not_read_past_the_cap(llm, caplog, chunked):
+    huge = json.dumps({"choices": [{"message": {"content": "word " * 300_000}}]}).encode()
+    if chunked:  # no content-length: the read itself stops at the cap
+        response = httpx.Response(200, stream=httpx.ByteStream(huge), headers={"transfer-encoding": "chunked"})
+    else:
+        response = httpx.Response(200, content=huge)
+    llm.post(f"{URL}/chat/completions").mock(return_value=response)
+    assert await summarize_messages(DROPPED, config=CONFIG, store=MemoryStore()) is None
+    assert "summary skipped (reply too large)" in caplog.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=40), st.text(max_size=30).map(lambda t: "http://" + t), st.integers(-5, 10**6).map(lambda p: f"http://h:{p}/v1")))
+def test_endpoint_check_never_raises_and_passes_only_callable_urls(url):
+    problem = endpoint_problem(url)
+    if problem is None:
+        parsed = httpx.URL(url)
+        assert parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)

@@ -138,3 +138,54 @@ def test_substitute_encoding_when_only_cl100k_loads(monkeypatch):
     c.wait_ready("gpt-4")
     assert c.mode("gpt-4o") == "substitute"
     assert c.count_text("hello world", "gpt-4o") == 2
+
+
+# -- hostile text (issue 13, item 3) -------------------------------------------------------------
+
+HOSTILE_RUNS = [" " * 1_000_000, "\t" * 1_000_000, "\u00a0" * 1_000_000, "x " + " " * 1_000_000 + "y"]
+
+
+@pytest.mark.parametrize("text", HOSTILE_RUNS, ids=["spaces", "tabs", "nbsp", "inside"])
+def test_a_million_spaces_are_counted_and_cut_without_a_panic(counter, text):
+    # tiktoken's own encode panics (pyo3 PanicException, a BaseException) on a run of ~1M
+    # whitespace characters; the counter encodes bounded pieces instead.
+    with pytest.raises(BaseException) as raised:
+        tiktoken.get_encoding("o200k_base").encode_ordinary(text)
+    assert not isinstance(raised.value, Exception)
+    for model in ("gpt-4o", "gpt-4"):
+        assert 0 < counter.count_text(text, model) <= len(text)
+    head, tail = counter.keep_ends(text, 50, 20, "gpt-4o")
+    assert text.startswith(head) and text.endswith(tail) and head and tail
+
+
+def test_pieces_are_bounded_and_join_to_the_text():
+    for text in HOSTILE_RUNS + [" ".join(WORDS) * 50, "a" * 100_000, "ab " * 40_000]:
+        pieces = tokens_module.encode_pieces(text)
+        assert "".join(pieces) == text
+        assert all(0 < len(p) <= tokens_module.ENCODE_CHUNK_CHARS for p in pieces)
+
+
+@pytest.mark.parametrize("name", ["o200k_base", "cl100k_base"])
+def test_counting_in_pieces_changes_no_count_of_ordinary_text(counter, name):
+    encoding = tiktoken.get_encoding(name)
+    rng = random.Random(13)
+    samples = [
+        " ".join(rng.choice(WORDS) for _ in range(20_000)),  # prose, ~130k characters
+        "\n".join(f"    def f{i}(x):  return x * {i}  # 日本語, don't" for i in range(3_000)),  # code, CJK, contractions
+        " ".join(str(rng.randrange(10**9)) for _ in range(15_000)) + " 🙂 <|endoftext|>",
+    ]
+    for text in samples:
+        assert len(text) > 3 * tokens_module.ENCODE_CHUNK_CHARS
+        assert len(tokens_module._encode(encoding, text)) == len(encoding.encode_ordinary(text))
+        assert tokens_module._encode(encoding, text) == encoding.encode_ordinary(text)
+    short = samples[0][: tokens_module.ENCODE_CHUNK_CHARS]
+    assert tokens_module.encode_pieces(short) == [short]
+
+
+@pytest.mark.parametrize("unit", [" ", "\t", "a", "\u00a0", " \n"])
+def test_counting_hard_cuts_stays_within_a_token_per_cut(counter, unit):
+    encoding = tiktoken.get_encoding("o200k_base")
+    text = unit * 300_000  # below the panic, with no word gap to cut at
+    cuts = len(tokens_module.encode_pieces(text)) - 1
+    assert cuts > 10
+    assert abs(len(tokens_module._encode(encoding, text)) - len(encoding.encode_ordinary(text))) <= cuts

@@ -66,6 +66,9 @@ METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
+# What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
+# is one), fails open. Cancellation and shutdown are not errors of the filter's.
+NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
 UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
 
 
@@ -271,9 +274,9 @@ class Filter:
         adds RAG, memory and tools (older versions only have this hook)."""
         try:
             await self._before_turn(body, __user__, __metadata__, __event_emitter__)
-        except TurnRefused:
-            raise  # on purpose: Open WebUI shows its text to the user
-        except Exception as exc:
+        except (TurnRefused, *NEVER_SWALLOWED):
+            raise  # on purpose: Open WebUI shows a refusal's text to the user
+        except BaseException as exc:
             filter_log.warning("contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc))
         return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
@@ -300,7 +303,9 @@ class Filter:
         """Log what the reply really used: one `usage {json}` line, and a status line."""
         try:
             await self._record(body, __user__, __metadata__, __model__, __event_emitter__)
-        except Exception as exc:
+        except NEVER_SWALLOWED:
+            raise
+        except BaseException as exc:
             return await self._failed("outlet", exc, body, __event_emitter__)
         finally:  # after the reply is recorded: a turn racing this one sees its cost
             self._release_hold(__user__, __metadata__)
@@ -315,7 +320,9 @@ class Filter:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
         try:
             trimmed = await self._trim(body, user, metadata, model, emit, request, hook)
-        except Exception as exc:
+        except NEVER_SWALLOWED:
+            raise
+        except BaseException as exc:
             return await self._failed(hook, exc, body, emit)
         return self._ask_stream_usage(trimmed, user, model)
 
@@ -344,6 +351,8 @@ class Filter:
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
+        if (problem := settings.reserve_problem(window)) is not None:
+            await self._report(problem, emit)
         budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}

@@ -4,7 +4,9 @@ A flag is a word of its own (whitespace or the text's edge on both sides) outsid
 `!full`, `!budget=N`, `!keep=N`, `!pin`, `!nosum`, `!+pin`, `!-pin` (case-insensitive).
 Only the latest user message's flags act; allowed flags are removed from every user message
 (as copies) so the model never sees them. Anything else that looks like a flag (`!budget=abc`,
-`!pinned`, `a!b`, a flag in a code span) is ordinary text and stays as it was. Pure: no I/O.
+`!pinned`, `a!b`, a flag in a code span, any flag in a text over `MAX_FLAG_SCAN_CHARS`) is
+ordinary text and stays as it was. Code spans are found in linear time (hostile backtick
+runs cost no more than text); older messages' results are memoised. No I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import asdict, dataclass
 from .conversation import Message, message_text
 
 __all__ = [
+    "code_spans",
+    "MAX_FLAG_SCAN_CHARS",
     "FLAG_NAMES",
     "DEFAULT_ALLOWED_FLAGS",
     "Flags",
@@ -33,8 +37,17 @@ MAX_FLAG_KEEP = 1_000
 
 # A flag stands alone: nothing but whitespace (or the text's edge) on either side.
 _FLAG_TOKEN = re.compile(r"(?<!\S)!(\+pin|-pin|full|pin|nosum|budget=\d{1,9}|keep=\d{1,4})(?!\S)", re.IGNORECASE)
-# Fenced blocks (to their closing fence, or the end when unclosed), then inline code spans.
-_CODE_SPAN = re.compile(r"^[ \t]*(`{3,}|~{3,})[^\n]*\n[\s\S]*?(?:^[ \t]*\1[ \t]*$|\Z)|(`+)(?!`)[\s\S]*?(?<!`)\2(?!`)", re.MULTILINE)
+# A fence opens a block at a line's start (after spaces or tabs) and closes at a line holding
+# just the same fence; unclosed, it runs to the end. Outside fences, a run of N backticks opens
+# a code span that closes at the next run of exactly N (CommonMark); unmatched runs are text.
+_FENCE_LINE = re.compile(r"^[ \t]*(`{3,}|~{3,})", re.MULTILINE)
+_BACKTICK_RUN = re.compile(r"`+")
+# Flags are read in texts up to this long; a longer text is sent as written. All or nothing, so
+# removing flags never brings unread text into reach: a second read (request after inlet) and a
+# pin fingerprint see what the first read saw.
+MAX_FLAG_SCAN_CHARS = 32_768
+CODE_MEMO_SIZE = 4_096  # texts whose flags-outside-code are remembered: older messages come back every turn
+_outside_code_memo: dict[tuple[int, int], tuple[int, ...]] = {}
 # What every flag contains: a text without it has no flag, whatever its code spans (a literal
 # "!" first lets the regex engine skip to each "!" instead of trying every position).
 _FLAG_HINT = re.compile(r"!(?:[+-]pin|full|pin|nosum|budget=\d|keep=\d)", re.IGNORECASE)
@@ -126,8 +139,70 @@ def parse_flag_names(text: str) -> tuple[frozenset[str], list[str]]:
     return frozenset(allowed), unknown
 
 
-def _code_ranges(text: str) -> list[tuple[int, int]]:
-    return [m.span() for m in _CODE_SPAN.finditer(text)] if "`" in text or "~~~" in text else []
+def _fences(text: str) -> list[tuple[int, int]]:
+    """The fenced blocks of `text` as (start, end) spans, in one pass over its fence lines."""
+    spans: list[tuple[int, int]] = []
+    opener: re.Match[str] | None = None
+    for line in _FENCE_LINE.finditer(text):
+        if opener is None:
+            if text.find("\n", line.end()) >= 0:  # an opener needs a line after it
+                opener = line
+        elif line.group(1) == opener.group(1) and not text[line.end() : _line_end(text, line.end())].strip(" \t"):
+            spans.append((opener.start(), _line_end(text, line.end())))
+            opener = None
+    if opener is not None:
+        spans.append((opener.start(), len(text)))
+    return spans
+
+
+def _line_end(text: str, position: int) -> int:
+    end = text.find("\n", position)
+    return len(text) if end < 0 else end
+
+
+def _inline_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Code spans in text[start:end]: each backtick run paired with the next run of its length.
+
+    Linear: one pass over the runs from the right notes each run's next run of the same
+    length; one pass from the left takes the spans (an unpaired run is ordinary text).
+    """
+    runs = [m.span() for m in _BACKTICK_RUN.finditer(text, start, end)]
+    following: list[int] = [-1] * len(runs)
+    latest: dict[int, int] = {}
+    for index in range(len(runs) - 1, -1, -1):
+        length = runs[index][1] - runs[index][0]
+        following[index] = latest.get(length, -1)
+        latest[length] = index
+    spans: list[tuple[int, int]] = []
+    index = 0
+    while index < len(runs):
+        closer = following[index]
+        if closer < 0:
+            index += 1
+            continue
+        spans.append((runs[index][0], runs[closer][1]))
+        index = closer + 1
+    return spans
+
+
+def code_spans(text: str) -> list[tuple[int, int]]:
+    r"""Where `text` holds code (fenced blocks, then inline spans between them), in order.
+
+    Example:
+        >>> code_spans("a `b` ``c`` ` d\n```\ne\n```")
+        [(2, 5), (6, 11), (16, 25)]
+    """
+    if "`" not in text and "~~~" not in text:
+        return []
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for fence_start, fence_end in (*_fences(text), (len(text), len(text))):
+        if "`" in text[position:fence_start]:
+            spans += _inline_spans(text, position, fence_start)
+        if fence_start < fence_end:
+            spans.append((fence_start, fence_end))
+        position = fence_end
+    return spans
 
 
 def _may_hold_flags(text: str) -> bool:
@@ -135,12 +210,38 @@ def _may_hold_flags(text: str) -> bool:
     return "!" in text and _FLAG_START.search(text) is not None and _FLAG_HINT.search(text) is not None
 
 
+def _readable(text: str) -> bool:
+    """Whether flags in `text` are read: not too long, and some `!` followed by a flag name."""
+    return len(text) <= MAX_FLAG_SCAN_CHARS and _may_hold_flags(text)
+
+
 def _flag_matches(text: str) -> Iterable[re.Match[str]]:
-    """Well-formed flags outside code, in order."""
-    if not _may_hold_flags(text):
+    """Well-formed flags outside code, in order (none in a text over `MAX_FLAG_SCAN_CHARS`)."""
+    if not _readable(text):
         return []
-    code = _code_ranges(text)
-    return [m for m in _FLAG_TOKEN.finditer(text) if not any(a <= m.start() < b for a, b in code)]
+    matches = list(_FLAG_TOKEN.finditer(text))
+    if not matches or ("`" not in text and "~~~" not in text):
+        return matches
+    key = (len(text), hash(text))
+    starts = _outside_code_memo.get(key)
+    if starts is None:
+        starts = _outside_code(text, [m.start() for m in matches])
+        if len(_outside_code_memo) >= CODE_MEMO_SIZE:
+            _outside_code_memo.clear()
+        _outside_code_memo[key] = starts
+    return [m for m in matches if m.start() in starts]
+
+
+def _outside_code(text: str, positions: list[int]) -> tuple[int, ...]:
+    """The ascending `positions` that no code span of `text` covers."""
+    code = code_spans(text)
+    kept, at = [], 0
+    for position in positions:  # both in order: one walk
+        while at < len(code) and code[at][1] <= position:
+            at += 1
+        if at == len(code) or position < code[at][0]:
+            kept.append(position)
+    return tuple(kept)
 
 
 def _flag_name(token: str) -> str:
@@ -182,7 +283,10 @@ def _strip(text: str, allowed: Collection[str]) -> tuple[str, list[str], list[st
     if not used:
         return text, used, refused
     out.append(text[position:])
-    return "".join(out).strip(), used, refused
+    stripped = "".join(out).strip()
+    if any(_valid(m.group(1)) and _flag_name(m.group(1)) in allowed for m in _flag_matches(stripped)):
+        return text, [], refused  # removing them made code text (`!pin ``` `) into flags: leave it all as written
+    return stripped, used, refused
 
 
 def _strip_message(message: Message, allowed: Collection[str]) -> tuple[Message, list[str], list[str]]:
@@ -247,10 +351,10 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
     out = list(messages)
     flags = Flags()
     for index, message in enumerate(messages):
-        if message.get("role") != "user":
-            continue
+        if message.get("role") != "user" or (index != latest and not allowed):
+            continue  # with no flag allowed, nothing is removed: only the latest is read (to say so)
         content = message.get("content")
-        if type(content) is str and not _may_hold_flags(content):
+        if type(content) is str and not _readable(content):
             continue  # most messages: no flag can be in them
         out[index], used, refused = _strip_message(message, allowed)
         if index == latest:

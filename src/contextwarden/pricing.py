@@ -596,11 +596,11 @@ def parse_aliases(text: str) -> dict[str, str]:
         raise ConfigError(f"model_aliases is a JSON {type(parsed).__name__}; {example}",
                           valve="model_aliases")
     aliases: dict[str, str] = {}
-    for key, value in parsed.items():
+    for number, (key, value) in enumerate(parsed.items(), 1):
         if not key.strip():
             raise ConfigError("model_aliases has an empty model id as a key", valve="model_aliases")
-        if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"model_aliases[{key!r}] must be a model id string, not {value!r}",
+        if not isinstance(value, str) or not value.strip():  # named by position: a value is never shown
+            raise ConfigError(f"model_aliases: entry {number} must be a model id string, not {type(value).__name__}",
                               valve="model_aliases")
         aliases[key.strip()] = value.strip()
     return aliases

@@ -123,14 +123,22 @@ class TurnChoice:
         )
 
 
+def _fits(choice: TurnChoice) -> str:
+    """`fits 8,000` for a chat sent whole within its budget; `budget 8,000` when even that is over
+    (the extras then say `still over budget`): never both."""
+    fits = not choice.over_budget and choice.tokens_after <= choice.budget
+    return f"{'fits' if fits else 'budget'} {choice.budget:,}"
+
+
 def status_line(choice: TurnChoice, flags: Flags) -> str:
+    """`Context 142 → 38 messages · 96,210 → 7,950 tokens`, or `(fits N)` when nothing was cut."""
     after = len(choice.messages)
     if choice.full:
         line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
         line = f"Context {choice.count_before:,} → {after:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
     else:
-        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
+        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)
 
 
@@ -141,7 +149,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
-    if choice.over_budget and not choice.full:
+    if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
         line += " · still over budget"
     if choice.count_mode == "estimate":
         line += " · estimated (tokenizer not loaded)"
@@ -170,5 +178,5 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
             amount = savings.cost_saved_usd
             line += f" (−~${format_usd(amount)})" if amount > 0 else f" (+~${format_usd(-amount)}: untrimmed cheaper, prompt cache)"
     else:
-        line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens (fits {choice.budget:,})"
+        line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)

@@ -12,8 +12,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -31,6 +33,8 @@ __all__ = [
     "summary_note",
     "find_summary",
     "insert_summary",
+    "endpoint_problem",
+    "key_problem",
 ]
 
 summarize_log = logging.getLogger("contextwarden")
@@ -40,6 +44,12 @@ DEFAULT_SUMMARY_INPUT_CHARS = 24_000  # what one call may send, newest dropped m
 DEFAULT_SUMMARY_MESSAGE_CHARS = 4_000  # one message's share of it (middle cut)
 SUMMARY_CHARS_PER_TOKEN = 8  # the reply is cut to max_tokens * this many characters at most
 SUMMARY_RETRY_SECONDS = 60  # after a failure, the same content is not tried again this long
+# After an endpoint fails, no trim asks it again for 15 s, doubling with each failure in a row
+# up to 10 minutes (per endpoint, per process): a dead endpoint does not make every new trim
+# wait for the whole timeout.
+SUMMARY_BACKOFF_SECONDS = (15.0, 600.0)
+MAX_BACKOFF_ENDPOINTS = 64
+MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
 SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
 SUMMARY_PROMPT = (
     "Below is the earlier part of a conversation that no longer fits in the model's context. "
@@ -124,6 +134,58 @@ def _cache_key(config: SummaryConfig, transcript: str) -> str:
     return "summary:" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
 
 
+def endpoint_problem(base_url: str) -> str | None:
+    """What is wrong with a summary endpoint URL (None when it can be called); never the URL itself."""
+    if not base_url.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    if any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in base_url):
+        return "holds a space, a control or a non-ASCII character"
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port  # raises when out of range
+        httpx.URL(base_url)
+    except (ValueError, httpx.InvalidURL):
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
+    return None
+
+
+def key_problem(api_key: str) -> str | None:
+    """What is wrong with an API key as an HTTP header value (None when fine); never the key itself."""
+    if all("!" <= ch <= "~" for ch in api_key):
+        return None
+    return "holds a character an HTTP header cannot carry (a space, a zero-width or other non-ASCII or control character)"
+
+
+@dataclass(slots=True)
+class _Backoff:
+    failures: int = 0
+    until: float = 0.0
+
+
+_backoff: dict[str, _Backoff] = {}  # by endpoint, shared by every trim of the process
+
+
+def _backing_off(endpoint: str) -> bool:
+    state = _backoff.get(endpoint)
+    return state is not None and time.monotonic() < state.until
+
+
+def _endpoint_failed(endpoint: str) -> float:
+    """Note a failure of the endpoint; how long it is now skipped (seconds)."""
+    if endpoint not in _backoff and len(_backoff) >= MAX_BACKOFF_ENDPOINTS:
+        _backoff.clear()
+    state = _backoff.setdefault(endpoint, _Backoff())
+    state.failures += 1
+    first, longest = SUMMARY_BACKOFF_SECONDS
+    delay = min(longest, first * 2 ** min(state.failures - 1, 32))
+    state.until = time.monotonic() + delay
+    return delay
+
+
 class _SummaryFailed(Exception):
     """The endpoint answered, but not with a summary (the message names only the kind)."""
 
@@ -139,11 +201,19 @@ async def _ask(config: SummaryConfig, transcript: str) -> str:
         "stream": False,
     }
     async with httpx.AsyncClient(timeout=config.timeout) as client:
-        response = await client.post(config.base_url.rstrip("/") + "/chat/completions", json=payload, headers=headers)
-    if response.status_code != 200:
-        raise _SummaryFailed(f"HTTP {response.status_code}")
+        url = config.base_url.rstrip("/") + "/chat/completions"
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                raise _SummaryFailed(f"HTTP {response.status_code}")
+            if int(response.headers.get("content-length") or 0) > MAX_SUMMARY_REPLY_BYTES:
+                raise _SummaryFailed("reply too large")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_SUMMARY_REPLY_BYTES:
+                    raise _SummaryFailed("reply too large")
     try:
-        text = response.json()["choices"][0]["message"]["content"]
+        text = json.loads(body)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise _SummaryFailed("unreadable reply") from None
     if not isinstance(text, str) or not text.strip():
@@ -173,13 +243,18 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     cached = await store.get(key)
     if cached is not None:
         return cached[len(_CACHED) :].decode() if cached.startswith(_CACHED) else None
+    if _backing_off(config.base_url):
+        summarize_log.debug("contextwarden: summary endpoint failed recently; trimmed without a summary")
+        return None
     try:
         text = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
-    except (httpx.HTTPError, asyncio.TimeoutError, _SummaryFailed) as exc:
+    except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
         reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
+        _endpoint_failed(config.base_url)
         summarize_log.warning("contextwarden: summary skipped (%s); trimmed without one", reason)
         await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
         return None
+    _backoff.pop(config.base_url, None)
     await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
     return text
 

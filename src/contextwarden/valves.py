@@ -19,8 +19,8 @@ from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
-from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, parse_flag_names
-from .summarize import SummaryConfig
+from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
+from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .selection import STRATEGIES, Strategy
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
@@ -35,6 +35,19 @@ DEFAULT_SUMMARY_TIMEOUT_SECONDS = 10.0
 DEFAULT_SUMMARY_MAX_TOKENS = 400
 MAX_SUMMARY_TIMEOUT_SECONDS = 120.0
 SUMMARY_MAX_TOKENS_RANGE = (32, 4_000)
+MAX_WINDOW_TOKENS = 10_000_000  # no model has a window this large; a bigger number is a typo
+# Every integer valve's range, in one place: its Field bounds, its description and the check
+# `read_settings` makes of values that did not come through pydantic all read it.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "priority": (-1_000_000, 1_000_000),
+    "max_context_tokens": (0, MAX_WINDOW_TOKENS),
+    "reserve_output_tokens": (0, 1_000_000),
+    "ledger_retention_days": (1, 3_660),
+    "keep_last_turns": (1, MAX_FLAG_KEEP),
+    "growth_turns": (0, 10),
+    "state_ttl_hours": (1, 8_760),
+    "summary_max_tokens": SUMMARY_MAX_TOKENS_RANGE,
+}
 
 _SECRET = {"input": {"type": "password"}}
 Mode = Literal["enforce", "shadow", "off"]
@@ -46,22 +59,28 @@ LIMIT_STORE_FAILURES = ("fail-open", "fail-closed")
 CACHE_HINTS = ("auto", "off")
 
 
+def _int_field(name: str, default: int, description: str, **extra: Any) -> Any:
+    """A pydantic Field bounded by `INT_RANGES[name]`, its range stated in its description."""
+    low, high = INT_RANGES[name]
+    return Field(default=default, ge=low, le=high, description=f"{description} ({low:,} to {high:,}.)", **extra)
+
+
 class Valves(BaseModel):
     """Admin settings (Admin > Functions > contextwarden > Valves)."""
 
-    priority: int = Field(default=0, description="Filter order: lower runs first. Keep contextwarden after filters that add content.")
+    priority: int = _int_field("priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content.")
     mode: str = Field(
         default="enforce",
         description="enforce = trim chats to the budget; shadow = send chats unchanged but record and show what trimming would have sent and saved; off = no trimming, usage and cost still recorded.",
         json_schema_extra={"enum": list(MODES)},
     )
-    max_context_tokens: int = Field(
-        default=0,
-        ge=0,
-        description=f"Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, else {DEFAULT_CONTEXT_TOKENS:,}.",
+    max_context_tokens: int = _int_field(
+        "max_context_tokens",
+        0,
+        f"Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, else {DEFAULT_CONTEXT_TOKENS:,}.",
     )
-    reserve_output_tokens: int = Field(
-        default=1_024, ge=0, description="Tokens kept free for the reply; the prompt budget is the window minus this."
+    reserve_output_tokens: int = _int_field(
+        "reserve_output_tokens", 1_024, "Tokens kept free for the reply; the prompt budget is the window minus this. Must be below the window."
     )
     redis_url: str = Field(
         default="",
@@ -97,28 +116,27 @@ class Valves(BaseModel):
     calibrate_counts: bool = Field(
         default=True, description="Learn per model how far our token counts are from the provider's and shrink budgets to match."
     )
-    ledger_retention_days: int = Field(
-        default=DEFAULT_LEDGER_RETENTION_DAYS, ge=1, description="How long per user / model / day usage totals are kept (in Redis or in-process)."
+    ledger_retention_days: int = _int_field(
+        "ledger_retention_days", DEFAULT_LEDGER_RETENTION_DAYS, "How long per user / model / day usage totals are kept (in Redis or in-process)."
     )
     strategy: str = Field(
         default="relevance",
         description="What a trim keeps of the older history: relevance = the messages that matter most to the latest question (BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long chat never seen).",
         json_schema_extra={"enum": list(STRATEGIES)},
     )
-    keep_last_turns: int = Field(
-        default=1, ge=1, description="The latest turns always kept, the current one included (users can change it per message with !keep=N)."
+    keep_last_turns: int = _int_field(
+        "keep_last_turns", 1, "The latest turns always kept, the current one included (users can change it per message with !keep=N)."
     )
     low_watermark: float = Field(
         default=DEFAULT_LOW_WATERMARK,
         gt=0,
         le=1,
-        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 fills the budget.",
+        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 fills the budget. (Above 0, at most 1.)",
     )
-    growth_turns: int = Field(
-        default=DEFAULT_GROWTH_TURNS,
-        ge=0,
-        le=10,
-        description="Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one (never more than half the budget), so chats with long turns keep their prefix as long as chats with short ones. 0: the watermark alone.",
+    growth_turns: int = _int_field(
+        "growth_turns",
+        DEFAULT_GROWTH_TURNS,
+        "Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one (never more than half the budget), so chats with long turns keep their prefix as long as chats with short ones. 0: the watermark alone.",
     )
     semantic_relevance: bool = Field(
         default=True,
@@ -136,8 +154,8 @@ class Valves(BaseModel):
         le=MAX_EMBED_TEXTS,
         description=f"Most messages embedded per turn, newest first (1-{MAX_EMBED_TEXTS:,}); a long chat seen for the first time is embedded over a few turns.",
     )
-    state_ttl_hours: int = Field(
-        default=DEFAULT_STATE_TTL_HOURS, ge=1, description="How long a chat's remembered trim decision and pins are kept after its last message."
+    state_ttl_hours: int = _int_field(
+        "state_ttl_hours", DEFAULT_STATE_TTL_HOURS, "How long a chat's remembered trim decision and pins are kept after its last message."
     )
     allowed_user_flags: str = Field(
         default=DEFAULT_ALLOWED_FLAGS,
@@ -160,21 +178,18 @@ class Valves(BaseModel):
         default=DEFAULT_SUMMARY_TIMEOUT_SECONDS,
         gt=0,
         le=MAX_SUMMARY_TIMEOUT_SECONDS,
-        description="Longest wait for a summary; past it the chat goes on without one.",
+        description=f"Longest wait for a summary; past it the chat goes on without one. (Above 0, at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}.)",
     )
-    summary_max_tokens: int = Field(
-        default=DEFAULT_SUMMARY_MAX_TOKENS,
-        ge=SUMMARY_MAX_TOKENS_RANGE[0],
-        le=SUMMARY_MAX_TOKENS_RANGE[1],
-        description="Longest summary in tokens; this much of the budget is set aside for it when one is added.",
+    summary_max_tokens: int = _int_field(
+        "summary_max_tokens", DEFAULT_SUMMARY_MAX_TOKENS, "Longest summary in tokens; this much of the budget is set aside for it when one is added."
     )
     daily_limit_usd: float = Field(
         default=0, ge=0, le=float(MAX_LIMIT_USD),
-        description="Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role.",
+        description=f"Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role. (0 to {MAX_LIMIT_USD:,}.)",
     )
-    monthly_limit_usd: float = Field(default=0, ge=0, le=float(MAX_LIMIT_USD), description="Each user's spending limit per calendar month (UTC) in USD. 0 = none.")
-    daily_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description="Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none.")
-    monthly_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description="Each user's limit per calendar month (UTC) in tokens. 0 = none.")
+    monthly_limit_usd: float = Field(default=0, ge=0, le=float(MAX_LIMIT_USD), description=f"Each user's spending limit per calendar month (UTC) in USD. 0 = none. (0 to {MAX_LIMIT_USD:,}.)")
+    daily_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description=f"Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)")
+    monthly_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description=f"Each user's limit per calendar month (UTC) in tokens. 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)")
     limit_overrides: str = Field(
         default="",
         description='JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": {"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, daily_tokens, monthly_tokens (0 = none).',
@@ -194,8 +209,8 @@ class UserValves(BaseModel):
     """Per-user settings (chat > Controls > Valves)."""
 
     show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
-    max_context_tokens: int = Field(
-        default=0, ge=0, description="Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
+    max_context_tokens: int = _int_field(
+        "max_context_tokens", 0, "Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
     )
     show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
     show_spend: bool = Field(default=True, description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.")
@@ -239,9 +254,13 @@ class Settings:
 
     def window_budget(self, model_context: int | None) -> int:
         """The window (valve, else the model's, else the default) less the reserve: no budget,
-        calibrated or not, goes past it."""
-        window = self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
-        return window - self.reserve_output_tokens
+        calibrated or not, goes past it. A reserve at or above the window keeps a quarter of it."""
+        window = self.window(model_context)
+        return window - (self.reserve_output_tokens if self.reserve_output_tokens < window else window // 4)
+
+    def window(self, model_context: int | None) -> int:
+        """The context window: the valve's, else the model's, else the default."""
+        return self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
 
     def budget(self, model_context: int | None) -> int:
         """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
@@ -250,6 +269,13 @@ class Settings:
         if self.user_max_context_tokens:
             budget = min(budget, self.user_max_context_tokens)
         return max(budget, MIN_BUDGET_TOKENS)
+
+    def reserve_problem(self, model_context: int | None) -> ConfigError | None:
+        """The problem when the reserve is not below the window `budget` uses (read_settings
+        checks it against the valve's own window; this, against the model's)."""
+        if self.reserve_output_tokens < self.window(model_context):
+            return None
+        return ConfigError("reserve_output_tokens is not below this model's context window; using 1/4 of the window", valve="reserve_output_tokens")
 
 
 def _field(valves: object, name: str, default):
@@ -307,15 +333,13 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             problems.append(problem)
         return value
 
-    window = take(valves, "max_context_tokens", defaults.max_context_tokens)
-    reserve = take(valves, "reserve_output_tokens", defaults.reserve_output_tokens)
-    if window < 0:
-        problems.append(ConfigError("max_context_tokens must be 0 or more; using 0", valve="max_context_tokens"))
-        window = 0
-    if reserve < 0 or (window and reserve >= window):
-        problems.append(
-            ConfigError(f"reserve_output_tokens ({reserve}) must be below max_context_tokens ({window}); using 1/4 of it", valve="reserve_output_tokens")
-        )
+    def number(source: object, name: str, default: int) -> int:
+        return _in_range(take(source, name, default), name, default, problems)
+
+    window = number(valves, "max_context_tokens", defaults.max_context_tokens)
+    reserve = number(valves, "reserve_output_tokens", defaults.reserve_output_tokens)
+    if window and reserve >= window:
+        problems.append(ConfigError("reserve_output_tokens must be below max_context_tokens; using 1/4 of the window", valve="reserve_output_tokens"))
         reserve = window // 4
     try:
         aliases = parse_aliases(take(valves, "model_aliases", ""))
@@ -333,38 +357,26 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     if ttl <= 0:
         problems.append(ConfigError(f"pricing_ttl_hours must be above 0; using {DEFAULT_PRICING_TTL_HOURS:g}", valve="pricing_ttl_hours"))
         ttl = DEFAULT_PRICING_TTL_HOURS
-    retention = take(valves, "ledger_retention_days", defaults.ledger_retention_days)
-    if retention < 1:
-        problems.append(ConfigError(f"ledger_retention_days must be 1 or more; using {DEFAULT_LEDGER_RETENTION_DAYS}", valve="ledger_retention_days"))
-        retention = DEFAULT_LEDGER_RETENTION_DAYS
+    retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
     user_window, show, show_cost, show_spend = 0, take(valves, "show_status", True), True, True
     if user_valves is not None:
-        user_window = max(0, take(user_valves, "max_context_tokens", 0))
+        user_window = number(user_valves, "max_context_tokens", 0)
         show = show and take(user_valves, "show_status", True)
         show_cost = take(user_valves, "show_cost", True)
         show_spend = take(user_valves, "show_spend", True)
     allowed, unknown = parse_flag_names(take(valves, "allowed_user_flags", DEFAULT_ALLOWED_FLAGS))
     if unknown:
         problems.append(
-            ConfigError(f"allowed_user_flags: unknown flag {', '.join(unknown)} (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
+            ConfigError(f"allowed_user_flags: {len(unknown)} unknown flag name(s), ignored (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
         )
     strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
-    keep = take(valves, "keep_last_turns", 1)
-    if keep < 1:
-        problems.append(ConfigError("keep_last_turns must be 1 or more; using 1", valve="keep_last_turns"))
-        keep = 1
+    keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
     watermark = take(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
     if not 0 < watermark <= 1:
         problems.append(ConfigError(f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"))
         watermark = DEFAULT_LOW_WATERMARK
-    growth = take(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
-    if not 0 <= growth <= 10:
-        problems.append(ConfigError(f"growth_turns must be 0 to 10; using {DEFAULT_GROWTH_TURNS}", valve="growth_turns"))
-        growth = DEFAULT_GROWTH_TURNS
-    ttl_hours = take(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
-    if ttl_hours < 1:
-        problems.append(ConfigError(f"state_ttl_hours must be 1 or more; using {DEFAULT_STATE_TTL_HOURS}", valve="state_ttl_hours"))
-        ttl_hours = DEFAULT_STATE_TTL_HOURS
+    growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
+    ttl_hours = number(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
     embed_timeout = take(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
     if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
@@ -433,6 +445,15 @@ def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRule
         return LimitRules(base=base)
 
 
+def _in_range(value: int, valve: str, fallback: int, problems: list[ConfigError]) -> int:
+    """`value` when inside the valve's `INT_RANGES` entry; else `fallback`, with the problem named."""
+    low, high = INT_RANGES[valve]
+    if low <= value <= high:
+        return value
+    problems.append(ConfigError(f"{valve} must be {low:,} to {high:,}; using {fallback:,}", valve=valve))
+    return fallback
+
+
 def _one_of(value: str, valve: str, choices: tuple[str, ...], fallback: str, problems: list[ConfigError], consequence: str = "") -> Any:
     """`value` as one of `choices` (spaces and case ignored); else `fallback`, with the problem named."""
     value = value.strip().lower()
@@ -451,8 +472,8 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     timeout = take(valves, "summary_timeout_seconds", DEFAULT_SUMMARY_TIMEOUT_SECONDS)
     max_tokens = take(valves, "summary_max_tokens", DEFAULT_SUMMARY_MAX_TOKENS)
     found: list[ConfigError] = []
-    if not base_url.startswith(("http://", "https://")):
-        found.append(ConfigError("summary_base_url must start with http:// or https://; summaries are off", valve="summary_base_url"))
+    if (url_problem := endpoint_problem(base_url)) is not None:
+        found.append(ConfigError(f"summary_base_url {url_problem}; summaries are off", valve="summary_base_url"))
     if not model:
         found.append(ConfigError("summary_model is empty; summaries are off", valve="summary_model"))
     if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
@@ -460,8 +481,10 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     low, high = SUMMARY_MAX_TOKENS_RANGE
     if not low <= max_tokens <= high:
         found.append(ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens"))
+    api_key = take(valves, "summary_api_key", "").strip()
+    if (bad_key := key_problem(api_key)) is not None:
+        found.append(ConfigError(f"summary_api_key {bad_key}; summaries are off", valve="summary_api_key"))
     problems.extend(found)
     if found:
         return None
-    api_key = take(valves, "summary_api_key", "")
     return SummaryConfig(base_url=base_url, model=model, api_key=api_key, timeout=timeout, max_tokens=max_tokens, ttl=ttl)

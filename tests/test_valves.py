@@ -1,0 +1,91 @@
+"""Valves: every number has a range pydantic enforces and the description states; values that
+reach the filter another way are checked against the same range and named; no status line
+carries a valve's value."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from contextwarden.valves import INT_RANGES, MIN_BUDGET_TOKENS, UserValves, Valves, read_settings
+
+from test_filter import make_filter
+from test_trim import chat_of
+from turns import run_turn
+
+NUMERIC = [(cls, name) for cls in (Valves, UserValves) for name, field in cls.model_fields.items() if field.annotation in (int, float)]
+
+
+@pytest.mark.parametrize(("cls", "name"), NUMERIC, ids=[f"{c.__name__}.{n}" for c, n in NUMERIC])
+def test_every_numeric_valve_is_bounded_both_ways_and_says_so(cls, name):
+    field = cls.model_fields[name]
+    bounds = {type(m).__name__: m for m in field.metadata}
+    assert {"Ge", "Gt"} & bounds.keys() and "Le" in bounds, (name, field.metadata)
+    high = bounds["Le"].le
+    assert any(f"{form}" in field.description for form in (f"{high:,}", f"{high:g}", f"{high:,.0f}")), field.description
+    with pytest.raises(pydantic.ValidationError, match=name):
+        cls(**{name: high * 10 + 1 if field.annotation is int else high * 10})
+    low = bounds["Ge"].ge if "Ge" in bounds else bounds["Gt"].gt
+    with pytest.raises(pydantic.ValidationError, match=name):
+        cls(**{name: low - 1 if "Ge" in bounds else low})
+    cls(**{name: high})  # the bounds themselves are allowed
+
+
+def test_keep_last_turns_of_fifty_million_is_refused_and_named():
+    # Before: no upper bound; `set(range(N))` per turn took 7.6 s and 4.4 GiB at 50M.
+    with pytest.raises(pydantic.ValidationError, match="keep_last_turns"):
+        Valves(keep_last_turns=50_000_000)
+    settings, problems = read_settings(Valves.model_construct(keep_last_turns=50_000_000))
+    assert settings.keep_last_turns == 1
+    assert [p.valve for p in problems] == ["keep_last_turns"] and "1 to 1,000" in str(problems[0])
+
+
+@pytest.mark.parametrize("name", sorted(set(INT_RANGES) - {"priority", "summary_max_tokens"}))  # Open WebUI reads priority;
+def test_out_of_range_values_that_skip_pydantic_are_named(name):  # summary_max_tokens: test_summarize
+    low, high = INT_RANGES[name]
+    for value in (low - 1, high + 1):
+        settings, problems = read_settings(Valves.model_construct(**{name: value}))
+        named = [p for p in problems if p.valve == name]
+        assert named, (name, value, problems)
+        assert f"{high + 1}" not in str(named[0]) and f"{high + 1:,}" not in str(named[0])
+        assert getattr(settings, name, None) in (None, getattr(Valves(), name))
+    _, problems = read_settings(Valves(), UserValves.model_construct(max_context_tokens=-1))
+    assert [p.valve for p in problems] == ["max_context_tokens"]
+
+
+async def test_reserve_at_or_above_the_models_window_is_named_not_a_64_token_budget(counter):
+    # Before: with the window from the model (num_ctx 2,048) and the reserve at 4,096 the
+    # budget silently became 64 tokens.
+    f = make_filter(counter, reserve_output_tokens=4_096)
+    run = await run_turn(f, chat_of(20), model_info={"id": "gpt-4o", "info": {"params": {"num_ctx": 2_048}}})
+    budget = run.metadata["contextwarden"]["budget"]
+    assert budget == 2_048 - 2_048 // 4 > MIN_BUDGET_TOKENS
+    assert any("reserve_output_tokens is not below this model's context window" in s for s in run.events.statuses)
+    assert not any("4096" in s or "4,096" in s for s in run.events.statuses)
+
+
+def test_reserve_below_the_window_reports_nothing():
+    settings, problems = read_settings(Valves(reserve_output_tokens=1_000))
+    assert not problems and settings.reserve_problem(2_000) is None and settings.budget(2_000) == 1_000
+    assert settings.reserve_problem(1_000) is not None and settings.budget(1_000) == 750
+
+
+SECRET = "sk-live-0123456789abcdef"
+
+
+@pytest.mark.parametrize(("valve", "value"), [
+    ("model_aliases", f'{{"{SECRET}": 5}}'),
+    ("model_aliases", f'{{"gpt": ["{SECRET}"]}}'),
+    ("model_aliases", SECRET),
+    ("allowed_user_flags", f"pin, {SECRET}"),
+    ("free_models", f'["{SECRET}", 5]'),
+    ("connection_prefixes", f'[{{"{SECRET}": 1}}]'),
+])
+async def test_bad_valve_values_are_never_echoed_into_status_lines(counter, caplog, valve, value):
+    f = make_filter(counter)
+    f.valves = f.Valves(**{valve: value})
+    run = await run_turn(f, chat_of(4))
+    statuses = run.events.statuses
+    assert any(valve in s for s in statuses), statuses
+    assert not any(SECRET in s or SECRET[:8] in s for s in statuses), statuses
+    assert SECRET not in caplog.text
