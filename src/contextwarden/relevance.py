@@ -348,12 +348,23 @@ def _bm25(
     return scores
 
 
-def _fuse(lexical: Sequence[float], similarity: Sequence[float], share: float) -> list[float]:
-    """`1 - share` of BM25 relative to its best, plus `share` of the cosine (negatives as 0),
-    on BM25's scale so that the later steps weigh as they do without an embedder."""
+def _fuse(lexical: Sequence[float], similarity: Sequence[float], skip: set[int], share: float) -> list[float]:
+    """`1 - share` of BM25 relative to its best, plus `share` of the cosine relative to the
+    chat's own: 0 at the median message, 1 at the best (below the median, 0). Embedders differ
+    in their cosine of unrelated texts (about 0.1 for MiniLM, 0.7 for some API models), so
+    only where a message stands within its chat says something. On BM25's scale, so that the
+    later steps weigh as they do without an embedder."""
+    scored = sorted(s for i, s in enumerate(similarity) if i not in skip)
+    if not scored:
+        return list(lexical)
+    median, best = scored[len(scored) // 2], scored[-1]
+    span = best - median
     top = max(lexical, default=0.0) or 1.0
-    keep = (1.0 - share) / top
-    return [top * (keep * bm25 + share * max(0.0, cosine)) for bm25, cosine in zip(lexical, similarity)]
+    keep, lift = (1.0 - share) / top, share / span if span > 0 else 0.0
+    return [
+        top * (keep * bm25 + (lift * max(0.0, cosine - median) if i not in skip else 0.0))
+        for i, (bm25, cosine) in enumerate(zip(lexical, similarity))
+    ]
 
 
 def score_messages(
@@ -373,7 +384,8 @@ def score_messages(
         weights: how the signals are mixed (see `RelevanceWeights`).
         similarity: one cosine per message to the question (see `semantic.similarities`);
             when given, the base signal is `1 - semantic_share` BM25 (as a share of its
-            best score) plus `semantic_share` cosine, before pairing, neighbours and recency.
+            best score) plus `semantic_share` cosine (from the chat's median to its best),
+            before pairing, neighbours and recency.
 
     Example:
         >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
@@ -393,7 +405,7 @@ def score_messages(
     query = _query_weights(stats, question, weights)
     base = _bm25(stats, skip, query, weights) if query else [0.0] * n
     if similarity is not None and len(similarity) == n:
-        base = _fuse(base, [0.0 if i in skip else s for i, s in enumerate(similarity)], weights.semantic_share)
+        base = _fuse(base, similarity, skip, weights.semantic_share)
     top = max(base, default=0.0)
     scores = list(base)
     roles = [m.get("role") for m in messages]
