@@ -232,6 +232,13 @@ def markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA))
@@ -246,7 +253,7 @@ def main() -> None:
     started = time.perf_counter()
     results = run(Path(args.data), args.quick, args.recall_share)
     any_row = next(iter(results.values()))["all"]
-    meta = {"machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or '?'}",
+    meta = {"machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}",
             "python": platform.python_version(), "version": contextwarden.__version__,
             "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "seconds": time.perf_counter() - started,
             "conversations": len(json.loads(Path(args.data).read_text())), "turns": any_row["turns"],

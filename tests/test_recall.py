@@ -14,7 +14,7 @@ import pytest
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, RECALL_CONTEXT_TERMS, recall_scores, relevance_terms, score_messages
-from contextwarden.selection import Recall, choose_recall
+from contextwarden.selection import Recall, choose_recall, recall_candidates
 
 from chats import check_contract
 
@@ -177,13 +177,15 @@ def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
             {"role": "tool", "content": ""}, {"role": "system", "content": "s"}, recall_message([{"role": "user", "content": "z"}], [0]),
             {"role": "user", "content": "q"}]
     scores = [1.0, 9.0, 0.0, 5.0, 5.0, 5.0, 0.0]
-    costs = {0: 5, 1: 60, 2: 5}
-    # the tool message has no text, the system one is not recallable, a recall block never again;
+    # the tool message has no text, the system one is not recallable, a recall block never again
+    candidates = recall_candidates(chat, scores)
+    assert candidates == [0, 1]
+    costs = {0: 5, 1: 60}
     # message 1 is worth most per square-root token (9 / 60 ** 0.5 > 1 / 5 ** 0.5)
-    assert choose_recall(chat, {6}, scores, costs.__getitem__, room=64) == [1]
-    assert choose_recall(chat, {6}, scores, costs.__getitem__, room=65) == [0, 1]
-    assert choose_recall(chat, {6}, scores, costs.__getitem__, room=59) == [0]
-    assert choose_recall(chat, {6, 0}, scores, costs.__getitem__, room=4) == []
+    assert choose_recall(candidates, {6}, scores, costs, room=64) == [1]
+    assert choose_recall(candidates, {6}, scores, costs, room=65) == [0, 1]
+    assert choose_recall(candidates, {6}, scores, costs, room=59) == [0]
+    assert choose_recall(candidates, {6, 0}, scores, costs, room=4) == []
 
 
 @pytest.mark.parametrize("question", ["More about deltas?", "Which green bike brand and locker code did I mention?", "Thanks!"])

@@ -29,8 +29,8 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
-from operator import add, mul, truediv
+from itertools import chain, repeat
+from operator import add, contains, mul, truediv
 
 from .conversation import Message, message_text
 from .semantic import SEMANTIC_SHARE
@@ -50,6 +50,7 @@ DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
 DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
 DEFAULT_TERM_INDEX_TERMS = 250_000  # (term, count) entries in the recall's per-message dicts, ~9 MiB at most
 RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it
+RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 TERM_MEMO_SIZE = 16_384  # distinct words whose term is memoised, per memo
 TERM_MEMO_CHARS = 40  # longer words are not memoised
 
@@ -491,8 +492,9 @@ def recall_scores(
 ) -> list[float]:
     """`score_messages`, cheaply enough for every turn of a chat that goes on: each query term is
     looked up in every message's cached term dict (in C) instead of every term of the chat
-    being read, and a question of more than `RECALL_CONTEXT_TERMS` terms is its own query
-    (as with `context_weight` 0). The same ranking; sums may differ in the last bit.
+    being read; a question of more than `RECALL_CONTEXT_TERMS` terms is its own query (as with
+    `context_weight` 0), and only its `RECALL_QUERY_TERMS` weightiest (rarest) terms are read.
+    Up to that, the same scores (sums may differ in the last bit).
 
     Example:
         >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
@@ -517,13 +519,16 @@ def recall_scores(
     average = total / n if n and total else 1.0
     k1, b = weights.k1, weights.b
     norms = [k1 * (1.0 - b + b * stats[i].length / average) for i in corpus]
-    columns: list[list[float]] = []  # per query term found: its BM25 share in each corpus message
-    for term in sorted(query):
+    found = {term: sum(map(contains, held, repeat(term))) for term in query}
+    idf = {term: query[term] * math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for term, f in found.items() if f}
+    # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
+    # add little to what is recalled, and each term read costs a pass over every message.
+    terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
+    columns: list[list[float]] = []  # per query term: its BM25 share in each corpus message
+    for term in terms:
         counts = list(map(dict.get, held, repeat(term), repeat(0)))
-        found = len(counts) - counts.count(0)
-        if found:
-            idf = query[term] * math.log(1.0 + (n - found + 0.5) / (found + 0.5)) * (k1 + 1.0)
-            columns.append(list(map(truediv, map(mul, counts, repeat(idf)), map(add, counts, norms))))
+        weight = idf[term] * (k1 + 1.0)
+        columns.append(list(map(truediv, map(mul, counts, repeat(weight)), map(add, counts, norms))))
     base = [0.0] * n
     if columns:
         for i, score in zip(corpus, map(math.fsum, zip(*columns))):

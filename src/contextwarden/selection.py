@@ -16,7 +16,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
@@ -48,6 +48,7 @@ __all__ = [
     "mandatory_indices",
     "recent_turns",
     "choose_recall",
+    "recall_candidates",
     "Recall",
     "carried_recalls",
     "RECALLABLE_ROLES",
@@ -587,28 +588,28 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     return bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))
 
 
-def choose_recall(
-    messages: Sequence[Message], keep: Collection[int], scores: Sequence[float], cost: Callable[[int], int], room: int
-) -> list[int]:
-    """The not-kept messages to quote in this turn's recall block, ascending: those relevant to
-    the question (score above 0) worth most per √token, greedily while their `cost` fits `room`.
+def recall_candidates(messages: Sequence[Message], scores: Sequence[float]) -> list[int]:
+    """The messages a recall block may quote: user, assistant and tool messages with text that
+    are relevant to the question (score above 0), never a recall block of an earlier pass."""
+    return [i for i, score in enumerate(scores) if score > 0 and messages[i].get("role") in RECALLABLE_ROLES
+            and not is_recall_message(messages[i]) and message_text(messages[i])]
 
-    Only user, assistant and tool messages that carry text are recalled, never a recall block
-    of an earlier pass. `cost(i)` is what quoting message i adds (its own count is close).
+
+def choose_recall(
+    candidates: Sequence[int], keep: Collection[int], scores: Sequence[float], costs: Mapping[int, int], room: int
+) -> list[int]:
+    """The `candidates` (see `recall_candidates`) not in `keep` to quote in this turn's recall
+    block, ascending: those worth most per √token (`scores`, `costs`), greedily while they fit
+    `room`.
 
     Example:
-        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        ...         {"role": "user", "content": "c"}]
-        >>> choose_recall(chat, {2}, [0.5, 2.0, 0.0], lambda i: 10, room=15)
+        >>> choose_recall([0, 1, 2], {2}, [0.5, 2.0, 1.0], {0: 10, 1: 10, 2: 10}, room=15)
         [1]
     """
     if room <= 0:
         return []
-    candidates = [i for i, score in enumerate(scores) if score > 0 and i not in keep
-                  and messages[i].get("role") in RECALLABLE_ROLES and message_text(messages[i])
-                  and not is_recall_message(messages[i])]
-    costs = {i: cost(i) for i in candidates}
-    order = sorted(candidates, key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i))
+    order = sorted((i for i in candidates if i not in keep),
+                   key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i))
     chosen: list[int] = []
     for i in order:
         if costs[i] <= room:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
 from .conversation import Conversation, Message, read_conversation, recall_message, recall_positions, system_positions
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores
 from .selection import (
     STRATEGIES,
     Fingerprints,
@@ -23,6 +23,7 @@ from .selection import (
     carried_recalls,
     choose_recall,
     extend_previous,
+    recall_candidates,
     history_chars,
     mandatory_indices,
     reuse_previous,
@@ -45,6 +46,11 @@ DEFAULT_GROWTH_TURNS = 2
 DEFAULT_RECALL_SHARE = 0.35
 RECALL_REFERENCE_TOKENS = 2_000
 MAX_RECALL_SHARE = 0.5
+# A turn keeps the previous selection while the recall block that fits beside it holds at least
+# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py:
+# 0.5 sends the evidence a little less often, 0.79 vs 0.83 of a fresh trim's at 2k, and misses
+# the cache on 4 turns in 100 instead of 6).
+RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
 _RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
@@ -202,7 +208,7 @@ def trim_messages(
         (True, (1, 2), True)
         >>> later.stable_prefix == len(first.messages) + 1  # "Yes." too: the next turn sends them again
         True
-        >>> print(later.messages[later.stable_prefix]["content"][:168])
+        >>> print(later.messages[later.stable_prefix]["content"].split("\\n\\nuser: Tell")[0])
         [contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):
         <BLANKLINE>
         user: My locker code is 4417, remember it.
@@ -267,8 +273,8 @@ def trim_messages(
         )
         if room:
             left = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in keep)
-            scores = recall_scores(messages, question=question, exclude=conversation.system_indices, weights=_RECALL_WEIGHTS)
-            block = _new_recall(messages, keep, question, min(room, left), counter, model, scores)
+            pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
+            block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
             blocks = [block] if block is not None else []
 
     replaced: dict[int, Message] = {}
@@ -344,11 +350,11 @@ def _recalls_kept(
         blocks.append(_Block(recall.anchor, recall.at, message, count(message, model)))
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
-    scores = recall_scores(messages, question=question, exclude=system, weights=_RECALL_WEIGHTS)
+    pool = _Pool.of(messages, question, system, counter, model)
     while True:
         used = set(keep).union(*(b.indices for b in blocks))
         left = max_tokens - base - sum(b.tokens for b in blocks)
-        block = _new_recall(messages, used, question, room, counter, model, scores, fits_in=left)
+        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left)
         wanted = blocks + [block] if block is not None else blocks
         if base + sum(b.tokens for b in wanted) <= max_tokens:
             return wanted
@@ -357,8 +363,9 @@ def _recalls_kept(
         blocks.pop()
     # What still fits beside the selection: enough while it holds half of what the question
     # would have recalled (its relevance); else the selection misses too much, and goes.
-    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, scores)
-    if fitting is not None and 2 * sum(scores[i] for i in fitting.indices) >= sum(scores[i] for i in block.indices):
+    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool)
+    scores = pool.scores
+    if fitting is not None and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices):
         return [fitting]
     return None
 
@@ -395,9 +402,26 @@ def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
     return tuple(sorted(set().union(*(b.indices for b in blocks)))) if blocks else ()
 
 
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """What this turn's recall chooses from: every message's score, the candidates, their costs."""
+
+    scores: list[float]
+    candidates: list[int]
+    costs: dict[int, int]
+
+    @classmethod
+    def of(cls, messages: Sequence[Message], question: int, system: Sequence[int], counter: TokenCounter,
+           model: str | None) -> _Pool:
+        scores = recall_scores(messages, question=question, exclude=system, weights=_RECALL_WEIGHTS)
+        candidates = recall_candidates(messages, scores)
+        count = counter.count_message
+        return cls(scores, candidates, {i: count(messages[i], model) for i in candidates})
+
+
 def _new_recall(
     messages: Sequence[Message], keep: Collection[int], question: int, room: int, counter: TokenCounter,
-    model: str | None, scores: Sequence[float], fits_in: int | None = None,
+    model: str | None, pool: _Pool, fits_in: int | None = None,
 ) -> _Block | None:
     """The recall block for this turn: the messages not sent otherwise (`keep`) most relevant
     to `question` (by `recall_scores`) that fit `room` tokens once quoted (block and label
@@ -407,8 +431,9 @@ def _new_recall(
     frame = count(recall_message(messages, ()), model)  # the label and the message's overhead
     if room <= frame:
         return None
-    chosen = choose_recall(messages, keep, scores, lambda i: count(messages[i], model), room - frame)
-    estimate = frame + sum(count(messages[i], model) for i in chosen)
+    scores, costs = pool.scores, pool.costs
+    chosen = choose_recall(pool.candidates, keep, scores, costs, room - frame)
+    estimate = frame + sum(costs[i] for i in chosen)
     if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
         return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
     while chosen:
@@ -417,7 +442,7 @@ def _new_recall(
         if tokens <= room:
             return _Block(question, tuple(chosen), message, tokens)
         # Quoting joined the texts into more tokens than they count apart: let the least worth go.
-        chosen.remove(min(chosen, key=lambda i: (scores[i] / max(count(messages[i], model), 1) ** 0.5, i)))
+        chosen.remove(min(chosen, key=lambda i: (scores[i] / max(costs[i], 1) ** 0.5, i)))
     return None
 
 
