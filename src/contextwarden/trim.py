@@ -47,9 +47,9 @@ DEFAULT_RECALL_SHARE = 0.35
 RECALL_REFERENCE_TOKENS = 2_000
 MAX_RECALL_SHARE = 0.5
 # A turn keeps the previous selection while the recall block that fits beside it holds at least
-# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py:
-# 0.5 sends the evidence a little less often, 0.79 vs 0.83 of a fresh trim's at 2k, and misses
-# the cache on 4 turns in 100 instead of 6).
+# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py,
+# before main's cost exponent 0.25: 0.5 sends the evidence a little less often, 0.79 vs 0.83 of
+# a fresh trim's at 2k, and misses the cache on 4 turns in 100 instead of 6).
 RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
