@@ -64,7 +64,9 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
         before_question = [k for k in blocks if sent[k + 1] is latest]
         assert result.stable_prefix == (before_question[0] if before_question else len(sent))
     else:
-        assert not result.recalled and result.stable_prefix == len(sent)
+        cut = min(result.shortened, default=None)
+        assert not result.recalled
+        assert result.stable_prefix == (len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut))
     # 3. untouched means untouched: kept messages are the same dicts, in order.
     assert len(plain) == len(result.kept) + len(result.shortened)
     by_index = dict(zip(sorted(result.kept + result.shortened), plain))

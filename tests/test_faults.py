@@ -77,7 +77,7 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
         quoted = "".join(sent[j]["content"] for j in blocks)
         recalled = tuple(i for i in dropped if blocks and message_text(chat[i]) and message_text(chat[i]) in quoted)
         question = max((i for i, m in enumerate(chat) if m.get("role") == "user"), default=None)
-        stable = next((j for j in blocks if question is not None and sent[j + 1] is chat[question]), len(sent))
+        stable = next((j for j in blocks if question is not None and sent[j + 1] is chat[question]), -1)
         result = TrimResult(list(sent), tuple(kept), dropped, tuple(shortened),
                             counter.count_messages(chat, MODEL), after, budget, "exact", over_budget=after > budget,
                             notes=("shortened",) if shortened else (), recalled=recalled, stable_prefix=stable)

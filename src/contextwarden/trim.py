@@ -80,7 +80,8 @@ class TrimResult:
     `recalled` holds the dropped input indices whose text this turn quotes in its recall
     block (a user message right before the latest user message, see `trim_messages`);
     `stable_prefix` how many leading messages of `messages` the next turn will send again
-    unchanged while its selection holds: all of them, or those before the recall block.
+    unchanged while its selection holds: all of them, or those before this turn's recall block
+    or the first shortened copy.
     """
 
     messages: list[Message]
@@ -99,8 +100,10 @@ class TrimResult:
     stable_prefix: int = -1
 
     def __post_init__(self) -> None:
-        if self.stable_prefix < 0:
-            object.__setattr__(self, "stable_prefix", len(self.messages))
+        if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
+            cut = min(self.shortened, default=None)
+            stable = len(self.messages) if cut is None else sum(1 for i in (*self.kept, *self.shortened) if i < cut)
+            object.__setattr__(self, "stable_prefix", stable)
 
     @property
     def changed(self) -> bool:
@@ -380,7 +383,7 @@ def _with_blocks(sent: list[Message], order: Sequence[int], blocks: Sequence[_Bl
     """`sent` (the messages at `order`) with each block right before its anchor, and how many
     leading messages the next turn sends again: all but this question's block and what follows."""
     if not blocks:
-        return sent, len(sent)
+        return sent, -1  # TrimResult works it out
     by_anchor = {b.anchor: b.message for b in blocks}
     out: list[Message] = []
     stable = -1
