@@ -6,7 +6,7 @@ import copy
 import json
 from typing import Any
 
-from contextwarden.conversation import read_conversation, tool_call_ids
+from contextwarden.conversation import RECALL_LABEL, is_recall_message, message_text, read_conversation, tool_call_ids
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
 
@@ -48,8 +48,28 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:
         assert result.tokens_after <= result.budget
+    # recall blocks: new user messages (not input dicts), each right before a kept user message,
+    # together quoting each recalled (dropped) message's text verbatim; the one right before the
+    # question (this turn's) ends the stable prefix.
+    new = [k for k, m in enumerate(sent) if not any(m is x for x in chat)]
+    blocks = [k for k in new if sent[k].get("role") == "user" and str(sent[k].get("content")).startswith(RECALL_LABEL)]
+    plain = [m for k, m in enumerate(sent) if k not in blocks]
+    if blocks:
+        quoted = "".join(sent[k]["content"] for k in blocks)
+        assert result.recalled and set(result.recalled) <= set(result.dropped)
+        assert all(message_text(chat[i]) in quoted for i in result.recalled)
+        for k in blocks:
+            assert k + 1 < len(sent) and sent[k + 1].get("role") == "user" and k + 1 not in blocks
+        latest = chat[conversation.question]
+        before_question = [k for k in blocks if sent[k + 1] is latest]
+        assert result.stable_prefix == (before_question[0] if before_question else len(sent))
+    else:
+        cut = min(result.shortened, default=None)
+        assert not result.recalled
+        assert result.stable_prefix == (len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut))
     # 3. untouched means untouched: kept messages are the same dicts, in order.
-    by_index = dict(zip(sorted(result.kept + result.shortened), sent))
+    assert len(plain) == len(result.kept) + len(result.shortened)
+    by_index = dict(zip(sorted(result.kept + result.shortened), plain))
     for index in result.kept:
         assert by_index[index] is chat[index]
     assert sorted(result.kept + result.dropped + result.shortened) == list(range(len(chat)))
@@ -60,9 +80,10 @@ def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
     counts and decision."""
     assert a.messages == b.messages
     sent = sorted(a.kept + a.shortened)
-    assert all(x is y for i, x, y in zip(sent, a.messages, b.messages) if i in a.kept)
-    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision) == \
-        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision)
+    plain = [(x, y) for x, y in zip(a.messages, b.messages) if x is y or not is_recall_message(x)]  # blocks aside
+    assert all(x is y for i, (x, y) in zip(sent, plain) if i in a.kept)
+    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision, a.recalled, a.stable_prefix) == \
+        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision, b.recalled, b.stable_prefix)
 
 
 def frozen(chat: list[dict[str, Any]]) -> str:

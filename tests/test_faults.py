@@ -22,6 +22,7 @@ import respx
 import tiktoken
 
 import contextwarden.store as store_module
+from contextwarden.conversation import is_recall_message, message_text
 from contextwarden import Filter
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.ledger import read_ledger
@@ -57,10 +58,14 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
         chat, sent = run.sent_in["messages"], run.after_request["messages"]
         where = {id(m): i for i, m in enumerate(chat)}
         kept, shortened, last = [], [], -1
-        for j, m in enumerate(sent):  # in input order: the very dict, or a shortened copy
+        blocks = []
+        for j, m in enumerate(sent):  # in input order: the very dict, or a shortened copy (or a recall block)
             if id(m) in where:
                 last = where[id(m)]
                 kept.append(last)
+                continue
+            if is_recall_message(m):
+                blocks.append(j)
                 continue
             upper = next((where[id(n)] for n in sent[j + 1 :] if id(n) in where), len(chat))
             same_keys = [i for i in range(last + 1, upper)
@@ -68,9 +73,14 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
             last = max(same_keys, key=lambda i: counter.count_message(chat[i], MODEL))  # the largest text is cut
             shortened.append(last)
         after = counter.count_messages(sent, MODEL)
-        result = TrimResult(list(sent), tuple(kept), tuple(i for i in range(len(chat)) if i not in kept + shortened), tuple(shortened),
+        dropped = tuple(i for i in range(len(chat)) if i not in kept + shortened)
+        quoted = "".join(sent[j]["content"] for j in blocks)
+        recalled = tuple(i for i in dropped if blocks and message_text(chat[i]) and message_text(chat[i]) in quoted)
+        question = max((i for i, m in enumerate(chat) if m.get("role") == "user"), default=None)
+        stable = next((j for j in blocks if question is not None and sent[j + 1] is chat[question]), -1)
+        result = TrimResult(list(sent), tuple(kept), dropped, tuple(shortened),
                             counter.count_messages(chat, MODEL), after, budget, "exact", over_budget=after > budget,
-                            notes=("shortened",) if shortened else ())
+                            notes=("shortened",) if shortened else (), recalled=recalled, stable_prefix=stable)
         check_contract(chat, result, counter, MODEL)
 
 

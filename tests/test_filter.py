@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from contextwarden.conversation import is_recall_message, recall_message
 from contextwarden import Filter
 from contextwarden.filter import model_context_length
 
@@ -274,9 +275,12 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
     assert spy.texts[-1] == reply["content"]
     spy.texts.clear()
     question = {"role": "user", "content": "And a new question?"}
-    await f.inlet(body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
-                  __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
-    assert spy.texts == [question["content"]]
+    out = await f.inlet(body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
+                        __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    # The question, and the recall block when this turn quotes older messages (and its bare label,
+    # counted once): nothing that was sent before.
+    recalled = [m["content"] for m in out["messages"] if is_recall_message(m)]
+    assert [t for t in spy.texts if t != recall_message([], ())["content"]] == [question["content"], *recalled]
 
 
 async def test_settings_follow_the_valves_values_not_the_objects(counter):

@@ -449,3 +449,27 @@ def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
             assert len(sent["content"]) < len(original["content"])
         if not allowed:
             assert sent is original
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS), turns=st.integers(1, 3))
+def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, turns):
+    """A chat that goes on for a few turns, each passing its decision on (through JSON), so that
+    recall blocks are made and carried: every turn keeps the contract and is deterministic, the
+    fast and the full path agree, and a second pass over what was sent (Open WebUI's `request`
+    after `inlet`) changes nothing and never adds a second block for the question."""
+    result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+    for _ in range(turns):
+        if result.decision is None or result.over_budget:
+            return
+        chat = data.draw(grown_turn(chat))
+        previous = TrimDecision.from_json(result.decision.to_json())
+        options = {"max_tokens": budget, "model": model, "token_counter": counter, "previous": previous}
+        result = trim_messages(chat, **options)
+        check_contract(chat, result, counter, model)
+        assert_same_trim(result, trim_messages(chat, **{**options, "previous": replace(previous, seen=0)}))
+        assert result.recalled == trim_messages(copy.deepcopy(chat), **options).recalled
+        if not result.over_budget:
+            again = trim_messages(copy.deepcopy(result.messages), **options)
+            assert frozen(again.messages) == frozen(result.messages) and not again.changed, "a second pass changed the prompt"
+        event("recalled" if result.recalled else "no recall")

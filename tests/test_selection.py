@@ -113,11 +113,13 @@ def test_long_turns_get_room_for_two_more_before_the_next_cut(counter):
     assert result.tokens_after <= budget - 2 * growth
     plain = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, growth_turns=0)
     assert budget - 2 * growth < plain.tokens_after <= 0.8 * budget
-    # Two more such turns reuse the selection; the third needs a new one.
+    # Two more such turns reuse the selection; the third needs a new one (no recall block here:
+    # a first selection does not leave room for one, see test_recall.py).
     decision, reused = result.decision, []
     for k in range(3):
         chat = chat + [dict(m, content=f"{m['content']} {k}") for m in turn]
-        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=decision)
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=decision,
+                               recall_share=0)
         reused.append(result.reused)
         decision = result.decision
     assert reused == [True, True, False]
@@ -132,7 +134,7 @@ def test_hysteresis_across_turns_through_json(counter):
     budget = 1_500
     decision: TrimDecision | None = None
     sent_before: list[dict] | None = None
-    reused = reselected = 0
+    reused = reselected = stable_before = 0
     for turn in range(15):
         stored = decision.to_json() if decision else None
         previous = TrimDecision.from_json(stored) if stored else None
@@ -140,13 +142,13 @@ def test_hysteresis_across_turns_through_json(counter):
         check_contract(chat, result, counter, MODEL)
         assert result.tokens_after <= budget
         if result.reused:
-            reused += 1
-            assert result.messages[: len(sent_before)] == sent_before
+            reused += 1  # all but the last turn's recall block and question are sent again
+            assert result.messages[:stable_before] == sent_before[:stable_before]
         else:
             reselected += 1
             assert result.tokens_after <= 0.8 * budget
         assert stored is None or "tax" not in stored  # fingerprints, never text
-        decision, sent_before = result.decision, list(result.messages)
+        decision, sent_before, stable_before = result.decision, list(result.messages), result.stable_prefix
         topic = TOPICS[turn % len(TOPICS)]
         chat = chat + [{"role": "assistant", "content": f"Reply {turn} on {topic}. " + "words " * 40},
                        {"role": "user", "content": f"Follow-up {turn} on {topic}?"}]
@@ -268,7 +270,8 @@ def test_reuse_checks_recorded_positions_first_and_falls_back_to_a_scan(counter)
     assert keep is not None and CountingPrints.looked == len(first.decision.kept)
     # A message inserted before the kept ones moves them: the positions miss, the scan finds them.
     shifted = [chat[0], {"role": "user", "content": "inserted"}, {"role": "assistant", "content": "ok"}] + grown[1:]
-    again = trim_messages(shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision)
+    again = trim_messages(shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision,
+                          recall_share=0)  # the reuse itself; recall blocks: tests/test_recall.py
     assert again.reused and [again.messages[k] for k in range(len(again.messages))][-2:] == grown[-2:]
     assert again.decision.at == tuple(i for i in again.kept if i > 0)
 
@@ -320,13 +323,21 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
     first, grown, previous = _next_turn(spy, chat, 900, extra)
     assert previous.seen == len(chat) and previous.counted_with == "o200k_base" and previous.seen_chars > 0
     spy.asked.clear()
-    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=previous)
-    assert result.reused and result.messages[-2:] == grown[-2:]
+    # (The recall block of a chat that goes on looks up the counts of messages it may quote, all
+    # cache hits: tests/test_recall.py. Here the selection itself.)
+    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=previous, recall_share=0)
+    assert result.reused and result.messages[-1] == grown[-1]
+    if result.recalled:
+        assert result.messages[-3] == grown[-2] and result.stable_prefix == len(result.messages) - 2
+    else:
+        assert result.messages[-2:] == grown[-2:]
     asked = {id(text) for text in spy.asked}
-    assert not any(id(grown[i]["content"]) in asked for i in result.dropped), "a dropped message was counted"
+    # Only a recalled message's count is looked up (a cache hit: the text was counted before).
+    assert not any(id(grown[i]["content"]) in asked for i in result.dropped if i not in result.recalled), "a dropped message was counted"
     assert result.tokens_before == spy.count_messages(grown, MODEL)
     # The full path (no size figures in the decision) makes the very same choice.
-    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0)))
+    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0),
+                                           recall_share=0))
     check_contract(grown, result, spy, MODEL)
 
 

@@ -24,6 +24,10 @@ __all__ = [
     "image_count",
     "tool_call_ids",
     "system_positions",
+    "RECALL_LABEL",
+    "recall_message",
+    "is_recall_message",
+    "recall_positions",
 ]
 
 Message = dict[str, Any]
@@ -32,6 +36,7 @@ Message = dict[str, Any]
 UnitKind = Literal["system", "user", "assistant", "tool_group", "orphan_tool", "other"]
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
+RECALL_LABEL = "[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):"
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,3 +229,28 @@ def read_conversation(messages: Sequence[Message]) -> Conversation:
         current=current,
         orphans=tuple(orphans),
     )
+
+
+def recall_message(messages: Sequence[Message], indices: Sequence[int]) -> Message:
+    """The user-role message that quotes `messages[i]` for each of `indices` (in that order),
+    verbatim, under `RECALL_LABEL`: each as its role, a colon and its text (`message_text`).
+    A user message, never a system one: Open WebUI merges system messages into the system
+    prompt, which would rewrite the cached prefix every turn.
+
+    Example:
+        >>> recall_message([{"role": "user", "content": "My cat is Miso."}], [0])["content"].splitlines()[-1]
+        'user: My cat is Miso.'
+    """
+    quoted = "\n\n".join(f"{messages[i].get('role')}: {message_text(messages[i])}" for i in indices)
+    return {"role": "user", "content": f"{RECALL_LABEL}\n\n{quoted}"}
+
+
+def is_recall_message(message: Message) -> bool:
+    """True for a message `recall_message` wrote (a user message starting with `RECALL_LABEL`)."""
+    content = message.get("content")
+    return message.get("role") == "user" and type(content) is str and content.startswith(RECALL_LABEL)
+
+
+def recall_positions(messages: Sequence[Message]) -> list[int]:
+    """Indices of the recall messages in a list (an earlier pass of this turn added them)."""
+    return [i for i, m in enumerate(messages) if m.get("role") == "user" and is_recall_message(m)]

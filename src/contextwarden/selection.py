@@ -16,12 +16,20 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
 
-from .conversation import SYSTEM_ROLES, Conversation, Message, read_conversation, system_positions
+from .conversation import (
+    SYSTEM_ROLES,
+    Conversation,
+    Message,
+    is_recall_message,
+    message_text,
+    read_conversation,
+    system_positions,
+)
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 from .tokens import lru_hit
 
@@ -39,8 +47,14 @@ __all__ = [
     "Fingerprints",
     "mandatory_indices",
     "recent_turns",
+    "choose_recall",
+    "recall_candidates",
+    "Recall",
+    "carried_recalls",
+    "RECALLABLE_ROLES",
 ]
 
+RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
 Strategy = Literal["relevance", "recent"]
 STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
 DECISION_FORMAT = 1
@@ -54,6 +68,30 @@ _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separator
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages, LRU; ~125 bytes an entry: under 3 MiB when full
 _fingerprint_lock = threading.Lock()
 _fingerprint_cache: OrderedDict[int, str] = OrderedDict()
+
+
+@dataclass(frozen=True, slots=True)
+class Recall:
+    """One recall block a turn sent: quoting the messages at input positions `at` (with
+    fingerprints `kept`), right before the kept message at position `anchor` (the question it
+    was made for). The next turn sends it again, rebuilt from the same messages, while they are
+    still there: the prompt then only grows at its end."""
+
+    anchor: int
+    at: tuple[int, ...]
+    kept: tuple[str, ...]
+
+    @classmethod
+    def from_list(cls, value: object) -> Recall | None:
+        """From its JSON form `[anchor, [positions], [fingerprints]]`; None when it is not one."""
+        if not (isinstance(value, list) and len(value) == 3 and type(value[0]) is int and isinstance(value[1], list)
+                and isinstance(value[2], list) and len(value[1]) == len(value[2]) and value[1]):
+            return None
+        at, kept = tuple(value[1]), tuple(value[2])
+        if not (all(type(i) is int and 0 <= i < value[0] for i in at) and all(isinstance(k, str) for k in kept)
+                and all(a < b for a, b in zip(at, at[1:]))):
+            return None
+        return cls(value[0], at, kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +121,28 @@ class TrimDecision:
     seen_tokens: int = 0
     seen_chars: int = -1
     counted_with: str = ""
+    recalls: tuple[Recall, ...] = ()
 
     def __post_init__(self) -> None:
         """Positions that cannot be right (not one ascending int per kept message) are dropped,
-        and the size figures with them: they only ever cost the fast path."""
+        and the size figures with them: they only ever cost the fast path. So are recall blocks
+        not anchored at a kept message."""
         at = self.at
         if at and (len(at) != len(self.kept) or not all(type(i) is int and i >= 0 for i in at)
                    or any(a >= b for a, b in zip(at, at[1:]))):
             object.__setattr__(self, "at", ())
         if not self.at and self.seen:
             object.__setattr__(self, "seen", 0)
+        if self.recalls and not all(r.anchor in self.at for r in self.recalls):
+            object.__setattr__(self, "recalls", ())
 
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
         return json.dumps(
             {"v": DECISION_FORMAT, "max_tokens": self.max_tokens, "tokens": self.tokens,
              "strategy": self.strategy, "kept": list(self.kept), "at": list(self.at),
-             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with]},
+             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
+             "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls]},
             separators=(",", ":"),
         )
 
@@ -118,7 +161,9 @@ class TrimDecision:
             if not (isinstance(seen, list) and len(seen) == 4 and all(type(x) is int for x in seen[:3])
                     and isinstance(seen[3], str)):
                 seen = [0, 0, -1, ""]
-            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at, *seen)
+            recalls = tuple(Recall.from_list(r) for r in data.get("recalls") or ())  # absent before issue 14
+            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at, *seen,
+                       recalls=tuple(r for r in recalls if r is not None))
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
 
@@ -541,3 +586,46 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     """The previous turn's kept messages are all still at the positions it recorded."""
     at = previous.at
     return bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))
+
+
+def recall_candidates(messages: Sequence[Message], scores: Sequence[float]) -> list[int]:
+    """The messages a recall block may quote: user, assistant and tool messages with text that
+    are relevant to the question (score above 0), never a recall block of an earlier pass."""
+    return [i for i, score in enumerate(scores) if score > 0 and messages[i].get("role") in RECALLABLE_ROLES
+            and not is_recall_message(messages[i]) and message_text(messages[i])]
+
+
+def choose_recall(
+    candidates: Sequence[int], keep: Collection[int], scores: Sequence[float], costs: Mapping[int, int], room: int
+) -> list[int]:
+    """The `candidates` (see `recall_candidates`) not in `keep` to quote in this turn's recall
+    block, ascending: those worth most per √token (`scores`, `costs`), greedily while they fit
+    `room`.
+
+    Example:
+        >>> choose_recall([0, 1, 2], {2}, [0.5, 2.0, 1.0], {0: 10, 1: 10, 2: 10}, room=15)
+        [1]
+    """
+    if room <= 0:
+        return []
+    order = sorted((i for i in candidates if i not in keep),
+                   key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i))
+    chosen: list[int] = []
+    for i in order:
+        if costs[i] <= room:
+            chosen.append(i)
+            room -= costs[i]
+    return sorted(chosen)
+
+
+def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int]) -> list[Recall] | None:
+    """The previous turn's recall blocks to send again: each whose quoted messages are all still
+    at their recorded places and whose anchor is kept (None when one is not: the prompt could
+    not stay append-only, so the caller selects anew). A block anchored at the latest message
+    of the previous turn's own question is one this question gets anew, and is left out by
+    the caller."""
+    n = len(fingerprints)
+    for recall in previous.recalls:
+        if recall.anchor not in keep or recall.at[-1] >= n or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept)):
+            return None
+    return list(previous.recalls)

@@ -6,18 +6,24 @@ shortening of mandatory content that alone is over the budget.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
-from .conversation import Conversation, Message, read_conversation, system_positions
+from .conversation import Conversation, Message, read_conversation, recall_message, recall_positions, system_positions
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores
 from .selection import (
     STRATEGIES,
     Fingerprints,
+    Recall,
     Strategy,
     TrimDecision,
     choose_indices,
+    carried_recalls,
+    choose_recall,
     extend_previous,
+    recall_candidates,
     history_chars,
     mandatory_indices,
     reuse_previous,
@@ -26,10 +32,28 @@ from .relevance import score_messages
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
-__all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
+__all__ = [
+    "TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK",
+    "DEFAULT_GROWTH_TURNS", "DEFAULT_RECALL_SHARE", "recall_room",
+]
 
 DEFAULT_LOW_WATERMARK = 0.8
 DEFAULT_GROWTH_TURNS = 2
+# The share of a RECALL_REFERENCE_TOKENS budget a chat that goes on keeps for its per-turn recall
+# block; other budgets keep this share times sqrt(reference / budget), at most MAX_RECALL_SHARE:
+# what a question needs recalled grows with the budget, but not in proportion (a question's
+# evidence is a few messages; bench/multiturn.py). See `recall_room`.
+DEFAULT_RECALL_SHARE = 0.35
+RECALL_REFERENCE_TOKENS = 2_000
+MAX_RECALL_SHARE = 0.5
+# A turn keeps the previous selection while the recall block that fits beside it holds at least
+# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py,
+# before main's cost exponent 0.25: 0.5 sends the evidence a little less often, 0.79 vs 0.83 of
+# a fresh trim's at 2k, and misses the cache on 4 turns in 100 instead of 6).
+RECALL_KEEP_SHARE = 0.5
+_CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
+MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
+_RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
 SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
 MIN_KEPT_TEXT_TOKENS = 0
 
@@ -52,6 +76,12 @@ class TrimResult:
     same dicts; `shortened` those sent as shortened copies; `dropped` the rest. `decision`
     is what to pass as `previous` next turn (None when nothing was dropped); `reused` tells
     that the previous turn's selection was kept and only new messages were added.
+
+    `recalled` holds the dropped input indices whose text this turn quotes in its recall
+    block (a user message right before the latest user message, see `trim_messages`);
+    `stable_prefix` how many leading messages of `messages` the next turn will send again
+    unchanged while its selection holds: all of them, or those before this turn's recall block
+    or the first shortened copy.
     """
 
     messages: list[Message]
@@ -66,6 +96,14 @@ class TrimResult:
     notes: tuple[str, ...] = field(default=())
     decision: TrimDecision | None = None
     reused: bool = False
+    recalled: tuple[int, ...] = ()
+    stable_prefix: int = -1
+
+    def __post_init__(self) -> None:
+        if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
+            cut = min(self.shortened, default=None)
+            stable = len(self.messages) if cut is None else sum(1 for i in (*self.kept, *self.shortened) if i < cut)
+            object.__setattr__(self, "stable_prefix", stable)
 
     @property
     def changed(self) -> bool:
@@ -86,6 +124,7 @@ def trim_messages(
     low_watermark: float = DEFAULT_LOW_WATERMARK,
     growth_turns: int = DEFAULT_GROWTH_TURNS,
     embed: Embed | None = None,
+    recall_share: float = DEFAULT_RECALL_SHARE,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -130,6 +169,17 @@ def trim_messages(
             cosine to the question beside BM25. Vectors are cached per process by text, so
             later turns embed only new messages. When it fails, relevance stays lexical and
             a note says so.
+        recall_share: with `previous` given (a chat that goes on) and the relevance
+            strategy, up to this share of the budget (default 0.35 at 2,000 tokens; scaled by
+            sqrt(2,000 / max_tokens) for other budgets, at most 0.5: see `recall_room`) is kept
+            for a recall block: the dropped messages most relevant to the latest question,
+            quoted verbatim in one user message right before it (`TrimResult.recalled` lists
+            them). The prefix before the block stays the previous turn's, so provider caches
+            still hit, while the question still gets what it needs. The previous selection is
+            given up (a cache miss) only when it no longer fits beside the block it needs; a
+            new one then fills its target less this share. A recall block in the input (an
+            earlier pass of the same turn) is kept while the chat fits, else replaced.
+            0: no recall.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -143,14 +193,48 @@ def trim_messages(
         >>> again = trim_messages(chat, max_tokens=60, model="gpt-4o", previous=result.decision)
         >>> again.kept, again.reused
         ((0, 3, 4, 5), True)
+
+    A later question about something dropped gets it recalled, and the prefix stays:
+
+        >>> chat = [{"role": "system", "content": "Be brief."},
+        ...         {"role": "user", "content": "My locker code is 4417, remember it."},
+        ...         {"role": "assistant", "content": "Noted: locker code 4417."}]
+        >>> for n in range(6):
+        ...     chat += [{"role": "user", "content": f"Tell me fact {n} about rivers. " * 4},
+        ...              {"role": "assistant", "content": f"Fact {n}: rivers flow downhill. " * 8}]
+        >>> chat.append({"role": "user", "content": "Rivers again?"})
+        >>> first = trim_messages(chat, max_tokens=400, model="gpt-4o", low_watermark=0.5)
+        >>> chat += [{"role": "assistant", "content": "Yes."},
+        ...          {"role": "user", "content": "Which locker code did I ask you to remember at the start?"}]
+        >>> later = trim_messages(chat, max_tokens=400, model="gpt-4o", previous=first.decision)
+        >>> later.reused, later.recalled[:2], later.messages[: len(first.messages)] == first.messages
+        (True, (1, 2), True)
+        >>> later.stable_prefix == len(first.messages) + 1  # "Yes." too: the next turn sends them again
+        True
+        >>> print(later.messages[later.stable_prefix]["content"].split("\\n\\nuser: Tell")[0])
+        [contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):
+        <BLANKLINE>
+        user: My locker code is 4417, remember it.
+        <BLANKLINE>
+        assistant: Noted: locker code 4417.
     """
-    _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns)
+    _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns, recall_share)
     if not all(map(isinstance, messages, repeat(dict))):
         index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
     counter = token_counter or default_counter()
+    room = recall_room(max_tokens, recall_share) if previous is not None and strategy == "relevance" else 0
+    if room:
+        earlier = recall_positions(messages)
+        if earlier and not _fits_whole(messages, max_tokens, counter, model):
+            return _without(earlier, messages, lambda rest: trim_messages(
+                rest, max_tokens=max_tokens, model=model, token_counter=counter, strategy=strategy,
+                keep_last_turns=keep_last_turns, pinned=[p - sum(e < p for e in earlier) for p in pinned if p not in earlier],
+                previous=previous, low_watermark=low_watermark, growth_turns=growth_turns, recall_share=recall_share,
+                embed=embed,
+            ), counter, model)
     if previous is not None and previous.seen and not pinned:
-        extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns)
+        extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room)
         if extended is not None:
             return extended
     costs = counter.count_each(messages, model)
@@ -166,20 +250,35 @@ def trim_messages(
     mandatory = mandatory_indices(conversation)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
+    question = conversation.question
+    if mandatory_cost > max_tokens or question is None:
+        room = 0
     keep: set[int] | None = None
+    blocks: list[_Block] = []
     if previous is not None and mandatory_cost <= max_tokens:
         keep = reuse_previous(
             previous, fingerprints, conversation, costs, max_tokens - TOKENS_PER_REPLY,
             keep_last_turns=keep_last_turns, pinned=pinned,
         )
+        if keep is not None and room:
+            base = TOKENS_PER_REPLY + sum(costs[i] for i in keep)
+            blocks = _recalls_kept(messages, previous, fingerprints, keep, question, room, base, max_tokens, counter,
+                                   model, conversation.system_indices)
+            if blocks is None:  # the selection no longer leaves room for what this question needs
+                keep, blocks = None, []
     reused = keep is not None
     if keep is None:
         target = selection_target(conversation, costs, max_tokens, low_watermark, growth_turns) - TOKENS_PER_REPLY
         scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
         keep = choose_indices(
-            conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
+            conversation, costs, target - room, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
             scores=scores,
         )
+        if room:
+            left = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in keep)
+            pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
+            block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
+            blocks = [block] if block is not None else []
 
     replaced: dict[int, Message] = {}
     over = False
@@ -196,10 +295,13 @@ def trim_messages(
     )
     system = set(conversation.system_indices)
     at = tuple(i for i in order if i not in system)
+    sent, stable = _with_blocks(sent, order, blocks, question)
+    after += sum(b.tokens for b in blocks)
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
         seen_chars=history_chars(messages, conversation.system_indices), counted_with=counter.scheme(model),
+        recalls=_recall_record(blocks, fingerprints),
     )
     return TrimResult(
         messages=sent,
@@ -214,6 +316,162 @@ def trim_messages(
         notes=tuple(notes),
         decision=decision,
         reused=reused,
+        recalled=_recalled(blocks),
+        stable_prefix=stable,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """A recall block: the kept message it goes right before, the input indices it quotes, the
+    message itself, and what it costs."""
+
+    anchor: int
+    indices: tuple[int, ...]
+    message: Message
+    tokens: int
+
+
+def _recalls_kept(
+    messages: Sequence[Message], previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int],
+    question: int, room: int, base: int, max_tokens: int, counter: TokenCounter, model: str | None,
+    system: Sequence[int],
+) -> list[_Block] | None:
+    """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`):
+    the earlier turns' blocks again, unchanged, and a new one for this question. When they do
+    not all fit, the newest earlier blocks give way first (the prompt stays the previous one up
+    to the first that goes); then the new block is cut to the room left. None when that would
+    hold less than half of the relevance the question wanted recalled (or an earlier block's
+    messages moved): the caller then makes a new selection."""
+    carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
+    if carried is None:
+        return None
+    count = counter.count_message
+    blocks = []
+    for recall in carried[: MAX_RECALL_BLOCKS - 1]:
+        message = recall_message(messages, recall.at)
+        blocks.append(_Block(recall.anchor, recall.at, message, count(message, model)))
+    if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
+        return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
+    pool = _Pool.of(messages, question, system, counter, model)
+    while True:
+        used = set(keep).union(*(b.indices for b in blocks))
+        left = max_tokens - base - sum(b.tokens for b in blocks)
+        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left)
+        wanted = blocks + [block] if block is not None else blocks
+        if base + sum(b.tokens for b in wanted) <= max_tokens:
+            return wanted
+        if not blocks:
+            break
+        blocks.pop()
+    # What still fits beside the selection: enough while it holds half of what the question
+    # would have recalled (its relevance); else the selection misses too much, and goes.
+    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool)
+    scores = pool.scores
+    if fitting is not None and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices):
+        return [fitting]
+    return None
+
+
+def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question: int) -> bool:
+    """The previous decision already kept this question (the same turn, trimmed again)."""
+    at = previous.at
+    return question in at and previous.kept[at.index(question)] == fingerprints[question]
+
+
+def _with_blocks(sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None) -> tuple[list[Message], int]:
+    """`sent` (the messages at `order`) with each block right before its anchor, and how many
+    leading messages the next turn sends again: all but this question's block and what follows."""
+    if not blocks:
+        return sent, -1  # TrimResult works it out
+    by_anchor = {b.anchor: b.message for b in blocks}
+    out: list[Message] = []
+    stable = -1
+    for index, message in zip(order, sent):
+        block = by_anchor.get(index)
+        if block is not None:
+            if index == question:
+                stable = len(out)
+            out.append(block)
+        out.append(message)
+    return out, stable if stable >= 0 else len(out)
+
+
+def _recall_record(blocks: Sequence[_Block], fingerprints: Sequence[str]) -> tuple[Recall, ...]:
+    return tuple(Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices)) for b in sorted(blocks, key=lambda b: b.anchor))
+
+
+def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
+    return tuple(sorted(set().union(*(b.indices for b in blocks)))) if blocks else ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """What this turn's recall chooses from: every message's score, the candidates, their costs."""
+
+    scores: list[float]
+    candidates: list[int]
+    costs: dict[int, int]
+
+    @classmethod
+    def of(cls, messages: Sequence[Message], question: int, system: Sequence[int], counter: TokenCounter,
+           model: str | None) -> _Pool:
+        scores = recall_scores(messages, question=question, exclude=system, weights=_RECALL_WEIGHTS)
+        candidates = recall_candidates(messages, scores)
+        count = counter.count_message
+        return cls(scores, candidates, {i: count(messages[i], model) for i in candidates})
+
+
+def _new_recall(
+    messages: Sequence[Message], keep: Collection[int], question: int, room: int, counter: TokenCounter,
+    model: str | None, pool: _Pool, fits_in: int | None = None,
+) -> _Block | None:
+    """The recall block for this turn: the messages not sent otherwise (`keep`) most relevant
+    to `question` (by `recall_scores`) that fit `room` tokens once quoted (block and label
+    included); None when nothing is relevant. A block clearly over `fits_in` is not counted
+    exactly (that would encode its text for nothing): its `tokens` are then the estimate."""
+    count = counter.count_message
+    frame = count(recall_message(messages, ()), model)  # the label and the message's overhead
+    if room <= frame:
+        return None
+    scores, costs = pool.scores, pool.costs
+    chosen = choose_recall(pool.candidates, keep, scores, costs, room - frame)
+    estimate = frame + sum(costs[i] for i in chosen)
+    if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
+        return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
+    while chosen:
+        message = recall_message(messages, chosen)
+        tokens = count(message, model)
+        if tokens <= room:
+            return _Block(question, tuple(chosen), message, tokens)
+        # Quoting joined the texts into more tokens than they count apart: let the least worth go.
+        chosen.remove(min(chosen, key=lambda i: (scores[i] / max(costs[i], 1) ** 0.5, i)))
+    return None
+
+
+def _fits_whole(messages: Sequence[Message], max_tokens: int, counter: TokenCounter, model: str | None) -> bool:
+    """The whole list fits `max_tokens` and holds nothing a trim would leave out (orphans)."""
+    fits = TOKENS_PER_REPLY + sum(counter.count_each(messages, model)) <= max_tokens
+    return fits and not read_conversation(messages).orphans
+
+
+def _without(
+    blocks: Sequence[int], messages: Sequence[Message], trim: Callable[[list[Message]], TrimResult],
+    counter: TokenCounter, model: str | None,
+) -> TrimResult:
+    """`trim` of `messages` without the recall blocks an earlier pass added, in the input's
+    indices (the blocks count as dropped: a new one is made if the question needs it)."""
+    skip = set(blocks)
+    rest = [i for i in range(len(messages)) if i not in skip]
+    inner = trim([messages[i] for i in rest])
+    back = rest.__getitem__
+    return replace(
+        inner,
+        kept=tuple(map(back, inner.kept)),
+        dropped=tuple(sorted([*map(back, inner.dropped), *blocks])),
+        shortened=tuple(map(back, inner.shortened)),
+        recalled=tuple(map(back, inner.recalled)),
+        tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
     )
 
 
@@ -238,7 +496,7 @@ def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str])
 
 def _extend_previous(
     messages: Sequence[Message], previous: TrimDecision, max_tokens: int, counter: TokenCounter, model: str | None,
-    strategy: Strategy, keep_last_turns: int,
+    strategy: Strategy, keep_last_turns: int, room: int,
 ) -> TrimResult | None:
     """The previous turn's selection plus the new messages, reading and counting only what is
     sent and what is new: the messages dropped before are known from the decision's `seen`
@@ -268,14 +526,23 @@ def _extend_previous(
     after = TOKENS_PER_REPLY + sum(cost.values())
     if before <= max_tokens or after > max_tokens:
         return None
+    blocks: list[_Block] | None = []
+    question = None
+    if room:
+        question = next(i for i in reversed(order) if messages[i].get("role") == "user")
+        blocks = _recalls_kept(messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system)
+        if blocks is None:
+            return None
+    sent, stable = _with_blocks([messages[i] for i in order], order, blocks, question)
+    after += sum(b.tokens for b in blocks)
     at = tuple(filterfalse(is_system, order))
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
-        seen_chars=chars, counted_with=scheme,
+        seen_chars=chars, counted_with=scheme, recalls=_recall_record(blocks, fingerprints),
     )
     return TrimResult(
-        messages=[messages[i] for i in order],
+        messages=sent,
         kept=tuple(order),
         dropped=tuple(filterfalse(keep.__contains__, range(len(messages)))),
         shortened=(),
@@ -285,7 +552,21 @@ def _extend_previous(
         count_mode=counter.mode(model),
         decision=decision,
         reused=True,
+        recalled=_recalled(blocks),
+        stable_prefix=stable,
     )
+
+
+def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> int:
+    """Tokens kept for a turn's recall block: `recall_share` of the budget at 2,000 tokens,
+    scaled by sqrt(2,000 / budget) elsewhere, never more than half the budget.
+
+    Example:
+        >>> recall_room(1_000), recall_room(2_000), recall_room(8_000), recall_room(8_000, 0)
+        (494, 700, 1400, 0)
+    """
+    share = min(MAX_RECALL_SHARE, recall_share * math.sqrt(RECALL_REFERENCE_TOKENS / max_tokens))
+    return int(max_tokens * share)
 
 
 def selection_target(
@@ -313,7 +594,9 @@ def selection_target(
     return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
 
 
-def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float, growth_turns: int) -> None:
+def _check_options(
+    max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float, growth_turns: int, recall_share: float
+) -> None:
     """Raise ValueError naming the option and its valid values."""
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
@@ -325,6 +608,8 @@ def _check_options(max_tokens: int, strategy: str, keep_last_turns: int, low_wat
         raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark!r}")
     if not isinstance(growth_turns, int) or isinstance(growth_turns, bool) or growth_turns < 0:
         raise ValueError(f"growth_turns must be an int >= 0, got {growth_turns!r}")
+    if not isinstance(recall_share, (int, float)) or not 0.0 <= recall_share <= MAX_RECALL_SHARE:
+        raise ValueError(f"recall_share must be in [0, {MAX_RECALL_SHARE}], got {recall_share!r}")
 
 
 def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:

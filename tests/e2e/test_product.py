@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from contextwarden.conversation import RECALL_LABEL
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.tokens import TokenCounter
 from contextwarden.usage import Usage, compute_cost
@@ -246,11 +247,52 @@ def test_next_turn_sends_the_same_prefix(
     chat(open_webui, MODEL, following, chat_id=chat_id)
     second = backend.last_request["messages"]
     assert second[: len(first)] == first, "the second prompt does not start with the first"
-    assert second[len(first) :] == following[-2:]
+    recall = [m for m in second[len(first) :] if m not in following]  # a recall block before the question, if any
+    assert [m for m in second[len(first) :] if m in following] == following[-2:]
+    assert all(m["role"] == "user" and m["content"].startswith(RECALL_LABEL) for m in recall) and len(recall) <= 1
     assert_valid_prompt(following, second)
     tokens = counter.count_messages(second, MODEL)
     assert tokens <= BUDGET
     assert one_usage_record(open_webui, since)["estimated_prompt_tokens"] == tokens
+
+
+def test_ten_turns_keep_their_prefix_and_an_early_fact_is_recalled(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
+    """Issue 14 inside the real Open WebUI: a 10-turn chat (one temporary chat id) that opened with
+    a fact, long since dropped. Most turns' prompts start with everything the turn before sent
+    but its recall block and question (a provider's prompt cache keeps hitting), and the question
+    about the early fact gets that fact's message sent, quoted verbatim in a user-role recall
+    block right before it (never a system message: Open WebUI would merge it into the system
+    prompt)."""
+    chat_id = f"temporary:{uuid.uuid4()}"
+    fact = "Remember this: my storage unit is number 5821 at the Lindholm depot, code word pelican."
+    messages = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": fact},
+                {"role": "assistant", "content": "Noted: unit 5821 at Lindholm, code word pelican."}]
+    messages += long_chat(turns=40)[1:-1]  # ~120 messages of filler after it
+    questions = [f"Turn {k}: tell me more about the {WORDS[k]} and the {WORDS[k + 9]}." for k in range(9)]
+    questions.append("Which storage unit number and depot did I ask you to remember, with the code word?")
+    sent: list[list[dict[str, Any]]] = []
+    for question in questions:
+        messages = messages + [{"role": "user", "content": question}]
+        chat(open_webui, MODEL, messages, chat_id=chat_id)
+        got = backend.last_request["messages"]
+        assert counter.count_messages(got, MODEL) <= BUDGET
+        assert got[0] == messages[0] and got[-1] == messages[-1] and all(m["role"] != "system" for m in got[1:])
+        sent.append(got)
+        messages = messages + [{"role": "assistant", "content": backend.default_reply}]
+
+    def stable(prompt: list[dict[str, Any]]) -> int:
+        """What the next turn should send again: all but this turn's recall block and question."""
+        end = len(prompt) - 1
+        return end - 1 if end > 0 and str(prompt[end - 1].get("content")).startswith(RECALL_LABEL) else end
+
+    kept = sum(now[: stable(before)] == before[: stable(before)] for before, now in zip(sent, sent[1:]))
+    assert kept >= 7, f"the prefix was kept on {kept} of 9 turns"
+    assert not any(fact in str(m.get("content")) for m in sent[-2]), "the fact was not dropped before"
+    assert any(fact in str(m.get("content")) for m in sent[-1]), "the question about the fact did not get it sent"
+    block = sent[-1][-2]  # here by recall (a new selection would have kept it in place instead)
+    assert block["role"] == "user" and block["content"].startswith(RECALL_LABEL) and f"user: {fact}" in block["content"]
 
 
 def test_usage_line_has_backend_numbers(open_webui: OpenWebUI, backend: FakeBackend, cw: str, admin_id: str) -> None:

@@ -1,0 +1,270 @@
+"""A chat that goes on: what each turn sends for its question, and what a prompt cache can serve.
+
+Data: LoCoMo (Maharana et al., ACL 2024, snap-research/locomo, CC BY-NC 4.0), the dev half read
+from `../shared/bench/locomo-dev/locomo_dev.json` (see bench/quality.py; never copied here).
+Each conversation becomes one chat (as in bench/quality.py, after a system prompt); then its
+answerable questions (categories 1-4, with evidence) are asked in order in that ONE chat, each
+followed by its gold answer. Per budget (1k, 2k, 4k, 8k) and method, every turn records:
+
+- evidence sent: every evidence message's text is present verbatim in what is sent;
+- cacheable: the sent tokens that repeat the previous turn's sent prompt from its start
+  (whole leading messages equal; a provider caches only prompts of 1,024 tokens or more,
+  which the costs below apply, the share does not);
+- re-selections: trimmed turns that did not send the previous selection again;
+- fill: sent tokens / budget;
+- cost of the prompts per 100 turns at the bundled prices (pricing.json), (i) cache warm:
+  the cacheable prefix at the cache-read price (when >= 1,024 tokens), for models that charge
+  cache writes (Anthropic) the part the next turn reads again at the write price, the rest at
+  the input price; (ii) no cache: everything at the input price. Replies are not counted
+  (the same gold answers for every method).
+
+Methods: `carried` (the decision passed on exactly as the filter does: through JSON, kept when a
+turn has none), `carried, no recall` (the same with `recall_share=0`: before issue 14),
+`fresh` (no previous decision: a new selection every turn) and `everything` (no trim).
+Tokens are counted with o200k_base (gpt-4o) for all models.
+
+    PYTHONPATH=src python bench/multiturn.py [path/to/locomo_dev.json] [--quick] [--recall-share X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
+
+import contextwarden  # noqa: E402
+from contextwarden import TrimDecision, trim_messages  # noqa: E402
+from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
+from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
+from contextwarden import trim as trim_module  # noqa: E402
+from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import ANSWERABLE, DEFAULT_DATA, conversation_chat  # noqa: E402
+
+MODEL = "gpt-4o"
+BUDGETS = (1_000, 2_000, 4_000, 8_000)
+PRICED = ("openai/gpt-5", "openai/gpt-4.1", "anthropic/claude-sonnet-4.5")
+MIN_CACHED_PROMPT = 1_024  # OpenAI and Anthropic (Sonnet) cache only prompts of at least this many tokens
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and kindly, using the conversation."}
+METHODS = ("carried", "carried, no recall", "fresh", "everything")
+TUNE = (0, 1)  # conversations the recall rules were looked at on; the others are reported apart
+
+
+def questions(sample: dict, where: dict[str, int]) -> list[tuple[str, str, list[int]]]:
+    """(question, gold answer, evidence message indices) of the answerable items, in order."""
+    found = []
+    for qa in sample["qa"]:
+        if qa.get("category") not in ANSWERABLE:
+            continue
+        ids = [d for e in qa.get("evidence", []) for d in re.split(r"[;,\s]+", str(e)) if d]
+        evidence = sorted({where[d] for d in ids if d in where})
+        if evidence:
+            found.append((qa["question"], str(qa.get("answer", "")), evidence))
+    return found
+
+
+def _text(message: dict) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
+
+
+def common_prefix(a: list[dict], b: list[dict]) -> int:
+    """How many leading messages of `a` and `b` are equal."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_chat(history: list[dict], asked: list[tuple[str, str, list[int]]], budget: int, method: str,
+             counter: TokenCounter, recall_share: float) -> list[dict]:
+    """Every turn of one chat under one method: what it sent and how that compares to the turn before."""
+    chat = [SYSTEM] + history
+    offset = 1
+    stored: str | None = None
+    last: list[dict] | None = None
+    turns = []
+    for question, answer, evidence in asked:
+        chat.append({"role": "user", "content": question})
+        if method == "everything":
+            sent, changed, reused = list(chat), False, False
+        else:
+            previous = TrimDecision.from_json(stored) if stored and method.startswith("carried") else None
+            share = 0.0 if method == "carried, no recall" else recall_share
+            result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=previous,
+                                   recall_share=share)
+            if result.decision is not None:  # the filter keeps the stored decision when a turn makes none
+                stored = result.decision.to_json()
+            sent, changed, reused = result.messages, result.changed, result.reused
+        costs = [counter.count_message(m, MODEL) for m in sent]
+        tokens = TOKENS_PER_REPLY + sum(costs)
+        texts = [_text(m) for m in sent]
+        hit = all(any(_text(chat[e + offset]) in t for t in texts) for e in evidence)
+        shared = common_prefix(last, sent) if last is not None else 0
+        turns.append({"tokens": tokens, "cacheable": sum(costs[:shared]), "evidence": hit,
+                      "reselected": changed and not reused, "costs": costs, "sent": sent})
+        last = [dict(m) for m in sent]
+        chat.append({"role": "assistant", "content": answer})
+    for k, turn in enumerate(turns):  # what the next turn reads again: written to a cache this turn
+        nxt = turns[k + 1] if k + 1 < len(turns) else None
+        turn["read_next"] = sum(turn["costs"][: common_prefix(turn["sent"], nxt["sent"])]) if nxt else 0
+        del turn["sent"], turn["costs"]
+    return turns
+
+
+def prices() -> dict[str, dict[str, Decimal]]:
+    table = json.loads((ROOT / "pricing.json").read_text())["models"]
+    out = {}
+    for model in PRICED:
+        row = table[model]
+        out[model] = {k: Decimal(row[k] or "0") for k in ("prompt", "cache_read", "cache_write")}
+    return out
+
+
+def turn_cost(turn: dict, price: dict[str, Decimal], warm: bool) -> Decimal:
+    if not warm:
+        return turn["tokens"] * price["prompt"]
+    cached = turn["cacheable"] if turn["cacheable"] >= MIN_CACHED_PROMPT else 0
+    rest = turn["tokens"] - cached
+    written = 0
+    if price["cache_write"] > 0 and turn["read_next"] >= MIN_CACHED_PROMPT:
+        written = max(0, turn["read_next"] - cached)
+    return cached * price["cache_read"] + written * price["cache_write"] + (rest - written) * price["prompt"]
+
+
+def summarize(turns: list[dict], budget: int, priced: dict) -> dict:
+    n = len(turns)
+    sent = sum(t["tokens"] for t in turns)
+    row = {
+        "turns": n,
+        "evidence_sent": round(sum(t["evidence"] for t in turns) / n, 3),
+        "cacheable_share": round(sum(t["cacheable"] for t in turns) / sent, 3),
+        "reselections_per_100": round(100 * sum(t["reselected"] for t in turns) / n, 1),
+        "mean_fill": round(statistics.fmean(t["tokens"] / budget for t in turns), 3),
+        "mean_tokens": round(sent / n),
+    }
+    for model, price in priced.items():
+        for warm in (True, False):
+            total = sum((turn_cost(t, price, warm) for t in turns), Decimal(0))
+            row[f"{model} {'warm' if warm else 'nocache'}"] = float(round(total * 100 / n, 4))
+    return row
+
+
+def run(path: Path, quick: bool, recall_share: float) -> dict:
+    counter = TokenCounter(block=True)
+    assert counter.wait_ready(MODEL)
+    samples = json.loads(path.read_text())
+    priced = prices()
+    chats = []
+    for k, sample in enumerate(samples):
+        history, where = conversation_chat(sample)
+        asked = questions(sample, where)
+        chats.append((k, history, asked[::3] if quick else asked))
+    results: dict = {}
+    for budget in BUDGETS:
+        for method in METHODS:
+            per_chat = {k: run_chat(history, asked, budget, method, counter, recall_share) for k, history, asked in chats}
+            every = [t for k in per_chat for t in per_chat[k]]
+            results[f"{budget}|{method}"] = {
+                "all": summarize(every, budget, priced),
+                "tuned": summarize([t for k in TUNE for t in per_chat[k]], budget, priced),
+                "held": summarize([t for k in per_chat if k not in TUNE for t in per_chat[k]], budget, priced),
+            }
+        print(f"budget {budget} done", file=sys.stderr)
+    return results
+
+
+def markdown(results: dict, meta: dict) -> str:
+    lines = ["# A chat that goes on: evidence sent and prompt cache (LoCoMo dev half)", "",
+             "Generated by `bench/multiturn.py`. Data: LoCoMo by Maharana et al., ACL 2024, snap-research/locomo,",
+             "CC BY-NC 4.0 (non-commercial); these numbers are under the same terms.", "",
+             f"- {meta['machine']}, Python {meta['python']}, contextwarden {meta['version']}; load average "
+             f"{meta['load_start']} at start, {meta['load_end']} at end; {meta['seconds']:.0f} s",
+             f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, each in its "
+             f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}; "
+             f"counts o200k_base + 4 per message", "",
+             "## Evidence sent, cacheable share, re-selections, fill", "",
+             "| budget | method | evidence sent | cacheable share | re-selections / 100 turns | mean fill |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for key, row in results.items():
+        budget, method = key.split("|")
+        r = row["all"]
+        lines.append(f"| {int(budget):,} | {method} | {r['evidence_sent']:.3f} | {r['cacheable_share']:.1%} | "
+                     f"{r['reselections_per_100']:.1f} | {r['mean_fill']:.0%} |")
+    lines += ["", "## Targets (issue 14)", "", "| target | measured | met |", "|---|---|:-:|"]
+    for budget, share in ((2_000, 0.55), (8_000, 0.65)):
+        carried, fresh = results[f"{budget}|carried"]["all"], results[f"{budget}|fresh"]["all"]
+        ratio = carried["evidence_sent"] / fresh["evidence_sent"]
+        lines.append(f"| {budget // 1000}k: evidence carried >= 0.9 x fresh | {carried['evidence_sent']:.3f} / "
+                     f"{fresh['evidence_sent']:.3f} = {ratio:.2f} | {'yes' if ratio >= 0.9 else '**no**'} |")
+        lines.append(f"| {budget // 1000}k: cacheable share >= {share:.0%} | {carried['cacheable_share']:.1%} | "
+                     f"{'yes' if carried['cacheable_share'] >= share else '**no**'} |")
+    lines += ["", "## Tuned on conversations 1-2, held out 3-5 (evidence sent / cacheable share)", "",
+              "| budget | method | conversations 1-2 | conversations 3-5 |", "|---:|---|---:|---:|"]
+    for key, row in results.items():
+        budget, method = key.split("|")
+        t, h = row["tuned"], row["held"]
+        lines.append(f"| {int(budget):,} | {method} | {t['evidence_sent']:.3f} / {t['cacheable_share']:.1%} | "
+                     f"{h['evidence_sent']:.3f} / {h['cacheable_share']:.1%} |")
+    lines += ["", "## Prompt cost per 100 turns, USD: cache warm / no cache", "",
+              "| budget | method | " + " | ".join(PRICED) + " |", "|---:|---|" + "---:|" * len(PRICED)]
+    for key, row in results.items():
+        budget, method = key.split("|")
+        r = row["all"]
+        cells = [f"{r[f'{m} warm']:.4f} / {r[f'{m} nocache']:.4f}" for m in PRICED]
+        lines.append(f"| {int(budget):,} | {method} | " + " | ".join(cells) + " |")
+    lines += ["", "Cache warm: the prefix equal to the previous turn's prompt at the cache-read price when it is at least "
+              "1,024 tokens; for Anthropic also the cache-write price (1.25x input) on the part the next turn reads "
+              "again; the rest at the input price. `everything` is the same under every budget."]
+    return "\n".join(lines) + "\n"
+
+
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA))
+    parser.add_argument("--quick", action="store_true", help="every third question, no files written")
+    parser.add_argument("--recall-share", type=float, default=DEFAULT_RECALL_SHARE)
+    parser.add_argument("--remake", action="store_true", help="re-make the recall block every turn (earlier blocks not sent again)")
+    args = parser.parse_args()
+    if args.remake:
+        trim_module._CARRY_RECALLS = False
+    seed_tiktoken_cache()
+    load_start = round(os.getloadavg()[0], 2)
+    started = time.perf_counter()
+    results = run(Path(args.data), args.quick, args.recall_share)
+    any_row = next(iter(results.values()))["all"]
+    meta = {"machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}",
+            "python": platform.python_version(), "version": contextwarden.__version__,
+            "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "seconds": time.perf_counter() - started,
+            "conversations": len(json.loads(Path(args.data).read_text())), "turns": any_row["turns"],
+            "recall_share": args.recall_share, "quick": args.quick, "remake": args.remake}
+    text = markdown(results, meta)
+    print(text)
+    if not args.quick:
+        out = ROOT / "bench" / "results"
+        (out / "multiturn.md").write_text(text)
+        (out / "multiturn.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

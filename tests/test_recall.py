@@ -1,0 +1,226 @@
+"""The per-turn recall block of a chat that goes on (issue 14): the dropped messages the new
+question needs are quoted right before it, while the prompt before them stays the previous
+turn's, and earlier turns' blocks are sent again unchanged (the prompt grows append-only)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+
+from contextwarden import Filter, TrimDecision, trim_messages
+from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
+from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, RECALL_CONTEXT_TERMS, recall_scores, relevance_terms, score_messages
+from contextwarden.selection import Recall, choose_recall, recall_candidates
+
+from chats import check_contract
+
+MODEL = "gpt-4o"
+BUDGET = 600
+
+
+def river_chat(turns: int = 8) -> list[dict]:
+    """An early fact (a locker code), then turns of filler about rivers, then a question."""
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "My locker code is 4417 and my bike is a green Batavus."},
+            {"role": "assistant", "content": "Noted: locker 4417, green Batavus bike."}]
+    for n in range(turns):
+        chat += [{"role": "user", "content": f"Tell me fact {n} about rivers and deltas. " * 3},
+                 {"role": "assistant", "content": f"Fact {n}: rivers carry silt to their deltas, slowly. " * 6}]
+    chat.append({"role": "user", "content": "More about deltas?"})
+    return chat
+
+
+def next_turn(chat: list[dict], question: str, reply: str = "Sure.") -> list[dict]:
+    return chat + [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+def trim(chat, previous=None, **options):
+    """A trim at BUDGET; a chat's first trim (no `previous`) fills half of it, so that the next
+    turn has room for a recall block (a first trim at the default watermark leaves none, and
+    the next turn selects anew: see test_a_selection_without_room_for_the_recall_is_redone)."""
+    options = {"max_tokens": BUDGET, "model": MODEL, **({"low_watermark": 0.5} if previous is None else {}), **options}
+    return trim_messages(chat, previous=previous, **options)
+
+
+def test_a_dropped_fact_is_recalled_and_the_prefix_is_kept(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    assert 1 in first.dropped and not first.recalled  # the first trim of a chat recalls nothing
+    later_chat = next_turn(chat, "Which locker code did I ask you to remember at the start?")
+    later = trim(later_chat, TrimDecision.from_json(first.decision.to_json()), token_counter=counter)
+    check_contract(later_chat, later, counter, MODEL)
+    assert later.reused and {1, 2} <= set(later.recalled)
+    assert later.messages[: len(first.messages)] == first.messages
+    block = later.messages[later.stable_prefix]
+    assert block["role"] == "user" and block["content"].startswith(RECALL_LABEL)
+    assert "user: My locker code is 4417 and my bike is a green Batavus." in block["content"]
+    assert later.messages[later.stable_prefix + 1] is later_chat[-1]
+    assert later.stable_prefix == len(later.messages) - 2
+    assert later.tokens_after == counter.count_messages(later.messages, MODEL) <= BUDGET
+
+
+def test_earlier_blocks_are_sent_again_unchanged(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter)
+    third_chat = next_turn(second_chat, "And which bike did I say I ride, Batavus?")
+    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter)
+    check_contract(third_chat, third, counter, MODEL)
+    assert third.reused
+    # Everything the second turn sent, its block included, is the third turn's prefix.
+    assert third.messages[: len(second.messages)] == second.messages
+    assert set(second.recalled) <= set(third.recalled)
+    new_block = is_recall_message(third.messages[-2])
+    assert third.stable_prefix == len(third.messages) - (2 if new_block else 0)
+    # The bike message is quoted already: it is not quoted a second time.
+    assert sum(m["content"].count("green Batavus bike") for m in third.messages if is_recall_message(m)) == 1
+
+
+def test_nothing_relevant_means_no_block(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    later_chat = next_turn(chat, "Could you summarise everything politely in German please?")
+    later = trim(later_chat, first.decision, token_counter=counter)
+    assert later.reused and not later.recalled
+    assert later.stable_prefix == len(later.messages)
+    assert not recall_positions(later.messages)
+
+
+@pytest.mark.parametrize("options", [{"recall_share": 0}, {"strategy": "recent"}])
+def test_no_recall_when_switched_off_or_not_scoring(counter, options):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter, **options)
+    later = trim(next_turn(chat, "What is my locker code?"), first.decision, token_counter=counter, **options)
+    assert not later.recalled and not recall_positions(later.messages)
+
+
+def test_trimming_the_result_again_adds_no_second_block(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    later_chat = next_turn(chat, "What is my locker code?")
+    later = trim(later_chat, first.decision, token_counter=counter)
+    assert later.recalled
+    again = trim(copy.deepcopy(later.messages), first.decision, token_counter=counter)
+    assert again.messages == later.messages and not again.changed
+    # Grown past the budget on a second pass (say RAG text added), the old block is replaced, not doubled.
+    grown = copy.deepcopy(later.messages)
+    grown[-1]["content"] += " Context: " + "deltas form where rivers meet the sea. " * 25
+    redone = trim(grown, first.decision, token_counter=counter)
+    check_contract(grown, redone, counter, MODEL)
+    assert len(recall_positions(redone.messages)) <= 1
+    assert recall_positions(grown)[0] in redone.dropped
+
+
+def test_a_selection_without_room_for_the_recall_is_redone(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    question = "Which locker code did I ask you to remember at the start?"
+    # A reply long enough that the previous selection plus this turn leaves under 20 tokens free.
+    for words in range(400, 0, -1):
+        later_chat = next_turn(chat, question, reply="Sure. " * words)
+        plain = trim(later_chat, first.decision, token_counter=counter, recall_share=0)
+        if plain.reused and plain.tokens_after >= BUDGET - 20:
+            break
+    else:
+        pytest.fail("no reply length leaves the selection just fitting")
+    later = trim(later_chat, first.decision, token_counter=counter)
+    check_contract(later_chat, later, counter, MODEL)
+    assert not later.reused  # no room for what the question needs: a new selection, with room for it
+    assert {1, 2} <= set(later.recalled) | set(later.kept)
+
+
+def test_fast_and_full_path_agree_with_blocks(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter)
+    third_chat = json.loads(json.dumps(next_turn(second_chat, "Which bike, the Batavus?")))
+    previous = TrimDecision.from_json(second.decision.to_json())
+    fast = trim(third_chat, previous, token_counter=counter)
+    full = trim(third_chat, replace(previous, seen=0), token_counter=counter)
+    assert fast.messages == full.messages and fast.decision == full.decision
+    assert (fast.recalled, fast.stable_prefix, fast.tokens_after) == (full.recalled, full.stable_prefix, full.tokens_after)
+
+
+def test_an_edited_recalled_message_ends_the_selection(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter)
+    assert second.recalled
+    edited = copy.deepcopy(next_turn(second_chat, "Anything else about deltas?"))
+    edited[1]["content"] = "My locker code is 9999."
+    third = trim(edited, second.decision, token_counter=counter)
+    check_contract(edited, third, counter, MODEL)
+    assert not third.reused  # the block could not be sent again as it was: a new selection
+
+
+def test_recall_share_is_checked():
+    with pytest.raises(ValueError, match="recall_share"):
+        trim_messages([{"role": "user", "content": "x"}], max_tokens=100, recall_share=0.9)
+
+
+def test_decision_keeps_its_recalls_through_json():
+    decision = TrimDecision(1000, 500, "relevance", ("a" * 16, "b" * 16), at=(3, 9), seen=10,
+                            recalls=(Recall(9, (1, 2), ("c" * 16, "d" * 16)),))
+    assert TrimDecision.from_json(decision.to_json()) == decision
+    data = json.loads(decision.to_json())
+    for bad in ([[9, [2, 1], ["x", "y"]]], [[9, [1], []]], [[9, [12], ["x"]]], [["9", [1], ["x"]]], "nope"):
+        data["recalls"] = bad
+        assert TrimDecision.from_json(json.dumps(data)).recalls == ()
+    assert replace(decision, at=(3, 8), kept=decision.kept).recalls == ()  # anchor not kept: dropped
+    del data["recalls"]  # decisions written before recall still read
+    assert TrimDecision.from_json(json.dumps(data)).recalls == ()
+
+
+def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b " * 50}, {"role": "user", "content": "c"},
+            {"role": "tool", "content": ""}, {"role": "system", "content": "s"}, recall_message([{"role": "user", "content": "z"}], [0]),
+            {"role": "user", "content": "q"}]
+    scores = [1.0, 9.0, 0.0, 5.0, 5.0, 5.0, 0.0]
+    # the tool message has no text, the system one is not recallable, a recall block never again
+    candidates = recall_candidates(chat, scores)
+    assert candidates == [0, 1]
+    costs = {0: 5, 1: 60}
+    # message 1 is worth most per square-root token (9 / 60 ** 0.5 > 1 / 5 ** 0.5)
+    assert choose_recall(candidates, {6}, scores, costs, room=64) == [1]
+    assert choose_recall(candidates, {6}, scores, costs, room=65) == [0, 1]
+    assert choose_recall(candidates, {6}, scores, costs, room=59) == [0]
+    assert choose_recall(candidates, {6, 0}, scores, costs, room=4) == []
+
+
+@pytest.mark.parametrize("question", ["More about deltas?", "Which green bike brand and locker code did I mention?", "Thanks!"])
+def test_recall_scores_are_score_messages_on_the_questions_own_terms(question):
+    chat = river_chat()
+    chat[-1] = {"role": "user", "content": question}
+    q = len(chat) - 1
+    short = len(set(relevance_terms(question))) <= RECALL_CONTEXT_TERMS  # a follow-up: the turns before it count
+    weights = DEFAULT_RELEVANCE_WEIGHTS if short else replace(DEFAULT_RELEVANCE_WEIGHTS, context_weight=0.0)
+    assert recall_scores(chat, question=q, exclude=[0]) == pytest.approx(
+        score_messages(chat, question=q, exclude=[0], weights=weights), rel=1e-12, abs=1e-15)
+
+
+def test_filter_request_pass_keeps_the_one_block():
+    """inlet then request (Open WebUI runs both) with the chat's stored decision: one block."""
+    f = Filter()
+    f.valves.max_context_tokens = BUDGET + 1024
+    f.valves.openrouter_pricing = False
+    chat = river_chat()
+    meta = {"chat_id": "c1", "user_id": "u1"}
+    user = {"id": "u1"}
+
+    async def turn(messages):
+        body = {"model": MODEL, "messages": messages, "metadata": dict(meta)}
+        out = await f.inlet(body, __user__=user, __metadata__=body["metadata"])
+        again = await f.request(copy.deepcopy(out), __user__=user, __metadata__=body["metadata"])
+        return out["messages"], again["messages"]
+
+    asyncio.run(turn(chat))
+    sent, resent = asyncio.run(turn(next_turn(chat, "What is my locker code?")))
+    assert resent == sent
+    assert len(recall_positions(sent)) == 1 and "4417" in sent[recall_positions(sent)[0]]["content"]
