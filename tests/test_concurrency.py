@@ -92,8 +92,13 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         if u % 7 == 0:
             assert run.events.items == []
         else:
-            assert len(run.events.statuses) == 3 and all(e["data"]["done"] is True for e in run.events.items)
-            assert run.events.statuses[1].endswith(f"(fits {user_budget(u):,})")  # request: its own budget
+            # one context line a turn (the request pass changes nothing, so it says nothing), then usage
+            assert len(run.events.statuses) == 2 and all(e["data"]["done"] is True for e in run.events.items)
+            context = run.events.statuses[0]
+            if len(sent) < len(chat):  # what its own trim did
+                assert context.startswith(f"Context {len(chat):,} → {len(sent):,} message"), context
+            else:  # its own budget
+                assert context.endswith(f"(fits {user_budget(u):,})"), context
         record = by_chat[chat_id]
         assert record["user_id"] == user_id[u]
         assert record["estimated_prompt_tokens"] == note["estimated_prompt_tokens"]

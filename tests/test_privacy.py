@@ -113,7 +113,8 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
                 f.Valves.model_construct(redis_url=API_KEY),
             ):
                 f.valves = valves
-                run = await run_turn(f, secret_chat(6), user={**user, "valves": f.UserValves.model_construct(show_status=EMAIL)}, chat_id="valves", events=events)
+                admin = {**user, "role": "admin", "valves": f.UserValves.model_construct(show_status=EMAIL)}  # who can fix valves
+                run = await run_turn(f, secret_chat(6), user=admin, chat_id="valves", events=events)
                 assert isinstance(run.after_request["messages"], list)
             statuses += events.statuses
         finally:

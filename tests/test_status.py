@@ -35,6 +35,73 @@ async def test_a_mandatory_part_over_the_budget_is_told_once(counter):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     run = await run_turn(f, [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     context = [s for s in run.events.statuses if s.startswith("Context")]
-    assert len(context) == 2  # inlet and request
+    assert len(context) == 1  # one line a turn: the request pass changes nothing, so it says nothing
     for line in context:
         assert line.count("over budget") == 1 and "fits" not in line, line
+
+
+# -- what is left showing after a reply (issue 17 items 1, 2, 5) -------------------------------
+
+
+def long_chat(turns: int = 12) -> list[dict]:
+    chat: list[dict] = [{"role": "system", "content": "Be brief."}]
+    for i in range(turns):
+        chat += [{"role": "user", "content": f"Question {i} about the harbour " * 20},
+                 {"role": "assistant", "content": f"Answer {i} about the lantern " * 20}]
+    return chat + [{"role": "user", "content": "And now?"}]
+
+
+async def test_one_context_line_a_turn_and_the_last_line_says_what_the_trim_did(counter):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
+    chat = long_chat()
+    run = await run_turn(f, chat)
+    sent = run.after_request["messages"]
+    assert len(sent) < len(chat)
+    statuses = run.events.statuses
+    assert len(statuses) == 2  # inlet's context line (request changed nothing: no second one), then usage
+    assert statuses[0].startswith(f"Context {len(chat)} → {len(sent)} messages · ")
+    assert statuses[-1].endswith(f" · trimmed {len(chat)} → {len(sent)} messages"), statuses[-1]
+
+
+async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counter):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
+    chat = long_chat()
+    events_hooks = {"__user__": {"id": "u1"}}
+    body = {"model": "gpt-4o", "messages": chat, "metadata": {"chat_id": "rag", "user_id": "u1"}}
+    from test_filter import Events
+
+    events = Events()
+    first = await f.inlet(body, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)
+    rag = {"role": "user", "content": "Context from your documents: " + "harbour facts " * 60}
+    grown = {**first, "messages": first["messages"][:-1] + [rag, first["messages"][-1]]}
+    await f.request(grown, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)
+    context = [s for s in events.statuses if s.startswith("Context")]
+    assert len(context) == 2 and all(line.startswith(f"Context {len(chat)} → ") for line in context), context
+
+
+def test_one_message_is_singular():
+    assert status_line(TurnChoice([{}], 1, 40, 40, 500, "exact"), Flags()).startswith("Context 1 message · 40 tokens")
+    assert status_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()).startswith("Context 3 → 1 message · ")
+
+
+@pytest.mark.parametrize("note", [
+    {"savings": {"messages_before": 10**30}, "sent_messages": 1},
+    {"savings": {"messages_before": "9"}, "sent_messages": 1},
+    {"savings": {"messages_before": 3}, "sent_messages": 9},
+    {"savings": [], "sent_messages": True},
+    {},
+])
+def test_the_trim_summary_ignores_a_note_it_did_not_write(note):
+    from contextwarden.filter import trim_summary
+
+    assert trim_summary(note) == ""
+
+
+async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users(counter):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300, strategy="newest-please")
+    told = "strategy must be one of relevance, recent; using relevance"
+    admin = await run_turn(f, long_chat(), user={"id": "a1", "role": "admin"}, chat_id="a")
+    assert sum(told in s for s in admin.events.statuses) == 1  # inlet only: not request, not outlet
+    plain = await run_turn(f, long_chat(), user={"id": "u1", "role": "user"}, chat_id="u")
+    assert not any("strategy" in s for s in plain.events.statuses)
+    assert all("newest-please" not in s for s in admin.events.statuses)  # never the value

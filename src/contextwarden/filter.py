@@ -228,6 +228,27 @@ def _cache_view_ok(view: object) -> bool:
         type(view.get(k)) is int and view[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
 
 
+def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: dict) -> TurnChoice:
+    """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
+    pass already trimmed, so its line counts from the chat the turn began with."""
+    shortened = note.get("shortened")
+    earlier = shortened if isinstance(shortened, int) and 0 <= shortened <= messages_before else 0
+    return replace(choice, count_before=messages_before, tokens_before=choice.tokens_after + removed,
+                   shortened=max(choice.shortened, earlier))
+
+
+def trim_summary(note: dict) -> str:
+    """` · trimmed 9 → 1 messages` for the usage line after a reply (the line left showing), from
+    the turn note; "" when nothing was cut or the note is not this filter's (outlet input is hostile)."""
+    savings = note.get("savings") if isinstance(note.get("savings"), dict) else {}
+    before, after = (read_count(v) if isinstance(v, int) else None for v in (savings.get("messages_before"), note.get("sent_messages")))
+    shortened = read_count(note.get("shortened")) if isinstance(note.get("shortened"), int) else None
+    if before is None or after is None or after > before or (before == after and not shortened):
+        return ""
+    text = f" · trimmed {before:,} → {after:,} {'message' if after == 1 else 'messages'}" if before != after else " · trimmed"
+    return text + (f", {shortened:,} shortened" if shortened else "")
+
+
 def _decision(text: str | None) -> TrimDecision | None:
     """The stored decision, or None when there is none or it is from another version."""
     if text is None:
@@ -343,7 +364,7 @@ class Filter:
         metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
         if isinstance(metadata, dict) and metadata.get("task"):
             return body
-        settings = await self._settings(user, emit)
+        settings = await self._settings(user, emit if hook == "inlet" else None)  # valve problems: once a turn
         if settings.mode == "off":
             return body
         shadow = settings.mode == "shadow"
@@ -410,8 +431,13 @@ class Filter:
                 note["flags"] = flags.to_dict()
             metadata[METADATA_KEY] = note
         if settings.show_status:
-            line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(choice, flags)
-            await self._emit(emit, line + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""))
+            turn = choice if shadow else _turn_so_far(choice, messages_before, removed, note)
+            line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(turn, flags)
+            line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
+            if line != note.get("line"):  # one line a turn: a later pass that changes nothing says nothing
+                await self._emit(emit, line)
+            if isinstance(metadata, dict):
+                note.update(line=line, sent_messages=len(turn.messages), shortened=turn.shortened)
         if shadow:
             return body
         out = choice.messages
@@ -675,7 +701,7 @@ class Filter:
     ) -> None:
         if not _is_chat_body(body) or not body["messages"]:
             return
-        settings = await self._settings(user, emit)
+        settings = await self._settings(user, None)  # valve problems were shown before the reply
         metadata = metadata if isinstance(metadata, dict) else {}
         note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
         model_id = _base_model_id(body, model)
@@ -747,8 +773,9 @@ class Filter:
             await compute(off, self._counter.count_message, reply, model_id)  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
+            trimmed = trim_summary(note) if mode == "enforce" else ""
             await self._emit(emit, " · ".join(filter(None, (
-                usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow"), spent))))
+                usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow") + trimmed, spent))))
 
     async def _reply_savings(
         self, billed: Usage, note: dict, mode: str, tokens_saved: int | None, resolution: Resolution, model_id: str
@@ -843,7 +870,12 @@ class Filter:
     # -- shared helpers -----------------------------------------------------------------------
 
     async def _settings(self, user: dict | None, emit: Emitter | None) -> Settings:
+        """The turn's settings; valve problems are logged once, and shown (never their values)
+        to admins only, since other users cannot fix them: pass `emit` on one pass a turn."""
         user_valves = user.get("valves") if isinstance(user, dict) else None
+        role = user.get("role") if isinstance(user, dict) else None
+        if role is not None and role != "admin":  # Open WebUI always says; a caller without roles sees them
+            emit = None
         settings, problems = self._read_settings(user_valves)
         for problem in problems:
             await self._report(problem, emit)

@@ -136,10 +136,14 @@ def status_line(choice: TurnChoice, flags: Flags) -> str:
     if choice.full:
         line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = f"Context {choice.count_before:,} → {after:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+        line = f"Context {choice.count_before:,} → {_messages(after)} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
     else:
-        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"
+        line = f"Context {_messages(after)} · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)
+
+
+def _messages(count: int) -> str:
+    return f"{count:,} message" if count == 1 else f"{count:,} messages"
 
 
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
