@@ -157,7 +157,7 @@ def explain_trim(
             reasons.append("everything fits the budget")
         else:
             if i in pins:
-                reasons.append("pinned" if sent else "pinned, but did not fit")
+                reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
             if turn_of.get(i) in recent:
                 reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
             if result.reused:

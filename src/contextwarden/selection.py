@@ -1,6 +1,6 @@
 """Choosing what to keep under a budget, and keeping that choice stable between turns.
 
-The hard part (system messages, the current turn) is always kept; then pinned units and the
+The hard part (system messages, the current turn) and pinned units are always kept; then the
 last `keep_last_turns` turns while they fit; then either the newest turns (`recent`) or the
 units worth most per token (`relevance`). A unit is kept or dropped whole: one message, or an
 assistant `tool_calls` message with its `tool` replies. `TrimDecision` records what was kept
@@ -309,10 +309,15 @@ def _plan(conversation: Conversation) -> _Plan:
     return _Plan(hard, tuple(units), tuple(unit_turn), tuple(turn_user))
 
 
+def _pinned_units(plan: _Plan, pinned: Collection[int]) -> list[int]:
+    """The optional units holding a pinned index (pins are mandatory: kept whatever they cost)."""
+    pins = set(pinned)
+    return [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
+
+
 def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
     """Units to add before any other, in order: pinned ones, then the last turns newest first."""
-    pins = set(pinned)
-    order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
+    order = _pinned_units(plan, pinned)
     recent = recent_turns(conversation, keep_last_turns)
     order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent and u not in order]
     return order
@@ -339,8 +344,8 @@ def choose_indices(
 
     `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
 
-    `budget` covers the messages (reply priming is the caller's); the hard part is returned
-    even when it alone is over. The result never begins its history with an assistant or tool
+    `budget` covers the messages (reply priming is the caller's); the hard part and the pinned
+    units are returned even when they alone are over. The result never begins its history with an assistant or tool
     message unless the input did: such a unit gets its turn's user message, or is let go.
 
     Example:
@@ -355,8 +360,9 @@ def choose_indices(
     left = budget - sum(costs[i] for i in keep)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
     taken: set[int] = set()
+    must = set(_pinned_units(plan, pinned))
     for u in _preferred(plan, conversation, keep_last_turns, pinned):
-        if unit_cost[u] <= left:
+        if unit_cost[u] <= left or u in must:
             taken.add(u)
             left -= unit_cost[u]
     rest = [u for u in range(len(plan.units)) if u not in taken]

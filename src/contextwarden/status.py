@@ -12,7 +12,7 @@ from .flags import Flags
 from .savings import Savings
 from .selection import TrimDecision
 from .cache_hints import carried_prefix
-from .trim import TrimResult
+from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
 __all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status", "savings_status"]
@@ -102,6 +102,7 @@ class TurnChoice:
     full: bool = False
     reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
     carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
+    pins_shortened: bool = False  # pinned messages alone were over the budget and were cut middle-out
 
     @classmethod
     def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
@@ -120,6 +121,7 @@ class TurnChoice:
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
+            pins_shortened=PINS_SHORTENED_NOTE in result.notes,
         )
 
 
@@ -149,6 +151,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
+    if choice.pins_shortened:
+        line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
         line += " · still over budget"
     if choice.count_mode == "estimate":

@@ -26,11 +26,13 @@ from .relevance import score_messages
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
-__all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
+__all__ = ["TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "PINS_SHORTENED_NOTE", "PINS_DROPPED_NOTE", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
 
 DEFAULT_LOW_WATERMARK = 0.8
 DEFAULT_GROWTH_TURNS = 2
 SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
+PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
+PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
 MIN_KEPT_TEXT_TOKENS = 0
 
 _default_counter: TokenCounter | None = None
@@ -110,8 +112,9 @@ def trim_messages(
             order; `"recent"` keeps the newest whole turns that fit.
         keep_last_turns: the last N turns (the current one counts) are kept before anything
             else, while they fit. Default 1: the current turn only.
-        pinned: input indices kept (with their unit) before anything else, while they fit,
-            e.g. messages a user marked with `!pin`.
+        pinned: input indices that are mandatory content (with their unit), e.g. messages a
+            user marked with `!pin`: kept whatever the watermark; when the mandatory part is
+            over budget they are shortened middle-out like the rest of it (a note says so).
         previous: the `decision` of this chat's last trim. While its kept messages are still
             there and they plus everything newer fit, exactly those are sent again plus the
             new messages, so the prompt prefix stays byte-identical and provider caches hit.
@@ -162,8 +165,7 @@ def trim_messages(
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
-    notes: list[str] = []
-    mandatory = mandatory_indices(conversation)
+    mandatory, replaced, over, notes, pinned = _mandatory_part(conversation, costs, max_tokens, counter, model, pinned)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
     keep: set[int] | None = None
@@ -180,14 +182,6 @@ def trim_messages(
             conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
             scores=scores,
         )
-
-    replaced: dict[int, Message] = {}
-    over = False
-    if mandatory_cost > max_tokens:
-        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
-        notes.append("mandatory content over budget: shortened")
-        if over:
-            notes.append("could not shorten enough")
 
     order = sorted(keep)
     sent = [replaced.get(i, messages[i]) for i in order]
@@ -286,6 +280,50 @@ def _extend_previous(
         decision=decision,
         reused=True,
     )
+
+
+def _mandatory_part(
+    conversation: Conversation, costs: list[int], max_tokens: int, counter: TokenCounter, model: str | None,
+    pinned: Collection[int],
+) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
+    """What must be sent (system, current turn, pins), its shortened copies when it alone is
+    over budget, whether it is still over, the notes, and the pins that stay mandatory: when
+    even shortened pins cannot fit (their markers alone are over), the budget wins and they
+    are let go (kept only while they fit, like other messages)."""
+    hard = mandatory_indices(conversation)
+    mandatory = _with_pins(conversation, hard, pinned)
+    pinned = sorted(set(mandatory).difference(hard))  # with their units and questions
+    notes: list[str] = []
+    if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+        return mandatory, {}, False, notes, pinned
+    replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    if over and len(mandatory) > len(hard):
+        mandatory, pinned = hard, ()
+        notes.append(PINS_DROPPED_NOTE)
+        if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+            return mandatory, {}, False, notes, pinned
+        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    notes.append("mandatory content over budget: shortened")
+    if set(replaced) & set(pinned):
+        notes.append(PINS_SHORTENED_NOTE)
+    if over:
+        notes.append("could not shorten enough")
+    return mandatory, replaced, over, notes, pinned
+
+
+def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collection[int]) -> list[int]:
+    """The mandatory indices plus every pinned one with the rest of its unit and, for a pinned
+    reply, its turn's question (a reply is never sent without it)."""
+    if not pinned:
+        return mandatory
+    pins = set(pinned)
+    keep = set(mandatory)
+    for turn in conversation.turns:
+        units = [u for u in turn.units if pins.intersection(u.indices)]
+        if units and turn.units[0].kind == "user":
+            units.append(turn.units[0])
+        keep.update(*(u.indices for u in units))
+    return sorted(keep)
 
 
 def selection_target(
