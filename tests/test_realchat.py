@@ -76,3 +76,123 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
         assert any(m["content"] == text for m in sent), f"pin dropped on turn {i}"
         assert counter.count_messages(sent, MODEL) <= PIN_BUDGET
     assert "→" in events.statuses[-1]  # the chat was being trimmed all along
+
+
+# --- item 1: tool definitions and response formats are counted ---------------------------------
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from contextwarden.budget import FixedCost, fixed_cost, prompt_budget, render_tools  # noqa: E402
+from contextwarden.calibration import Calibration  # noqa: E402
+
+from test_filter import body_of  # noqa: E402
+
+BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
+BROWSER_TOOLS = BUILTIN_TOOLS[:36]
+
+
+def cookbook_tool_tokens(tools, counter) -> int:
+    """OpenAI's cookbook rule of thumb for function definitions (gpt-4o constants)."""
+    total = 12
+    for tool in tools:
+        function = tool["function"]
+        total += 7 + counter.count_text(function["name"] + ":" + function.get("description", "").rstrip("."), MODEL)
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        total += 3 if properties else 0
+        for name, prop in properties.items():
+            total += 3
+            if "enum" in prop:
+                total += -3 + sum(3 + counter.count_text(str(v), MODEL) for v in prop["enum"])
+            total += counter.count_text(f"{name}:{prop.get('type')}:{prop.get('description', '').rstrip('.')}", MODEL)
+    return total
+
+
+def test_tool_definitions_count_like_openai(counter):
+    """Open WebUI's built-in tool definitions: within 10% of OpenAI's rule of thumb, below the
+    raw JSON (which no OpenAI model sees), and thousands of tokens."""
+    for tools in (BROWSER_TOOLS, BUILTIN_TOOLS):
+        counted = fixed_cost({"tools": tools}, counter, MODEL).tools
+        rule = cookbook_tool_tokens(tools, counter)
+        assert abs(counted - rule) <= 0.1 * rule, (counted, rule)
+        assert counted < counter.count_text(json.dumps(tools, separators=(",", ":")), MODEL)
+    assert fixed_cost({"tools": BROWSER_TOOLS}, counter, MODEL).tools > 3_000
+    assert fixed_cost({}, counter, MODEL) == FixedCost()
+
+
+def test_response_format_schema_is_counted(counter):
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "description": words(i, 20)} for i in range(20)}}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    cost = fixed_cost(body, counter, MODEL)
+    assert cost.response_format >= counter.count_text(json.dumps(schema, separators=(",", ":")), MODEL)
+    assert fixed_cost({"response_format": {"type": "text"}}, counter, MODEL).tokens == 0
+
+
+def test_hostile_tool_definitions_are_counted_not_fatal(counter):
+    deep: dict = {"type": "object", "properties": {}}
+    node = deep
+    for _ in range(50):
+        node["properties"]["x"] = {"type": "object", "properties": {}}
+        node = node["properties"]["x"]
+    tools = [None, 7, "tool", {"function": {"name": 3}}, {"function": {"name": "deep", "parameters": deep}}]
+    text = render_tools(tools)
+    assert "deep" in text and fixed_cost({"tools": tools}, counter, MODEL).tools > 50
+
+
+def test_the_budget_is_the_window_less_the_fixed_part():
+    plain = prompt_budget(3_500, Calibration(), FixedCost(tools=1_000, response_format=200))
+    assert (plain.total, plain.messages, plain.fixed_over) == (3_500, 2_300, False)
+    capped = prompt_budget(3_500, Calibration(factor=1.25, samples=5), FixedCost(tools=1_000), cap=2_000)
+    assert (capped.total, capped.messages) == (2_000, 1_000)
+    over = prompt_budget(3_500, Calibration(), FixedCost(tools=6_435))
+    assert over.fixed_over and over.messages == 64
+
+
+def long_history(turns: int = 30) -> list[dict]:
+    chat = [{"role": "system", "content": "Be helpful."}]
+    for i in range(turns):
+        chat += [{"role": "user", "content": f"q{i} " + words(i, 120)}, {"role": "assistant", "content": words(i + 5, 150)}]
+    return chat + [{"role": "user", "content": "What about the quartz?"}]
+
+
+async def test_browser_body_with_tools_fits_the_window(counter):
+    """A browser-style body (36 tool definitions, ~3.7k tokens) in a 6,000 window with 500
+    reserved: messages plus definitions fit the 5,500 budget, the note for outlet counts both,
+    and the status line names the definitions (before, the messages alone were fitted to 5,500)."""
+    f = make_filter(counter, max_context_tokens=6_000, reserve_output_tokens=500, calibrate_counts=False)
+    tools_cost = fixed_cost({"tools": BROWSER_TOOLS}, counter, MODEL).tools
+    chat = long_history()
+    b = {**body_of(chat), "tools": BROWSER_TOOLS}
+    events = Events()
+    out = await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
+    sent = counter.count_messages(out["messages"], MODEL)
+    assert 1_000 < sent and sent + tools_cost <= 5_500
+    assert out["tools"] is BROWSER_TOOLS
+    note = b["metadata"]["contextwarden"]
+    assert note["estimated_prompt_tokens"] == sent + tools_cost
+    assert f"incl. {tools_cost:,} for tool definitions" in events.statuses[-1]
+
+
+async def test_short_chat_with_tools_says_honestly_what_fits(counter):
+    """One short message and the definitions: the line counts both against the whole budget."""
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=500, calibrate_counts=False)
+    chat = [{"role": "user", "content": "Hi there"}]
+    b = {**body_of(chat), "tools": BROWSER_TOOLS}
+    events = Events()
+    await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
+    tools_cost = fixed_cost({"tools": BROWSER_TOOLS}, counter, MODEL).tools
+    total = counter.count_messages(chat, MODEL) + tools_cost
+    assert events.statuses[-1].startswith(f"Context 1 messages · {total:,} tokens (fits 7,500)")
+
+
+async def test_definitions_alone_over_the_window_are_said_plainly(counter):
+    """All 58 definitions (~5.9k) in a 4,000 window: the system prompt and question go whole,
+    the history goes, and the status line says the definitions alone are over the budget."""
+    f = make_filter(counter, max_context_tokens=4_000, reserve_output_tokens=500, calibrate_counts=False)
+    chat = long_history(4)
+    b = {**body_of(chat), "tools": BUILTIN_TOOLS}
+    events = Events()
+    out = await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
+    assert out["messages"] == [chat[0], chat[-1]]
+    line = events.statuses[-1]
+    assert "for tool definitions (alone over the budget" in line and "fits" not in line and "still over budget" in line

@@ -21,6 +21,7 @@ from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
+from .budget import PromptBudget, fixed_cost, prompt_budget
 from .cache_hints import (
     breakpoint_positions, breakpoint_provider, has_cache_markers, min_cacheable_tokens, needs_breakpoints, place_breakpoints,
     remove_breakpoints,
@@ -28,7 +29,6 @@ from .cache_hints import (
 from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
 from .calibration import (
     Calibration,
-    calibrated_budget,
     comparable_turn,
     load_calibration,
     save_calibration,
@@ -353,7 +353,6 @@ class Filter:
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
         if (problem := settings.reserve_problem(window)) is not None:
             await self._report(problem, emit)
-        budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
         incoming = body["messages"]
@@ -364,6 +363,8 @@ class Filter:
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
+        budget = prompt_budget(settings.budget(window), calibration, fixed_cost(body, self._counter, model_id), flags.budget,
+                               ceiling=settings.window_budget(window))
         key = chat_state_key(*_ids(body, user, metadata))
         state, stored_bytes = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
@@ -372,6 +373,7 @@ class Filter:
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
         choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off)
+        choice = choice.plus_fixed(budget.fixed.tokens, budget.fixed.label, budget.fixed_over, budget.total)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
@@ -397,7 +399,7 @@ class Filter:
             sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
-                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id)
+                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id) + budget.fixed.tokens
                 sent_messages = body["messages"]
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
@@ -468,21 +470,20 @@ class Filter:
         flags: Flags,
         state: ChatState,
         settings: Settings,
-        budget: int,
+        prompt: PromptBudget,
         model_id: str,
         previous: TrimDecision | None,
         embedder: OpenWebUIEmbedder | None = None,
         *,
         off: bool = False,
     ) -> TurnChoice:
-        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say
-        (`off`: the counting and the trim run off the event loop)."""
+        """Trim `messages` (flags already removed) into what `prompt` leaves for messages, as the
+        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop)."""
         counter = self._counter
+        budget = prompt.messages
         if flags.full:
             tokens = await compute(off, counter.count_messages, messages, model_id)
             return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
-        if flags.budget is not None:
-            budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
         at, merged = find_summary(messages)
         summary = messages[at] if at is not None else None
         base = messages if at is None else messages[:at] + messages[at + 1 :]
@@ -502,6 +503,7 @@ class Filter:
                 low_watermark=settings.low_watermark,
                 growth_turns=settings.growth_turns,
                 embed=embed,
+                shorten=not prompt.fixed_over,  # no cut makes it fit: send the question whole
             )
 
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one

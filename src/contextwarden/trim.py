@@ -88,6 +88,7 @@ def trim_messages(
     low_watermark: float = DEFAULT_LOW_WATERMARK,
     growth_turns: int = DEFAULT_GROWTH_TURNS,
     embed: Embed | None = None,
+    shorten: bool = True,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -133,6 +134,9 @@ def trim_messages(
             cosine to the question beside BM25. Vectors are cached per process by text, so
             later turns embed only new messages. When it fails, relevance stays lexical and
             a note says so.
+        shorten: False sends mandatory content that is over budget whole (`over_budget`)
+            instead of cutting it, e.g. when tool definitions alone fill the window and no
+            cut could make the prompt fit.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -165,7 +169,7 @@ def trim_messages(
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
-    mandatory, replaced, over, notes, pinned = _mandatory_part(conversation, costs, max_tokens, counter, model, pinned)
+    mandatory, replaced, over, notes, pinned = _mandatory_part(conversation, costs, max_tokens, counter, model, pinned, shorten)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
     keep: set[int] | None = None
@@ -266,7 +270,7 @@ def _extend_previous(
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
-        seen_chars=chars, counted_with=scheme,
+        seen_chars=chars, counted_with=counter.scheme(model),
     )
     return TrimResult(
         messages=[messages[i] for i in order],
@@ -284,7 +288,7 @@ def _extend_previous(
 
 def _mandatory_part(
     conversation: Conversation, costs: list[int], max_tokens: int, counter: TokenCounter, model: str | None,
-    pinned: Collection[int],
+    pinned: Collection[int], shorten: bool = True,
 ) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
     """What must be sent (system, current turn, pins), its shortened copies when it alone is
     over budget, whether it is still over, the notes, and the pins that stay mandatory: when
@@ -296,6 +300,8 @@ def _mandatory_part(
     notes: list[str] = []
     if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
         return mandatory, {}, False, notes, pinned
+    if not shorten:
+        return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned
     replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
     if over and len(mandatory) > len(hard):
         mandatory, pinned = hard, ()
