@@ -4,6 +4,8 @@ told. Each test failed before its fix."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from contextwarden.flags import Flags
@@ -196,3 +198,107 @@ async def test_definitions_alone_over_the_window_are_said_plainly(counter):
     assert out["messages"] == [chat[0], chat[-1]]
     line = events.statuses[-1]
     assert "for tool definitions (alone over the budget" in line and "fits" not in line and "still over budget" in line
+
+
+# --- item 5: a fresh worker's first request ---------------------------------------------------
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import tiktoken  # noqa: E402
+
+import contextwarden.filter as filter_module  # noqa: E402
+from contextwarden.filter import Filter  # noqa: E402
+from contextwarden.tokens import TokenCounter  # noqa: E402
+
+
+def cold_filter(**valves) -> Filter:
+    """A filter with its own counter, loading encodings in the background as in a fresh worker
+    (a unit stand-in for the first request of a freshly started server)."""
+    f = Filter()
+    f.valves = f.Valves(**valves)
+    return f
+
+
+def big_chat(counter, tokens: int = 40_000) -> list[dict]:
+    chat = [{"role": "system", "content": "Be helpful."}]
+    i = 0
+    while counter.count_messages(chat, MODEL) < tokens:
+        chat += [{"role": "user", "content": f"q{i} " + words(i, 200)}, {"role": "assistant", "content": words(i + 4, 400)}]
+        i += 1
+    return chat + [{"role": "user", "content": "And the quartz?"}]
+
+
+async def test_first_request_waits_a_moment_and_counts_exactly(counter, monkeypatch):
+    """Encodings that take 0.3 s to load: the first trim waits for them (off the event loop)
+    and is counted exactly; before, it was trimmed on the estimate."""
+    real = tiktoken.get_encoding
+
+    def slow(name):
+        time.sleep(0.3)
+        return real(name)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", slow)
+    f = cold_filter(max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, calibrate_counts=False)
+    chat = big_chat(counter, 8_000)
+    b = body_of(chat)
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.ensure_future(tick())
+    out = await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"])
+    ticker.cancel()
+    assert b["metadata"]["contextwarden"]["count_mode"] == "exact"
+    assert counter.count_messages(out["messages"], MODEL) <= PIN_BUDGET
+    assert ticks >= 10  # the loop ran while the trim waited
+
+
+async def test_still_estimating_fills_the_budget_and_never_claims_more_than_the_chat(counter, monkeypatch):
+    """Encodings that never load: after the bounded wait, a 40k-token chat is trimmed on the
+    estimate to more than half the 2,976 budget in exact tokens (it sent 362 before: growth room
+    on top of a count that errs high), and the savings it reports stay below the chat's size
+    (it logged 63,485 saved of a 40,476-token chat)."""
+    gate = threading.Event()
+    real = tiktoken.get_encoding
+
+    def blocked(name):
+        gate.wait(60)
+        return real(name)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", blocked)
+    monkeypatch.setattr(filter_module, "ENCODING_WAIT_SECONDS", 0.2)
+    try:
+        f = cold_filter(max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, calibrate_counts=False)
+        chat = big_chat(counter)
+        exact_chat = counter.count_messages(chat, MODEL)
+        b = body_of(chat)
+        out = await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"])
+        note = b["metadata"]["contextwarden"]
+        assert note["count_mode"] == "estimate"
+        sent = counter.count_messages(out["messages"], MODEL)
+        assert PIN_BUDGET * 0.55 <= sent <= PIN_BUDGET
+        assert note["tokens_saved"] <= exact_chat - sent
+    finally:
+        gate.set()
+
+
+def test_count_mode_is_taken_with_the_counts(counter):
+    """An encoding that finishes loading between counting and labelling: the trim counted with
+    the estimator says so (it was labelled exact, and its decision claimed the encoding)."""
+
+    class LoadsMidway(TokenCounter):
+        picks = 0
+
+        def _pick(self, model):
+            self.picks += 1
+            return ("estimate", None) if self.picks == 1 else super()._pick(model)
+
+    midway = LoadsMidway(block=True)
+    chat = big_chat(counter, 6_000)
+    result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=midway)
+    assert result.count_mode == "estimate" and result.decision.counted_with == "estimate"

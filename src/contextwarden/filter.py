@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ from .savings import (
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
-from .tokens import TokenCounter
+from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_count, read_usage, with_counts
 from .usergroups import GroupReader
@@ -105,6 +106,10 @@ async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: An
     if _cpu_worker is None or _cpu_worker[0] != os.getpid():
         _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
     return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
+
+ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in all for tiktoken (off the loop)
+
+preload_encodings()  # when Open WebUI loads this module: its first request should count exactly
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -248,6 +253,7 @@ class Filter:
     def __init__(self) -> None:
         self.valves = self.Valves()
         self._counter = TokenCounter()
+        self._encodings_wait_until = time.monotonic() + ENCODING_WAIT_SECONDS
         self._store: Store = MemoryStore()
         self._store_url = ""
         self._store_problem: ConfigError | None = None
@@ -348,6 +354,7 @@ class Filter:
             return body
         shadow = settings.mode == "shadow"
         model_id = _base_model_id(body, model)
+        await self._await_encoding(model_id)
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
@@ -482,8 +489,9 @@ class Filter:
         counter = self._counter
         budget = prompt.messages
         if flags.full:
-            tokens = await compute(off, counter.count_messages, messages, model_id)
-            return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
+            costs, mode, _ = await compute(off, counter.count_each_as, messages, model_id)  # the label goes with the counts
+            tokens = TOKENS_PER_REPLY + sum(costs)
+            return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
         at, merged = find_summary(messages)
         summary = messages[at] if at is not None else None
         base = messages if at is None else messages[:at] + messages[at + 1 :]
@@ -537,6 +545,13 @@ class Filter:
                 filter_log.warning("contextwarden: %s; relevance is lexical this turn", reason)
             return False
         return True
+
+    async def _await_encoding(self, model_id: str) -> None:
+        """A fresh worker: wait, off the event loop, until the model's encoding is loaded, but
+        only until ENCODING_WAIT_SECONDS after the filter was made (then trims estimate)."""
+        left = self._encodings_wait_until - time.monotonic()
+        if left > 0 and self._counter.mode(model_id) != "exact":
+            await asyncio.to_thread(self._counter.wait_ready, model_id, left)
 
     async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> tuple[ChatState, bytes | None | object]:
         """The chat's stored state with this turn's pin flags applied, and the bytes it was read

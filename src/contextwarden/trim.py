@@ -124,7 +124,8 @@ def trim_messages(
             message's length shows in `tokens_before` only at the next new selection).
         low_watermark: when a new selection is made, it fills only this share of
             `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
-            prefix before the next cut. 1.0 fills the budget.
+            prefix before the next cut. 1.0 fills the budget, as does a selection made on
+            estimated counts (no encoding loaded: they already err 1.1-1.6x high).
         growth_turns: below a `low_watermark` of 1.0, a new selection also leaves room for
             this many more turns the size of the last one (default 2; never more than half
             the budget), so chats with long turns keep their prefix, and the provider's
@@ -160,10 +161,9 @@ def trim_messages(
         extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns)
         if extended is not None:
             return extended
-    costs = counter.count_each(messages, model)
+    costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
     before = TOKENS_PER_REPLY + sum(costs)
     conversation = read_conversation(messages)
-    mode = counter.mode(model)
 
     if before <= max_tokens and not conversation.orphans:
         everything = tuple(range(len(messages)))
@@ -180,7 +180,10 @@ def trim_messages(
         )
     reused = keep is not None
     if keep is None:
-        target = selection_target(conversation, costs, max_tokens, low_watermark, growth_turns) - TOKENS_PER_REPLY
+        # Estimated counts already err high (1.1-2x): leaving room to grow as well would
+        # starve the prompt, so a selection made on them fills the budget.
+        watermark = 1.0 if mode == "estimate" else low_watermark
+        target = selection_target(conversation, costs, max_tokens, watermark, growth_turns) - TOKENS_PER_REPLY
         scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
         keep = choose_indices(
             conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
@@ -197,7 +200,7 @@ def trim_messages(
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
-        seen_chars=history_chars(messages, conversation.system_indices), counted_with=counter.scheme(model),
+        seen_chars=history_chars(messages, conversation.system_indices), counted_with=scheme,
     )
     return TrimResult(
         messages=sent,
@@ -244,7 +247,7 @@ def _extend_previous(
     chat was edited or shortened, another encoding counts, the whole chat now fits, the
     selection no longer fits); the full path then decides, with the same result."""
     seen = previous.seen
-    scheme = counter.scheme(model)
+    scheme, mode = counter.scheme(model), counter.mode(model)
     if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
     system = system_positions(messages)
@@ -264,13 +267,13 @@ def _extend_previous(
     new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
     before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
     after = TOKENS_PER_REPLY + sum(cost.values())
-    if before <= max_tokens or after > max_tokens:
-        return None
+    if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
+        return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
     at = tuple(filterfalse(is_system, order))
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
-        seen_chars=chars, counted_with=counter.scheme(model),
+        seen_chars=chars, counted_with=scheme,
     )
     return TrimResult(
         messages=[messages[i] for i in order],
@@ -280,7 +283,7 @@ def _extend_previous(
         tokens_before=before,
         tokens_after=after,
         budget=max_tokens,
-        count_mode=counter.mode(model),
+        count_mode=mode,
         decision=decision,
         reused=True,
     )
