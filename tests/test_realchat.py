@@ -302,3 +302,30 @@ def test_count_mode_is_taken_with_the_counts(counter):
     chat = big_chat(counter, 6_000)
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=midway)
     assert result.count_mode == "estimate" and result.decision.counted_with == "estimate"
+
+
+# --- item 6: the fill is told ------------------------------------------------------------------
+
+from contextwarden.explain import explain_trim  # noqa: E402
+
+
+def test_explain_shows_the_fill_and_why(counter):
+    chat = big_chat(counter, 6_000)
+    result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter)
+    parts = explain_trim(chat, result, model=MODEL, token_counter=counter).budget
+    assert parts.prompt_sent == result.tokens_after and parts.fill == result.tokens_after / PIN_BUDGET
+    assert 0.4 < parts.fill < 0.8 and "low watermark (80%) less room for 2 more turns" in parts.fill_rule
+    full = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, low_watermark=1.0)
+    assert "up to 100%, the low watermark" in explain_trim(chat, full, model=MODEL, token_counter=counter, low_watermark=1.0).budget.fill_rule
+    fits = explain_trim(chat[:3], trim_messages(chat[:3], max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter),
+                        model=MODEL, token_counter=counter).budget
+    assert fits.fill_rule == "everything fits"
+
+
+def test_cli_explain_prints_the_fill(tmp_path, capsys):
+    from contextwarden.cli import main
+
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(long_history(20)))
+    assert main(["trim", str(path), "--max-tokens", "2000", "--explain"]) == 0
+    assert "\nfill " in capsys.readouterr().out

@@ -57,6 +57,9 @@ class BudgetParts:
     window: int | None = None
     reserve: int | None = None
     calibration: float | None = None
+    prompt_sent: int = 0  # the whole prompt sent, reply priming included
+    fill: float = 0.0  # prompt_sent / budget
+    fill_rule: str = ""  # why it fills that much
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -185,13 +188,17 @@ def explain_trim(
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
-    target = selection_target(conversation, costs, result.budget, low_watermark, growth_turns) - TOKENS_PER_REPLY - system_tokens - current_tokens
+    watermark = 1.0 if result.count_mode == "estimate" else low_watermark  # as trim_messages does
+    whole = selection_target(conversation, costs, result.budget, watermark, growth_turns)
+    target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
     sent_history = sum(costs[i] for i in kept if i not in mandatory)
     parts = BudgetParts(
         budget=result.budget, system_tokens=system_tokens, current_turn_tokens=current_tokens,
         reply_priming_tokens=TOKENS_PER_REPLY, history_available=available,
         history_target=available if result.reused or not trimmed else target,
         history_sent=sent_history, window=window, reserve=reserve, calibration=calibration,
+        prompt_sent=result.tokens_after, fill=result.tokens_after / result.budget,
+        fill_rule=_fill_rule(result, trimmed, whole, watermark, growth_turns),
     )
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
@@ -208,3 +215,24 @@ def _savings(messages: Sequence[Message], result: TrimResult, model: str | None,
     return estimate_savings(before, after, price=price,
                             cache_before=predicted_cache(before, untrimmed, price, caches=caches, minimum=minimum),
                             cache_after=predicted_cache(after, sent, price, caches=caches, minimum=minimum))
+
+
+def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float, growth_turns: int) -> str:
+    """Why a trim fills the share of the budget it does, in a sentence."""
+    if not trimmed:
+        return "everything fits"
+    if result.over_budget:
+        return "the mandatory part alone is over the budget"
+    if result.reused:
+        return "the previous decision's messages plus what is new: it fills up as the chat grows, until the next cut"
+    share = f"{target / result.budget:.0%}"
+    if result.count_mode == "estimate":
+        why = "the whole budget: counts are estimates (no encoding loaded), which already err high"
+    elif target == int(result.budget * watermark):
+        why = f"{share}, the low watermark"
+    else:
+        why = (f"{share}: the low watermark ({watermark:.0%}) less room for {growth_turns} more turns like the last one "
+               "(at most half the budget)")
+    return (f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
+            "cache; whole messages only, so a little under")
+
