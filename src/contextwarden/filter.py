@@ -388,7 +388,10 @@ class Filter:
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
-        removed += max(0, choice.tokens_before - choice.tokens_after)
+        removed_now = max(0, choice.tokens_before - choice.tokens_after)
+        if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
+            removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)
+        removed += removed_now
         factor = calibration.effect
         hints = settings.prompt_cache_hints == "auto" and not shadow and breakpoint_provider(
             _sent_id(model_id, resolution), resolution.model_id, model) is not None
