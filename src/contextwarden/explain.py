@@ -163,14 +163,17 @@ def explain_trim(
                 reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
             if turn_of.get(i) in recent:
                 reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
+            elif conversation.current and turn_of.get(i) == conversation.current - 1 and not result.reused:
+                reasons.append("the latest answer and its question, kept whenever they fit" + ("" if sent else ": did not"))
             if result.reused:
                 if sent and message_fingerprint(message) in remembered:
                     reasons.append("reused from the previous decision (same prefix, provider cache hits)")
                 elif sent:
                     reasons.append("new since the previous decision")
             elif scores is not None and not reasons:
-                value = sum(scores[j] for j in unit_of[i]) / max(1, sum(costs[j] for j in unit_of[i])) ** 0.5
-                reasons.append(f"score: value {value:.3f} per √token, "
+                whole = [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+                value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** 0.5
+                reasons.append(f"score: its turn's value {value:.3f} per √token, "
                                + ("worth its tokens" if sent else "below what was kept, or did not fit"))
             if not reasons:
                 newest = strategy == "recent" and not result.reused
@@ -178,6 +181,9 @@ def explain_trim(
         unit = unit_of.get(i)
         if unit is not None and len(unit) > 1 and i not in orphans:
             reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
+        turn = conversation.turns[turn_of[i]].indices if i in turn_of and i not in mandatory else []
+        if trimmed and len(turn) > 1:
+            reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
         if i in shortened:
             reasons.insert(0, "mandatory content over budget: cut middle-out")
         if i in covered:

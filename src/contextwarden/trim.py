@@ -188,6 +188,7 @@ def trim_messages(
         keep = choose_indices(
             conversation, costs, target, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
             scores=scores,
+            room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         )
 
     order = sorted(keep)

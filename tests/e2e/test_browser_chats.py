@@ -111,3 +111,25 @@ def test_first_request_of_a_freshly_started_server(
         assert record["tokens_saved"] <= counter.count_messages(sent, MODEL) - exact
     finally:
         fresh.stop()
+
+
+def test_long_answers_go_with_their_questions(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
+    """The issue's chat in an 8,192 window (1,024 reserved): ten questions with ~3.5k-token
+    answers, then "Continue with the next step". The defaults sent the ten questions and none
+    of their answers; now the latest answer goes with its question and no turn goes in part."""
+    set_valves(open_webui, cw, {**base_valves(), "max_context_tokens": 8_192, "reserve_output_tokens": 1_024})
+    sent: list[dict[str, Any]] = [{"role": "system", "content": "You are a patient tutor."}]
+    for step in range(10):
+        sent += [{"role": "user", "content": f"Step {step}: and then? {uuid.uuid4().hex[:6]}"},
+                 {"role": "assistant", "content": f"Step {step} answer: " + " ".join(f"part{k} lantern{step}" for k in range(800))}]
+    sent.append({"role": "user", "content": "Continue with the next step"})
+    assert 3_000 <= counter.count_message(sent[2], MODEL) <= 4_000
+    chat(open_webui, MODEL, sent)
+    got = backend.last_request["messages"]
+    assert_valid_prompt(sent, got)
+    assert got[-3:] == sent[-3:], "the latest answer and its question were not sent"
+    for question, answer in zip(sent[1:-1:2], sent[2:-1:2]):
+        assert (question in got) == (answer in got), "a turn was sent in part"
+    assert counter.count_messages(got, MODEL) <= 8_192 - 1_024
