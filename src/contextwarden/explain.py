@@ -16,7 +16,7 @@ from .conversation import Conversation, Message, read_conversation
 from .pricing import ModelPrice
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .relevance import score_messages
-from .selection import Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
+from .selection import DEFAULT_COST_EXPONENT, Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
@@ -172,8 +172,8 @@ def explain_trim(
                     reasons.append("new since the previous decision")
             elif scores is not None and not reasons:
                 whole = [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
-                value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** 0.5
-                reasons.append(f"score: its turn's value {value:.3f} per √token, "
+                value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
+                reasons.append(f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
                                + ("worth its tokens" if sent else "below what was kept, or did not fit"))
             if not reasons:
                 newest = strategy == "recent" and not result.reused
@@ -240,5 +240,5 @@ def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float,
         why = (f"{share}: the low watermark ({watermark:.0%}) less room for {growth_turns} more turns like the last one "
                "(at most half the budget)")
     return (f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
-            "cache; whole messages only, so a little under")
+            "cache; whole turns only, so a little under")
 
