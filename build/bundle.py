@@ -58,6 +58,7 @@ MODULES = [
     "calibration",
     "cache_stats",
     "valves",
+    "budget",
     "filter",
 ]
 # What Open WebUI itself ships besides the standard library.

@@ -49,7 +49,7 @@ def test_every_reason_on_the_crafted_chat(counter):
     assert why[1].startswith("pinned") and "recent (keep_last_turns=2)" in why[10]
     assert why[5] == "orphan tool message: its call is not in the chat, never sent" and actions[5] == "dropped"
     assert "tool pair: messages 7–8 are kept or dropped together" in why[7] and "tool pair" in why[8]
-    assert "score: value" in why[6] and "worth its tokens" in why[6]
+    assert "score: its turn's value" in why[6] and "worth its tokens" in why[6] and "whole turn" in why[6]
     assert actions[3] == actions[4] == "summarized" and "below what was kept" in why[3] and "a summary note stands for it" in why[3]
     scores = {row.index: row.score for row in explanation.messages}
     assert scores[0] is None and scores[12] is None and scores[6] > scores[3]  # about the cat vs about the weather

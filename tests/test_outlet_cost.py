@@ -224,7 +224,9 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
         await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=metadata)
     assert reals[0] > budget  # uncalibrated: our count fitted, the real one did not
     assert all(real <= budget for real in reals[1:]), reals
-    assert all(real > 0.9 * budget for real in reals[1:])  # and the budget is still used
+    # and the budget is still used: a new selection leaves room for a later turn's recall block
+    # (trim.recall_room), so about 80% of it here, where nothing is worth recalling
+    assert all(real > 0.75 * budget for real in reals[1:]), reals
     assert "· calibrated ×1.25" in events.statuses[-1]
     assert "calibrated" not in events.statuses[0]
     assert (await load_calibration(f._store, model)).factor >= 1.25

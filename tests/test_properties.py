@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import random
+from pathlib import Path
 from collections import Counter as Tally
 from dataclasses import replace
 from typing import Any
@@ -32,7 +33,8 @@ from contextwarden.conversation import read_conversation
 from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
-from contextwarden.trim import SHORTENED_MARK
+from contextwarden.budget import fixed_cost
+from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK
 
 from chats import assert_same_trim, check_contract, frozen
 
@@ -426,6 +428,72 @@ def test_outlet_survives_any_forged_usage(counter, usages):
     assert entry.counters["cached_tokens"] <= entry.counters["prompt_tokens"]
     assert 0 <= entry.counters["cost_picousd"] <= replies * usd_to_picodollars(MAX_REPLY_COST_USD)
     event("estimated" if entry.counters["estimated"] else "believed")
+
+
+# -- pins and tool definitions (issue 15) ------------------------------------------------------
+
+BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
+odd_tool = st.one_of(
+    st.none(), st.integers(), short_text, st.just({"type": "function"}), st.just({"function": {"name": 7}}),
+    st.builds(lambda name, text: {"type": "function", "function": {"name": name, "description": text,
+                                                                    "parameters": {"type": "object", "properties": {"q": {"type": ["string", "null"], "description": text}}}}},
+              st.text(min_size=1, max_size=12), short_text),
+)
+tool_lists = st.one_of(st.none(), st.just([]), st.lists(st.one_of(st.sampled_from(BUILTIN_TOOLS), odd_tool), max_size=40))
+response_formats = st.one_of(st.none(), st.just({"type": "text"}), st.just({"type": "json_object"}),
+                             st.builds(lambda text: {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "description": text}}}, short_text))
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
+def test_pins_are_sent_unless_even_shortened_they_cannot_fit(counter, data, chat, budget, model):
+    """Pinned messages are mandatory: every one is sent (whole or cut middle-out) within the
+    budget, unless even their markers cannot fit, and the contract holds either way."""
+    pins = data.draw(st.lists(st.integers(0, max(0, len(chat) - 1)), max_size=4, unique=True)) if chat else []
+    result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter, pinned=pins)
+    check_contract(chat, result, counter, model)
+    conversation = read_conversation(chat)
+    # Pins in turns with a question (a reply of a turn without one may not lead the history;
+    # orphan tool messages are never sent).
+    asked = {i for turn in conversation.turns if turn.units[0].kind == "user" for i in turn.indices}
+    sent = set(result.kept) | set(result.shortened)
+    if PINS_DROPPED_NOTE not in result.notes:
+        assert {p for p in pins if p in asked} <= sent, "a pin was dropped"
+        event("pins sent")
+    else:
+        event("pins over budget even shortened")
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(chat=any_chat(), window=st.integers(500, 40_000), tools=tool_lists, response_format=response_formats,
+       model=st.sampled_from(MODELS))
+def test_the_whole_prompt_fits_with_tool_definitions(counter, chat, window, tools, response_format, model):
+    """A body with tool definitions and a response format through the filter: messages plus
+    the fixed part fit the budget, unless the mandatory part alone cannot; when the fixed part
+    alone fills it, only the mandatory part goes, uncut."""
+    f = Filter()
+    f._counter = counter
+    f.valves = f.Valves(max_context_tokens=window, reserve_output_tokens=window // 8, calibrate_counts=False, allowed_user_flags="")
+    body: dict[str, Any] = {"model": model, "messages": chat, "metadata": {"chat_id": "", "user_id": "u1"}}
+    if tools is not None:
+        body["tools"] = tools
+    if response_format is not None:
+        body["response_format"] = response_format
+    out = asyncio.run(f.request(body, __user__={"id": "u1"}, __metadata__=body["metadata"]))
+    assert out.get("tools") is body.get("tools") and out["messages"] is not None
+    fixed = fixed_cost(body, counter, model).tokens
+    total = window - window // 8
+    sent = counter.count_messages(out["messages"], model)
+    note = body["metadata"]["contextwarden"]
+    assert note["estimated_prompt_tokens"] == sent + fixed
+    mandatory = [chat[i] for i in mandatory_indices(read_conversation(chat))]
+    if total - fixed < 64:
+        assert all(any(m is s for s in out["messages"]) for m in mandatory), "mandatory part cut although nothing could fit"
+        event("fixed part alone over the budget")
+    elif sent + fixed > total:
+        event("over budget: mandatory part")
+    else:
+        event("fits with its fixed part" if fixed else "no fixed part")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -211,6 +211,8 @@ def test_filter_request_pass_keeps_the_one_block():
     f.valves.max_context_tokens = BUDGET + 1024
     f.valves.openrouter_pricing = False
     chat = river_chat()
+    # long enough that whole-turn packing lets the locker turn go on the first trim
+    chat[1] = {**chat[1], "content": chat[1]["content"] + " I keep my swim kit there." * 20}
     meta = {"chat_id": "c1", "user_id": "u1"}
     user = {"id": "u1"}
 
@@ -220,7 +222,8 @@ def test_filter_request_pass_keeps_the_one_block():
         again = await f.request(copy.deepcopy(out), __user__=user, __metadata__=body["metadata"])
         return out["messages"], again["messages"]
 
-    asyncio.run(turn(chat))
+    first, _ = asyncio.run(turn(chat))
+    assert not any("4417" in str(m["content"]) for m in first)
     sent, resent = asyncio.run(turn(next_turn(chat, "What is my locker code?")))
     assert resent == sent
     assert len(recall_positions(sent)) == 1 and "4417" in sent[recall_positions(sent)[0]]["content"]

@@ -118,6 +118,7 @@ def _print_explanation(explanation: Explanation) -> None:
     print(f"  left for history   {parts.history_available:>8,}"
           + (f" (a new cut fills {parts.history_target:,}: low watermark, room to grow)" if parts.history_target != parts.history_available else ""))
     print(f"  history sent       {parts.history_sent:>8,}" + (" (the previous decision, reused)" if explanation.reused else ""))
+    print(f"fill {parts.prompt_sent:,} of {parts.budget:,} = {parts.fill:.0%}: {parts.fill_rule}")
 
 
 def _read_previous(path: str | None) -> TrimDecision | None:

@@ -16,7 +16,7 @@ from .conversation import Conversation, Message, read_conversation
 from .pricing import ModelPrice
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .relevance import score_messages
-from .selection import Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
+from .selection import DEFAULT_COST_EXPONENT, Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
@@ -57,6 +57,9 @@ class BudgetParts:
     window: int | None = None
     reserve: int | None = None
     calibration: float | None = None
+    prompt_sent: int = 0  # the whole prompt sent, reply priming included
+    fill: float = 0.0  # prompt_sent / budget
+    fill_rule: str = ""  # why it fills that much
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -157,17 +160,20 @@ def explain_trim(
             reasons.append("everything fits the budget")
         else:
             if i in pins:
-                reasons.append("pinned" if sent else "pinned, but did not fit")
+                reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
             if turn_of.get(i) in recent:
                 reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
+            elif conversation.current and turn_of.get(i) == conversation.current - 1 and not result.reused:
+                reasons.append("the latest answer and its question, kept whenever they fit" + ("" if sent else ": did not"))
             if result.reused:
                 if sent and message_fingerprint(message) in remembered:
                     reasons.append("reused from the previous decision (same prefix, provider cache hits)")
                 elif sent:
                     reasons.append("new since the previous decision")
             elif scores is not None and not reasons:
-                value = sum(scores[j] for j in unit_of[i]) / max(1, sum(costs[j] for j in unit_of[i])) ** 0.5
-                reasons.append(f"score: value {value:.3f} per √token, "
+                whole = [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+                value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
+                reasons.append(f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
                                + ("worth its tokens" if sent else "below what was kept, or did not fit"))
             if not reasons:
                 newest = strategy == "recent" and not result.reused
@@ -175,6 +181,9 @@ def explain_trim(
         unit = unit_of.get(i)
         if unit is not None and len(unit) > 1 and i not in orphans:
             reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
+        turn = conversation.turns[turn_of[i]].indices if i in turn_of and i not in mandatory else []
+        if trimmed and len(turn) > 1:
+            reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
         if i in shortened:
             reasons.insert(0, "mandatory content over budget: cut middle-out")
         if i in covered:
@@ -185,13 +194,17 @@ def explain_trim(
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
-    target = selection_target(conversation, costs, result.budget, low_watermark, growth_turns) - TOKENS_PER_REPLY - system_tokens - current_tokens
+    watermark = 1.0 if result.count_mode == "estimate" else low_watermark  # as trim_messages does
+    whole = selection_target(conversation, costs, result.budget, watermark, growth_turns)
+    target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
     sent_history = sum(costs[i] for i in kept if i not in mandatory)
     parts = BudgetParts(
         budget=result.budget, system_tokens=system_tokens, current_turn_tokens=current_tokens,
         reply_priming_tokens=TOKENS_PER_REPLY, history_available=available,
         history_target=available if result.reused or not trimmed else target,
         history_sent=sent_history, window=window, reserve=reserve, calibration=calibration,
+        prompt_sent=result.tokens_after, fill=result.tokens_after / result.budget,
+        fill_rule=_fill_rule(result, trimmed, whole, watermark, growth_turns),
     )
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
@@ -208,3 +221,24 @@ def _savings(messages: Sequence[Message], result: TrimResult, model: str | None,
     return estimate_savings(before, after, price=price,
                             cache_before=predicted_cache(before, untrimmed, price, caches=caches, minimum=minimum),
                             cache_after=predicted_cache(after, sent, price, caches=caches, minimum=minimum))
+
+
+def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float, growth_turns: int) -> str:
+    """Why a trim fills the share of the budget it does, in a sentence."""
+    if not trimmed:
+        return "everything fits"
+    if result.over_budget:
+        return "the mandatory part alone is over the budget"
+    if result.reused:
+        return "the previous decision's messages plus what is new: it fills up as the chat grows, until the next cut"
+    share = f"{target / result.budget:.0%}"
+    if result.count_mode == "estimate":
+        why = "the whole budget: counts are estimates (no encoding loaded), which already err high"
+    elif target == int(result.budget * watermark):
+        why = f"{share}, the low watermark"
+    else:
+        why = (f"{share}: the low watermark ({watermark:.0%}) less room for {growth_turns} more turns like the last one "
+               "(at most half the budget)")
+    return (f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
+            "cache; whole turns only, so a little under")
+

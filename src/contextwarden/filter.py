@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
+from .budget import PromptBudget, fixed_cost, prompt_budget
 from .cache_hints import (
     breakpoint_positions, breakpoint_provider, has_cache_markers, min_cacheable_tokens, needs_breakpoints, place_breakpoints,
     remove_breakpoints,
@@ -28,7 +30,6 @@ from .cache_hints import (
 from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
 from .calibration import (
     Calibration,
-    calibrated_budget,
     comparable_turn,
     load_calibration,
     save_calibration,
@@ -51,7 +52,7 @@ from .savings import (
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
-from .tokens import TokenCounter
+from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_count, read_usage, with_counts
 from .usergroups import GroupReader
@@ -105,6 +106,10 @@ async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: An
     if _cpu_worker is None or _cpu_worker[0] != os.getpid():
         _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
     return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
+
+ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in all for tiktoken (off the loop)
+
+preload_encodings()  # when Open WebUI loads this module: its first request should count exactly
 
 
 def model_context_length(model: dict[str, Any] | None) -> int | None:
@@ -269,6 +274,7 @@ class Filter:
     def __init__(self) -> None:
         self.valves = self.Valves()
         self._counter = TokenCounter()
+        self._encodings_wait_until = time.monotonic() + ENCODING_WAIT_SECONDS
         self._store: Store = MemoryStore()
         self._store_url = ""
         self._store_problem: ConfigError | None = None
@@ -369,12 +375,12 @@ class Filter:
             return body
         shadow = settings.mode == "shadow"
         model_id = _base_model_id(body, model)
+        await self._await_encoding(model_id)
         resolution = await self._resolve(settings, model_id, emit)
         calibration = await self._calibration(settings, resolution)
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
         if (problem := settings.reserve_problem(window)) is not None:
             await self._report(problem, emit)
-        budget = calibrated_budget(settings.budget(window), calibration, ceiling=settings.window_budget(window))
         note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
         note = note if isinstance(note, dict) else {}
         incoming = body["messages"]
@@ -385,6 +391,8 @@ class Filter:
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
+        budget = prompt_budget(settings.budget(window), calibration, fixed_cost(body, self._counter, model_id), flags.budget,
+                               ceiling=settings.window_budget(window))
         key = chat_state_key(*_ids(body, user, metadata))
         state, stored_bytes = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
@@ -393,6 +401,7 @@ class Filter:
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
         choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off)
+        choice = choice.plus_fixed(budget.fixed.tokens, budget.fixed.label, budget.fixed_over, budget.total)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
@@ -400,7 +409,10 @@ class Filter:
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
         removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
-        removed += max(0, choice.tokens_before - choice.tokens_after)
+        removed_now = max(0, choice.tokens_before - choice.tokens_after)
+        if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
+            removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)
+        removed += removed_now
         factor = calibration.effect
         hints = settings.prompt_cache_hints == "auto" and not shadow and breakpoint_provider(
             _sent_id(model_id, resolution), resolution.model_id, model) is not None
@@ -418,7 +430,7 @@ class Filter:
             sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
-                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id)
+                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id) + budget.fixed.tokens
                 sent_messages = body["messages"]
             note.update(
                 mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
@@ -494,21 +506,21 @@ class Filter:
         flags: Flags,
         state: ChatState,
         settings: Settings,
-        budget: int,
+        prompt: PromptBudget,
         model_id: str,
         previous: TrimDecision | None,
         embedder: OpenWebUIEmbedder | None = None,
         *,
         off: bool = False,
     ) -> TurnChoice:
-        """Trim `messages` (flags already removed) as the flags, the pins and `previous` say
-        (`off`: the counting and the trim run off the event loop)."""
+        """Trim `messages` (flags already removed) into what `prompt` leaves for messages, as the
+        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop)."""
         counter = self._counter
+        budget = prompt.messages
         if flags.full:
-            tokens = await compute(off, counter.count_messages, messages, model_id)
-            return TurnChoice(messages, len(messages), tokens, tokens, budget, counter.mode(model_id), over_budget=tokens > budget, full=True)
-        if flags.budget is not None:
-            budget = max(MIN_BUDGET_TOKENS, min(budget, flags.budget))
+            costs, mode, _ = await compute(off, counter.count_each_as, messages, model_id)  # the label goes with the counts
+            tokens = TOKENS_PER_REPLY + sum(costs)
+            return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
         at, merged = find_summary(messages)
         summary = messages[at] if at is not None else None
         base = messages if at is None else messages[:at] + messages[at + 1 :]
@@ -528,6 +540,7 @@ class Filter:
                 low_watermark=settings.low_watermark,
                 growth_turns=settings.growth_turns,
                 embed=embed,
+                shorten=not prompt.fixed_over,  # no cut makes it fit: send the question whole
             )
 
         if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
@@ -561,6 +574,13 @@ class Filter:
                 filter_log.warning("contextwarden: %s; relevance is lexical this turn", reason)
             return False
         return True
+
+    async def _await_encoding(self, model_id: str) -> None:
+        """A fresh worker: wait, off the event loop, until the model's encoding is loaded, but
+        only until ENCODING_WAIT_SECONDS after the filter was made (then trims estimate)."""
+        left = self._encodings_wait_until - time.monotonic()
+        if left > 0 and self._counter.mode(model_id) != "exact":
+            await asyncio.to_thread(self._counter.wait_ready, model_id, left)
 
     async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> tuple[ChatState, bytes | None | object]:
         """The chat's stored state with this turn's pin flags applied, and the bytes it was read

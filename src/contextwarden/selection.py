@@ -1,6 +1,6 @@
 """Choosing what to keep under a budget, and keeping that choice stable between turns.
 
-The hard part (system messages, the current turn) is always kept; then pinned units and the
+The hard part (system messages, the current turn) and pinned units are always kept; then the
 last `keep_last_turns` turns while they fit; then either the newest turns (`recent`) or the
 units worth most per token (`relevance`). A unit is kept or dropped whole: one message, or an
 assistant `tool_calls` message with its `tool` replies. `TrimDecision` records what was kept
@@ -354,10 +354,15 @@ def _plan(conversation: Conversation) -> _Plan:
     return _Plan(hard, tuple(units), tuple(unit_turn), tuple(turn_user))
 
 
+def _pinned_units(plan: _Plan, pinned: Collection[int]) -> list[int]:
+    """The optional units holding a pinned index (pins are mandatory: kept whatever they cost)."""
+    pins = set(pinned)
+    return [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
+
+
 def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
     """Units to add before any other, in order: pinned ones, then the last turns newest first."""
-    pins = set(pinned)
-    order = [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
+    order = _pinned_units(plan, pinned)
     recent = recent_turns(conversation, keep_last_turns)
     order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent and u not in order]
     return order
@@ -379,14 +384,21 @@ def choose_indices(
     pinned: Collection[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
     scores: Sequence[float] | None = None,
+    room: int | None = None,
 ) -> set[int]:
-    """The message indices to send: hard part, preferred units, then the strategy's pick.
+    """The message indices to send: hard part, pins, preferred turns, then the strategy's pick.
 
+    Earlier turns go whole (a question with all its replies) or not at all, so a kept question
+    has its answer and no reply is sent without its question. Pinned units are mandatory; the
+    rest of a pinned turn, the latest turn (the answer just before the current question) and
+    the last `keep_last_turns` turns come next, newest first, each while it fits. The latest
+    turn may use `room` (default `budget`): the whole budget when `budget` is a watermark.
     `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
 
-    `budget` covers the messages (reply priming is the caller's); the hard part is returned
-    even when it alone is over. The result never begins its history with an assistant or tool
-    message unless the input did: such a unit gets its turn's user message, or is let go.
+    `budget` covers the messages (reply priming is the caller's); the hard part and the pinned
+    units are returned even when they alone are over. The result never begins its history with
+    an assistant or tool message unless the input did: such a unit gets its turn's user
+    message, or is let go.
 
     Example:
         >>> from contextwarden.conversation import read_conversation
@@ -394,37 +406,60 @@ def choose_indices(
         ...         {"role": "user", "content": "z"}]
         >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 10, strategy="recent"))
         [2]
+        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 15, strategy="recent"))
+        [0, 1, 2]
     """
     plan = _plan(conversation)
     keep = set(plan.hard)
     left = budget - sum(costs[i] for i in keep)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
-    taken: set[int] = set()
-    for u in _preferred(plan, conversation, keep_last_turns, pinned):
-        if unit_cost[u] <= left:
-            taken.add(u)
-            left -= unit_cost[u]
-    rest = [u for u in range(len(plan.units)) if u not in taken]
+    groups = _turn_groups(plan)
+    must = _pinned_units(plan, pinned)
+    taken: set[int] = set(must)
+    left -= sum(unit_cost[u] for u in must)
+    latest = (conversation.current - 1) if conversation.current else None
+    extra = max(0, (room if room is not None else budget) - budget)
+    for t in _preferred_turns(plan, conversation, keep_last_turns, must, latest):
+        rest = [u for u in groups[t] if u not in taken]
+        cost = sum(unit_cost[u] for u in rest)
+        if cost <= left + (extra if t == latest else 0):
+            taken.update(rest)
+            left -= cost
+    open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
+    group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
     if strategy == "recent":
-        by_turn: dict[int, list[int]] = {}
-        for u in rest:
-            by_turn.setdefault(plan.unit_turn[u], []).append(u)
-        turns = sorted(by_turn)
-        chosen = select_recent([sum(unit_cost[u] for u in by_turn[t]) for t in turns], max(0, left))
-        taken.update(u for k in chosen for u in by_turn[turns[k]])
-    elif rest and left > 0:
-        question = conversation.question
-        if question is not None:
-            if scores is None:
-                excluded = conversation.system_indices + conversation.orphan_indices
-                scores = score_messages(conversation.messages, question=question, exclude=excluded, weights=weights)
-            values = [sum(scores[i] for i in plan.units[u]) for u in rest]
-            chosen = select_by_value([unit_cost[u] for u in rest], values, left)
-            taken.update(rest[k] for k in chosen)
-            left -= sum(unit_cost[rest[k]] for k in chosen)
+        chosen = select_recent(group_cost, max(0, left))
+    elif open_turns and left > 0 and conversation.question is not None:
+        if scores is None:
+            excluded = conversation.system_indices + conversation.orphan_indices
+            scores = score_messages(conversation.messages, question=conversation.question, exclude=excluded, weights=weights)
+        values = [sum(scores[i] for u in groups[t] for i in plan.units[u]) for t in open_turns]
+        chosen = select_by_value(group_cost, values, left)
+    else:
+        chosen = []
+    for k in chosen:
+        taken.update(groups[open_turns[k]])
+        left -= group_cost[k]
     for u in taken:
         keep.update(plan.units[u])
     return _repair_history_start(conversation, plan, keep, costs, left)
+
+
+def _turn_groups(plan: _Plan) -> dict[int, list[int]]:
+    """The optional units of each turn, by turn number: what goes whole or not at all."""
+    groups: dict[int, list[int]] = {}
+    for u, t in enumerate(plan.unit_turn):
+        groups.setdefault(t, []).append(u)
+    return groups
+
+
+def _preferred_turns(plan: _Plan, conversation: Conversation, keep_last_turns: int, must: list[int], latest: int | None) -> list[int]:
+    """Turns to add whole before the strategy picks, in order: pinned ones (their rest), the
+    latest one, then the last `keep_last_turns` turns newest first."""
+    order = list(dict.fromkeys(plan.unit_turn[u] for u in must))
+    recent = sorted(recent_turns(conversation, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True)
+    present = set(plan.unit_turn)
+    return order + [t for t in recent if t in present and t not in order]
 
 
 def _repair_history_start(conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int) -> set[int]:

@@ -4,7 +4,7 @@ what the reply cost. Pure formatting of numbers the filter computed; no message 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_UP, Decimal
 
 from .conversation import Message
@@ -12,7 +12,7 @@ from .flags import Flags
 from .savings import Savings
 from .selection import TrimDecision
 from .cache_hints import carried_prefix
-from .trim import TrimResult
+from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
 __all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status", "savings_status"]
@@ -102,6 +102,21 @@ class TurnChoice:
     full: bool = False
     reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
     carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
+    pins_shortened: bool = False  # pinned messages alone were over the budget and were cut middle-out
+    fixed_tokens: int = 0  # tool definitions and response format, in every count above
+    fixed_label: str = ""  # what they are ("tool definitions", ...)
+    fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
+
+    def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
+        """This choice with the request's fixed part (billed with every prompt) in its counts,
+        and the whole prompt's budget `total` when that part alone is over it."""
+        if not tokens:
+            return self
+        return replace(
+            self, tokens_before=self.tokens_before + tokens, tokens_after=self.tokens_after + tokens,
+            budget=total if over else self.budget + tokens, fixed_tokens=tokens, fixed_label=label,
+            fixed_over=over, over_budget=self.over_budget or over,
+        )
 
     @classmethod
     def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
@@ -120,6 +135,7 @@ class TurnChoice:
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
+            pins_shortened=PINS_SHORTENED_NOTE in result.notes,
         )
 
 
@@ -149,10 +165,16 @@ def _messages(count: int) -> str:
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     """The notes both lines share: summary, shortened, over budget, estimate, flags."""
     line = ""
+    if choice.fixed_tokens:
+        line += f" · incl. {choice.fixed_tokens:,} for {choice.fixed_label}"
+        if choice.fixed_over:
+            line += " (alone over the budget: only the system prompt and this turn sent)"
     if choice.summarized:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
+    if choice.pins_shortened:
+        line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
         line += " · still over budget"
     if choice.count_mode == "estimate":

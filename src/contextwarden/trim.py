@@ -33,8 +33,8 @@ from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = [
-    "TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "DEFAULT_LOW_WATERMARK",
-    "DEFAULT_GROWTH_TURNS", "DEFAULT_RECALL_SHARE", "recall_room",
+    "TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "PINS_SHORTENED_NOTE",
+    "PINS_DROPPED_NOTE", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS", "DEFAULT_RECALL_SHARE", "recall_room",
 ]
 
 DEFAULT_LOW_WATERMARK = 0.8
@@ -55,6 +55,8 @@ _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/m
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
 _RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
 SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
+PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
+PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
 MIN_KEPT_TEXT_TOKENS = 0
 
 _default_counter: TokenCounter | None = None
@@ -125,6 +127,7 @@ def trim_messages(
     growth_turns: int = DEFAULT_GROWTH_TURNS,
     embed: Embed | None = None,
     recall_share: float = DEFAULT_RECALL_SHARE,
+    shorten: bool = True,
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -149,8 +152,9 @@ def trim_messages(
             order; `"recent"` keeps the newest whole turns that fit.
         keep_last_turns: the last N turns (the current one counts) are kept before anything
             else, while they fit. Default 1: the current turn only.
-        pinned: input indices kept (with their unit) before anything else, while they fit,
-            e.g. messages a user marked with `!pin`.
+        pinned: input indices that are mandatory content (with their unit), e.g. messages a
+            user marked with `!pin`: kept whatever the watermark; when the mandatory part is
+            over budget they are shortened middle-out like the rest of it (a note says so).
         previous: the `decision` of this chat's last trim. While its kept messages are still
             there and they plus everything newer fit, exactly those are sent again plus the
             new messages, so the prompt prefix stays byte-identical and provider caches hit.
@@ -159,7 +163,8 @@ def trim_messages(
             message's length shows in `tokens_before` only at the next new selection).
         low_watermark: when a new selection is made, it fills only this share of
             `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
-            prefix before the next cut. 1.0 fills the budget.
+            prefix before the next cut. 1.0 fills the budget, as does a selection made on
+            estimated counts (no encoding loaded: they already err 1.1-1.6x high).
         growth_turns: below a `low_watermark` of 1.0, a new selection also leaves room for
             this many more turns the size of the last one (default 2; never more than half
             the budget), so chats with long turns keep their prefix, and the provider's
@@ -180,6 +185,9 @@ def trim_messages(
             new one then fills its target less this share. A recall block in the input (an
             earlier pass of the same turn) is kept while the chat fits, else replaced.
             0: no recall.
+        shorten: False sends mandatory content that is over budget whole (`over_budget`)
+            instead of cutting it, e.g. when tool definitions alone fill the window and no
+            cut could make the prompt fit.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -197,26 +205,27 @@ def trim_messages(
     A later question about something dropped gets it recalled, and the prefix stays:
 
         >>> chat = [{"role": "system", "content": "Be brief."},
-        ...         {"role": "user", "content": "My locker code is 4417, remember it."},
+        ...         {"role": "user", "content": "My locker code is 4417." + " I keep my swim kit there." * 20},
         ...         {"role": "assistant", "content": "Noted: locker code 4417."}]
         >>> for n in range(6):
         ...     chat += [{"role": "user", "content": f"Tell me fact {n} about rivers. " * 4},
         ...              {"role": "assistant", "content": f"Fact {n}: rivers flow downhill. " * 8}]
         >>> chat.append({"role": "user", "content": "Rivers again?"})
         >>> first = trim_messages(chat, max_tokens=400, model="gpt-4o", low_watermark=0.5)
+        >>> first.dropped[:2]  # the locker turn is not sent...
+        (1, 2)
         >>> chat += [{"role": "assistant", "content": "Yes."},
         ...          {"role": "user", "content": "Which locker code did I ask you to remember at the start?"}]
         >>> later = trim_messages(chat, max_tokens=400, model="gpt-4o", previous=first.decision)
-        >>> later.reused, later.recalled[:2], later.messages[: len(first.messages)] == first.messages
+        >>> later.reused, later.recalled, later.messages[: len(first.messages)] == first.messages
         (True, (1, 2), True)
         >>> later.stable_prefix == len(first.messages) + 1  # "Yes." too: the next turn sends them again
         True
-        >>> print(later.messages[later.stable_prefix]["content"].split("\\n\\nuser: Tell")[0])
-        [contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):
-        <BLANKLINE>
-        user: My locker code is 4417, remember it.
-        <BLANKLINE>
-        assistant: Noted: locker code 4417.
+        >>> block = later.messages[later.stable_prefix]["content"]  # ...until a question needs it
+        >>> block.splitlines()[0]
+        '[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):'
+        >>> "user: My locker code is 4417." in block and "assistant: Noted: locker code 4417." in block
+        True
     """
     _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns, recall_share)
     if not all(map(isinstance, messages, repeat(dict))):
@@ -237,17 +246,15 @@ def trim_messages(
         extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room)
         if extended is not None:
             return extended
-    costs = counter.count_each(messages, model)
+    costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
     before = TOKENS_PER_REPLY + sum(costs)
     conversation = read_conversation(messages)
-    mode = counter.mode(model)
 
     if before <= max_tokens and not conversation.orphans:
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
-    notes: list[str] = []
-    mandatory = mandatory_indices(conversation)
+    mandatory, replaced, over, notes, pinned = _mandatory_part(conversation, costs, max_tokens, counter, model, pinned, shorten)
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
     question = conversation.question
@@ -268,25 +275,21 @@ def trim_messages(
                 keep, blocks = None, []
     reused = keep is not None
     if keep is None:
-        target = selection_target(conversation, costs, max_tokens, low_watermark, growth_turns) - TOKENS_PER_REPLY
+        # Estimated counts already err high (1.1-2x): leaving room to grow as well would
+        # starve the prompt, so a selection made on them fills the budget.
+        watermark = 1.0 if mode == "estimate" else low_watermark
+        target = selection_target(conversation, costs, max_tokens, watermark, growth_turns) - TOKENS_PER_REPLY
         scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
         keep = choose_indices(
             conversation, costs, target - room, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
             scores=scores,
+            room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         )
         if room:
             left = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in keep)
             pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
             block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
             blocks = [block] if block is not None else []
-
-    replaced: dict[int, Message] = {}
-    over = False
-    if mandatory_cost > max_tokens:
-        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
-        notes.append("mandatory content over budget: shortened")
-        if over:
-            notes.append("could not shorten enough")
 
     order = sorted(keep)
     sent = [replaced.get(i, messages[i]) for i in order]
@@ -300,7 +303,7 @@ def trim_messages(
     decision = TrimDecision(
         max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
         seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
-        seen_chars=history_chars(messages, conversation.system_indices), counted_with=counter.scheme(model),
+        seen_chars=history_chars(messages, conversation.system_indices), counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
     )
     return TrimResult(
@@ -504,7 +507,7 @@ def _extend_previous(
     chat was edited or shortened, another encoding counts, the whole chat now fits, the
     selection no longer fits); the full path then decides, with the same result."""
     seen = previous.seen
-    scheme = counter.scheme(model)
+    scheme, mode = counter.scheme(model), counter.mode(model)
     if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
     system = system_positions(messages)
@@ -524,8 +527,8 @@ def _extend_previous(
     new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
     before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
     after = TOKENS_PER_REPLY + sum(cost.values())
-    if before <= max_tokens or after > max_tokens:
-        return None
+    if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
+        return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
     blocks: list[_Block] | None = []
     question = None
     if room:
@@ -549,7 +552,7 @@ def _extend_previous(
         tokens_before=before,
         tokens_after=after,
         budget=max_tokens,
-        count_mode=counter.mode(model),
+        count_mode=mode,
         decision=decision,
         reused=True,
         recalled=_recalled(blocks),
@@ -567,6 +570,52 @@ def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> 
     """
     share = min(MAX_RECALL_SHARE, recall_share * math.sqrt(RECALL_REFERENCE_TOKENS / max_tokens))
     return int(max_tokens * share)
+
+
+def _mandatory_part(
+    conversation: Conversation, costs: list[int], max_tokens: int, counter: TokenCounter, model: str | None,
+    pinned: Collection[int], shorten: bool = True,
+) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
+    """What must be sent (system, current turn, pins), its shortened copies when it alone is
+    over budget, whether it is still over, the notes, and the pins that stay mandatory: when
+    even shortened pins cannot fit (their markers alone are over), the budget wins and they
+    are let go (kept only while they fit, like other messages)."""
+    hard = mandatory_indices(conversation)
+    mandatory = _with_pins(conversation, hard, pinned)
+    pinned = sorted(set(mandatory).difference(hard))  # with their units and questions
+    notes: list[str] = []
+    if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+        return mandatory, {}, False, notes, pinned
+    if not shorten:
+        return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned
+    replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    if over and len(mandatory) > len(hard):
+        mandatory, pinned = hard, ()
+        notes.append(PINS_DROPPED_NOTE)
+        if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+            return mandatory, {}, False, notes, pinned
+        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    notes.append("mandatory content over budget: shortened")
+    if set(replaced) & set(pinned):
+        notes.append(PINS_SHORTENED_NOTE)
+    if over:
+        notes.append("could not shorten enough")
+    return mandatory, replaced, over, notes, pinned
+
+
+def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collection[int]) -> list[int]:
+    """The mandatory indices plus every pinned one with the rest of its unit and, for a pinned
+    reply, its turn's question (a reply is never sent without it)."""
+    if not pinned:
+        return mandatory
+    pins = set(pinned)
+    keep = set(mandatory)
+    for turn in conversation.turns:
+        units = [u for u in turn.units if pins.intersection(u.indices)]
+        if units and turn.units[0].kind == "user":
+            units.append(turn.units[0])
+        keep.update(*(u.indices for u in units))
+    return sorted(keep)
 
 
 def selection_target(

@@ -6,7 +6,8 @@ see:
 
 - ``prompt_tokens`` = :func:`expected_prompt_tokens` of the request's messages: for each message
   ``len(text) // 4 + 3``, where ``text`` is the string content, or the joined ``text`` parts of
-  a multimodal content list, plus the JSON of any assistant ``tool_calls``.
+  a multimodal content list, plus the JSON of any assistant ``tool_calls``; plus the request's
+  tool definitions (:func:`tool_definition_tokens`), which providers bill on every call.
 - ``completion_tokens`` = ``max(1, len(reply_text) // 4)`` (tool-call replies: of the JSON of
   the calls).
 - ``prompt_tokens_details.cached_tokens`` = :attr:`FakeBackend.cached_tokens` (default 0),
@@ -34,6 +35,7 @@ __all__ = [
     "ScriptedReply",
     "completion_tokens_for",
     "expected_prompt_tokens",
+    "tool_definition_tokens",
     "message_text",
 ]
 
@@ -74,9 +76,27 @@ def message_text(message: dict[str, Any]) -> str:
     return text
 
 
-def expected_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """Return the ``prompt_tokens`` the fake backend reports for these messages."""
-    return sum(len(message_text(m)) // 4 + 3 for m in messages)
+def tool_definition_tokens(tools: Any) -> int:
+    """Return what the fake backend bills for a request's ``tools``, as providers do: every
+    definition is rendered into the prompt (OpenAI: about 7 tokens a function plus its name,
+    description and parameters, 12 at the end); here ``len(text) // 4 + 7`` per definition,
+    text being the name, description and the JSON of the parameters, plus 12."""
+    if not isinstance(tools, list) or not tools:
+        return 0
+    total = 12
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        function = function if isinstance(function, dict) else {"name": json.dumps(tool)}
+        text = f"{function.get('name', '')}:{function.get('description', '')}:" + json.dumps(
+            function.get("parameters") or {}, sort_keys=True, separators=(",", ":")
+        )
+        total += len(text) // 4 + 7
+    return total
+
+
+def expected_prompt_tokens(messages: list[dict[str, Any]], tools: Any = None) -> int:
+    """Return the ``prompt_tokens`` the fake backend reports for these messages (and tools)."""
+    return sum(len(message_text(m)) // 4 + 3 for m in messages) + tool_definition_tokens(tools)
 
 
 def completion_tokens_for(text: str) -> int:
@@ -184,10 +204,10 @@ class FakeBackend:
             return self._script.popleft() if self._script else None
 
     def usage_for(
-        self, messages: list[dict[str, Any]], completion_text: str
+        self, messages: list[dict[str, Any]], completion_text: str, tools: Any = None
     ) -> dict[str, Any]:
         """Build the usage dict this backend reports for a request and reply."""
-        prompt = expected_prompt_tokens(messages)
+        prompt = expected_prompt_tokens(messages, tools)
         completion = completion_tokens_for(completion_text)
         return {
             "prompt_tokens": prompt,
@@ -246,7 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
         if content is None and not script.tool_calls:
             content = self.fake.default_reply
         counted = content or json.dumps(script.tool_calls or [], sort_keys=True)
-        usage = script.usage if script.usage is not None else self.fake.usage_for(messages, counted)
+        usage = script.usage if script.usage is not None else self.fake.usage_for(messages, counted, body.get("tools"))
         finish = script.finish_reason or ("tool_calls" if script.tool_calls else "stop")
         ident = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
