@@ -89,3 +89,17 @@ async def test_bad_valve_values_are_never_echoed_into_status_lines(counter, capl
     assert any(valve in s for s in statuses), statuses
     assert not any(SECRET in s or SECRET[:8] in s for s in statuses), statuses
     assert SECRET not in caplog.text
+
+
+def test_every_valve_has_a_real_title_and_the_two_budgets_are_named_apart():
+    """Open WebUI's form shows the schema titles; without them it shows "Redis Url"."""
+    from contextwarden.valves import TITLES, USER_TITLES, UserValves, Valves
+
+    for model, titles in ((Valves, TITLES), (UserValves, USER_TITLES)):
+        assert set(titles) == set(model.model_fields)  # one title each, none for a gone field
+        schema = model.model_json_schema()["properties"]
+        for name, spec in schema.items():
+            assert spec["title"] == titles[name] and spec["title"] != name.replace("_", " ").title(), name
+    admin = Valves.model_json_schema()["properties"]["max_context_tokens"]["title"]
+    user = UserValves.model_json_schema()["properties"]["max_context_tokens"]["title"]
+    assert "window" in admin.lower() and "budget" in user.lower() and admin != user

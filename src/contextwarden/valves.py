@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
@@ -65,8 +65,66 @@ def _int_field(name: str, default: int, description: str, **extra: Any) -> Any:
     return Field(default=default, ge=low, le=high, description=f"{description} ({low:,} to {high:,}.)", **extra)
 
 
+# What the valves form shows above each field (Open WebUI renders the schema's titles; without
+# them it shows the field name, e.g. "Redis Url"). The admin's window and a user's own prompt
+# budget share a field name, so their titles tell them apart.
+TITLES = {
+    "priority": "Filter order (lower runs first)",
+    "mode": "Mode: enforce, shadow or off",
+    "max_context_tokens": "Context window of the model (tokens, 0 = the model's own)",
+    "reserve_output_tokens": "Tokens kept free for the reply",
+    "redis_url": "Redis URL (shared state between workers)",
+    "model_aliases": "Model aliases for pricing (JSON)",
+    "show_status": "Show status lines above replies",
+    "openrouter_pricing": "Live prices from OpenRouter",
+    "pricing_ttl_hours": "Refresh live prices after (hours)",
+    "pricing_file": "Your own price file (path)",
+    "free_models": "Models that cost nothing",
+    "connection_prefixes": "Connection prefixes to strip before pricing",
+    "request_stream_usage": "Ask streamed replies for real usage",
+    "calibrate_counts": "Learn each model's token count correction",
+    "ledger_retention_days": "Keep usage totals for (days)",
+    "strategy": "What a trim keeps: relevance or recent",
+    "keep_last_turns": "Latest turns always kept",
+    "low_watermark": "Share of the budget a new trim fills",
+    "growth_turns": "Room left for this many more turns",
+    "semantic_relevance": "Use Open WebUI's embedder for relevance",
+    "embed_timeout_seconds": "Longest embedder wait per turn (seconds)",
+    "embed_max_texts": "Most messages embedded per turn",
+    "state_ttl_hours": "Remember a chat's trim and pins for (hours)",
+    "allowed_user_flags": "Inline flags users may use",
+    "prompt_cache_hints": "Prompt-cache markers for Claude: auto or off",
+    "summary_enabled": "Summarize what a trim drops",
+    "summary_base_url": "Summary API base URL",
+    "summary_api_key": "Summary API key",
+    "summary_model": "Summary model",
+    "summary_timeout_seconds": "Longest summary wait (seconds)",
+    "summary_max_tokens": "Longest summary (tokens)",
+    "daily_limit_usd": "Daily spending limit per user (USD, 0 = none)",
+    "monthly_limit_usd": "Monthly spending limit per user (USD, 0 = none)",
+    "daily_limit_tokens": "Daily token limit per user (0 = none)",
+    "monthly_limit_tokens": "Monthly token limit per user (0 = none)",
+    "limit_overrides": "Limit overrides by role, group or user (JSON)",
+    "show_spend": "Show users their spend",
+    "limit_store_failure": "When usage totals cannot be read: fail-open or fail-closed",
+}
+USER_TITLES = {
+    "show_status": "Show status lines above replies",
+    "max_context_tokens": "Your own prompt budget (tokens, 0 = the admin's)",
+    "show_cost": "Show what each reply cost",
+    "show_spend": "Show my spend today",
+}
+
+
+def _titled(titles: dict[str, str]) -> ConfigDict:
+    """A model config giving each field its title from `titles` (one place for the form's words)."""
+    return ConfigDict(field_title_generator=lambda name, _info: titles.get(name, name.replace("_", " ").capitalize()))
+
+
 class Valves(BaseModel):
     """Admin settings (Admin > Functions > contextwarden > Valves)."""
+
+    model_config = _titled(TITLES)
 
     priority: int = _int_field("priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content.")
     mode: str = Field(
@@ -207,6 +265,8 @@ class Valves(BaseModel):
 
 class UserValves(BaseModel):
     """Per-user settings (chat > Controls > Valves)."""
+
+    model_config = _titled(USER_TITLES)
 
     show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
     max_context_tokens: int = _int_field(
