@@ -410,3 +410,17 @@ def test_no_reply_without_its_question(counter, seed, strategy):
         result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, strategy=strategy)
         check_contract(chat, result, counter, MODEL)
         assert_whole_turns(chat, result)
+
+
+def test_a_pinned_reply_let_go_is_dropped_not_listed_as_shortened(counter):
+    """Found by the property suite: a pinned tool call in a turn without a question, over the
+    budget, was cut middle-out and then let go (it may not lead the history), yet reported
+    both shortened and dropped, and the sent list no longer matched kept + shortened."""
+    calls = [{"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": '{"q": ""}'}} for k in (3, 4, 5)]
+    chat = [{"role": "system", "content": ""}, *({"role": "assistant", "content": ""} for _ in range(3)),
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_3", "content": ""}, {"role": "tool", "tool_call_id": "call_4", "content": ""},
+            {"role": "tool", "tool_call_id": "call_5", "content": "budget " * 200}, {"role": "user", "content": ""}]
+    result = trim_messages(chat, max_tokens=168, model="gpt-4o", token_counter=counter, pinned=[4])
+    assert not set(result.shortened) & set(result.dropped)
+    assert len(result.messages) == len(result.kept) + len(result.shortened)

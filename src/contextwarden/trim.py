@@ -292,6 +292,9 @@ def trim_messages(
             blocks = [block] if block is not None else []
 
     order = sorted(keep)
+    # A shortened copy of a message the selection let go (a pinned reply whose turn has no
+    # question may not lead the history) is not sent: it is dropped, not shortened.
+    replaced = {i: m for i, m in replaced.items() if i in keep}
     sent = [replaced.get(i, messages[i]) for i in order]
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
