@@ -71,9 +71,10 @@ def usage_numbers(line: str | None) -> tuple[int, int, str] | None:
     return int(match["prompt"].replace(",", "")), int(match["completion"].replace(",", "")), match["usd"]
 
 
-def expected_usage(messages: list[dict[str, Any]], reply: str) -> tuple[int, int, str]:
-    """What the line must say for a request: the fake backend's counts, priced from the table."""
-    prompt, completion = expected_prompt_tokens(messages), completion_tokens_for(reply)
+def expected_usage(body: dict[str, Any], reply: str) -> tuple[int, int, str]:
+    """What the line must say for a request: the fake backend's counts (messages and the tool
+    definitions Open WebUI sends from the browser), priced from the table."""
+    prompt, completion = expected_prompt_tokens(body["messages"], body.get("tools")), completion_tokens_for(reply)
     cost = compute_cost(Usage(prompt, completion), resolve_model(MODEL, PriceBook.from_bundled()).price).cost_usd
     assert cost is not None
     return prompt, completion, format_usd(cost)
@@ -107,7 +108,7 @@ def test_status_line_after_a_trimmed_reply(
     first, second = (body["messages"] for body in backend.requests)
     assert first[-1]["role"] == "user" and second[-1] == {"role": "user", "content": QUESTION}
     assert all(DOCUMENT[:40] not in str(message.get("content")) for message in second), "document still sent"
-    for reply, sent in zip(replies, (first, second)):
+    for reply, sent in zip(replies, backend.requests):
         assert usage_numbers(reply.shown) == expected_usage(sent, backend.default_reply), reply
     assert history.lines[-1] == history.shown == replies[1].shown, "the line shown is not the reply's last status"
     trims = [match for line in history.lines if (match := TRIM.search(line))]

@@ -33,7 +33,8 @@ def weather_chat() -> list[dict]:
     return [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": FACT},
-        {"role": "assistant", "content": "Congratulations! Kittens are a joy."},
+        # a long reply: whole-turn packing would otherwise keep this cheap turn in any trim
+        {"role": "assistant", "content": "Congratulations! Kittens are a joy. " + "Give her toys, a scratching post and fresh water. " * 8},
         *filler,
         {"role": "user", "content": QUESTION},
     ]
