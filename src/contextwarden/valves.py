@@ -27,7 +27,6 @@ from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
 
 MAX_EMBED_TIMEOUT_SECONDS = 30.0
-MAX_EMBED_TEXTS = 1_000
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
 MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
 DEFAULT_STATE_TTL_HOURS = 72
@@ -47,6 +46,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "growth_turns": (0, 10),
     "state_ttl_hours": (1, 8_760),
     "summary_max_tokens": SUMMARY_MAX_TOKENS_RANGE,
+    "embed_max_texts": (1, 1_000),
 }
 
 _SECRET = {"input": {"type": "password"}}
@@ -206,11 +206,9 @@ class Valves(BaseModel):
         le=MAX_EMBED_TIMEOUT_SECONDS,
         description=f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word matching and later turns embed the rest.",
     )
-    embed_max_texts: int = Field(
-        default=DEFAULT_EMBED_TEXTS,
-        ge=1,
-        le=MAX_EMBED_TEXTS,
-        description=f"Most messages embedded per turn, newest first (1-{MAX_EMBED_TEXTS:,}); a long chat seen for the first time is embedded over a few turns.",
+    embed_max_texts: int = _int_field(
+        "embed_max_texts", DEFAULT_EMBED_TEXTS,
+        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few turns.",
     )
     state_ttl_hours: int = _int_field(
         "state_ttl_hours", DEFAULT_STATE_TTL_HOURS, "How long a chat's remembered trim decision and pins are kept after its last message."
@@ -442,10 +440,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
         problems.append(ConfigError(f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using {DEFAULT_EMBED_TIMEOUT:g}", valve="embed_timeout_seconds"))
         embed_timeout = DEFAULT_EMBED_TIMEOUT
-    embed_texts = take(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
-    if not 1 <= embed_texts <= MAX_EMBED_TEXTS:
-        problems.append(ConfigError(f"embed_max_texts must be 1 to {MAX_EMBED_TEXTS:,}; using {DEFAULT_EMBED_TEXTS}", valve="embed_max_texts"))
-        embed_texts = DEFAULT_EMBED_TEXTS
+    embed_texts = number(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
     mode = _one_of(take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)")
     cache_hints = _one_of(take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems)
     settings = Settings(
