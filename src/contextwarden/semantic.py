@@ -73,12 +73,19 @@ class VectorCache:
 
     def get(self, text: str, embed: object) -> array | None:
         """The cached vector `embed` gave for `text`, or None."""
-        found = lru_hit(self._vectors, (self._space(embed), _key(text)))
-        return found if isinstance(found, array) else None
+        return self.lookup([text], embed)[0]
+
+    def lookup(self, texts: Sequence[str], embed: object) -> list[array | None]:
+        """The cached vector of each text (None where there is none); the embedder's key space
+        is found once for all of them."""
+        space = self._space(embed)
+        found = [lru_hit(self._vectors, (space, _key(text))) for text in texts]
+        return [v if isinstance(v, array) else None for v in found]
 
     def missing(self, texts: Sequence[str], embed: object) -> list[str]:
         """The distinct texts `embed` has no cached vector for, in their first order."""
-        return [t for t in dict.fromkeys(texts) if self.get(t, embed) is None]
+        distinct = list(dict.fromkeys(texts))
+        return [t for t, v in zip(distinct, self.lookup(distinct, embed)) if v is None]
 
     def put(self, texts: Sequence[str], vectors: Sequence[Sequence[float]], embed: object) -> None:
         """Store one vector per text (normalised); raises ValueError on a shape that does not fit."""
@@ -139,7 +146,7 @@ def similarities(
     texts = {i: embed_text(messages[i]) for i in wanted}
     if fill:
         cache.fill(list(texts.values()), embed)
-    vectors = {i: cache.get(text, embed) for i, text in texts.items()}
+    vectors = dict(zip(texts, cache.lookup(list(texts.values()), embed)))
     query = vectors.get(question)
     if query is None or any(v is None or len(v) != len(query) for v in vectors.values()):
         return None
