@@ -47,7 +47,13 @@ async def main(paths: list[Path], sizes: list[int], reps: int) -> None:
                         await speed.cw_outlet(f, user, chat[:-1], body["metadata"]["chat_id"])
                     gc.collect()
                     t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                    await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=speed._emit)
+                    await f.inlet(
+                        body,
+                        __user__=user,
+                        __metadata__=body["metadata"],
+                        __model__={"id": speed.MODEL},
+                        __event_emitter__=speed._emit,
+                    )
                     times.setdefault((kind, "wall", label), []).append((time.perf_counter_ns() - t0) / 1e6)
                     times.setdefault((kind, "cpu", label), []).append((time.thread_time_ns() - c0) / 1e6)
         for kind in ("next", "warm", "cold"):

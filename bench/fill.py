@@ -35,11 +35,17 @@ def fills(counter: TokenCounter, **options) -> list[float]:
 
 def main() -> None:
     exact = TokenCounter(block=True)
-    for name, counter, options in (("defaults (0.8, 2 turns)", exact, {}), ("growth_turns=0", exact, {"growth_turns": 0}),
-                                   ("low_watermark=1.0", exact, {"low_watermark": 1.0}), ("estimated counts", Estimating(), {})):
+    for name, counter, options in (
+        ("defaults (0.8, 2 turns)", exact, {}),
+        ("growth_turns=0", exact, {"growth_turns": 0}),
+        ("low_watermark=1.0", exact, {"low_watermark": 1.0}),
+        ("estimated counts", Estimating(), {}),
+    ):
         shares = fills(counter, **options)
         q = statistics.quantiles(shares, n=4)
-        print(f"{name:<26} n={len(shares):>3}  min {min(shares):.0%}  q1 {q[0]:.0%}  median {q[1]:.0%}  q3 {q[2]:.0%}  max {max(shares):.0%}")
+        print(
+            f"{name:<26} n={len(shares):>3}  min {min(shares):.0%}  q1 {q[0]:.0%}  median {q[1]:.0%}  q3 {q[2]:.0%}  max {max(shares):.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,12 +40,16 @@ def unload(module: types.ModuleType) -> None:
     sys.modules.pop(module.__name__, None)
 
 
-async def timed_inlet(f: Any, module: types.ModuleType, chat: list[dict], chat_id: str) -> tuple[float, dict, list[dict]]:
+async def timed_inlet(
+    f: Any, module: types.ModuleType, chat: list[dict], chat_id: str
+) -> tuple[float, dict, list[dict]]:
     body = speed.request_body(speed.fresh(chat), chat_id)
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
     gc.collect()
     start = time.perf_counter_ns()
-    out = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=speed._emit)
+    out = await f.inlet(
+        body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=speed._emit
+    )
     return (time.perf_counter_ns() - start) / 1e6, body["metadata"]["contextwarden"], out["messages"]
 
 

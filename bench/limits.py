@@ -92,7 +92,9 @@ async def main() -> None:
     args = parser.parse_args()
     store_url = args.redis_url
     print(f"machine: {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.1f}")
-    print("| ledger keys | ledger scan, memory ms | ledger scan, Redis ms | spend key, memory ms | spend key, Redis ms |")
+    print(
+        "| ledger keys | ledger scan, memory ms | ledger scan, Redis ms | spend key, memory ms | spend key, Redis ms |"
+    )
     print("|--:|--:|--:|--:|--:|")
     for keys in (int(k) for k in args.keys.split(",")):
         rows = layout(keys)

@@ -131,17 +131,22 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     for n in (200, 1_000, 2_000):
         out[f"cold trim, {n:,} messages"] = lambda seed, n=n: (trim_turn, synth.make_chat(seed, n))
     for shape in ("prose", "base64"):
+
         def with_big(seed: int, shape: str = shape) -> tuple:
             chat = synth.make_chat(seed, 20)
             chat[-1] = {"role": "user", "content": big_text(seed, shape)}
             return trim_turn, chat
+
         out[f"1 MB {shape} message, 20 messages"] = with_big
 
         def big_reply(seed: int, shape: str = shape) -> tuple:
             return outlet_turn, synth.make_chat(seed, 20) + [{"role": "assistant", "content": big_text(seed, shape)}]
+
         out[f"outlet, 1 MB {shape} reply"] = big_reply
     out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
-        "concurrent", [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)])
+        "concurrent",
+        [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],
+    )
     return out
 
 
@@ -164,7 +169,9 @@ async def run_one(f: Any, module: Any, runner: Any, arg: Any, *, tick: bool = Tr
     return ticker.longest * 1e3, wall * 1e3
 
 
-async def measure(bundles: list[Path], reps: int, only: str | None, tick: bool) -> dict[str, dict[str, list[tuple[float, float]]]]:
+async def measure(
+    bundles: list[Path], reps: int, only: str | None, tick: bool
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
     modules = {str(path): speed.load_bundle(path) for path in bundles}
     filters = {name: make_filter(module) for name, module in modules.items()}
     for name, f in filters.items():  # warm-up: imports, regexes, encodings, price book
@@ -177,12 +184,14 @@ async def measure(bundles: list[Path], reps: int, only: str | None, tick: bool) 
         for rep in range(reps):
             runner, arg = make(10_000 * (index + 1) + rep)  # texts no earlier run has counted
             names = list(modules)
-            names = names[rep % len(names):] + names[: rep % len(names)]
+            names = names[rep % len(names) :] + names[: rep % len(names)]
             for name in names:
                 fresh_arg = json.loads(json.dumps(arg))  # each its own objects, as Open WebUI parses every request anew
                 results[title][name].append(await run_one(filters[name], modules[name], runner, fresh_arg, tick=tick))
-        line = "  ".join(f"{Path(n).name}: max stall {max(s for s, _ in v):.0f} ms, wall {statistics.median(w for _, w in v):.0f} ms"
-                         for n, v in results[title].items())
+        line = "  ".join(
+            f"{Path(n).name}: max stall {max(s for s, _ in v):.0f} ms, wall {statistics.median(w for _, w in v):.0f} ms"
+            for n, v in results[title].items()
+        )
         print(f"{title}: {line}", flush=True)
     return results
 
@@ -195,7 +204,9 @@ def markdown(results: dict, bundles: list[Path], reps: int, notes: dict[str, Any
         cells = []
         for n in names:
             stalls = [s for s, _ in per[n]]
-            cells.append(f"{max(stalls):.0f} ms ({statistics.median(stalls):.0f}) / {statistics.median(w for _, w in per[n]):.0f} ms")
+            cells.append(
+                f"{max(stalls):.0f} ms ({statistics.median(stalls):.0f}) / {statistics.median(w for _, w in per[n]):.0f} ms"
+            )
         rows.append(f"| {title} | " + " | ".join(cells) + " |")
     meta = ", ".join(f"{k} {v}" for k, v in notes.items())
     return "\n".join(rows) + f"\n\n{reps} repetitions each; {meta}.\n"
@@ -207,17 +218,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", help="run the scenarios whose title holds this text")
     parser.add_argument("--markdown", type=Path, help="append the table to this file")
-    parser.add_argument("--no-ticker", action="store_true", help="wall times only (the ticker itself costs the hooks time)")
+    parser.add_argument(
+        "--no-ticker", action="store_true", help="wall times only (the ticker itself costs the hooks time)"
+    )
     args = parser.parse_args()
     bundles = args.bundle or [speed.BUNDLE]
     speed.seed_encodings()
     load_start = os.getloadavg()
     results = asyncio.run(measure(bundles, args.reps, args.only, not args.no_ticker))
     info = speed.machine()
-    notes = {"cpu": f"{info['cpu']} x{info['nproc']}", "python": info["python"], "tiktoken": info["tiktoken"],
-             "load average (1, 5, 15 min) at start": tuple(round(x, 1) for x in load_start),
-             "at end": tuple(round(x, 1) for x in os.getloadavg()), "sys.getswitchinterval()": sys.getswitchinterval(),
-             "ticker": "off (stalls not measured)" if args.no_ticker else f"every {TICK_SECONDS * 1e3:g} ms"}
+    notes = {
+        "cpu": f"{info['cpu']} x{info['nproc']}",
+        "python": info["python"],
+        "tiktoken": info["tiktoken"],
+        "load average (1, 5, 15 min) at start": tuple(round(x, 1) for x in load_start),
+        "at end": tuple(round(x, 1) for x in os.getloadavg()),
+        "sys.getswitchinterval()": sys.getswitchinterval(),
+        "ticker": "off (stalls not measured)" if args.no_ticker else f"every {TICK_SECONDS * 1e3:g} ms",
+    }
     table = markdown(results, bundles, args.reps, notes)
     print(table)
     if args.markdown:

@@ -52,7 +52,18 @@ REPS = {20: 150, 200: 50, 1_000: 15}
 MEMORY_CHATS = 4_000
 MEMORY_CHECKPOINTS = (250, 500, 1_000, 1_500, 2_000, 2_500, 3_000, 3_500, 4_000)
 MEMORY_MEAN_TOKENS = 120
-SYSTEMS = ("cw_cold", "cw_recent_cold", "cw_warm", "cw_next", "lethes_cold", "lethes_warm", "naive_cold", "naive_warm", "floor_cold", "floor_warm")
+SYSTEMS = (
+    "cw_cold",
+    "cw_recent_cold",
+    "cw_warm",
+    "cw_next",
+    "lethes_cold",
+    "lethes_warm",
+    "naive_cold",
+    "naive_warm",
+    "floor_cold",
+    "floor_warm",
+)
 
 
 # -- set-up -----------------------------------------------------------------------------------
@@ -84,7 +95,12 @@ def _instances(obj: object, cls: type) -> list[Any]:
 async def make_filter(module: types.ModuleType, **valves: Any) -> Any:
     """A Filter with the bench's valves whose counter has its exact encoding loaded."""
     f = module.Filter()
-    wanted = {"max_context_tokens": BUDGET + RESERVE, "reserve_output_tokens": RESERVE, "openrouter_pricing": False, **valves}
+    wanted = {
+        "max_context_tokens": BUDGET + RESERVE,
+        "reserve_output_tokens": RESERVE,
+        "openrouter_pricing": False,
+        **valves,
+    }
     fields = module.Filter.Valves.model_fields  # no network: the bundled price book only
     f.valves = module.Filter.Valves(**{k: v for k, v in wanted.items() if k in fields})
     for counter in _instances(f, module.TokenCounter):
@@ -95,7 +111,12 @@ async def make_filter(module: types.ModuleType, **valves: Any) -> Any:
 
 
 def request_body(chat: list[dict[str, Any]], chat_id: str) -> dict[str, Any]:
-    return {"model": MODEL, "messages": chat, "stream": True, "metadata": {"chat_id": chat_id, "message_id": uuid.uuid4().hex}}
+    return {
+        "model": MODEL,
+        "messages": chat,
+        "stream": True,
+        "metadata": {"chat_id": chat_id, "message_id": uuid.uuid4().hex},
+    }
 
 
 async def _emit(event: dict) -> None:
@@ -113,7 +134,9 @@ async def cw_outlet(f: Any, user: dict, chat: list[dict[str, Any]], chat_id: str
     """Outlet for the reply that ends `chat`, as Open WebUI calls it before the next turn; its milliseconds."""
     reply = {"model": MODEL, "messages": fresh(chat), "chat_id": chat_id}
     t0 = time.perf_counter_ns()
-    await f.outlet(reply, __user__=user, __metadata__={"chat_id": chat_id}, __model__={"id": MODEL}, __event_emitter__=_emit)
+    await f.outlet(
+        reply, __user__=user, __metadata__={"chat_id": chat_id}, __model__={"id": MODEL}, __event_emitter__=_emit
+    )
     return (time.perf_counter_ns() - t0) / 1e6
 
 
@@ -171,9 +194,15 @@ def make_lethes() -> tuple[Any, Any, str]:
         from lethes import ContextOrchestrator, Conversation, TokenBudget
     except ImportError as exc:
         return None, None, f"lethes not importable: {exc}"
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL), cache_logger_on_first_use=True)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL), cache_logger_on_first_use=True
+    )
     logging.getLogger("lethes").setLevel(logging.CRITICAL)
-    return ContextOrchestrator(budget=TokenBudget(max_tokens=BUDGET)), Conversation, importlib.metadata.version("lethes")
+    return (
+        ContextOrchestrator(budget=TokenBudget(max_tokens=BUDGET)),
+        Conversation,
+        importlib.metadata.version("lethes"),
+    )
 
 
 async def lethes_trim(orchestrator: Any, conversation_cls: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -227,7 +256,13 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
             if system.startswith("floor"):
                 return floor(encoding, chat if system == "floor_cold" else pair)
-            chat_id = next_id if system == "cw_next" else f"chat-{n}-{system}-{rep}" if system.endswith("cold") else f"chat-{n}-warm"
+            chat_id = (
+                next_id
+                if system == "cw_next"
+                else f"chat-{n}-{system}-{rep}"
+                if system.endswith("cold")
+                else f"chat-{n}-warm"
+            )
             body = request_body(fresh(chat), chat_id)
             if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
                 outlet_ms.append(await cw_outlet(f, user, chat[:-1], chat_id))
@@ -235,8 +270,15 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             if system.startswith("cw"):
                 trimmer = f_recent if system == "cw_recent_cold" else f
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                out = await trimmer.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit)
-                return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out["messages"], body["metadata"].get("contextwarden"))
+                out = await trimmer.inlet(
+                    body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit
+                )
+                return (
+                    time.perf_counter_ns() - t0,
+                    time.thread_time_ns() - c0,
+                    out["messages"],
+                    body["metadata"].get("contextwarden"),
+                )
             if system.startswith("lethes"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 out = await lethes_trim(orchestrator, conversation_cls, body["messages"])
@@ -268,23 +310,42 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
                     "messages_out": len(out),
                     "last_user_kept": bool(out) and out[-1].get("content") == chat[-1]["content"],
                     "sent_tokens_o200k": 3 + sum(4 + len(encoding.encode_ordinary(bench_text(m))) for m in out),
-                    **({"count_mode": meta.get("count_mode"), "tokens_after": meta.get("estimated_prompt_tokens")} if meta else {}),
+                    **(
+                        {"count_mode": meta.get("count_mode"), "tokens_after": meta.get("estimated_prompt_tokens")}
+                        if meta
+                        else {}
+                    ),
                 }
-    summary: dict[str, Any] = {"messages": n, "reps": reps, "systems": {}, "checks": checks,
-                               "next_messages": [start + 2, start + 2 * window], "next_turns_per_chat": window}
+    summary: dict[str, Any] = {
+        "messages": n,
+        "reps": reps,
+        "systems": {},
+        "checks": checks,
+        "next_messages": [start + 2, start + 2 * window],
+        "next_turns_per_chat": window,
+    }
     summary["tokens_cold_median"] = statistics.median(new_tokens_cold)
     summary["tokens_warm_new_median"] = statistics.median(new_tokens_warm)
     summary["outlet_median_ms"] = statistics.median(outlet_ms)
     summary["next_by_kind"] = {
-        kind: {"turns": next_kind.count(kind), "median_ms": statistics.median(t for t, k in zip(wall["cw_next"], next_kind) if k == kind)}
-        for kind in ("reused", "reselected") if kind in next_kind
+        kind: {
+            "turns": next_kind.count(kind),
+            "median_ms": statistics.median(t for t, k in zip(wall["cw_next"], next_kind) if k == kind),
+        }
+        for kind in ("reused", "reselected")
+        if kind in next_kind
     }
     for system in SYSTEMS:
         if wall[system]:
             q1, med, q3 = quartiles(wall[system])
             summary["systems"][system] = {
-                "median_ms": med, "q1_ms": q1, "q3_ms": q3, "min_ms": min(wall[system]),
-                "cpu_median_ms": statistics.median(cpu[system]), "cpu_min_ms": min(cpu[system]), "wall_ms": wall[system],
+                "median_ms": med,
+                "q1_ms": q1,
+                "q3_ms": q3,
+                "min_ms": min(wall[system]),
+                "cpu_median_ms": statistics.median(cpu[system]),
+                "cpu_min_ms": min(cpu[system]),
+                "wall_ms": wall[system],
             }
     summary["ratios"] = paired_ratios(wall)
     return summary
@@ -435,7 +496,14 @@ async def memory_run(traced: bool) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "?",
+    )
     nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
 
     def version(name: str) -> str:
@@ -488,7 +556,9 @@ def main() -> None:
         for traced in (True, False):
             run = subprocess.run(
                 [sys.executable, __file__, "--memory", "--chats", str(chats), *(["--traced"] if traced else [])],
-                capture_output=True, text=True, check=False,
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if run.returncode:
                 raise SystemExit(run.stderr[-3000:])

@@ -40,7 +40,10 @@ _TOOLS = ["web_search", "read_file", "run_sql", "get_weather", "calculator", "li
 def _sentence(rng: random.Random) -> str:
     words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 22))]
     if rng.random() < 0.25:
-        words.insert(rng.randrange(len(words)), str(rng.choice([rng.randint(2, 99), rng.randint(100, 99_999), round(rng.uniform(0, 100), 2)])))
+        words.insert(
+            rng.randrange(len(words)),
+            str(rng.choice([rng.randint(2, 99), rng.randint(100, 99_999), round(rng.uniform(0, 100), 2)])),
+        )
     if rng.random() < 0.08:
         words.insert(rng.randrange(len(words)), rng.choice(_NAMES))
     if rng.random() < 0.02:
@@ -57,12 +60,16 @@ def _code(rng: random.Random) -> str:
     lines = [f"def {name}_{rng.randint(1, 999)}({arg}, limit={rng.randint(1, 500)}):"]
     for _ in range(rng.randint(3, 12)):
         a, b = rng.choice(_IDENTS), rng.choice(_IDENTS)
-        lines.append(rng.choice([
-            f"    {a} = [{b}[i] * {rng.randint(2, 9)} for i in range(limit)]",
-            f"    if {a} > {rng.randint(0, 1000)}:\n        return {b}",
-            f"    {a}.update({{'{b}': {rng.randint(0, 10**6)}}})",
-            f"    logger.info(\"{a}=%s\", {b})",
-        ]))
+        lines.append(
+            rng.choice(
+                [
+                    f"    {a} = [{b}[i] * {rng.randint(2, 9)} for i in range(limit)]",
+                    f"    if {a} > {rng.randint(0, 1000)}:\n        return {b}",
+                    f"    {a}.update({{'{b}': {rng.randint(0, 10**6)}}})",
+                    f'    logger.info("{a}=%s", {b})',
+                ]
+            )
+        )
     lines.append(f"    return {arg}")
     return "```python\n" + "\n".join(lines) + "\n```"
 
@@ -94,21 +101,31 @@ def _length(rng: random.Random, mean: int) -> int:
 
 def turn(rng: random.Random, serial: int, *, mean_tokens: int = 540, tools: bool = True) -> list[dict[str, Any]]:
     """One turn: a user message, maybe a tool group (1-2 parallel calls), an assistant reply."""
-    out: list[dict[str, Any]] = [{"role": "user", "content": prose(rng, _length(rng, mean_tokens * 6 // 10)), "id": f"u{serial}"}]
+    out: list[dict[str, Any]] = [
+        {"role": "user", "content": prose(rng, _length(rng, mean_tokens * 6 // 10)), "id": f"u{serial}"}
+    ]
     if tools and rng.random() < 0.3:
         calls = [
             {
                 "id": f"call_{serial}_{k}_{rng.getrandbits(32):08x}",
                 "type": "function",
-                "function": {"name": rng.choice(_TOOLS), "arguments": json.dumps({"query": _sentence(rng), "limit": rng.randint(1, 50)})},
+                "function": {
+                    "name": rng.choice(_TOOLS),
+                    "arguments": json.dumps({"query": _sentence(rng), "limit": rng.randint(1, 50)}),
+                },
             }
             for k in range(rng.choice([1, 1, 2]))
         ]
         out.append({"role": "assistant", "content": None, "tool_calls": calls})
         for call in calls:
-            rows = [{"title": _sentence(rng), "score": round(rng.random(), 3), "snippet": prose(rng, 60)} for _ in range(rng.randint(1, 6))]
+            rows = [
+                {"title": _sentence(rng), "score": round(rng.random(), 3), "snippet": prose(rng, 60)}
+                for _ in range(rng.randint(1, 6))
+            ]
             out.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(rows, ensure_ascii=False)})
-    out.append({"role": "assistant", "content": prose(rng, _length(rng, mean_tokens * 14 // 10)), "info": {"usage": {}}})
+    out.append(
+        {"role": "assistant", "content": prose(rng, _length(rng, mean_tokens * 14 // 10)), "info": {"usage": {}}}
+    )
     return out
 
 

@@ -44,11 +44,15 @@ def main() -> None:
 
     steps = {
         "floor: tiktoken encode_ordinary": lambda t: encoding.encode_ordinary(t),
-        "UTF-8 + byte translation (lower-case, blank punctuation)": lambda t: t.encode("utf-8", "surrogatepass").translate(word_bytes),
+        "UTF-8 + byte translation (lower-case, blank punctuation)": lambda t: t.encode(
+            "utf-8", "surrogatepass"
+        ).translate(word_bytes),
         "+ split into words": words,
         "+ set of the words (hash each once)": lambda t: set(words(t)),
         "+ Counter of the words": lambda t: Counter(words(t)),
-        "+ each word to its term through the memo, Counter of terms": lambda t: Counter(map(memo.__getitem__, words(t))),
+        "+ each word to its term through the memo, Counter of terms": lambda t: Counter(
+            map(memo.__getitem__, words(t))
+        ),
         "contextwarden's term count (`_term_counts`)": lambda t: module._term_counts(t, True),
         "contextwarden's term statistics (`_term_stats`, what is cached)": lambda t: module._term_stats(t, True),
     }

@@ -78,7 +78,9 @@ AUDIT = [
     ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder.prefetch"),
 ]
 # What counts as reaching outside: opening an HTTP client or a Redis connection, reading a file.
-OUTSIDE = re.compile(r"httpx\.(?:Async)?Client\(|aioredis\.\w+\(|\.from_url\(|\bopen\(|\.read_(?:text|bytes)\(|self\._function\(")
+OUTSIDE = re.compile(
+    r"httpx\.(?:Async)?Client\(|aioredis\.\w+\(|\.from_url\(|\bopen\(|\.read_(?:text|bytes)\(|self\._function\("
+)
 
 FRONTMATTER = {
     "title": "contextwarden",
@@ -114,7 +116,9 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def _bundle_module(name: str, source: str, seen: list[str], hoisted: dict[tuple[str, str], set]) -> tuple[str, set[str]]:
+def _bundle_module(
+    name: str, source: str, seen: list[str], hoisted: dict[tuple[str, str], set]
+) -> tuple[str, set[str]]:
     """One module's text for the bundle, and its top-level names; collects its imports."""
     tree = ast.parse(source, filename=f"{name}.py")
     lines = source.splitlines()
@@ -135,7 +139,11 @@ def _bundle_module(name: str, source: str, seen: list[str], hoisted: dict[tuple[
                 raise BundleError(f"{name}.py imports {target}, which comes later in MODULES")
             take(node, [f"# {ast.unparse(node)}  (bundled above)"])
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [(node.module or "").split(".")[0]]
+            roots = (
+                [a.name.split(".")[0] for a in node.names]
+                if isinstance(node, ast.Import)
+                else [(node.module or "").split(".")[0]]
+            )
             for root in roots:
                 if root != "__future__" and root not in sys.stdlib_module_names and root not in ALLOWED_THIRD_PARTY:
                     raise BundleError(f"{name}.py imports {root!r}, which Open WebUI does not ship")
@@ -217,7 +225,9 @@ def _audit_map(text: str) -> list[str]:
     for number, line in enumerate(text.splitlines(), 1):
         code = line.split("#", 1)[0]
         if OUTSIDE.search(code) and not any(first <= number <= last for first, last in listed):
-            raise BundleError(f"audit map: line {number} reaches outside the process but is not listed in AUDIT: {line.strip()}")
+            raise BundleError(
+                f"audit map: line {number} reaches outside the process but is not listed in AUDIT: {line.strip()}"
+            )
     return lines
 
 

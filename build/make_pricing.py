@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 
 from contextwarden.errors import PricingError  # noqa: E402  (after the path above)
 from contextwarden.pricing import PriceBook  # noqa: E402
+
 DEFAULT_DUMP = REPO_ROOT / "tests" / "fixtures" / "openrouter_models_2026-08.json"
 DEFAULT_JSON_OUT = REPO_ROOT / "pricing.json"
 DEFAULT_PY_OUT = REPO_ROOT / "src" / "contextwarden" / "price_data.py"
@@ -116,8 +117,7 @@ def render_py(models: dict, source_name: str, source_date: str, command: str) ->
         record = models[model_id]
         slug = record["canonical_slug"]
         tiers = tuple(
-            (tier["min_prompt_tokens"],) + tuple(tier[field] for field in TIER_FIELDS)
-            for tier in record["tiers"]
+            (tier["min_prompt_tokens"],) + tuple(tier[field] for field in TIER_FIELDS) for tier in record["tiers"]
         )
         row = (
             None if slug == model_id else slug,
@@ -149,17 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     dump = json.loads(args.dump.read_text(encoding="utf-8"))
     models = build_table(dump)
     source_date = args.source_date or default_source_date(args.dump, dump.get("data", []))
-    command = "python build/make_pricing.py" + (
-        f" --source-date {args.source_date}" if args.source_date else ""
-    )
+    command = "python build/make_pricing.py" + (f" --source-date {args.source_date}" if args.source_date else "")
     if args.dump.name != DEFAULT_DUMP.name:  # by name: the same dump may sit elsewhere (a clone not beside shared/)
         command += f" {args.dump.name}"
     outputs = {
         args.json_out: render_json(models, args.dump.name, source_date),
         args.py_out: render_py(models, args.dump.name, source_date, command),
     }
-    stale = [path for path, text in outputs.items()
-             if not path.exists() or path.read_text(encoding="utf-8") != text]
+    stale = [path for path, text in outputs.items() if not path.exists() or path.read_text(encoding="utf-8") != text]
     if args.check:
         for path in stale:
             print(f"stale: {path}", file=sys.stderr)
@@ -169,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sum(1 for r in models.values() if r["prompt"] is None or r["completion"] is None)
     tiered = sum(1 for r in models.values() if r["tiers"])
     timed = sum(1 for r in models.values() if r["varies_by_time"])
-    print(f"{len(models)} models ({unknown} with unknown prices, {tiered} with prompt-size "
-          f"tiers, {timed} time-of-day priced) from {args.dump.name}, dated {source_date}")
+    print(
+        f"{len(models)} models ({unknown} with unknown prices, {tiered} with prompt-size "
+        f"tiers, {timed} time-of-day priced) from {args.dump.name}, dated {source_date}"
+    )
     return 0
 
 

@@ -25,7 +25,9 @@ def random_chat(rng: random.Random, n: int, *, system_words: int | None = None) 
     images, `None` and empty content, names, the odd unknown role."""
     chat: list[dict[str, Any]] = []
     if rng.random() < 0.85:
-        chat.append({"role": "system", "content": text(rng, system_words if system_words is not None else rng.randint(0, 80))})
+        chat.append(
+            {"role": "system", "content": text(rng, system_words if system_words is not None else rng.randint(0, 80))}
+        )
     call = 0
     while len(chat) < n:
         roll = rng.random()
@@ -36,7 +38,14 @@ def random_chat(rng: random.Random, n: int, *, system_words: int | None = None) 
         else:
             chat.append({"role": "user", "content": text(rng, rng.randint(1, 120)), "id": f"u{len(chat)}"})
         for _ in range(rng.randint(0, 2)):
-            calls = [{"id": f"call_{(call := call + 1)}", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": text(rng, 3)})}} for _ in range(rng.randint(1, 3))]
+            calls = [
+                {
+                    "id": f"call_{(call := call + 1)}",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"q": text(rng, 3)})},
+                }
+                for _ in range(rng.randint(1, 3))
+            ]
             chat.append({"role": "assistant", "content": None, "tool_calls": calls})
             for c in calls:
                 chat.append({"role": "tool", "tool_call_id": c["id"], "content": text(rng, rng.randint(1, 200))})

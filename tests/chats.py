@@ -43,7 +43,9 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     if first is not None and first.get("role") in ("assistant", "tool"):
         # "unless the input did": an orphan tool message first in the input is dropped, and
         # what followed it (an assistant reply) then leads; that is the input's own start.
-        assert first_in is not None and first_in.get("role") in ("assistant", "tool"), "history now starts with an assistant or tool message"
+        assert first_in is not None and first_in.get("role") in ("assistant", "tool"), (
+            "history now starts with an assistant or tool message"
+        )
     # 2. hard budget, counted with the filter's own counter.
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:
@@ -66,7 +68,9 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     else:
         cut = min(result.shortened, default=None)
         assert not result.recalled
-        assert result.stable_prefix == (len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut))
+        assert result.stable_prefix == (
+            len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut)
+        )
     # 3. untouched means untouched: kept messages are the same dicts, in order.
     assert len(plain) == len(result.kept) + len(result.shortened)
     by_index = dict(zip(sorted(result.kept + result.shortened), plain))
@@ -82,8 +86,27 @@ def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
     sent = sorted(a.kept + a.shortened)
     plain = [(x, y) for x, y in zip(a.messages, b.messages) if x is y or not is_recall_message(x)]  # blocks aside
     assert all(x is y for i, (x, y) in zip(sent, plain) if i in a.kept)
-    assert (a.kept, a.dropped, a.shortened, a.tokens_before, a.tokens_after, a.reused, a.decision, a.recalled, a.stable_prefix) == \
-        (b.kept, b.dropped, b.shortened, b.tokens_before, b.tokens_after, b.reused, b.decision, b.recalled, b.stable_prefix)
+    assert (
+        a.kept,
+        a.dropped,
+        a.shortened,
+        a.tokens_before,
+        a.tokens_after,
+        a.reused,
+        a.decision,
+        a.recalled,
+        a.stable_prefix,
+    ) == (
+        b.kept,
+        b.dropped,
+        b.shortened,
+        b.tokens_before,
+        b.tokens_after,
+        b.reused,
+        b.decision,
+        b.recalled,
+        b.stable_prefix,
+    )
 
 
 def frozen(chat: list[dict[str, Any]]) -> str:

@@ -62,7 +62,9 @@ def redis_server() -> Iterator[tuple[str, bool]]:
     """
     binary = shutil.which("redis-server")
     if binary is None:
-        url = os.environ.get("CONTEXTWARDEN_TEST_REDIS_URL") or ("redis://127.0.0.1:6379/0" if _answers("127.0.0.1", 6379) else "")
+        url = os.environ.get("CONTEXTWARDEN_TEST_REDIS_URL") or (
+            "redis://127.0.0.1:6379/0" if _answers("127.0.0.1", 6379) else ""
+        )
         if url:
             yield url, False
             return

@@ -15,7 +15,9 @@ import pytest
 
 __all__ = ["BUILT_FILE", "FEATURES", "has_feature", "pending"]
 
-BUILT_FILE = Path(os.environ.get("CONTEXTWARDEN_BUILT_FILE") or Path(__file__).resolve().parents[1] / "open_webui_filter.py")
+BUILT_FILE = Path(
+    os.environ.get("CONTEXTWARDEN_BUILT_FILE") or Path(__file__).resolve().parents[1] / "open_webui_filter.py"
+)
 """The single file under test: the repository's, or ``$CONTEXTWARDEN_BUILT_FILE`` (another build)."""
 
 FEATURES: dict[str, tuple[tuple[str, ...], str]] = {

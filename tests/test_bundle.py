@@ -45,11 +45,11 @@ def _build_with_appended(tmp_path: Path, module: str, code: str) -> str:
         f"""
         import shutil, sys
         from pathlib import Path
-        sys.path.insert(0, {str(ROOT / 'build')!r})
+        sys.path.insert(0, {str(ROOT / "build")!r})
         import bundle
-        shutil.copytree(bundle.PACKAGE, {str(tmp_path / 'pkg')!r})
-        bundle.PACKAGE = Path({str(tmp_path / 'pkg')!r})
-        with open(bundle.PACKAGE / {module + '.py'!r}, 'a') as f:
+        shutil.copytree(bundle.PACKAGE, {str(tmp_path / "pkg")!r})
+        bundle.PACKAGE = Path({str(tmp_path / "pkg")!r})
+        with open(bundle.PACKAGE / {module + ".py"!r}, 'a') as f:
             f.write({code!r})
         try:
             bundle.build()

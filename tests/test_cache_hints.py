@@ -29,21 +29,37 @@ from test_filter_state import grow
 from test_trim import chat_of
 
 SONNET = "anthropic/claude-sonnet-4.5"
-OPENROUTER_SONNET = {"id": SONNET, "owned_by": "openai", "openai": {"id": SONNET}, "connection_type": "external", "urlIdx": 0}
+OPENROUTER_SONNET = {
+    "id": SONNET,
+    "owned_by": "openai",
+    "openai": {"id": SONNET},
+    "connection_type": "external",
+    "urlIdx": 0,
+}
 GPT4O = {"id": "gpt-4o", "owned_by": "openai", "openai": {"id": "gpt-4o"}, "connection_type": "external", "urlIdx": 0}
 
 
 def marked_positions(messages: list[dict]) -> list[int]:
-    return [i for i, m in enumerate(messages) if isinstance(m.get("content"), list)
-            and any(isinstance(p, dict) and "cache_control" in p for p in m["content"])]
+    return [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and "cache_control" in p for p in m["content"])
+    ]
 
 
 def marker_count(messages: list[dict]) -> int:
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for p in m["content"] if isinstance(p, dict) and "cache_control" in p)
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and "cache_control" in p
+    )
 
 
 # ---- who ------------------------------------------------------------------------------------
+
 
 def test_only_claude_named_anthropic_on_an_openai_compatible_connection():
     assert breakpoint_provider(SONNET, SONNET, OPENROUTER_SONNET) == "anthropic"
@@ -53,9 +69,17 @@ def test_only_claude_named_anthropic_on_an_openai_compatible_connection():
     assert breakpoint_provider(SONNET, SONNET, None) is None  # unknown connection: do nothing
     assert breakpoint_provider(SONNET, SONNET, {**OPENROUTER_SONNET, "pipe": {"type": "pipe"}}) is None
     assert breakpoint_provider(SONNET, SONNET, {"id": SONNET, "owned_by": "ollama", "ollama": {}}) is None
-    direct = {"id": "claude-sonnet-4-5", "owned_by": "openai", "openai": {"id": "claude-sonnet-4-5", "owned_by": "anthropic"}}
-    assert breakpoint_provider("claude-sonnet-4-5", SONNET, direct) is None  # Anthropic's OpenAI-compatible endpoint: unsure
-    assert breakpoint_provider("claude-sonnet-4-5", SONNET, {**GPT4O, "id": "claude-sonnet-4-5"}) is None  # bare id, unknown proxy
+    direct = {
+        "id": "claude-sonnet-4-5",
+        "owned_by": "openai",
+        "openai": {"id": "claude-sonnet-4-5", "owned_by": "anthropic"},
+    }
+    assert (
+        breakpoint_provider("claude-sonnet-4-5", SONNET, direct) is None
+    )  # Anthropic's OpenAI-compatible endpoint: unsure
+    assert (
+        breakpoint_provider("claude-sonnet-4-5", SONNET, {**GPT4O, "id": "claude-sonnet-4-5"}) is None
+    )  # bare id, unknown proxy
 
 
 def test_minimum_cacheable_sizes():
@@ -71,6 +95,7 @@ def test_minimum_cacheable_sizes():
 
 # ---- where ----------------------------------------------------------------------------------
 
+
 def long_chat(turns: int) -> list[dict]:
     return chat_of(turns, system="You are helpful. " + "Rules apply. " * 400)  # a system prompt over 1,024 tokens
 
@@ -83,8 +108,9 @@ def test_positions_stable_across_reused_turns(counter):
     for i in range(30, 36):
         # recall_share=0: a recall block moves the carried prefix's end each turn, and whether the
         # last turn's mark is marked again then depends on the spacing (not yet looked into).
-        result = trim_messages(chat, max_tokens=6_000, model="gpt-4o", token_counter=counter, previous=previous,
-                               recall_share=0)
+        result = trim_messages(
+            chat, max_tokens=6_000, model="gpt-4o", token_counter=counter, previous=previous, recall_share=0
+        )
         sent = result.messages
         positions = breakpoint_positions(sent, counter.count_each(sent), carried_prefix(result), 1_024)
         assert len(positions) <= MAX_BREAKPOINTS and positions[0] == 0  # the system prompt
@@ -92,7 +118,9 @@ def test_positions_stable_across_reused_turns(counter):
         if result.reused:
             reused += 1
             assert any(m is last_marked for m in marked)  # the same message, marked again
-        assert marked[-1] is sent[carried_prefix(result) - 1]  # the end of the carried prefix (a recall block and its question after it)
+        assert (
+            marked[-1] is sent[carried_prefix(result) - 1]
+        )  # the end of the carried prefix (a recall block and its question after it)
         last_marked, previous = marked[-1], result.decision
         chat = grow(chat, i)
     assert reused >= 3
@@ -116,8 +144,14 @@ def test_at_most_four_and_never_below_the_minimum(counter):
 
 
 def test_markers_go_on_copies_and_leave_the_text_unchanged():
-    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"},
-            {"type": "image_url", "image_url": {"url": "data:,"}}]}, {"role": "user", "content": "q"}]
+    chat = [
+        {"role": "system", "content": "S"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:,"}}],
+        },
+        {"role": "user", "content": "q"},
+    ]
     before = frozen(chat)
     out, undo = place_breakpoints(chat, (0, 1, 2))
     assert frozen(chat) == before  # the input is not changed
@@ -131,6 +165,7 @@ def test_markers_go_on_copies_and_leave_the_text_unchanged():
 
 
 # ---- the filter -----------------------------------------------------------------------------
+
 
 async def two_passes(f, chat, model=SONNET, info=OPENROUTER_SONNET, chat_id="c1") -> tuple[dict, dict]:
     body = body_of(chat, model=model, chat_id=chat_id)
@@ -161,26 +196,48 @@ async def test_none_for_gpt4o_none_when_off_none_with_foreign_markers(counter):
     f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False)
     _, out = await two_passes(f, chat, model="gpt-4o", info=GPT4O, chat_id="c2")
     assert not has_cache_markers(out["messages"])
-    off = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False,
-                      prompt_cache_hints="off")
+    off = make_filter(
+        counter,
+        max_context_tokens=8_000,
+        reserve_output_tokens=1_000,
+        openrouter_pricing=False,
+        prompt_cache_hints="off",
+    )
     _, out = await two_passes(off, chat, chat_id="c3")
     assert not has_cache_markers(out["messages"])
-    theirs = [*chat[:-1], {"role": "user", "content": [{"type": "text", "text": "What now?", "cache_control": {"type": "ephemeral"}}]}]
+    theirs = [
+        *chat[:-1],
+        {"role": "user", "content": [{"type": "text", "text": "What now?", "cache_control": {"type": "ephemeral"}}]},
+    ]
     _, out = await two_passes(f, theirs, chat_id="c4")
     assert marker_count(out["messages"]) == 1  # the caller's own, nothing added
-    shadow = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False, mode="shadow")
+    shadow = make_filter(
+        counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False, mode="shadow"
+    )
     _, out = await two_passes(shadow, chat, chat_id="c5")
     assert out["messages"] is chat  # shadow sends the body as it came
 
 
 async def test_bad_valve_value_is_named_and_auto_used(counter):
-    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False,
-                    prompt_cache_hints="sometimes")
+    f = make_filter(
+        counter,
+        max_context_tokens=8_000,
+        reserve_output_tokens=1_000,
+        openrouter_pricing=False,
+        prompt_cache_hints="sometimes",
+    )
     events = Events()
     body = body_of(long_chat(30), model=SONNET)
-    hooks = {"__user__": {"id": "u1"}, "__metadata__": body["metadata"], "__model__": OPENROUTER_SONNET, "__event_emitter__": events}
+    hooks = {
+        "__user__": {"id": "u1"},
+        "__metadata__": body["metadata"],
+        "__model__": OPENROUTER_SONNET,
+        "__event_emitter__": events,
+    }
     out = await f.request(await f.inlet(body, **hooks), **hooks)
-    assert sum("prompt_cache_hints must be one of auto, off; using auto" in s for s in events.statuses) == 1  # once a turn
+    assert (
+        sum("prompt_cache_hints must be one of auto, off; using auto" in s for s in events.statuses) == 1
+    )  # once a turn
     assert "sometimes" not in " ".join(events.statuses)  # valve values are never echoed
     assert has_cache_markers(out["messages"])
 
@@ -188,25 +245,48 @@ async def test_bad_valve_value_is_named_and_auto_used(counter):
 async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache(counter):
     f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False)
     events = Events()
-    reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": 9_000, "completion_tokens": 20,
-             "prompt_tokens_details": {"cached_tokens": 8_120}}}
-    await f.outlet({"model": SONNET, "messages": [{"role": "user", "content": "q"}, reply]}, __user__={"id": "u1"},
-                   __metadata__={}, __event_emitter__=events)
+    reply = {
+        "role": "assistant",
+        "content": "ok",
+        "usage": {"prompt_tokens": 9_000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 8_120}},
+    }
+    await f.outlet(
+        {"model": SONNET, "messages": [{"role": "user", "content": "q"}, reply]},
+        __user__={"id": "u1"},
+        __metadata__={},
+        __event_emitter__=events,
+    )
     assert events.statuses[-1].startswith("9,000 in (8,120 cached) · 20 out · $")
     from contextwarden.cache_stats import load_cache_stats
+
     assert (await load_cache_stats(f._store, SONNET)).caches() is True
     for _ in range(3):
-        await f.outlet({"model": "openai/gpt-4.1", "messages": [{"role": "user", "content": "q"},
-                       {**reply, "usage": {"prompt_tokens": 9_000, "completion_tokens": 20}}]},
-                       __user__={"id": "u1"}, __metadata__={})
+        await f.outlet(
+            {
+                "model": "openai/gpt-4.1",
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {**reply, "usage": {"prompt_tokens": 9_000, "completion_tokens": 20}},
+                ],
+            },
+            __user__={"id": "u1"},
+            __metadata__={},
+        )
     assert (await load_cache_stats(f._store, "openai/gpt-4.1")).caches() is False
 
 
 async def test_a_connection_prefix_is_removed_before_deciding(counter):
-    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False,
-                    connection_prefixes="openrouter")
+    f = make_filter(
+        counter,
+        max_context_tokens=8_000,
+        reserve_output_tokens=1_000,
+        openrouter_pricing=False,
+        connection_prefixes="openrouter",
+    )
     prefixed = "openrouter." + SONNET
-    _, out = await two_passes(f, long_chat(30), model=prefixed, info={**OPENROUTER_SONNET, "id": prefixed}, chat_id="c6")
+    _, out = await two_passes(
+        f, long_chat(30), model=prefixed, info={**OPENROUTER_SONNET, "id": prefixed}, chat_id="c6"
+    )
     assert marked_positions(out["messages"])
 
 
@@ -216,15 +296,23 @@ async def test_savings_follow_what_the_model_was_learned_to_do(counter):
     from decimal import Decimal
 
     from contextwarden.cache_stats import CacheStats, save_cache_stats
+
     model = "openai/gpt-4.1"  # $2.00/M input, $0.50/M cached
 
     async def saved(f) -> Decimal:
-        note = {"mode": "enforce", "tokens_saved": 18_000,
-                "cache": {"untrimmed": 25_000, "trimmed": 0, "caches": True, "minimum": 1_024}}
+        note = {
+            "mode": "enforce",
+            "tokens_saved": 18_000,
+            "cache": {"untrimmed": 25_000, "trimmed": 0, "caches": True, "minimum": 1_024},
+        }
         reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": 8_000, "completion_tokens": 20}}
         events = Events()
-        await f.outlet({"model": model, "messages": [{"role": "user", "content": "q"}, reply]}, __user__={"id": "u1"},
-                       __metadata__={"contextwarden": note}, __event_emitter__=events)
+        await f.outlet(
+            {"model": model, "messages": [{"role": "user", "content": "q"}, reply]},
+            __user__={"id": "u1"},
+            __metadata__={"contextwarden": note},
+            __event_emitter__=events,
+        )
         return events.statuses[-1]
 
     f = make_filter(counter, openrouter_pricing=False)

@@ -52,7 +52,9 @@ def test_trim_rejects_bad_input(tmp_path, capsys):
 
 
 def test_build_check_via_command():
-    run = subprocess.run([sys.executable, "-m", "contextwarden.cli", "build", "--check"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "contextwarden.cli", "build", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     assert "up to date" in run.stdout
 
@@ -73,7 +75,7 @@ def test_trim_names_the_file_and_the_line_of_invalid_json(tmp_path, capsys):
 
 
 def test_trim_refuses_a_file_without_messages(tmp_path, capsys):
-    assert "no \"messages\" list" in _trim_error(tmp_path, capsys, '{"foo": 1}')
+    assert 'no "messages" list' in _trim_error(tmp_path, capsys, '{"foo": 1}')
     assert "a list of messages" in _trim_error(tmp_path, capsys, "null")
     assert "message 1 is not an object" in _trim_error(tmp_path, capsys, '[{"role": "user", "content": "hi"}, 3]')
 
@@ -102,7 +104,12 @@ def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again: nothing listens there
-    run = subprocess.run([sys.executable, "-m", "contextwarden.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "contextwarden.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith("contextwarden usage:")

@@ -36,13 +36,28 @@ async def seeded(redis_url, unique):
     ]
     store = open_store(redis_url)
     for offset, user, model, prompt, completion, cost, estimated in rows:
-        await record_reply(store, user=user, model=model, prompt_tokens=prompt, completion_tokens=completion,
-                           cached_tokens=prompt // 10, cost_usd=cost, estimated=estimated,
-                           day=start + timedelta(days=offset), retention_days=1)
+        await record_reply(
+            store,
+            user=user,
+            model=model,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=prompt // 10,
+            cost_usd=cost,
+            estimated=estimated,
+            day=start + timedelta(days=offset),
+            retention_days=1,
+        )
     await store.aclose()
     until = (start + timedelta(days=2)).isoformat()
-    return {"url": redis_url, "since": start.isoformat(), "start": start, "ann": ann, "bob": bob,
-            "range": ["--since", start.isoformat(), "--until", until]}
+    return {
+        "url": redis_url,
+        "since": start.isoformat(),
+        "start": start,
+        "ann": ann,
+        "bob": bob,
+        "range": ["--since", start.isoformat(), "--until", until],
+    }
 
 
 def run(capsys, *args):
@@ -64,7 +79,7 @@ def test_table_by_model(seeded, capsys):
     assert gpt[1:] == ["3", "1,600", "160", "≥0.005250", "1", "0.000000"]  # one of its replies had no price
     assert next(line for line in lines if line.startswith("llama3.1:8b")).split()[4] == "0.000000"  # priced at 0: free
     assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.015750", "1", "0.000000"]
-    assert lines[len(table):] == [
+    assert lines[len(table) :] == [
         "1 replies had no known price: their tokens are counted, their cost is not (≥, unknown)",
         "1 replies were estimated (the backend sent no usage)",
     ]
@@ -89,8 +104,18 @@ def test_long_keys_are_cut_to_fit_and_wide_shows_everything(redis_url, unique, c
 
     async def seed():
         store = open_store(redis_url)
-        await record_reply(store, user=unique, model=model, prompt_tokens=123_456_789, completion_tokens=9_876_543,
-                           cached_tokens=5, cost_usd=D("12345.678901"), estimated=False, day=day, retention_days=1)
+        await record_reply(
+            store,
+            user=unique,
+            model=model,
+            prompt_tokens=123_456_789,
+            completion_tokens=9_876_543,
+            cached_tokens=5,
+            cost_usd=D("12345.678901"),
+            estimated=False,
+            day=day,
+            retention_days=1,
+        )
         await store.aclose()
 
     asyncio.run(seed())
@@ -100,7 +125,14 @@ def test_long_keys_are_cut_to_fit_and_wide_shows_everything(redis_url, unique, c
     cut = out.splitlines()[2].split()[0]
     assert "…" in cut and cut.startswith("openrouter/") and cut.endswith("-instruct")
     _, wide, _ = run(capsys, "--redis-url", redis_url, *span, "--wide")
-    assert model in wide and wide.splitlines()[0].split()[:6] == ["model", "requests", "prompt", "completion", "cached", "reasoning"]
+    assert model in wide and wide.splitlines()[0].split()[:6] == [
+        "model",
+        "requests",
+        "prompt",
+        "completion",
+        "cached",
+        "reasoning",
+    ]
 
 
 def test_json_by_user_is_exact(seeded, capsys):
@@ -116,7 +148,9 @@ def test_json_by_user_is_exact(seeded, capsys):
 
 def test_csv_by_day_and_since(seeded, capsys):
     later = (seeded["start"] + timedelta(days=1)).isoformat()
-    code, out, _ = run(capsys, "--redis-url", seeded["url"], "--by", "day", *seeded["range"], "--since", later, "--format", "csv")
+    code, out, _ = run(
+        capsys, "--redis-url", seeded["url"], "--by", "day", *seeded["range"], "--since", later, "--format", "csv"
+    )
     assert code == 0
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [r["day"] for r in rows] == [later, (seeded["start"] + timedelta(days=2)).isoformat()]
@@ -131,9 +165,19 @@ def test_html_report_is_self_contained(seeded, capsys, tmp_path):
     page = path.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page
     assert "<script" not in page and "<link" not in page and "src=" not in page and "@import" not in page
-    assert page.count('<rect x="') == 3  # (day, model) cells with a cost: gpt d0, claude d0, gpt d1 (llama is $0, bob d2 unpriced)
-    for text in ("Cost per day by model", "By model", "By user", "By day", seeded["ann"], "anthropic/claude-sonnet-4.5",
-                 "$0.0158", seeded["since"]):
+    assert (
+        page.count('<rect x="') == 3
+    )  # (day, model) cells with a cost: gpt d0, claude d0, gpt d1 (llama is $0, bob d2 unpriced)
+    for text in (
+        "Cost per day by model",
+        "By model",
+        "By user",
+        "By day",
+        seeded["ann"],
+        "anthropic/claude-sonnet-4.5",
+        "$0.0158",
+        seeded["since"],
+    ):
         assert text in page, text
 
 
@@ -144,13 +188,37 @@ def test_html_escapes_ids(redis_url, unique, capsys, tmp_path):
 
     async def seed():
         store = open_store(redis_url)
-        await record_reply(store, user=f"<b>{unique}</b>", model="<script>x</script>", prompt_tokens=1,
-                           completion_tokens=1, cost_usd=D("1"), estimated=False, day=day, retention_days=1)
+        await record_reply(
+            store,
+            user=f"<b>{unique}</b>",
+            model="<script>x</script>",
+            prompt_tokens=1,
+            completion_tokens=1,
+            cost_usd=D("1"),
+            estimated=False,
+            day=day,
+            retention_days=1,
+        )
         await store.aclose()
 
     asyncio.run(seed())
     path = tmp_path / "r.html"
-    assert main(["usage", "--redis-url", redis_url, "--since", day.isoformat(), "--until", day.isoformat(), "--html", str(path)]) == 0
+    assert (
+        main(
+            [
+                "usage",
+                "--redis-url",
+                redis_url,
+                "--since",
+                day.isoformat(),
+                "--until",
+                day.isoformat(),
+                "--html",
+                str(path),
+            ]
+        )
+        == 0
+    )
     page = path.read_text()
     assert "<script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page and f"&lt;b&gt;{unique}" in page
 

@@ -36,9 +36,22 @@ def marked_chat(marker: str, rng: random.Random) -> list[dict]:
     for i in range(rng.randint(0, 25)):
         chat.append({"role": "user", "content": f"{marker} question {i} " + "lorem ipsum " * rng.randint(5, 60)})
         if rng.random() < 0.2:
-            chat.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"{marker}-call{i}", "type": "function", "function": {"name": "f", "arguments": f'{{"m": "{marker}"}}'}}]})
-            chat.append({"role": "tool", "tool_call_id": f"{marker}-call{i}", "content": f"{marker} result " + "data " * 30})
+            chat.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": f"{marker}-call{i}",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": f'{{"m": "{marker}"}}'},
+                        }
+                    ],
+                }
+            )
+            chat.append(
+                {"role": "tool", "tool_call_id": f"{marker}-call{i}", "content": f"{marker} result " + "data " * 30}
+            )
         chat.append({"role": "assistant", "content": f"{marker} answer {i} " + "dolor sit " * rng.randint(5, 60)})
     chat.append({"role": "user", "content": f"{marker} latest question"})
     return chat
@@ -67,11 +80,19 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
     user_id = {u: f"user-{unique}-{u}" for u in range(USERS)}  # unique: the shared Redis keeps other runs' ledgers
     rng.shuffle(turns)
 
-    runs = await asyncio.gather(*(
-        run_turn(f, chat, user={"id": user_id[u], "email": f"user{u}@example.com", "valves": valves_},
-                 chat_id=chat_id, reply=reply_of(f"{marker} reply", usage), events=YieldingEvents())
-        for u, chat_id, marker, chat, valves_, usage in turns
-    ))
+    runs = await asyncio.gather(
+        *(
+            run_turn(
+                f,
+                chat,
+                user={"id": user_id[u], "email": f"user{u}@example.com", "valves": valves_},
+                chat_id=chat_id,
+                reply=reply_of(f"{marker} reply", usage),
+                events=YieldingEvents(),
+            )
+            for u, chat_id, marker, chat, valves_, usage in turns
+        )
+    )
 
     records = usage_lines(caplog.records)
     assert len(records) == len(turns)  # exactly one usage line per outlet
@@ -86,7 +107,9 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         note = run.metadata["contextwarden"]
         assert note["budget"] == user_budget(u)
         assert note["estimated_prompt_tokens"] == counter.count_messages(sent, MODEL) <= user_budget(u)
-        check_contract(chat, trim_messages(chat, max_tokens=user_budget(u), model=MODEL, token_counter=counter), counter, MODEL)
+        check_contract(
+            chat, trim_messages(chat, max_tokens=user_budget(u), model=MODEL, token_counter=counter), counter, MODEL
+        )
         trimmed += len(sent) < len(chat)
         # its own status lines only (or none when this user hid them)
         if u % 7 == 0:
@@ -103,7 +126,11 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         assert record["user_id"] == user_id[u]
         assert record["estimated_prompt_tokens"] == note["estimated_prompt_tokens"]
         if usage:
-            assert (record["prompt_tokens"], record["completion_tokens"], record["estimated"]) == (1_000 * u + int(chat_id[-1]), usage["completion_tokens"], False)
+            assert (record["prompt_tokens"], record["completion_tokens"], record["estimated"]) == (
+                1_000 * u + int(chat_id[-1]),
+                usage["completion_tokens"],
+                False,
+            )
         else:
             assert record["estimated"] is True and record["prompt_tokens"] == note["estimated_prompt_tokens"]
     assert trimmed > len(turns) // 3  # the budgets really bit
@@ -120,7 +147,9 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         assert rows[uid]["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
         assert rows[uid]["completion_tokens"] == sum(r["completion_tokens"] for r in mine)
         assert rows[uid]["estimated"] == sum(r["estimated"] for r in mine)
-        assert rows[uid]["cost_picousd"] == sum(usd_to_picodollars(Decimal(r["cost_usd"])) for r in mine if r["cost_usd"])
+        assert rows[uid]["cost_picousd"] == sum(
+            usd_to_picodollars(Decimal(r["cost_usd"])) for r in mine if r["cost_usd"]
+        )
 
 
 async def test_concurrent_turns_of_one_chat_are_identical(counter):

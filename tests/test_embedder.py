@@ -87,8 +87,12 @@ async def test_a_wrong_shaped_answer_is_refused():
 
 
 def cat_body() -> dict:
-    return {"model": "gpt-4o", "messages": chat_about_a_cat(), "stream": False,
-            "metadata": {"chat_id": "cat", "user_id": "u1"}}
+    return {
+        "model": "gpt-4o",
+        "messages": chat_about_a_cat(),
+        "stream": False,
+        "metadata": {"chat_id": "cat", "user_id": "u1"},
+    }
 
 
 async def inlet_with(counter, function, **valves) -> dict:

@@ -16,20 +16,23 @@ MODEL = "gpt-4o"
 def crafted() -> list[dict]:
     filler = "weather rain clouds wind " * 40
     return [
-        {"role": "system", "content": "You are helpful."},                                           # 0 system
-        {"role": "user", "content": "Remember: my cat is called Miso."},                             # 1 pinned
-        {"role": "assistant", "content": "Noted, Miso the cat."},                                     # 2
-        {"role": "user", "content": "Tell me about the weather. " + filler},                         # 3 low score
-        {"role": "assistant", "content": "It rains. " + filler},                                      # 4 low score
-        {"role": "tool", "tool_call_id": "ghost", "content": "orphan result"},                       # 5 orphan
-        {"role": "user", "content": "Look up cat food brands for Miso."},                             # 6
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "type": "function",
-                                                              "function": {"name": "search", "arguments": "{}"}}]},  # 7 tool pair
+        {"role": "system", "content": "You are helpful."},  # 0 system
+        {"role": "user", "content": "Remember: my cat is called Miso."},  # 1 pinned
+        {"role": "assistant", "content": "Noted, Miso the cat."},  # 2
+        {"role": "user", "content": "Tell me about the weather. " + filler},  # 3 low score
+        {"role": "assistant", "content": "It rains. " + filler},  # 4 low score
+        {"role": "tool", "tool_call_id": "ghost", "content": "orphan result"},  # 5 orphan
+        {"role": "user", "content": "Look up cat food brands for Miso."},  # 6
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "search", "arguments": "{}"}}],
+        },  # 7 tool pair
         {"role": "tool", "tool_call_id": "t1", "content": "cat food brands for cats: Miso likes fish"},  # 8 tool pair
-        {"role": "assistant", "content": "Cats like Miso enjoy fish-based cat food."},                # 9
-        {"role": "user", "content": "Some small talk " + "about nothing much " * 30},                # 10 recent (keep 2)
-        {"role": "assistant", "content": "Sure, " + "nothing much " * 30},                            # 11 recent
-        {"role": "user", "content": "What is my cat called, and what food does the cat like?"},      # 12 current
+        {"role": "assistant", "content": "Cats like Miso enjoy fish-based cat food."},  # 9
+        {"role": "user", "content": "Some small talk " + "about nothing much " * 30},  # 10 recent (keep 2)
+        {"role": "assistant", "content": "Sure, " + "nothing much " * 30},  # 11 recent
+        {"role": "user", "content": "What is my cat called, and what food does the cat like?"},  # 12 current
     ]
 
 
@@ -39,7 +42,9 @@ def reasons_of(explanation) -> dict[int, str]:
 
 def test_every_reason_on_the_crafted_chat(counter):
     chat = crafted()
-    options = dict(keep_last_turns=2, pinned=[1], growth_turns=0)  # room for 0.8 of 420 tokens (the growth rule: test_trim)
+    options = dict(
+        keep_last_turns=2, pinned=[1], growth_turns=0
+    )  # room for 0.8 of 420 tokens (the growth rule: test_trim)
     result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, **options)
     assert 3 in result.dropped and 5 in result.dropped and {0, 1, 7, 8, 10, 12} <= set(result.kept)
     explanation = explain_trim(chat, result, model=MODEL, token_counter=counter, summarized=[3, 4], **options)
@@ -50,20 +55,31 @@ def test_every_reason_on_the_crafted_chat(counter):
     assert why[5] == "orphan tool message: its call is not in the chat, never sent" and actions[5] == "dropped"
     assert "tool pair: messages 7–8 are kept or dropped together" in why[7] and "tool pair" in why[8]
     assert "score: its turn's value" in why[6] and "worth its tokens" in why[6] and "whole turn" in why[6]
-    assert actions[3] == actions[4] == "summarized" and "below what was kept" in why[3] and "a summary note stands for it" in why[3]
+    assert (
+        actions[3] == actions[4] == "summarized"
+        and "below what was kept" in why[3]
+        and "a summary note stands for it" in why[3]
+    )
     scores = {row.index: row.score for row in explanation.messages}
     assert scores[0] is None and scores[12] is None and scores[6] > scores[3]  # about the cat vs about the weather
     parts = explanation.budget
     costs = [counter.count_message(m, MODEL) for m in chat]
     assert (parts.budget, parts.system_tokens, parts.current_turn_tokens) == (420, costs[0], costs[12])
-    assert parts.history_available == 420 - 3 - costs[0] - costs[12] and parts.history_target == int(420 * 0.8) - 3 - costs[0] - costs[12]
+    assert (
+        parts.history_available == 420 - 3 - costs[0] - costs[12]
+        and parts.history_target == int(420 * 0.8) - 3 - costs[0] - costs[12]
+    )
     assert parts.history_sent == result.tokens_after - 3 - costs[0] - costs[12]
 
     # Next turn with the decision: the kept prefix is reused, the new messages are "new".
     grown = chat + [{"role": "assistant", "content": "Miso; fish."}, {"role": "user", "content": "Thanks!"}]
-    again = trim_messages(grown, max_tokens=420, model=MODEL, token_counter=counter, previous=result.decision, **options)
+    again = trim_messages(
+        grown, max_tokens=420, model=MODEL, token_counter=counter, previous=result.decision, **options
+    )
     assert again.reused
-    why = reasons_of(explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options))
+    why = reasons_of(
+        explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options)
+    )
     assert "reused from the previous decision" in why[6] and "new since the previous decision" in why[13]
 
     # A system prompt bigger than the budget is shortened.
@@ -83,7 +99,19 @@ def test_a_chat_that_fits_says_so(counter):
 def test_cli_explain_table_and_json(tmp_path, capsys):
     path = tmp_path / "chat.json"
     path.write_text(json.dumps({"model": MODEL, "messages": crafted()}))
-    args = ["trim", str(path), "--max-tokens", "1444", "--reserve", "1024", "--keep-last-turns", "2", "--pin", "1", "--explain"]
+    args = [
+        "trim",
+        str(path),
+        "--max-tokens",
+        "1444",
+        "--reserve",
+        "1024",
+        "--keep-last-turns",
+        "2",
+        "--pin",
+        "1",
+        "--explain",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -93,11 +121,16 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     explained = document["explain"]
-    assert explained["budget"]["reserve"] == 1024 and explained["budget"]["window"] == 1444 and explained["budget"]["budget"] == 420
+    assert (
+        explained["budget"]["reserve"] == 1024
+        and explained["budget"]["window"] == 1444
+        and explained["budget"]["budget"] == 420
+    )
     rows = {r["index"]: r for r in explained["messages"]}
     assert rows[0]["reasons"] == ["mandatory: system prompt"] and rows[5]["action"] == "dropped"
     assert [r["action"] for r in explained["messages"]] == [
-        "kept" if i in document["kept"] else "shortened" if i in document["shortened"] else "dropped" for i in range(13)]
+        "kept" if i in document["kept"] else "shortened" if i in document["shortened"] else "dropped" for i in range(13)
+    ]
     # --previous takes this output: the next turn reuses its prefix.
     previous = tmp_path / "turn1.json"
     previous.write_text(json.dumps(document))

@@ -68,8 +68,12 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
                 blocks.append(j)
                 continue
             upper = next((where[id(n)] for n in sent[j + 1 :] if id(n) in where), len(chat))
-            same_keys = [i for i in range(last + 1, upper)
-                         if {k: v for k, v in chat[i].items() if k != "content"} == {k: v for k, v in m.items() if k != "content"}]
+            same_keys = [
+                i
+                for i in range(last + 1, upper)
+                if {k: v for k, v in chat[i].items() if k != "content"}
+                == {k: v for k, v in m.items() if k != "content"}
+            ]
             last = max(same_keys, key=lambda i: counter.count_message(chat[i], MODEL))  # the largest text is cut
             shortened.append(last)
         after = counter.count_messages(sent, MODEL)
@@ -78,9 +82,20 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
         recalled = tuple(i for i in dropped if blocks and message_text(chat[i]) and message_text(chat[i]) in quoted)
         question = max((i for i, m in enumerate(chat) if m.get("role") == "user"), default=None)
         stable = next((j for j in blocks if question is not None and sent[j + 1] is chat[question]), -1)
-        result = TrimResult(list(sent), tuple(kept), dropped, tuple(shortened),
-                            counter.count_messages(chat, MODEL), after, budget, "exact", over_budget=after > budget,
-                            notes=("shortened",) if shortened else (), recalled=recalled, stable_prefix=stable)
+        result = TrimResult(
+            list(sent),
+            tuple(kept),
+            dropped,
+            tuple(shortened),
+            counter.count_messages(chat, MODEL),
+            after,
+            budget,
+            "exact",
+            over_budget=after > budget,
+            notes=("shortened",) if shortened else (),
+            recalled=recalled,
+            stable_prefix=stable,
+        )
         check_contract(chat, result, counter, MODEL)
 
 
@@ -115,7 +130,9 @@ async def test_encodings_unavailable_estimates_within_budget(counter, monkeypatc
     assert len(lines) == 20 and all(line["estimated"] for line in lines)
 
 
-@pytest.mark.parametrize("error", [ValueError("corrupt cache"), KeyError("o200k_base"), MemoryError(), RuntimeError("x")])
+@pytest.mark.parametrize(
+    "error", [ValueError("corrupt cache"), KeyError("o200k_base"), MemoryError(), RuntimeError("x")]
+)
 async def test_encodings_failing_oddly_still_estimate(error, monkeypatch):
     def broken(name):
         raise error
@@ -177,7 +194,10 @@ async def test_a_base_exception_inside_a_hook_fails_open(monkeypatch, caplog, ho
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Panicking())
     f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
     f._counter = TokenCounter(block=True)
-    body = {"model": MODEL, "messages": chat_of(10) + ([{"role": "assistant", "content": "ok"}] if hook == "outlet" else [])}
+    body = {
+        "model": MODEL,
+        "messages": chat_of(10) + ([{"role": "assistant", "content": "ok"}] if hook == "outlet" else []),
+    }
     events = Events()
     assert await getattr(f, hook)(body, __user__={"id": "u"}, __metadata__={}, __event_emitter__=events) is body
     assert any("skipped" in s for s in events.statuses) and "secret message text" not in caplog.text
@@ -294,7 +314,9 @@ async def raw_counters(url: str, key: str) -> dict[str, int]:
 
 
 async def test_redis_refused_at_start_chat_goes_on(counter, caplog, unique):
-    f = make_filter(counter, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_context_tokens=900, reserve_output_tokens=100)
+    f = make_filter(
+        counter, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_context_tokens=900, reserve_output_tokens=100
+    )
     runs = [await run_turn(f, chat_of(12), chat_id=f"{unique}{i}") for i in range(5)]
     for run in runs:
         assert_valid_turn(run, 800, counter)
@@ -503,9 +525,11 @@ async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog,
         await run_turn(f, chat, user=user, chat_id=chat_id)
 
     async def next_turn(chat_id: str, step: int) -> None:
-        chats[chat_id] = chats[chat_id][:-1] + [{"role": "user", "content": chats[chat_id][-1]["content"].replace(" !pin", "")},
-                                                {"role": "assistant", "content": "Noted. " + "lorem " * 80},
-                                                {"role": "user", "content": f"step {step}: what else?"}]
+        chats[chat_id] = chats[chat_id][:-1] + [
+            {"role": "user", "content": chats[chat_id][-1]["content"].replace(" !pin", "")},
+            {"role": "assistant", "content": "Noted. " + "lorem " * 80},
+            {"role": "user", "content": f"step {step}: what else?"},
+        ]
         run = await run_turn(f, chats[chat_id], user=user, chat_id=chat_id)
         assert_valid_turn(run, 800, counter)
 
@@ -541,8 +565,11 @@ OPENROUTER_FAULTS = {
     "500": dict(return_value=httpx.Response(500, text="upstream error")),
     "garbage": dict(return_value=httpx.Response(200, text="<html>not json")),
     "wrong shape": dict(return_value=httpx.Response(200, json={"data": "nope"})),
-    "negative prices": dict(return_value=httpx.Response(200, json={"data": [
-        {"id": "openai/gpt-4o", "pricing": {"prompt": "-1", "completion": "-0.5"}}]})),
+    "negative prices": dict(
+        return_value=httpx.Response(
+            200, json={"data": [{"id": "openai/gpt-4o", "pricing": {"prompt": "-1", "completion": "-0.5"}}]}
+        )
+    ),
 }
 
 
@@ -555,7 +582,13 @@ async def test_openrouter_failing_never_breaks_a_turn_or_the_ledger(counter, fau
         route = mock.get(DEFAULT_OPENROUTER_URL).mock(**OPENROUTER_FAULTS[fault])
         for i in range(4):
             usage = {"prompt_tokens": 700, "completion_tokens": 30}
-            run = await run_turn(f, chat_of(8), user={"id": f"u-{unique}"}, chat_id=f"or{i}", reply={"role": "assistant", "content": "ok", "usage": usage})
+            run = await run_turn(
+                f,
+                chat_of(8),
+                user={"id": f"u-{unique}"},
+                chat_id=f"or{i}",
+                reply={"role": "assistant", "content": "ok", "usage": usage},
+            )
             assert_valid_turn(run, 800, counter)
             task = f._prices.live._task if f._prices.live else None
             if task is not None:
@@ -628,14 +661,52 @@ async def test_odd_messages_never_break_a_turn(counter, odd, where):
     assert all(e["data"]["done"] is True for e in run.events.items)
 
 
-ODD_BODIES = [None, [], "text", 7, {}, {"messages": None}, {"messages": "hi"}, {"messages": {"0": {}}},
-              {"messages": [1, 2]}, {"messages": [None]}, {"messages": []}, {"model": None, "messages": [{"role": "user", "content": "x"}]},
-              {"model": 5, "messages": [{"role": "user", "content": "x"}], "metadata": "not a dict"}]
-ODD_USERS = [None, "user", 5, {}, {"id": None}, {"id": 5, "valves": "x"}, {"id": "u", "valves": {"max_context_tokens": "9"}},
-             {"id": "u", "valves": None}, {"id": "u", "email": None, "valves": Filter.UserValves.model_construct(max_context_tokens="x")}]
-ODD_MODELS = [None, "gpt-4o", 5, {}, {"info": "x"}, {"info": {"base_model_id": 5, "params": "x"}}, {"openai": {"context_length": "big"}},
-              {"openai": {"context_length": -5}}, {"info": {"params": {"num_ctx": 10**12}}}]
-ODD_METADATA = [None, "x", {}, {"task": "title_generation"}, {"chat_id": 5}, {"contextwarden": "x"}, {"contextwarden": {"estimated_prompt_tokens": "x"}}]
+ODD_BODIES = [
+    None,
+    [],
+    "text",
+    7,
+    {},
+    {"messages": None},
+    {"messages": "hi"},
+    {"messages": {"0": {}}},
+    {"messages": [1, 2]},
+    {"messages": [None]},
+    {"messages": []},
+    {"model": None, "messages": [{"role": "user", "content": "x"}]},
+    {"model": 5, "messages": [{"role": "user", "content": "x"}], "metadata": "not a dict"},
+]
+ODD_USERS = [
+    None,
+    "user",
+    5,
+    {},
+    {"id": None},
+    {"id": 5, "valves": "x"},
+    {"id": "u", "valves": {"max_context_tokens": "9"}},
+    {"id": "u", "valves": None},
+    {"id": "u", "email": None, "valves": Filter.UserValves.model_construct(max_context_tokens="x")},
+]
+ODD_MODELS = [
+    None,
+    "gpt-4o",
+    5,
+    {},
+    {"info": "x"},
+    {"info": {"base_model_id": 5, "params": "x"}},
+    {"openai": {"context_length": "big"}},
+    {"openai": {"context_length": -5}},
+    {"info": {"params": {"num_ctx": 10**12}}},
+]
+ODD_METADATA = [
+    None,
+    "x",
+    {},
+    {"task": "title_generation"},
+    {"chat_id": 5},
+    {"contextwarden": "x"},
+    {"contextwarden": {"estimated_prompt_tokens": "x"}},
+]
 
 
 async def sync_emitter(event):  # awaitable but raising
@@ -667,7 +738,9 @@ async def test_odd_hook_arguments_never_break_a_turn(counter):
                 hooks = {"__user__": user, "__metadata__": metadata, "__model__": model, "__event_emitter__": emit}
                 sent = await f.inlet(body, **hooks)
                 sent = await f.request(sent, **hooks)
-                assert isinstance(sent, dict) and isinstance(sent["messages"], list) and sent["messages"][-1] is chat[-1]
+                assert (
+                    isinstance(sent, dict) and isinstance(sent["messages"], list) and sent["messages"][-1] is chat[-1]
+                )
                 out_body = {"model": "gpt-4o", "messages": sent["messages"] + [{"role": "assistant", "content": "ok"}]}
                 assert await f.outlet(out_body, **hooks) is out_body
                 combos += 1
@@ -686,15 +759,26 @@ ODD_REPLIES = [
     {"role": "assistant", "content": "x", "info": {"usage": [1, 2]}},
     {"role": "assistant", "content": "x", "usage": {"input_tokens": 3, "output_tokens": 4}},
     # forged through POST /api/chat/completed (issue 13): unknown, so estimated, never trusted
-    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"}},
+    {
+        "role": "assistant",
+        "content": "x",
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"},
+    },
     {"role": "assistant", "content": "x", "usage": {"prompt_tokens": 5, "completion_tokens": 5, "cost": 1e30}},
     {"role": "assistant", "content": "x", "usage": {"prompt_tokens": 1e20, "completion_tokens": 1}},
     {"role": "assistant", "content": "x", "usage": {"prompt_tokens": "²", "completion_tokens": "١٢"}},
     {"role": "assistant", "content": "x", "usage": {"prompt_tokens": -3, "completion_tokens": float("nan")}},
     {"role": "assistant", "content": "x", "usage": {"prompt_tokens": {"a": [1]}, "completion_tokens": [2]}},
-    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": "9" * 100_000, "completion_tokens": 2, "cost": "1" * 100_000}},
-    {"role": "assistant", "content": "x", "usage": {"prompt_tokens": 10, "completion_tokens": 1,
-                                                     "prompt_tokens_details": {"cached_tokens": 10**6}}},
+    {
+        "role": "assistant",
+        "content": "x",
+        "usage": {"prompt_tokens": "9" * 100_000, "completion_tokens": 2, "cost": "1" * 100_000},
+    },
+    {
+        "role": "assistant",
+        "content": "x",
+        "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10**6}},
+    },
 ]
 
 
@@ -707,7 +791,9 @@ async def test_odd_replies_log_one_usage_line(counter, reply, caplog):
     [record] = usage_lines(caplog.records)
     assert isinstance(record["prompt_tokens"], int) and 0 <= record["prompt_tokens"] <= MAX_TOKEN_COUNT
     read = reply.get("usage")
-    believed = isinstance(read, dict) and all(read_count(read.get(k)) is not None for k in ("prompt_tokens", "completion_tokens"))
+    believed = isinstance(read, dict) and all(
+        read_count(read.get(k)) is not None for k in ("prompt_tokens", "completion_tokens")
+    )
     assert record["estimated"] is not (believed or read == {"input_tokens": 3, "output_tokens": 4})
     assert record["cached_tokens"] is None or record["cached_tokens"] <= record["prompt_tokens"]
     assert record["cost_usd"] is None or Decimal(record["cost_usd"]) <= MAX_REPLY_COST_USD
@@ -717,12 +803,29 @@ async def test_odd_replies_log_one_usage_line(counter, reply, caplog):
 # -- valves ----------------------------------------------------------------------------------------
 
 BAD_VALVES = [
-    ("max_context_tokens", "lots"), ("max_context_tokens", None), ("max_context_tokens", -5), ("max_context_tokens", True),
-    ("max_context_tokens", 1.5), ("reserve_output_tokens", -1), ("reserve_output_tokens", "x"), ("reserve_output_tokens", 10**9),
-    ("redis_url", 5), ("redis_url", None), ("redis_url", "http://x"), ("redis_url", "redis://h:port/0"),
-    ("model_aliases", "{bad"), ("model_aliases", "[1, 2]"), ("model_aliases", '{"a": 1}'), ("model_aliases", None), ("model_aliases", 5),
-    ("show_status", "yes"), ("show_status", None), ("show_status", 0),
-    ("strategy", "smartest"), ("strategy", 5), ("strategy", None),
+    ("max_context_tokens", "lots"),
+    ("max_context_tokens", None),
+    ("max_context_tokens", -5),
+    ("max_context_tokens", True),
+    ("max_context_tokens", 1.5),
+    ("reserve_output_tokens", -1),
+    ("reserve_output_tokens", "x"),
+    ("reserve_output_tokens", 10**9),
+    ("redis_url", 5),
+    ("redis_url", None),
+    ("redis_url", "http://x"),
+    ("redis_url", "redis://h:port/0"),
+    ("model_aliases", "{bad"),
+    ("model_aliases", "[1, 2]"),
+    ("model_aliases", '{"a": 1}'),
+    ("model_aliases", None),
+    ("model_aliases", 5),
+    ("show_status", "yes"),
+    ("show_status", None),
+    ("show_status", 0),
+    ("strategy", "smartest"),
+    ("strategy", 5),
+    ("strategy", None),
 ]
 
 
@@ -739,10 +842,17 @@ async def test_bad_admin_valves_are_named_and_the_chat_goes_on(counter, valve, v
     assert logged and len(logged) == len(set(logged))
 
 
-@pytest.mark.parametrize("user_valves", [
-    Filter.UserValves.model_construct(max_context_tokens="x"), Filter.UserValves.model_construct(max_context_tokens=-100),
-    Filter.UserValves.model_construct(show_status="no"), {"max_context_tokens": 100}, "valves", 5,
-])
+@pytest.mark.parametrize(
+    "user_valves",
+    [
+        Filter.UserValves.model_construct(max_context_tokens="x"),
+        Filter.UserValves.model_construct(max_context_tokens=-100),
+        Filter.UserValves.model_construct(show_status="no"),
+        {"max_context_tokens": 100},
+        "valves",
+        5,
+    ],
+)
 async def test_bad_user_valves_never_break_a_turn(counter, user_valves):
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=200)
     run = await run_turn(f, chat_of(20), user={"id": "u", "valves": user_valves})

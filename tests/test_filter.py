@@ -37,11 +37,16 @@ def make_filter(counter, **valves) -> Filter:
 
 
 def body_of(chat, model="gpt-4o", **metadata) -> dict:
-    return {"model": model, "messages": chat, "stream": False, "metadata": {"chat_id": "c1", "user_id": "u1", **metadata}}
+    return {
+        "model": model,
+        "messages": chat,
+        "stream": False,
+        "metadata": {"chat_id": "c1", "user_id": "u1", **metadata},
+    }
 
 
 def usage_records(caplog) -> list[dict]:
-    return [json.loads(r.getMessage()[len("usage "):]) for r in caplog.records if r.getMessage().startswith("usage ")]
+    return [json.loads(r.getMessage()[len("usage ") :]) for r in caplog.records if r.getMessage().startswith("usage ")]
 
 
 async def test_inlet_and_request_trim_once_and_agree(counter):
@@ -53,11 +58,15 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     first = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
     assert len(first["messages"]) < len(chat) and counter.count_messages(first["messages"], "gpt-4o") <= 1_000
     second = await f.request(first, __user__={"id": "u1"}, __metadata__=first["metadata"], __event_emitter__=events)
-    assert second["messages"] == first["messages"] and all(a is b for a, b in zip(second["messages"], first["messages"]))
+    assert second["messages"] == first["messages"] and all(
+        a is b for a, b in zip(second["messages"], first["messages"])
+    )
     assert frozen(chat) == before and body["messages"] is chat
     assert events.statuses[0].startswith(f"Context {len(chat)} → {len(first['messages'])} messages · ")
     assert all(e["data"]["done"] is True for e in events.items)
-    assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(first["messages"], "gpt-4o")
+    assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
+        first["messages"], "gpt-4o"
+    )
 
 
 async def test_short_chat_passes_unchanged(counter):
@@ -84,7 +93,9 @@ async def test_budget_from_model_context_length(counter):
 def _result_of(counter, body, out):
     from contextwarden import trim_messages
 
-    return trim_messages(body["messages"], max_tokens=body["metadata"]["contextwarden"]["budget"], model="gpt-4o", token_counter=counter)
+    return trim_messages(
+        body["messages"], max_tokens=body["metadata"]["contextwarden"]["budget"], model="gpt-4o", token_counter=counter
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,10 +116,14 @@ async def test_user_budget_only_lowers(counter):
     f = make_filter(counter, max_context_tokens=3_000, reserve_output_tokens=0)
     chat = chat_of(30)
     low = body_of(chat)
-    await f.inlet(low, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=800)}, __metadata__=low["metadata"])
+    await f.inlet(
+        low, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=800)}, __metadata__=low["metadata"]
+    )
     assert low["metadata"]["contextwarden"]["budget"] == 800
     high = body_of(chat)
-    await f.inlet(high, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=90_000)}, __metadata__=high["metadata"])
+    await f.inlet(
+        high, __user__={"id": "u1", "valves": f.UserValves(max_context_tokens=90_000)}, __metadata__=high["metadata"]
+    )
     assert high["metadata"]["contextwarden"]["budget"] == 3_000
 
 
@@ -123,7 +138,9 @@ async def test_user_can_hide_status(counter):
 async def test_workspace_model_uses_base_model_encoding(counter):
     f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0)
     body = body_of(chat_of(30), model="my-helper")
-    await f.inlet(body, __metadata__=body["metadata"], __model__={"id": "my-helper", "info": {"base_model_id": "gpt-4"}})
+    await f.inlet(
+        body, __metadata__=body["metadata"], __model__={"id": "my-helper", "info": {"base_model_id": "gpt-4"}}
+    )
     sent = (await f.inlet(body_of(chat_of(30), model="gpt-4"), __metadata__={}))["messages"]
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(sent, "gpt-4")
 
@@ -134,18 +151,42 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
     chat = chat_of(2)
     body = body_of(chat)
     await f.inlet(body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"])
-    reply = {"role": "assistant", "content": "Answer.", "usage": {"prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333}}
+    reply = {
+        "role": "assistant",
+        "content": "Answer.",
+        "usage": {"prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333},
+    }
     events = Events()
     out_body = {"model": "gpt-4o", "messages": chat + [reply], "chat_id": "c1"}
-    assert await f.outlet(out_body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"], __event_emitter__=events) is out_body
+    assert (
+        await f.outlet(
+            out_body,
+            __user__={"id": "u1", "email": "ann@example.com"},
+            __metadata__=body["metadata"],
+            __event_emitter__=events,
+        )
+        is out_body
+    )
     [record] = usage_records(caplog)
     assert record == {
-        "model": "gpt-4o", "resolved_model": "openai/gpt-4o", "user_id": "u1", "chat_id": "c1",
-        "prompt_tokens": 321, "completion_tokens": 12, "cached_tokens": None, "reasoning_tokens": None,
-        "estimated": False, "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"), "usage_shape": "openai",
+        "model": "gpt-4o",
+        "resolved_model": "openai/gpt-4o",
+        "user_id": "u1",
+        "chat_id": "c1",
+        "prompt_tokens": 321,
+        "completion_tokens": 12,
+        "cached_tokens": None,
+        "reasoning_tokens": None,
+        "estimated": False,
+        "estimated_prompt_tokens": counter.count_messages(chat, "gpt-4o"),
+        "usage_shape": "openai",
         # 321 x $2.50/M + 12 x $10/M
-        "cost_usd": "0.0009225", "cost_source": "price_table", "cost_note": None,
-        "mode": "enforce", "tokens_saved": 0, "cost_saved_usd": "0",  # the chat fit: nothing trimmed
+        "cost_usd": "0.0009225",
+        "cost_source": "price_table",
+        "cost_note": None,
+        "mode": "enforce",
+        "tokens_saved": 0,
+        "cost_saved_usd": "0",  # the chat fit: nothing trimmed
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
     assert events.statuses == ["321 in · 12 out · $0.00092"]
@@ -168,9 +209,18 @@ async def test_outlet_usage_in_info_and_estimates(counter, caplog):
 
 @pytest.mark.parametrize(
     "body",
-    [None, [], "text", {}, {"messages": None}, {"messages": "hi"}, {"messages": [1, 2]},
-     {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": {"odd": True}}, None]},
-     {"messages": []}],
+    [
+        None,
+        [],
+        "text",
+        {},
+        {"messages": None},
+        {"messages": "hi"},
+        {"messages": [1, 2]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": {"odd": True}}, None]},
+        {"messages": []},
+    ],
 )
 async def test_malformed_bodies_pass_through(counter, body):
     f = make_filter(counter, max_context_tokens=100, reserve_output_tokens=0)
@@ -270,13 +320,24 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
     chat = chat_of(20)
     await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
-    reply = {"role": "assistant", "content": "A reply nobody has counted yet, with some words.", "usage": {"prompt_tokens": 9, "completion_tokens": 9}}
-    await f.outlet({"model": "gpt-4o", "messages": chat + [reply], "chat_id": "c1"}, __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    reply = {
+        "role": "assistant",
+        "content": "A reply nobody has counted yet, with some words.",
+        "usage": {"prompt_tokens": 9, "completion_tokens": 9},
+    }
+    await f.outlet(
+        {"model": "gpt-4o", "messages": chat + [reply], "chat_id": "c1"},
+        __user__={"id": "u1"},
+        __metadata__={"chat_id": "c1"},
+    )
     assert spy.texts[-1] == reply["content"]
     spy.texts.clear()
     question = {"role": "user", "content": "And a new question?"}
-    out = await f.inlet(body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
-                        __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
+    out = await f.inlet(
+        body_of(chat + [{"role": "assistant", "content": reply["content"]}, question]),
+        __user__={"id": "u1"},
+        __metadata__={"chat_id": "c1"},
+    )
     # The question, and the recall block when this turn quotes older messages (and its bare label,
     # counted once): nothing that was sent before.
     recalled = [m["content"] for m in out["messages"] if is_recall_message(m)]
@@ -289,7 +350,9 @@ async def test_settings_follow_the_valves_values_not_the_objects(counter):
     first = await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "a"})
     assert len(first["messages"]) < len(chat)
     f.valves = f.Valves(max_context_tokens=1_500, reserve_output_tokens=500)  # a new object, same values: same settings
-    assert (await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "b"}))["messages"] == first["messages"]
+    assert (await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "b"}))["messages"] == first[
+        "messages"
+    ]
     f.valves.mode = "off"  # changed in place, as an admin saving the valves form may
     assert (await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "c"}))["messages"] is chat
     f.valves = f.Valves(max_context_tokens=1_500, reserve_output_tokens=500, model_aliases="{not json")

@@ -61,12 +61,25 @@ async def stored_state(f, user_id: str, chat_id: str) -> ChatState:
 
 
 async def test_decision_is_saved_and_passed_back_next_turn(counter, store_valves, trims, unique):
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, keep_last_turns=2, low_watermark=0.7, growth_turns=3, **store_valves)
+    f = make_filter(
+        counter,
+        max_context_tokens=1_500,
+        reserve_output_tokens=0,
+        keep_last_turns=2,
+        low_watermark=0.7,
+        growth_turns=3,
+        **store_valves,
+    )
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     chat = chat_of(20)
     await send(f, chat, user_id, chat_id)
-    (options, result), = trims
-    assert options["previous"] is None and options["keep_last_turns"] == 2 and options["low_watermark"] == 0.7 and options["growth_turns"] == 3
+    ((options, result),) = trims
+    assert (
+        options["previous"] is None
+        and options["keep_last_turns"] == 2
+        and options["low_watermark"] == 0.7
+        and options["growth_turns"] == 3
+    )
     assert list(options["pinned"]) == [] and result.decision is not None
     saved = await stored_state(f, user_id, chat_id)
     assert saved.decision == result.decision.to_json()
@@ -223,20 +236,30 @@ async def test_strategy_valve_reaches_the_trim(counter, trims):
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, strategy="Recent")
     chat = chat_of(20)
     await send(f, chat, "u", "c")
-    (options, result), = trims
+    ((options, result),) = trims
     assert options["strategy"] == "recent" and result.dropped
     history = [i for i in result.kept if chat[i]["role"] != "system"]
     assert max(result.dropped) < min(history)
     f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "strategy": "smartest"})
     events = Events()
     await f.inlet(body(chat_of(2), "u", "c2"), __user__={"id": "u"}, __event_emitter__=events)
-    assert any("strategy must be one of relevance, recent; using relevance" in s for s in events.statuses), events.statuses
+    assert any("strategy must be one of relevance, recent; using relevance" in s for s in events.statuses), (
+        events.statuses
+    )
     assert trims[-1][0]["strategy"] == "relevance"
 
 
 async def test_state_valves_are_checked(counter):
     f = make_filter(counter)
-    f.valves = f.Valves.model_construct(**{**f.Valves().model_dump(), "low_watermark": 1.5, "keep_last_turns": 0, "state_ttl_hours": 0, "growth_turns": -1})
+    f.valves = f.Valves.model_construct(
+        **{
+            **f.Valves().model_dump(),
+            "low_watermark": 1.5,
+            "keep_last_turns": 0,
+            "state_ttl_hours": 0,
+            "growth_turns": -1,
+        }
+    )
     events = Events()
     await f.inlet(body(chat_of(2), "u", "c"), __user__={"id": "u"}, __event_emitter__=events)
     text = " ".join(events.statuses)
@@ -281,7 +304,9 @@ async def test_a_failed_state_read_saves_nothing(counter, trims, unique, caplog)
     assert len(out["messages"]) < 43 and trims[-1][0]["previous"] is None
     f._store.get = real_get
     assert await stored_state(f, user_id, chat_id) == pinned
-    assert [r.getMessage() for r in caplog.records if "chat state" in r.getMessage()] == ["contextwarden: chat state not read (RuntimeError)"]
+    assert [r.getMessage() for r in caplog.records if "chat state" in r.getMessage()] == [
+        "contextwarden: chat state not read (RuntimeError)"
+    ]
 
 
 async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, store_valves, unique, monkeypatch):

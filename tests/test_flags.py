@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_SCAN_CHARS, Flags, code_spans, parse_flag_names, pin_fingerprint, read_flags
+from contextwarden.flags import (
+    DEFAULT_ALLOWED_FLAGS,
+    FLAG_NAMES,
+    MAX_FLAG_SCAN_CHARS,
+    Flags,
+    code_spans,
+    parse_flag_names,
+    pin_fingerprint,
+    read_flags,
+)
 from contextwarden.valves import Valves, read_settings
 
 from chats import frozen
@@ -144,7 +153,10 @@ def test_flags_round_trip_through_metadata():
 
 def test_parse_flag_names():
     assert parse_flag_names("") == (frozenset(), [])
-    assert parse_flag_names(" !Budget, keep  pin,+pin ,-pin") == (frozenset({"budget", "keep", "pin", "+pin", "-pin"}), [])
+    assert parse_flag_names(" !Budget, keep  pin,+pin ,-pin") == (
+        frozenset({"budget", "keep", "pin", "+pin", "-pin"}),
+        [],
+    )
     assert parse_flag_names("*") == (ALL, [])
     assert parse_flag_names("pin, loud, !x") == (frozenset({"pin"}), ["loud", "!x"])
     assert "full" not in DEFAULT and DEFAULT == ALL - {"full"}
@@ -192,6 +204,7 @@ def test_chat_state_bytes_and_keys():
 
 
 # -- hostile shapes (issue 13, item 2) ---------------------------------------------------------
+
 
 def _commonmark_inline(text: str) -> list[tuple[int, int]]:
     """The CommonMark pairing written the obvious (quadratic) way: each run looks ahead for

@@ -58,20 +58,30 @@ async def _seed(store, **overrides):
 async def test_totals_by_user_model_day_and_since():
     store = MemoryStore()
     await _seed(store)
-    await record_reply(store, user=None, model="x", prompt_tokens=None, completion_tokens=5, cost_usd=None,
-                       estimated=True, day=DAY)
+    await record_reply(
+        store, user=None, model="x", prompt_tokens=None, completion_tokens=5, cost_usd=None, estimated=True, day=DAY
+    )
     entries = await read_ledger(store)
     by_user = {r.key: r for r in ledger_totals(entries, "user")}
     assert set(by_user) == {"ann", "bob", "-"}
     assert by_user["ann"].cost_usd == D("0.0040225")  # 0.0031 + 0.0009225 + 0
     assert by_user["ann"].counters["requests"] == 3 and by_user["ann"].counters["prompt_tokens"] == 3000
     assert by_user["bob"].counters["unpriced"] == 1 and by_user["bob"].cost_usd == D("0.012")
-    assert by_user["-"].counters == {**dict.fromkeys(LEDGER_FIELDS, 0), "requests": 1, "completion_tokens": 5,
-                                     "estimated": 1, "unpriced": 1}
+    assert by_user["-"].counters == {
+        **dict.fromkeys(LEDGER_FIELDS, 0),
+        "requests": 1,
+        "completion_tokens": 5,
+        "estimated": 1,
+        "unpriced": 1,
+    }
     by_model = ledger_totals(entries, "model")
     assert [r.key for r in by_model][:2] == ["anthropic/claude-sonnet-4.5", "openai/gpt-4o"]  # by cost
     gpt = next(r for r in by_model if r.key == "openai/gpt-4o")
-    assert gpt.counters["requests"] == 3 and gpt.counters["cached_tokens"] == 600 and gpt.counters["reasoning_tokens"] == 30
+    assert (
+        gpt.counters["requests"] == 3
+        and gpt.counters["cached_tokens"] == 600
+        and gpt.counters["reasoning_tokens"] == 30
+    )
     by_day = ledger_totals(entries, "day")
     assert [r.key for r in by_day] == ["2026-08-19", "2026-08-20", "2026-08-21"]
     since = ledger_totals(await read_ledger(store, since=DAY + timedelta(days=1)), "day")
@@ -83,8 +93,16 @@ async def test_totals_by_user_model_day_and_since():
 
 async def test_ids_with_colons_slashes_and_globs_survive_the_key():
     store = MemoryStore()
-    await record_reply(store, user="a:b*[c]", model="ollama.llama3.1:8b/x%y", prompt_tokens=1,
-                       completion_tokens=1, cost_usd=D(0), estimated=False, day=DAY)
+    await record_reply(
+        store,
+        user="a:b*[c]",
+        model="ollama.llama3.1:8b/x%y",
+        prompt_tokens=1,
+        completion_tokens=1,
+        cost_usd=D(0),
+        estimated=False,
+        day=DAY,
+    )
     [entry] = await read_ledger(store)
     assert (entry.user, entry.model, entry.day) == ("a:b*[c]", "ollama.llama3.1:8b/x%y", DAY)
 
@@ -96,8 +114,11 @@ def _filter(redis_url=None, **valves):
 
 
 def _reply_body(prompt, completion, model="gpt-4o", **usage):
-    reply = {"role": "assistant", "content": "ok",
-             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, **usage}}
+    reply = {
+        "role": "assistant",
+        "content": "ok",
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, **usage},
+    }
     return {"model": model, "messages": [{"role": "user", "content": "q"}, reply], "chat_id": "c"}
 
 
@@ -174,8 +195,17 @@ async def test_decimal_costs_round_trip_through_redis(redis_url, unique):
     store = open_store(redis_url)
     costs = [D("0.000000000001"), D("0.0031"), D("1.234567890123"), D("0.00000375")]
     for cost in costs:
-        await record_reply(store, user=unique, model="m:1", prompt_tokens=1, completion_tokens=1,
-                           cost_usd=cost, estimated=False, day=DAY, retention_days=1)
+        await record_reply(
+            store,
+            user=unique,
+            model="m:1",
+            prompt_tokens=1,
+            completion_tokens=1,
+            cost_usd=cost,
+            estimated=False,
+            day=DAY,
+            retention_days=1,
+        )
     [entry] = [e for e in await read_ledger(store, since=DAY) if e.user == unique]
     assert entry.cost_usd == sum(costs) == D("1.237671640124")
     assert entry.model == "m:1" and entry.counters["requests"] == 4

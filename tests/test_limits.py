@@ -17,7 +17,16 @@ import pytest
 from contextwarden.errors import ConfigError, TurnRefused
 from contextwarden.ledger import record_reply
 from contextwarden.limits import (
-    BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, next_reset, parse_overrides, refusal_text,
+    BUSY_TEXT,
+    STORE_DOWN_TEXT,
+    InFlight,
+    Limits,
+    Spend,
+    check_limits,
+    limits_for,
+    next_reset,
+    parse_overrides,
+    refusal_text,
 )
 from contextwarden.usergroups import GroupReader
 from contextwarden.valves import read_settings
@@ -54,14 +63,27 @@ async def limited(counter, valves: dict, now: datetime):
 
 async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -> None:
     """One reply of `user` on `day` in the filter's ledger (usd None: an unknown price)."""
-    await record_reply(f._store, user=user, model="openai/gpt-4o", prompt_tokens=tokens, completion_tokens=0,
-                       cost_usd=None if usd is None else D(usd), estimated=False, day=day, retention_days=1)
+    await record_reply(
+        f._store,
+        user=user,
+        model="openai/gpt-4o",
+        prompt_tokens=tokens,
+        completion_tokens=0,
+        cost_usd=None if usd is None else D(usd),
+        estimated=False,
+        day=day,
+        retention_days=1,
+    )
 
 
 def turn(user: str, role: str = "user", text: str = "What is a fjord?", **metadata) -> tuple[dict, dict]:
     meta = {"chat_id": "", "user_id": user, "message_id": "m1", **metadata}
-    return {"model": "gpt-4o", "messages": [CHAT[0], {"role": "user", "content": text}], "stream": False, "metadata": meta}, {
-        "id": user, "role": role, "name": "N", "email": "ann@example.com"}
+    return {
+        "model": "gpt-4o",
+        "messages": [CHAT[0], {"role": "user", "content": text}],
+        "stream": False,
+        "metadata": meta,
+    }, {"id": user, "role": role, "name": "N", "email": "ann@example.com"}
 
 
 async def inlet(f, user: str, role: str = "user", events=None, text: str = "What is a fjord?", **metadata):
@@ -100,15 +122,18 @@ def test_admins_are_unlimited_unless_their_role_has_an_override():
     assert admin.daily_usd == D(1) and admin.monthly_usd == D(50)
 
 
-@pytest.mark.parametrize(("text", "named"), [
-    ("{not json", "not valid JSON (at line 1 column 2)"),
-    ('{"roles": {"user": {"daily_usd": -1}}}', "roles.user.daily_usd: Input should be greater than or equal to 0"),
-    ('{"roles": {"user": {"daily_usd": "sk-secret-123"}}}', "roles.user.daily_usd"),
-    ('{"groups": {"g": {"weekly_usd": 1}}}', "groups.g.weekly_usd: Extra inputs are not permitted"),
-    ('{"teams": {}}', "teams"),
-    ('{"users": {"u": {"daily_tokens": 1e30}}}', "users.u.daily_tokens"),
-    ('{"roles": {"user": {"daily_usd": NaN}}}', "roles.user.daily_usd"),
-])
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("{not json", "not valid JSON (at line 1 column 2)"),
+        ('{"roles": {"user": {"daily_usd": -1}}}', "roles.user.daily_usd: Input should be greater than or equal to 0"),
+        ('{"roles": {"user": {"daily_usd": "sk-secret-123"}}}', "roles.user.daily_usd"),
+        ('{"groups": {"g": {"weekly_usd": 1}}}', "groups.g.weekly_usd: Extra inputs are not permitted"),
+        ('{"teams": {}}', "teams"),
+        ('{"users": {"u": {"daily_tokens": 1e30}}}', "users.u.daily_tokens"),
+        ('{"roles": {"user": {"daily_usd": NaN}}}', "roles.user.daily_usd"),
+    ],
+)
 def test_bad_overrides_are_named_without_their_values(text, named):
     settings, problems = read_settings(make_filter(None, daily_limit_usd=3, limit_overrides=text).valves)
     assert [p.valve for p in problems] == ["limit_overrides"]
@@ -129,14 +154,21 @@ def test_a_bad_limit_valve_is_named():
     assert not settings.limits.active
 
 
-@pytest.mark.parametrize(("now", "kind", "reset"), [
-    (datetime(2026, 12, 1, 20, 48, tzinfo=UTC), "daily_usd", datetime(2026, 12, 2, tzinfo=UTC)),
-    (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "daily_tokens", datetime(2027, 1, 1, tzinfo=UTC)),
-    (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "monthly_usd", datetime(2027, 1, 1, tzinfo=UTC)),
-    (datetime(2028, 2, 29, 0, 0, tzinfo=UTC), "monthly_usd", datetime(2028, 3, 1, tzinfo=UTC)),
-    (datetime(2026, 1, 31, 12, 0, tzinfo=UTC), "monthly_tokens", datetime(2026, 2, 1, tzinfo=UTC)),
-    (datetime(2026, 12, 1, 23, 30, tzinfo=timezone(timedelta(hours=-5))), "daily_usd", datetime(2026, 12, 3, tzinfo=UTC)),
-])
+@pytest.mark.parametrize(
+    ("now", "kind", "reset"),
+    [
+        (datetime(2026, 12, 1, 20, 48, tzinfo=UTC), "daily_usd", datetime(2026, 12, 2, tzinfo=UTC)),
+        (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "daily_tokens", datetime(2027, 1, 1, tzinfo=UTC)),
+        (datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "monthly_usd", datetime(2027, 1, 1, tzinfo=UTC)),
+        (datetime(2028, 2, 29, 0, 0, tzinfo=UTC), "monthly_usd", datetime(2028, 3, 1, tzinfo=UTC)),
+        (datetime(2026, 1, 31, 12, 0, tzinfo=UTC), "monthly_tokens", datetime(2026, 2, 1, tzinfo=UTC)),
+        (
+            datetime(2026, 12, 1, 23, 30, tzinfo=timezone(timedelta(hours=-5))),
+            "daily_usd",
+            datetime(2026, 12, 3, tzinfo=UTC),
+        ),
+    ],
+)
 def test_limits_reset_at_the_utc_day_and_month(now, kind, reset):
     assert next_reset(kind, now) == reset
 
@@ -145,11 +177,13 @@ def test_refusal_names_the_limit_the_spend_and_the_reset():
     now = datetime(2026, 12, 1, 20, 48, tzinfo=UTC)
     verdict = check_limits(Limits(daily_usd=D(2)), Spend(usd=D("2.034")), Spend(usd=D("2.034")))
     assert refusal_text(verdict, now) == (
-        "contextwarden: your daily limit of $2.00 is reached ($2.03 used today). It resets at 00:00 UTC (in 3 h 12 min).")
+        "contextwarden: your daily limit of $2.00 is reached ($2.03 used today). It resets at 00:00 UTC (in 3 h 12 min)."
+    )
     monthly = check_limits(Limits(monthly_tokens=100_000), Spend(tokens=5), Spend(tokens=100_000))
     assert refusal_text(monthly, now) == (
         "contextwarden: your monthly limit of 100,000 tokens is reached (100,000 tokens used this month). "
-        "It resets at 00:00 UTC on 2027-01-01 (in 30 days).")
+        "It resets at 00:00 UTC on 2027-01-01 (in 30 days)."
+    )
 
 
 def test_warning_from_80_percent_of_the_nearest_limit():
@@ -172,7 +206,8 @@ async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, st
     with pytest.raises(TurnRefused) as refused:
         await inlet(f, user)
     assert str(refused.value) == (
-        "contextwarden: your daily limit of $2.00 is reached ($2.01 used today). It resets at 00:00 UTC (in 3 h 12 min).")
+        "contextwarden: your daily limit of $2.00 is reached ($2.01 used today). It resets at 00:00 UTC (in 3 h 12 min)."
+    )
     assert "ann@example.com" not in str(refused.value)
     await inlet(f, f"other-{unique}")  # another user is not held back
     f._now.now = datetime(2026, 12, 2, 0, 0, 0, tzinfo=UTC)  # the next UTC day
@@ -185,7 +220,10 @@ async def test_monthly_limit_resets_on_the_first(counter, store_valves, unique):
     await spent(f, user, "6", date(2026, 12, 3))
     await spent(f, user, "4", date(2026, 12, 31))
     await spent(f, user, "50", date(2026, 11, 30))  # last month does not count
-    with pytest.raises(TurnRefused, match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)"):
+    with pytest.raises(
+        TurnRefused,
+        match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)",
+    ):
         await inlet(f, user)
     f._now.now = datetime(2027, 1, 1, 0, 0, tzinfo=UTC)
     assert await inlet(f, user)
@@ -313,9 +351,11 @@ async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valve
     assert len(results) - len(refused) == 1 and {str(r) for r in refused} == {BUSY_TEXT}
     assert f._inflight.count(user) == 1
     # The admitted turn's outlet ends its hold: the next turn may start.
-    (body, who), = [t for t, r in zip(turns, results) if not isinstance(r, Exception)]
+    ((body, who),) = [t for t, r in zip(turns, results) if not isinstance(r, Exception)]
     reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 1})
-    await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    await f.outlet(
+        {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
+    )
     assert f._inflight.count(user) == 0
     assert await inlet(f, user)
 
@@ -360,10 +400,14 @@ async def test_spend_hidden_by_the_user_valve_and_off_without_a_limit(counter, u
     run = await run_turn(f, CHAT, user=hidden, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
     assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
     g = await limited(counter, {}, datetime.now(UTC))  # no limit: not shown unless the admin asks
-    run = await run_turn(g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
+    run = await run_turn(
+        g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0})
+    )
     assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
     g.valves = g.Valves(show_spend=True)
-    run = await run_turn(g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
+    run = await run_turn(
+        g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0})
+    )
     assert run.events.statuses[-1] == "4,000 in · 0 out · $0.010 · today $0.03"
 
 
@@ -372,7 +416,9 @@ async def test_spend_hidden_by_the_user_valve_and_off_without_a_limit(counter, u
 
 async def test_admin_usage_command_answers_without_the_model(counter, store_valves, unique):
     now = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 2, "limit_overrides": '{"groups": {"g": {"daily_usd": 5}}}'}, now)
+    f = await limited(
+        counter, {**store_valves, "daily_limit_usd": 2, "limit_overrides": '{"groups": {"g": {"daily_usd": 5}}}'}, now
+    )
     ann, bob = f"ann-{unique}", f"bob-{unique}"
     await spent(f, ann, "1.25", now.date(), tokens=500_000)
     await spent(f, ann, "0.5", date(2026, 12, 1) - timedelta(days=0))
@@ -402,21 +448,26 @@ async def test_usage_command_in_a_browser_chat_writes_the_reply(counter, unique)
 
 
 async def test_usage_command_for_users_shows_their_own_spend_only(counter, unique):
-    f = await limited(counter, {"daily_limit_usd": 2, "monthly_limit_tokens": 1_000_000}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    f = await limited(
+        counter, {"daily_limit_usd": 2, "monthly_limit_tokens": 1_000_000}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    )
     await spent(f, f"ann-{unique}", "0.25", date(2026, 12, 1))
     await spent(f, f"bob-{unique}", "1.5", date(2026, 12, 1))
     body, who = turn(f"ann-{unique}", text="!usage")
     with pytest.raises(TurnRefused) as answer:
         await f.inlet(body, __user__=who, __metadata__=body["metadata"])
     assert str(answer.value) == (
-        "contextwarden: today $0.25 of $2.00 · this month $0.25 · monthly tokens 1,000 of 1,000,000.")
+        "contextwarden: today $0.25 of $2.00 · this month $0.25 · monthly tokens 1,000 of 1,000,000."
+    )
     assert "bob" not in str(answer.value)
 
 
 async def test_usage_inside_a_longer_message_is_just_text(counter):
     f = await limited(counter, {}, datetime.now(UTC))
     body, who = turn("admin-1", role="admin", text="what does !usage do?")
-    assert (await f.inlet(body, __user__=who, __metadata__=body["metadata"]))["messages"][-1]["content"] == "what does !usage do?"
+    assert (await f.inlet(body, __user__=who, __metadata__=body["metadata"]))["messages"][-1][
+        "content"
+    ] == "what does !usage do?"
 
 
 # -- groups outside Open WebUI -------------------------------------------------------------
@@ -461,7 +512,9 @@ async def outlet_on(f, user: str, prompt: int) -> None:
     """A reply of `user` through the filter's outlet (gpt-4o: $2.50 per 1M prompt tokens)."""
     body, who = turn(user)
     reply = reply_of(usage={"prompt_tokens": prompt, "completion_tokens": 0})
-    await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    await f.outlet(
+        {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
+    )
 
 
 async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, store_valves, unique):
@@ -470,7 +523,7 @@ async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, sto
     clock = datetime(2026, 12, 10, 9, tzinfo=UTC)
     f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock)
     user = f"u-{unique}"
-    await spent(f, user, "1.5", date(2026, 12, 3))   # before the upgrade: in the ledger only
+    await spent(f, user, "1.5", date(2026, 12, 3))  # before the upgrade: in the ledger only
     await spent(f, user, "0.25", date(2026, 12, 10))  # the upgrade day, earlier that day
     await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
     day, month = await f._spend(user)

@@ -47,14 +47,55 @@ GPT4O = ModelPrice(D("0.0000025"), D("0.00001"), cache_read=D("0.00000125"))
 
 # Token counts no backend sends: each must be read as unknown, never trusted or crashed on.
 HOSTILE_COUNTS = [
-    True, False, -1, -(10**20), 10**20, MAX_TOKEN_COUNT + 1, 1e20, 1.5, float("nan"), float("inf"), float("-inf"),
-    "²", "١٢", "1_000", " 1e3", "0x10", "-5", "9" * 100_000, "", {"n": 1}, [1], object(),
+    True,
+    False,
+    -1,
+    -(10**20),
+    10**20,
+    MAX_TOKEN_COUNT + 1,
+    1e20,
+    1.5,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "²",
+    "١٢",
+    "1_000",
+    " 1e3",
+    "0x10",
+    "-5",
+    "9" * 100_000,
+    "",
+    {"n": 1},
+    [1],
+    object(),
 ]
 # Costs no reply can have: unknown (the turn is priced from its tokens instead).
 HOSTILE_COSTS = [
-    "1e999000", "1E999999999", 1e30, "1e30", str(MAX_REPLY_COST_USD + 1), float(MAX_REPLY_COST_USD) * 2,
-    10**400, "NaN", "sNaN", "Infinity", "-Infinity", float("nan"), float("inf"), "-0.5", -1, True,
-    "1" * 100_000, "0." + "1" * 100_000, "1e-999000", "١", "0x10", "1_0", {"usd": 1}, [1],
+    "1e999000",
+    "1E999999999",
+    1e30,
+    "1e30",
+    str(MAX_REPLY_COST_USD + 1),
+    float(MAX_REPLY_COST_USD) * 2,
+    10**400,
+    "NaN",
+    "sNaN",
+    "Infinity",
+    "-Infinity",
+    float("nan"),
+    float("inf"),
+    "-0.5",
+    -1,
+    True,
+    "1" * 100_000,
+    "0." + "1" * 100_000,
+    "1e-999000",
+    "١",
+    "0x10",
+    "1_0",
+    {"usd": 1},
+    [1],
 ]
 
 
@@ -88,8 +129,17 @@ def test_hostile_costs_are_unknown_and_priced_from_tokens(raw):
 
 
 def test_byok_upstream_cost_is_bounded_too():
-    usage = read_usage({"usage": {"prompt_tokens": 1, "completion_tokens": 1, "cost": "0.5", "is_byok": True,
-                                  "cost_details": {"upstream_inference_cost": "1e999000"}}})
+    usage = read_usage(
+        {
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": 1,
+                "cost": "0.5",
+                "is_byok": True,
+                "cost_details": {"upstream_inference_cost": "1e999000"},
+            }
+        }
+    )
     assert usage.provider_cost is None
 
 
@@ -104,16 +154,25 @@ def test_nested_and_huge_usage_objects_are_unknown_not_errors():
     node = deep
     for _ in range(10_000):
         node["prompt_tokens_details"] = node = {}
-    for usage in ({"prompt_tokens": deep, "completion_tokens": {"x": [1] * 1000}},
-                  {"prompt_tokens_details": {"cached_tokens": "9" * 1_000_000}, "prompt_tokens": 3, "completion_tokens": 1},
-                  {f"k{i}": i for i in range(100_000)} | {"prompt_tokens": 3, "completion_tokens": 1}):
+    for usage in (
+        {"prompt_tokens": deep, "completion_tokens": {"x": [1] * 1000}},
+        {"prompt_tokens_details": {"cached_tokens": "9" * 1_000_000}, "prompt_tokens": 3, "completion_tokens": 1},
+        {f"k{i}": i for i in range(100_000)} | {"prompt_tokens": 3, "completion_tokens": 1},
+    ):
         read = read_usage({"usage": usage})
         assert read is None or (read.prompt_tokens in (None, 3) and read.cached_tokens is None)
 
 
 def test_cached_tokens_never_exceed_the_prompt():
-    usage = read_usage({"usage": {"prompt_tokens": 100, "completion_tokens": 10,
-                                  "prompt_tokens_details": {"cached_tokens": 1_000_000, "cache_write_tokens": 50}}})
+    usage = read_usage(
+        {
+            "usage": {
+                "prompt_tokens": 100,
+                "completion_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 1_000_000, "cache_write_tokens": 50},
+            }
+        }
+    )
     assert (usage.cached_tokens, usage.cache_write_tokens) == (100, 0)
     # 100 cached x 1.25e-6 + 10 x 1e-5: never 1,000,000 cached billed against a 100-token prompt
     assert compute_cost(usage, GPT4O).cost_usd == D("0.000225")
@@ -127,8 +186,23 @@ def test_a_price_table_cost_beyond_the_ceiling_is_unknown():
     assert cost.cost_usd is None and "ceiling" in cost.reason
 
 
-@pytest.mark.parametrize("amount", [None, D("NaN"), D("sNaN"), D("Infinity"), D("-Infinity"), D("1e30"), D("1e999999"),
-                                    D("-5"), D("1e-999999"), D("-1e-30"), D(10**40), D("0.00000004")])
+@pytest.mark.parametrize(
+    "amount",
+    [
+        None,
+        D("NaN"),
+        D("sNaN"),
+        D("Infinity"),
+        D("-Infinity"),
+        D("1e30"),
+        D("1e999999"),
+        D("-5"),
+        D("1e-999999"),
+        D("-1e-30"),
+        D(10**40),
+        D("0.00000004"),
+    ],
+)
 def test_format_usd_is_total(amount):
     shown = format_usd(amount)
     assert isinstance(shown, str) and 0 < len(shown) <= 24
@@ -147,7 +221,12 @@ def test_picodollars_refuse_unbounded_amounts_without_converting(amount):
 
 async def test_ledger_refuses_out_of_range_values_before_writing():
     store = MemoryStore()
-    for bad in ({"prompt_tokens": 10**20}, {"completion_tokens": -1}, {"cost_usd": D("1e999000")}, {"tokens_saved": 10**20}):
+    for bad in (
+        {"prompt_tokens": 10**20},
+        {"completion_tokens": -1},
+        {"cost_usd": D("1e999000")},
+        {"tokens_saved": 10**20},
+    ):
         args = {"prompt_tokens": 1, "completion_tokens": 1, "cost_usd": D("0.01"), **bad}
         with pytest.raises(ValueError):
             await record_reply(store, user="u", model="m", estimated=False, **args)
@@ -189,16 +268,20 @@ async def test_forged_cost_is_estimated_logged_once_and_the_ledger_stays_sane(co
     assert len(warned) == 1 and "1e999000" not in warned[0] and "cost" in warned[0]
 
 
-@pytest.mark.parametrize("usage", [
-    {"prompt_tokens": 1e20, "completion_tokens": 5},
-    {"prompt_tokens": "²", "completion_tokens": 5},
-    {"prompt_tokens": 10**20, "completion_tokens": 10**20, "total_tokens": 10**30},
-    {"prompt_tokens": -7, "completion_tokens": float("nan")},
-    {"prompt_tokens": 5, "completion_tokens": 5, "cost": 1e30},
-    {"input_tokens": "9" * 1_000_000, "output_tokens": 3, "cache_read_input_tokens": 10**19},
-    {"promptTokenCount": {"a": {"b": 1}}, "candidatesTokenCount": [1, 2]},
-    {"prompt_eval_count": 10**20, "eval_count": "²"},
-], ids=lambda u: "-".join(f"{k}={str(v)[:8]}" for k, v in u.items())[:60])
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 1e20, "completion_tokens": 5},
+        {"prompt_tokens": "²", "completion_tokens": 5},
+        {"prompt_tokens": 10**20, "completion_tokens": 10**20, "total_tokens": 10**30},
+        {"prompt_tokens": -7, "completion_tokens": float("nan")},
+        {"prompt_tokens": 5, "completion_tokens": 5, "cost": 1e30},
+        {"input_tokens": "9" * 1_000_000, "output_tokens": 3, "cache_read_input_tokens": 10**19},
+        {"promptTokenCount": {"a": {"b": 1}}, "candidatesTokenCount": [1, 2]},
+        {"prompt_eval_count": 10**20, "eval_count": "²"},
+    ],
+    ids=lambda u: "-".join(f"{k}={str(v)[:8]}" for k, v in u.items())[:60],
+)
 async def test_forged_counts_are_estimated_and_bounded_everywhere(counter, caplog, usage):
     caplog.set_level(logging.INFO, logger="contextwarden")
     f = make_filter(counter, openrouter_pricing=False, calibrate_counts=False)
@@ -218,15 +301,22 @@ async def test_forged_outlet_notes_are_bounded(counter, caplog):
     f = make_filter(counter, openrouter_pricing=False, calibrate_counts=False)
     note = {"estimated_prompt_tokens": 10**30, "tokens_saved": 10**20, "cost_saved_usd": "1e999000", "mode": "enforce"}
     record, _, line = await _outlet(f, {"completion_tokens": 3}, caplog, note=note)
-    assert record["estimated_prompt_tokens"] is None and record["tokens_saved"] is None and record["cost_saved_usd"] is None
+    assert (
+        record["estimated_prompt_tokens"] is None
+        and record["tokens_saved"] is None
+        and record["cost_saved_usd"] is None
+    )
     assert 0 < record["prompt_tokens"] <= MAX_TOKEN_COUNT and len(line) < 2_000
 
 
 async def test_huge_model_and_chat_ids_keep_the_usage_line_small(counter, caplog):
     caplog.set_level(logging.INFO, logger="contextwarden")
     f = make_filter(counter, openrouter_pricing=False)
-    body = {"model": "m" * 1_000_000, "messages": [{"role": "assistant", "content": "x", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}],
-            "chat_id": "c" * 1_000_000}
+    body = {
+        "model": "m" * 1_000_000,
+        "messages": [{"role": "assistant", "content": "x", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}],
+        "chat_id": "c" * 1_000_000,
+    }
     assert await f.outlet(body, __user__={"id": "u" * 100_000}) is body
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("usage ")]
     assert len(line) < 4_000
@@ -264,8 +354,11 @@ async def test_redis_overflow_writes_nothing_and_is_not_an_outage(redis_url, uni
 async def test_forged_usage_never_tears_the_redis_ledger(counter, redis_url, unique, caplog):
     caplog.set_level(logging.INFO, logger="contextwarden")
     f = make_filter(counter, openrouter_pricing=False, calibrate_counts=False, redis_url=redis_url)
-    for usage in ({"prompt_tokens": 1e20, "completion_tokens": 5}, {"prompt_tokens": 10**20, "completion_tokens": 5},
-                  {"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"}):
+    for usage in (
+        {"prompt_tokens": 1e20, "completion_tokens": 5},
+        {"prompt_tokens": 10**20, "completion_tokens": 5},
+        {"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"},
+    ):
         reply = {"role": "assistant", "content": "ok", "usage": usage}
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}, reply]}
         assert await f.outlet(body, __user__={"id": unique}) is body
@@ -293,21 +386,29 @@ async def _admin_problem(path: str) -> str:
     return str(problem)
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"\xff\xfe{\x00", "UTF-8"), (b"[" * 200_000 + b"]" * 200_000, "nested"), (b'{"models": ', "not valid JSON"),
-    (b'{"models": {}, "fetched_at": ' + b"9" * 5_000 + b"}", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfe{\x00", "UTF-8"),
+        (b"[" * 200_000 + b"]" * 200_000, "nested"),
+        (b'{"models": ', "not valid JSON"),
+        (b'{"models": {}, "fetched_at": ' + b"9" * 5_000 + b"}", "not valid JSON"),
+    ],
+)
 async def test_bad_pricing_files_are_named_and_bundled_prices_go_on(tmp_path, content, message):
     path = tmp_path / "prices.json"
     path.write_bytes(content)
     assert message in await _admin_problem(str(path))
 
 
-@pytest.mark.parametrize(("content", "prompt"), [
-    (b'{"models": {"a/b": {"prompt": "1e999999999"}}, "fetched_at": 1e400}', None),
-    (b'{"models": {"a/b": {"prompt": "0.1"}}, "fetched_at": ' + b"9" * 4_000 + b"}", D("0.1")),
-    (b'{"models": {"a/b": {"prompt": "' + b"1" * 10_000 + b'"}}, "source_date": [1]}', None),
-])
+@pytest.mark.parametrize(
+    ("content", "prompt"),
+    [
+        (b'{"models": {"a/b": {"prompt": "1e999999999"}}, "fetched_at": 1e400}', None),
+        (b'{"models": {"a/b": {"prompt": "0.1"}}, "fetched_at": ' + b"9" * 4_000 + b"}", D("0.1")),
+        (b'{"models": {"a/b": {"prompt": "' + b"1" * 10_000 + b'"}}, "source_date": [1]}', None),
+    ],
+)
 async def test_odd_values_in_a_pricing_file_are_unknown_not_errors(tmp_path, content, prompt):
     path = tmp_path / "prices.json"
     path.write_bytes(content)
@@ -385,11 +486,13 @@ def _payload(*entries) -> dict:
 
 @respx.mock
 async def test_openrouter_entries_without_prompt_or_completion_prices_are_unknown(caplog):
-    payload = _payload({"id": "x/empty", "pricing": {}},
-                       {"id": "x/renamed", "pricing": {"input": "0.000001", "output": "0.000002"}},
-                       {"id": "x/half", "pricing": {"prompt": "0.000001"}},
-                       {"id": "x/ok", "pricing": {"prompt": "0.000001", "completion": "0.000002"}},
-                       {"id": "x/free", "pricing": {"prompt": "0", "completion": "0"}})
+    payload = _payload(
+        {"id": "x/empty", "pricing": {}},
+        {"id": "x/renamed", "pricing": {"input": "0.000001", "output": "0.000002"}},
+        {"id": "x/half", "pricing": {"prompt": "0.000001"}},
+        {"id": "x/ok", "pricing": {"prompt": "0.000001", "completion": "0.000002"}},
+        {"id": "x/free", "pricing": {"prompt": "0", "completion": "0"}},
+    )
     respx.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=payload))
     with caplog.at_level(logging.WARNING, logger="contextwarden"):
         async with httpx.AsyncClient() as client:

@@ -36,11 +36,38 @@ from test_filter import Events, body_of, make_filter, usage_records
 from test_trim import chat_of
 
 D = Decimal
-OPENAI_MODEL = {"id": "gpt-4o", "owned_by": "openai", "openai": {"id": "gpt-4o"}, "connection_type": "external", "urlIdx": 0}
-OLLAMA_MODEL = {"id": "llama3.1:8b", "owned_by": "ollama", "ollama": {"name": "llama3.1:8b"}, "connection_type": "local"}
-LOG_KEYS = {"model", "resolved_model", "user_id", "chat_id", "prompt_tokens", "completion_tokens", "cached_tokens",
-            "reasoning_tokens", "estimated", "estimated_prompt_tokens", "usage_shape", "cost_usd", "cost_source",
-            "cost_note", "mode", "tokens_saved", "cost_saved_usd"}
+OPENAI_MODEL = {
+    "id": "gpt-4o",
+    "owned_by": "openai",
+    "openai": {"id": "gpt-4o"},
+    "connection_type": "external",
+    "urlIdx": 0,
+}
+OLLAMA_MODEL = {
+    "id": "llama3.1:8b",
+    "owned_by": "ollama",
+    "ollama": {"name": "llama3.1:8b"},
+    "connection_type": "local",
+}
+LOG_KEYS = {
+    "model",
+    "resolved_model",
+    "user_id",
+    "chat_id",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "estimated",
+    "estimated_prompt_tokens",
+    "usage_shape",
+    "cost_usd",
+    "cost_source",
+    "cost_note",
+    "mode",
+    "tokens_saved",
+    "cost_saved_usd",
+}
 
 
 def cost_filter(counter, **valves):
@@ -52,8 +79,12 @@ async def outlet_once(f, caplog, model, usage=None, *, user=None, metadata=None,
     reply = {"role": "assistant", "content": content, **({"usage": usage} if usage is not None else {})}
     body = {"model": model, "messages": [{"role": "user", "content": "Hello?"}, reply], "chat_id": "c9"}
     events = Events()
-    assert await f.outlet(body, __user__=user or {"id": "u1"}, __metadata__=metadata, __model__=__model__,
-                          __event_emitter__=events) is body
+    assert (
+        await f.outlet(
+            body, __user__=user or {"id": "u1"}, __metadata__=metadata, __model__=__model__, __event_emitter__=events
+        )
+        is body
+    )
     [record] = usage_records(caplog)
     assert set(record) == LOG_KEYS
     return record, events.statuses
@@ -69,13 +100,22 @@ def logs(caplog):
 
 
 async def test_openai_cached_and_reasoning(counter, logs):
-    usage = {"prompt_tokens": 1234, "completion_tokens": 456, "total_tokens": 1690,
-             "prompt_tokens_details": {"cached_tokens": 980}, "completion_tokens_details": {"reasoning_tokens": 100}}
+    usage = {
+        "prompt_tokens": 1234,
+        "completion_tokens": 456,
+        "total_tokens": 1690,
+        "prompt_tokens_details": {"cached_tokens": 980},
+        "completion_tokens_details": {"reasoning_tokens": 100},
+    }
     record, statuses = await outlet_once(cost_filter(counter), logs, "gpt-4o", usage)
     # openai/gpt-4o: $2.50/M prompt, $1.25/M cached, $10/M completion (reasoning billed as completion)
     # 254 x 0.0000025 + 980 x 0.00000125 + 456 x 0.00001 = 0.000635 + 0.001225 + 0.00456
     assert record["cost_usd"] == "0.00642"
-    assert (record["resolved_model"], record["cost_source"], record["cost_note"]) == ("openai/gpt-4o", "price_table", None)
+    assert (record["resolved_model"], record["cost_source"], record["cost_note"]) == (
+        "openai/gpt-4o",
+        "price_table",
+        None,
+    )
     assert (record["prompt_tokens"], record["cached_tokens"], record["reasoning_tokens"]) == (1234, 980, 100)
     assert (record["estimated"], record["usage_shape"], record["chat_id"]) == (False, "openai", "c9")
     assert statuses == ["1,234 in (980 cached) · 456 out · $0.0064"]
@@ -83,8 +123,13 @@ async def test_openai_cached_and_reasoning(counter, logs):
 
 async def test_openrouter_cost_is_the_provider_figure(counter, logs):
     f = cost_filter(counter, connection_prefixes="openrouter, azure")
-    usage = {"prompt_tokens": 2000, "completion_tokens": 300, "cost": 0.0105, "is_byok": False,
-             "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {
+        "prompt_tokens": 2000,
+        "completion_tokens": 300,
+        "cost": 0.0105,
+        "is_byok": False,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     record, statuses = await outlet_once(f, logs, "openrouter.anthropic/claude-sonnet-4.5", usage)
     assert (record["cost_usd"], record["cost_source"]) == ("0.0105", "provider")
     assert record["resolved_model"] == "anthropic/claude-sonnet-4.5" and record["usage_shape"] == "openrouter"
@@ -92,7 +137,12 @@ async def test_openrouter_cost_is_the_provider_figure(counter, logs):
 
 
 async def test_anthropic_native_cache_reads_and_writes(counter, logs):
-    usage = {"input_tokens": 100, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200, "output_tokens": 50}
+    usage = {
+        "input_tokens": 100,
+        "cache_read_input_tokens": 1000,
+        "cache_creation_input_tokens": 200,
+        "output_tokens": 50,
+    }
     record, statuses = await outlet_once(cost_filter(counter), logs, "claude-sonnet-4-5-20250929", usage)
     # claude-sonnet-4.5: $3/M in, $0.30/M cache read, $3.75/M cache write, $15/M out
     # 100 x 0.000003 + 1000 x 0.0000003 + 200 x 0.00000375 + 50 x 0.000015 = 0.0003 + 0.0003 + 0.00075 + 0.00075
@@ -107,8 +157,9 @@ async def test_ollama_unpriced_unless_listed_free(counter, logs):
     assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == (None, None, None)
     assert "free_models" in record["cost_note"] and record["usage_shape"] == "ollama"
     assert statuses == ["50 in · 7 out"]  # unknown price: no $ part, never $0
-    record, statuses = await outlet_once(cost_filter(counter, free_models='["llama*", "qwen3:*"]'), logs, "llama3.1:8b",
-                                         usage, __model__=OLLAMA_MODEL)
+    record, statuses = await outlet_once(
+        cost_filter(counter, free_models='["llama*", "qwen3:*"]'), logs, "llama3.1:8b", usage, __model__=OLLAMA_MODEL
+    )
     assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == ("0", "price_table", "llama3.1:8b")
     assert statuses == ["50 in · 7 out · $0"]
 
@@ -132,22 +183,36 @@ async def test_workspace_model_priced_as_its_base(counter, logs):
     workspace = {"id": "my-helper", "owned_by": "openai", "info": {"base_model_id": "gpt-4.1"}}
     record, _ = await outlet_once(cost_filter(counter), logs, "my-helper", usage, __model__=workspace)
     # gpt-4.1: $2/M in, $8/M out
-    assert (record["model"], record["resolved_model"], D(record["cost_usd"])) == ("gpt-4.1", "openai/gpt-4.1", D("0.01"))
+    assert (record["model"], record["resolved_model"], D(record["cost_usd"])) == (
+        "gpt-4.1",
+        "openai/gpt-4.1",
+        D("0.01"),
+    )
 
 
 async def test_aliases_and_cost_hidden_by_user_valve(counter, logs):
     f = cost_filter(counter, model_aliases='{"corp-*": "openai/gpt-4o-mini"}')
     user = {"id": "u1", "valves": f.UserValves(show_cost=False)}
-    record, statuses = await outlet_once(f, logs, "corp-fast", {"prompt_tokens": 10, "completion_tokens": 10}, user=user)
+    record, statuses = await outlet_once(
+        f, logs, "corp-fast", {"prompt_tokens": 10, "completion_tokens": 10}, user=user
+    )
     # gpt-4o-mini: $0.15/M in, $0.60/M out
     assert record["resolved_model"] == "openai/gpt-4o-mini" and D(record["cost_usd"]) == D("0.0000075")
     assert statuses == ["10 in · 10 out"]
 
 
-@pytest.mark.parametrize(("amount", "shown"), [
-    ("0", "0"), ("0.0031", "0.0031"), ("0.003125", "0.0031"), ("0.00000004", "0.000000040"),
-    ("0.5", "0.50"), ("1", "1.00"), ("1234.567", "1,234.57"),
-])
+@pytest.mark.parametrize(
+    ("amount", "shown"),
+    [
+        ("0", "0"),
+        ("0.0031", "0.0031"),
+        ("0.003125", "0.0031"),
+        ("0.00000004", "0.000000040"),
+        ("0.5", "0.50"),
+        ("1", "1.00"),
+        ("1234.567", "1,234.57"),
+    ],
+)
 def test_format_usd(amount, shown):
     assert format_usd(D(amount)) == shown
 
@@ -155,26 +220,31 @@ def test_format_usd(amount, shown):
 # ---- stream_options.include_usage -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("model", "stream", "asked"), [
-    (OPENAI_MODEL, True, True),
-    ({**OPENAI_MODEL, "provider": "azure"}, True, True),  # 0.12 drops it itself for old api_versions
-    ({"id": "ws", "owned_by": "openai", "info": {"base_model_id": "gpt-4o"}}, True, True),
-    (OPENAI_MODEL, False, False),
-    (OLLAMA_MODEL, True, False),
-    ({"id": "x", "owned_by": "ollama"}, True, False),
-    ({"id": "ws", "owned_by": "openai", "ollama": {}}, True, False),
-    ({"id": "pipe.x", "owned_by": "openai", "pipe": {"type": "pipe"}}, True, False),
-    ({"id": "arena", "owned_by": "arena"}, True, False),
-    ({**OPENAI_MODEL, "api_type": "responses"}, True, False),
-    (None, True, False),
-])
+@pytest.mark.parametrize(
+    ("model", "stream", "asked"),
+    [
+        (OPENAI_MODEL, True, True),
+        ({**OPENAI_MODEL, "provider": "azure"}, True, True),  # 0.12 drops it itself for old api_versions
+        ({"id": "ws", "owned_by": "openai", "info": {"base_model_id": "gpt-4o"}}, True, True),
+        (OPENAI_MODEL, False, False),
+        (OLLAMA_MODEL, True, False),
+        ({"id": "x", "owned_by": "ollama"}, True, False),
+        ({"id": "ws", "owned_by": "openai", "ollama": {}}, True, False),
+        ({"id": "pipe.x", "owned_by": "openai", "pipe": {"type": "pipe"}}, True, False),
+        ({"id": "arena", "owned_by": "arena"}, True, False),
+        ({**OPENAI_MODEL, "api_type": "responses"}, True, False),
+        (None, True, False),
+    ],
+)
 async def test_include_usage_per_backend(counter, model, stream, asked):
     f = cost_filter(counter)
     body = {**body_of(chat_of(1)), "stream": stream, "stream_options": {"other": 1}}
     before = copy.deepcopy({k: v for k, v in body.items() if k != "metadata"})
     for hook in (f.inlet, f.request):
         out = await hook(body, __metadata__=body["metadata"], __model__=model)
-        assert {k: v for k, v in body.items() if k != "metadata"} == before  # never mutated (metadata is the note's place)
+        assert {
+            k: v for k, v in body.items() if k != "metadata"
+        } == before  # never mutated (metadata is the note's place)
         if asked:
             assert out["stream_options"] == {"other": 1, "include_usage": True} and out is not body
         else:
@@ -235,7 +305,10 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
 async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
     model = "gpt-4o"
     for valves, usage in [
-        ({}, {"prompt_tokens": 900, "completion_tokens": 5, "input_tokens": 2700, "output_tokens": 15}),  # 3 calls summed
+        (
+            {},
+            {"prompt_tokens": 900, "completion_tokens": 5, "input_tokens": 2700, "output_tokens": 15},
+        ),  # 3 calls summed
         ({}, None),  # no real usage
         ({"calibrate_counts": False}, "real"),
     ]:
@@ -251,8 +324,16 @@ async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-TOOLS = [{"type": "function", "function": {"name": "search_web", "description": "Search the web.",
-                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search_web",
+            "description": "Search the web.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
 
 
 async def learning_turn(f, chat, user: str, real_of, *, model: str, tools=None) -> dict:
@@ -263,8 +344,14 @@ async def learning_turn(f, chat, user: str, real_of, *, model: str, tools=None) 
     metadata = body["metadata"]
     out = await f.request(body, __user__={"id": user}, __metadata__=metadata)
     note = metadata["contextwarden"]
-    reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": real_of(note["estimated_prompt_tokens"]), "completion_tokens": 5}}
-    await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __user__={"id": user}, __metadata__=metadata)
+    reply = {
+        "role": "assistant",
+        "content": "ok",
+        "usage": {"prompt_tokens": real_of(note["estimated_prompt_tokens"]), "completion_tokens": 5},
+    }
+    await f.outlet(
+        {"model": model, "messages": out["messages"] + [reply]}, __user__={"id": user}, __metadata__=metadata
+    )
     return note
 
 
@@ -278,9 +365,16 @@ async def test_one_users_image_and_tool_chats_do_not_move_anothers_budget(counte
         await learning_turn(f, with_image, "ann", lambda n: n - 680, model=model)
     for _ in range(8):  # ratio 1.6: the tool definitions billed on top
         await learning_turn(f, chat_of(4), "ann", lambda n: int(n * 1.6), model=model, tools=TOOLS)
-    tool_loop = chat_of(4) + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "search_web", "arguments": '{"query": "x"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "results " * 50}]
+    tool_loop = chat_of(4) + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search_web", "arguments": '{"query": "x"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "results " * 50},
+    ]
     for _ in range(8):
         await learning_turn(f, tool_loop, "ann", lambda n: int(n * 1.6), model=model)
     assert await load_calibration(f._store, model) == Calibration()
@@ -314,8 +408,13 @@ def _price_file(tmp_path, prices: dict[str, ModelPrice]):
 
 
 async def test_pricing_file_over_bundled(counter, logs, tmp_path):
-    path = _price_file(tmp_path, {"acme/private-1": ModelPrice(D("0.000001"), D("0.000004")),
-                                  "openai/gpt-4o": ModelPrice(D("0.000003"), D("0.000012"))})
+    path = _price_file(
+        tmp_path,
+        {
+            "acme/private-1": ModelPrice(D("0.000001"), D("0.000004")),
+            "openai/gpt-4o": ModelPrice(D("0.000003"), D("0.000012")),
+        },
+    )
     f = cost_filter(counter, pricing_file=path)
     usage = {"prompt_tokens": 1000, "completion_tokens": 100}
     record, _ = await outlet_once(f, logs, "acme/private-1", usage)
@@ -359,8 +458,10 @@ async def test_live_openrouter_over_bundled_and_file_over_live(counter, logs, tm
         assert D(record["cost_usd"]) == D("0.006")  # live: 1000 x 5e-6 + 100 x 1e-5
         record, _ = await outlet_once(f, logs, "gpt-4.1", usage)
         assert D(record["cost_usd"]) == D("0.0028")  # same in both
-        f.valves = f.Valves(openrouter_pricing=True, pricing_file=_price_file(
-            tmp_path, {"openai/gpt-4o": ModelPrice(D("0.000001"), D("0.000001"))}))
+        f.valves = f.Valves(
+            openrouter_pricing=True,
+            pricing_file=_price_file(tmp_path, {"openai/gpt-4o": ModelPrice(D("0.000001"), D("0.000001"))}),
+        )
         record, _ = await outlet_once(f, logs, "gpt-4o", usage)
         assert D(record["cost_usd"]) == D("0.0011")  # the admin's file wins
         assert route.call_count == 1

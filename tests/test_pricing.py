@@ -98,9 +98,14 @@ def test_2025_shape():
     old = PriceBook.from_openrouter(load_fixture(SAMPLE_2025))
     sonnet = old.prices["anthropic/claude-3.5-sonnet"]
     assert sonnet == ModelPrice(
-        prompt=D("0.000003"), completion=D("0.000015"), cache_read=D("0.0000003"),
-        cache_write=D("0.00000375"), cache_write_1h=None, internal_reasoning=None,  # "0" = no own rate
-        context_length=200000, canonical_slug=None,
+        prompt=D("0.000003"),
+        completion=D("0.000015"),
+        cache_read=D("0.0000003"),
+        cache_write=D("0.00000375"),
+        cache_write_1h=None,
+        internal_reasoning=None,  # "0" = no own rate
+        context_length=200000,
+        canonical_slug=None,
     )
     assert old.prices["meta-llama/llama-3.1-8b-instruct"].prompt == D("0.00000002")
     assert "anthropic/claude-3.7-sonnet:thinking" in old.prices
@@ -113,9 +118,17 @@ def test_router_models_have_unknown_prices_not_negative(book):
 
 @pytest.mark.parametrize("bad", ["-1", "-0.000001", "abc", "", "NaN", "Infinity", None, True, [], {}])
 def test_negative_or_malformed_price_is_unknown(bad):
-    parsed = PriceBook.from_openrouter(_payload(_entry(
-        "x/m", prompt=bad, completion="0.000002", input_cache_read=bad,
-        overrides=[{"min_prompt_tokens": 100, "prompt": bad, "completion": "-5"}])))
+    parsed = PriceBook.from_openrouter(
+        _payload(
+            _entry(
+                "x/m",
+                prompt=bad,
+                completion="0.000002",
+                input_cache_read=bad,
+                overrides=[{"min_prompt_tokens": 100, "prompt": bad, "completion": "-5"}],
+            )
+        )
+    )
     price = parsed.prices["x/m"]
     assert price.prompt is None and price.cache_read is None
     assert price.completion == D("0.000002")
@@ -144,9 +157,19 @@ def test_bad_price_files_raise(tmp_path):
 
 
 def test_admin_file_missing_prices_are_unknown_and_tiers_inherit():
-    admin = PriceBook.from_json(json.dumps({"models": {"local/m": {
-        "prompt": "0.000001", "completion": "0.000002",
-        "tiers": [{"min_prompt_tokens": 1000, "prompt": "0.000003"}]}}}))
+    admin = PriceBook.from_json(
+        json.dumps(
+            {
+                "models": {
+                    "local/m": {
+                        "prompt": "0.000001",
+                        "completion": "0.000002",
+                        "tiers": [{"min_prompt_tokens": 1000, "prompt": "0.000003"}],
+                    }
+                }
+            }
+        )
+    )
     price = admin.prices["local/m"]
     assert price.cache_read is None and price.cache_write is None
     assert price.tiers == (PriceTier(1000, D("0.000003"), D("0.000002"), None, None, None),)
@@ -198,26 +221,33 @@ def test_time_of_day_overrides_are_flagged_not_tiers(book):
 # ---- model resolution ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("model_id", "kwargs", "expected", "step"), [
-    ("gpt-4.1", {}, "openai/gpt-4.1", "bare"),  # never split on the dot into "1"
-    ("gemini-2.5-pro", {}, "google/gemini-2.5-pro", "bare"),
-    ("openrouter.anthropic/claude-sonnet-4.5", {"prefixes": ("openrouter",)},
-     "anthropic/claude-sonnet-4.5", "exact"),
-    ("openrouter.anthropic/claude-sonnet-4.5", {}, "anthropic/claude-sonnet-4.5", "exact"),
-    ("anthropic/claude-sonnet-4.5:thinking", {}, "anthropic/claude-sonnet-4.5", "variant"),
-    ("gpt-4o-2024-08-06", {}, "openai/gpt-4o-2024-08-06", "bare"),
-    ("openai/gpt-4o:nitro", {}, "openai/gpt-4o", "variant"),
-    ("openai/gpt-4o:batch", {}, "openai/gpt-4o:batch", "exact"),  # listed variants are priced apart
-    ("openai/gpt-4o", {}, "openai/gpt-4o", "exact"),
-    ("OpenAI/GPT-4o", {}, "openai/gpt-4o", "exact"),
-    ("anthropic/claude-4.5-sonnet-20250929", {}, "anthropic/claude-sonnet-4.5", "canonical_slug"),
-    ("gpt-4.1-2025-04-14", {}, "openai/gpt-4.1", "bare"),  # bare canonical slug
-    ("gpt-4o-2099-01-01", {}, "openai/gpt-4o", "date_suffix"),
-    ("claude-sonnet-4-5-20250929", {}, "anthropic/claude-sonnet-4.5", "dots_dashes"),
-    ("claude-opus-4-1-20250805", {}, "anthropic/claude-opus-4.1", "dots_dashes"),
-    ("azure.gpt-4.1", {"prefixes": ("azure",)}, "openai/gpt-4.1", "bare"),
-    ("my.conn.openai/gpt-4o", {}, "openai/gpt-4o", "exact"),
-])
+@pytest.mark.parametrize(
+    ("model_id", "kwargs", "expected", "step"),
+    [
+        ("gpt-4.1", {}, "openai/gpt-4.1", "bare"),  # never split on the dot into "1"
+        ("gemini-2.5-pro", {}, "google/gemini-2.5-pro", "bare"),
+        (
+            "openrouter.anthropic/claude-sonnet-4.5",
+            {"prefixes": ("openrouter",)},
+            "anthropic/claude-sonnet-4.5",
+            "exact",
+        ),
+        ("openrouter.anthropic/claude-sonnet-4.5", {}, "anthropic/claude-sonnet-4.5", "exact"),
+        ("anthropic/claude-sonnet-4.5:thinking", {}, "anthropic/claude-sonnet-4.5", "variant"),
+        ("gpt-4o-2024-08-06", {}, "openai/gpt-4o-2024-08-06", "bare"),
+        ("openai/gpt-4o:nitro", {}, "openai/gpt-4o", "variant"),
+        ("openai/gpt-4o:batch", {}, "openai/gpt-4o:batch", "exact"),  # listed variants are priced apart
+        ("openai/gpt-4o", {}, "openai/gpt-4o", "exact"),
+        ("OpenAI/GPT-4o", {}, "openai/gpt-4o", "exact"),
+        ("anthropic/claude-4.5-sonnet-20250929", {}, "anthropic/claude-sonnet-4.5", "canonical_slug"),
+        ("gpt-4.1-2025-04-14", {}, "openai/gpt-4.1", "bare"),  # bare canonical slug
+        ("gpt-4o-2099-01-01", {}, "openai/gpt-4o", "date_suffix"),
+        ("claude-sonnet-4-5-20250929", {}, "anthropic/claude-sonnet-4.5", "dots_dashes"),
+        ("claude-opus-4-1-20250805", {}, "anthropic/claude-opus-4.1", "dots_dashes"),
+        ("azure.gpt-4.1", {"prefixes": ("azure",)}, "openai/gpt-4.1", "bare"),
+        ("my.conn.openai/gpt-4o", {}, "openai/gpt-4o", "exact"),
+    ],
+)
 def test_resolves(book, model_id, kwargs, expected, step):
     resolution = resolve_model(model_id, book, **kwargs)
     assert (resolution.model_id, resolution.step) == (expected, step), resolution.reason
@@ -229,14 +259,17 @@ def test_prefix_is_reported(book):
     assert resolve_model("gpt-4.1", book).prefix is None
 
 
-@pytest.mark.parametrize("model_id", [
-    "codex-auto-review",  # must not be priced as openrouter/auto by substring
-    "azure.gpt-4.1",  # no configured prefix: the dot is not split blindly
-    "gpt-4.1.1",
-    "llama3.1:8b",
-    "",
-    "   ",
-])
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "codex-auto-review",  # must not be priced as openrouter/auto by substring
+        "azure.gpt-4.1",  # no configured prefix: the dot is not split blindly
+        "gpt-4.1.1",
+        "llama3.1:8b",
+        "",
+        "   ",
+    ],
+)
 def test_does_not_resolve(book, model_id):
     resolution = resolve_model(model_id, book)
     assert resolution.model_id is None and resolution.price is None
@@ -253,8 +286,9 @@ def test_local_models_cost_zero_only_when_configured(book):
 
 
 def test_aliases_come_first_exact_then_globs(book):
-    aliases = parse_aliases('{"gpt-4.1": "openai/gpt-4o", "team-*": "anthropic/claude-sonnet-4.5",'
-                            ' "*": "openai/gpt-4o-mini"}')
+    aliases = parse_aliases(
+        '{"gpt-4.1": "openai/gpt-4o", "team-*": "anthropic/claude-sonnet-4.5", "*": "openai/gpt-4o-mini"}'
+    )
     assert resolve_model("gpt-4.1", book, aliases=aliases).model_id == "openai/gpt-4o"
     team = resolve_model("team-writer", book, aliases=aliases)
     assert (team.model_id, team.step) == ("anthropic/claude-sonnet-4.5", "alias")
@@ -294,15 +328,18 @@ def test_parse_aliases_valid_and_empty():
     assert parse_aliases("") == {} and parse_aliases("  \n") == {}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("{not json", "not valid JSON"),
-    ('["openai/gpt-4o"]', "JSON list"),
-    ('"openai/gpt-4o"', "JSON str"),
-    ('{"a": 3}', "must be a model id string"),
-    ('{"a": ""}', "must be a model id string"),
-    ('{"a": null}', "must be a model id string"),
-    ('{" ": "openai/gpt-4o"}', "empty model id"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["openai/gpt-4o"]', "JSON list"),
+        ('"openai/gpt-4o"', "JSON str"),
+        ('{"a": 3}', "must be a model id string"),
+        ('{"a": ""}', "must be a model id string"),
+        ('{"a": null}', "must be a model id string"),
+        ('{" ": "openai/gpt-4o"}', "empty model id"),
+    ],
+)
 def test_parse_aliases_errors_name_the_valve(text, message):
     with pytest.raises(ConfigError, match=message) as caught:
         parse_aliases(text)
@@ -328,8 +365,9 @@ async def test_fetch_success_with_fixture_payload(full_payload):
 
 @respx.mock
 async def test_fetch_reads_negative_prices_as_unknown():
-    payload = _payload(_entry("openrouter/auto", prompt="-1", completion="-1"),
-                       _entry("x/m", prompt="0.000001", completion="0.000002"))
+    payload = _payload(
+        _entry("openrouter/auto", prompt="-1", completion="-1"), _entry("x/m", prompt="0.000001", completion="0.000002")
+    )
     respx.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=payload))
     async with httpx.AsyncClient() as client:
         live = await fetch_openrouter_prices(client)
@@ -337,13 +375,16 @@ async def test_fetch_reads_negative_prices_as_unknown():
     assert live.prices["x/m"].completion == D("0.000002")
 
 
-@pytest.mark.parametrize(("response", "message"), [
-    (httpx.ReadTimeout("slow"), "no answer within"),
-    (httpx.ConnectError("refused"), "ConnectError"),
-    (httpx.Response(500, text="oops"), "HTTP 500"),
-    (httpx.Response(200, text="<html>not json"), "not JSON"),
-    (httpx.Response(200, json={"models": []}), "'data' list"),
-])
+@pytest.mark.parametrize(
+    ("response", "message"),
+    [
+        (httpx.ReadTimeout("slow"), "no answer within"),
+        (httpx.ConnectError("refused"), "ConnectError"),
+        (httpx.Response(500, text="oops"), "HTTP 500"),
+        (httpx.Response(200, text="<html>not json"), "not JSON"),
+        (httpx.Response(200, json={"models": []}), "'data' list"),
+    ],
+)
 @respx.mock
 async def test_fetch_failures_raise_pricing_error(response, message):
     route = respx.get(DEFAULT_OPENROUTER_URL)

@@ -35,8 +35,17 @@ def secret_chat(n: int) -> list[dict]:
     chat = chat_of(n, system=f"System prompt with {SECRET_TEXT}.", last=f"Tell me about {SECRET_TEXT} and mail {EMAIL}")
     chat[1] = {**chat[1], "name": "annabel", "content": chat[1]["content"] + SECRET_TEXT}
     return chat + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": SECRET_TEXT})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"q": SECRET_TEXT})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": f"{SECRET_TEXT} " * 400},
     ]
 
@@ -58,7 +67,13 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
             # 1. ordinary turns, trimmed and shortened, with real and missing usage
             for i in range(6):
                 usage = {"prompt_tokens": 900, "completion_tokens": 40} if i % 2 else None
-                run = await run_turn(f, secret_chat(12 + i), user=user, chat_id=f"c{i}", reply=reply_of(f"Reply about {SECRET_TEXT}", usage))
+                run = await run_turn(
+                    f,
+                    secret_chat(12 + i),
+                    user=user,
+                    chat_id=f"c{i}",
+                    reply=reply_of(f"Reply about {SECRET_TEXT}", usage),
+                )
                 statuses += run.events.statuses
             assert isinstance(f._store, RedisStore) and f._store.shared
             for i in range(5):  # what the ledger and chat state will write
@@ -113,7 +128,11 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
                 f.Valves.model_construct(redis_url=API_KEY),
             ):
                 f.valves = valves
-                admin = {**user, "role": "admin", "valves": f.UserValves.model_construct(show_status=EMAIL)}  # who can fix valves
+                admin = {
+                    **user,
+                    "role": "admin",
+                    "valves": f.UserValves.model_construct(show_status=EMAIL),
+                }  # who can fix valves
                 run = await run_turn(f, secret_chat(6), user=admin, chat_id="valves", events=events)
                 assert isinstance(run.after_request["messages"], list)
             statuses += events.statuses
@@ -131,12 +150,15 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
     assert any("redis_url" in s for s in statuses)  # the admin is told which valve is wrong
 
 
-@pytest.mark.parametrize("url", [
-    f"redis://:{API_KEY[:12]}/{API_KEY[12:]}@127.0.0.1:6379/0",  # "/" in the password
-    f"redis://:{API_KEY[:12]}#{API_KEY[12:]}@127.0.0.1:6379/0",  # "#" in the password
-    f"redis://default:{API_KEY}",  # host forgotten: the password is read as the port
-    f"redis://:{API_KEY}@127.0.0.1:99999/0",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{API_KEY[:12]}/{API_KEY[12:]}@127.0.0.1:6379/0",  # "/" in the password
+        f"redis://:{API_KEY[:12]}#{API_KEY[12:]}@127.0.0.1:6379/0",  # "#" in the password
+        f"redis://default:{API_KEY}",  # host forgotten: the password is read as the port
+        f"redis://:{API_KEY}@127.0.0.1:99999/0",
+    ],
+)
 def test_a_bad_redis_url_is_named_without_echoing_it(url):
     from contextwarden.errors import ConfigError
     from contextwarden.store import open_store

@@ -39,17 +39,58 @@ from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK
 from chats import assert_same_trim, check_contract, frozen
 
 CI_EXAMPLES = 1_000
-settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", max_examples=5_000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "ci",
+    max_examples=CI_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=5_000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 MODELS = ("gpt-4o", "gpt-4", "llama3.1:8b")
 FRAGMENTS = (
-    "budget", "context", "the", "tool", "reply", "Paris", "2024", "3.14159", "ünïcode", "日本語の文章",
-    "émoji 🙂🚀", "<|endoftext|>", "<|im_start|>", "<|fim_prefix|>", "def f(x): return {x: []}", "\n\n",
-    "    ", "\t", "ﷺ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "a" * 40, "0" * 30, "\u200b", "\u0000", "\ud800",
+    "budget",
+    "context",
+    "the",
+    "tool",
+    "reply",
+    "Paris",
+    "2024",
+    "3.14159",
+    "ünïcode",
+    "日本語の文章",
+    "émoji 🙂🚀",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|fim_prefix|>",
+    "def f(x): return {x: []}",
+    "\n\n",
+    "    ",
+    "\t",
+    "ﷺ",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "a" * 40,
+    "0" * 30,
+    "\u200b",
+    "\u0000",
+    "\ud800",
 ) + (  # hostile shapes (issue 13): whitespace runs (repeated into long ones), backtick runs, flag spam
-    " " * 64, "\t" * 16, "\u00a0" * 16, "`" * 64, "``", "` `", "```\n", "!pin", "!budget=100 !keep=2", "!+pin !-pin",
+    " " * 64,
+    "\t" * 16,
+    "\u00a0" * 16,
+    "`" * 64,
+    "``",
+    "` `",
+    "```\n",
+    "!pin",
+    "!budget=100 !keep=2",
+    "!+pin !-pin",
 )
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
@@ -73,6 +114,7 @@ def sized_text(draw, max_repeats: int = 300) -> str:
 
 # -- messages, hypothesis-native ---------------------------------------------------------------
 
+
 def _content():
     return st.one_of(
         short_text,
@@ -80,7 +122,9 @@ def _content():
         st.none(),
         st.just(""),
         st.lists(
-            st.one_of(st.builds(lambda t: {"type": "text", "text": t}, short_text), st.just(IMAGE), st.just({"type": "text"})),
+            st.one_of(
+                st.builds(lambda t: {"type": "text", "text": t}, short_text), st.just(IMAGE), st.just({"type": "text"})
+            ),
             max_size=4,
         ),
     )
@@ -105,8 +149,15 @@ def message_block(draw, call_ids) -> list[dict]:
     if kind == "orphan":
         return [{"role": "tool", "tool_call_id": f"gone{next(call_ids)}", "content": draw(short_text)}]
     ids = [f"call_{next(call_ids)}" for _ in range(draw(st.integers(1, 4)))]
-    calls = [{"id": i, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": draw(short_text)})}} for i in ids]
-    assistant = {"role": "assistant", "content": draw(st.sampled_from([None, "", "Let me check."])), "tool_calls": calls}
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": draw(short_text)})}}
+        for i in ids
+    ]
+    assistant = {
+        "role": "assistant",
+        "content": draw(st.sampled_from([None, "", "Let me check."])),
+        "tool_calls": calls,
+    }
     answered = draw(st.sampled_from(["all", "all", "all", "reversed", "some", "none", "extra"]))
     if answered == "reversed":
         ids = ids[::-1]
@@ -129,11 +180,14 @@ def small_chat(draw) -> list[dict]:
     for block in draw(st.lists(message_block(ids), max_size=20)):
         chat.extend(block)
     if draw(st.integers(0, 9)) < 8:
-        chat.append({"role": "user", "content": draw(st.one_of(short_text, sized_text(), st.lists(st.just(IMAGE), max_size=2)))})
+        chat.append(
+            {"role": "user", "content": draw(st.one_of(short_text, sized_text(), st.lists(st.just(IMAGE), max_size=2)))}
+        )
     return chat
 
 
 # -- messages, seeded (large chats) ------------------------------------------------------------
+
 
 def seeded_chat(seed: int, n: int, system_repeats: int) -> list[dict]:
     """A chat of about `n` messages with every odd shape, from a seed (fast for thousands)."""
@@ -160,8 +214,20 @@ def seeded_chat(seed: int, n: int, system_repeats: int) -> list[dict]:
             chat.append({"role": "user", "content": words(rng.randint(1, 80)), "id": f"u{len(chat)}"})
         for _ in range(rng.choice([0, 0, 0, 1, 2])):
             ids = [f"call_{(call := call + 1)}" for _ in range(rng.randint(1, 3))]
-            chat.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": i, "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"q": words(2)})}} for i in ids]})
+            chat.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": i,
+                            "type": "function",
+                            "function": {"name": "lookup", "arguments": json.dumps({"q": words(2)})},
+                        }
+                        for i in ids
+                    ],
+                }
+            )
             answered = ids if rng.random() < 0.9 else ids[:-1]
             chat.extend({"role": "tool", "tool_call_id": i, "content": words(rng.randint(1, 120))} for i in answered)
         chat.append({"role": "assistant", "content": words(rng.randint(0, 100)), "info": {"usage": {}}})
@@ -185,6 +251,7 @@ budgets = st.one_of(st.integers(64, 400), st.integers(64, 8_000), st.integers(64
 
 
 # -- the property ------------------------------------------------------------------------------
+
 
 def estimating_counter() -> TokenCounter:
     """A counter whose encodings failed to load: every count is the offline estimate."""
@@ -214,7 +281,11 @@ def _uncuttable(message: dict, counter: TokenCounter, model: str) -> int:
     if message.get("role") == "assistant":
         return counter.count_message(message, model)
     content = message.get("content")
-    images = [p for p in content if isinstance(p, dict) and p.get("type") in ("image_url", "image")] if isinstance(content, list) else None
+    images = (
+        [p for p in content if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+        if isinstance(content, list)
+        else None
+    )
     return counter.count_message({**message, "content": images}, model)
 
 
@@ -223,9 +294,13 @@ def _least_text_cost(message: dict, counter: TokenCounter, model: str) -> int:
     if message.get("role") == "assistant":
         return 0  # counted whole in _uncuttable
     content = message.get("content")
-    texts = [content] if isinstance(content, str) else [
-        p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-    ] if isinstance(content, list) else []
+    texts = (
+        [content]
+        if isinstance(content, str)
+        else [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if isinstance(content, list)
+        else []
+    )
     least = 0
     for text in texts:
         total = counter.count_text(text, model)
@@ -237,8 +312,11 @@ def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: s
     """Why the mandatory part could not be cut to the budget (for the report), or 'FIXABLE'."""
     mandatory = mandatory_indices(read_conversation(chat))
     floor = 3 + sum(_uncuttable(chat[i], counter, model) for i in mandatory)
-    images = sum(counter.count_message(chat[i], model) - counter.count_message({**chat[i], "content": None}, model)
-                 for i in mandatory if isinstance(chat[i].get("content"), list))
+    images = sum(
+        counter.count_message(chat[i], model) - counter.count_message({**chat[i], "content": None}, model)
+        for i in mandatory
+        if isinstance(chat[i].get("content"), list)
+    )
     if floor > result.budget:
         if images > result.budget // 2:
             return "images in the mandatory part"
@@ -280,7 +358,11 @@ def check_trim(chat: list[dict], budget: int, model: str, counter: TokenCounter)
 
 
 @given(chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
-@example(chat=[{"role": "user", "content": "a" + " " * 1_000_000 + "b"}, {"role": "user", "content": "\u00a0" * 1_000_000}], budget=500, model="gpt-4o")
+@example(
+    chat=[{"role": "user", "content": "a" + " " * 1_000_000 + "b"}, {"role": "user", "content": "\u00a0" * 1_000_000}],
+    budget=500,
+    model="gpt-4o",
+)
 def test_contract_holds_for_any_chat_and_budget(counter, chat, budget, model):
     check_trim(chat, budget, model, counter)
 
@@ -288,11 +370,28 @@ def test_contract_holds_for_any_chat_and_budget(counter, chat, budget, model):
 @settings(max_examples=max(50, settings.default.max_examples // 4))
 @given(chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS))
 # Found by this test: proportional character cuts (keep_ends) and joins counting more than their parts (_cut_middle).
-@example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3}], budget=64, model="gpt-4o")
-@example(chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 3.14159 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 2}], budget=71, model="gpt-4o")
+@example(
+    chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3}],
+    budget=64,
+    model="gpt-4o",
+)
+@example(
+    chat=[{"role": "system", "content": ""}, {"role": "user", "content": "budget 3.14159 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 2}],
+    budget=71,
+    model="gpt-4o",
+)
 # Not fixable (four mandatory system texts, each cut still carries a marker): must not be flagged.
-@example(chat=[{"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 "}, {"role": "user", "content": ""}, {"role": "system", "content": "0:0:0:0:"},
-               {"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢"}, {"role": "user", "content": "budget budget"}], budget=64, model="gpt-4o")
+@example(
+    chat=[
+        {"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 "},
+        {"role": "user", "content": ""},
+        {"role": "system", "content": "0:0:0:0:"},
+        {"role": "system", "content": "𝔘𝔫𝔦𝔠𝔬𝔡𝔢"},
+        {"role": "user", "content": "budget budget"},
+    ],
+    budget=64,
+    model="gpt-4o",
+)
 def test_contract_holds_while_estimating(chat, budget, model):
     global ESTIMATOR
     if ESTIMATOR is None:
@@ -309,7 +408,9 @@ def later_turn(draw, chat: list[dict]) -> list[dict]:
         change = draw(st.sampled_from(("insert", "remove", "edit")))
         at = draw(st.integers(0, len(later)))
         if change == "insert":
-            later.insert(at, {"role": draw(st.sampled_from(("user", "assistant", "system"))), "content": draw(short_text)})
+            later.insert(
+                at, {"role": draw(st.sampled_from(("user", "assistant", "system"))), "content": draw(short_text)}
+            )
         elif later and at < len(later):
             if change == "remove":
                 del later[at]
@@ -330,8 +431,9 @@ def test_contract_holds_when_the_previous_decision_is_reused(counter, data, chat
     previous = TrimDecision.from_json(first.decision.to_json())
     result = trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous)
     check_contract(later, result, counter, model)
-    assert frozen(trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous).messages) \
-        == frozen(result.messages), "not deterministic"
+    assert frozen(
+        trim_messages(later, max_tokens=budget, model=model, token_counter=counter, previous=previous).messages
+    ) == frozen(result.messages), "not deterministic"
     event("reused" if result.reused else "selected anew")
 
 
@@ -353,12 +455,24 @@ def grown_turn(draw, chat: list[dict]) -> list[dict]:
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 4))
-@given(data=st.data(), chat=any_chat(), budget=budgets, model=st.sampled_from(MODELS),
-       keep=st.integers(0, 4), strategy=st.sampled_from(("relevance", "recent")))
+@given(
+    data=st.data(),
+    chat=any_chat(),
+    budget=budgets,
+    model=st.sampled_from(MODELS),
+    keep=st.integers(0, 4),
+    strategy=st.sampled_from(("relevance", "recent")),
+)
 def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, chat, budget, model, keep, strategy):
     """A next turn that reads only the kept and new messages (the decision's size figures) ends
     exactly where reading the whole chat ends: same messages, counts and decision."""
-    options = {"max_tokens": budget, "model": model, "token_counter": counter, "keep_last_turns": keep, "strategy": strategy}
+    options = {
+        "max_tokens": budget,
+        "model": model,
+        "token_counter": counter,
+        "keep_last_turns": keep,
+        "strategy": strategy,
+    }
     first = trim_messages(chat, **options)
     if first.decision is None:
         return
@@ -374,19 +488,59 @@ def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, ch
 # -- hostile usage in the outlet (issue 13): whatever a client forges, the body comes back, no
 # -- error, and the ledger stays within the per-reply bounds ------------------------------------
 
-HOSTILE_TEXT = ("²", "١٢", "1_000", " 12 ", "0x10", "-1", "NaN", "sNaN", "Infinity", "1e999000", "1E30", "0.0105",
-                "1e-999000", "9" * 5_000, "0." + "1" * 5_000, "", "12")
-hostile_number = st.one_of(
-    st.integers(min_value=-(10**30), max_value=10**30), st.integers(min_value=0, max_value=10**10),
-    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
-    st.sampled_from(HOSTILE_TEXT), st.text(max_size=12), st.decimals().map(str),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+HOSTILE_TEXT = (
+    "²",
+    "١٢",
+    "1_000",
+    " 12 ",
+    "0x10",
+    "-1",
+    "NaN",
+    "sNaN",
+    "Infinity",
+    "1e999000",
+    "1E30",
+    "0.0105",
+    "1e-999000",
+    "9" * 5_000,
+    "0." + "1" * 5_000,
+    "",
+    "12",
 )
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens", "input_tokens", "output_tokens", "cost", "is_byok",
-              "cache_read_input_tokens", "cache_creation_input_tokens", "prompt_eval_count", "eval_count",
-              "promptTokenCount", "candidatesTokenCount", "thoughtsTokenCount", "input_tokens_details")
-DETAIL_KEYS = {"prompt_tokens_details": ("cached_tokens", "cache_write_tokens"),
-               "completion_tokens_details": ("reasoning_tokens",), "cost_details": ("upstream_inference_cost",)}
+hostile_number = st.one_of(
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.integers(min_value=0, max_value=10**10),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.sampled_from(HOSTILE_TEXT),
+    st.text(max_size=12),
+    st.decimals().map(str),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+USAGE_KEYS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cost",
+    "is_byok",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "prompt_eval_count",
+    "eval_count",
+    "promptTokenCount",
+    "candidatesTokenCount",
+    "thoughtsTokenCount",
+    "input_tokens_details",
+)
+DETAIL_KEYS = {
+    "prompt_tokens_details": ("cached_tokens", "cache_write_tokens"),
+    "completion_tokens_details": ("reasoning_tokens",),
+    "cost_details": ("upstream_inference_cost",),
+}
 
 
 @st.composite
@@ -394,13 +548,20 @@ def hostile_usage(draw) -> dict:
     usage = draw(st.dictionaries(st.sampled_from(USAGE_KEYS), hostile_number, max_size=8))
     for group, keys in DETAIL_KEYS.items():
         if draw(st.booleans()):
-            usage[group] = draw(st.one_of(st.dictionaries(st.sampled_from(keys), hostile_number, max_size=2), hostile_number))
+            usage[group] = draw(
+                st.one_of(st.dictionaries(st.sampled_from(keys), hostile_number, max_size=2), hostile_number)
+            )
     return usage
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 4))
 @given(usages=st.lists(hostile_usage(), min_size=1, max_size=4))
-@example(usages=[{"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"}, {"prompt_tokens": 1e20, "completion_tokens": "²"}])
+@example(
+    usages=[
+        {"prompt_tokens": 1000, "completion_tokens": 100, "cost": "1e999000"},
+        {"prompt_tokens": 1e20, "completion_tokens": "²"},
+    ]
+)
 @example(usages=[{"completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 10**6}}])
 def test_outlet_survives_any_forged_usage(counter, usages):
     async def outlets() -> tuple[list, list[str]]:
@@ -413,8 +574,10 @@ def test_outlet_survives_any_forged_usage(counter, usages):
             statuses.append(event["data"]["description"])
 
         for usage in usages:
-            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"},
-                                                     {"role": "assistant", "content": "ok", "usage": usage}]}
+            body = {
+                "model": "gpt-4o",
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ok", "usage": usage}],
+            }
             assert await f.outlet(body, __user__={"id": "u"}, __event_emitter__=emit) is body
         return await read_ledger(f._store), statuses
 
@@ -434,14 +597,42 @@ def test_outlet_survives_any_forged_usage(counter, usages):
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 odd_tool = st.one_of(
-    st.none(), st.integers(), short_text, st.just({"type": "function"}), st.just({"function": {"name": 7}}),
-    st.builds(lambda name, text: {"type": "function", "function": {"name": name, "description": text,
-                                                                    "parameters": {"type": "object", "properties": {"q": {"type": ["string", "null"], "description": text}}}}},
-              st.text(min_size=1, max_size=12), short_text),
+    st.none(),
+    st.integers(),
+    short_text,
+    st.just({"type": "function"}),
+    st.just({"function": {"name": 7}}),
+    st.builds(
+        lambda name, text: {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": text,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"q": {"type": ["string", "null"], "description": text}},
+                },
+            },
+        },
+        st.text(min_size=1, max_size=12),
+        short_text,
+    ),
 )
-tool_lists = st.one_of(st.none(), st.just([]), st.lists(st.one_of(st.sampled_from(BUILTIN_TOOLS), odd_tool), max_size=40))
-response_formats = st.one_of(st.none(), st.just({"type": "text"}), st.just({"type": "json_object"}),
-                             st.builds(lambda text: {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object", "description": text}}}, short_text))
+tool_lists = st.one_of(
+    st.none(), st.just([]), st.lists(st.one_of(st.sampled_from(BUILTIN_TOOLS), odd_tool), max_size=40)
+)
+response_formats = st.one_of(
+    st.none(),
+    st.just({"type": "text"}),
+    st.just({"type": "json_object"}),
+    st.builds(
+        lambda text: {
+            "type": "json_schema",
+            "json_schema": {"name": "r", "schema": {"type": "object", "description": text}},
+        },
+        short_text,
+    ),
+)
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 4))
@@ -465,15 +656,22 @@ def test_pins_are_sent_unless_even_shortened_they_cannot_fit(counter, data, chat
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 4))
-@given(chat=any_chat(), window=st.integers(500, 40_000), tools=tool_lists, response_format=response_formats,
-       model=st.sampled_from(MODELS))
+@given(
+    chat=any_chat(),
+    window=st.integers(500, 40_000),
+    tools=tool_lists,
+    response_format=response_formats,
+    model=st.sampled_from(MODELS),
+)
 def test_the_whole_prompt_fits_with_tool_definitions(counter, chat, window, tools, response_format, model):
     """A body with tool definitions and a response format through the filter: messages plus
     the fixed part fit the budget, unless the mandatory part alone cannot; when the fixed part
     alone fills it, only the mandatory part goes, uncut."""
     f = Filter()
     f._counter = counter
-    f.valves = f.Valves(max_context_tokens=window, reserve_output_tokens=window // 8, calibrate_counts=False, allowed_user_flags="")
+    f.valves = f.Valves(
+        max_context_tokens=window, reserve_output_tokens=window // 8, calibrate_counts=False, allowed_user_flags=""
+    )
     body: dict[str, Any] = {"model": model, "messages": chat, "metadata": {"chat_id": "", "user_id": "u1"}}
     if tools is not None:
         body["tools"] = tools
@@ -488,7 +686,9 @@ def test_the_whole_prompt_fits_with_tool_definitions(counter, chat, window, tool
     assert note["estimated_prompt_tokens"] == sent + fixed
     mandatory = [chat[i] for i in mandatory_indices(read_conversation(chat))]
     if total - fixed < 64:
-        assert all(any(m is s for s in out["messages"]) for m in mandatory), "mandatory part cut although nothing could fit"
+        assert all(any(m is s for s in out["messages"]) for m in mandatory), (
+            "mandatory part cut although nothing could fit"
+        )
         event("fixed part alone over the budget")
     elif sent + fixed > total:
         event("over budget: mandatory part")
@@ -503,7 +703,10 @@ def report_over_budget():
         print("\nover_budget tally:", dict(OVER_BUDGET))
 
 
-@given(texts=st.lists(st.one_of(short_text, sized_text()), min_size=1, max_size=6), allowed=st.sets(st.sampled_from(FLAG_NAMES)))
+@given(
+    texts=st.lists(st.one_of(short_text, sized_text()), min_size=1, max_size=6),
+    allowed=st.sets(st.sampled_from(FLAG_NAMES)),
+)
 def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
     """Any text (hostile fragments included): flags are read without error or mutation, nothing
     but flag text is removed, and a message's pin fingerprint is the same stripped or not."""
@@ -539,5 +742,7 @@ def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, t
         assert result.recalled == trim_messages(copy.deepcopy(chat), **options).recalled
         if not result.over_budget:
             again = trim_messages(copy.deepcopy(result.messages), **options)
-            assert frozen(again.messages) == frozen(result.messages) and not again.changed, "a second pass changed the prompt"
+            assert frozen(again.messages) == frozen(result.messages) and not again.changed, (
+                "a second pass changed the prompt"
+            )
         event("recalled" if result.recalled else "no recall")

@@ -40,7 +40,10 @@ def test_pin_is_mandatory_under_the_low_watermark(counter):
     pin = {"role": "user", "content": pinned_text(counter)}
     chat = [{"role": "system", "content": "Be helpful."}, pin, {"role": "assistant", "content": words(2, 300)}]
     for i in range(6):
-        chat += [{"role": "user", "content": f"q{i} " + words(i, 250)}, {"role": "assistant", "content": words(i + 9, 600)}]
+        chat += [
+            {"role": "user", "content": f"q{i} " + words(i, 250)},
+            {"role": "assistant", "content": words(i + 9, 600)},
+        ]
     chat.append({"role": "user", "content": "And now? " + words(40, 300)})
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, pinned=[1])
     assert 1 in result.kept
@@ -51,7 +54,10 @@ def test_pins_over_the_budget_are_shortened_not_dropped(counter):
     """Pins alone over the budget: cut middle-out with the marker, and the trim says so."""
     chat = [{"role": "system", "content": "Be helpful."}]
     for i in range(3):
-        chat += [{"role": "user", "content": pinned_text(counter) + f" part {i}"}, {"role": "assistant", "content": "ok"}]
+        chat += [
+            {"role": "user", "content": pinned_text(counter) + f" part {i}"},
+            {"role": "assistant", "content": "ok"},
+        ]
     chat.append({"role": "user", "content": "Summarise the notes."})
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, pinned=[1, 3, 5])
     check_contract(chat, result, counter, MODEL)
@@ -59,8 +65,11 @@ def test_pins_over_the_budget_are_shortened_not_dropped(counter):
     assert set(result.shortened) & {1, 3, 5} and set(result.kept) | set(result.shortened) >= {1, 3, 5}
     assert any("pinned" in note for note in result.notes)
     assert "pinned messages shortened" in status_line(TurnChoice.of(result, result.messages), Flags())
-    assert all("cut by contextwarden" in m["content"] for i, m in zip(sorted(result.kept + result.shortened), result.messages)
-               if i in result.shortened)
+    assert all(
+        "cut by contextwarden" in m["content"]
+        for i, m in zip(sorted(result.kept + result.shortened), result.messages)
+        if i in result.shortened
+    )
 
 
 async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique):
@@ -72,7 +81,10 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
     chat = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": text + " !pin"}]
     await send(f, chat, user_id, chat_id)
     for i in range(8):
-        chat = chat + [{"role": "assistant", "content": words(i, 700)}, {"role": "user", "content": f"next {i} " + words(i + 3, 120)}]
+        chat = chat + [
+            {"role": "assistant", "content": words(i, 700)},
+            {"role": "user", "content": f"next {i} " + words(i + 3, 120)},
+        ]
         events = Events()
         sent = (await send(f, chat, user_id, chat_id, events=events))["messages"]
         assert any(m["content"] == text for m in sent), f"pin dropped on turn {i}"
@@ -123,7 +135,10 @@ def test_tool_definitions_count_like_openai(counter):
 
 
 def test_response_format_schema_is_counted(counter):
-    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "description": words(i, 20)} for i in range(20)}}
+    schema = {
+        "type": "object",
+        "properties": {f"field_{i}": {"type": "string", "description": words(i, 20)} for i in range(20)},
+    }
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
     cost = fixed_cost(body, counter, MODEL)
     assert cost.response_format >= counter.count_text(json.dumps(schema, separators=(",", ":")), MODEL)
@@ -153,7 +168,10 @@ def test_the_budget_is_the_window_less_the_fixed_part():
 def long_history(turns: int = 30) -> list[dict]:
     chat = [{"role": "system", "content": "Be helpful."}]
     for i in range(turns):
-        chat += [{"role": "user", "content": f"q{i} " + words(i, 120)}, {"role": "assistant", "content": words(i + 5, 150)}]
+        chat += [
+            {"role": "user", "content": f"q{i} " + words(i, 120)},
+            {"role": "assistant", "content": words(i + 5, 150)},
+        ]
     return chat + [{"role": "user", "content": "What about the quartz?"}]
 
 
@@ -224,7 +242,10 @@ def big_chat(counter, tokens: int = 40_000) -> list[dict]:
     chat = [{"role": "system", "content": "Be helpful."}]
     i = 0
     while counter.count_messages(chat, MODEL) < tokens:
-        chat += [{"role": "user", "content": f"q{i} " + words(i, 200)}, {"role": "assistant", "content": words(i + 4, 400)}]
+        chat += [
+            {"role": "user", "content": f"q{i} " + words(i, 200)},
+            {"role": "assistant", "content": words(i + 4, 400)},
+        ]
         i += 1
     return chat + [{"role": "user", "content": "And the quartz?"}]
 
@@ -319,9 +340,16 @@ def test_explain_shows_the_fill_and_why(counter):
     assert parts.prompt_sent == result.tokens_after and parts.fill == result.tokens_after / PIN_BUDGET
     assert 0.4 < parts.fill < 0.8 and "low watermark (80%) less room for 2 more turns" in parts.fill_rule
     full = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, low_watermark=1.0)
-    assert "up to 100%, the low watermark" in explain_trim(chat, full, model=MODEL, token_counter=counter, low_watermark=1.0).budget.fill_rule
-    fits = explain_trim(chat[:3], trim_messages(chat[:3], max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter),
-                        model=MODEL, token_counter=counter).budget
+    assert (
+        "up to 100%, the low watermark"
+        in explain_trim(chat, full, model=MODEL, token_counter=counter, low_watermark=1.0).budget.fill_rule
+    )
+    fits = explain_trim(
+        chat[:3],
+        trim_messages(chat[:3], max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter),
+        model=MODEL,
+        token_counter=counter,
+    ).budget
     assert fits.fill_rule == "everything fits"
 
 
@@ -345,7 +373,9 @@ async def test_savings_carried_from_an_estimated_pass_stay_below_the_chat(counte
         def _pick(self, model):
             return super()._pick(model) if self.loaded else ("estimate", None)
 
-    f = make_filter(LoadsBetweenHooks(block=True), max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, calibrate_counts=False)
+    f = make_filter(
+        LoadsBetweenHooks(block=True), max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, calibrate_counts=False
+    )
     chat = big_chat(counter, 12_000)
     b = body_of(chat)
     hooks = {"__user__": {"id": "u1"}, "__metadata__": b["metadata"]}
@@ -367,8 +397,10 @@ def long_answer_chat(counter) -> list[dict]:
     """The issue's chat: 10 earlier questions with ~3.5k-token answers, then 'Continue'."""
     chat = [{"role": "system", "content": "You are a patient tutor."}]
     for i in range(10):
-        chat += [{"role": "user", "content": f"Step {i}: explain the quartz {words(i, 30)}"},
-                 {"role": "assistant", "content": f"Step {i} answer: " + words(i + 20, 3_400)}]
+        chat += [
+            {"role": "user", "content": f"Step {i}: explain the quartz {words(i, 30)}"},
+            {"role": "assistant", "content": f"Step {i} answer: " + words(i + 20, 3_400)},
+        ]
     chat.append({"role": "user", "content": "Continue with the next step"})
     assert 3_300 <= counter.count_message(chat[2], MODEL) <= 3_700
     return chat
@@ -416,11 +448,19 @@ def test_a_pinned_reply_let_go_is_dropped_not_listed_as_shortened(counter):
     """Found by the property suite: a pinned tool call in a turn without a question, over the
     budget, was cut middle-out and then let go (it may not lead the history), yet reported
     both shortened and dropped, and the sent list no longer matched kept + shortened."""
-    calls = [{"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": '{"q": ""}'}} for k in (3, 4, 5)]
-    chat = [{"role": "system", "content": ""}, *({"role": "assistant", "content": ""} for _ in range(3)),
-            {"role": "assistant", "content": None, "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "call_3", "content": ""}, {"role": "tool", "tool_call_id": "call_4", "content": ""},
-            {"role": "tool", "tool_call_id": "call_5", "content": "budget " * 200}, {"role": "user", "content": ""}]
+    calls = [
+        {"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": '{"q": ""}'}}
+        for k in (3, 4, 5)
+    ]
+    chat = [
+        {"role": "system", "content": ""},
+        *({"role": "assistant", "content": ""} for _ in range(3)),
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_3", "content": ""},
+        {"role": "tool", "tool_call_id": "call_4", "content": ""},
+        {"role": "tool", "tool_call_id": "call_5", "content": "budget " * 200},
+        {"role": "user", "content": ""},
+    ]
     result = trim_messages(chat, max_tokens=168, model="gpt-4o", token_counter=counter, pinned=[4])
     assert not set(result.shortened) & set(result.dropped)
     assert len(result.messages) == len(result.kept) + len(result.shortened)

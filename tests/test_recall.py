@@ -13,7 +13,13 @@ import pytest
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, RECALL_CONTEXT_TERMS, recall_scores, relevance_terms, score_messages
+from contextwarden.relevance import (
+    DEFAULT_RELEVANCE_WEIGHTS,
+    RECALL_CONTEXT_TERMS,
+    recall_scores,
+    relevance_terms,
+    score_messages,
+)
 from contextwarden.selection import Recall, choose_recall, recall_candidates
 
 from chats import check_contract
@@ -24,12 +30,16 @@ BUDGET = 600
 
 def river_chat(turns: int = 8) -> list[dict]:
     """An early fact (a locker code), then turns of filler about rivers, then a question."""
-    chat = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "My locker code is 4417 and my bike is a green Batavus."},
-            {"role": "assistant", "content": "Noted: locker 4417, green Batavus bike."}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "My locker code is 4417 and my bike is a green Batavus."},
+        {"role": "assistant", "content": "Noted: locker 4417, green Batavus bike."},
+    ]
     for n in range(turns):
-        chat += [{"role": "user", "content": f"Tell me fact {n} about rivers and deltas. " * 3},
-                 {"role": "assistant", "content": f"Fact {n}: rivers carry silt to their deltas, slowly. " * 6}]
+        chat += [
+            {"role": "user", "content": f"Tell me fact {n} about rivers and deltas. " * 3},
+            {"role": "assistant", "content": f"Fact {n}: rivers carry silt to their deltas, slowly. " * 6},
+        ]
     chat.append({"role": "user", "content": "More about deltas?"})
     return chat
 
@@ -144,7 +154,11 @@ def test_fast_and_full_path_agree_with_blocks(counter):
     fast = trim(third_chat, previous, token_counter=counter)
     full = trim(third_chat, replace(previous, seen=0), token_counter=counter)
     assert fast.messages == full.messages and fast.decision == full.decision
-    assert (fast.recalled, fast.stable_prefix, fast.tokens_after) == (full.recalled, full.stable_prefix, full.tokens_after)
+    assert (fast.recalled, fast.stable_prefix, fast.tokens_after) == (
+        full.recalled,
+        full.stable_prefix,
+        full.tokens_after,
+    )
 
 
 def test_an_edited_recalled_message_ends_the_selection(counter):
@@ -166,8 +180,15 @@ def test_recall_share_is_checked():
 
 
 def test_decision_keeps_its_recalls_through_json():
-    decision = TrimDecision(1000, 500, "relevance", ("a" * 16, "b" * 16), at=(3, 9), seen=10,
-                            recalls=(Recall(9, (1, 2), ("c" * 16, "d" * 16)),))
+    decision = TrimDecision(
+        1000,
+        500,
+        "relevance",
+        ("a" * 16, "b" * 16),
+        at=(3, 9),
+        seen=10,
+        recalls=(Recall(9, (1, 2), ("c" * 16, "d" * 16)),),
+    )
     assert TrimDecision.from_json(decision.to_json()) == decision
     data = json.loads(decision.to_json())
     for bad in ([[9, [2, 1], ["x", "y"]]], [[9, [1], []]], [[9, [12], ["x"]]], [["9", [1], ["x"]]], "nope"):
@@ -179,9 +200,15 @@ def test_decision_keeps_its_recalls_through_json():
 
 
 def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
-    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b " * 50}, {"role": "user", "content": "c"},
-            {"role": "tool", "content": ""}, {"role": "system", "content": "s"}, recall_message([{"role": "user", "content": "z"}], [0]),
-            {"role": "user", "content": "q"}]
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b " * 50},
+        {"role": "user", "content": "c"},
+        {"role": "tool", "content": ""},
+        {"role": "system", "content": "s"},
+        recall_message([{"role": "user", "content": "z"}], [0]),
+        {"role": "user", "content": "q"},
+    ]
     scores = [1.0, 9.0, 0.0, 5.0, 5.0, 5.0, 0.0]
     # the tool message has no text, the system one is not recallable, a recall block never again
     candidates = recall_candidates(chat, scores)
@@ -194,7 +221,9 @@ def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
     assert choose_recall(candidates, {6, 0}, scores, costs, room=4) == []
 
 
-@pytest.mark.parametrize("question", ["More about deltas?", "Which green bike brand and locker code did I mention?", "Thanks!"])
+@pytest.mark.parametrize(
+    "question", ["More about deltas?", "Which green bike brand and locker code did I mention?", "Thanks!"]
+)
 def test_recall_scores_are_score_messages_on_the_questions_own_terms(question):
     chat = river_chat()
     chat[-1] = {"role": "user", "content": question}
@@ -202,7 +231,8 @@ def test_recall_scores_are_score_messages_on_the_questions_own_terms(question):
     short = len(set(relevance_terms(question))) <= RECALL_CONTEXT_TERMS  # a follow-up: the turns before it count
     weights = DEFAULT_RELEVANCE_WEIGHTS if short else replace(DEFAULT_RELEVANCE_WEIGHTS, context_weight=0.0)
     assert recall_scores(chat, question=q, exclude=[0]) == pytest.approx(
-        score_messages(chat, question=q, exclude=[0], weights=weights), rel=1e-12, abs=1e-15)
+        score_messages(chat, question=q, exclude=[0], weights=weights), rel=1e-12, abs=1e-15
+    )
 
 
 def test_filter_request_pass_keeps_the_one_block():

@@ -12,8 +12,13 @@ from contextwarden import relevance
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 
 OFF = dataclasses.replace(
-    DEFAULT_RELEVANCE_WEIGHTS, context_weight=0.0, pair_share=0.0, pair_back=0.0,
-    neighbour_share=0.0, header_share=0.0, recency=0.0,
+    DEFAULT_RELEVANCE_WEIGHTS,
+    context_weight=0.0,
+    pair_share=0.0,
+    pair_back=0.0,
+    neighbour_share=0.0,
+    header_share=0.0,
+    recency=0.0,
 )
 
 
@@ -39,40 +44,64 @@ def test_terms_split_cjk_into_character_pairs_and_keep_other_scripts_as_words():
 
 
 def test_bm25_prefers_the_message_sharing_rare_terms():
-    chat = [msg("user", "I bought a red bicycle yesterday."), msg("assistant", "Nice, a bicycle!"),
-            msg("user", "The weather is fine."), msg("assistant", "Good."),
-            msg("user", "Which colour was my bicycle? red or blue")]
+    chat = [
+        msg("user", "I bought a red bicycle yesterday."),
+        msg("assistant", "Nice, a bicycle!"),
+        msg("user", "The weather is fine."),
+        msg("assistant", "Good."),
+        msg("user", "Which colour was my bicycle? red or blue"),
+    ]
     scores = score_messages(chat, question=4, weights=OFF)
     assert best(scores, range(4)) == 0
     assert scores[2] == scores[3] == 0.0 and scores[4] == 0.0
 
 
 def test_cjk_question_finds_cjk_message():
-    chat = [msg("user", "我在东京买了一台相机。"), msg("assistant", "太好了"), msg("user", "今天天气很好"),
-            msg("assistant", "是的"), msg("user", "我在哪里买了相机？")]
+    chat = [
+        msg("user", "我在东京买了一台相机。"),
+        msg("assistant", "太好了"),
+        msg("user", "今天天气很好"),
+        msg("assistant", "是的"),
+        msg("user", "我在哪里买了相机？"),
+    ]
     scores = score_messages(chat, question=4, weights=OFF)
     assert best(scores, range(4)) == 0
 
 
 def test_reply_inherits_part_of_its_question_score():
-    chat = [msg("user", "How do I configure nginx reverse proxy?"), msg("assistant", "Use proxy_pass in a location block."),
-            msg("user", "unrelated chatter"), msg("assistant", "sure"), msg("user", "nginx reverse proxy again?")]
+    chat = [
+        msg("user", "How do I configure nginx reverse proxy?"),
+        msg("assistant", "Use proxy_pass in a location block."),
+        msg("user", "unrelated chatter"),
+        msg("assistant", "sure"),
+        msg("user", "nginx reverse proxy again?"),
+    ]
     without = score_messages(chat, question=4, weights=OFF)
     paired = score_messages(chat, question=4, weights=dataclasses.replace(OFF, pair_share=0.5))
     assert paired[1] > without[1] and paired[1] > paired[3]
 
 
 def test_neighbours_of_a_strong_match_share_in_it():
-    chat = [msg("user", "filler one"), msg("assistant", "my passport number ends in 4471"),
-            msg("user", "it expires soon"), msg("assistant", "other words"), msg("user", "passport 4471?")]
+    chat = [
+        msg("user", "filler one"),
+        msg("assistant", "my passport number ends in 4471"),
+        msg("user", "it expires soon"),
+        msg("assistant", "other words"),
+        msg("user", "passport 4471?"),
+    ]
     plain = score_messages(chat, question=4, weights=OFF)
     spread = score_messages(chat, question=4, weights=dataclasses.replace(OFF, neighbour_share=0.3))
     assert plain[2] == 0.0 < spread[2] and spread[3] == 0.0
 
 
 def test_short_date_message_shares_in_what_follows_it():
-    chat = [msg("user", "[Session 3 - 4 May 2023]"), msg("assistant", "We adopted a puppy named Rex."),
-            msg("user", "cool"), msg("assistant", "ok"), msg("user", "When did we adopt Rex?")]
+    chat = [
+        msg("user", "[Session 3 - 4 May 2023]"),
+        msg("assistant", "We adopted a puppy named Rex."),
+        msg("user", "cool"),
+        msg("assistant", "ok"),
+        msg("user", "When did we adopt Rex?"),
+    ]
     plain = score_messages(chat, question=4, weights=OFF)
     headed = score_messages(chat, question=4, weights=dataclasses.replace(OFF, header_share=0.3))
     assert plain[0] == 0.0 < headed[0]
@@ -80,10 +109,15 @@ def test_short_date_message_shares_in_what_follows_it():
 
 
 def test_context_turns_help_a_short_follow_up():
-    chat = [msg("user", "Tell me about the Eiffel tower height."), msg("assistant", "It is 330 m tall."),
-            msg("user", "Random note about cooking pasta."), msg("assistant", "Pasta needs salt."),
-            msg("user", "What about the Eiffel tower lifts?"), msg("assistant", "There are several lifts."),
-            msg("user", "and the price?")]
+    chat = [
+        msg("user", "Tell me about the Eiffel tower height."),
+        msg("assistant", "It is 330 m tall."),
+        msg("user", "Random note about cooking pasta."),
+        msg("assistant", "Pasta needs salt."),
+        msg("user", "What about the Eiffel tower lifts?"),
+        msg("assistant", "There are several lifts."),
+        msg("user", "and the price?"),
+    ]
     no_context = score_messages(chat, question=6, weights=OFF)
     context = score_messages(chat, question=6, weights=dataclasses.replace(OFF, context_weight=0.5))
     assert max(no_context[:6]) == 0.0
@@ -91,8 +125,13 @@ def test_context_turns_help_a_short_follow_up():
 
 
 def test_recency_breaks_ties_toward_newer_and_excluded_score_zero():
-    chat = [msg("system", "be nice"), msg("user", "apple"), msg("assistant", "apple"), msg("user", "x y"),
-            msg("user", "apple?")]
+    chat = [
+        msg("system", "be nice"),
+        msg("user", "apple"),
+        msg("assistant", "apple"),
+        msg("user", "x y"),
+        msg("user", "apple?"),
+    ]
     scores = score_messages(chat, question=4, exclude=[0], weights=dataclasses.replace(OFF, recency=0.1))
     assert scores[0] == 0.0 and scores[2] > scores[1]
 
@@ -131,8 +170,13 @@ def test_term_cache_is_bounded_by_messages_and_terms():
 def test_word_memo_is_bounded_and_replaced_whole(monkeypatch):
     monkeypatch.setattr(relevance, "TERM_MEMO_SIZE", 8)
     monkeypatch.setitem(relevance._word_memos, True, relevance._WordTerms(True))
-    texts = ["alpha beta gamma delta", "東京タワー epsilon zeta 123456 eta theta", "iota kappa 東京タワー lambda mu nu xi",
-             "omicron pi rho sigma tau upsilon", "phi chi psi omega 2024 99999 東京"]
+    texts = [
+        "alpha beta gamma delta",
+        "東京タワー epsilon zeta 123456 eta theta",
+        "iota kappa 東京タワー lambda mu nu xi",
+        "omicron pi rho sigma tau upsilon",
+        "phi chi psi omega 2024 99999 東京",
+    ]
     for text in texts * 3:
         terms = relevance_terms(text)
         assert relevance._term_counts(text, True) == (dict(Counter(terms)), len(terms))

@@ -16,7 +16,9 @@ from contextwarden.store import MemoryStore, open_store
 D = Decimal
 GPT4O = ModelPrice(D("0.0000025"), D("0.00001"))
 # Base $1.25/M input; from 200,000 prompt tokens $2.50/M (as gemini-2.5-pro).
-TIERED = ModelPrice(D("0.00000125"), D("0.00001"), tiers=(PriceTier(200_000, D("0.0000025"), D("0.000015"), None, None),))
+TIERED = ModelPrice(
+    D("0.00000125"), D("0.00001"), tiers=(PriceTier(200_000, D("0.0000025"), D("0.000015"), None, None),)
+)
 
 
 def test_plain_input_price():
@@ -52,9 +54,9 @@ def test_unknown_price_keeps_the_tokens_but_no_money():
 
 def test_carry_only_when_a_pass_works_on_an_earlier_pass_output():
     note = {"removed": 900, "messages_before": 40}
-    assert carried_savings(note, 12, chained=True) == (900, 40)   # enforce: request sees inlet's trimmed chat
-    assert carried_savings(note, 40, chained=True) == (0, 40)     # the whole chat again: replace
-    assert carried_savings(note, 12, chained=False) == (0, 12)    # shadow never chains
+    assert carried_savings(note, 12, chained=True) == (900, 40)  # enforce: request sees inlet's trimmed chat
+    assert carried_savings(note, 40, chained=True) == (0, 40)  # the whole chat again: replace
+    assert carried_savings(note, 12, chained=False) == (0, 12)  # shadow never chains
     assert carried_savings({}, 12, chained=True) == (0, 12)
 
 
@@ -71,8 +73,16 @@ async def store(request):
 async def test_ledger_totals_savings_apart_from_shadow_savings(store, unique):
     day = date(2199, 12, 31)
     user = f"saver-{unique}"
-    common = dict(user=user, model="openai/gpt-4o", prompt_tokens=800, completion_tokens=20, cost_usd=D("0.0022"),
-                  estimated=False, day=day, retention_days=1)
+    common = dict(
+        user=user,
+        model="openai/gpt-4o",
+        prompt_tokens=800,
+        completion_tokens=20,
+        cost_usd=D("0.0022"),
+        estimated=False,
+        day=day,
+        retention_days=1,
+    )
     await record_reply(store, **common, tokens_saved=88_260, cost_saved_usd=D("0.220650"))
     await record_reply(store, **common, tokens_saved=110_324, cost_saved_usd=D("0.275810"))
     await record_reply(store, **common, tokens_saved=200_000, cost_saved_usd=D("0.5625"), shadow=True)
@@ -128,7 +138,9 @@ def test_gpt5_automatic_cache():
     s = estimate_savings(26_000, 8_000, price=GPT5, cache_before=PromptCache(25_000), cache_after=PromptCache(7_000))
     assert s.cost_saved_usd == D("0.00225")
     # fresh trim: 8,000 × $1.25/M = $0.01 → −$0.005625
-    assert estimate_savings(26_000, 8_000, price=GPT5, cache_before=PromptCache(25_000)).cost_saved_usd == D("-0.005625")
+    assert estimate_savings(26_000, 8_000, price=GPT5, cache_before=PromptCache(25_000)).cost_saved_usd == D(
+        "-0.005625"
+    )
 
 
 def test_uncached_model_ignores_cache_figures():
@@ -139,7 +151,9 @@ def test_uncached_model_ignores_cache_figures():
 
 
 def test_predicted_cache_needs_caching_and_the_minimum():
-    assert predicted_cache(26_000, 25_000, SONNET, caches=True, minimum=1_024) == PromptCache(25_000, 1_000)  # writes billed
+    assert predicted_cache(26_000, 25_000, SONNET, caches=True, minimum=1_024) == PromptCache(
+        25_000, 1_000
+    )  # writes billed
     assert predicted_cache(26_000, 25_000, GPT5, caches=True, minimum=1_024) == PromptCache(25_000, 0)  # writes free
     assert predicted_cache(26_000, 1_000, GPT5, caches=True, minimum=1_024) == PromptCache()  # below the minimum
     assert predicted_cache(26_000, 25_000, GPT5, caches=False, minimum=1_024) == PromptCache()
@@ -149,16 +163,39 @@ def test_predicted_cache_needs_caching_and_the_minimum():
 def test_enforce_and_shadow_report_the_same_way():
     # enforce: the trim went out, the backend reported 7,000 cached and 1,000 written of 8,000;
     # the untrimmed 26,000 is assumed cached up to its previous prompt (25,000) and writes the rest
-    enforce = reply_savings(Usage(8_000, 50, cached_tokens=7_000, cache_write_tokens=1_000), shadow=False,
-                            tokens_saved=18_000, other_prefix=25_000, price=SONNET, caches=True, minimum=1_024)
+    enforce = reply_savings(
+        Usage(8_000, 50, cached_tokens=7_000, cache_write_tokens=1_000),
+        shadow=False,
+        tokens_saved=18_000,
+        other_prefix=25_000,
+        price=SONNET,
+        caches=True,
+        minimum=1_024,
+    )
     # shadow: the untrimmed chat went out with 25,000 cached and 1,000 written; the would-be trim reuses 7,000
-    shadow = reply_savings(Usage(26_000, 50, cached_tokens=25_000, cache_write_tokens=1_000), shadow=True,
-                           tokens_saved=18_000, other_prefix=7_000, price=SONNET, caches=True, minimum=1_024)
+    shadow = reply_savings(
+        Usage(26_000, 50, cached_tokens=25_000, cache_write_tokens=1_000),
+        shadow=True,
+        tokens_saved=18_000,
+        other_prefix=7_000,
+        price=SONNET,
+        caches=True,
+        minimum=1_024,
+    )
     assert enforce.cost_saved_usd == shadow.cost_saved_usd == D("0.0054")
-    assert (enforce.tokens_before, enforce.tokens_after) == (shadow.tokens_before, shadow.tokens_after) == (26_000, 8_000)
+    assert (
+        (enforce.tokens_before, enforce.tokens_after) == (shadow.tokens_before, shadow.tokens_after) == (26_000, 8_000)
+    )
     # a model that does not cache (learned): both sides at the input price, (26,000 − 8,000) × $3/M
-    plain = reply_savings(Usage(8_000, 50), shadow=False, tokens_saved=18_000, other_prefix=25_000, price=SONNET,
-                          caches=False, minimum=1_024)
+    plain = reply_savings(
+        Usage(8_000, 50),
+        shadow=False,
+        tokens_saved=18_000,
+        other_prefix=25_000,
+        price=SONNET,
+        caches=False,
+        minimum=1_024,
+    )
     assert plain.cost_saved_usd == D("0.054")
 
 
@@ -199,18 +236,32 @@ def test_explain_prices_the_cache_by_hand(counter):
     prefix = result.tokens_before - 3 - counter.count_messages(chat[-2:], "gpt-4o") + 3
     assert prefix >= 1_024 and not result.reused  # cacheable; the trim is a new selection (system prompt < 1,024)
     # gpt-4o: $2.50/M input, $1.25/M cached
-    expected = (result.tokens_before - prefix) * D("0.0000025") + prefix * D("0.00000125") - result.tokens_after * D("0.0000025")
+    expected = (
+        (result.tokens_before - prefix) * D("0.0000025")
+        + prefix * D("0.00000125")
+        - result.tokens_after * D("0.0000025")
+    )
     assert explanation.savings.cost_saved_usd == expected
     assert explanation.as_dict()["savings"]["assumption"].startswith("savings are estimates, cache-aware")
 
 
 async def test_negative_savings_reach_the_ledger(store, unique):
     day = date(2199, 12, 30)
-    common = dict(user=f"neg-{unique}", model="anthropic/claude-sonnet-4.5", prompt_tokens=8_000, completion_tokens=20,
-                  cost_usd=D("0.03"), estimated=False, day=day, retention_days=1)
+    common = dict(
+        user=f"neg-{unique}",
+        model="anthropic/claude-sonnet-4.5",
+        prompt_tokens=8_000,
+        completion_tokens=20,
+        cost_usd=D("0.03"),
+        estimated=False,
+        day=day,
+        retention_days=1,
+    )
     await record_reply(store, **common, tokens_saved=18_000, cost_saved_usd=D("-0.01875"))
     await record_reply(store, **common, tokens_saved=18_000, cost_saved_usd=D("0.0054"))
-    [row] = ledger_totals([e for e in await read_ledger(store, since=day, until=day) if e.user == common["user"]], "user")
+    [row] = ledger_totals(
+        [e for e in await read_ledger(store, since=day, until=day) if e.user == common["user"]], "user"
+    )
     assert row.usd("cost_saved_picousd") == D("-0.01335") and row.counters["trimmed"] == 2
 
 
@@ -232,7 +283,10 @@ def test_cached_prefixes_of_a_reused_selection_stop_before_the_newest_reply(coun
     sent = [*chat[:5], recall, question]
     assert cached_prefixes(chat, sent, total, counter.count_messages(sent, "gpt-4o"), True, each)[1] == previous
     # a new selection: only the system prompt repeats
-    assert cached_prefixes(chat, [system, question], total, 0, False, each)[1] == counter.count_messages([system], "gpt-4o") - 3
+    assert (
+        cached_prefixes(chat, [system, question], total, 0, False, each)[1]
+        == counter.count_messages([system], "gpt-4o") - 3
+    )
     assert cached_prefixes([system, question], [system, question], 10, 10, True, each) == (0, 0)  # a first turn
 
 
@@ -242,5 +296,6 @@ def test_shadow_line_says_when_trimming_would_cost_more():
 
     choice = TurnChoice([{}] * 38, 142, 26_000, 8_000, 8_000, "exact")
     assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("-0.01875")), True).endswith(
-        "26,000 → 8,000 tokens (+~$0.019: untrimmed cheaper, prompt cache)")
+        "26,000 → 8,000 tokens (+~$0.019: untrimmed cheaper, prompt cache)"
+    )
     assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("0.0054")), True).endswith("(−~$0.0054)")

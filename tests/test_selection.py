@@ -17,16 +17,28 @@ from chatgen import random_chat
 from chats import assert_same_trim, check_contract, frozen
 
 MODEL = "gpt-4o"
-TOPICS = ["garden tomatoes", "kernel compile", "violin lessons", "tax return", "marathon training",
-          "sourdough starter", "python asyncio", "roof repair", "chess openings", "moving to Lisbon"]
+TOPICS = [
+    "garden tomatoes",
+    "kernel compile",
+    "violin lessons",
+    "tax return",
+    "marathon training",
+    "sourdough starter",
+    "python asyncio",
+    "roof repair",
+    "chess openings",
+    "moving to Lisbon",
+]
 
 
 def topic_chat(turns: int, last: str, *, system: str = "You are helpful.") -> list[dict]:
     chat = [{"role": "system", "content": system}]
     for i in range(turns):
         topic = TOPICS[i % len(TOPICS)]
-        chat += [{"role": "user", "content": f"Question {i} about {topic}: " + "some detail here " * 20},
-                 {"role": "assistant", "content": f"Answer {i} on {topic}. " + "more words follow " * 20}]
+        chat += [
+            {"role": "user", "content": f"Question {i} about {topic}: " + "some detail here " * 20},
+            {"role": "assistant", "content": f"Answer {i} on {topic}. " + "more words follow " * 20},
+        ]
     return chat + [{"role": "user", "content": last}]
 
 
@@ -48,11 +60,13 @@ def test_relevance_keeps_the_old_turn_about_the_question(counter):
 
 
 def test_history_never_starts_with_a_kept_reply_whose_question_was_dropped(counter):
-    chat = [{"role": "user", "content": "filler " * 300},
-            {"role": "assistant", "content": "The secret word is zanzibar."},
-            {"role": "user", "content": "padding " * 300},
-            {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "What was the secret word zanzibar?"}]
+    chat = [
+        {"role": "user", "content": "filler " * 300},
+        {"role": "assistant", "content": "The secret word is zanzibar."},
+        {"role": "user", "content": "padding " * 300},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "What was the secret word zanzibar?"},
+    ]
     for budget in range(40, 700, 9):
         result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
         check_contract(chat, result, counter, MODEL)
@@ -60,13 +74,21 @@ def test_history_never_starts_with_a_kept_reply_whose_question_was_dropped(count
 
 
 def test_tool_group_and_units_kept_whole(counter):
-    chat = [{"role": "user", "content": "weather in Paris? " * 10},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
-            {"role": "tool", "tool_call_id": "a", "content": "Paris sunny 25C " * 30},
-            {"role": "assistant", "content": "Sunny in Paris."},
-            {"role": "user", "content": "unrelated " * 50}, {"role": "assistant", "content": "fine"},
-            {"role": "user", "content": "Paris weather again?"}]
+    chat = [
+        {"role": "user", "content": "weather in Paris? " * 10},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "Paris sunny 25C " * 30},
+        {"role": "assistant", "content": "Sunny in Paris."},
+        {"role": "user", "content": "unrelated " * 50},
+        {"role": "assistant", "content": "fine"},
+        {"role": "user", "content": "Paris weather again?"},
+    ]
     for budget in range(30, counter.count_messages(chat, MODEL) + 1, 11):
         result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
         check_contract(chat, result, counter, MODEL)
@@ -88,8 +110,9 @@ def test_pinned_and_last_turns_are_kept_first(counter):
 
 def test_pins_and_last_turns_yield_to_the_hard_budget(counter):
     chat = topic_chat(20, "and now?")
-    result = trim_messages(chat, max_tokens=150, model=MODEL, token_counter=counter,
-                           keep_last_turns=10, pinned=range(len(chat)))
+    result = trim_messages(
+        chat, max_tokens=150, model=MODEL, token_counter=counter, keep_last_turns=10, pinned=range(len(chat))
+    )
     check_contract(chat, result, counter, MODEL)
     assert result.tokens_after <= 150 and len(chat) - 1 in result.kept
 
@@ -103,8 +126,10 @@ def test_low_watermark_cuts_below_the_budget(counter):
 
 def test_long_turns_get_room_for_two_more_before_the_next_cut(counter):
     chat = topic_chat(30, "tax return deadline?")
-    turn = [{"role": "assistant", "content": "A long reply about taxes. " + "words " * 300},
-            {"role": "user", "content": "And the deadline for the return? " + "context " * 60}]
+    turn = [
+        {"role": "assistant", "content": "A long reply about taxes. " + "words " * 300},
+        {"role": "user", "content": "And the deadline for the return? " + "context " * 60},
+    ]
     chat = chat + turn
     growth = sum(counter.count_message(m, MODEL) for m in turn)
     budget = 3_000
@@ -118,14 +143,22 @@ def test_long_turns_get_room_for_two_more_before_the_next_cut(counter):
     decision, reused = result.decision, []
     for k in range(3):
         chat = chat + [dict(m, content=f"{m['content']} {k}") for m in turn]
-        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=decision,
-                               recall_share=0)
+        result = trim_messages(
+            chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=decision, recall_share=0
+        )
         reused.append(result.reused)
         decision = result.decision
     assert reused == [True, True, False]
     # Never more than half the budget is left free for growth.
-    huge = topic_chat(30, "tax?") + [{"role": "assistant", "content": "words " * 3_000}, {"role": "user", "content": "tax?"}]
-    assert budget // 2 - 200 < trim_messages(huge, max_tokens=budget, model=MODEL, token_counter=counter).tokens_after <= budget // 2
+    huge = topic_chat(30, "tax?") + [
+        {"role": "assistant", "content": "words " * 3_000},
+        {"role": "user", "content": "tax?"},
+    ]
+    assert (
+        budget // 2 - 200
+        < trim_messages(huge, max_tokens=budget, model=MODEL, token_counter=counter).tokens_after
+        <= budget // 2
+    )
 
 
 def test_hysteresis_across_turns_through_json(counter):
@@ -150,8 +183,10 @@ def test_hysteresis_across_turns_through_json(counter):
         assert stored is None or "tax" not in stored  # fingerprints, never text
         decision, sent_before, stable_before = result.decision, list(result.messages), result.stable_prefix
         topic = TOPICS[turn % len(TOPICS)]
-        chat = chat + [{"role": "assistant", "content": f"Reply {turn} on {topic}. " + "words " * 40},
-                       {"role": "user", "content": f"Follow-up {turn} on {topic}?"}]
+        chat = chat + [
+            {"role": "assistant", "content": f"Reply {turn} on {topic}. " + "words " * 40},
+            {"role": "user", "content": f"Follow-up {turn} on {topic}?"},
+        ]
     assert reused >= 10 and reselected >= 2
 
 
@@ -192,14 +227,25 @@ def test_decision_json_round_trip_and_rejects_garbage():
 def test_fitting_chat_has_no_decision_and_bad_options_raise(counter):
     chat = topic_chat(2, "hi")
     assert trim_messages(chat, max_tokens=10_000, token_counter=counter).decision is None
-    for options in ({"strategy": "best"}, {"keep_last_turns": -1}, {"low_watermark": 0.0}, {"low_watermark": 1.5}, {"growth_turns": -1}):
+    for options in (
+        {"strategy": "best"},
+        {"keep_last_turns": -1},
+        {"low_watermark": 0.0},
+        {"low_watermark": 1.5},
+        {"growth_turns": -1},
+    ):
         with pytest.raises(ValueError, match=next(iter(options))):
             trim_messages(chat, max_tokens=100, token_counter=counter, **options)
 
 
 def test_choose_indices_recent_keeps_whole_turns():
-    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}]
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ]
     conversation = read_conversation(chat)
     assert choose_indices(conversation, [5] * 5, 15, strategy="recent") == {2, 3, 4}
     assert choose_indices(conversation, [5] * 5, 14, strategy="recent") == {4}
@@ -213,18 +259,29 @@ def test_contract_idempotence_determinism_on_random_chats(counter, seed):
     total = counter.count_messages(chat, MODEL)
     pins = rng.sample(range(len(chat)), k=min(3, len(chat)))
     for budget in {64, 300, 1_500, max(64, total // 3), total + 10}:
-        options = {"keep_last_turns": rng.choice([0, 1, 3]), "pinned": pins, "low_watermark": rng.choice([0.6, 0.8, 1.0])}
+        options = {
+            "keep_last_turns": rng.choice([0, 1, 3]),
+            "pinned": pins,
+            "low_watermark": rng.choice([0.6, 0.8, 1.0]),
+        }
         result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         check_contract(chat, result, counter, MODEL)
         same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
-        again = trim_messages(result.messages, max_tokens=budget, model=MODEL, token_counter=counter,
-                              previous=result.decision)
+        again = trim_messages(
+            result.messages, max_tokens=budget, model=MODEL, token_counter=counter, previous=result.decision
+        )
         assert not again.changed
         if result.decision is not None:
             grown = chat + [{"role": "assistant", "content": "reply"}, {"role": "user", "content": "next?"}]
-            follow = trim_messages(grown, max_tokens=budget, model=MODEL, token_counter=counter,
-                                   previous=TrimDecision.from_json(result.decision.to_json()), **options)
+            follow = trim_messages(
+                grown,
+                max_tokens=budget,
+                model=MODEL,
+                token_counter=counter,
+                previous=TrimDecision.from_json(result.decision.to_json()),
+                **options,
+            )
             check_contract(grown, follow, counter, MODEL)
     assert frozen(chat) == before
 
@@ -241,7 +298,11 @@ def test_cached_fingerprints_equal_the_full_hash_and_tell_json_types_apart():
 
     values = [True, 1, 1.0, "1", None, "None", [], {}, [{}], {"a": []}, {"a": "b"}, ["a", "b"], [["a"], "b"], -0.0, 0.0]
     messages = [{"role": "user", "content": "hi", "x": v} for v in values]
-    messages += [{"content": "hi", "role": "user"}, {"role": "user", "content": "hi"}, {"role": "user", "content": "hi\ud800"}]
+    messages += [
+        {"content": "hi", "role": "user"},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "hi\ud800"},
+    ]
     messages += random_chat(random.Random(11), 80)
     for _ in range(2):  # the second pass is served by the cache
         prints = [message_fingerprint(m) for m in messages]
@@ -266,20 +327,27 @@ def test_reuse_checks_recorded_positions_first_and_falls_back_to_a_scan(counter)
     grown = chat + [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
     prints = CountingPrints(message_fingerprint(m) for m in grown)
     CountingPrints.looked = 0
-    keep = reuse_previous(first.decision, prints, read_conversation(grown), [counter.count_message(m, MODEL) for m in grown], 900)
+    keep = reuse_previous(
+        first.decision, prints, read_conversation(grown), [counter.count_message(m, MODEL) for m in grown], 900
+    )
     assert keep is not None and CountingPrints.looked == len(first.decision.kept)
     # A message inserted before the kept ones moves them: the positions miss, the scan finds them.
     shifted = [chat[0], {"role": "user", "content": "inserted"}, {"role": "assistant", "content": "ok"}] + grown[1:]
-    again = trim_messages(shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision,
-                          recall_share=0)  # the reuse itself; recall blocks: tests/test_recall.py
+    again = trim_messages(
+        shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision, recall_share=0
+    )  # the reuse itself; recall blocks: tests/test_recall.py
     assert again.reused and [again.messages[k] for k in range(len(again.messages))][-2:] == grown[-2:]
     assert again.decision.at == tuple(i for i in again.kept if i > 0)
 
 
 def test_reuse_keeps_the_recorded_copy_of_a_repeated_message():
-    chat = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "x"},
-            {"role": "user", "content": "ok"}, {"role": "assistant", "content": "y"},
-            {"role": "user", "content": "z"}]
+    chat = [
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "y"},
+        {"role": "user", "content": "z"},
+    ]
     prints = [message_fingerprint(m) for m in chat]
     kept = TrimDecision(100, 20, "relevance", (prints[2], prints[3]), (2, 3))
     assert reuse_previous(kept, prints, read_conversation(chat), [5] * 5, 100) == {2, 3, 4}
@@ -333,11 +401,17 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
         assert result.messages[-2:] == grown[-2:]
     asked = {id(text) for text in spy.asked}
     # Only a recalled message's count is looked up (a cache hit: the text was counted before).
-    assert not any(id(grown[i]["content"]) in asked for i in result.dropped if i not in result.recalled), "a dropped message was counted"
+    assert not any(id(grown[i]["content"]) in asked for i in result.dropped if i not in result.recalled), (
+        "a dropped message was counted"
+    )
     assert result.tokens_before == spy.count_messages(grown, MODEL)
     # The full path (no size figures in the decision) makes the very same choice.
-    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0),
-                                           recall_share=0))
+    assert_same_trim(
+        result,
+        trim_messages(
+            grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0), recall_share=0
+        ),
+    )
     check_contract(grown, result, spy, MODEL)
 
 
@@ -349,7 +423,10 @@ def test_next_turn_shortcut_declines_when_the_history_changed(counter):
     grown[dropped]["content"] += " (edited)"
     result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
     assert result.reused and result.tokens_before == counter.count_messages(grown, MODEL)
-    assert_same_trim(result, trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)))
+    assert_same_trim(
+        result,
+        trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)),
+    )
     # Another encoding counts (the model changed): the old figures are not used either.
     gpt4 = trim_messages(grown, max_tokens=900, model="gpt-4", token_counter=counter, previous=previous)
     assert gpt4.tokens_before == counter.count_messages(grown, "gpt-4")
@@ -373,11 +450,15 @@ def test_next_turn_carries_the_count_of_a_dropped_message_edited_to_the_same_len
 
 
 def test_decision_size_figures_round_trip_and_are_optional():
-    decision = TrimDecision(100, 80, "recent", ("aa", "bb"), (2, 5), seen=9, seen_tokens=700, seen_chars=2_100, counted_with="o200k_base")
+    decision = TrimDecision(
+        100, 80, "recent", ("aa", "bb"), (2, 5), seen=9, seen_tokens=700, seen_chars=2_100, counted_with="o200k_base"
+    )
     assert TrimDecision.from_json(decision.to_json()) == decision
     old = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[2,5]}'
     assert TrimDecision.from_json(old).seen == 0
     odd = old[:-1] + ',"seen":[9,"700",2100,"o200k_base"]}'
     assert TrimDecision.from_json(odd).seen == 0
-    unordered = '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[5,2],"seen":[9,700,2100,"x"]}'
+    unordered = (
+        '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[5,2],"seen":[9,700,2100,"x"]}'
+    )
     assert TrimDecision.from_json(unordered).at == () and TrimDecision.from_json(unordered).seen == 0

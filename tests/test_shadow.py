@@ -35,13 +35,16 @@ def previous_prompt(chat: list[dict], total: int) -> int:
 
 def counter_of():
     from contextwarden.tokens import TokenCounter
+
     return TokenCounter(block=True)
 
 
 def cached_savings(full: int, sent: int, prefix: int, sent_cached: int = 0) -> Decimal:
     """Hand arithmetic: the untrimmed prompt with `prefix` at the cache-read price, minus the sent
     one with `sent_cached` at it (gpt-4o caches automatically from 1,024 tokens)."""
-    return ((full - prefix) * GPT4O_INPUT + prefix * GPT4O_CACHED) - ((sent - sent_cached) * GPT4O_INPUT + sent_cached * GPT4O_CACHED)
+    return ((full - prefix) * GPT4O_INPUT + prefix * GPT4O_CACHED) - (
+        (sent - sent_cached) * GPT4O_INPUT + sent_cached * GPT4O_CACHED
+    )
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -56,18 +59,36 @@ def without_metadata(body: dict) -> str:
 
 async def inlet_then_request(f, body: dict, user_id: str, events: Events) -> dict:
     user = {"id": user_id}
-    first = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL, "owned_by": "openai"}, __event_emitter__=events)
-    return await f.request(first, __user__=user, __metadata__=first["metadata"], __model__={"id": MODEL, "owned_by": "openai"}, __event_emitter__=events)
+    first = await f.inlet(
+        body,
+        __user__=user,
+        __metadata__=body["metadata"],
+        __model__={"id": MODEL, "owned_by": "openai"},
+        __event_emitter__=events,
+    )
+    return await f.request(
+        first,
+        __user__=user,
+        __metadata__=first["metadata"],
+        __model__={"id": MODEL, "owned_by": "openai"},
+        __event_emitter__=events,
+    )
 
 
 def reply_with_usage(prompt: int) -> dict:
-    return {"role": "assistant", "content": "Answer.", "usage": {"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10}}
+    return {
+        "role": "assistant",
+        "content": "Answer.",
+        "usage": {"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10},
+    }
 
 
 async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have_sent(counter, unique):
     chat = chat_of(20)
-    enforce, shadow = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500), make_filter(
-        counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="shadow")
+    enforce, shadow = (
+        make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500),
+        make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="shadow"),
+    )
     real = body_of(chat, chat_id=f"e-{unique}")
     trimmed = await inlet_then_request(enforce, real, "u1", Events())
     body = body_of(chat, chat_id=f"s-{unique}")
@@ -94,7 +115,9 @@ async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have
     assert all(e["data"]["done"] is True for e in events.items)
 
 
-async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_real_decision(counter, store_valves, unique):
+async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_real_decision(
+    counter, store_valves, unique
+):
     valves = dict(max_context_tokens=1_500, reserve_output_tokens=0, low_watermark=0.7, **store_valves)
     enforce, shadow = make_filter(counter, **valves), make_filter(counter, mode="shadow", **valves)
     chat = chat_of(20)
@@ -103,7 +126,9 @@ async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_r
         await inlet_then_request(enforce, body_of(chat, chat_id=f"e-{unique}", user_id="u1"), "u1", e_events)
         await inlet_then_request(shadow, body_of(chat, chat_id=f"s-{unique}", user_id="u1"), "u1", s_events)
         counts = re.match(r"Context (\d+) → (\d+) messages · ([\d,]+) → ([\d,]+) tokens", e_events.statuses[0]).groups()
-        would = re.match(r"Shadow: would send (\d+) of (\d+) messages · ([\d,]+) → ([\d,]+) tokens", s_events.statuses[0]).groups()
+        would = re.match(
+            r"Shadow: would send (\d+) of (\d+) messages · ([\d,]+) → ([\d,]+) tokens", s_events.statuses[0]
+        ).groups()
         assert (would[1], would[0], would[2], would[3]) == counts  # the same choice, turn after turn
         chat = grow(chat, i)
     e_state = ChatState.from_bytes(await enforce._store.get(chat_state_key("u1", f"e-{unique}")))
@@ -119,7 +144,9 @@ async def test_enforce_savings_survive_the_request_pass_on_the_trimmed_body(coun
     out = await inlet_then_request(f, body, "u1", Events())
     note = body["metadata"]["contextwarden"]
     full, sent = counter.count_messages(chat, MODEL), counter.count_messages(out["messages"], MODEL)
-    assert note["mode"] == "enforce" and note["tokens_saved"] == full - sent > 0  # not reset by the pass that had nothing to cut
+    assert (
+        note["mode"] == "enforce" and note["tokens_saved"] == full - sent > 0
+    )  # not reset by the pass that had nothing to cut
     assert Decimal(note["cost_saved_usd"]) == cached_savings(full, sent, previous_prompt(chat, full))
 
 
@@ -127,7 +154,9 @@ async def test_enforce_savings_survive_the_request_pass_on_the_trimmed_body(coun
 async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves, unique, caplog, mode):
     caplog.set_level(logging.INFO, logger="contextwarden")
     # calibrate_counts off: a learned factor would land in the shared Redis and shrink other tests' budgets.
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode=mode, calibrate_counts=False, **store_valves)
+    f = make_filter(
+        counter, max_context_tokens=1_500, reserve_output_tokens=500, mode=mode, calibrate_counts=False, **store_valves
+    )
     user = f"u-{unique}"
     saved_tokens, saved_usd = 0, Decimal(0)
     for turn in range(2):
@@ -160,7 +189,9 @@ async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves
     assert (row.counters["trimmed"], row.counters["shadow_trimmed"]) == ((2, 0) if mode == "enforce" else (0, 2))
     assert row.usd("cost_saved_picousd" if mode == "enforce" else "shadow_cost_saved_picousd") == saved_usd
     assert row.usd("shadow_cost_saved_picousd" if mode == "enforce" else "cost_saved_picousd") == 0
-    assert row.counters["requests"] == 2 and row.as_dict()[("" if mode == "enforce" else "shadow_") + "cost_saved_usd"] == format(saved_usd.normalize(), "f")
+    assert row.counters["requests"] == 2 and row.as_dict()[
+        ("" if mode == "enforce" else "shadow_") + "cost_saved_usd"
+    ] == format(saved_usd.normalize(), "f")
 
 
 async def test_calibrated_savings_use_the_factor(counter, unique):
@@ -174,8 +205,13 @@ async def test_calibrated_savings_use_the_factor(counter, unique):
     # 1.25 × each count, the untrimmed chat's previous prompt (also × 1.25) at the cache-read price
     prefix = round(previous_prompt(chat, full) * 1.25)
     assert note["cache"]["untrimmed"] == prefix
-    expected = estimate_savings(full, sent, factor=1.25, price=PriceBook.from_bundled().prices["openai/gpt-4o"],
-                                cache_before=PromptCache(prefix))
+    expected = estimate_savings(
+        full,
+        sent,
+        factor=1.25,
+        price=PriceBook.from_bundled().prices["openai/gpt-4o"],
+        cache_before=PromptCache(prefix),
+    )
     assert expected.cost_saved_usd == cached_savings(round(full * 1.25), round(sent * 1.25), prefix)
     assert note["tokens_saved"] == expected.tokens_saved and note["tokens_saved"] != full - sent
     assert Decimal(note["cost_saved_usd"]) == expected.cost_saved_usd
@@ -192,10 +228,19 @@ async def test_off_does_nothing_before_the_reply_but_records_usage(counter, capl
     assert await inlet_then_request(f, body, "u1", events) is body
     assert json.dumps(body, sort_keys=True) == before and events.items == []  # not even a metadata note
     assert await f._store.get(chat_state_key("u1", f"c-{unique}")) is None
-    await f.outlet({"model": MODEL, "messages": chat + [reply_with_usage(4_000)], "chat_id": "c"}, __user__={"id": "u1"},
-                   __metadata__=body["metadata"], __event_emitter__=events)
+    await f.outlet(
+        {"model": MODEL, "messages": chat + [reply_with_usage(4_000)], "chat_id": "c"},
+        __user__={"id": "u1"},
+        __metadata__=body["metadata"],
+        __event_emitter__=events,
+    )
     [record] = usage_records(caplog)
-    assert (record["mode"], record["tokens_saved"], record["cost_saved_usd"], record["prompt_tokens"]) == ("off", None, None, 4_000)
+    assert (record["mode"], record["tokens_saved"], record["cost_saved_usd"], record["prompt_tokens"]) == (
+        "off",
+        None,
+        None,
+        4_000,
+    )
     assert events.statuses == ["4,000 in · 10 out · $0.010"]  # 4,000 × $2.50/M + 10 × $10/M = $0.0101
     [row] = ledger_totals(await read_ledger(f._store), "user")
     assert row.counters["requests"] == 1 and row.counters["trimmed"] == row.counters["shadow_trimmed"] == 0
@@ -210,7 +255,10 @@ async def test_a_bad_mode_is_named_and_fails_open_to_shadow(counter, caplog):
     events = Events()
     out = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
     assert out is body and without_metadata(out) == before
-    assert "contextwarden: mode must be one of enforce, shadow, off; using shadow (chats are sent unchanged)" in events.statuses
+    assert (
+        "contextwarden: mode must be one of enforce, shadow, off; using shadow (chats are sent unchanged)"
+        in events.statuses
+    )
     assert any(s.startswith("Shadow: would send ") for s in events.statuses)
     assert any("(valve mode)" in r.getMessage() for r in caplog.records)
     assert body["metadata"]["contextwarden"]["mode"] == "shadow"

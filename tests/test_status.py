@@ -46,8 +46,10 @@ async def test_a_mandatory_part_over_the_budget_is_told_once(counter):
 def long_chat(turns: int = 12) -> list[dict]:
     chat: list[dict] = [{"role": "system", "content": "Be brief."}]
     for i in range(turns):
-        chat += [{"role": "user", "content": f"Question {i} about the harbour " * 20},
-                 {"role": "assistant", "content": f"Answer {i} about the lantern " * 20}]
+        chat += [
+            {"role": "user", "content": f"Question {i} about the harbour " * 20},
+            {"role": "assistant", "content": f"Answer {i} about the lantern " * 20},
+        ]
     return chat + [{"role": "user", "content": "And now?"}]
 
 
@@ -84,13 +86,16 @@ def test_one_message_is_singular():
     assert status_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()).startswith("Context 3 → 1 message · ")
 
 
-@pytest.mark.parametrize("note", [
-    {"savings": {"messages_before": 10**30}, "sent_messages": 1},
-    {"savings": {"messages_before": "9"}, "sent_messages": 1},
-    {"savings": {"messages_before": 3}, "sent_messages": 9},
-    {"savings": [], "sent_messages": True},
-    {},
-])
+@pytest.mark.parametrize(
+    "note",
+    [
+        {"savings": {"messages_before": 10**30}, "sent_messages": 1},
+        {"savings": {"messages_before": "9"}, "sent_messages": 1},
+        {"savings": {"messages_before": 3}, "sent_messages": 9},
+        {"savings": [], "sent_messages": True},
+        {},
+    ],
+)
 def test_the_trim_summary_ignores_a_note_it_did_not_write(note):
     from contextwarden.filter import trim_summary
 

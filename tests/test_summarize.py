@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from contextwarden import trim_messages
 from contextwarden.store import MemoryStore
 import contextwarden.summarize as summarize_module
-from contextwarden.summarize import SUMMARY_LABEL, SummaryConfig, endpoint_problem, find_summary, summarize_messages, summarize_trim
+from contextwarden.summarize import (
+    SUMMARY_LABEL,
+    SummaryConfig,
+    endpoint_problem,
+    find_summary,
+    summarize_messages,
+    summarize_trim,
+)
 
 from chats import frozen
 from test_filter import Events, body_of, make_filter
@@ -141,7 +148,9 @@ async def test_summarize_trim_fits_the_budget_and_covers_what_it_dropped(llm, co
         return trim_messages(chat, max_tokens=limit, model="gpt-4o", token_counter=counter)
 
     first = retrim(1_500)
-    done = await summarize_trim(chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o")
+    done = await summarize_trim(
+        chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o"
+    )
     assert done is not None and done.tokens == counter.count_messages(done.messages, "gpt-4o") <= 1_500
     assert done.messages[0] is chat[0] and done.messages[1] is done.note
     assert done.note["content"] == f"{SUMMARY_LABEL}\n{SUMMARY}" and find_summary(done.messages) == (1, True)
@@ -157,7 +166,12 @@ async def test_summarize_trim_gives_up_when_there_is_no_room(llm, counter):
         return trim_messages(chat, max_tokens=limit, model="gpt-4o", token_counter=counter)
 
     first = retrim(150)  # mandatory part alone nearly fills it: no room for 120 summary tokens
-    assert await summarize_trim(chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o") is None
+    assert (
+        await summarize_trim(
+            chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o"
+        )
+        is None
+    )
     assert route.call_count == 0
 
 
@@ -174,7 +188,9 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     user = {"id": "u1"}
     first = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __event_emitter__=events)
     sent = first["messages"]
-    assert [m["role"] for m in sent[:3]] == ["system", "system", "user"] and sent[1]["content"].startswith(SUMMARY_LABEL)
+    assert [m["role"] for m in sent[:3]] == ["system", "system", "user"] and sent[1]["content"].startswith(
+        SUMMARY_LABEL
+    )
     assert counter.count_messages(sent, "gpt-4o") <= 1_500 == body["metadata"]["contextwarden"]["budget"]
     assert "earlier messages summarized" in events.statuses[-1]
     second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
@@ -226,17 +242,23 @@ async def test_summary_valves_are_checked(counter):
 
 # -- careless admins, dead endpoints, huge replies (issue 13) ------------------------------------
 
-@pytest.mark.parametrize(("valve", "value", "kind"), [
-    ("summary_api_key", "sk-test\u200b0123", "HTTP header cannot carry"),  # a zero-width space pasted along
-    ("summary_api_key", "sk-tést-0123", "HTTP header cannot carry"),
-    ("summary_api_key", "sk-test 0123", "HTTP header cannot carry"),
-    ("summary_base_url", "http://llm.test:99999/v1", "port"),
-    ("summary_base_url", "http://llm.test:0/v1", "port"),
-    ("summary_base_url", "http://:8080/v1", "no host"),
-    ("summary_base_url", "http://llm.test:80x/v1", "port"),
-    ("summary_base_url", "http://llm test/v1", "space"),
-])
-async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_without_a_summary(llm, counter, caplog, valve, value, kind):
+
+@pytest.mark.parametrize(
+    ("valve", "value", "kind"),
+    [
+        ("summary_api_key", "sk-test\u200b0123", "HTTP header cannot carry"),  # a zero-width space pasted along
+        ("summary_api_key", "sk-tést-0123", "HTTP header cannot carry"),
+        ("summary_api_key", "sk-test 0123", "HTTP header cannot carry"),
+        ("summary_base_url", "http://llm.test:99999/v1", "port"),
+        ("summary_base_url", "http://llm.test:0/v1", "port"),
+        ("summary_base_url", "http://:8080/v1", "no host"),
+        ("summary_base_url", "http://llm.test:80x/v1", "port"),
+        ("summary_base_url", "http://llm test/v1", "space"),
+    ],
+)
+async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_without_a_summary(
+    llm, counter, caplog, valve, value, kind
+):
     # Before: every trimmed turn went out untrimmed with "internal error" (UnicodeEncodeError
     # from the header, InvalidURL from the port).
     route = llm.route(host="llm.test").mock(return_value=completion())  # any call to the summary host
@@ -305,9 +327,17 @@ async def test_a_huge_reply_is_not_read_past_the_cap(llm, caplog, chunked):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=40), st.text(max_size=30).map(lambda t: "http://" + t), st.integers(-5, 10**6).map(lambda p: f"http://h:{p}/v1")))
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        st.text(max_size=30).map(lambda t: "http://" + t),
+        st.integers(-5, 10**6).map(lambda p: f"http://h:{p}/v1"),
+    )
+)
 def test_endpoint_check_never_raises_and_passes_only_callable_urls(url):
     problem = endpoint_problem(url)
     if problem is None:
         parsed = httpx.URL(url)
-        assert parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)
+        assert (
+            parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)
+        )

@@ -19,11 +19,22 @@ from chatgen import WORDS
 @pytest.mark.parametrize(
     ("model", "encoding"),
     [
-        ("gpt-4o", "o200k_base"), ("gpt-4o-2024-08-06", "o200k_base"), ("openai/gpt-4.1-mini", "o200k_base"),
-        ("gpt-5", "o200k_base"), ("o3-mini", "o200k_base"), ("openrouter.openai/o4-mini", "o200k_base"),
-        ("gpt-4", "cl100k_base"), ("gpt-4-turbo", "cl100k_base"), ("gpt-3.5-turbo", "cl100k_base"),
-        ("azure.gpt-35-turbo", "cl100k_base"), ("claude-sonnet-4.5", "o200k_base"), ("llama3.1:8b", "o200k_base"),
-        (None, "o200k_base"), ("", "o200k_base"), ("gpt-4.1", "o200k_base"), ("solo3", "o200k_base"),
+        ("gpt-4o", "o200k_base"),
+        ("gpt-4o-2024-08-06", "o200k_base"),
+        ("openai/gpt-4.1-mini", "o200k_base"),
+        ("gpt-5", "o200k_base"),
+        ("o3-mini", "o200k_base"),
+        ("openrouter.openai/o4-mini", "o200k_base"),
+        ("gpt-4", "cl100k_base"),
+        ("gpt-4-turbo", "cl100k_base"),
+        ("gpt-3.5-turbo", "cl100k_base"),
+        ("azure.gpt-35-turbo", "cl100k_base"),
+        ("claude-sonnet-4.5", "o200k_base"),
+        ("llama3.1:8b", "o200k_base"),
+        (None, "o200k_base"),
+        ("", "o200k_base"),
+        ("gpt-4.1", "o200k_base"),
+        ("solo3", "o200k_base"),
     ],
 )
 def test_encoding_by_model(model, encoding):
@@ -46,10 +57,25 @@ def test_message_overhead_follows_the_cookbook(counter):
 
 
 def test_tool_calls_and_images_are_counted(counter):
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
-    assert counter.count_message(call, "gpt-4o") > counter.count_message({"role": "assistant", "content": None}, "gpt-4o") + 5
-    image = {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}
-    assert counter.count_message(image, "gpt-4o") == counter.count_message({"role": "user", "content": "see"}, "gpt-4o") + 765
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    }
+    assert (
+        counter.count_message(call, "gpt-4o")
+        > counter.count_message({"role": "assistant", "content": None}, "gpt-4o") + 5
+    )
+    image = {
+        "role": "user",
+        "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "data:,"}}],
+    }
+    assert (
+        counter.count_message(image, "gpt-4o")
+        == counter.count_message({"role": "user", "content": "see"}, "gpt-4o") + 765
+    )
 
 
 def test_cache_is_bounded():
@@ -171,7 +197,9 @@ def test_counting_in_pieces_changes_no_count_of_ordinary_text(counter, name):
     rng = random.Random(13)
     samples = [
         " ".join(rng.choice(WORDS) for _ in range(20_000)),  # prose, ~130k characters
-        "\n".join(f"    def f{i}(x):  return x * {i}  # 日本語, don't" for i in range(3_000)),  # code, CJK, contractions
+        "\n".join(
+            f"    def f{i}(x):  return x * {i}  # 日本語, don't" for i in range(3_000)
+        ),  # code, CJK, contractions
         " ".join(str(rng.randrange(10**9)) for _ in range(15_000)) + " 🙂 <|endoftext|>",
     ]
     for text in samples:

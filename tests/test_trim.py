@@ -40,8 +40,14 @@ def test_keeps_system_and_last_user_and_most_recent_turns(counter):
     chat = chat_of(10)
     per_turn = counter.count_messages(turn(9), MODEL) - 3
     mandatory = counter.count_messages([chat[0], chat[-1]], MODEL)
-    result = trim_messages(chat, max_tokens=mandatory + 3 * per_turn + 5, model=MODEL, token_counter=counter,
-                           strategy="recent", low_watermark=1.0)
+    result = trim_messages(
+        chat,
+        max_tokens=mandatory + 3 * per_turn + 5,
+        model=MODEL,
+        token_counter=counter,
+        strategy="recent",
+        low_watermark=1.0,
+    )
     assert result.kept == (0, 15, 16, 17, 18, 19, 20, 21)
     assert result.dropped == tuple(range(1, 15))
     check_contract(chat, result, counter, MODEL)
@@ -51,9 +57,14 @@ def test_tool_group_kept_or_dropped_whole(counter):
     chat = [
         {"role": "system", "content": "tools"},
         {"role": "user", "content": "weather in Paris and Rome? " * 20},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "w", "arguments": '{"city":"Paris"}'}},
-            {"id": "b", "type": "function", "function": {"name": "w", "arguments": '{"city":"Rome"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "w", "arguments": '{"city":"Paris"}'}},
+                {"id": "b", "type": "function", "function": {"name": "w", "arguments": '{"city":"Rome"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "sunny " * 100},
         {"role": "tool", "tool_call_id": "b", "content": "rain " * 100},
         {"role": "assistant", "content": "Paris sunny, Rome rain."},
@@ -67,7 +78,11 @@ def test_tool_group_kept_or_dropped_whole(counter):
 
 def test_tool_loop_in_progress_is_mandatory(counter):
     chat = chat_of(6) + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "x", "content": "result"},
     ]
     result = trim_messages(chat, max_tokens=80, model=MODEL, token_counter=counter)
@@ -79,7 +94,11 @@ def test_orphans_are_never_sent(counter):
     chat = [
         {"role": "tool", "tool_call_id": "zzz", "content": "orphan"},
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "q", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "q", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "user", "content": "still there?"},
     ]
     result = trim_messages(chat, max_tokens=10_000, model=MODEL, token_counter=counter)
@@ -119,7 +138,10 @@ def test_oversize_last_user_message_is_cut_only_as_last_resort(counter):
 
 def test_multimodal_parts_pass_through(counter):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    chat = chat_of(3) + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "this?"}, image]}]
+    chat = chat_of(3) + [
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "this?"}, image]},
+    ]
     result = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
     assert result.messages[-1] is chat[-1] and result.messages[-1]["content"][1] is image
     assert counter.count_message(chat[-1], MODEL) > counter.image_tokens

@@ -34,11 +34,19 @@ def test_usage_then_info_usage():
     assert read_usage(saved).prompt_tokens == 9  # empty usage falls back to info.usage
 
 
-@pytest.mark.parametrize("message", [
-    {}, {"usage": None}, {"usage": {}}, {"info": {}}, {"info": {"usage": "x"}}, "not a dict",
-    {"usage": {"response_token/s": 12.5}},
-    {"usage": {"prompt_tokens": -5, "completion_tokens": True}},
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        {},
+        {"usage": None},
+        {"usage": {}},
+        {"info": {}},
+        {"info": {"usage": "x"}},
+        "not a dict",
+        {"usage": {"response_token/s": 12.5}},
+        {"usage": {"prompt_tokens": -5, "completion_tokens": True}},
+    ],
+)
 def test_no_usable_usage_is_none(message):
     assert read_usage(message) is None
 
@@ -52,13 +60,20 @@ def test_counts_are_validated():
 
 
 def test_openai_with_cached_and_reasoning_details():
-    usage = read_usage(_msg({
-        "prompt_tokens": 2000, "completion_tokens": 500, "total_tokens": 2500,
-        "prompt_tokens_details": {"cached_tokens": 1536, "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 400},
-    }))
-    assert usage == Usage(2000, 500, cached_tokens=1536, cache_write_tokens=None,
-                          reasoning_tokens=400, total_tokens=2500, shape="openai")
+    usage = read_usage(
+        _msg(
+            {
+                "prompt_tokens": 2000,
+                "completion_tokens": 500,
+                "total_tokens": 2500,
+                "prompt_tokens_details": {"cached_tokens": 1536, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 400},
+            }
+        )
+    )
+    assert usage == Usage(
+        2000, 500, cached_tokens=1536, cache_write_tokens=None, reasoning_tokens=400, total_tokens=2500, shape="openai"
+    )
 
 
 def test_openai_without_details_leaves_them_unknown():
@@ -67,20 +82,35 @@ def test_openai_without_details_leaves_them_unknown():
 
 
 def test_openrouter_cost_and_cache_writes():
-    usage = read_usage(_msg({
-        "prompt_tokens": 194, "completion_tokens": 2, "total_tokens": 196, "cost": 0.95,
-        "is_byok": False, "cost_details": {"upstream_inference_cost": 0.95},
-        "prompt_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 50},
-        "completion_tokens_details": {"reasoning_tokens": 0},
-    }))
+    usage = read_usage(
+        _msg(
+            {
+                "prompt_tokens": 194,
+                "completion_tokens": 2,
+                "total_tokens": 196,
+                "cost": 0.95,
+                "is_byok": False,
+                "cost_details": {"upstream_inference_cost": 0.95},
+                "prompt_tokens_details": {"cached_tokens": 100, "cache_write_tokens": 50},
+                "completion_tokens_details": {"reasoning_tokens": 0},
+            }
+        )
+    )
     assert usage.shape == "openrouter"
     assert usage.provider_cost == D("0.95")  # not BYOK: upstream is the same money, not added
     assert (usage.cached_tokens, usage.cache_write_tokens, usage.reasoning_tokens) == (100, 50, 0)
 
 
 def test_openrouter_byok_adds_the_upstream_charge():
-    usage = normalize_usage({"prompt_tokens": 10, "completion_tokens": 1, "cost": 0.000095,
-                             "is_byok": True, "cost_details": {"upstream_inference_cost": 0.0019}})
+    usage = normalize_usage(
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 1,
+            "cost": 0.000095,
+            "is_byok": True,
+            "cost_details": {"upstream_inference_cost": 0.0019},
+        }
+    )
     assert usage.provider_cost == D("0.001995")  # 0.000095 + 0.0019
 
 
@@ -90,11 +120,20 @@ def test_negative_or_malformed_provider_cost_is_ignored(cost):
 
 
 def test_anthropic_native_prompt_is_the_sum():
-    usage = read_usage(_msg({"input_tokens": 50, "cache_read_input_tokens": 10000,
-                             "cache_creation_input_tokens": 2000, "output_tokens": 500}))
+    usage = read_usage(
+        _msg(
+            {
+                "input_tokens": 50,
+                "cache_read_input_tokens": 10000,
+                "cache_creation_input_tokens": 2000,
+                "output_tokens": 500,
+            }
+        )
+    )
     # prompt = 50 + 10000 + 2000 = 12050
-    assert usage == Usage(12050, 500, cached_tokens=10000, cache_write_tokens=2000,
-                          total_tokens=12550, shape="anthropic")
+    assert usage == Usage(
+        12050, 500, cached_tokens=10000, cache_write_tokens=2000, total_tokens=12550, shape="anthropic"
+    )
 
 
 def test_anthropic_without_input_tokens_has_unknown_prompt():
@@ -103,9 +142,15 @@ def test_anthropic_without_input_tokens_has_unknown_prompt():
 
 
 def test_litellm_style_openai_with_anthropic_cache_keys_reads_as_openai():
-    usage = normalize_usage({"prompt_tokens": 300, "completion_tokens": 10,
-                             "prompt_tokens_details": {"cached_tokens": 200},
-                             "cache_read_input_tokens": 200, "cache_creation_input_tokens": 0})
+    usage = normalize_usage(
+        {
+            "prompt_tokens": 300,
+            "completion_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 200},
+            "cache_read_input_tokens": 200,
+            "cache_creation_input_tokens": 0,
+        }
+    )
     assert (usage.shape, usage.prompt_tokens, usage.cached_tokens) == ("openai", 300, 200)
 
 
@@ -116,48 +161,85 @@ def test_gemini_openai_compat_bills_thinking_as_output():
 
 
 def test_gemini_native_usage_metadata():
-    usage = normalize_usage({"promptTokenCount": 500, "candidatesTokenCount": 100,
-                             "thoughtsTokenCount": 50, "totalTokenCount": 650,
-                             "cachedContentTokenCount": 200})
-    assert usage == Usage(500, 150, cached_tokens=200, reasoning_tokens=50, total_tokens=650,
-                          shape="gemini_native")
+    usage = normalize_usage(
+        {
+            "promptTokenCount": 500,
+            "candidatesTokenCount": 100,
+            "thoughtsTokenCount": 50,
+            "totalTokenCount": 650,
+            "cachedContentTokenCount": 200,
+        }
+    )
+    assert usage == Usage(500, 150, cached_tokens=200, reasoning_tokens=50, total_tokens=650, shape="gemini_native")
 
 
 def test_openai_responses_api():
-    usage = normalize_usage({"input_tokens": 1000, "output_tokens": 300, "total_tokens": 1300,
-                             "input_tokens_details": {"cached_tokens": 600},
-                             "output_tokens_details": {"reasoning_tokens": 200}})
-    assert usage == Usage(1000, 300, cached_tokens=600, reasoning_tokens=200, total_tokens=1300,
-                          shape="openai_responses")
+    usage = normalize_usage(
+        {
+            "input_tokens": 1000,
+            "output_tokens": 300,
+            "total_tokens": 1300,
+            "input_tokens_details": {"cached_tokens": 600},
+            "output_tokens_details": {"reasoning_tokens": 200},
+        }
+    )
+    assert usage == Usage(
+        1000, 300, cached_tokens=600, reasoning_tokens=200, total_tokens=1300, shape="openai_responses"
+    )
 
 
 def test_ollama_raw_counts():
-    usage = read_usage(_msg({"prompt_eval_count": 26, "eval_count": 290, "total_duration": 5_000_000_000,
-                             "prompt_eval_duration": 130_000_000, "eval_duration": 4_700_000_000}))
+    usage = read_usage(
+        _msg(
+            {
+                "prompt_eval_count": 26,
+                "eval_count": 290,
+                "total_duration": 5_000_000_000,
+                "prompt_eval_duration": 130_000_000,
+                "eval_duration": 4_700_000_000,
+            }
+        )
+    )
     assert usage == Usage(26, 290, total_tokens=316, shape="ollama")
 
 
 def test_ollama_missing_prompt_eval_count_is_unknown_not_zero():
     assert normalize_usage({"eval_count": 290}).prompt_tokens is None
     # Open WebUI's conversion writes 0 for the missing count (and copies it to input_tokens)
-    converted = normalize_usage({"prompt_eval_count": 0, "eval_count": 290, "input_tokens": 0,
-                                 "output_tokens": 290, "prompt_tokens": 0, "completion_tokens": 290,
-                                 "total_tokens": 290})
+    converted = normalize_usage(
+        {
+            "prompt_eval_count": 0,
+            "eval_count": 290,
+            "input_tokens": 0,
+            "output_tokens": 290,
+            "prompt_tokens": 0,
+            "completion_tokens": 290,
+            "total_tokens": 290,
+        }
+    )
     assert (converted.prompt_tokens, converted.completion_tokens, converted.total_tokens) == (None, 290, None)
 
 
 def test_open_webui_tool_loop_bills_the_sums():
     # Open WebUI sums input/output/total_tokens (and detail maps) over the provider calls of a
     # tool loop; prompt_tokens / completion_tokens are the last call's.
-    usage = read_usage(_msg({
-        "prompt_tokens": 1500, "completion_tokens": 80,
-        "input_tokens": 2700, "output_tokens": 200, "total_tokens": 2900,
-        "prompt_tokens_details": {"cached_tokens": 1024},
-    }))
+    usage = read_usage(
+        _msg(
+            {
+                "prompt_tokens": 1500,
+                "completion_tokens": 80,
+                "input_tokens": 2700,
+                "output_tokens": 200,
+                "total_tokens": 2900,
+                "prompt_tokens_details": {"cached_tokens": 1024},
+            }
+        )
+    )
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (2700, 200, 2900)
     assert usage.calls_summed and usage.reasoning_tokens is None  # 2900 - 2700 = 200: no gap
-    single = normalize_usage({"prompt_tokens": 10, "completion_tokens": 2, "input_tokens": 10,
-                              "output_tokens": 2, "total_tokens": 12})
+    single = normalize_usage(
+        {"prompt_tokens": 10, "completion_tokens": 2, "input_tokens": 10, "output_tokens": 2, "total_tokens": 12}
+    )
     assert not single.calls_summed and single.shape == "openai"
 
 
@@ -187,8 +269,14 @@ def test_cost_with_cached_tokens(prices):
 
 
 def test_cost_anthropic_cache_read_and_write(prices):
-    usage = normalize_usage({"input_tokens": 50, "cache_read_input_tokens": 10000,
-                             "cache_creation_input_tokens": 2000, "output_tokens": 500})
+    usage = normalize_usage(
+        {
+            "input_tokens": 50,
+            "cache_read_input_tokens": 10000,
+            "cache_creation_input_tokens": 2000,
+            "output_tokens": 500,
+        }
+    )
     cost = compute_cost(usage, prices["anthropic/claude-sonnet-4.5"])
     #    50 x 0.000003    = 0.00015
     # 10000 x 0.0000003   = 0.003
@@ -199,8 +287,14 @@ def test_cost_anthropic_cache_read_and_write(prices):
 
 
 def test_cost_anthropic_long_prompt_tier(prices):
-    usage = normalize_usage({"input_tokens": 150000, "cache_read_input_tokens": 60000,
-                             "cache_creation_input_tokens": 0, "output_tokens": 1000})
+    usage = normalize_usage(
+        {
+            "input_tokens": 150000,
+            "cache_read_input_tokens": 60000,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 1000,
+        }
+    )
     cost = compute_cost(usage, prices["anthropic/claude-sonnet-4.5"])
     # prompt 210000 >= 200000: tier prices 0.000006 / 0.0000006 / 0.0000225
     # 150000 x 0.000006   = 0.9
@@ -270,22 +364,35 @@ def test_cost_long_decimal_cache_write_price(prices):
 
 
 def test_cost_responses_and_gemini_native(prices):
-    responses = normalize_usage({"input_tokens": 1000, "output_tokens": 300,
-                                 "input_tokens_details": {"cached_tokens": 600},
-                                 "output_tokens_details": {"reasoning_tokens": 200}})
+    responses = normalize_usage(
+        {
+            "input_tokens": 1000,
+            "output_tokens": 300,
+            "input_tokens_details": {"cached_tokens": 600},
+            "output_tokens_details": {"reasoning_tokens": 200},
+        }
+    )
     # 400 x 0.000002 = 0.0008 ; 600 x 0.0000005 = 0.0003 ; 300 x 0.000008 = 0.0024 ; sum 0.0035
     assert compute_cost(responses, prices["openai/gpt-4.1"]).cost_usd == D("0.0035")
-    native = normalize_usage({"promptTokenCount": 500, "candidatesTokenCount": 100,
-                              "thoughtsTokenCount": 50, "cachedContentTokenCount": 200})
+    native = normalize_usage(
+        {"promptTokenCount": 500, "candidatesTokenCount": 100, "thoughtsTokenCount": 50, "cachedContentTokenCount": 200}
+    )
     # 300 x 0.00000125 = 0.000375 ; 200 x 0.000000125 = 0.000025 ; 150 x 0.00001 = 0.0015
     # sum 0.0019
     assert compute_cost(native, prices["google/gemini-2.5-pro"]).cost_usd == D("0.0019")
 
 
 def test_cost_tool_loop_uses_sums(prices):
-    usage = normalize_usage({"prompt_tokens": 1500, "completion_tokens": 80, "input_tokens": 2700,
-                             "output_tokens": 200, "total_tokens": 2900,
-                             "prompt_tokens_details": {"cached_tokens": 1024}})
+    usage = normalize_usage(
+        {
+            "prompt_tokens": 1500,
+            "completion_tokens": 80,
+            "input_tokens": 2700,
+            "output_tokens": 200,
+            "total_tokens": 2900,
+            "prompt_tokens_details": {"cached_tokens": 1024},
+        }
+    )
     cost = compute_cost(usage, prices["openai/gpt-4o-mini"])
     # (2700 - 1024) = 1676 x 0.00000015 = 0.0002514
     #          1024 x 0.000000075       = 0.0000768
@@ -338,10 +445,18 @@ _counts = st.one_of(st.none(), st.integers(min_value=0, max_value=3_000_000))
 _rates = st.one_of(st.none(), st.decimals(min_value=0, max_value=1, places=12, allow_nan=False))
 
 
-@given(prompt=_counts, completion=_counts, cached=_counts, written=_counts, reasoning=_counts,
-       rates=st.tuples(_rates, _rates, _rates, _rates, _rates), threshold=st.integers(1, 2_000_000))
-def test_cost_is_never_negative_and_unknown_is_never_zero(prompt, completion, cached, written,
-                                                          reasoning, rates, threshold):
+@given(
+    prompt=_counts,
+    completion=_counts,
+    cached=_counts,
+    written=_counts,
+    reasoning=_counts,
+    rates=st.tuples(_rates, _rates, _rates, _rates, _rates),
+    threshold=st.integers(1, 2_000_000),
+)
+def test_cost_is_never_negative_and_unknown_is_never_zero(
+    prompt, completion, cached, written, reasoning, rates, threshold
+):
     tier = PriceTier(threshold, *rates[:4])
     price = ModelPrice(rates[0], rates[1], rates[2], rates[3], internal_reasoning=rates[4], tiers=(tier,))
     cost = compute_cost(Usage(prompt, completion, cached, written, reasoning), price)

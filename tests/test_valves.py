@@ -13,7 +13,12 @@ from test_filter import make_filter
 from test_trim import chat_of
 from turns import run_turn
 
-NUMERIC = [(cls, name) for cls in (Valves, UserValves) for name, field in cls.model_fields.items() if field.annotation in (int, float)]
+NUMERIC = [
+    (cls, name)
+    for cls in (Valves, UserValves)
+    for name, field in cls.model_fields.items()
+    if field.annotation in (int, float)
+]
 
 
 @pytest.mark.parametrize(("cls", "name"), NUMERIC, ids=[f"{c.__name__}.{n}" for c, n in NUMERIC])
@@ -40,7 +45,9 @@ def test_keep_last_turns_of_fifty_million_is_refused_and_named():
     assert [p.valve for p in problems] == ["keep_last_turns"] and "1 to 1,000" in str(problems[0])
 
 
-@pytest.mark.parametrize("name", sorted(set(INT_RANGES) - {"priority", "summary_max_tokens"}))  # Open WebUI reads priority;
+@pytest.mark.parametrize(
+    "name", sorted(set(INT_RANGES) - {"priority", "summary_max_tokens"})
+)  # Open WebUI reads priority;
 def test_out_of_range_values_that_skip_pydantic_are_named(name):  # summary_max_tokens: test_summarize
     low, high = INT_RANGES[name]
     for value in (low - 1, high + 1):
@@ -73,14 +80,17 @@ def test_reserve_below_the_window_reports_nothing():
 SECRET = "sk-live-0123456789abcdef"
 
 
-@pytest.mark.parametrize(("valve", "value"), [
-    ("model_aliases", f'{{"{SECRET}": 5}}'),
-    ("model_aliases", f'{{"gpt": ["{SECRET}"]}}'),
-    ("model_aliases", SECRET),
-    ("allowed_user_flags", f"pin, {SECRET}"),
-    ("free_models", f'["{SECRET}", 5]'),
-    ("connection_prefixes", f'[{{"{SECRET}": 1}}]'),
-])
+@pytest.mark.parametrize(
+    ("valve", "value"),
+    [
+        ("model_aliases", f'{{"{SECRET}": 5}}'),
+        ("model_aliases", f'{{"gpt": ["{SECRET}"]}}'),
+        ("model_aliases", SECRET),
+        ("allowed_user_flags", f"pin, {SECRET}"),
+        ("free_models", f'["{SECRET}", 5]'),
+        ("connection_prefixes", f'[{{"{SECRET}": 1}}]'),
+    ],
+)
 async def test_bad_valve_values_are_never_echoed_into_status_lines(counter, caplog, valve, value):
     f = make_filter(counter)
     f.valves = f.Valves(**{valve: value})

@@ -133,7 +133,9 @@ def _filler(seed: int, words: int = 55) -> str:
 def long_chat(turns: int, first_user: str | None = None) -> list[dict[str, Any]]:
     chat: list[dict[str, Any]] = [{"role": "system", "content": "Be helpful."}]
     for turn in range(turns):
-        chat.append({"role": "user", "content": first_user if turn == 0 and first_user else f"Q{turn} " + _filler(turn)})
+        chat.append(
+            {"role": "user", "content": first_user if turn == 0 and first_user else f"Q{turn} " + _filler(turn)}
+        )
         chat.append({"role": "assistant", "content": f"A{turn} " + _filler(turn + 100)})
     chat.append({"role": "user", "content": "Last question?"})
     return chat
@@ -142,10 +144,23 @@ def long_chat(turns: int, first_user: str | None = None) -> list[dict[str, Any]]
 def outlet_body(prompt: int = PROMPT, completion: int = COMPLETION) -> dict[str, Any]:
     """An outlet body as Open WebUI 0.12.4 passes it for an API caller (see tests/e2e/README.md)."""
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    reply = {"id": "r1", "role": "assistant", "content": "An answer.", "usage": usage, "finish_reason": "stop",
-             "info": None, "timestamp": None}
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, reply], "filter_ids": ["contextwarden"],
-            "chat_id": "", "session_id": None, "id": "r1"}
+    reply = {
+        "id": "r1",
+        "role": "assistant",
+        "content": "An answer.",
+        "usage": usage,
+        "finish_reason": "stop",
+        "info": None,
+        "timestamp": None,
+    }
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}, reply],
+        "filter_ids": ["contextwarden"],
+        "chat_id": "",
+        "session_id": None,
+        "id": "r1",
+    }
 
 
 def concurrent_outlets(workers: list[WorkerProcess], n: int, user_id: str) -> None:
@@ -220,8 +235,16 @@ def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: st
     assert len(first["messages"]) < len(chat)
     # A second turn on A: a chat's first cut leaves no room for a recall block, so this one may
     # select anew (with room for one); the turn after it is the one to hand over.
-    chat = chat + [{"role": "assistant", "content": "A-1 " + _filler(498, 110)}, {"role": "user", "content": "Q-1 " + _filler(499, 110)}]
-    first = a.call("inlet", body={"model": MODEL, "messages": chat}, metadata={**meta, "message_id": "m1b"}, user_id=meta["user_id"])["body"]
+    chat = chat + [
+        {"role": "assistant", "content": "A-1 " + _filler(498, 110)},
+        {"role": "user", "content": "Q-1 " + _filler(499, 110)},
+    ]
+    first = a.call(
+        "inlet",
+        body={"model": MODEL, "messages": chat},
+        metadata={**meta, "message_id": "m1b"},
+        user_id=meta["user_id"],
+    )["body"]
     following = chat + [
         {"role": "assistant", "content": "A-next " + _filler(500, 110)},
         {"role": "user", "content": "Q-next " + _filler(501, 110)},
@@ -239,7 +262,9 @@ def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: st
     # decision, and the chat's size it reports is still exact.
     note = seen_b["metadata"]["contextwarden"]
     assert note["reused"] is True
-    assert note["savings"]["removed"] == counter.count_messages(following, MODEL) - counter.count_messages(on_b["messages"], MODEL)
+    assert note["savings"]["removed"] == counter.count_messages(following, MODEL) - counter.count_messages(
+        on_b["messages"], MODEL
+    )
 
 
 @pending("pins")
@@ -250,8 +275,12 @@ def test_pin_is_shared(spawn: Callable[..., WorkerProcess], unique: str) -> None
     meta = {"chat_id": f"chat-{unique}", "user_id": f"user-{unique}", "message_id": "m1"}
     # Long and unrelated to the last question, so only the pin can keep it.
     pinned = "PINNED-FACT: the vault code is 4711 !pin " + _filler(7, words=400)
-    a.call("inlet", body={"model": MODEL, "messages": [{"role": "user", "content": pinned}]}, metadata=meta,
-           user_id=meta["user_id"])
+    a.call(
+        "inlet",
+        body={"model": MODEL, "messages": [{"role": "user", "content": pinned}]},
+        metadata=meta,
+        user_id=meta["user_id"],
+    )
     later = {"model": MODEL, "messages": long_chat(30, first_user=pinned)}
     meta2 = {**meta, "message_id": "m9"}
     on_b = b.call("inlet", body=later, metadata=meta2, user_id=meta["user_id"])["body"]
@@ -287,7 +316,9 @@ def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str,
 # --- a worker without Redis ------------------------------------------------------------------------
 
 
-def test_worker_without_redis_works_alone(spawn: Callable[..., WorkerProcess], unique: str, counter: TokenCounter) -> None:
+def test_worker_without_redis_works_alone(
+    spawn: Callable[..., WorkerProcess], unique: str, counter: TokenCounter
+) -> None:
     """No redis_url: in-process state, trims within budget, logs usage, no warnings."""
     alone = spawn(shared=False)
     chat = long_chat(30)
@@ -320,7 +351,9 @@ def concurrent_inlets(workers: list[WorkerProcess], n: int, user_id: str) -> lis
     barrier = {"key": f"barrier:{uuid.uuid4().hex}", "parties": len(workers)} if len(workers) > 1 else None
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Last question?"}]}
     for worker in workers:
-        worker.send("inlets", n=n, body=body, metadata={"chat_id": "", "user_id": user_id}, user_id=user_id, barrier=barrier)
+        worker.send(
+            "inlets", n=n, body=body, metadata={"chat_id": "", "user_id": user_id}, user_id=user_id, barrier=barrier
+        )
     return [worker.receive() for worker in workers]
 
 

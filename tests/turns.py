@@ -84,7 +84,7 @@ async def run_turn(
 def usage_lines(records: list[logging.LogRecord]) -> list[dict]:
     """The `usage {json}` records among captured log records, parsed."""
     prefix = "usage "
-    return [json.loads(r.getMessage()[len(prefix):]) for r in records if r.getMessage().startswith(prefix)]
+    return [json.loads(r.getMessage()[len(prefix) :]) for r in records if r.getMessage().startswith(prefix)]
 
 
 class _ListHandler(logging.Handler):

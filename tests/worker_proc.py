@@ -51,13 +51,19 @@ class Worker:
         user["valves"] = self.filter.UserValves(**command.get("user_valves", {}))
         return user
 
-    async def _hook(self, hook: str, command: dict[str, Any], body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    async def _hook(
+        self, hook: str, command: dict[str, Any], body: dict[str, Any], metadata: dict[str, Any]
+    ) -> dict[str, Any]:
         statuses: list[str] = []
 
         async def emit(event: dict[str, Any]) -> None:
             statuses.append(event["data"]["description"])
 
-        model = command.get("model") or {"id": body.get("model"), "owned_by": "openai", "openai": {"id": body.get("model")}}
+        model = command.get("model") or {
+            "id": body.get("model"),
+            "owned_by": "openai",
+            "openai": {"id": body.get("model")},
+        }
         result = await getattr(self.filter, hook)(
             body, __user__=self._user(command), __metadata__=metadata, __model__=model, __event_emitter__=emit
         )
@@ -79,7 +85,9 @@ class Worker:
             if barrier:
                 self._barrier(barrier["key"], barrier["parties"])
             calls = [
-                self._hook("outlet", command, copy.deepcopy(command["body"]), copy.deepcopy(command.get("metadata") or {}))
+                self._hook(
+                    "outlet", command, copy.deepcopy(command["body"]), copy.deepcopy(command.get("metadata") or {})
+                )
                 for _ in range(command["n"])
             ]
             results = await asyncio.gather(*calls)
@@ -89,7 +97,9 @@ class Worker:
             if barrier:
                 self._barrier(barrier["key"], barrier["parties"])
             calls = [
-                self._hook("inlet", command, copy.deepcopy(command["body"]), copy.deepcopy(command.get("metadata") or {}))
+                self._hook(
+                    "inlet", command, copy.deepcopy(command["body"]), copy.deepcopy(command.get("metadata") or {})
+                )
                 for _ in range(command["n"])
             ]
             results = await asyncio.gather(*calls, return_exceptions=True)

@@ -60,7 +60,9 @@ def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
     for row in rows[:limit]:
         tokens = row.counters.get("prompt_tokens", 0) + row.counters.get("completion_tokens", 0)
         name = row.key.replace("|", "\\|")
-        lines.append(f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | {cost_cell(row.counters, row.cost_usd, places=4)} |")
+        lines.append(
+            f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | {cost_cell(row.counters, row.cost_usd, places=4)} |"
+        )
     if len(rows) > limit:
         lines.append(f"| … {len(rows) - limit:,} more | | | |")
     return lines
@@ -71,8 +73,10 @@ def _limits_line(rules: LimitRules) -> str:
         return "none" if not value else (f"${value:,}" if unit == "$" else f"{value:,} tokens")
 
     base = rules.base
-    line = (f"Limits for everyone: daily {money(base.cap('daily_usd'), '$')}, monthly {money(base.cap('monthly_usd'), '$')}, "
-            f"daily {money(base.cap('daily_tokens'), 't')}, monthly {money(base.cap('monthly_tokens'), 't')}")
+    line = (
+        f"Limits for everyone: daily {money(base.cap('daily_usd'), '$')}, monthly {money(base.cap('monthly_usd'), '$')}, "
+        f"daily {money(base.cap('daily_tokens'), 't')}, monthly {money(base.cap('monthly_tokens'), 't')}"
+    )
     counts = [(len(rules.roles or {}), "role"), (len(rules.groups or {}), "group"), (len(rules.users or {}), "user")]
     return line + "; overrides for " + ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts) + "."
 
@@ -83,13 +87,20 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
     month = [e for e in entries if month_start(today) <= e.day <= today]
     total = ledger_totals(month, "day")
     day_rows = [r for r in total if r.key == today.isoformat()]
-    all_month = {f: sum(r.counters.get(f, 0) for r in total) for f in ("requests", "unpriced", "estimated", "cost_picousd")}
+    all_month = {
+        f: sum(r.counters.get(f, 0) for r in total) for f in ("requests", "unpriced", "estimated", "cost_picousd")
+    }
     month_usd = sum((r.cost_usd for r in total), Decimal(0))
     lines = [f"### contextwarden usage · {today:%Y-%m} (UTC, to {now:%Y-%m-%d %H:%M})", ""]
     if day_rows:
         d = day_rows[0]
-        lines.append(f"Today: {cost_cell(d.counters, d.cost_usd, places=4, dollar='$')} · {d.counters['requests']:,} replies.")
-    lines += [f"This month: {cost_cell(all_month, month_usd, places=4, dollar='$')} · {all_month['requests']:,} replies.", ""]
+        lines.append(
+            f"Today: {cost_cell(d.counters, d.cost_usd, places=4, dollar='$')} · {d.counters['requests']:,} replies."
+        )
+    lines += [
+        f"This month: {cost_cell(all_month, month_usd, places=4, dollar='$')} · {all_month['requests']:,} replies.",
+        "",
+    ]
     if not month:
         lines.append("No usage recorded this month.")
     else:
@@ -97,7 +108,9 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
         lines += _table(ledger_totals(month, "model"), "model", MAX_MODEL_ROWS) + [""]
     notes = []
     if all_month["unpriced"]:
-        notes.append(f"{all_month['unpriced']:,} replies had no known price: dollar limits could not count them (token limits did).")
+        notes.append(
+            f"{all_month['unpriced']:,} replies had no known price: dollar limits could not count them (token limits did)."
+        )
     if all_month["estimated"]:
         notes.append(f"{all_month['estimated']:,} replies were estimated (the backend sent no usage).")
     if rules.active:
@@ -114,7 +127,10 @@ def own_usage_text(limits: Limits, entries: Sequence[LedgerEntry], now: datetime
     """What a user sees for `!usage`: their spend today and this month, and their limits."""
     day, month = spend_of(entries, now.date())
     verdict = check_limits(limits, day, month)
-    parts = [f"contextwarden: {spend_text(limits, day, verdict, True)}", f"this month {amount_text('monthly_usd', month.usd)}"]
+    parts = [
+        f"contextwarden: {spend_text(limits, day, verdict, True)}",
+        f"this month {amount_text('monthly_usd', month.usd)}",
+    ]
     monthly = limits.cap("monthly_usd")
     if monthly is not None:
         parts[-1] += f" of {amount_text('monthly_usd', monthly)}"
@@ -128,7 +144,15 @@ def own_usage_text(limits: Limits, entries: Sequence[LedgerEntry], now: datetime
 
 
 async def usage_answer(
-    store: Store, *, now: datetime, admin: bool, user_id: str, limits: Limits, rules: LimitRules, emit: ReplyEmitter | None, chat: bool
+    store: Store,
+    *,
+    now: datetime,
+    admin: bool,
+    user_id: str,
+    limits: Limits,
+    rules: LimitRules,
+    emit: ReplyEmitter | None,
+    chat: bool,
 ) -> str:
     """The `!usage` answer; in a browser chat written into the reply, returning a short notice."""
     today = now.date()
@@ -136,7 +160,9 @@ async def usage_answer(
         entries = await read_ledger(store, since=month_start(today), until=today)
         text = usage_markdown(entries, now, rules, shared=store.shared)
     else:
-        text = own_usage_text(limits, await read_ledger(store, since=month_start(today), until=today, user=user_id or "-"), now)
+        text = own_usage_text(
+            limits, await read_ledger(store, since=month_start(today), until=today, user=user_id or "-"), now
+        )
     if chat and emit is not None:
         try:
             await emit({"type": "replace", "data": {"content": text}})

@@ -58,7 +58,12 @@ class PromptBudget:
 
 
 def prompt_budget(
-    window_budget: int, calibration: Calibration, fixed: FixedCost = FixedCost(), cap: int | None = None, *, ceiling: int | None = None
+    window_budget: int,
+    calibration: Calibration,
+    fixed: FixedCost = FixedCost(),
+    cap: int | None = None,
+    *,
+    ceiling: int | None = None,
 ) -> PromptBudget:
     """The one budget rule: the window less the reserve (`window_budget`), in our counts
     (calibrated, never above `ceiling`), lowered to a user's `!budget=N` (`cap`, never below MIN_BUDGET_TOKENS), less
@@ -84,7 +89,9 @@ def fixed_cost(body: dict[str, Any], counter: TokenCounter, model: str | None) -
     if isinstance(tools, list) and tools:
         tool_tokens = TOOLS_OVERHEAD_TOKENS + counter.count_text(render_tools(tools), model)
     response_format = body.get("response_format")
-    format_tokens = counter.count_text(render_response_format(response_format), model) if isinstance(response_format, dict) else 0
+    format_tokens = (
+        counter.count_text(render_response_format(response_format), model) if isinstance(response_format, dict) else 0
+    )
     return FixedCost(tool_tokens, format_tokens)
 
 
@@ -168,7 +175,9 @@ def render_response_format(response_format: dict[str, Any]) -> str:
         spec = spec if isinstance(spec, dict) else {}
         name = spec.get("name") if isinstance(spec.get("name"), str) else "response"
         description = spec.get("description")
-        head = f"# Response Formats\n\n## {name}\n\n" + (f"// {description}\n" if isinstance(description, str) and description else "")
+        head = f"# Response Formats\n\n## {name}\n\n" + (
+            f"// {description}\n" if isinstance(description, str) and description else ""
+        )
         return head + _JSON.encode(spec.get("schema", {}))
     if kind == "json_object":
         return "Respond in JSON."

@@ -81,7 +81,7 @@ def min_cacheable_tokens(model_id: str) -> int:
 
 
 def breakpoint_provider(sent_id: str, resolved_id: str | None, model: Mapping[str, Any] | None) -> str | None:
-    """"anthropic" when this request should carry breakpoints, else None (do nothing when unsure).
+    """ "anthropic" when this request should carry breakpoints, else None (do nothing when unsure).
 
     Yes only for a Claude model named `anthropic/...` (after the connection prefix: OpenRouter's
     and LiteLLM's naming, both of which pass `cache_control` on content parts to Anthropic) on an
@@ -117,7 +117,9 @@ def _markable(message: Message) -> bool:
     return isinstance(content, list) and any(isinstance(part, dict) and part.get("type") for part in content)
 
 
-def breakpoint_positions(messages: Sequence[Message], costs: Sequence[int], carried: int, minimum: int) -> tuple[int, ...]:
+def breakpoint_positions(
+    messages: Sequence[Message], costs: Sequence[int], carried: int, minimum: int
+) -> tuple[int, ...]:
     """Where the markers go: the end of the system prompt, the end of the previous turn's prompt
     inside the carried prefix (its last user message before the prefix's end), and the end of the
     carried prefix. A position is taken only when the prefix through it reaches `minimum` tokens;
@@ -166,7 +168,9 @@ def _marked(message: Message) -> Message:
     if isinstance(content, str):
         return {**message, "content": [{"type": "text", "text": content, "cache_control": dict(CACHE_MARKER)}]}
     parts = list(content)
-    last = max((k for k, part in enumerate(parts) if isinstance(part, dict) and part.get("type") == "text"), default=None)
+    last = max(
+        (k for k, part in enumerate(parts) if isinstance(part, dict) and part.get("type") == "text"), default=None
+    )
     if last is None:
         last = max(k for k, part in enumerate(parts) if isinstance(part, dict) and part.get("type"))
     parts[last] = {**parts[last], "cache_control": dict(CACHE_MARKER)}
@@ -196,7 +200,9 @@ def remove_breakpoints(messages: Sequence[Message], undo: Mapping[str, bool]) ->
         was_string = undo.get(message_fingerprint(message))
         if was_string is None:
             continue
-        parts = [{key: v for key, v in p.items() if key != "cache_control"} if isinstance(p, dict) else p for p in content]
+        parts = [
+            {key: v for key, v in p.items() if key != "cache_control"} if isinstance(p, dict) else p for p in content
+        ]
         if was_string and len(parts) == 1 and isinstance(parts[0].get("text"), str):
             out[k] = {**message, "content": parts[0]["text"]}
         else:

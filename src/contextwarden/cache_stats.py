@@ -44,7 +44,9 @@ class CacheStats:
         return False if self.prompts >= CACHE_EVIDENCE else None
 
 
-def update_cache_stats(stats: CacheStats, prompt_tokens: int | None, cached_tokens: int | None, minimum: int) -> CacheStats | None:
+def update_cache_stats(
+    stats: CacheStats, prompt_tokens: int | None, cached_tokens: int | None, minimum: int
+) -> CacheStats | None:
     """The stats after one reply, or None when it says nothing (prompt unknown or below the minimum).
 
     Unreported cached tokens count as none: a backend that never reports them is not caching

@@ -48,7 +48,7 @@ def _load_chat(path: str) -> tuple[list[dict[str, Any]], str | None]:
             raise InputError(f'{name}: no "messages" list (expected a list of messages or {{"messages": [...]}})')
         data, model = data["messages"], data.get("model")
     if not isinstance(data, list):
-        raise InputError(f"{name}: expected a list of messages or {{\"messages\": [...]}}, found {type(data).__name__}")
+        raise InputError(f'{name}: expected a list of messages or {{"messages": [...]}}, found {type(data).__name__}')
     for index, message in enumerate(data):
         if not isinstance(message, dict):
             raise InputError(f"{name}: message {index} is not an object")
@@ -58,7 +58,9 @@ def _load_chat(path: str) -> tuple[list[dict[str, Any]], str | None]:
 def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]) -> int:
     """The prompt budget the options give; raises InputError naming the option that is wrong."""
     if args.calibration is not None and not MIN_CALIBRATION <= args.calibration <= MAX_CALIBRATION:
-        raise InputError(f"--calibration must be between {MIN_CALIBRATION:g} and {MAX_CALIBRATION:g} (real / counted tokens)")
+        raise InputError(
+            f"--calibration must be between {MIN_CALIBRATION:g} and {MAX_CALIBRATION:g} (real / counted tokens)"
+        )
     if args.keep_last_turns < 1:
         raise InputError("--keep-last-turns must be 1 or more (the current turn is always kept)")
     for index in args.pin or ():
@@ -115,9 +117,18 @@ def _print_explanation(explanation: Explanation) -> None:
     print(f"  system prompt      {parts.system_tokens:>8,}")
     print(f"  current turn       {parts.current_turn_tokens:>8,}")
     print(f"  reply priming      {parts.reply_priming_tokens:>8,}")
-    print(f"  left for history   {parts.history_available:>8,}"
-          + (f" (a new cut fills {parts.history_target:,}: low watermark, room to grow)" if parts.history_target != parts.history_available else ""))
-    print(f"  history sent       {parts.history_sent:>8,}" + (" (the previous decision, reused)" if explanation.reused else ""))
+    print(
+        f"  left for history   {parts.history_available:>8,}"
+        + (
+            f" (a new cut fills {parts.history_target:,}: low watermark, room to grow)"
+            if parts.history_target != parts.history_available
+            else ""
+        )
+    )
+    print(
+        f"  history sent       {parts.history_sent:>8,}"
+        + (" (the previous decision, reused)" if explanation.reused else "")
+    )
     print(f"fill {parts.prompt_sent:,} of {parts.budget:,} = {parts.fill:.0%}: {parts.fill_rule}")
 
 
@@ -137,16 +148,28 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     seed_tiktoken_cache()
     budget = _check_trim_options(args, messages)
     counter = TokenCounter(block=True)
-    options = {"strategy": args.strategy, "keep_last_turns": args.keep_last_turns, "pinned": args.pin or (),
-               "previous": _read_previous(args.previous), "low_watermark": args.low_watermark, "growth_turns": args.growth_turns}
+    options = {
+        "strategy": args.strategy,
+        "keep_last_turns": args.keep_last_turns,
+        "pinned": args.pin or (),
+        "previous": _read_previous(args.previous),
+        "low_watermark": args.low_watermark,
+        "growth_turns": args.growth_turns,
+    }
     result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
         price = resolve_model(model, PriceBook.from_bundled()).price if model else None
         explanation = explain_trim(
-            messages, result, model=model, token_counter=counter, **options,
+            messages,
+            result,
+            model=model,
+            token_counter=counter,
+            **options,
             window=args.max_tokens if (args.reserve or args.calibration) else None,
-            reserve=args.reserve or None, calibration=args.calibration, price=price,
+            reserve=args.reserve or None,
+            calibration=args.calibration,
+            price=price,
         )
     if args.json:
         document = {
@@ -169,8 +192,10 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     elif explanation is not None:
         _print_explanation(explanation)
         print()
-        print(f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
-              f"{result.tokens_after:,} tokens ({result.count_mode} counts)")
+        print(
+            f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
+            f"{result.tokens_after:,} tokens ({result.count_mode} counts)"
+        )
         for note in result.notes:
             print(f"note: {note}")
         if explanation.savings is not None and explanation.savings.cost_saved_usd is not None:
@@ -246,7 +271,11 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     elif args.format == "csv":
         sys.stdout.write(render_csv(rows, args.by))
     else:
-        print(render_table(rows, args.by, wide=args.wide) if rows else "no usage recorded" + (f" since {args.since}" if args.since else ""))
+        print(
+            render_table(rows, args.by, wide=args.wide)
+            if rows
+            else "no usage recorded" + (f" since {args.since}" if args.since else "")
+        )
     return 0
 
 
@@ -268,17 +297,53 @@ def main(argv: list[str] | None = None) -> int:
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
     trim.add_argument("--model", help="model id (picks the encoding); default: the file's model")
     trim.add_argument("--json", action="store_true", help="machine-readable output")
-    trim.add_argument("--explain", action="store_true", help="say why each message was kept, dropped or shortened, and what the budget was made of")
-    trim.add_argument("--reserve", type=int, default=0, help="tokens kept for the reply: --max-tokens is then the window (as the filter's valves)")
-    trim.add_argument("--calibration", type=float, help="the model's calibration factor (real / counted tokens); the budget is divided by it")
-    trim.add_argument("--strategy", choices=STRATEGIES, default="relevance",
-                      help="relevance: what matters to the latest question (default); recent: the newest turns that fit")
-    trim.add_argument("--keep-last-turns", type=int, default=1, help="latest turns kept first (default 1: the current one)")
-    trim.add_argument("--pin", type=int, action="append", metavar="INDEX", help="keep this message index first (repeatable), as !pin does")
-    trim.add_argument("--previous", metavar="FILE", help="the previous turn's decision (a trim --json output), to reuse its prefix")
-    trim.add_argument("--low-watermark", type=float, default=DEFAULT_LOW_WATERMARK, help="share of the budget a new cut fills (default 0.8)")
-    trim.add_argument("--growth-turns", type=int, default=DEFAULT_GROWTH_TURNS,
-                      help="a new cut also leaves room for this many turns like the last one (default 2, at most half the budget)")
+    trim.add_argument(
+        "--explain",
+        action="store_true",
+        help="say why each message was kept, dropped or shortened, and what the budget was made of",
+    )
+    trim.add_argument(
+        "--reserve",
+        type=int,
+        default=0,
+        help="tokens kept for the reply: --max-tokens is then the window (as the filter's valves)",
+    )
+    trim.add_argument(
+        "--calibration",
+        type=float,
+        help="the model's calibration factor (real / counted tokens); the budget is divided by it",
+    )
+    trim.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="relevance",
+        help="relevance: what matters to the latest question (default); recent: the newest turns that fit",
+    )
+    trim.add_argument(
+        "--keep-last-turns", type=int, default=1, help="latest turns kept first (default 1: the current one)"
+    )
+    trim.add_argument(
+        "--pin",
+        type=int,
+        action="append",
+        metavar="INDEX",
+        help="keep this message index first (repeatable), as !pin does",
+    )
+    trim.add_argument(
+        "--previous", metavar="FILE", help="the previous turn's decision (a trim --json output), to reuse its prefix"
+    )
+    trim.add_argument(
+        "--low-watermark",
+        type=float,
+        default=DEFAULT_LOW_WATERMARK,
+        help="share of the budget a new cut fills (default 0.8)",
+    )
+    trim.add_argument(
+        "--growth-turns",
+        type=int,
+        default=DEFAULT_GROWTH_TURNS,
+        help="a new cut also leaves room for this many turns like the last one (default 2, at most half the budget)",
+    )
     trim.set_defaults(run=_cmd_trim)
 
     build = commands.add_parser("build", help="write open_webui_filter.py, the single file for Open WebUI")
@@ -292,12 +357,20 @@ def main(argv: list[str] | None = None) -> int:
 
     usage = commands.add_parser("usage", help="usage and cost totals per user, model or day (from Redis)")
     usage.add_argument("--redis-url", help="the Redis the filter records into (its redis_url valve)")
-    usage.add_argument("--by", choices=("user", "model", "day"), default="model", help="how to add totals up (default: model)")
+    usage.add_argument(
+        "--by", choices=("user", "model", "day"), default="model", help="how to add totals up (default: model)"
+    )
     usage.add_argument("--since", type=_since_date, help="first UTC day to include, YYYY-MM-DD (default: all kept)")
     usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: today)")
     usage.add_argument("--format", choices=("table", "json", "csv"), default="table")
-    usage.add_argument("--wide", action="store_true", help="every column in the table (cached, reasoning, estimated, shadow); default: fits 100 columns")
-    usage.add_argument("--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)")
+    usage.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column in the table (cached, reasoning, estimated, shadow); default: fits 100 columns",
+    )
+    usage.add_argument(
+        "--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)"
+    )
     usage.set_defaults(run=_cmd_usage)
 
     args = parser.parse_args(argv)

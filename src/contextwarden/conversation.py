@@ -105,9 +105,7 @@ def message_text(message: Message) -> str:
         text = content
     elif isinstance(content, list):
         text = "\n".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
+            part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     else:
         text = ""
@@ -125,9 +123,7 @@ def image_count(message: Message) -> int:
     content = message.get("content")
     if not isinstance(content, list):
         return 0
-    return sum(
-        1 for part in content if isinstance(part, dict) and part.get("type") in ("image_url", "image")
-    )
+    return sum(1 for part in content if isinstance(part, dict) and part.get("type") in ("image_url", "image"))
 
 
 def tool_call_ids(message: Message) -> list[str]:

@@ -1,10 +1,10 @@
 """Exceptions factored out to avoid import loops.
 
-    ContextWardenError
-    ├── ConfigError        a valve (or option) has a value we cannot use; names the valve
-    ├── StoreError         shared state (Redis) could not be read or written
-    ├── PricingError       a price table could not be loaded or parsed
-    └── TurnRefused        a turn stopped on purpose (a limit); its text is shown to the user
+ContextWardenError
+├── ConfigError        a valve (or option) has a value we cannot use; names the valve
+├── StoreError         shared state (Redis) could not be read or written
+├── PricingError       a price table could not be loaded or parsed
+└── TurnRefused        a turn stopped on purpose (a limit); its text is shown to the user
 """
 
 from __future__ import annotations

@@ -16,7 +16,14 @@ from .conversation import Conversation, Message, read_conversation
 from .pricing import ModelPrice
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .relevance import score_messages
-from .selection import DEFAULT_COST_EXPONENT, Strategy, TrimDecision, mandatory_indices, message_fingerprint, recent_turns
+from .selection import (
+    DEFAULT_COST_EXPONENT,
+    Strategy,
+    TrimDecision,
+    mandatory_indices,
+    message_fingerprint,
+    recent_turns,
+)
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
 
@@ -35,8 +42,14 @@ class MessageReason:
     score: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {"index": self.index, "role": self.role, "tokens": self.tokens, "action": self.action,
-                "reasons": list(self.reasons), "score": None if self.score is None else round(self.score, 4)}
+        return {
+            "index": self.index,
+            "role": self.role,
+            "tokens": self.tokens,
+            "action": self.action,
+            "reasons": list(self.reasons),
+            "score": None if self.score is None else round(self.score, 4),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +89,21 @@ class Explanation:
     savings: Savings | None = None  # with a price: the input cost difference, cache-aware (SAVINGS_ASSUMPTION)
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"budget": self.budget.as_dict(), "reused_previous_decision": self.reused,
-                                  "notes": list(self.notes), "messages": [m.as_dict() for m in self.messages]}
+        out: dict[str, object] = {
+            "budget": self.budget.as_dict(),
+            "reused_previous_decision": self.reused,
+            "notes": list(self.notes),
+            "messages": [m.as_dict() for m in self.messages],
+        }
         if self.savings is not None:
             saved = self.savings.cost_saved_usd
-            out["savings"] = {"tokens_saved": self.savings.tokens_saved, "cached_before": self.savings.cached_before,
-                              "cached_after": self.savings.cached_after,
-                              "cost_saved_usd": None if saved is None else format(saved.normalize(), "f"),
-                              "assumption": SAVINGS_ASSUMPTION}
+            out["savings"] = {
+                "tokens_saved": self.savings.tokens_saved,
+                "cached_before": self.savings.cached_before,
+                "cached_after": self.savings.cached_after,
+                "cost_saved_usd": None if saved is None else format(saved.normalize(), "f"),
+                "assumption": SAVINGS_ASSUMPTION,
+            }
         return out
 
 
@@ -164,20 +184,28 @@ def explain_trim(
             if turn_of.get(i) in recent:
                 reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
             elif conversation.current and turn_of.get(i) == conversation.current - 1 and not result.reused:
-                reasons.append("the latest answer and its question, kept whenever they fit" + ("" if sent else ": did not"))
+                reasons.append(
+                    "the latest answer and its question, kept whenever they fit" + ("" if sent else ": did not")
+                )
             if result.reused:
                 if sent and message_fingerprint(message) in remembered:
                     reasons.append("reused from the previous decision (same prefix, provider cache hits)")
                 elif sent:
                     reasons.append("new since the previous decision")
             elif scores is not None and not reasons:
-                whole = [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+                whole = (
+                    [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+                )
                 value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
-                reasons.append(f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
-                               + ("worth its tokens" if sent else "below what was kept, or did not fit"))
+                reasons.append(
+                    f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
+                    + ("worth its tokens" if sent else "below what was kept, or did not fit")
+                )
             if not reasons:
                 newest = strategy == "recent" and not result.reused
-                reasons.append(("among the newest turns that fit" if newest else "kept") if sent else "older than what fit")
+                reasons.append(
+                    ("among the newest turns that fit" if newest else "kept") if sent else "older than what fit"
+                )
         unit = unit_of.get(i)
         if unit is not None and len(unit) > 1 and i not in orphans:
             reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
@@ -188,8 +216,16 @@ def explain_trim(
             reasons.insert(0, "mandatory content over budget: cut middle-out")
         if i in covered:
             reasons.append("a summary note stands for it")
-        rows.append(MessageReason(i, str(message.get("role", "?")), costs[i], action, tuple(reasons),
-                                  scores[i] if scores is not None and i not in mandatory | orphans else None))
+        rows.append(
+            MessageReason(
+                i,
+                str(message.get("role", "?")),
+                costs[i],
+                action,
+                tuple(reasons),
+                scores[i] if scores is not None and i not in mandatory | orphans else None,
+            )
+        )
 
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
@@ -199,28 +235,41 @@ def explain_trim(
     target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
     sent_history = sum(costs[i] for i in kept if i not in mandatory)
     parts = BudgetParts(
-        budget=result.budget, system_tokens=system_tokens, current_turn_tokens=current_tokens,
-        reply_priming_tokens=TOKENS_PER_REPLY, history_available=available,
+        budget=result.budget,
+        system_tokens=system_tokens,
+        current_turn_tokens=current_tokens,
+        reply_priming_tokens=TOKENS_PER_REPLY,
+        history_available=available,
         history_target=available if result.reused or not trimmed else target,
-        history_sent=sent_history, window=window, reserve=reserve, calibration=calibration,
-        prompt_sent=result.tokens_after, fill=result.tokens_after / result.budget,
+        history_sent=sent_history,
+        window=window,
+        reserve=reserve,
+        calibration=calibration,
+        prompt_sent=result.tokens_after,
+        fill=result.tokens_after / result.budget,
         fill_rule=_fill_rule(result, trimmed, whole, watermark, growth_turns),
     )
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
 
 
-def _savings(messages: Sequence[Message], result: TrimResult, model: str | None, counter: TokenCounter,
-             price: ModelPrice) -> Savings:
+def _savings(
+    messages: Sequence[Message], result: TrimResult, model: str | None, counter: TokenCounter, price: ModelPrice
+) -> Savings:
     """What the trim saved at `price`, the untrimmed and the sent prompt each with the prefix the
     previous turn's prompt shares with it priced as cached (as the filter estimates it)."""
     before, after = result.tokens_before, result.tokens_after
-    untrimmed, sent = cached_prefixes(messages, result.messages, before, after, result.reused,
-                                      lambda part: counter.count_each(part, model))
+    untrimmed, sent = cached_prefixes(
+        messages, result.messages, before, after, result.reused, lambda part: counter.count_each(part, model)
+    )
     minimum, caches = min_cacheable_tokens(model or ""), price_caches(price)
-    return estimate_savings(before, after, price=price,
-                            cache_before=predicted_cache(before, untrimmed, price, caches=caches, minimum=minimum),
-                            cache_after=predicted_cache(after, sent, price, caches=caches, minimum=minimum))
+    return estimate_savings(
+        before,
+        after,
+        price=price,
+        cache_before=predicted_cache(before, untrimmed, price, caches=caches, minimum=minimum),
+        cache_after=predicted_cache(after, sent, price, caches=caches, minimum=minimum),
+    )
 
 
 def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float, growth_turns: int) -> str:
@@ -237,8 +286,11 @@ def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float,
     elif target == int(result.budget * watermark):
         why = f"{share}, the low watermark"
     else:
-        why = (f"{share}: the low watermark ({watermark:.0%}) less room for {growth_turns} more turns like the last one "
-               "(at most half the budget)")
-    return (f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
-            "cache; whole turns only, so a little under")
-
+        why = (
+            f"{share}: the low watermark ({watermark:.0%}) less room for {growth_turns} more turns like the last one "
+            "(at most half the budget)"
+        )
+    return (
+        f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
+        "cache; whole turns only, so a little under"
+    )

@@ -24,7 +24,12 @@ from typing import Any
 
 from .budget import PromptBudget, fixed_cost, prompt_budget
 from .cache_hints import (
-    breakpoint_positions, breakpoint_provider, has_cache_markers, min_cacheable_tokens, needs_breakpoints, place_breakpoints,
+    breakpoint_positions,
+    breakpoint_provider,
+    has_cache_markers,
+    min_cacheable_tokens,
+    needs_breakpoints,
+    place_breakpoints,
     remove_breakpoints,
 )
 from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
@@ -42,12 +47,29 @@ from .embedder import OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
-from .limits import BUSY_TEXT, STORE_DOWN_TEXT, InFlight, Limits, Spend, check_limits, limits_for, refusal_text, spend_text
+from .limits import (
+    BUSY_TEXT,
+    STORE_DOWN_TEXT,
+    InFlight,
+    Limits,
+    Spend,
+    check_limits,
+    limits_for,
+    refusal_text,
+    spend_text,
+)
 from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .savings import (
-    Savings, cached_prefixes, calibrated_tokens, carried_savings, estimate_savings, predicted_cache, price_caches, reply_savings,
+    Savings,
+    cached_prefixes,
+    calibrated_tokens,
+    carried_savings,
+    estimate_savings,
+    predicted_cache,
+    price_caches,
+    reply_savings,
 )
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
@@ -106,6 +128,7 @@ async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: An
     if _cpu_worker is None or _cpu_worker[0] != os.getpid():
         _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
     return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
+
 
 ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in all for tiktoken (off the loop)
 
@@ -229,8 +252,11 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
 
 def _cache_view_ok(view: object) -> bool:
     """True for a cache view an earlier pass of this turn noted (see `Filter._cache_view`)."""
-    return isinstance(view, dict) and isinstance(view.get("caches"), bool) and all(
-        type(view.get(k)) is int and view[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
+    return (
+        isinstance(view, dict)
+        and isinstance(view.get("caches"), bool)
+        and all(type(view.get(k)) is int and view[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
+    )
 
 
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: dict) -> TurnChoice:
@@ -238,19 +264,30 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: d
     pass already trimmed, so its line counts from the chat the turn began with."""
     shortened = note.get("shortened")
     earlier = shortened if isinstance(shortened, int) and 0 <= shortened <= messages_before else 0
-    return replace(choice, count_before=messages_before, tokens_before=choice.tokens_after + removed,
-                   shortened=max(choice.shortened, earlier))
+    return replace(
+        choice,
+        count_before=messages_before,
+        tokens_before=choice.tokens_after + removed,
+        shortened=max(choice.shortened, earlier),
+    )
 
 
 def trim_summary(note: dict) -> str:
     """` · trimmed 9 → 1 messages` for the usage line after a reply (the line left showing), from
     the turn note; "" when nothing was cut or the note is not this filter's (outlet input is hostile)."""
     savings = note.get("savings") if isinstance(note.get("savings"), dict) else {}
-    before, after = (read_count(v) if isinstance(v, int) else None for v in (savings.get("messages_before"), note.get("sent_messages")))
+    before, after = (
+        read_count(v) if isinstance(v, int) else None
+        for v in (savings.get("messages_before"), note.get("sent_messages"))
+    )
     shortened = read_count(note.get("shortened")) if isinstance(note.get("shortened"), int) else None
     if before is None or after is None or after > before or (before == after and not shortened):
         return ""
-    text = f" · trimmed {before:,} → {after:,} {'message' if after == 1 else 'messages'}" if before != after else " · trimmed"
+    text = (
+        f" · trimmed {before:,} → {after:,} {'message' if after == 1 else 'messages'}"
+        if before != after
+        else " · trimmed"
+    )
     return text + (f", {shortened:,} shortened" if shortened else "")
 
 
@@ -304,7 +341,9 @@ class Filter:
         except (TurnRefused, *NEVER_SWALLOWED):
             raise  # on purpose: Open WebUI shows a refusal's text to the user
         except BaseException as exc:
-            filter_log.warning("contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc))
+            filter_log.warning(
+                "contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc)
+            )
         return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
 
     async def request(
@@ -341,7 +380,13 @@ class Filter:
     # -- inlet / request ----------------------------------------------------------------------
 
     async def _trim_hook(
-        self, hook: str, body: Any, user: dict | None, metadata: dict | None, model: dict | None, emit: Emitter | None,
+        self,
+        hook: str,
+        body: Any,
+        user: dict | None,
+        metadata: dict | None,
+        model: dict | None,
+        emit: Emitter | None,
         request: Any = None,
     ) -> Any:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
@@ -391,8 +436,13 @@ class Filter:
         flags = read.flags
         if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
             flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
-        budget = prompt_budget(settings.budget(window), calibration, fixed_cost(body, self._counter, model_id), flags.budget,
-                               ceiling=settings.window_budget(window))
+        budget = prompt_budget(
+            settings.budget(window),
+            calibration,
+            fixed_cost(body, self._counter, model_id),
+            flags.budget,
+            ceiling=settings.window_budget(window),
+        )
         key = chat_state_key(*_ids(body, user, metadata))
         state, stored_bytes = await self._load_state(key, read, flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
@@ -400,7 +450,9 @@ class Filter:
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
-        choice = await self._choose(read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off)
+        choice = await self._choose(
+            read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off
+        )
         choice = choice.plus_fixed(budget.fixed.tokens, budget.fixed.label, budget.fixed_over, budget.total)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
@@ -414,37 +466,70 @@ class Filter:
             removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)
         removed += removed_now
         factor = calibration.effect
-        hints = settings.prompt_cache_hints == "auto" and not shadow and breakpoint_provider(
-            _sent_id(model_id, resolution), resolution.model_id, model) is not None
+        hints = (
+            settings.prompt_cache_hints == "auto"
+            and not shadow
+            and breakpoint_provider(_sent_id(model_id, resolution), resolution.model_id, model) is not None
+        )
         cache = note.get("cache") if _cache_view_ok(note.get("cache")) else None
         if cache is None:  # a later pass of this turn keeps the first pass's view: that pass saw the whole chat
-            cache = await self._cache_view(read.messages, choice, choice.tokens_after + removed, resolution, model_id, factor, hints)
+            cache = await self._cache_view(
+                read.messages, choice, choice.tokens_after + removed, resolution, model_id, factor, hints
+            )
         savings = estimate_savings(
-            choice.tokens_after + removed, choice.tokens_after, factor=factor, price=resolution.price,
-            cache_before=predicted_cache(calibrated_tokens(choice.tokens_after + removed, factor), cache["untrimmed"],
-                                         resolution.price, caches=cache["caches"], minimum=cache["minimum"]),
-            cache_after=predicted_cache(calibrated_tokens(choice.tokens_after, factor), cache["trimmed"],
-                                        resolution.price, caches=cache["caches"], minimum=cache["minimum"]),
+            choice.tokens_after + removed,
+            choice.tokens_after,
+            factor=factor,
+            price=resolution.price,
+            cache_before=predicted_cache(
+                calibrated_tokens(choice.tokens_after + removed, factor),
+                cache["untrimmed"],
+                resolution.price,
+                caches=cache["caches"],
+                minimum=cache["minimum"],
+            ),
+            cache_after=predicted_cache(
+                calibrated_tokens(choice.tokens_after, factor),
+                cache["trimmed"],
+                resolution.price,
+                caches=cache["caches"],
+                minimum=cache["minimum"],
+            ),
         )
         if isinstance(metadata, dict):
             sent, sent_messages = choice.tokens_after, choice.messages
             if shadow:  # shadow sends the body as it came
                 same = _same_messages(read.messages, body["messages"])
-                sent = choice.tokens_before if same else await compute(off, self._counter.count_messages, body["messages"], model_id) + budget.fixed.tokens
+                sent = (
+                    choice.tokens_before
+                    if same
+                    else await compute(off, self._counter.count_messages, body["messages"], model_id)
+                    + budget.fixed.tokens
+                )
                 sent_messages = body["messages"]
             note.update(
-                mode=settings.mode, estimated_prompt_tokens=sent, count_mode=choice.count_mode, budget=choice.budget,
-                dropped=0 if shadow else choice.dropped, reused=choice.reused, decided=key is not None,
-                calibration=calibration.effect, comparable=comparable_turn(sent_messages, body),
+                mode=settings.mode,
+                estimated_prompt_tokens=sent,
+                count_mode=choice.count_mode,
+                budget=choice.budget,
+                dropped=0 if shadow else choice.dropped,
+                reused=choice.reused,
+                decided=key is not None,
+                calibration=calibration.effect,
+                comparable=comparable_turn(sent_messages, body),
                 savings={"removed": removed, "messages_before": messages_before},
-                tokens_saved=savings.tokens_saved, cost_saved_usd=_usd_text(savings.cost_saved_usd), cache=cache,
+                tokens_saved=savings.tokens_saved,
+                cost_saved_usd=_usd_text(savings.cost_saved_usd),
+                cache=cache,
             )
             if flags.used or flags.refused:
                 note["flags"] = flags.to_dict()
             metadata[METADATA_KEY] = note
         if settings.show_status:
             turn = choice if shadow else _turn_so_far(choice, messages_before, removed, note)
-            line = shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(turn, flags)
+            line = (
+                shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(turn, flags)
+            )
             line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
             if line != note.get("line"):  # one line a turn: a later pass that changes nothing says nothing
                 await self._emit(emit, line)
@@ -459,7 +544,9 @@ class Filter:
             return body
         return {**body, "messages": out}
 
-    def _with_breakpoints(self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str, note: dict) -> list[Message]:
+    def _with_breakpoints(
+        self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str, note: dict
+    ) -> list[Message]:
         """`messages` with prompt-cache breakpoints on the stable prefix, unless some are there already
         (another filter's, or the caller's): never a second set. What was marked is noted, so a
         later pass of this turn takes them off before it trims."""
@@ -475,8 +562,14 @@ class Filter:
         return marked
 
     async def _cache_view(
-        self, messages: list[Message], choice: TurnChoice, untrimmed: int, resolution: Resolution, model_id: str,
-        factor: float, hints: bool,
+        self,
+        messages: list[Message],
+        choice: TurnChoice,
+        untrimmed: int,
+        resolution: Resolution,
+        model_id: str,
+        factor: float,
+        hints: bool,
     ) -> dict[str, Any]:
         """What the provider's cache would serve (provider tokens): the untrimmed chat's previous
         prompt (`untrimmed`), the sent prompt's reused prefix (`trimmed`: all but the newest reply
@@ -494,8 +587,13 @@ class Filter:
             learned = None
         view["caches"] = bool(expected if learned is None else learned)
         untrimmed_prefix, sent_prefix = cached_prefixes(
-            messages, choice.messages, untrimmed, choice.tokens_after, choice.reused,
-            lambda part: self._counter.count_each(part, model_id))
+            messages,
+            choice.messages,
+            untrimmed,
+            choice.tokens_after,
+            choice.reused,
+            lambda part: self._counter.count_each(part, model_id),
+        )
         view["untrimmed"] = calibrated_tokens(untrimmed_prefix, factor)
         view["trimmed"] = calibrated_tokens(sent_prefix, factor)
         return view
@@ -518,14 +616,20 @@ class Filter:
         counter = self._counter
         budget = prompt.messages
         if flags.full:
-            costs, mode, _ = await compute(off, counter.count_each_as, messages, model_id)  # the label goes with the counts
+            costs, mode, _ = await compute(
+                off, counter.count_each_as, messages, model_id
+            )  # the label goes with the counts
             tokens = TOKENS_PER_REPLY + sum(costs)
-            return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
+            return TurnChoice(
+                messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True
+            )
         at, merged = find_summary(messages)
         summary = messages[at] if at is not None else None
         base = messages if at is None else messages[:at] + messages[at + 1 :]
         pins = set(state.pins)
-        pinned = [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
+        pinned = (
+            [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
+        )
 
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
             return trim_messages(
@@ -549,7 +653,12 @@ class Filter:
                 result = await compute(off, retrim, budget - cost)
                 return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
         result = await compute(off, retrim, budget)
-        if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings) and not result.reused:
+        if (
+            embedder is not None
+            and result.dropped
+            and await self._embed_ahead(embedder, base, settings)
+            and not result.reused
+        ):
             result = await compute(off, retrim, budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             done = await summarize_trim(
@@ -557,7 +666,9 @@ class Filter:
             )
             if done is not None:
                 chosen = TurnChoice.of(done.result, done.messages)
-                return replace(chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True)
+                return replace(
+                    chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True
+                )
         return TurnChoice.of(result, result.messages)
 
     async def _embed_ahead(self, embedder: OpenWebUIEmbedder, messages: list[Message], settings: Settings) -> bool:
@@ -566,7 +677,9 @@ class Filter:
         True when the embedder answered (the trim may use it); a failure is logged once a kind
         and the turn's relevance stays lexical."""
         try:
-            await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts)
+            await embedder.prefetch(
+                messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts
+            )
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
             reason = "embedder: " + ("timed out" if isinstance(exc, TimeoutError) else type(exc).__name__)
             if reason not in self._reported and len(self._reported) < MAX_REPORTED_PROBLEMS:
@@ -582,7 +695,9 @@ class Filter:
         if left > 0 and self._counter.mode(model_id) != "exact":
             await asyncio.to_thread(self._counter.wait_ready, model_id, left)
 
-    async def _load_state(self, key: str | None, read: FlagRead, flags: Flags) -> tuple[ChatState, bytes | None | object]:
+    async def _load_state(
+        self, key: str | None, read: FlagRead, flags: Flags
+    ) -> tuple[ChatState, bytes | None | object]:
         """The chat's stored state with this turn's pin flags applied, and the bytes it was read
         from (`UNREADABLE` when the read failed or the bytes are not this version's)."""
         state, stored = ChatState(), None
@@ -624,10 +739,18 @@ class Filter:
         user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
         if is_usage_command(body["messages"]):
             limits = await self._user_limits(settings, user_id, role)
-            raise TurnRefused(await usage_answer(
-                self._store, now=self._now(), admin=role == "admin", user_id=user_id, limits=limits,
-                rules=settings.limits, emit=emit, chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
-            ))
+            raise TurnRefused(
+                await usage_answer(
+                    self._store,
+                    now=self._now(),
+                    admin=role == "admin",
+                    user_id=user_id,
+                    limits=limits,
+                    rules=settings.limits,
+                    emit=emit,
+                    chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
+                )
+            )
         limits = await self._user_limits(settings, user_id, role)
         if not limits.any:
             return
@@ -672,7 +795,9 @@ class Filter:
             return await self._spend(user_id)
         except Exception as exc:
             if settings.limit_store_failure == "fail-closed":
-                filter_log.warning("contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__)
+                filter_log.warning(
+                    "contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__
+                )
                 raise TurnRefused(STORE_DOWN_TEXT) from None
             filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
             return None
@@ -690,7 +815,9 @@ class Filter:
         if not isinstance(user_id, str) or not user_id:
             return
         try:
-            await self._spendbook.record(self._store, user=user_id, day=self._now().date(), cost_usd=cost_usd, tokens=tokens)
+            await self._spendbook.record(
+                self._store, user=user_id, day=self._now().date(), cost_usd=cost_usd, tokens=tokens
+            )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
 
@@ -768,18 +895,36 @@ class Filter:
         filter_log.info("usage %s", json.dumps(record, separators=(",", ":")))
         try:  # after the log line, once: never retried, so never counted twice
             await record_reply(
-                self._store, user=user_id, model=resolution.model_id or model_id,
-                prompt_tokens=billed.prompt_tokens, completion_tokens=billed.completion_tokens,
-                cached_tokens=billed.cached_tokens, reasoning_tokens=billed.reasoning_tokens,
-                cost_usd=cost.cost_usd, estimated=estimated, retention_days=settings.ledger_retention_days, day=self._now().date(),
-                tokens_saved=tokens_saved or 0, cost_saved_usd=cost_saved, shadow=mode == "shadow",
+                self._store,
+                user=user_id,
+                model=resolution.model_id or model_id,
+                prompt_tokens=billed.prompt_tokens,
+                completion_tokens=billed.completion_tokens,
+                cached_tokens=billed.cached_tokens,
+                reasoning_tokens=billed.reasoning_tokens,
+                cost_usd=cost.cost_usd,
+                estimated=estimated,
+                retention_days=settings.ledger_retention_days,
+                day=self._now().date(),
+                tokens_saved=tokens_saved or 0,
+                cost_saved_usd=cost_saved,
+                shadow=mode == "shadow",
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
-            await self._record_spend(user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0))
-        if settings.calibrate_counts and not estimated and usage is not None and not usage.calls_summed \
-                and estimated_prompt is not None and note.get("count_mode") == "exact" and note.get("comparable") is True:
+            await self._record_spend(
+                user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0)
+            )
+        if (
+            settings.calibrate_counts
+            and not estimated
+            and usage is not None
+            and not usage.calls_summed
+            and estimated_prompt is not None
+            and note.get("count_mode") == "exact"
+            and note.get("comparable") is True
+        ):
             try:
                 await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
             except Exception as exc:
@@ -790,12 +935,25 @@ class Filter:
             except Exception as exc:
                 filter_log.debug("contextwarden: cache stats not updated (%s)", type(exc).__name__)
         if reply.get("role") == "assistant":
-            await compute(off, self._counter.count_message, reply, model_id)  # sent back next turn: counted now, off that turn's path
+            await compute(
+                off, self._counter.count_message, reply, model_id
+            )  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
             trimmed = trim_summary(note) if mode == "enforce" else ""
-            await self._emit(emit, " · ".join(filter(None, (
-                usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow") + trimmed, spent))))
+            await self._emit(
+                emit,
+                " · ".join(
+                    filter(
+                        None,
+                        (
+                            usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow")
+                            + trimmed,
+                            spent,
+                        ),
+                    )
+                ),
+            )
 
     async def _reply_savings(
         self, billed: Usage, note: dict, mode: str, tokens_saved: int | None, resolution: Resolution, model_id: str
@@ -817,8 +975,15 @@ class Filter:
             caches = view.get("caches") is True if learned is None else learned
         prefix = view.get("trimmed" if mode == "shadow" else "untrimmed")
         prefix = prefix if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0 else 0
-        return reply_savings(billed, shadow=mode == "shadow", tokens_saved=tokens_saved, other_prefix=prefix,
-                             price=resolution.price, caches=caches, minimum=min_cacheable_tokens(model_key))
+        return reply_savings(
+            billed,
+            shadow=mode == "shadow",
+            tokens_saved=tokens_saved,
+            other_prefix=prefix,
+            price=resolution.price,
+            caches=caches,
+            minimum=min_cacheable_tokens(model_key),
+        )
 
     async def _learn_caching(self, model_key: str, billed: Usage) -> None:
         """Count this reply in the model's cache stats (prompts over the minimum, and cache hits)."""
@@ -835,7 +1000,11 @@ class Filter:
             return usage, False
         prompt = usage.prompt_tokens if usage is not None else None
         if prompt is None:
-            prompt = estimated_prompt if estimated_prompt is not None else self._counter.count_messages(messages[:-1], model_id)
+            prompt = (
+                estimated_prompt
+                if estimated_prompt is not None
+                else self._counter.count_messages(messages[:-1], model_id)
+            )
         completion = usage.completion_tokens if usage is not None else None
         if completion is None:
             completion = self._counter.count_text(message_text(messages[-1]), model_id)
@@ -848,12 +1017,18 @@ class Filter:
     async def _resolve(self, settings: Settings, model_id: str, emit: Emitter | None) -> Resolution:
         """The price-book model for an id (admin file > live OpenRouter > bundled)."""
         book, problems = await self._prices.book(
-            openrouter=settings.openrouter_pricing, ttl_hours=settings.pricing_ttl_hours, pricing_file=settings.pricing_file
+            openrouter=settings.openrouter_pricing,
+            ttl_hours=settings.pricing_ttl_hours,
+            pricing_file=settings.pricing_file,
         )
         for problem in problems:
             await self._report(problem, emit)
         return resolve_model(
-            model_id, book, aliases=settings.model_aliases, prefixes=settings.connection_prefixes, free_models=settings.free_models
+            model_id,
+            book,
+            aliases=settings.model_aliases,
+            prefixes=settings.connection_prefixes,
+            free_models=settings.free_models,
         )
 
     async def _calibration(self, settings: Settings, resolution: Resolution) -> Calibration:

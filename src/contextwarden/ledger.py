@@ -106,7 +106,7 @@ def _ledger_key_parts(key: str) -> tuple[date, str, str] | None:
     """(day, user, model) of a ledger key, None for anything else."""
     if not key.startswith(LEDGER_KEY_PREFIX):
         return None
-    parts = key[len(LEDGER_KEY_PREFIX):].split(":")
+    parts = key[len(LEDGER_KEY_PREFIX) :].split(":")
     if len(parts) != 3:
         return None
     try:
@@ -219,7 +219,9 @@ async def record_reply(
         fields[prefix + "trimmed"] = 1
         fields[prefix + "tokens_saved"] = tokens_saved
         saved = cost_saved_usd or Decimal(0)  # negative when the untrimmed chat was cheaper (prompt cache)
-        fields[prefix + "cost_saved_picousd"] = -usd_to_picodollars(-saved) if saved.is_finite() and saved < 0 else usd_to_picodollars(saved)
+        fields[prefix + "cost_saved_picousd"] = (
+            -usd_to_picodollars(-saved) if saved.is_finite() and saved < 0 else usd_to_picodollars(saved)
+        )
     for name, amount in fields.items():  # checked before anything is written
         limit = _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT)
         low = -limit if name in SIGNED_MONEY_FIELDS else 0
@@ -236,7 +238,11 @@ async def read_ledger(
     only one user's when `user` is given (a spending limit reads just those)."""
     pattern = LEDGER_KEY_PREFIX + "*"
     if user is not None:  # ids are percent-encoded: no glob character is left in them
-        month = since.isoformat()[:8] if since is not None and until is not None and since.isoformat()[:8] == until.isoformat()[:8] else ""
+        month = (
+            since.isoformat()[:8]
+            if since is not None and until is not None and since.isoformat()[:8] == until.isoformat()[:8]
+            else ""
+        )
         pattern = f"{LEDGER_KEY_PREFIX}{month}*:{quote(user or '-', safe='')}:*"
     entries = []
     for key in await store.keys(pattern):

@@ -139,18 +139,25 @@ def parse_overrides(text: str, base: Limits) -> LimitRules:
     if not text.strip():
         return LimitRules(base=base)
     if len(text) > MAX_OVERRIDES_CHARS:
-        raise ConfigError(f"{OVERRIDES_VALVE} is longer than {MAX_OVERRIDES_CHARS:,} characters; no overrides used", valve=OVERRIDES_VALVE)
+        raise ConfigError(
+            f"{OVERRIDES_VALVE} is longer than {MAX_OVERRIDES_CHARS:,} characters; no overrides used",
+            valve=OVERRIDES_VALVE,
+        )
     try:
         document = json.loads(text, parse_float=Decimal)
     except ValueError as exc:
         where = f"line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "somewhere"
-        raise ConfigError(f"{OVERRIDES_VALVE} is not valid JSON (at {where}); no overrides used", valve=OVERRIDES_VALVE) from None
+        raise ConfigError(
+            f"{OVERRIDES_VALVE} is not valid JSON (at {where}); no overrides used", valve=OVERRIDES_VALVE
+        ) from None
     try:
         parsed = _Overrides.model_validate(document)
     except ValidationError as exc:
         first = exc.errors()[0]
         place = ".".join(str(p) for p in first["loc"]) or "the top level"
-        raise ConfigError(f"{OVERRIDES_VALVE}: {place}: {first['msg']}; no overrides used", valve=OVERRIDES_VALVE) from None
+        raise ConfigError(
+            f"{OVERRIDES_VALVE}: {place}: {first['msg']}; no overrides used", valve=OVERRIDES_VALVE
+        ) from None
     return LimitRules(
         base=base,
         roles={k: _limits(v) for k, v in parsed.roles.items()},
@@ -217,7 +224,12 @@ def spend_of(entries: Iterable[LedgerEntry], today: date) -> tuple[Spend, Spend]
         if not first <= entry.day <= today:
             continue
         c = entry.counters
-        part = Spend(entry.cost_usd, c.get("prompt_tokens", 0) + c.get("completion_tokens", 0), c.get("requests", 0), c.get("unpriced", 0))
+        part = Spend(
+            entry.cost_usd,
+            c.get("prompt_tokens", 0) + c.get("completion_tokens", 0),
+            c.get("requests", 0),
+            c.get("unpriced", 0),
+        )
         month = _add(month, part)
         if entry.day == today:
             day = _add(day, part)
@@ -311,7 +323,9 @@ BUSY_TEXT = (
     "contextwarden: you are near your usage limit and another of your replies is still running; "
     "send this again when it has finished."
 )
-STORE_DOWN_TEXT = "contextwarden: usage limits cannot be checked right now (the usage store is unreachable); try again shortly."
+STORE_DOWN_TEXT = (
+    "contextwarden: usage limits cannot be checked right now (the usage store is unreachable); try again shortly."
+)
 
 
 def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -> str:
@@ -334,7 +348,10 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
         parts.append(line)
     if verdict.warn_kind is not None:
         share = int(min(verdict.warn_share, Decimal("9.99")) * 100)
-        parts.append(f"{share}% of your {verdict.warn_kind.split('_')[0]} limit" + ("" if verdict.warn_kind.endswith("usd") else " (tokens)"))
+        parts.append(
+            f"{share}% of your {verdict.warn_kind.split('_')[0]} limit"
+            + ("" if verdict.warn_kind.endswith("usd") else " (tokens)")
+        )
     return " · ".join(parts)
 
 

@@ -112,7 +112,10 @@ def _parse_openrouter(body: bytes, now: float, day: str) -> PriceBook:
     if missing:
         _LIVE_PRICES_LOG.warning(
             "contextwarden: OpenRouter prices: %d of %d models have no prompt or completion price "
-            "(empty or renamed `pricing` keys); they are priced as unknown, never $0", missing, entries)
+            "(empty or renamed `pricing` keys); they are priced as unknown, never $0",
+            missing,
+            entries,
+        )
     return book
 
 
@@ -132,8 +135,20 @@ class LivePrices:
     sharing the serialized table between workers (e.g. through Redis).
     """
 
-    __slots__ = ("_fallback", "_live", "_url", "_ttl_seconds", "_timeout", "_retry_seconds",
-                 "_client", "_shared_get", "_shared_put", "_clock", "_task", "_next_attempt")
+    __slots__ = (
+        "_fallback",
+        "_live",
+        "_url",
+        "_ttl_seconds",
+        "_timeout",
+        "_retry_seconds",
+        "_client",
+        "_shared_get",
+        "_shared_put",
+        "_clock",
+        "_task",
+        "_next_attempt",
+    )
 
     def __init__(
         self,
@@ -203,7 +218,10 @@ class LivePrices:
             detail = str(exc) if isinstance(exc, PricingError) else type(exc).__name__
             _LIVE_PRICES_LOG.warning(
                 "contextwarden: live prices not refreshed (%s); using %s prices from %s",
-                detail, self.book.source, self.book.source_date)
+                detail,
+                self.book.source,
+                self.book.source_date,
+            )
 
     async def refresh(self) -> PriceBook:
         """Take a fresh shared table if there is one, else fetch from OpenRouter and share it.
@@ -216,8 +234,7 @@ class LivePrices:
                 text = await self._shared_get()
                 shared = await asyncio.to_thread(PriceBook.from_json, text, source="openrouter") if text else None
             except Exception as exc:  # a broken share must not stop the fetch
-                _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s",
-                                       type(exc).__name__)
+                _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s", type(exc).__name__)
                 shared = None
             if self._is_fresh(shared):
                 self._live = shared
@@ -233,6 +250,5 @@ class LivePrices:
             try:
                 await self._shared_put(book.to_json())
             except Exception as exc:
-                _LIVE_PRICES_LOG.debug("contextwarden: price table not shared: %s",
-                                       type(exc).__name__)
+                _LIVE_PRICES_LOG.debug("contextwarden: price table not shared: %s", type(exc).__name__)
         return book

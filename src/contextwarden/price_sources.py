@@ -60,7 +60,9 @@ class PriceSources:
             self._bundled = PriceBook.from_bundled()
         return self._bundled
 
-    async def book(self, *, openrouter: bool, ttl_hours: float, pricing_file: str) -> tuple[PriceBook, list[ConfigError]]:
+    async def book(
+        self, *, openrouter: bool, ttl_hours: float, pricing_file: str
+    ) -> tuple[PriceBook, list[ConfigError]]:
         """The book to price with now, and problems with the pricing_file valve.
 
         Starts a background refresh of live prices when they are on and stale; never waits
@@ -111,7 +113,11 @@ class PriceSources:
                     self._admin = (stamp, book, None)
                 except Exception as exc:  # any failure: named, and the other prices go on
                     detail = str(exc) if isinstance(exc, PricingError) else f"unreadable ({type(exc).__name__})"
-                    self._admin = (stamp, None, f"pricing_file: {detail.removeprefix('pricing_file: ')}; using live and bundled prices")
+                    self._admin = (
+                        stamp,
+                        None,
+                        f"pricing_file: {detail.removeprefix('pricing_file: ')}; using live and bundled prices",
+                    )
         return self._admin[1], self._admin[2]
 
     async def _shared_get(self) -> str | None:

@@ -98,8 +98,7 @@ class ModelPrice:
 
         Example: a 250,000-token prompt to google/gemini-2.5-pro gets the 200,000+ tier.
         """
-        chosen = PriceTier(0, self.prompt, self.completion, self.cache_read, self.cache_write,
-                           self.cache_write_1h)
+        chosen = PriceTier(0, self.prompt, self.completion, self.cache_read, self.cache_write, self.cache_write_1h)
         for tier in self.tiers:
             if prompt_tokens is not None and prompt_tokens >= tier.min_prompt_tokens:
                 chosen = tier
@@ -236,8 +235,11 @@ def openrouter_unlisted(payload: object) -> tuple[int, int]:
     a warning, since a renamed key in the API would otherwise go unnoticed."""
     entries = payload.get("data") if isinstance(payload, dict) else None
     entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
-    missing = sum(1 for e in entries if isinstance(e.get("pricing"), Mapping)
-                  and any(key not in e["pricing"] for key in _OPENROUTER_REQUIRED))
+    missing = sum(
+        1
+        for e in entries
+        if isinstance(e.get("pricing"), Mapping) and any(key not in e["pricing"] for key in _OPENROUTER_REQUIRED)
+    )
     return missing, len(entries)
 
 
@@ -253,8 +255,9 @@ def _model_from_record(record: Mapping) -> ModelPrice:
             continue
         threshold = _price_positive_int(raw.get("min_prompt_tokens"))
         if threshold is not None:
-            tier_fields = {name: _price_decimal(raw[name]) if name in raw else base[name]
-                           for name in _PRICE_TIER_FIELDS}
+            tier_fields = {
+                name: _price_decimal(raw[name]) if name in raw else base[name] for name in _PRICE_TIER_FIELDS
+            }
             tiers.append(PriceTier(threshold, **tier_fields))
     slug = record.get("canonical_slug")
     return ModelPrice(
@@ -275,8 +278,10 @@ def _model_to_record(price: ModelPrice) -> dict:
     record["canonical_slug"] = price.canonical_slug
     record["varies_by_time"] = price.varies_by_time
     record["tiers"] = [
-        {"min_prompt_tokens": tier.min_prompt_tokens,
-         **{name: _price_text(getattr(tier, name)) for name in _PRICE_TIER_FIELDS}}
+        {
+            "min_prompt_tokens": tier.min_prompt_tokens,
+            **{name: _price_text(getattr(tier, name)) for name in _PRICE_TIER_FIELDS},
+        }
         for tier in price.tiers
     ]
     return record
@@ -307,8 +312,7 @@ class PriceBook:
     source_date: str | None = None
     fetched_at: float | None = None
     _lower: Mapping[str, str] = field(init=False, repr=False, compare=False)
-    _by_key: Mapping[str, Mapping[str, frozenset[str]]] = field(
-        init=False, repr=False, compare=False)
+    _by_key: Mapping[str, Mapping[str, frozenset[str]]] = field(init=False, repr=False, compare=False)
     _providers: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -325,10 +329,11 @@ class PriceBook:
                 _price_index_add(indexes["dashed"], _model_dashed_id(name), model_id)
                 _price_index_add(indexes["dashed"], _model_dashed_id(bare), model_id)
         object.__setattr__(self, "_lower", {k.lower(): k for k in self.prices})
-        object.__setattr__(self, "_by_key", {
-            step: {key: frozenset(ids) for key, ids in index.items()}
-            for step, index in indexes.items()
-        })
+        object.__setattr__(
+            self,
+            "_by_key",
+            {step: {key: frozenset(ids) for key, ids in index.items()} for step, index in indexes.items()},
+        )
         providers = {k.lstrip("~").partition("/")[0].lower() for k in self.prices if "/" in k}
         object.__setattr__(self, "_providers", frozenset(providers))
 
@@ -339,11 +344,15 @@ class PriceBook:
         for model_id, row in BUNDLED_PRICES.items():
             slug, length, prompt, completion, read, write, write_1h, reasoning, timed, tiers = row
             prices[model_id] = ModelPrice(
-                prompt=_price_decimal(prompt), completion=_price_decimal(completion),
-                cache_read=_price_decimal(read), cache_write=_price_decimal(write),
+                prompt=_price_decimal(prompt),
+                completion=_price_decimal(completion),
+                cache_read=_price_decimal(read),
+                cache_write=_price_decimal(write),
                 cache_write_1h=_price_decimal(write_1h),
                 internal_reasoning=_price_decimal(reasoning),
-                context_length=length, canonical_slug=slug or model_id, varies_by_time=timed,
+                context_length=length,
+                canonical_slug=slug or model_id,
+                varies_by_time=timed,
                 tiers=tuple(PriceTier(t[0], *(_price_decimal(v) for v in t[1:])) for t in tiers),
             )
         return cls(prices, source="bundled", source_date=BUNDLED_PRICES_DATE)
@@ -364,11 +373,14 @@ class PriceBook:
         models = document.get("models") if isinstance(document, dict) else None
         if not isinstance(models, dict):
             raise PricingError(f"{source}: expected an object with a 'models' object")
-        prices = {str(k): _model_from_record(v)
-                  for k, v in models.items() if isinstance(v, Mapping)}
+        prices = {str(k): _model_from_record(v) for k, v in models.items() if isinstance(v, Mapping)}
         day = document.get("source_date")
-        return cls(prices, source=source, source_date=day[:32] if isinstance(day, str) else None,
-                   fetched_at=_price_timestamp(document.get("fetched_at")))
+        return cls(
+            prices,
+            source=source,
+            source_date=day[:32] if isinstance(day, str) else None,
+            fetched_at=_price_timestamp(document.get("fetched_at")),
+        )
 
     @classmethod
     def from_file(cls, path: str | Path, *, source: str | None = None) -> PriceBook:
@@ -383,9 +395,14 @@ class PriceBook:
         return cls.from_json(_read_price_file(path), source=source or str(path))
 
     @classmethod
-    def from_openrouter(cls, payload: object, *, source: str = "openrouter",
-                        fetched_at: float | None = None,
-                        source_date: str | None = None) -> PriceBook:
+    def from_openrouter(
+        cls,
+        payload: object,
+        *,
+        source: str = "openrouter",
+        fetched_at: float | None = None,
+        source_date: str | None = None,
+    ) -> PriceBook:
         """Read a `GET /api/v1/models` payload, 2025 shape (every key) or 2026 (zeros omitted).
 
         Raises:
@@ -420,9 +437,12 @@ class PriceBook:
 
     def layered(self, top: PriceBook) -> PriceBook:
         """A book where `top`'s models replace or add to these (admin file > live > bundled)."""
-        return PriceBook({**self.prices, **top.prices}, source=f"{top.source}+{self.source}",
-                         source_date=top.source_date or self.source_date,
-                         fetched_at=top.fetched_at or self.fetched_at)
+        return PriceBook(
+            {**self.prices, **top.prices},
+            source=f"{top.source}+{self.source}",
+            source_date=top.source_date or self.source_date,
+            fetched_at=top.fetched_at or self.fetched_at,
+        )
 
     def find(self, model_id: str) -> str | None:
         """The id as stored, matched case-insensitively, or None."""
@@ -454,9 +474,7 @@ class Resolution:
     price: ModelPrice | None = None
 
 
-def _strip_connection_prefix(
-    model_id: str, book: PriceBook, prefixes: Sequence[str]
-) -> tuple[str, str | None]:
+def _strip_connection_prefix(model_id: str, book: PriceBook, prefixes: Sequence[str]) -> tuple[str, str | None]:
     """Remove an Open WebUI connection prefix (`prefix_id.model`), returning (id, prefix).
 
     Configured prefixes are removed when the id starts with `prefix.`. Without configuration
@@ -466,7 +484,7 @@ def _strip_connection_prefix(
     """
     for prefix in sorted((p for p in prefixes if p), key=len, reverse=True):
         if model_id.startswith(prefix + ".") and len(model_id) > len(prefix) + 1:
-            return model_id[len(prefix) + 1:], prefix
+            return model_id[len(prefix) + 1 :], prefix
     namespace, slash, rest = model_id.partition("/")
     if slash and "." in namespace and not book.has_provider(namespace):
         prefix, _dot, provider = namespace.rpartition(".")
@@ -498,8 +516,7 @@ def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None,
     undated = _MODEL_DATE_SUFFIX.sub("", base)
     attempts = [("canonical_slug", "canonical_slug", base), ("bare", "bare", _model_bare_id(base))]
     if undated != base:
-        attempts += [("date_suffix", None, undated),
-                     ("date_suffix", "bare", _model_bare_id(undated))]
+        attempts += [("date_suffix", None, undated), ("date_suffix", "bare", _model_bare_id(undated))]
     attempts.append(("dots_dashes", "dashed", _model_dashed_id(undated)))
     for step, index, key in attempts:
         hits = frozenset({book.find(key)} - {None}) if index is None else book.matches(index, key)
@@ -550,11 +567,17 @@ def resolve_model(
             target = aliases[pattern]
             resolved, _step, reason = _resolve_chain(target, book)
             if resolved is None:
-                return Resolution(requested, None, None, prefix=prefix, reason=(
-                    f"model_aliases maps {pattern!r} to {target!r}, which is not in the price "
-                    f"book ({book.source})" + (f"; {reason}" if reason else "")))
-            return Resolution(requested, resolved, "alias", prefix=prefix,
-                              price=book.prices[resolved])
+                return Resolution(
+                    requested,
+                    None,
+                    None,
+                    prefix=prefix,
+                    reason=(
+                        f"model_aliases maps {pattern!r} to {target!r}, which is not in the price "
+                        f"book ({book.source})" + (f"; {reason}" if reason else "")
+                    ),
+                )
+            return Resolution(requested, resolved, "alias", prefix=prefix, price=book.prices[resolved])
     for name in names:
         if _model_glob_match(name, free_models) is not None:
             return Resolution(requested, requested, "free", prefix=prefix, price=FREE_PRICE)
@@ -564,8 +587,10 @@ def resolve_model(
     if reason is None:
         reason = f"no model in the price book ({book.source}) matches {requested!r}"
         if ":" in requested and "/" not in requested:
-            reason += ("; it looks like a local (Ollama) model: list it in free_models if it "
-                       "costs nothing, or map it in model_aliases")
+            reason += (
+                "; it looks like a local (Ollama) model: list it in free_models if it "
+                "costs nothing, or map it in model_aliases"
+            )
     return Resolution(requested, None, None, reason=reason, prefix=prefix)
 
 
@@ -590,18 +615,18 @@ def parse_aliases(text: str) -> dict[str, str]:
     try:
         parsed = json.loads(text)
     except ValueError as exc:
-        raise ConfigError(f"model_aliases is not valid JSON ({exc}); {example}",
-                          valve="model_aliases") from exc
+        raise ConfigError(f"model_aliases is not valid JSON ({exc}); {example}", valve="model_aliases") from exc
     if not isinstance(parsed, dict):
-        raise ConfigError(f"model_aliases is a JSON {type(parsed).__name__}; {example}",
-                          valve="model_aliases")
+        raise ConfigError(f"model_aliases is a JSON {type(parsed).__name__}; {example}", valve="model_aliases")
     aliases: dict[str, str] = {}
     for number, (key, value) in enumerate(parsed.items(), 1):
         if not key.strip():
             raise ConfigError("model_aliases has an empty model id as a key", valve="model_aliases")
         if not isinstance(value, str) or not value.strip():  # named by position: a value is never shown
-            raise ConfigError(f"model_aliases: entry {number} must be a model id string, not {type(value).__name__}",
-                              valve="model_aliases")
+            raise ConfigError(
+                f"model_aliases: entry {number} must be a model id string, not {type(value).__name__}",
+                valve="model_aliases",
+            )
         aliases[key.strip()] = value.strip()
     return aliases
 

@@ -75,7 +75,9 @@ _STOP_WORDS = frozenset(
 _SHORT_MESSAGE_CHARS = 160
 # UTF-8 bytes to words in one pass: ASCII letters lower-cased, ASCII digits and every
 # non-ASCII byte kept, every other ASCII byte a space.
-_WORD_BYTES = bytes(b + 32 if 65 <= b <= 90 else b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256))
+_WORD_BYTES = bytes(
+    b + 32 if 65 <= b <= 90 else b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256)
+)
 _ASCII_SEPARATORS = re.compile(r"[\x00-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f]+")
 
 
@@ -413,8 +415,9 @@ def score_messages(
     return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)
 
 
-def _mixed(base: list[float], stats: Sequence[_TermStats], roles: Sequence[object], skip: set[int],
-           weights: RelevanceWeights) -> list[float]:
+def _mixed(
+    base: list[float], stats: Sequence[_TermStats], roles: Sequence[object], skip: set[int], weights: RelevanceWeights
+) -> list[float]:
     """BM25 scores `base` with the other signals mixed in: Q&A pairing, neighbours, date
     headers, recency; the `skip` indices scored 0."""
     n = len(base)
@@ -534,4 +537,3 @@ def recall_scores(
         for i, score in zip(corpus, map(math.fsum, zip(*columns))):
             base[i] = score
     return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)
-

@@ -71,8 +71,11 @@ def _report_cell(row: LedgerRow, field: str) -> str:
     return f"{row.counters.get(field, 0):,}"
 
 
-def _report_columns(rows: Sequence[LedgerRow], columns: Sequence[tuple[str, str]] = REPORT_COLUMNS) -> list[tuple[str, str]]:
+def _report_columns(
+    rows: Sequence[LedgerRow], columns: Sequence[tuple[str, str]] = REPORT_COLUMNS
+) -> list[tuple[str, str]]:
     """`columns` less the optional ones no row has (no shadow turns: no shadow columns)."""
+
     def used(field: str) -> bool:
         return any(r.counters.get(field.replace("_usd", "_picousd"), 0) for r in rows)
 
@@ -84,7 +87,7 @@ def _fit(key: str, width: int) -> str:
     if len(key) <= width:
         return key
     head = (width - 1) // 2
-    return key[:head] + "…" + key[len(key) - (width - 1 - head):]
+    return key[:head] + "…" + key[len(key) - (width - 1 - head) :]
 
 
 def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> str:
@@ -108,12 +111,16 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
 
     def line(cells: list[str]) -> str:
         first = _fit(cells[0], widths[0])
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip([first, *cells[1:]], widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip([first, *cells[1:]], widths))
+        ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     lines = [line(header), rule, *(line(b) for b in body), rule, line(footer)]
     if total.counters["unpriced"]:
-        lines.append(f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not (≥, unknown)")
+        lines.append(
+            f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not (≥, unknown)"
+        )
     if total.counters["estimated"]:
         lines.append(f"{total.counters['estimated']:,} replies were estimated (the backend sent no usage)")
     if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
@@ -212,10 +219,12 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
     scale = plot_h / float(axis_top)
     slot = plot_w / len(days)
     bar = max(2.0, min(36.0, slot * 0.38))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
-             f'aria-label="Cost and savings per day">',
-             f'<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-             f'<rect width="6" height="6" fill="#ffffff"/><rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="Cost and savings per day">',
+        f'<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        f'<rect width="6" height="6" fill="#ffffff"/><rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>',
+    ]
     tick = Decimal(0)
     while tick <= axis_top:
         y = top + plot_h - float(tick) * scale
@@ -224,8 +233,10 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
         tick += step
 
     def rect(x: float, y: float, h: float, fill: str, title: str) -> str:
-        return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" fill="{fill}" '
-                f'stroke="{SAVED_COLOR if fill.startswith("url") else "none"}"><title>{html.escape(title)}</title></rect>')
+        return (
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" fill="{fill}" '
+            f'stroke="{SAVED_COLOR if fill.startswith("url") else "none"}"><title>{html.escape(title)}</title></rect>'
+        )
 
     every = max(1, len(days) // 20)
     for i, day in enumerate(days):
@@ -237,9 +248,19 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
                 continue
             h = float(picodollars_to_usd(amount)) * scale
             y -= h
-            parts.append(rect(x, y, h, CHART_COLORS[m_index % len(CHART_COLORS)], f"{day} · {model}: ${picodollars_to_usd(amount):f}"))
+            parts.append(
+                rect(
+                    x,
+                    y,
+                    h,
+                    CHART_COLORS[m_index % len(CHART_COLORS)],
+                    f"{day} · {model}: ${picodollars_to_usd(amount):f}",
+                )
+            )
         y = top + plot_h
-        for amount, fill, what in zip(savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)")):
+        for amount, fill, what in zip(
+            savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)")
+        ):
             if not amount:
                 continue
             h = float(picodollars_to_usd(amount)) * scale
@@ -247,13 +268,22 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
             parts.append(rect(x + bar + 2, y, h, fill, f"{day} · {what}: ~${picodollars_to_usd(amount):f}"))
         if i % every == 0:
             cx, cy = left + slot * i + slot / 2, top + plot_h + 14
-            parts.append(f'<text x="{cx:.1f}" y="{cy}" class="xlabel" transform="rotate(-35 {cx:.1f} {cy})">{day}</text>')
+            parts.append(
+                f'<text x="{cx:.1f}" y="{cy}" class="xlabel" transform="rotate(-35 {cx:.1f} {cy})">{day}</text>'
+            )
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" class="axis"/>')
     parts.append("</svg>")
     keys = [(CHART_COLORS[i % len(CHART_COLORS)], m) for i, m in enumerate(models)]
-    keys += [(SAVED_COLOR, "saved by trimming (estimate)"),
-             (f"repeating-linear-gradient(45deg,{SAVED_COLOR} 0 3px,#fff 3px 6px)", "would have saved, shadow mode (estimate)")]
-    legend = "".join(f'<span class="key"><i style="background:{color}"></i>{html.escape(m)}</span>' for color, m in keys)
+    keys += [
+        (SAVED_COLOR, "saved by trimming (estimate)"),
+        (
+            f"repeating-linear-gradient(45deg,{SAVED_COLOR} 0 3px,#fff 3px 6px)",
+            "would have saved, shadow mode (estimate)",
+        ),
+    ]
+    legend = "".join(
+        f'<span class="key"><i style="background:{color}"></i>{html.escape(m)}</span>' for color, m in keys
+    )
     return "".join(parts) + f'<div class="legend">{legend}</div>'
 
 
@@ -264,7 +294,7 @@ def _html_table(rows: Sequence[LedgerRow], by: str) -> str:
     lines = []
     for row, css in [*((r, "") for r in rows), (total, ' class="total"')]:
         cells = "".join(f"<td>{_report_cell(row, field)}</td>" for field, _h in columns)
-        lines.append(f"<tr{css}><th scope=\"row\">{html.escape(row.key)}</th>{cells}</tr>")
+        lines.append(f'<tr{css}><th scope="row">{html.escape(row.key)}</th>{cells}</tr>')
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
 
 
@@ -302,23 +332,30 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
         (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
         (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
-        (f"~${total.usd('cost_saved_picousd'):,.4f}", f"saved by trimming (estimate; trimmed replies: {total.counters['trimmed']:,})"),
+        (
+            f"~${total.usd('cost_saved_picousd'):,.4f}",
+            f"saved by trimming (estimate; trimmed replies: {total.counters['trimmed']:,})",
+        ),
     ]
     if total.counters["shadow_trimmed"]:
-        cards.append((f"~${total.usd('shadow_cost_saved_picousd'):,.4f}",
-                      f"would have saved in shadow mode (estimate; replies: {total.counters['shadow_trimmed']:,})"))
+        cards.append(
+            (
+                f"~${total.usd('shadow_cost_saved_picousd'):,.4f}",
+                f"would have saved in shadow mode (estimate; replies: {total.counters['shadow_trimmed']:,})",
+            )
+        )
     card_html = "".join(f'<div class="card"><b>{v}</b><span>{html.escape(t)}</span></div>' for v, t in cards)
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>contextwarden usage, {html.escape(period)}</title><style>{_REPORT_CSS}</style></head><body>"
-        f"<h1>contextwarden usage</h1><p class=\"sub\">{html.escape(period)} (UTC days)</p>"
-        f"<div class=\"cards\">{card_html}</div>"
+        f'<h1>contextwarden usage</h1><p class="sub">{html.escape(period)} (UTC days)</p>'
+        f'<div class="cards">{card_html}</div>'
         f"<h2>Cost per day by model, and savings</h2>{_chart_svg(entries)}"
-        f"<h2>By model</h2><div class=\"scroll\">{_html_table(by_model, 'model')}</div>"
-        f"<h2>By user</h2><div class=\"scroll\">{_html_table(by_user, 'user')}</div>"
-        f"<h2>By day</h2><div class=\"scroll\">{_html_table(by_day, 'day')}</div>"
-        "<p class=\"note\">Costs are the provider's own figure when it reported one, else tokens × the price table. "
+        f'<h2>By model</h2><div class="scroll">{_html_table(by_model, "model")}</div>'
+        f'<h2>By user</h2><div class="scroll">{_html_table(by_user, "user")}</div>'
+        f'<h2>By day</h2><div class="scroll">{_html_table(by_day, "day")}</div>'
+        '<p class="note">Costs are the provider\'s own figure when it reported one, else tokens × the price table. '
         "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
         "add tokens but no cost (≥: some replies unpriced; unknown: none priced). Open WebUI's own background "
         "calls (titles, tags, follow-ups, compaction summaries) pass no filter and are not here. Savings (~) are "

@@ -79,7 +79,12 @@ def calibrated_tokens(tokens: int, factor: float) -> int:
 
 def price_caches(price: ModelPrice | None) -> bool:
     """True when the model's price lists a cache-read rate below its input rate (246 of the 414 bundled)."""
-    return price is not None and price.prompt is not None and price.cache_read is not None and 0 < price.cache_read < price.prompt
+    return (
+        price is not None
+        and price.prompt is not None
+        and price.cache_read is not None
+        and 0 < price.cache_read < price.prompt
+    )
 
 
 def _input_cost(tokens: int, cache: PromptCache, price: ModelPrice) -> Decimal | None:
@@ -151,12 +156,24 @@ def predicted_cache(tokens: int, prefix: int, price: ModelPrice | None, *, cache
     if not caches or prefix < minimum or not price_caches(price):
         return PromptCache()
     cached = min(prefix, tokens)
-    writes = price is not None and price.cache_write is not None and price.prompt is not None and price.cache_write > price.prompt
+    writes = (
+        price is not None
+        and price.cache_write is not None
+        and price.prompt is not None
+        and price.cache_write > price.prompt
+    )
     return PromptCache(cached, tokens - cached if writes else 0)
 
 
 def reply_savings(
-    usage: Usage, *, shadow: bool, tokens_saved: int, other_prefix: int, price: ModelPrice | None, caches: bool, minimum: int
+    usage: Usage,
+    *,
+    shadow: bool,
+    tokens_saved: int,
+    other_prefix: int,
+    price: ModelPrice | None,
+    caches: bool,
+    minimum: int,
 ) -> Savings:
     """Savings of one reply, priced after the backend reported what its cache served.
 
@@ -217,7 +234,11 @@ def previous_prompt_end(messages: Sequence[Message]) -> int | None:
 
 
 def cached_prefixes(
-    messages: Sequence[Message], sent: Sequence[Message], untrimmed_tokens: int, sent_tokens: int, reused: bool,
+    messages: Sequence[Message],
+    sent: Sequence[Message],
+    untrimmed_tokens: int,
+    sent_tokens: int,
+    reused: bool,
     count_each: Callable[[Sequence[Message]], list[int]],
 ) -> tuple[int, int]:
     """(untrimmed, sent) prefix tokens, our counts, that the previous turn's prompt shares with

@@ -84,12 +84,22 @@ class Recall:
     @classmethod
     def from_list(cls, value: object) -> Recall | None:
         """From its JSON form `[anchor, [positions], [fingerprints]]`; None when it is not one."""
-        if not (isinstance(value, list) and len(value) == 3 and type(value[0]) is int and isinstance(value[1], list)
-                and isinstance(value[2], list) and len(value[1]) == len(value[2]) and value[1]):
+        if not (
+            isinstance(value, list)
+            and len(value) == 3
+            and type(value[0]) is int
+            and isinstance(value[1], list)
+            and isinstance(value[2], list)
+            and len(value[1]) == len(value[2])
+            and value[1]
+        ):
             return None
         at, kept = tuple(value[1]), tuple(value[2])
-        if not (all(type(i) is int and 0 <= i < value[0] for i in at) and all(isinstance(k, str) for k in kept)
-                and all(a < b for a, b in zip(at, at[1:]))):
+        if not (
+            all(type(i) is int and 0 <= i < value[0] for i in at)
+            and all(isinstance(k, str) for k in kept)
+            and all(a < b for a, b in zip(at, at[1:]))
+        ):
             return None
         return cls(value[0], at, kept)
 
@@ -128,8 +138,11 @@ class TrimDecision:
         and the size figures with them: they only ever cost the fast path. So are recall blocks
         not anchored at a kept message."""
         at = self.at
-        if at and (len(at) != len(self.kept) or not all(type(i) is int and i >= 0 for i in at)
-                   or any(a >= b for a, b in zip(at, at[1:]))):
+        if at and (
+            len(at) != len(self.kept)
+            or not all(type(i) is int and i >= 0 for i in at)
+            or any(a >= b for a, b in zip(at, at[1:]))
+        ):
             object.__setattr__(self, "at", ())
         if not self.at and self.seen:
             object.__setattr__(self, "seen", 0)
@@ -139,10 +152,16 @@ class TrimDecision:
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
         return json.dumps(
-            {"v": DECISION_FORMAT, "max_tokens": self.max_tokens, "tokens": self.tokens,
-             "strategy": self.strategy, "kept": list(self.kept), "at": list(self.at),
-             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
-             "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls]},
+            {
+                "v": DECISION_FORMAT,
+                "max_tokens": self.max_tokens,
+                "tokens": self.tokens,
+                "strategy": self.strategy,
+                "kept": list(self.kept),
+                "at": list(self.at),
+                "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
+                "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls],
+            },
             separators=(",", ":"),
         )
 
@@ -158,12 +177,23 @@ class TrimDecision:
                 raise ValueError("kept must be strings")
             at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
             seen = data.get("seen")  # absent in decisions written before the chat's size was kept
-            if not (isinstance(seen, list) and len(seen) == 4 and all(type(x) is int for x in seen[:3])
-                    and isinstance(seen[3], str)):
+            if not (
+                isinstance(seen, list)
+                and len(seen) == 4
+                and all(type(x) is int for x in seen[:3])
+                and isinstance(seen[3], str)
+            ):
                 seen = [0, 0, -1, ""]
             recalls = tuple(Recall.from_list(r) for r in data.get("recalls") or ())  # absent before issue 14
-            return cls(int(data["max_tokens"]), int(data["tokens"]), str(data["strategy"]), kept, at, *seen,
-                       recalls=tuple(r for r in recalls if r is not None))
+            return cls(
+                int(data["max_tokens"]),
+                int(data["tokens"]),
+                str(data["strategy"]),
+                kept,
+                at,
+                *seen,
+                recalls=tuple(r for r in recalls if r is not None),
+            )
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
 
@@ -213,7 +243,10 @@ def _key_of(value: object, depth: int) -> object:
     if kind is str:
         return (len(value), hash(value))
     if kind is dict and depth < 8:
-        return ("d", *((name, _key_of(item, depth + 1)) if type(name) is str else _no_key() for name, item in value.items()))
+        return (
+            "d",
+            *((name, _key_of(item, depth + 1)) if type(name) is str else _no_key() for name, item in value.items()),
+        )
     if kind is list and depth < 8:
         return ("l", *(_key_of(item, depth + 1) for item in value))
     if value is None or kind is bool or kind is int or kind is float:
@@ -432,7 +465,9 @@ def choose_indices(
     elif open_turns and left > 0 and conversation.question is not None:
         if scores is None:
             excluded = conversation.system_indices + conversation.orphan_indices
-            scores = score_messages(conversation.messages, question=conversation.question, exclude=excluded, weights=weights)
+            scores = score_messages(
+                conversation.messages, question=conversation.question, exclude=excluded, weights=weights
+            )
         values = [sum(scores[i] for u in groups[t] for i in plan.units[u]) for t in open_turns]
         chosen = select_by_value(group_cost, values, left)
     else:
@@ -453,16 +488,22 @@ def _turn_groups(plan: _Plan) -> dict[int, list[int]]:
     return groups
 
 
-def _preferred_turns(plan: _Plan, conversation: Conversation, keep_last_turns: int, must: list[int], latest: int | None) -> list[int]:
+def _preferred_turns(
+    plan: _Plan, conversation: Conversation, keep_last_turns: int, must: list[int], latest: int | None
+) -> list[int]:
     """Turns to add whole before the strategy picks, in order: pinned ones (their rest), the
     latest one, then the last `keep_last_turns` turns newest first."""
     order = list(dict.fromkeys(plan.unit_turn[u] for u in must))
-    recent = sorted(recent_turns(conversation, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True)
+    recent = sorted(
+        recent_turns(conversation, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True
+    )
     present = set(plan.unit_turn)
     return order + [t for t in recent if t in present and t not in order]
 
 
-def _repair_history_start(conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int) -> set[int]:
+def _repair_history_start(
+    conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int
+) -> set[int]:
     """Give a leading assistant/tool unit its turn's user message, or drop it, until valid."""
     messages = conversation.messages
     unit_of = {unit[0]: u for u, unit in enumerate(plan.units)}
@@ -620,14 +661,22 @@ def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[
 def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     """The previous turn's kept messages are all still at the positions it recorded."""
     at = previous.at
-    return bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))
+    return (
+        bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))
+    )
 
 
 def recall_candidates(messages: Sequence[Message], scores: Sequence[float]) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
     are relevant to the question (score above 0), never a recall block of an earlier pass."""
-    return [i for i, score in enumerate(scores) if score > 0 and messages[i].get("role") in RECALLABLE_ROLES
-            and not is_recall_message(messages[i]) and message_text(messages[i])]
+    return [
+        i
+        for i, score in enumerate(scores)
+        if score > 0
+        and messages[i].get("role") in RECALLABLE_ROLES
+        and not is_recall_message(messages[i])
+        and message_text(messages[i])
+    ]
 
 
 def choose_recall(
@@ -643,8 +692,10 @@ def choose_recall(
     """
     if room <= 0:
         return []
-    order = sorted((i for i in candidates if i not in keep),
-                   key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i))
+    order = sorted(
+        (i for i in candidates if i not in keep),
+        key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i),
+    )
     chosen: list[int] = []
     for i in order:
         if costs[i] <= room:
@@ -661,6 +712,10 @@ def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: C
     the caller."""
     n = len(fingerprints)
     for recall in previous.recalls:
-        if recall.anchor not in keep or recall.at[-1] >= n or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept)):
+        if (
+            recall.anchor not in keep
+            or recall.at[-1] >= n
+            or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept))
+        ):
             return None
     return list(previous.recalls)

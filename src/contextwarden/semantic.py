@@ -25,7 +25,15 @@ from operator import mul
 from .conversation import Message, message_text
 from .tokens import lru_hit
 
-__all__ = ["Embed", "VectorCache", "VECTORS", "similarities", "embed_text", "SEMANTIC_SHARE", "DEFAULT_VECTOR_CACHE_SIZE"]
+__all__ = [
+    "Embed",
+    "VectorCache",
+    "VECTORS",
+    "similarities",
+    "embed_text",
+    "SEMANTIC_SHARE",
+    "DEFAULT_VECTOR_CACHE_SIZE",
+]
 
 Embed = Callable[[list[str]], Sequence[Sequence[float]]]
 

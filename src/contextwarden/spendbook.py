@@ -46,13 +46,17 @@ def _fields(day: date, cost_usd: Decimal | None, tokens: int) -> dict[str, int]:
 
 def _spend(counters: dict[str, int], prefix: str = "") -> Spend:
     return Spend(
-        picodollars_to_usd(counters.get(prefix + "cost_picousd", 0)), counters.get(prefix + "tokens", 0),
-        counters.get(prefix + "requests", 0), counters.get(prefix + "unpriced", 0),
+        picodollars_to_usd(counters.get(prefix + "cost_picousd", 0)),
+        counters.get(prefix + "tokens", 0),
+        counters.get(prefix + "requests", 0),
+        counters.get(prefix + "unpriced", 0),
     )
 
 
 def _plus(a: Spend, b: Spend, sign: int = 1) -> Spend:
-    return Spend(a.usd + sign * b.usd, a.tokens + sign * b.tokens, a.requests + sign * b.requests, a.unpriced + sign * b.unpriced)
+    return Spend(
+        a.usd + sign * b.usd, a.tokens + sign * b.tokens, a.requests + sign * b.requests, a.unpriced + sign * b.unpriced
+    )
 
 
 class SpendBook:
@@ -73,7 +77,9 @@ class SpendBook:
             await store.add(STARTED_KEY, day.isoformat().encode(), ttl=STARTED_TTL_SECONDS)
             await self._start_day(store)
         fields = _fields(day, cost_usd, tokens)
-        await store.incr(_spend_key(month_start(day), user), fields, ttl=SPEND_TTL_SECONDS, once=f"spend:{uuid.uuid4().hex}")
+        await store.incr(
+            _spend_key(month_start(day), user), fields, ttl=SPEND_TTL_SECONDS, once=f"spend:{uuid.uuid4().hex}"
+        )
 
     async def spend(self, store: Store, user: str, today: date) -> tuple[Spend, Spend]:
         started = await self._start_day(store)

@@ -51,7 +51,9 @@ def _count_text(count: object, mark: str = "") -> str:
     return f"{mark}{count:,}"
 
 
-def usage_status(usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False) -> str:
+def usage_status(
+    usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False
+) -> str:
     """`1,234 in (980 cached) · 456 out · $0.0031 · saved ~$0.0054 vs untrimmed`; `~` marks
     estimates; no $ when unknown; the savings part as `savings_status` words it."""
     mark = "~" if estimated else ""
@@ -113,9 +115,14 @@ class TurnChoice:
         if not tokens:
             return self
         return replace(
-            self, tokens_before=self.tokens_before + tokens, tokens_after=self.tokens_after + tokens,
-            budget=total if over else self.budget + tokens, fixed_tokens=tokens, fixed_label=label,
-            fixed_over=over, over_budget=self.over_budget or over,
+            self,
+            tokens_before=self.tokens_before + tokens,
+            tokens_after=self.tokens_after + tokens,
+            budget=total if over else self.budget + tokens,
+            fixed_tokens=tokens,
+            fixed_label=label,
+            fixed_over=over,
+            over_budget=self.over_budget or over,
         )
 
     @classmethod
@@ -202,7 +209,11 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
         line = f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
         if show_cost and savings.cost_saved_usd:
             amount = savings.cost_saved_usd
-            line += f" (−~${format_usd(amount)})" if amount > 0 else f" (+~${format_usd(-amount)}: untrimmed cheaper, prompt cache)"
+            line += (
+                f" (−~${format_usd(amount)})"
+                if amount > 0
+                else f" (+~${format_usd(-amount)}: untrimmed cheaper, prompt cache)"
+            )
     else:
         line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)

@@ -296,7 +296,9 @@ class RedisStore(Store):
         return {k.decode(): int(v) for k, v in raw.items()}
 
     async def _redis_keys(self, pattern: str) -> list[str]:
-        found = [k.decode()[len(KEY_PREFIX) :] async for k in self._redis.scan_iter(match=KEY_PREFIX + pattern, count=500)]
+        found = [
+            k.decode()[len(KEY_PREFIX) :] async for k in self._redis.scan_iter(match=KEY_PREFIX + pattern, count=500)
+        ]
         return sorted(found)
 
     async def aclose(self) -> None:

@@ -157,7 +157,9 @@ def key_problem(api_key: str) -> str | None:
     """What is wrong with an API key as an HTTP header value (None when fine); never the key itself."""
     if all("!" <= ch <= "~" for ch in api_key):
         return None
-    return "holds a character an HTTP header cannot carry (a space, a zero-width or other non-ASCII or control character)"
+    return (
+        "holds a character an HTTP header cannot carry (a space, a zero-width or other non-ASCII or control character)"
+    )
 
 
 @dataclass(slots=True)

@@ -143,6 +143,8 @@ def _encode(encoding: Any, text: str) -> list[int]:
     for piece in encode_pieces(text):
         ids += encoding.encode_ordinary(piece)
     return ids
+
+
 def _mode_of(name: str, encoding: Any | None, model: str | None) -> CountMode:
     """The count mode of counts made with `encoding` (named `name`) for `model`."""
     if encoding is None:
@@ -245,7 +247,9 @@ class TokenCounter:
             with self._lock:
                 self._loading[name].failed_at = time.monotonic()
                 self._loading[name].thread = None
-            tokens_log.warning("contextwarden: tiktoken encoding %s unavailable (%s); estimating", name, type(exc).__name__)
+            tokens_log.warning(
+                "contextwarden: tiktoken encoding %s unavailable (%s); estimating", name, type(exc).__name__
+            )
             return
         with self._lock:
             self._encodings[name] = encoding
@@ -263,7 +267,9 @@ class TokenCounter:
             if busy or recent_failure:
                 return None
             if not self.block:
-                state.thread = threading.Thread(target=self._load, args=(name,), name=f"contextwarden-{name}", daemon=True)
+                state.thread = threading.Thread(
+                    target=self._load, args=(name,), name=f"contextwarden-{name}", daemon=True
+                )
                 state.thread.start()
                 return None
             state.thread = threading.current_thread()
@@ -355,12 +361,21 @@ class TokenCounter:
         """
         encoding_name, encoding = self._pick(model)
         count = self._count_message
-        return [count(message, encoding_name, encoding) for message in messages], _mode_of(encoding_name, encoding, model), encoding_name
+        return (
+            [count(message, encoding_name, encoding) for message in messages],
+            _mode_of(encoding_name, encoding, model),
+            encoding_name,
+        )
 
     def _count_message(self, message: Message, encoding_name: str, encoding: Any | None) -> int:
         content = message.get("content")
-        if type(content) is str and content and "tool_calls" not in message and "name" not in message \
-                and "tool_call_id" not in message:
+        if (
+            type(content) is str
+            and content
+            and "tool_calls" not in message
+            and "name" not in message
+            and "tool_call_id" not in message
+        ):
             return TOKENS_PER_MESSAGE + 1 + self._count(content, encoding_name, encoding)  # the common message
         total = TOKENS_PER_MESSAGE + 1
         name = message.get("name")

@@ -33,8 +33,17 @@ from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = [
-    "TrimResult", "trim_messages", "selection_target", "default_counter", "SHORTENED_MARK", "PINS_SHORTENED_NOTE",
-    "PINS_DROPPED_NOTE", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS", "DEFAULT_RECALL_SHARE", "recall_room",
+    "TrimResult",
+    "trim_messages",
+    "selection_target",
+    "default_counter",
+    "SHORTENED_MARK",
+    "PINS_SHORTENED_NOTE",
+    "PINS_DROPPED_NOTE",
+    "DEFAULT_LOW_WATERMARK",
+    "DEFAULT_GROWTH_TURNS",
+    "DEFAULT_RECALL_SHARE",
+    "recall_room",
 ]
 
 DEFAULT_LOW_WATERMARK = 0.8
@@ -236,12 +245,26 @@ def trim_messages(
     if room:
         earlier = recall_positions(messages)
         if earlier and not _fits_whole(messages, max_tokens, counter, model):
-            return _without(earlier, messages, lambda rest: trim_messages(
-                rest, max_tokens=max_tokens, model=model, token_counter=counter, strategy=strategy,
-                keep_last_turns=keep_last_turns, pinned=[p - sum(e < p for e in earlier) for p in pinned if p not in earlier],
-                previous=previous, low_watermark=low_watermark, growth_turns=growth_turns, recall_share=recall_share,
-                embed=embed,
-            ), counter, model)
+            return _without(
+                earlier,
+                messages,
+                lambda rest: trim_messages(
+                    rest,
+                    max_tokens=max_tokens,
+                    model=model,
+                    token_counter=counter,
+                    strategy=strategy,
+                    keep_last_turns=keep_last_turns,
+                    pinned=[p - sum(e < p for e in earlier) for p in pinned if p not in earlier],
+                    previous=previous,
+                    low_watermark=low_watermark,
+                    growth_turns=growth_turns,
+                    recall_share=recall_share,
+                    embed=embed,
+                ),
+                counter,
+                model,
+            )
     if previous is not None and previous.seen and not pinned:
         extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room)
         if extended is not None:
@@ -254,7 +277,9 @@ def trim_messages(
         everything = tuple(range(len(messages)))
         return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
 
-    mandatory, replaced, over, notes, pinned = _mandatory_part(conversation, costs, max_tokens, counter, model, pinned, shorten)
+    mandatory, replaced, over, notes, pinned = _mandatory_part(
+        conversation, costs, max_tokens, counter, model, pinned, shorten
+    )
     mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
     fingerprints = Fingerprints(messages)
     question = conversation.question
@@ -264,13 +289,29 @@ def trim_messages(
     blocks: list[_Block] = []
     if previous is not None and mandatory_cost <= max_tokens:
         keep = reuse_previous(
-            previous, fingerprints, conversation, costs, max_tokens - TOKENS_PER_REPLY,
-            keep_last_turns=keep_last_turns, pinned=pinned,
+            previous,
+            fingerprints,
+            conversation,
+            costs,
+            max_tokens - TOKENS_PER_REPLY,
+            keep_last_turns=keep_last_turns,
+            pinned=pinned,
         )
         if keep is not None and room:
             base = TOKENS_PER_REPLY + sum(costs[i] for i in keep)
-            blocks = _recalls_kept(messages, previous, fingerprints, keep, question, room, base, max_tokens, counter,
-                                   model, conversation.system_indices)
+            blocks = _recalls_kept(
+                messages,
+                previous,
+                fingerprints,
+                keep,
+                question,
+                room,
+                base,
+                max_tokens,
+                counter,
+                model,
+                conversation.system_indices,
+            )
             if blocks is None:  # the selection no longer leaves room for what this question needs
                 keep, blocks = None, []
     reused = keep is not None
@@ -281,7 +322,12 @@ def trim_messages(
         target = selection_target(conversation, costs, max_tokens, watermark, growth_turns) - TOKENS_PER_REPLY
         scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
         keep = choose_indices(
-            conversation, costs, target - room, strategy=strategy, keep_last_turns=keep_last_turns, pinned=pinned,
+            conversation,
+            costs,
+            target - room,
+            strategy=strategy,
+            keep_last_turns=keep_last_turns,
+            pinned=pinned,
             scores=scores,
             room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         )
@@ -304,9 +350,15 @@ def trim_messages(
     sent, stable = _with_blocks(sent, order, blocks, question)
     after += sum(b.tokens for b in blocks)
     decision = TrimDecision(
-        max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
-        seen=len(messages), seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
-        seen_chars=history_chars(messages, conversation.system_indices), counted_with=scheme,
+        max_tokens=max_tokens,
+        tokens=after,
+        strategy=strategy,
+        kept=tuple(fingerprints[i] for i in at),
+        at=at,
+        seen=len(messages),
+        seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
+        seen_chars=history_chars(messages, conversation.system_indices),
+        counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
     )
     return TrimResult(
@@ -339,8 +391,16 @@ class _Block:
 
 
 def _recalls_kept(
-    messages: Sequence[Message], previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int],
-    question: int, room: int, base: int, max_tokens: int, counter: TokenCounter, model: str | None,
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    fingerprints: Sequence[str],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    base: int,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
     system: Sequence[int],
 ) -> list[_Block] | None:
     """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`):
@@ -374,7 +434,9 @@ def _recalls_kept(
     # would have recalled (its relevance); else the selection misses too much, and goes.
     fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool)
     scores = pool.scores
-    if fitting is not None and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices):
+    if fitting is not None and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(
+        scores[i] for i in block.indices
+    ):
         return [fitting]
     return None
 
@@ -385,7 +447,9 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
     return question in at and previous.kept[at.index(question)] == fingerprints[question]
 
 
-def _with_blocks(sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None) -> tuple[list[Message], int]:
+def _with_blocks(
+    sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None
+) -> tuple[list[Message], int]:
     """`sent` (the messages at `order`) with each block right before its anchor, and how many
     leading messages the next turn sends again: all but this question's block and what follows."""
     if not blocks:
@@ -404,7 +468,10 @@ def _with_blocks(sent: list[Message], order: Sequence[int], blocks: Sequence[_Bl
 
 
 def _recall_record(blocks: Sequence[_Block], fingerprints: Sequence[str]) -> tuple[Recall, ...]:
-    return tuple(Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices)) for b in sorted(blocks, key=lambda b: b.anchor))
+    return tuple(
+        Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices))
+        for b in sorted(blocks, key=lambda b: b.anchor)
+    )
 
 
 def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
@@ -420,8 +487,9 @@ class _Pool:
     costs: dict[int, int]
 
     @classmethod
-    def of(cls, messages: Sequence[Message], question: int, system: Sequence[int], counter: TokenCounter,
-           model: str | None) -> _Pool:
+    def of(
+        cls, messages: Sequence[Message], question: int, system: Sequence[int], counter: TokenCounter, model: str | None
+    ) -> _Pool:
         scores = recall_scores(messages, question=question, exclude=system, weights=_RECALL_WEIGHTS)
         candidates = recall_candidates(messages, scores)
         count = counter.count_message
@@ -429,8 +497,14 @@ class _Pool:
 
 
 def _new_recall(
-    messages: Sequence[Message], keep: Collection[int], question: int, room: int, counter: TokenCounter,
-    model: str | None, pool: _Pool, fits_in: int | None = None,
+    messages: Sequence[Message],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    counter: TokenCounter,
+    model: str | None,
+    pool: _Pool,
+    fits_in: int | None = None,
 ) -> _Block | None:
     """The recall block for this turn: the messages not sent otherwise (`keep`) most relevant
     to `question` (by `recall_scores`) that fit `room` tokens once quoted (block and label
@@ -462,8 +536,11 @@ def _fits_whole(messages: Sequence[Message], max_tokens: int, counter: TokenCoun
 
 
 def _without(
-    blocks: Sequence[int], messages: Sequence[Message], trim: Callable[[list[Message]], TrimResult],
-    counter: TokenCounter, model: str | None,
+    blocks: Sequence[int],
+    messages: Sequence[Message],
+    trim: Callable[[list[Message]], TrimResult],
+    counter: TokenCounter,
+    model: str | None,
 ) -> TrimResult:
     """`trim` of `messages` without the recall blocks an earlier pass added, in the input's
     indices (the blocks count as dropped: a new one is made if the question needs it)."""
@@ -501,8 +578,14 @@ def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str])
 
 
 def _extend_previous(
-    messages: Sequence[Message], previous: TrimDecision, max_tokens: int, counter: TokenCounter, model: str | None,
-    strategy: Strategy, keep_last_turns: int, room: int,
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    strategy: Strategy,
+    keep_last_turns: int,
+    room: int,
 ) -> TrimResult | None:
     """The previous turn's selection plus the new messages, reading and counting only what is
     sent and what is new: the messages dropped before are known from the decision's `seen`
@@ -536,16 +619,25 @@ def _extend_previous(
     question = None
     if room:
         question = next(i for i in reversed(order) if messages[i].get("role") == "user")
-        blocks = _recalls_kept(messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system)
+        blocks = _recalls_kept(
+            messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system
+        )
         if blocks is None:
             return None
     sent, stable = _with_blocks([messages[i] for i in order], order, blocks, question)
     after += sum(b.tokens for b in blocks)
     at = tuple(filterfalse(is_system, order))
     decision = TrimDecision(
-        max_tokens=max_tokens, tokens=after, strategy=strategy, kept=tuple(fingerprints[i] for i in at), at=at,
-        seen=len(messages), seen_tokens=previous.seen_tokens + new_cost,
-        seen_chars=chars, counted_with=scheme, recalls=_recall_record(blocks, fingerprints),
+        max_tokens=max_tokens,
+        tokens=after,
+        strategy=strategy,
+        kept=tuple(fingerprints[i] for i in at),
+        at=at,
+        seen=len(messages),
+        seen_tokens=previous.seen_tokens + new_cost,
+        seen_chars=chars,
+        counted_with=scheme,
+        recalls=_recall_record(blocks, fingerprints),
     )
     return TrimResult(
         messages=sent,
@@ -576,8 +668,13 @@ def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> 
 
 
 def _mandatory_part(
-    conversation: Conversation, costs: list[int], max_tokens: int, counter: TokenCounter, model: str | None,
-    pinned: Collection[int], shorten: bool = True,
+    conversation: Conversation,
+    costs: list[int],
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    pinned: Collection[int],
+    shorten: bool = True,
 ) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
     """What must be sent (system, current turn, pins), its shortened copies when it alone is
     over budget, whether it is still over, the notes, and the pins that stay mandatory: when
@@ -622,7 +719,11 @@ def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collect
 
 
 def selection_target(
-    conversation: Conversation, costs: Sequence[int], max_tokens: int, low_watermark: float, growth_turns: int = DEFAULT_GROWTH_TURNS
+    conversation: Conversation,
+    costs: Sequence[int],
+    max_tokens: int,
+    low_watermark: float,
+    growth_turns: int = DEFAULT_GROWTH_TURNS,
 ) -> int:
     """The tokens a new selection fills: `low_watermark` of the budget and, below 1.0, at most
     the budget less room for `growth_turns` turns like the last one (what came since the
@@ -668,9 +769,7 @@ def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list
     """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
     messages = conversation.messages
     last_user = conversation.question
-    first_choice = [
-        i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"
-    ]
+    first_choice = [i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"]
     return first_choice, last_user
 
 

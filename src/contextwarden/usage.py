@@ -156,7 +156,11 @@ def _cache_parts(prompt: int | None, cached: int | None, written: int | None) ->
 def _provider_cost(fields: _Fields) -> Decimal | None:
     """OpenRouter's `cost`; with BYOK (`is_byok` true) plus the upstream provider's charge."""
     cost = fields.cost("cost")
-    if cost is not None and fields.usage.get("is_byok") is True and isinstance(fields.usage.get("cost_details"), Mapping):
+    if (
+        cost is not None
+        and fields.usage.get("is_byok") is True
+        and isinstance(fields.usage.get("cost_details"), Mapping)
+    ):
         upstream = fields.cost("upstream_inference_cost", "cost_details")
         cost = None if upstream is None else cost + upstream
     return cost if cost is None or cost <= MAX_REPLY_COST_USD else None
@@ -169,8 +173,14 @@ def _read_anthropic(fields: _Fields) -> Usage:
     written = fields.count("cache_creation_input_tokens") or 0
     prompt = _usage_add(fresh, read, written)
     completion = fields.count("output_tokens")
-    return Usage(prompt, completion, cached_tokens=read, cache_write_tokens=written,
-                 total_tokens=_usage_add(prompt, completion), shape="anthropic")
+    return Usage(
+        prompt,
+        completion,
+        cached_tokens=read,
+        cache_write_tokens=written,
+        total_tokens=_usage_add(prompt, completion),
+        shape="anthropic",
+    )
 
 
 def _read_responses(fields: _Fields) -> Usage:
@@ -178,11 +188,14 @@ def _read_responses(fields: _Fields) -> Usage:
     prompt = fields.count("input_tokens")
     completion = fields.count("output_tokens")
     total = fields.count("total_tokens")
-    return Usage(prompt, completion,
-                 cached_tokens=fields.count("cached_tokens", "input_tokens_details"),
-                 reasoning_tokens=fields.count("reasoning_tokens", "output_tokens_details"),
-                 total_tokens=total if total is not None else _usage_add(prompt, completion),
-                 shape="openai_responses")
+    return Usage(
+        prompt,
+        completion,
+        cached_tokens=fields.count("cached_tokens", "input_tokens_details"),
+        reasoning_tokens=fields.count("reasoning_tokens", "output_tokens_details"),
+        total_tokens=total if total is not None else _usage_add(prompt, completion),
+        shape="openai_responses",
+    )
 
 
 def _read_gemini_native(fields: _Fields) -> Usage:
@@ -192,11 +205,14 @@ def _read_gemini_native(fields: _Fields) -> Usage:
     candidates = fields.first("candidatesTokenCount", "candidates_token_count")
     completion = _usage_add(candidates, thoughts or 0)
     total = fields.first("totalTokenCount", "total_token_count")
-    return Usage(prompt, completion,
-                 cached_tokens=fields.first("cachedContentTokenCount", "cached_content_token_count"),
-                 reasoning_tokens=thoughts,
-                 total_tokens=total if total is not None else _usage_add(prompt, completion),
-                 shape="gemini_native")
+    return Usage(
+        prompt,
+        completion,
+        cached_tokens=fields.first("cachedContentTokenCount", "cached_content_token_count"),
+        reasoning_tokens=thoughts,
+        total_tokens=total if total is not None else _usage_add(prompt, completion),
+        shape="gemini_native",
+    )
 
 
 def _read_ollama(fields: _Fields) -> Usage:
@@ -211,8 +227,7 @@ def _read_ollama(fields: _Fields) -> Usage:
         (summed_prompt and last_prompt and summed_prompt > last_prompt)
         or (completion is not None and last_completion is not None and completion > last_completion)
     )
-    return Usage(prompt, completion, total_tokens=_usage_add(prompt, completion),
-                 shape="ollama", calls_summed=summed)
+    return Usage(prompt, completion, total_tokens=_usage_add(prompt, completion), shape="ollama", calls_summed=summed)
 
 
 def _read_openai_like(fields: _Fields) -> Usage:
@@ -226,17 +241,19 @@ def _read_openai_like(fields: _Fields) -> Usage:
     summed_prompt = fields.count("input_tokens")
     summed_completion = fields.count("output_tokens")
     prompt = max((c for c in (last_prompt, summed_prompt) if c is not None), default=None)
-    completion = max((c for c in (last_completion, summed_completion) if c is not None),
-                     default=None)
+    completion = max((c for c in (last_completion, summed_completion) if c is not None), default=None)
     summed = (prompt != last_prompt and last_prompt is not None) or (
-        completion != last_completion and last_completion is not None)
+        completion != last_completion and last_completion is not None
+    )
     total = fields.count("total_tokens")
     reasoning = fields.count("reasoning_tokens", "completion_tokens_details")
     is_openrouter = "cost" in usage or "is_byok" in usage
-    shape = "openrouter" if is_openrouter else ("openai" if last_prompt is not None
-                                                or last_completion is not None else "open_webui")
-    if total is not None and prompt is not None and completion is not None \
-            and total - prompt > completion:
+    shape = (
+        "openrouter"
+        if is_openrouter
+        else ("openai" if last_prompt is not None or last_completion is not None else "open_webui")
+    )
+    if total is not None and prompt is not None and completion is not None and total - prompt > completion:
         # Gemini's OpenAI endpoint leaves thinking tokens out of completion_tokens, but not
         # out of total_tokens: bill output as total - prompt (the notes' max rule).
         gap = total - prompt - completion
@@ -244,7 +261,8 @@ def _read_openai_like(fields: _Fields) -> Usage:
         reasoning = max(reasoning or 0, gap)
         shape = "gemini" if not is_openrouter else shape
     return Usage(
-        prompt, completion,
+        prompt,
+        completion,
         cached_tokens=fields.count("cached_tokens", "prompt_tokens_details"),
         cache_write_tokens=fields.count("cache_write_tokens", "prompt_tokens_details"),
         reasoning_tokens=reasoning,
@@ -299,8 +317,13 @@ def with_counts(usage: Usage, prompt_tokens: int | None, completion_tokens: int 
         8
     """
     cached, written = _cache_parts(prompt_tokens, usage.cached_tokens, usage.cache_write_tokens)
-    return replace(usage, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   cached_tokens=cached, cache_write_tokens=written)
+    return replace(
+        usage,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached,
+        cache_write_tokens=written,
+    )
 
 
 def read_usage(message: Mapping, rejected: list[str] | None = None) -> Usage | None:
@@ -326,9 +349,7 @@ def read_usage(message: Mapping, rejected: list[str] | None = None) -> Usage | N
     return normalize_usage(usage, rejected) if isinstance(usage, Mapping) else None
 
 
-def _cost_term(
-    tokens: int | None, rate: Decimal | None, what: str
-) -> tuple[Decimal | None, str | None]:
+def _cost_term(tokens: int | None, rate: Decimal | None, what: str) -> tuple[Decimal | None, str | None]:
     """tokens x rate; (None, reason) when a non-zero charge cannot be known."""
     if tokens == 0 or rate == 0:
         return Decimal(0), None
@@ -364,8 +385,13 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
         return Cost(usage.provider_cost, "provider")
     if price is None:
         return Cost(None, None, reason="no price for this model")
-    counts = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-              usage.cache_write_tokens, usage.reasoning_tokens)
+    counts = (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        usage.cache_write_tokens,
+        usage.reasoning_tokens,
+    )
     if any(c is not None and read_count(c) is None for c in counts):
         return Cost(None, None, reason=f"a token count is beyond {MAX_TOKEN_COUNT:,}")
     rates = price.rates_for(usage.prompt_tokens)
@@ -376,14 +402,19 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     if (cached, written) != reported:
         notes.append("cached + cache-write tokens exceed prompt tokens; counted up to the prompt")
     uncached = None if usage.prompt_tokens is None else usage.prompt_tokens - cached - written
-    terms = [(uncached, rates.prompt, "prompt"), (cached, rates.cache_read, "cache read"),
-             (written, rates.cache_write, "cache write")]
+    terms = [
+        (uncached, rates.prompt, "prompt"),
+        (cached, rates.cache_read, "cache read"),
+        (written, rates.cache_write, "cache write"),
+    ]
     reasoning = usage.reasoning_tokens or 0
     completion = usage.completion_tokens
     if price.internal_reasoning and reasoning and completion is not None:
         visible = max(completion - reasoning, 0)
-        terms += [(visible, rates.completion, "completion"),
-                  (completion - visible, price.internal_reasoning, "reasoning")]
+        terms += [
+            (visible, rates.completion, "completion"),
+            (completion - visible, price.internal_reasoning, "reasoning"),
+        ]
     else:
         terms.append((completion, rates.completion, "completion"))
     if price.varies_by_time:
@@ -393,10 +424,14 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
         for tokens, rate, what in terms:
             amount, reason = _cost_term(tokens, rate, what)
             if amount is None:
-                return Cost(None, None, reason=reason, tier=rates.min_prompt_tokens,
-                            notes=tuple(notes))
+                return Cost(None, None, reason=reason, tier=rates.min_prompt_tokens, notes=tuple(notes))
             total += amount
     if total > MAX_REPLY_COST_USD:
-        return Cost(None, None, reason=f"cost above the ${MAX_REPLY_COST_USD:,} per-reply ceiling",
-                    tier=rates.min_prompt_tokens, notes=tuple(notes))
+        return Cost(
+            None,
+            None,
+            reason=f"cost above the ${MAX_REPLY_COST_USD:,} per-reply ceiling",
+            tier=rates.min_prompt_tokens,
+            notes=tuple(notes),
+        )
     return Cost(total, "price_table", tier=rates.min_prompt_tokens, notes=tuple(notes))

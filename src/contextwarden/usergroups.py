@@ -57,8 +57,10 @@ class GroupReader:
             groups_log.warning("contextwarden: user groups not read (%s); group limits skipped", type(exc).__name__)
             return frozenset()
         names = frozenset(
-            str(value) for group in list(found if isinstance(found, (list, tuple)) else [])[:MAX_GROUPS_PER_USER]
-            for value in (getattr(group, "id", None), getattr(group, "name", None)) if value
+            str(value)
+            for group in list(found if isinstance(found, (list, tuple)) else [])[:MAX_GROUPS_PER_USER]
+            for value in (getattr(group, "id", None), getattr(group, "name", None))
+            if value
         )
         if len(self._memo) >= MAX_REMEMBERED_USERS:
             self._memo.clear()

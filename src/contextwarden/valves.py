@@ -126,7 +126,9 @@ class Valves(BaseModel):
 
     model_config = _titled(TITLES)
 
-    priority: int = _int_field("priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content.")
+    priority: int = _int_field(
+        "priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content."
+    )
     mode: str = Field(
         default="enforce",
         description="enforce = trim chats to the budget; shadow = send chats unchanged but record and show what trimming would have sent and saved; off = no trimming, usage and cost still recorded.",
@@ -138,7 +140,9 @@ class Valves(BaseModel):
         f"Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, else {DEFAULT_CONTEXT_TOKENS:,}.",
     )
     reserve_output_tokens: int = _int_field(
-        "reserve_output_tokens", 1_024, "Tokens kept free for the reply; the prompt budget is the window minus this. Must be below the window."
+        "reserve_output_tokens",
+        1_024,
+        "Tokens kept free for the reply; the prompt budget is the window minus this. Must be below the window.",
     )
     redis_url: str = Field(
         default="",
@@ -155,27 +159,35 @@ class Valves(BaseModel):
         description="Refresh prices from OpenRouter's public model list in the background. Off for air-gapped installs (the bundled prices are used).",
     )
     pricing_ttl_hours: float = Field(
-        default=DEFAULT_PRICING_TTL_HOURS, ge=MIN_PRICING_TTL_HOURS, le=MAX_PRICING_TTL_HOURS,
+        default=DEFAULT_PRICING_TTL_HOURS,
+        ge=MIN_PRICING_TTL_HOURS,
+        le=MAX_PRICING_TTL_HOURS,
         description=f"How old live OpenRouter prices may get before a background refresh, {MIN_PRICING_TTL_HOURS:g} to {MAX_PRICING_TTL_HOURS:g} hours.",
     )
     pricing_file: str = Field(
-        default="", description="Path to your own pricing.json (same format as the bundled one); its models win over live and bundled prices. Empty = none."
+        default="",
+        description="Path to your own pricing.json (same format as the bundled one); its models win over live and bundled prices. Empty = none.",
     )
     free_models: str = Field(
-        default="", description='Models that cost nothing (local Ollama models, say): ids or * globs, comma-separated or a JSON list, e.g. "llama*, qwen3:*".'
+        default="",
+        description='Models that cost nothing (local Ollama models, say): ids or * globs, comma-separated or a JSON list, e.g. "llama*, qwen3:*".',
     )
     connection_prefixes: str = Field(
-        default="", description='Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".'
+        default="",
+        description='Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".',
     )
     request_stream_usage: bool = Field(
         default=True,
         description="Ask OpenAI-compatible backends for usage in streamed replies (stream_options.include_usage), so costs are real, not estimates.",
     )
     calibrate_counts: bool = Field(
-        default=True, description="Learn per model how far our token counts are from the provider's and shrink budgets to match."
+        default=True,
+        description="Learn per model how far our token counts are from the provider's and shrink budgets to match.",
     )
     ledger_retention_days: int = _int_field(
-        "ledger_retention_days", DEFAULT_LEDGER_RETENTION_DAYS, "How long per user / model / day usage totals are kept (in Redis or in-process)."
+        "ledger_retention_days",
+        DEFAULT_LEDGER_RETENTION_DAYS,
+        "How long per user / model / day usage totals are kept (in Redis or in-process).",
     )
     strategy: str = Field(
         default="relevance",
@@ -183,7 +195,9 @@ class Valves(BaseModel):
         json_schema_extra={"enum": list(STRATEGIES)},
     )
     keep_last_turns: int = _int_field(
-        "keep_last_turns", 1, "The latest turns always kept, the current one included (users can change it per message with !keep=N)."
+        "keep_last_turns",
+        1,
+        "The latest turns always kept, the current one included (users can change it per message with !keep=N).",
     )
     low_watermark: float = Field(
         default=DEFAULT_LOW_WATERMARK,
@@ -207,11 +221,14 @@ class Valves(BaseModel):
         description=f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word matching and later turns embed the rest.",
     )
     embed_max_texts: int = _int_field(
-        "embed_max_texts", DEFAULT_EMBED_TEXTS,
+        "embed_max_texts",
+        DEFAULT_EMBED_TEXTS,
         "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few turns.",
     )
     state_ttl_hours: int = _int_field(
-        "state_ttl_hours", DEFAULT_STATE_TTL_HOURS, "How long a chat's remembered trim decision and pins are kept after its last message."
+        "state_ttl_hours",
+        DEFAULT_STATE_TTL_HOURS,
+        "How long a chat's remembered trim decision and pins are kept after its last message.",
     )
     allowed_user_flags: str = Field(
         default=DEFAULT_ALLOWED_FLAGS,
@@ -223,12 +240,16 @@ class Valves(BaseModel):
         json_schema_extra={"enum": list(CACHE_HINTS)},
     )
     summary_enabled: bool = Field(
-        default=False, description="Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
+        default=False,
+        description="Condense what a trim drops into a short note, with one call to the summary endpoint below (cached).",
     )
     summary_base_url: str = Field(
-        default="", description="OpenAI-compatible API base for summaries, e.g. https://api.openai.com/v1 or http://localhost:11434/v1."
+        default="",
+        description="OpenAI-compatible API base for summaries, e.g. https://api.openai.com/v1 or http://localhost:11434/v1.",
     )
-    summary_api_key: str = Field(default="", description="API key for the summary endpoint (sent as a Bearer token).", json_schema_extra=_SECRET)
+    summary_api_key: str = Field(
+        default="", description="API key for the summary endpoint (sent as a Bearer token).", json_schema_extra=_SECRET
+    )
     summary_model: str = Field(default="", description="Model that writes summaries, e.g. gpt-4o-mini.")
     summary_timeout_seconds: float = Field(
         default=DEFAULT_SUMMARY_TIMEOUT_SECONDS,
@@ -237,15 +258,34 @@ class Valves(BaseModel):
         description=f"Longest wait for a summary; past it the chat goes on without one. (Above 0, at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}.)",
     )
     summary_max_tokens: int = _int_field(
-        "summary_max_tokens", DEFAULT_SUMMARY_MAX_TOKENS, "Longest summary in tokens; this much of the budget is set aside for it when one is added."
+        "summary_max_tokens",
+        DEFAULT_SUMMARY_MAX_TOKENS,
+        "Longest summary in tokens; this much of the budget is set aside for it when one is added.",
     )
     daily_limit_usd: float = Field(
-        default=0, ge=0, le=float(MAX_LIMIT_USD),
+        default=0,
+        ge=0,
+        le=float(MAX_LIMIT_USD),
         description=f"Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role. (0 to {MAX_LIMIT_USD:,}.)",
     )
-    monthly_limit_usd: float = Field(default=0, ge=0, le=float(MAX_LIMIT_USD), description=f"Each user's spending limit per calendar month (UTC) in USD. 0 = none. (0 to {MAX_LIMIT_USD:,}.)")
-    daily_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description=f"Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)")
-    monthly_limit_tokens: int = Field(default=0, ge=0, le=MAX_LIMIT_TOKENS, description=f"Each user's limit per calendar month (UTC) in tokens. 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)")
+    monthly_limit_usd: float = Field(
+        default=0,
+        ge=0,
+        le=float(MAX_LIMIT_USD),
+        description=f"Each user's spending limit per calendar month (UTC) in USD. 0 = none. (0 to {MAX_LIMIT_USD:,}.)",
+    )
+    daily_limit_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LIMIT_TOKENS,
+        description=f"Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)",
+    )
+    monthly_limit_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_LIMIT_TOKENS,
+        description=f"Each user's limit per calendar month (UTC) in tokens. 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)",
+    )
     limit_overrides: str = Field(
         default="",
         description='JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": {"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, daily_tokens, monthly_tokens (0 = none).',
@@ -268,10 +308,15 @@ class UserValves(BaseModel):
 
     show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
     max_context_tokens: int = _int_field(
-        "max_context_tokens", 0, "Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget."
+        "max_context_tokens",
+        0,
+        "Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget.",
     )
     show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
-    show_spend: bool = Field(default=True, description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.")
+    show_spend: bool = Field(
+        default=True,
+        description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +378,10 @@ class Settings:
         checks it against the valve's own window; this, against the model's)."""
         if self.reserve_output_tokens < self.window(model_context):
             return None
-        return ConfigError("reserve_output_tokens is not below this model's context window; using 1/4 of the window", valve="reserve_output_tokens")
+        return ConfigError(
+            "reserve_output_tokens is not below this model's context window; using 1/4 of the window",
+            valve="reserve_output_tokens",
+        )
 
 
 def _field(valves: object, name: str, default):
@@ -354,7 +402,9 @@ def _parse_globs(text: str, valve: str) -> tuple[str, ...]:
     try:
         items = json.loads(text)
     except ValueError as exc:
-        raise ConfigError(f"{valve} is not a valid JSON list ({exc}); or write ids separated by commas", valve=valve) from None
+        raise ConfigError(
+            f"{valve} is not a valid JSON list ({exc}); or write ids separated by commas", valve=valve
+        ) from None
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         raise ConfigError(f"{valve} must be a list of model id strings", valve=valve)
     return tuple(i.strip() for i in items if i.strip())
@@ -397,7 +447,12 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     window = number(valves, "max_context_tokens", defaults.max_context_tokens)
     reserve = number(valves, "reserve_output_tokens", defaults.reserve_output_tokens)
     if window and reserve >= window:
-        problems.append(ConfigError("reserve_output_tokens must be below max_context_tokens; using 1/4 of the window", valve="reserve_output_tokens"))
+        problems.append(
+            ConfigError(
+                "reserve_output_tokens must be below max_context_tokens; using 1/4 of the window",
+                valve="reserve_output_tokens",
+            )
+        )
         reserve = window // 4
     try:
         aliases = parse_aliases(take(valves, "model_aliases", ""))
@@ -413,7 +468,11 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             globs[name] = ()
     ttl = take(valves, "pricing_ttl_hours", defaults.pricing_ttl_hours)
     if ttl <= 0:
-        problems.append(ConfigError(f"pricing_ttl_hours must be above 0; using {DEFAULT_PRICING_TTL_HOURS:g}", valve="pricing_ttl_hours"))
+        problems.append(
+            ConfigError(
+                f"pricing_ttl_hours must be above 0; using {DEFAULT_PRICING_TTL_HOURS:g}", valve="pricing_ttl_hours"
+            )
+        )
         ttl = DEFAULT_PRICING_TTL_HOURS
     retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
     user_window, show, show_cost, show_spend = 0, take(valves, "show_status", True), True, True
@@ -425,24 +484,40 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     allowed, unknown = parse_flag_names(take(valves, "allowed_user_flags", DEFAULT_ALLOWED_FLAGS))
     if unknown:
         problems.append(
-            ConfigError(f"allowed_user_flags: {len(unknown)} unknown flag name(s), ignored (known: {', '.join(FLAG_NAMES)})", valve="allowed_user_flags")
+            ConfigError(
+                f"allowed_user_flags: {len(unknown)} unknown flag name(s), ignored (known: {', '.join(FLAG_NAMES)})",
+                valve="allowed_user_flags",
+            )
         )
     strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
     keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
     watermark = take(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
     if not 0 < watermark <= 1:
-        problems.append(ConfigError(f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"))
+        problems.append(
+            ConfigError(
+                f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"
+            )
+        )
         watermark = DEFAULT_LOW_WATERMARK
     growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
     ttl_hours = number(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
     embed_timeout = take(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
     if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
-        problems.append(ConfigError(f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using {DEFAULT_EMBED_TIMEOUT:g}", valve="embed_timeout_seconds"))
+        problems.append(
+            ConfigError(
+                f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using {DEFAULT_EMBED_TIMEOUT:g}",
+                valve="embed_timeout_seconds",
+            )
+        )
         embed_timeout = DEFAULT_EMBED_TIMEOUT
     embed_texts = number(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
-    mode = _one_of(take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)")
-    cache_hints = _one_of(take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems)
+    mode = _one_of(
+        take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)"
+    )
+    cache_hints = _one_of(
+        take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems
+    )
     settings = Settings(
         max_context_tokens=window,
         user_max_context_tokens=user_window,
@@ -471,7 +546,13 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         embed_timeout_seconds=float(embed_timeout),
         embed_max_texts=embed_texts,
         limits=_limit_rules(valves, take, problems),
-        limit_store_failure=_one_of(take(valves, "limit_store_failure", "fail-open"), "limit_store_failure", LIMIT_STORE_FAILURES, "fail-open", problems),
+        limit_store_failure=_one_of(
+            take(valves, "limit_store_failure", "fail-open"),
+            "limit_store_failure",
+            LIMIT_STORE_FAILURES,
+            "fail-open",
+            problems,
+        ),
         show_spend=show_spend,
         spend_for_all=take(valves, "show_spend", False),
         prompt_cache_hints=cache_hints,
@@ -483,8 +564,10 @@ def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRule
     """The limit valves and their overrides; a bad value is named and counts as no limit."""
     amounts: dict[str, Any] = {}
     for name, kind, bound in (
-        ("daily_limit_usd", "daily_usd", MAX_LIMIT_USD), ("monthly_limit_usd", "monthly_usd", MAX_LIMIT_USD),
-        ("daily_limit_tokens", "daily_tokens", MAX_LIMIT_TOKENS), ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
+        ("daily_limit_usd", "daily_usd", MAX_LIMIT_USD),
+        ("monthly_limit_usd", "monthly_usd", MAX_LIMIT_USD),
+        ("daily_limit_tokens", "daily_tokens", MAX_LIMIT_TOKENS),
+        ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
     ):
         value = take(valves, name, 0.0 if kind.endswith("usd") else 0)
         amount = Decimal(str(value)) if kind.endswith("usd") else value
@@ -509,12 +592,16 @@ def _in_range(value: int, valve: str, fallback: int, problems: list[ConfigError]
     return fallback
 
 
-def _one_of(value: str, valve: str, choices: tuple[str, ...], fallback: str, problems: list[ConfigError], consequence: str = "") -> Any:
+def _one_of(
+    value: str, valve: str, choices: tuple[str, ...], fallback: str, problems: list[ConfigError], consequence: str = ""
+) -> Any:
     """`value` as one of `choices` (spaces and case ignored); else `fallback`, with the problem named."""
     value = value.strip().lower()
     if value in choices:
         return value
-    problems.append(ConfigError(f"{valve} must be one of {', '.join(choices)}; using {fallback}{consequence}", valve=valve))
+    problems.append(
+        ConfigError(f"{valve} must be one of {', '.join(choices)}; using {fallback}{consequence}", valve=valve)
+    )
     return fallback
 
 
@@ -532,14 +619,23 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     if not model:
         found.append(ConfigError("summary_model is empty; summaries are off", valve="summary_model"))
     if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
-        found.append(ConfigError(f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are off", valve="summary_timeout_seconds"))
+        found.append(
+            ConfigError(
+                f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are off",
+                valve="summary_timeout_seconds",
+            )
+        )
     low, high = SUMMARY_MAX_TOKENS_RANGE
     if not low <= max_tokens <= high:
-        found.append(ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens"))
+        found.append(
+            ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens")
+        )
     api_key = take(valves, "summary_api_key", "").strip()
     if (bad_key := key_problem(api_key)) is not None:
         found.append(ConfigError(f"summary_api_key {bad_key}; summaries are off", valve="summary_api_key"))
     problems.extend(found)
     if found:
         return None
-    return SummaryConfig(base_url=base_url, model=model, api_key=api_key, timeout=timeout, max_tokens=max_tokens, ttl=ttl)
+    return SummaryConfig(
+        base_url=base_url, model=model, api_key=api_key, timeout=timeout, max_tokens=max_tokens, ttl=ttl
+    )

@@ -23,7 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Reply", "chat_page", "expand_status", "find_browser", "open_chat", "read_replies", "send", "start_chromium", "wait_for_replies"]
+__all__ = [
+    "Reply",
+    "chat_page",
+    "expand_status",
+    "find_browser",
+    "open_chat",
+    "read_replies",
+    "send",
+    "start_chromium",
+    "wait_for_replies",
+]
 
 CHROMIUM_ENV, CHROMEDRIVER_ENV = "CONTEXTWARDEN_CHROMIUM", "CONTEXTWARDEN_CHROMEDRIVER"
 WINDOW = (1280, 900)
@@ -85,8 +95,15 @@ def start_chromium(chromium: str, chromedriver: str) -> Any:
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--no-first-run", "--disable-extensions", f"--window-size={WINDOW[0]},{WINDOW[1]}"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-extensions",
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    ):
         options.add_argument(argument)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=chromedriver))
     driver.set_page_load_timeout(PAGE_TIMEOUT_S)
@@ -143,7 +160,9 @@ def read_replies(driver: Any) -> list[Reply]:
     return [Reply(**raw) for raw in driver.execute_script(_READ_REPLIES)]
 
 
-def wait_for_replies(driver: Any, count: int, done: Callable[[Reply], bool], timeout: float = REPLY_TIMEOUT_S) -> list[Reply]:
+def wait_for_replies(
+    driver: Any, count: int, done: Callable[[Reply], bool], timeout: float = REPLY_TIMEOUT_S
+) -> list[Reply]:
     """Wait until the page shows ``count`` replies and ``done`` holds for the last; return them."""
     replies: list[Reply] = []
 

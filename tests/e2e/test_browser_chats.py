@@ -19,11 +19,25 @@ from contextwarden.tokens import TokenCounter
 from fake_backend import FakeBackend, expected_prompt_tokens, tool_definition_tokens
 from owui import OpenWebUI, chat, install_function, set_valves, start_open_webui
 from pending import BUILT_FILE
-from test_product import BUDGET, MODEL, WINDOW, RESERVE, assert_valid_prompt, base_valves, cw, is_subsequence, long_chat, one_usage_record, product  # noqa: F401
+from test_product import (
+    BUDGET,
+    MODEL,
+    WINDOW,
+    RESERVE,
+    assert_valid_prompt,
+    base_valves,
+    cw,
+    is_subsequence,
+    long_chat,
+    one_usage_record,
+    product,
+)  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
-BUILTIN_TOOLS = json.loads((Path(__file__).parents[1] / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
+BUILTIN_TOOLS = json.loads(
+    (Path(__file__).parents[1] / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8")
+)
 BROWSER_TOOLS = BUILTIN_TOOLS[:36]
 
 
@@ -74,12 +88,18 @@ def test_pinned_message_survives_turn_after_turn(
     chat_id = f"temporary:{uuid.uuid4()}"
     notes = "Project notes to keep: " + " ".join(f"item{k} quartz{k % 13} harbor" for k in range(280))
     assert 1_300 <= counter.count_text(notes, MODEL) <= 1_500
-    history: list[dict[str, Any]] = [{"role": "system", "content": "Be careful."}, {"role": "user", "content": notes + " !pin"}]
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": notes + " !pin"},
+    ]
     chat(open_webui, MODEL, history, chat_id=chat_id)
     assert backend.last_request["messages"][1]["content"] == notes
     for turn in range(6):
         answer = f"Answer {turn}: " + " ".join(f"step{k} willow{turn}" for k in range(330))
-        history = history + [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Next {turn} {uuid.uuid4().hex[:6]}?"}]
+        history = history + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Next {turn} {uuid.uuid4().hex[:6]}?"},
+        ]
         chat(open_webui, MODEL, history, chat_id=chat_id)
         got = backend.last_request["messages"]
         assert any(m.get("content") == notes for m in got), f"the pin was dropped on turn {turn}"
@@ -96,7 +116,9 @@ def test_first_request_of_a_freshly_started_server(
     encodings load within the bounded wait; its savings are never more than the chat."""
     fresh = start_open_webui(owui_venv, fake_backend, tmp_path_factory.mktemp("fresh-open-webui"))
     try:
-        install_function(fresh, "contextwarden", BUILT_FILE.read_text("utf-8"), valves=base_valves(), name="contextwarden")
+        install_function(
+            fresh, "contextwarden", BUILT_FILE.read_text("utf-8"), valves=base_valves(), name="contextwarden"
+        )
         fake_backend.reset()
         sent = long_chat()
         since = fresh.log_mark()
@@ -122,8 +144,13 @@ def test_long_answers_go_with_their_questions(
     set_valves(open_webui, cw, {**base_valves(), "max_context_tokens": 8_192, "reserve_output_tokens": 1_024})
     sent: list[dict[str, Any]] = [{"role": "system", "content": "You are a patient tutor."}]
     for step in range(10):
-        sent += [{"role": "user", "content": f"Step {step}: and then? {uuid.uuid4().hex[:6]}"},
-                 {"role": "assistant", "content": f"Step {step} answer: " + " ".join(f"part{k} lantern{step}" for k in range(800))}]
+        sent += [
+            {"role": "user", "content": f"Step {step}: and then? {uuid.uuid4().hex[:6]}"},
+            {
+                "role": "assistant",
+                "content": f"Step {step} answer: " + " ".join(f"part{k} lantern{step}" for k in range(800)),
+            },
+        ]
     sent.append({"role": "user", "content": "Continue with the next step"})
     assert 3_000 <= counter.count_message(sent[2], MODEL) <= 4_000
     chat(open_webui, MODEL, sent)

@@ -113,9 +113,7 @@ def test_backend_models_are_listed(open_webui: OpenWebUI, backend: FakeBackend) 
     assert {"gpt-4o", "openai/gpt-4o-mini", "small-ctx-model"} <= ids
 
 
-def test_non_streaming_chat_runs_inlet_and_outlet(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_non_streaming_chat_runs_inlet_and_outlet(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """Inlet's marker reaches the backend; outlet logs the backend's real usage."""
     nonce = f"ping-{uuid.uuid4().hex[:8]}"
     since = open_webui.log_mark()
@@ -137,9 +135,7 @@ def test_non_streaming_chat_runs_inlet_and_outlet(
     print(f"non-streaming round trip {time.monotonic() - started:.2f} s; outlet saw {record}")
 
 
-def test_streaming_chat_runs_inlet_and_outlet(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_streaming_chat_runs_inlet_and_outlet(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """Streaming: the joined deltas are the reply; outlet still runs for the API caller."""
     nonce = f"ping-{uuid.uuid4().hex[:8]}"
     since = open_webui.log_mark()
@@ -157,9 +153,7 @@ def test_streaming_chat_runs_inlet_and_outlet(
     print(f"streaming: stream_options sent={include_usage}; outlet saw {record}")
 
 
-def test_streaming_usage_when_inlet_asks_for_it(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_streaming_usage_when_inlet_asks_for_it(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """An inlet that sets stream_options.include_usage gets real usage in outlet."""
     set_valves(open_webui, probe, {"marker": "E2E-MARKER", "force_usage": True})
     try:
@@ -191,9 +185,7 @@ def test_user_valves_reach_inlet(open_webui: OpenWebUI, backend: FakeBackend, pr
 # --- Open WebUI 0.12.4 behaviour the product relies on (see README.md) -------------------------
 
 
-def test_system_messages_are_hoisted_and_merged(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_system_messages_are_hoisted_and_merged(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """A system message appended by inlet ends up merged into the first system message."""
     chat(
         open_webui,
@@ -208,9 +200,7 @@ def test_system_messages_are_hoisted_and_merged(
     assert "metadata" not in sent  # ... but metadata is stripped
 
 
-def test_inlet_exception_is_http_400_for_api_callers(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_inlet_exception_is_http_400_for_api_callers(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """An exception in inlet fails the turn; its message is the 400 detail."""
     set_valves(open_webui, probe, {"marker": "E2E-MARKER", "raise_in_inlet": True})
     try:
@@ -222,9 +212,7 @@ def test_inlet_exception_is_http_400_for_api_callers(
         set_valves(open_webui, probe, {"marker": "E2E-MARKER", "raise_in_inlet": False})
 
 
-def test_non_streaming_tool_call_reply_skips_outlet(
-    open_webui: OpenWebUI, backend: FakeBackend, probe: str
-) -> None:
+def test_non_streaming_tool_call_reply_skips_outlet(open_webui: OpenWebUI, backend: FakeBackend, probe: str) -> None:
     """Non-streaming API replies without text (tool_calls only) never reach outlet."""
     nonce = f"tool-{uuid.uuid4().hex[:8]}"
     since = open_webui.log_mark()

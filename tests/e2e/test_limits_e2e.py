@@ -47,7 +47,9 @@ def test_a_user_over_the_limit_is_refused_with_a_text_that_says_why(open_webui, 
     refused = chat(open_webui, MODEL, short_chat(), token=user["token"], expect=None)
     assert refused["status_code"] == 400
     detail = refused["body"]["detail"]
-    assert detail.startswith("contextwarden: your daily limit of $0.01 is reached ($0.013 used today). It resets at 00:00 UTC (in ")
+    assert detail.startswith(
+        "contextwarden: your daily limit of $0.01 is reached ($0.013 used today). It resets at 00:00 UTC (in "
+    )
     assert len(backend.requests) == calls  # the model was not called
     streamed = chat(open_webui, MODEL, short_chat(), stream=True, token=user["token"], expect=None)
     assert streamed["status_code"] == 400 and streamed["body"]["detail"] == detail
@@ -85,4 +87,6 @@ def test_usage_command_answers_admins_without_the_model(open_webui, backend, lim
     assert "background calls" in report
     own = chat(open_webui, MODEL, [{"role": "user", "content": "!usage"}], token=user["token"], expect=None)
     assert own["status_code"] == 400 and len(backend.requests) == calls
-    assert own["body"]["detail"] == "contextwarden: today $0.013 of $0.01 · 125% of your daily limit · this month $0.013."
+    assert (
+        own["body"]["detail"] == "contextwarden: today $0.013 of $0.01 · 125% of your daily limit · this month $0.013."
+    )

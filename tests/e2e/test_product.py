@@ -84,9 +84,13 @@ def long_chat(turns: int = 83, tool_every: int = 5, chars: int = 305) -> list[di
         if turn % tool_every == 2:
             call_id = f"call_{turn:03d}"
             chat_messages.append({"role": "assistant", "content": "", "tool_calls": [_tool_call(call_id)]})
-            chat_messages.append({"role": "tool", "tool_call_id": call_id, "content": "result " + _filler(turn * 3 + 2, chars)})
+            chat_messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": "result " + _filler(turn * 3 + 2, chars)}
+            )
         chat_messages.append({"role": "assistant", "content": f"Answer {turn}: " + _filler(turn * 3 + 3, chars)})
-    chat_messages.append({"role": "user", "content": f"Final question {uuid.uuid4().hex[:8]}: what was said about quartz?"})
+    chat_messages.append(
+        {"role": "user", "content": f"Final question {uuid.uuid4().hex[:8]}: what was said about quartz?"}
+    )
     return chat_messages
 
 
@@ -175,8 +179,14 @@ def warm_up(owui: OpenWebUI, backend: FakeBackend, counter: TokenCounter) -> int
 def product(open_webui: OpenWebUI, fake_backend: FakeBackend, counter: TokenCounter) -> Iterator[str]:
     """The built single file, installed through the REST API as a global filter, counting exactly."""
     source = BUILT_FILE.read_text("utf-8")
-    with installed_function(open_webui, FID, source, valves=base_valves(), name="contextwarden",
-                            description="contextwarden, the built single file"):
+    with installed_function(
+        open_webui,
+        FID,
+        source,
+        valves=base_valves(),
+        name="contextwarden",
+        description="contextwarden, the built single file",
+    ):
         open_webui.timings["warm_up_chats"] = warm_up(open_webui, fake_backend, counter)
         yield FID
 
@@ -267,8 +277,11 @@ def test_ten_turns_keep_their_prefix_and_an_early_fact_is_recalled(
     prompt)."""
     chat_id = f"temporary:{uuid.uuid4()}"
     fact = "Remember this: my storage unit is number 5821 at the Lindholm depot, code word pelican."
-    messages = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": fact},
-                {"role": "assistant", "content": "Noted: unit 5821 at Lindholm, code word pelican."}]
+    messages = [
+        {"role": "system", "content": "You are careful."},
+        {"role": "user", "content": fact},
+        {"role": "assistant", "content": "Noted: unit 5821 at Lindholm, code word pelican."},
+    ]
     messages += long_chat(turns=40)[1:-1]  # ~120 messages of filler after it
     questions = [f"Turn {k}: tell me more about the {WORDS[k]} and the {WORDS[k + 9]}." for k in range(9)]
     questions.append("Which storage unit number and depot did I ask you to remember, with the code word?")
@@ -342,7 +355,9 @@ def test_priced_model_logs_cost(open_webui: OpenWebUI, backend: FakeBackend, cw:
     assert record["cost_source"]
 
 
-def test_tool_call_chat_keeps_pairs(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+def test_tool_call_chat_keeps_pairs(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
     """A tool-heavy chat (every turn calls a tool, some two at once) is trimmed by whole units."""
     sent: list[dict[str, Any]] = [{"role": "system", "content": "Use the tools."}]
     for turn in range(40):
@@ -361,7 +376,9 @@ def test_tool_call_chat_keeps_pairs(open_webui: OpenWebUI, backend: FakeBackend,
     assert counter.count_messages(got, MODEL) <= BUDGET
 
 
-def test_tool_loop_in_progress_is_kept(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+def test_tool_loop_in_progress_is_kept(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
     """A request that ends in a tool result (the model's next step) keeps the whole loop."""
     sent = long_chat(turns=40)
     tail = [
@@ -387,10 +404,15 @@ def test_short_chat_passes_unchanged(open_webui: OpenWebUI, backend: FakeBackend
     assert request["temperature"] == 0.3 and request["max_tokens"] == 77
 
 
-def test_user_valves_lower_the_budget(open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter) -> None:
+def test_user_valves_lower_the_budget(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
     """A second user's own max_context_tokens gives a smaller prompt; the admin's stays."""
     user = add_user(open_webui, "Budget User", f"budget-{uuid.uuid4().hex[:8]}@example.com")
-    assert set_user_valves(open_webui, cw, {"max_context_tokens": 1_200}, token=user["token"])["max_context_tokens"] == 1_200
+    assert (
+        set_user_valves(open_webui, cw, {"max_context_tokens": 1_200}, token=user["token"])["max_context_tokens"]
+        == 1_200
+    )
     sent = long_chat()
     since = open_webui.log_mark()
     chat(open_webui, MODEL, sent)
@@ -418,11 +440,11 @@ def test_bad_valve_is_reported_and_the_chat_goes_on(open_webui: OpenWebUI, backe
     assert one_usage_record(open_webui, since)["estimated"] is False
 
 
-FORCED_ERROR = '''
+FORCED_ERROR = """
 
 def trim_messages(*args, **kwargs):  # e2e: replaces the real one (later definition wins)
     raise RuntimeError("e2e: forced internal error")
-'''
+"""
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -460,8 +482,16 @@ def test_forged_usage_through_chat_completed_is_not_believed(open_webui: OpenWeb
     ]
     for usage, estimated in forged:
         since = open_webui.log_mark()
-        body = {"model": MODEL, "chat_id": f"local:{uuid.uuid4()}", "id": str(uuid.uuid4()), "session_id": None,
-                "messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi.", "usage": usage}]}
+        body = {
+            "model": MODEL,
+            "chat_id": f"local:{uuid.uuid4()}",
+            "id": str(uuid.uuid4()),
+            "session_id": None,
+            "messages": [
+                {"role": "user", "content": "Hello?"},
+                {"role": "assistant", "content": "Hi.", "usage": usage},
+            ],
+        }
         open_webui.api("POST", "/api/chat/completed", json_body=body)
         line = wait_for_log(open_webui, " - usage {", timeout=20, since=since)
         assert len(line) < 2_000

@@ -21,8 +21,12 @@ MARKER = {"type": "ephemeral"}
 
 
 def marked(messages: list[dict[str, Any]]) -> list[int]:
-    return [i for i, m in enumerate(messages) if isinstance(m.get("content"), list)
-            and any(isinstance(p, dict) and "cache_control" in p for p in m["content"])]
+    return [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and "cache_control" in p for p in m["content"])
+    ]
 
 
 def big_system_chat() -> list[dict[str, Any]]:

@@ -29,12 +29,18 @@ def weather_chat() -> list[dict]:
     filler = []
     for i in range(40):
         filler.append({"role": "user", "content": f"Tell me about the storm front number {i} and the rain it brings."})
-        filler.append({"role": "assistant", "content": f"Storm front {i} brings heavy rain, strong wind and cold air. " * 3})
+        filler.append(
+            {"role": "assistant", "content": f"Storm front {i} brings heavy rain, strong wind and cold air. " * 3}
+        )
     return [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": FACT},
         # a long reply: whole-turn packing would otherwise keep this cheap turn in any trim
-        {"role": "assistant", "content": "Congratulations! Kittens are a joy. " + "Give her toys, a scratching post and fresh water. " * 8},
+        {
+            "role": "assistant",
+            "content": "Congratulations! Kittens are a joy. "
+            + "Give her toys, a scratching post and fresh water. " * 8,
+        },
         *filler,
         {"role": "user", "content": QUESTION},
     ]
@@ -47,9 +53,16 @@ def sent_fact(backend) -> bool:
 def valves(**extra) -> dict:
     """A 1,000-token budget; the whole chat embedded in one turn (a busy 2-core CI machine may
     take several seconds for its 83 messages on the CPU)."""
-    return {"max_context_tokens": 1_500, "reserve_output_tokens": 500, "low_watermark": 1.0,
-            "embed_max_texts": 200, "embed_timeout_seconds": 30, "openrouter_pricing": False,
-            "calibrate_counts": False, **extra}
+    return {
+        "max_context_tokens": 1_500,
+        "reserve_output_tokens": 500,
+        "low_watermark": 1.0,
+        "embed_max_texts": 200,
+        "embed_timeout_seconds": 30,
+        "openrouter_pricing": False,
+        "calibrate_counts": False,
+        **extra,
+    }
 
 
 def test_the_filter_finds_by_meaning_with_open_webuis_embedder(open_webui: OpenWebUI, backend):
@@ -64,8 +77,12 @@ def test_the_filter_finds_by_meaning_with_open_webuis_embedder(open_webui: OpenW
 
 def test_without_a_working_embedder_the_trim_is_lexical_and_says_why(open_webui: OpenWebUI, backend):
     config = open_webui.api("GET", "/api/v1/retrieval/embedding")
-    broken = {**config, "RAG_EMBEDDING_ENGINE": "openai", "RAG_EMBEDDING_MODEL": "text-embedding-3-small",
-              "openai_config": {"url": "http://127.0.0.1:9/v1", "key": "x"}}
+    broken = {
+        **config,
+        "RAG_EMBEDDING_ENGINE": "openai",
+        "RAG_EMBEDDING_MODEL": "text-embedding-3-small",
+        "openai_config": {"url": "http://127.0.0.1:9/v1", "key": "x"},
+    }
     with installed_function(open_webui, FID, BUILT_FILE.read_text("utf-8"), valves(), name="contextwarden"):
         mark = open_webui.log_mark()
         open_webui.api("POST", "/api/v1/retrieval/embedding/update", json_body=broken)
