@@ -14,16 +14,17 @@ __version__ = "0.1.0"
 
 import logging
 
-# A library logs through its own logger and lets the application choose handlers: without one,
-# warnings would reach stderr through logging's last resort (e.g. in the command line).
-logging.getLogger("contextwarden").addHandler(logging.NullHandler())
-
 from .errors import ConfigError, ContextWardenError, PricingError, StoreError
 from .explain import Explanation, explain_trim
 from .filter import Filter
 from .selection import TrimDecision
 from .tokens import TokenCounter, encoding_for
 from .trim import TrimResult, trim_messages
+
+# A library logs through its own logger and lets the application choose handlers: without one,
+# warnings would reach stderr through logging's last resort (e.g. in the command line).
+# No module logs while it is imported, so attaching the handler after the imports is enough.
+logging.getLogger("contextwarden").addHandler(logging.NullHandler())
 
 __all__ = [
     "__version__",

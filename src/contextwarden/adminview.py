@@ -35,7 +35,9 @@ def cost_cell(counters: dict[str, int], usd: Decimal, *, places: int = 6, dollar
     did not (x counts the priced ones), else the amount.
 
     Example:
-        >>> cost_cell({"requests": 2, "unpriced": 2}, Decimal(0)), cost_cell({"requests": 3, "unpriced": 1}, Decimal("0.5"), places=2)
+        >>> cost_cell({"requests": 2, "unpriced": 2}, Decimal(0)), cost_cell(
+        ...     {"requests": 3, "unpriced": 1}, Decimal("0.5"), places=2
+        ... )
         ('unknown', '≥0.50')
     """
     requests, unpriced = counters.get("requests", 0), counters.get("unpriced", 0)
@@ -61,7 +63,8 @@ def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
         tokens = row.counters.get("prompt_tokens", 0) + row.counters.get("completion_tokens", 0)
         name = row.key.replace("|", "\\|")
         lines.append(
-            f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | {cost_cell(row.counters, row.cost_usd, places=4)} |"
+            f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | "
+            f"{cost_cell(row.counters, row.cost_usd, places=4)} |"
         )
     if len(rows) > limit:
         lines.append(f"| … {len(rows) - limit:,} more | | | |")
@@ -74,7 +77,8 @@ def _limits_line(rules: LimitRules) -> str:
 
     base = rules.base
     line = (
-        f"Limits for everyone: daily {money(base.cap('daily_usd'), '$')}, monthly {money(base.cap('monthly_usd'), '$')}, "
+        f"Limits for everyone: daily {money(base.cap('daily_usd'), '$')}, monthly "
+        f"{money(base.cap('monthly_usd'), '$')}, "
         f"daily {money(base.cap('daily_tokens'), 't')}, monthly {money(base.cap('monthly_tokens'), 't')}"
     )
     counts = [(len(rules.roles or {}), "role"), (len(rules.groups or {}), "group"), (len(rules.users or {}), "user")]
@@ -109,7 +113,8 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
     notes = []
     if all_month["unpriced"]:
         notes.append(
-            f"{all_month['unpriced']:,} replies had no known price: dollar limits could not count them (token limits did)."
+            f"{all_month['unpriced']:,} replies had no known price: dollar limits could not count them (token limits "
+            "did)."
         )
     if all_month["estimated"]:
         notes.append(f"{all_month['estimated']:,} replies were estimated (the backend sent no usage).")

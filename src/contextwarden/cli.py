@@ -17,14 +17,14 @@ from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
 from .conversation import message_text
 from .errors import ConfigError
 from .explain import Explanation, explain_trim
-from .pricing import PriceBook, resolve_model
-from .savings import SAVINGS_ASSUMPTION
-from .status import savings_status
 from .ledger import LedgerEntry, ledger_totals, read_ledger
 from .offline import seed_tiktoken_cache, tiktoken_cache_dir
+from .pricing import PriceBook, resolve_model
 from .report import render_csv, render_html, render_json, render_table
-from .store import RedisStore, open_store
+from .savings import SAVINGS_ASSUMPTION
 from .selection import STRATEGIES, TrimDecision
+from .status import savings_status
+from .store import RedisStore, open_store
 from .tokens import TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from .cache_hints import min_cacheable_tokens
 from .conversation import Conversation, Message, read_conversation
 from .pricing import ModelPrice
-from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .relevance import score_messages
+from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .selection import (
     DEFAULT_COST_EXPONENT,
     Strategy,

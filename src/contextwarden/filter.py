@@ -17,11 +17,12 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from decimal import Decimal
 from itertools import repeat
 from typing import Any
 
+from .adminview import is_usage_command, usage_answer
 from .budget import PromptBudget, fixed_cost, prompt_budget
 from .cache_hints import (
     breakpoint_positions,
@@ -42,7 +43,6 @@ from .calibration import (
 )
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message, message_text
-from .adminview import is_usage_command, usage_answer
 from .embedder import OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
@@ -58,7 +58,6 @@ from .limits import (
     refusal_text,
     spend_text,
 )
-from .spendbook import SpendBook
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .savings import (
@@ -71,6 +70,7 @@ from .savings import (
     price_caches,
     reply_savings,
 )
+from .spendbook import SpendBook
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import find_summary, insert_summary, summarize_trim
@@ -216,7 +216,7 @@ def _ids(body: dict[str, Any], user: dict | None, metadata: dict | None) -> tupl
 
 
 def _same_messages(a: Sequence[Message], b: Sequence[Message]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _flags_of_turn(value: dict) -> Flags:
@@ -321,7 +321,7 @@ class Filter:
         self._inflight = InFlight()
         self._spendbook = SpendBook()
         self._groups = GroupReader()
-        self._now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
+        self._now: Callable[[], datetime] = lambda: datetime.now(UTC)
 
     # -- hooks ------------------------------------------------------------------------------
 

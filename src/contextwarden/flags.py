@@ -106,7 +106,7 @@ class FlagRead:
 
     def changed(self, original: Sequence[Message]) -> bool:
         """True when some message of `original` had flag text removed."""
-        return any(a is not b for a, b in zip(self.messages, original))
+        return any(a is not b for a, b in zip(self.messages, original, strict=True))
 
 
 def _positive_or_none(value: object) -> int | None:

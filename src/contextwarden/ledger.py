@@ -4,8 +4,9 @@ One counter key per day, user and model holds requests, token counts, cost in in
 picodollars (1e-12 USD, so Redis HINCRBY adds exactly) and how many replies were estimated
 or unpriced; beside real spend, what trimming saved (`trimmed`, `tokens_saved`,
 `cost_saved_picousd`: estimates, from turns really trimmed) and, apart, what shadow mode says it
-would have saved (`shadow_*`: the chat went out whole, nothing was saved). Several workers sharing one Redis add up exactly; without Redis each worker
-keeps its own totals. Query helpers add the keys up by user, model or day.
+would have saved (`shadow_*`: the chat went out whole, nothing was saved). Several workers
+sharing one Redis add up exactly; without Redis each worker keeps its own totals. Query helpers
+add the keys up by user, model or day.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Literal
 from urllib.parse import quote, unquote
@@ -202,7 +203,7 @@ async def record_reply(
         ...     completion_tokens=5, cost_usd=Decimal("0.000075"), estimated=False)  # doctest: +SKIP
         'ledger:2026-08-19:u1:openai%2Fgpt-4o'
     """
-    day = day or datetime.now(timezone.utc).date()
+    day = day or datetime.now(UTC).date()
     key = _ledger_key(day, user or "-", model or "-")
     fields = {
         "requests": 1,

@@ -13,7 +13,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from time import monotonic
 from typing import Any, Literal
@@ -181,7 +181,8 @@ def limits_for(rules: LimitRules, *, role: str, groups: Iterable[str], user_id: 
     unless the `admin` role has an override.
 
     Example:
-        >>> rules = parse_overrides('{"roles": {"user": {"daily_usd": 2}}, "users": {"u1": {"daily_usd": 5}}}', Limits())
+        >>> overrides = '{"roles": {"user": {"daily_usd": 2}}, "users": {"u1": {"daily_usd": 5}}}'
+        >>> rules = parse_overrides(overrides, Limits())
         >>> limits_for(rules, role="user", groups=[], user_id="u1").daily_usd
         Decimal('5')
     """
@@ -242,12 +243,12 @@ def _add(a: Spend, b: Spend) -> Spend:
 
 def next_reset(kind: LimitKind, now: datetime) -> datetime:
     """The next UTC midnight (daily) or first of the next month (monthly)."""
-    today = now.astimezone(timezone.utc).date()
+    today = now.astimezone(UTC).date()
     if kind.startswith("daily"):
         start = today + timedelta(days=1)
     else:
         start = (today.replace(day=28) + timedelta(days=4)).replace(day=1)
-    return datetime(start.year, start.month, start.day, tzinfo=timezone.utc)
+    return datetime(start.year, start.month, start.day, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,8 +307,10 @@ def refusal_text(verdict: Verdict, now: datetime) -> str:
     """What a refused user reads: the limit, what was used, when it resets.
 
     Example:
-        >>> refusal_text(Verdict(False, "daily_usd", Decimal("2.034"), Decimal(2)), datetime(2026, 12, 1, 20, 48, tzinfo=timezone.utc))
-        'contextwarden: your daily limit of $2.00 is reached ($2.03 used today). It resets at 00:00 UTC (in 3 h 12 min).'
+        >>> print(refusal_text(Verdict(False, "daily_usd", Decimal("2.034"), Decimal(2)),
+        ...                    datetime(2026, 12, 1, 20, 48, tzinfo=UTC)))  # doctest: +NORMALIZE_WHITESPACE
+        contextwarden: your daily limit of $2.00 is reached ($2.03 used today).
+        It resets at 00:00 UTC (in 3 h 12 min).
     """
     kind = verdict.kind or "daily_usd"
     reset = next_reset(kind, now)
@@ -332,7 +335,8 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
     """`today $0.42 of $2.00` (the limit only when there is one), and the warning from 80%.
 
     Example:
-        >>> spend_text(Limits(daily_usd=Decimal(2)), Spend(usd=Decimal("1.7")), Verdict(True, warn_kind="daily_usd", warn_share=Decimal("0.85")), True)
+        >>> verdict = Verdict(True, warn_kind="daily_usd", warn_share=Decimal("0.85"))
+        >>> spend_text(Limits(daily_usd=Decimal(2)), Spend(usd=Decimal("1.7")), verdict, True)
         'today $1.70 of $2.00 · 85% of your daily limit'
     """
     parts = []

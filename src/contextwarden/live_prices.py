@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 
@@ -76,7 +76,7 @@ async def fetch_openrouter_prices(
     except httpx.HTTPError as exc:
         raise PricingError(f"OpenRouter prices: {type(exc).__name__}") from exc
     now = time.time()
-    day = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y-%m-%d")
+    day = datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%d")
     return await asyncio.to_thread(_parse_openrouter, body, now, day)
 
 

@@ -82,7 +82,11 @@ class PriceSources:
             if admin is not None:
                 layers.append(admin)
         cached = self._layered
-        if cached is None or len(cached[0]) != len(layers) or any(a is not b for a, b in zip(cached[0], layers)):
+        if (
+            cached is None
+            or len(cached[0]) != len(layers)
+            or any(a is not b for a, b in zip(cached[0], layers, strict=True))
+        ):
             book = layers[0]
             for layer in layers[1:]:
                 book = book.layered(layer)

@@ -369,7 +369,7 @@ def _fuse(lexical: Sequence[float], similarity: Sequence[float], skip: set[int],
     keep, lift = (1.0 - share) / top, share / span if span > 0 else 0.0
     return [
         top * (keep * bm25 + (lift * max(0.0, cosine - median) if i not in skip else 0.0))
-        for i, (bm25, cosine) in enumerate(zip(lexical, similarity))
+        for i, (bm25, cosine) in enumerate(zip(lexical, similarity, strict=True))
     ]
 
 
@@ -465,7 +465,7 @@ class _TermIndexCache:
         if index is not None:
             return index
         index = dict.fromkeys(stats.once, 1)
-        index.update(zip(stats.more, stats.more_tfs))
+        index.update(zip(stats.more, stats.more_tfs, strict=True))
         with self._lock:
             if key not in self._entries:
                 self._entries[key] = index
@@ -534,6 +534,6 @@ def recall_scores(
         columns.append(list(map(truediv, map(mul, counts, repeat(weight)), map(add, counts, norms))))
     base = [0.0] * n
     if columns:
-        for i, score in zip(corpus, map(math.fsum, zip(*columns))):
+        for i, score in zip(corpus, map(math.fsum, zip(*columns, strict=True)), strict=True):
             base[i] = score
     return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)

@@ -112,14 +112,16 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
     def line(cells: list[str]) -> str:
         first = _fit(cells[0], widths[0])
         return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip([first, *cells[1:]], widths))
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip([first, *cells[1:]], widths, strict=True))
         ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     lines = [line(header), rule, *(line(b) for b in body), rule, line(footer)]
     if total.counters["unpriced"]:
         lines.append(
-            f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not (≥, unknown)"
+            f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not "
+            "(≥, unknown)"
         )
     if total.counters["estimated"]:
         lines.append(f"{total.counters['estimated']:,} replies were estimated (the backend sent no usage)")
@@ -222,8 +224,9 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
         f'aria-label="Cost and savings per day">',
-        f'<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-        f'<rect width="6" height="6" fill="#ffffff"/><rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>',
+        '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        '<rect width="6" height="6" fill="#ffffff"/>'
+        f'<rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>',
     ]
     tick = Decimal(0)
     while tick <= axis_top:
@@ -259,7 +262,7 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
             )
         y = top + plot_h
         for amount, fill, what in zip(
-            savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)")
+            savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)"), strict=True
         ):
             if not amount:
                 continue
@@ -299,7 +302,8 @@ def _html_table(rows: Sequence[LedgerRow], by: str) -> str:
 
 
 _REPORT_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;max-width:1120px;color:#222;padding:0 16px}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;\
+max-width:1120px;color:#222;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
 .sub{color:#666;margin:0 0 16px}.cards{display:flex;gap:12px;flex-wrap:wrap;margin:12px 0}
 .card{border:1px solid #ddd;border-radius:8px;padding:10px 14px;min-width:140px}

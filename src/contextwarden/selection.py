@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import pairwise, repeat
 from typing import Literal
 
 from .conversation import (
@@ -98,7 +98,7 @@ class Recall:
         if not (
             all(type(i) is int and 0 <= i < value[0] for i in at)
             and all(isinstance(k, str) for k in kept)
-            and all(a < b for a, b in zip(at, at[1:]))
+            and all(a < b for a, b in pairwise(at))
         ):
             return None
         return cls(value[0], at, kept)
@@ -141,7 +141,7 @@ class TrimDecision:
         if at and (
             len(at) != len(self.kept)
             or not all(type(i) is int and i >= 0 for i in at)
-            or any(a >= b for a, b in zip(at, at[1:]))
+            or any(a >= b for a, b in pairwise(at))
         ):
             object.__setattr__(self, "at", ())
         if not self.at and self.seen:
@@ -662,7 +662,9 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     """The previous turn's kept messages are all still at the positions it recorded."""
     at = previous.at
     return (
-        bool(at) and at[-1] < len(fingerprints) and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept))
+        bool(at)
+        and at[-1] < len(fingerprints)
+        and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept, strict=True))
     )
 
 
@@ -715,7 +717,7 @@ def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: C
         if (
             recall.anchor not in keep
             or recall.at[-1] >= n
-            or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept))
+            or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept, strict=True))
         ):
             return None
     return list(previous.recalls)

@@ -93,7 +93,7 @@ class VectorCache:
     def missing(self, texts: Sequence[str], embed: object) -> list[str]:
         """The distinct texts `embed` has no cached vector for, in their first order."""
         distinct = list(dict.fromkeys(texts))
-        return [t for t, v in zip(distinct, self.lookup(distinct, embed)) if v is None]
+        return [t for t, v in zip(distinct, self.lookup(distinct, embed), strict=True) if v is None]
 
     def put(self, texts: Sequence[str], vectors: Sequence[Sequence[float]], embed: object) -> None:
         """Store one vector per text (normalised); raises ValueError on a shape that does not fit."""
@@ -102,7 +102,7 @@ class VectorCache:
         unit = [_unit_vector(v) for v in vectors]
         space = self._space(embed)
         with self._lock:
-            for text, vector in zip(texts, unit):
+            for text, vector in zip(texts, unit, strict=True):
                 key = (space, _key(text))
                 self._vectors[key] = vector
                 self._vectors.move_to_end(key)
@@ -154,7 +154,7 @@ def similarities(
     texts = {i: embed_text(messages[i]) for i in wanted}
     if fill:
         cache.fill(list(texts.values()), embed)
-    vectors = dict(zip(texts, cache.lookup(list(texts.values()), embed)))
+    vectors = dict(zip(texts, cache.lookup(list(texts.values()), embed), strict=True))
     query = vectors.get(question)
     if query is None or any(v is None or len(v) != len(query) for v in vectors.values()):
         return None

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from decimal import ROUND_HALF_UP, Decimal
 
+from .cache_hints import carried_prefix
 from .conversation import Message
 from .flags import Flags
 from .savings import Savings
 from .selection import TrimDecision
-from .cache_hints import carried_prefix
 from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
@@ -157,9 +157,15 @@ def status_line(choice: TurnChoice, flags: Flags) -> str:
     """`Context 142 → 38 messages · 96,210 → 7,950 tokens`, or `(fits N)` when nothing was cut."""
     after = len(choice.messages)
     if choice.full:
-        line = f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget {choice.budget:,})"
+        line = (
+            f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget "
+            f"{choice.budget:,})"
+        )
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = f"Context {choice.count_before:,} → {_messages(after)} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+        line = (
+            f"Context {choice.count_before:,} → {_messages(after)} · {choice.tokens_before:,} → "
+            f"{choice.tokens_after:,} tokens"
+        )
     else:
         line = f"Context {_messages(after)} · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)
@@ -204,9 +210,15 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
     """
     after = len(choice.messages)
     if choice.full:
-        line = f"Shadow: !full, would send all {after:,} messages · {choice.tokens_after:,} tokens (budget {choice.budget:,})"
+        line = (
+            f"Shadow: !full, would send all {after:,} messages · {choice.tokens_after:,} tokens (budget "
+            f"{choice.budget:,})"
+        )
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+        line = (
+            f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → "
+            f"{choice.tokens_after:,} tokens"
+        )
         if show_cost and savings.cost_saved_usd:
             amount = savings.cost_saved_usd
             line += (

@@ -236,7 +236,8 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
         store: where summaries are cached.
 
     Example:
-        >>> text = await summarize_messages(dropped, config=SummaryConfig("http://llm/v1", "gpt-4o-mini"), store=store)  # doctest: +SKIP
+        >>> config = SummaryConfig("http://llm/v1", "gpt-4o-mini")
+        >>> text = await summarize_messages(dropped, config=config, store=store)  # doctest: +SKIP
     """
     transcript = _transcript(messages)
     if not transcript:

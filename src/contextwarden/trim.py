@@ -12,23 +12,22 @@ from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
 from .conversation import Conversation, Message, read_conversation, recall_message, recall_positions, system_positions
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores, score_messages
 from .selection import (
     STRATEGIES,
     Fingerprints,
     Recall,
     Strategy,
     TrimDecision,
-    choose_indices,
     carried_recalls,
+    choose_indices,
     choose_recall,
     extend_previous,
-    recall_candidates,
     history_chars,
     mandatory_indices,
+    recall_candidates,
     reuse_previous,
 )
-from .relevance import score_messages
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
@@ -457,7 +456,7 @@ def _with_blocks(
     by_anchor = {b.anchor: b.message for b in blocks}
     out: list[Message] = []
     stable = -1
-    for index, message in zip(order, sent):
+    for index, message in zip(order, sent, strict=True):
         block = by_anchor.get(index)
         if block is not None:
             if index == question:

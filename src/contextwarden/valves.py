@@ -15,13 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
+from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
-from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
-from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .selection import STRATEGIES, Strategy
+from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
@@ -131,13 +131,17 @@ class Valves(BaseModel):
     )
     mode: str = Field(
         default="enforce",
-        description="enforce = trim chats to the budget; shadow = send chats unchanged but record and show what trimming would have sent and saved; off = no trimming, usage and cost still recorded.",
+        description=(
+            "enforce = trim chats to the budget; shadow = send chats unchanged but record and show what trimming would "
+            "have sent and saved; off = no trimming, usage and cost still recorded."
+        ),
         json_schema_extra={"enum": list(MODES)},
     )
     max_context_tokens: int = _int_field(
         "max_context_tokens",
         0,
-        f"Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, else {DEFAULT_CONTEXT_TOKENS:,}.",
+        "Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, "
+        f"else {DEFAULT_CONTEXT_TOKENS:,}.",
     )
     reserve_output_tokens: int = _int_field(
         "reserve_output_tokens",
@@ -156,29 +160,46 @@ class Valves(BaseModel):
     show_status: bool = Field(default=True, description="Show what was trimmed and what a reply cost above each reply.")
     openrouter_pricing: bool = Field(
         default=True,
-        description="Refresh prices from OpenRouter's public model list in the background. Off for air-gapped installs (the bundled prices are used).",
+        description=(
+            "Refresh prices from OpenRouter's public model list in the background. Off for air-gapped installs (the "
+            "bundled prices are used)."
+        ),
     )
     pricing_ttl_hours: float = Field(
         default=DEFAULT_PRICING_TTL_HOURS,
         ge=MIN_PRICING_TTL_HOURS,
         le=MAX_PRICING_TTL_HOURS,
-        description=f"How old live OpenRouter prices may get before a background refresh, {MIN_PRICING_TTL_HOURS:g} to {MAX_PRICING_TTL_HOURS:g} hours.",
+        description=(
+            f"How old live OpenRouter prices may get before a background refresh, {MIN_PRICING_TTL_HOURS:g} to "
+            f"{MAX_PRICING_TTL_HOURS:g} hours."
+        ),
     )
     pricing_file: str = Field(
         default="",
-        description="Path to your own pricing.json (same format as the bundled one); its models win over live and bundled prices. Empty = none.",
+        description=(
+            "Path to your own pricing.json (same format as the bundled one); its models win over live and bundled "
+            "prices. Empty = none."
+        ),
     )
     free_models: str = Field(
         default="",
-        description='Models that cost nothing (local Ollama models, say): ids or * globs, comma-separated or a JSON list, e.g. "llama*, qwen3:*".',
+        description=(
+            "Models that cost nothing (local Ollama models, say): ids or * globs, comma-separated or a JSON list, e.g. "
+            '"llama*, qwen3:*".'
+        ),
     )
     connection_prefixes: str = Field(
         default="",
-        description='Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".',
+        description=(
+            'Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".'
+        ),
     )
     request_stream_usage: bool = Field(
         default=True,
-        description="Ask OpenAI-compatible backends for usage in streamed replies (stream_options.include_usage), so costs are real, not estimates.",
+        description=(
+            "Ask OpenAI-compatible backends for usage in streamed replies (stream_options.include_usage), so costs are "
+            "real, not estimates."
+        ),
     )
     calibrate_counts: bool = Field(
         default=True,
@@ -191,7 +212,11 @@ class Valves(BaseModel):
     )
     strategy: str = Field(
         default="relevance",
-        description="What a trim keeps of the older history: relevance = the messages that matter most to the latest question (BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long chat never seen).",
+        description=(
+            "What a trim keeps of the older history: relevance = the messages that matter most to the latest question "
+            "(BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long "
+            "chat never seen)."
+        ),
         json_schema_extra={"enum": list(STRATEGIES)},
     )
     keep_last_turns: int = _int_field(
@@ -203,27 +228,40 @@ class Valves(BaseModel):
         default=DEFAULT_LOW_WATERMARK,
         gt=0,
         le=1,
-        description="When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 fills the budget. (Above 0, at most 1.)",
+        description=(
+            "When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is "
+            "reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 "
+            "fills the budget. (Above 0, at most 1.)"
+        ),
     )
     growth_turns: int = _int_field(
         "growth_turns",
         DEFAULT_GROWTH_TURNS,
-        "Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one (never more than half the budget), so chats with long turns keep their prefix as long as chats with short ones. 0: the watermark alone.",
+        "Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one "
+        "(never more than half the budget), so chats with long turns keep their prefix as long as chats with short "
+        "ones. 0: the watermark alone.",
     )
     semantic_relevance: bool = Field(
         default=True,
-        description="Use Open WebUI's own embedding model (the one RAG uses) beside word matching to find what matters to the latest question. Off, or with no embedder loaded, relevance is word matching only.",
+        description=(
+            "Use Open WebUI's own embedding model (the one RAG uses) beside word matching to find what matters to the "
+            "latest question. Off, or with no embedder loaded, relevance is word matching only."
+        ),
     )
     embed_timeout_seconds: float = Field(
         default=DEFAULT_EMBED_TIMEOUT,
         gt=0,
         le=MAX_EMBED_TIMEOUT_SECONDS,
-        description=f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word matching and later turns embed the rest.",
+        description=(
+            f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word "
+            "matching and later turns embed the rest."
+        ),
     )
     embed_max_texts: int = _int_field(
         "embed_max_texts",
         DEFAULT_EMBED_TEXTS,
-        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few turns.",
+        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few "
+        "turns.",
     )
     state_ttl_hours: int = _int_field(
         "state_ttl_hours",
@@ -232,16 +270,25 @@ class Valves(BaseModel):
     )
     allowed_user_flags: str = Field(
         default=DEFAULT_ALLOWED_FLAGS,
-        description=f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full bypasses the budget and is off by default. Empty = none.",
+        description=(
+            f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full "
+            "bypasses the budget and is off by default. Empty = none."
+        ),
     )
     prompt_cache_hints: str = Field(
         default="auto",
-        description="auto = mark the stable start of each prompt with cache_control breakpoints for models that cache only what is marked (Claude through OpenRouter), so repeated prefixes are billed at the cache-read price; off = never add them.",
+        description=(
+            "auto = mark the stable start of each prompt with cache_control breakpoints for models that cache only "
+            "what is marked (Claude through OpenRouter), so repeated prefixes are billed at the cache-read price; off "
+            "= never add them."
+        ),
         json_schema_extra={"enum": list(CACHE_HINTS)},
     )
     summary_enabled: bool = Field(
         default=False,
-        description="Condense what a trim drops into a short note, with one call to the summary endpoint below (cached).",
+        description=(
+            "Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
+        ),
     )
     summary_base_url: str = Field(
         default="",
@@ -255,7 +302,10 @@ class Valves(BaseModel):
         default=DEFAULT_SUMMARY_TIMEOUT_SECONDS,
         gt=0,
         le=MAX_SUMMARY_TIMEOUT_SECONDS,
-        description=f"Longest wait for a summary; past it the chat goes on without one. (Above 0, at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}.)",
+        description=(
+            "Longest wait for a summary; past it the chat goes on without one. (Above 0, at most "
+            f"{MAX_SUMMARY_TIMEOUT_SECONDS:g}.)"
+        ),
     )
     summary_max_tokens: int = _int_field(
         "summary_max_tokens",
@@ -266,7 +316,11 @@ class Valves(BaseModel):
         default=0,
         ge=0,
         le=float(MAX_LIMIT_USD),
-        description=f"Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role. (0 to {MAX_LIMIT_USD:,}.)",
+        description=(
+            "Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the "
+            "model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role. (0 to "
+            f"{MAX_LIMIT_USD:,}.)"
+        ),
     )
     monthly_limit_usd: float = Field(
         default=0,
@@ -278,7 +332,10 @@ class Valves(BaseModel):
         default=0,
         ge=0,
         le=MAX_LIMIT_TOKENS,
-        description=f"Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)",
+        description=(
+            "Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to "
+            f"{MAX_LIMIT_TOKENS:,}.)"
+        ),
     )
     monthly_limit_tokens: int = Field(
         default=0,
@@ -288,15 +345,26 @@ class Valves(BaseModel):
     )
     limit_overrides: str = Field(
         default="",
-        description='JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": {"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, daily_tokens, monthly_tokens (0 = none).',
+        description=(
+            "JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several "
+            'groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": '
+            '{"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, '
+            "daily_tokens, monthly_tokens (0 = none)."
+        ),
     )
     show_spend: bool = Field(
         default=False,
-        description="Show every user what they spent today in the line after each reply, also users without a limit (users with one see it anyway, unless they hide it).",
+        description=(
+            "Show every user what they spent today in the line after each reply, also users without a limit (users "
+            "with one see it anyway, unless they hide it)."
+        ),
     )
     limit_store_failure: str = Field(
         default="fail-open",
-        description="When the usage store (Redis) cannot be read to check a limit: fail-open = let the turn go (logged); fail-closed = refuse it.",
+        description=(
+            "When the usage store (Redis) cannot be read to check a limit: fail-open = let the turn go (logged); "
+            "fail-closed = refuse it."
+        ),
         json_schema_extra={"enum": list(LIMIT_STORE_FAILURES)},
     )
 
@@ -315,7 +383,10 @@ class UserValves(BaseModel):
     show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
     show_spend: bool = Field(
         default=True,
-        description="Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or the admin shows spend to everyone.",
+        description=(
+            "Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or "
+            "the admin shows spend to everyone."
+        ),
     )
 
 
@@ -506,7 +577,8 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
         problems.append(
             ConfigError(
-                f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using {DEFAULT_EMBED_TIMEOUT:g}",
+                f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using "
+                f"{DEFAULT_EMBED_TIMEOUT:g}",
                 valve="embed_timeout_seconds",
             )
         )
@@ -621,7 +693,8 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
     if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
         found.append(
             ConfigError(
-                f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are off",
+                f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are "
+                "off",
                 valve="summary_timeout_seconds",
             )
         )
