@@ -142,7 +142,9 @@ def _type_of(schema: Any, depth: int) -> str:
         return " | ".join(_JSON.encode(value) for value in schema["enum"]) or "any"
     kind = schema.get("type")
     if kind == "object" and isinstance(schema.get("properties"), dict):
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        required = schema.get("required")
+        if not isinstance(required, list):
+            required = []
         lines = ["{"]
         for name, prop in schema["properties"].items():
             description = prop.get("description") if isinstance(prop, dict) else None

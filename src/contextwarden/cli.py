@@ -211,6 +211,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     for candidate in (here / "_bundle.py", here.parents[1] / "build" / "bundle.py"):
         if candidate.exists():
             spec = importlib.util.spec_from_file_location("contextwarden_bundle", candidate)
+            if spec is None or spec.loader is None:  # never for a .py file
+                continue
             bundle = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(bundle)
             argv = ["--output", args.output] if args.output else []

@@ -193,10 +193,12 @@ def explain_trim(
                 elif sent:
                     reasons.append("new since the previous decision")
             elif scores is not None and not reasons:
-                whole = (
+                together = (
                     [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
                 )
-                value = sum(scores[j] for j in whole) / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
+                value = (
+                    sum(scores[j] for j in together) / max(1, sum(costs[j] for j in together)) ** DEFAULT_COST_EXPONENT
+                )
                 reasons.append(
                     f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
                     + ("worth its tokens" if sent else "below what was kept, or did not fit")

@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
+from enum import Enum
 from itertools import repeat
-from typing import Any
+from typing import Any, Final
 
 from .adminview import is_usage_command, usage_answer
 from .budget import PromptBudget, fixed_cost, prompt_budget
@@ -92,7 +93,15 @@ SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations r
 # What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
 # is one), fails open. Cancellation and shutdown are not errors of the filter's.
 NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
-UNREADABLE = object()  # a chat state that could not be read: the turn goes on, nothing is saved over it
+
+
+class _Unreadable(Enum):
+    """A chat state that could not be read: the turn goes on, nothing is saved over it."""
+
+    STATE = "unreadable"
+
+
+UNREADABLE: Final = _Unreadable.STATE
 
 
 # Chats with less text than this are counted and trimmed on the event loop: a cold trim of
@@ -135,6 +144,12 @@ ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in al
 preload_encodings()  # when Open WebUI loads this module: its first request should count exactly
 
 
+def _dict_at(container: dict, key: str) -> dict:
+    """`container[key]` when it is a dict, else a new empty one (request input is hostile)."""
+    value = container.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def model_context_length(model: dict[str, Any] | None) -> int | None:
     """The context window Open WebUI knows for a model, if any.
 
@@ -143,10 +158,10 @@ def model_context_length(model: dict[str, Any] | None) -> int | None:
     """
     if not isinstance(model, dict):
         return None
-    info = model.get("info") if isinstance(model.get("info"), dict) else {}
-    params = info.get("params") if isinstance(info.get("params"), dict) else {}
-    listed = model.get("openai") if isinstance(model.get("openai"), dict) else {}
-    top = listed.get("top_provider") if isinstance(listed.get("top_provider"), dict) else {}
+    info = _dict_at(model, "info")
+    params = _dict_at(info, "params")
+    listed = _dict_at(model, "openai")
+    top = _dict_at(listed, "top_provider")
     for value in (
         params.get("num_ctx"),
         listed.get("context_length"),
@@ -203,7 +218,7 @@ def wants_stream_usage(body: dict[str, Any], model: dict[str, Any] | None) -> bo
 
 def _with_stream_usage(body: dict[str, Any]) -> dict[str, Any]:
     """A new body asking for usage in the stream (the input is not changed)."""
-    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    options = _dict_at(body, "stream_options")
     return {**body, "stream_options": {**options, "include_usage": True}}
 
 
@@ -275,7 +290,7 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: d
 def trim_summary(note: dict) -> str:
     """` · trimmed 9 → 1 messages` for the usage line after a reply (the line left showing), from
     the turn note; "" when nothing was cut or the note is not this filter's (outlet input is hostile)."""
-    savings = note.get("savings") if isinstance(note.get("savings"), dict) else {}
+    savings = _dict_at(note, "savings")
     before, after = (
         read_count(v) if isinstance(v, int) else None
         for v in (savings.get("messages_before"), note.get("sent_messages"))
@@ -697,10 +712,11 @@ class Filter:
 
     async def _load_state(
         self, key: str | None, read: FlagRead, flags: Flags
-    ) -> tuple[ChatState, bytes | None | object]:
+    ) -> tuple[ChatState, bytes | None | _Unreadable]:
         """The chat's stored state with this turn's pin flags applied, and the bytes it was read
         from (`UNREADABLE` when the read failed or the bytes are not this version's)."""
-        state, stored = ChatState(), None
+        state = ChatState()
+        stored: bytes | None | _Unreadable = None
         if key is not None:
             try:
                 stored = await self._store.get(key)
@@ -715,7 +731,7 @@ class Filter:
         pinning = flags.pin or flags.sticky_pin or (state.pin_mode and flags.sticky_pin is None)
         return state.with_flags(flags, pin_fingerprint(latest) if latest is not None and pinning else None), stored
 
-    async def _save_state(self, key: str, stored: bytes | None | object, state: ChatState, ttl: int) -> None:
+    async def _save_state(self, key: str, stored: bytes | None | _Unreadable, state: ChatState, ttl: int) -> None:
         """Replace the state read as `stored`; never one that could not be read, nor one that
         changed since (a read the fallback answered while Redis was away, or another pass)."""
         if stored is UNREADABLE:
@@ -767,7 +783,7 @@ class Filter:
             raise TurnRefused(BUSY_TEXT)
         hold = self._inflight.hold(user_id)
         if isinstance(metadata, dict):
-            note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
+            note = _dict_at(metadata, METADATA_KEY)
             metadata[METADATA_KEY] = {**note, "limit_hold": hold}
 
     async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
@@ -850,7 +866,7 @@ class Filter:
             return
         settings = await self._settings(user, None)  # valve problems were shown before the reply
         metadata = metadata if isinstance(metadata, dict) else {}
-        note = metadata.get(METADATA_KEY) if isinstance(metadata.get(METADATA_KEY), dict) else {}
+        note = _dict_at(metadata, METADATA_KEY)
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
         reply = body["messages"][-1]
@@ -964,7 +980,7 @@ class Filter:
         if tokens_saved is None:
             return None
         model_key = resolution.model_id or model_id
-        view = note.get("cache") if isinstance(note.get("cache"), dict) else {}
+        view = _dict_at(note, "cache")
         caches = bool(billed.cached_tokens)
         if not caches and tokens_saved > 0:
             try:

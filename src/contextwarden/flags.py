@@ -272,9 +272,11 @@ def _strip(text: str, allowed: Collection[str]) -> tuple[str, list[str], list[st
             continue
         used.append("!" + token.lower())
         before = text[position : match.start()]
-        after_end = _SPACES_AFTER.match(text, match.end()).end()
+        spaces = _SPACES_AFTER.match(text, match.end())  # both patterns always match
+        after_end = spaces.end() if spaces else match.end()
         if after_end == len(text) or text[after_end] == "\n":
-            before = before[: _SPACES_BEFORE.search(before).start()]  # flag ended the line
+            trailing = _SPACES_BEFORE.search(before)
+            before = before[: trailing.start() if trailing else len(before)]  # flag ended the line
             line_start = position + len(before)
             if after_end < len(text) and (line_start == 0 or text[line_start - 1] == "\n"):
                 after_end += 1  # and was alone on it: drop the emptied line
@@ -298,8 +300,8 @@ def _strip_message(message: Message, allowed: Collection[str]) -> tuple[Message,
     if not isinstance(content, list):
         return message, [], []
     parts: list = []
-    used: list[str] = []
-    refused: list[str] = []
+    used = []
+    refused = []
     for part in content:
         if isinstance(part, dict) and isinstance(part.get("text"), str):
             text, part_used, part_refused = _strip(part["text"], allowed)

@@ -236,7 +236,7 @@ class LivePrices:
             except Exception as exc:  # a broken share must not stop the fetch
                 _LIVE_PRICES_LOG.debug("contextwarden: shared price table unusable: %s", type(exc).__name__)
                 shared = None
-            if self._is_fresh(shared):
+            if shared is not None and self._is_fresh(shared):
                 self._live = shared
                 return shared
         if self._client is not None:

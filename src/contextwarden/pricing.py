@@ -514,12 +514,19 @@ def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None,
     if base != query and book.find(base):
         return book.find(base), "variant", None
     undated = _MODEL_DATE_SUFFIX.sub("", base)
-    attempts = [("canonical_slug", "canonical_slug", base), ("bare", "bare", _model_bare_id(base))]
+    attempts: list[tuple[str, str | None, str]] = [
+        ("canonical_slug", "canonical_slug", base),
+        ("bare", "bare", _model_bare_id(base)),
+    ]
     if undated != base:
         attempts += [("date_suffix", None, undated), ("date_suffix", "bare", _model_bare_id(undated))]
     attempts.append(("dots_dashes", "dashed", _model_dashed_id(undated)))
     for step, index, key in attempts:
-        hits = frozenset({book.find(key)} - {None}) if index is None else book.matches(index, key)
+        if index is None:
+            exact = book.find(key)
+            hits = frozenset(() if exact is None else (exact,))
+        else:
+            hits = book.matches(index, key)
         if len(hits) == 1:
             return next(iter(hits)), step, None
         if len(hits) > 1:

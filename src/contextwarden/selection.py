@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise, repeat
-from typing import Literal
+from typing import Any, Literal
 
 from .conversation import (
     SYSTEM_ROLES,
@@ -191,7 +191,10 @@ class TrimDecision:
                 str(data["strategy"]),
                 kept,
                 at,
-                *seen,
+                seen[0],
+                seen[1],
+                seen[2],
+                seen[3],
                 recalls=tuple(r for r in recalls if r is not None),
             )
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
@@ -238,7 +241,7 @@ class _NoKey(Exception):
     """A value `_key_of` does not describe (the message is fingerprinted in full)."""
 
 
-def _key_of(value: object, depth: int) -> object:
+def _key_of(value: Any, depth: int) -> object:
     kind = type(value)
     if kind is str:
         return (len(value), hash(value))
@@ -276,7 +279,7 @@ class Fingerprints(Sequence[str]):
     def __len__(self) -> int:
         return len(self._messages)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:

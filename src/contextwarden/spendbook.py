@@ -37,7 +37,9 @@ def _spend_key(month: date, user: str) -> str:
 def _fields(day: date, cost_usd: Decimal | None, tokens: int) -> dict[str, int]:
     # Bounded before converting (outlet input is hostile): one reply counts at most MAX_REPLY_COST_USD.
     known = cost_usd is not None and cost_usd.is_finite()
-    cost = usd_to_picodollars(min(max(cost_usd, Decimal(0)), MAX_REPLY_COST_USD)) if known else 0
+    cost = (
+        usd_to_picodollars(min(max(cost_usd, Decimal(0)), MAX_REPLY_COST_USD)) if cost_usd is not None and known else 0
+    )
     amounts = (cost, min(max(tokens, 0), MAX_REPLY_TOKENS), int(cost_usd is None), 1)
     fields = dict(zip(FIELDS, amounts, strict=True))
     fields.update({f"d{day.day:02d}:{name}": amount for name, amount in zip(FIELDS, amounts, strict=True)})

@@ -271,7 +271,8 @@ class RedisStore(Store):
         return await self._call("keys", pattern)
 
     async def _redis_get(self, key: str) -> bytes | None:
-        return await self._redis.get(KEY_PREFIX + key)
+        # redis types every reply as bytes | str; this client never sets decode_responses.
+        return await self._redis.get(KEY_PREFIX + key)  # type: ignore[return-value]
 
     async def _redis_set(self, key: str, value: bytes, *, ttl: int) -> None:
         await self._redis.set(KEY_PREFIX + key, value, ex=ttl)
@@ -293,7 +294,7 @@ class RedisStore(Store):
 
     async def _redis_counters(self, key: str) -> dict[str, int]:
         raw = await self._redis.hgetall(KEY_PREFIX + key)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]  # bytes: see _redis_get
 
     async def _redis_keys(self, pattern: str) -> list[str]:
         found = [

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import tiktoken
 
@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 tokens_log = logging.getLogger("contextwarden")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 CountMode = Literal["exact", "substitute", "estimate"]
 """`exact`: the model's encoding; `substitute`: another BPE encoding; `estimate`: no encoding."""
@@ -182,7 +184,7 @@ def _longest_within(limit: int, fits: Callable[[int], bool]) -> int:
     return low
 
 
-def lru_hit(cache: OrderedDict, key: object) -> object | None:
+def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
     """`cache[key]` marked as just used, or None; safe while other threads evict (no lock).
 
     Example:

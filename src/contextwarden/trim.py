@@ -296,9 +296,9 @@ def trim_messages(
             keep_last_turns=keep_last_turns,
             pinned=pinned,
         )
-        if keep is not None and room:
+        if keep is not None and room and question is not None:  # room is 0 when there is no question
             base = TOKENS_PER_REPLY + sum(costs[i] for i in keep)
-            blocks = _recalls_kept(
+            kept_blocks = _recalls_kept(
                 messages,
                 previous,
                 fingerprints,
@@ -311,8 +311,10 @@ def trim_messages(
                 model,
                 conversation.system_indices,
             )
-            if blocks is None:  # the selection no longer leaves room for what this question needs
-                keep, blocks = None, []
+            if kept_blocks is None:  # the selection no longer leaves room for what this question needs
+                keep = None
+            else:
+                blocks = kept_blocks
     reused = keep is not None
     if keep is None:
         # Estimated counts already err high (1.1-2x): leaving room to grow as well would
@@ -330,7 +332,7 @@ def trim_messages(
             scores=scores,
             room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         )
-        if room:
+        if room and question is not None:
             left = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in keep)
             pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
             block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
@@ -433,8 +435,11 @@ def _recalls_kept(
     # would have recalled (its relevance); else the selection misses too much, and goes.
     fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool)
     scores = pool.scores
-    if fitting is not None and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(
-        scores[i] for i in block.indices
+    # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
+    if (
+        fitting is not None
+        and block is not None
+        and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
     ):
         return [fitting]
     return None
@@ -614,15 +619,16 @@ def _extend_previous(
     after = TOKENS_PER_REPLY + sum(cost.values())
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
-    blocks: list[_Block] | None = []
+    blocks: list[_Block] = []
     question = None
     if room:
         question = next(i for i in reversed(order) if messages[i].get("role") == "user")
-        blocks = _recalls_kept(
+        kept_blocks = _recalls_kept(
             messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system
         )
-        if blocks is None:
+        if kept_blocks is None:
             return None
+        blocks = kept_blocks
     sent, stable = _with_blocks([messages[i] for i in order], order, blocks, question)
     after += sum(b.tokens for b in blocks)
     at = tuple(filterfalse(is_system, order))
@@ -797,7 +803,7 @@ def _shorten_mandatory(
             index = max(candidates, key=lambda i: (current[i], -i))
             shorter = _shorten_message(replaced.get(index, messages[index]), excess, counter, model)
             cost = counter.count_message(shorter, model) if shorter is not None else current[index]
-            if cost >= current[index]:
+            if shorter is None or cost >= current[index]:  # (None costs current[index])
                 candidates.discard(index)
                 continue
             replaced[index], current[index] = shorter, cost

@@ -49,7 +49,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "embed_max_texts": (1, 1_000),
 }
 
-_SECRET = {"input": {"type": "password"}}
+_SECRET: dict[str, Any] = {"input": {"type": "password"}}
 Mode = Literal["enforce", "shadow", "off"]
 MODES: tuple[Mode, ...] = ("enforce", "shadow", "off")
 # A mode we cannot read fails open, like any internal error: bodies pass unchanged, usage
