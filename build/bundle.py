@@ -86,7 +86,10 @@ FRONTMATTER = {
     "title": "contextwarden",
     "author": "contextwarden developers",
     "license": "MIT",
-    "description": "Keeps every chat inside a token budget (tool-call pairs, system prompt and last question kept) and logs what each reply really cost.",
+    "description": (
+        "Keeps every chat inside a token budget (tool-call pairs, system prompt and last question kept) "
+        "and logs what each reply really cost."
+    ),
     "required_open_webui_version": "0.10.0",
 }
 

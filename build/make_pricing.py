@@ -25,7 +25,7 @@ import argparse
 import json
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def default_source_date(dump_path: Path, entries: list) -> str:
     created = [e.get("created") for e in entries if isinstance(e.get("created"), int)]
     if not created:
         return "unknown"
-    return datetime.fromtimestamp(max(created), tz=timezone.utc).strftime("%Y-%m-%d")
+    return datetime.fromtimestamp(max(created), tz=UTC).strftime("%Y-%m-%d")
 
 
 def build_table(dump: dict) -> dict:
