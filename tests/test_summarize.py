@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 
 import httpx
 import pytest
@@ -13,17 +14,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextwarden import trim_messages
+from contextwarden.conversation import is_recall_message
 from contextwarden.store import MemoryStore
 import contextwarden.summarize as summarize_module
 from contextwarden.summarize import (
+    LEGACY_SUMMARY_LABEL,
+    SUMMARY_ACK,
     SUMMARY_LABEL,
     SummaryConfig,
     endpoint_problem,
     find_summary,
+    insert_summary,
     summarize_messages,
     summarize_trim,
+    summary_note,
 )
 
+from chatgen import random_chat
 from chats import frozen
 from test_filter import Events, body_of, make_filter
 from test_trim import chat_of
@@ -39,7 +46,50 @@ SUMMARY_VALVES = dict(
 
 
 def completion(text: str = SUMMARY) -> httpx.Response:
-    return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": text}}]})
+    """A chat completion as OpenAI's API returns one (non-streaming)."""
+    return httpx.Response(
+        200,
+        json={
+            "id": "chatcmpl-AbC123summary",
+            "object": "chat.completion",
+            "created": 1764547200,
+            "model": "gpt-4o-mini-2024-07-18",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 812,
+                "completion_tokens": 19,
+                "total_tokens": 831,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+            },
+            "service_tier": "default",
+            "system_fingerprint": "fp_560af6e559",
+        },
+        headers={"content-type": "application/json"},
+    )
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """What Open WebUI 0.12.4 does after the `request` hook (`utils/misc.py`): every system
+    message's text joined into one at position 0 (string contents here)."""
+    system = [m["content"] for m in messages if m.get("role") == "system" and m.get("content")]
+    others = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n".join(system)}, *others] if system else others
+
+
+def assert_alternates(messages: list[dict]) -> None:
+    """After the system prompt: a user message first, then user and assistant turns in turn
+    (a `tool` reply belongs to the assistant turn before it). Recall blocks are left out: they
+    are trim.py's (a user message right before the question)."""
+    roles = [m["role"] for m in messages if m["role"] not in ("system", "tool") and not is_recall_message(m)]
+    assert roles[0] == "user" and all(a != b for a, b in zip(roles, roles[1:])), roles
 
 
 @pytest.fixture
@@ -153,7 +203,10 @@ async def test_summarize_trim_fits_the_budget_and_covers_what_it_dropped(llm, co
     )
     assert done is not None and done.tokens == counter.count_messages(done.messages, "gpt-4o") <= 1_500
     assert done.messages[0] is chat[0] and done.messages[1] is done.note
-    assert done.note["content"] == f"{SUMMARY_LABEL}\n{SUMMARY}" and find_summary(done.messages) == (1, True)
+    assert done.note == {"role": "user", "content": f"{SUMMARY_LABEL}\n{SUMMARY}"}
+    assert done.messages[2] == {"role": "assistant", "content": SUMMARY_ACK}  # the first kept one is a user's
+    assert done.messages[3:] == done.result.messages[1:] and find_summary(done.messages) == (1, True)
+    assert_alternates(done.messages)
     transcript = json.loads(llm.calls.last.request.content)["messages"][1]["content"]
     assert transcript.count("\n") + 1 == len(done.result.dropped)
 
@@ -188,9 +241,8 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     user = {"id": "u1"}
     first = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __event_emitter__=events)
     sent = first["messages"]
-    assert [m["role"] for m in sent[:3]] == ["system", "system", "user"] and sent[1]["content"].startswith(
-        SUMMARY_LABEL
-    )
+    assert [m["role"] for m in sent[:4]] == ["system", "user", "assistant", "user"]
+    assert sent[1]["content"].startswith(SUMMARY_LABEL) and sent[2]["content"] == SUMMARY_ACK
     assert counter.count_messages(sent, "gpt-4o") <= 1_500 == body["metadata"]["contextwarden"]["budget"]
     assert "earlier messages summarized" in events.statuses[-1]
     second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
@@ -200,17 +252,85 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     nxt = chat + [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And 3+3?"}]
     body2 = body_of(nxt)
     third = await f.inlet(body2, __user__=user, __metadata__=body2["metadata"])
-    assert third["messages"][: len(sent) - 1] == sent[:-1]
+    assert third["messages"][: len(sent)] == sent
     assert route.call_count == 1
     no_secret(caplog, events)
+
+
+NEXT = ["Go on, please.", "Anything else?"]  # words of no dropped message: the selection holds
+
+
+async def test_the_system_prompt_reaches_the_provider_unchanged_on_every_turn(llm, counter):
+    # Before: the note was a system message, which Open WebUI merges into the system prompt
+    # after `request`: the prompt's first message changed, and the provider's cache missed.
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    chat, user = chat_of(20), {"id": "u1"}
+    prompts = []
+    for turn in range(2):
+        body = body_of(chat)
+        out = await f.inlet(body, __user__=user, __metadata__=body["metadata"])
+        out = await f.request(out, __user__=user, __metadata__=out["metadata"])
+        provider = merge_system_messages(out["messages"])  # what Open WebUI sends on
+        assert provider[0] == chat[0] and [m["role"] for m in provider].count("system") == 1
+        note = provider[1]
+        assert note["role"] == "user" and note["content"] == f"{SUMMARY_LABEL}\n{SUMMARY}"
+        assert_alternates(provider)
+        assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+        prompts.append(provider)
+        chat = chat + [{"role": "assistant", "content": f"Reply {turn}."}, {"role": "user", "content": NEXT[turn]}]
+    for before, now in zip(prompts, prompts[1:]):  # the selection held: each prompt starts with the last
+        assert now[: len(before)] == before
+    assert route.call_count == 1  # summarized once, then the cached summary
+
+
+async def test_a_legacy_system_note_is_recognized_and_moved_out_of_the_system_prompt(llm, counter):
+    # An older version's note (a system message right after the system prompt) in the input:
+    # the same summary goes on, as a user note, never a second one (no call).
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    legacy = {"role": "system", "content": f"{LEGACY_SUMMARY_LABEL}\nold summary"}
+    chat = chat_of(20)
+    chat.insert(1, legacy)
+    assert find_summary(chat) == (1, True)
+    out = await f.request(body_of(chat), __user__={"id": "u1"})
+    sent = out["messages"]
+    assert route.call_count == 0
+    assert sent[0] is chat[0] and [m["role"] for m in sent].count("system") == 1
+    assert sent[1] == {"role": "user", "content": f"{SUMMARY_LABEL}\nold summary"} and find_summary(sent) == (1, True)
+    assert [m for m in sent if LEGACY_SUMMARY_LABEL in str(m["content"]) or SUMMARY_LABEL in str(m["content"])] == [
+        sent[1]
+    ]
+    assert_alternates(sent) and counter.count_messages(sent, "gpt-4o") <= 1_500
+    again = await f.request(out, __user__={"id": "u1"})
+    assert again["messages"] == sent and route.call_count == 0
+
+
+def test_the_note_goes_where_the_dropped_messages_were_and_keeps_the_roles_valid():
+    note = summary_note("s")
+    system = {"role": "system", "content": "S"}
+    user, answer = {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    ack = {"role": "assistant", "content": SUMMARY_ACK}
+    assert insert_summary([system, user, answer], note) == [system, note, ack, user, answer]
+    assert insert_summary([system, answer, user], note) == [system, note, answer, user]
+    assert insert_summary([system, call, result, user], note) == [system, note, call, result, user]
+    assert insert_summary([user], note) == [note, ack, user]
+    for messages in ([system, note, ack, user, answer], [system, note, answer, user], [note, ack, user]):
+        at, present = find_summary(messages)
+        assert present and messages[at] is note
+    assert find_summary([system, user, ack]) == (None, False)
+    assert find_summary([system, {"role": "assistant", "content": note["content"]}]) == (None, False)
 
 
 async def test_filter_respects_a_merged_summary(llm, counter):
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
-    chat = chat_of(20, system=f"You are helpful.\n{SUMMARY_LABEL}\nold summary")  # as Open WebUI merges system messages
+    # an older version's note, merged into the system prompt as Open WebUI merges system messages
+    chat = chat_of(20, system=f"You are helpful.\n{LEGACY_SUMMARY_LABEL}\nold summary")
     out = await f.request(body_of(chat), __user__={"id": "u1"})
-    assert route.call_count == 0 and find_summary(out["messages"]) == (None, True)
+    assert route.call_count == 0 and find_summary(out["messages"]) == (None, True) and out["messages"][0] is chat[0]
     assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
 
 
@@ -341,3 +461,43 @@ def test_endpoint_check_never_raises_and_passes_only_callable_urls(url):
         assert (
             parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)
         )
+
+
+@pytest.mark.parametrize("seed", range(24))
+async def test_random_chats_get_a_valid_note_and_a_second_pass_keeps_it(llm, counter, seed):
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    f = make_filter(counter, max_context_tokens=900, reserve_output_tokens=0, **SUMMARY_VALVES)
+    chat = random_chat(random.Random(seed), 60)
+    out = await f.request(body_of(chat), __user__={"id": "u1"})
+    sent = out["messages"]
+    at, present = find_summary(sent)
+    if at is None:  # no room for a note beside the mandatory part: a plain trim
+        assert not present and counter.count_messages(sent, "gpt-4o") <= 900
+        return
+    assert (
+        all(m.get("role") in ("system", "developer") for m in sent[:at])
+        and sent[:at] == [m for m in chat if m.get("role") in ("system", "developer")][:at]
+    )
+    after = sent[at + 1] if at + 1 < len(sent) else None
+    if after is not None and after.get("content") == SUMMARY_ACK:
+        assert after["role"] == "assistant" and sent[at + 2]["role"] == "user"
+    else:
+        assert after is None or after["role"] == "assistant"  # a tool group goes after the note whole
+    check_tool_pairs(sent)
+    assert counter.count_messages(sent, "gpt-4o") <= 900
+    again = await f.request(out, __user__={"id": "u1"})
+    assert again["messages"] == sent
+
+
+def check_tool_pairs(sent: list[dict]) -> None:
+    """Every assistant `tool_calls` answered by the `tool` messages right after it; no orphan."""
+    i = 0
+    while i < len(sent):
+        ids = {c["id"] for c in sent[i].get("tool_calls") or []} if sent[i].get("role") == "assistant" else set()
+        assert sent[i].get("role") != "tool", f"orphan tool message at {i}"
+        i += 1
+        answered = set()
+        while i < len(sent) and sent[i].get("role") == "tool":
+            answered.add(sent[i].get("tool_call_id"))
+            i += 1
+        assert ids == answered, f"tool calls {sorted(ids)} answered by {sorted(answered)}"

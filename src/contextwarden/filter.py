@@ -74,7 +74,7 @@ from .savings import (
 from .spendbook import SpendBook
 from .status import TurnChoice, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
-from .summarize import find_summary, insert_summary, summarize_trim
+from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, trim_messages
 from .usage import Usage, compute_cost, read_count, read_usage, with_counts
@@ -639,8 +639,7 @@ class Filter:
                 messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True
             )
         at, merged = find_summary(messages)
-        summary = messages[at] if at is not None else None
-        base = messages if at is None else messages[:at] + messages[at + 1 :]
+        base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
         pins = set(state.pins)
         pinned = (
             [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
@@ -662,11 +661,13 @@ class Filter:
                 shorten=not prompt.fixed_over,  # no cut makes it fit: send the question whole
             )
 
-        if summary is not None:  # an earlier pass of this turn summarized: keep its note, never a second one
-            cost = counter.count_message(summary, model_id)
+        if summary is not None:  # an earlier pass (or version) summarized: keep its note, never a second one
+            cost = counter.count_message(summary, model_id) + counter.count_message(SUMMARY_ACK_MESSAGE, model_id)
             if budget - cost >= MIN_BUDGET_TOKENS:
                 result = await compute(off, retrim, budget - cost)
-                return TurnChoice.of(result, insert_summary(result.messages, summary), extra=1, extra_tokens=cost)
+                sent = insert_summary(result.messages, summary, ack)
+                added, cost = len(sent) - len(result.messages), summary_tokens(sent, result.messages, counter, model_id)
+                return TurnChoice.of(result, sent, extra=added, extra_tokens=cost)
         result = await compute(off, retrim, budget)
         if (
             embedder is not None

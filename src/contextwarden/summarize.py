@@ -1,9 +1,10 @@
 """Optional summaries of what a trim dropped: one bounded, cached call to an OpenAI-compatible API.
 
-The summary goes in as one system note right after the system prompt(s), labelled so a later
-pass recognizes it. It is counted against the budget: the chat is trimmed again with room for
-it, and when it still does not fit, or the call fails or times out, the trim goes on without
-it. The API key never reaches a log line, a status or an exception message.
+The summary goes in as a labelled user-role note where the dropped history was: right after
+the system prompt(s), before the first message kept (see `insert_summary` for why there and
+why not a system message). It is counted against the budget: the chat is trimmed again with
+room for it, and when it still does not fit, or the call fails or times out, the trim goes on
+without it. The API key never reaches a log line, a status or an exception message.
 """
 
 from __future__ import annotations
@@ -26,20 +27,28 @@ from .trim import TrimResult
 
 __all__ = [
     "SUMMARY_LABEL",
+    "SUMMARY_ACK",
+    "SUMMARY_ACK_MESSAGE",
+    "LEGACY_SUMMARY_LABEL",
     "SummaryConfig",
     "Summarized",
     "summarize_messages",
     "summarize_trim",
     "summary_note",
     "find_summary",
+    "take_summary",
     "insert_summary",
+    "summary_tokens",
     "endpoint_problem",
     "key_problem",
 ]
 
 summarize_log = logging.getLogger("contextwarden")
 
-SUMMARY_LABEL = "Summary of earlier conversation (by contextwarden):"
+SUMMARY_LABEL = "[contextwarden] Summary of earlier messages in this chat (no longer sent in full):"
+SUMMARY_ACK = "Noted."  # the assistant's turn after the note when a user message follows it (roles alternate)
+SUMMARY_ACK_MESSAGE: Message = {"role": "assistant", "content": SUMMARY_ACK}  # a template: copied, never sent
+LEGACY_SUMMARY_LABEL = "Summary of earlier conversation (by contextwarden):"  # earlier versions' system note
 DEFAULT_SUMMARY_INPUT_CHARS = 24_000  # what one call may send, newest dropped messages first
 DEFAULT_SUMMARY_MESSAGE_CHARS = 4_000  # one message's share of it (middle cut)
 SUMMARY_CHARS_PER_TOKEN = 8  # the reply is cut to max_tokens * this many characters at most
@@ -75,7 +84,7 @@ class SummaryConfig:
 @dataclass(frozen=True, slots=True)
 class Summarized:
     """A trim with its summary: `result` dropped exactly what `note` covers; `messages` is
-    `result.messages` with the note inserted, costing `tokens` in all."""
+    `result.messages` with the note (and its acknowledgement) inserted, costing `tokens` in all."""
 
     result: TrimResult
     note: Message
@@ -84,29 +93,79 @@ class Summarized:
 
 
 def summary_note(text: str) -> Message:
-    """The system note that carries a summary."""
-    return {"role": "system", "content": f"{SUMMARY_LABEL}\n{text}"}
+    """The user-role note that carries a summary (never a system one: see `insert_summary`)."""
+    return {"role": "user", "content": f"{SUMMARY_LABEL}\n{text}"}
+
+
+def _is_note(message: Message) -> bool:
+    content = message.get("content")
+    return message.get("role") == "user" and type(content) is str and content.startswith(SUMMARY_LABEL)
+
+
+def _is_legacy_note(message: Message) -> bool:
+    content = message.get("content")
+    return message.get("role") in SYSTEM_ROLES and type(content) is str and content.startswith(LEGACY_SUMMARY_LABEL)
+
+
+def _is_ack(message: Message) -> bool:
+    return (
+        message.get("role") == "assistant" and message.get("content") == SUMMARY_ACK and not message.get("tool_calls")
+    )
 
 
 def find_summary(messages: Sequence[Message]) -> tuple[int | None, bool]:
-    """Where contextwarden's own note is: the index of a standalone note, and whether a system
-    message holds one at all (Open WebUI merges system messages after `request`)."""
+    """Where contextwarden's own note is: the index of a standalone note (today's user note, or
+    an older version's system note), and whether the chat holds one at all (also merged into a
+    system message: Open WebUI merges system messages after `request`)."""
+    for index, message in enumerate(messages):
+        if _is_note(message):
+            return index, True
     present = False
     for index in system_positions(messages):
         message = messages[index]
-        content = message.get("content")
-        if isinstance(content, str) and content.startswith(SUMMARY_LABEL):
+        if _is_legacy_note(message):
             return index, True
-        present = present or SUMMARY_LABEL in message_text(message)
+        present = present or LEGACY_SUMMARY_LABEL in message_text(message)
     return None, present
 
 
-def insert_summary(messages: Sequence[Message], note: Message) -> list[Message]:
-    """`messages` with `note` right after the leading system message(s)."""
+def take_summary(messages: Sequence[Message], at: int) -> tuple[list[Message], Message, Message | None]:
+    """`messages` without the note at `at` and the acknowledgement after it; that note as today's
+    user note (an older version's system note keeps its text and leaves the system part); the
+    acknowledgement found, to be sent again as the same dict."""
+    note = messages[at]
+    ack = messages[at + 1] if at + 1 < len(messages) and _is_ack(messages[at + 1]) else None
+    if _is_legacy_note(note):
+        note = summary_note(note["content"][len(LEGACY_SUMMARY_LABEL) :].lstrip("\n"))
+    return [*messages[:at], *messages[at + (1 if ack is None else 2) :]], note, ack
+
+
+def _note_position(messages: Sequence[Message]) -> int:
+    """Where `insert_summary` puts the note: after the leading system message(s)."""
     at = 0
     while at < len(messages) and messages[at].get("role") in SYSTEM_ROLES:
         at += 1
-    return [*messages[:at], note, *messages[at:]]
+    return at
+
+
+def insert_summary(messages: Sequence[Message], note: Message, ack: Message | None = None) -> list[Message]:
+    """`messages` with `note` where the dropped history was: before the first non-system message,
+    followed by an assistant `SUMMARY_ACK` (`ack`, or a new one) when that message is a user's.
+
+    Why there, and as a user message: Open WebUI merges every system message into the system
+    prompt after `request`, so a system note would rewrite the prompt's first message and the
+    provider's cache would miss from its first token. Before the first kept message, the note
+    is part of the stable prefix: the next turn sends the same selection, hence the same
+    (cached) summary, at the same place, and only a new selection, a cache miss anyway, changes
+    it. The ack keeps user and assistant turns alternating and the history starting with a user
+    message, as some providers and chat templates require; a tool-call group is never split,
+    since the note goes before it whole.
+    """
+    at = _note_position(messages)
+    added = [note]
+    if at < len(messages) and messages[at].get("role") == "user":
+        added.append(ack if ack is not None else dict(SUMMARY_ACK_MESSAGE))
+    return [*messages[:at], *added, *messages[at:]]
 
 
 def _transcript(messages: Sequence[Message]) -> str:
@@ -279,7 +338,8 @@ async def summarize_trim(
     summarized, and the note is cut to `config.max_tokens` by the filter's counter. The
     result fits `first.budget`, or None is returned and `first` stands.
     """
-    reserve = config.max_tokens + counter.count_message(summary_note(""), model)
+    note_cost = counter.count_message(summary_note(""), model) + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+    reserve = config.max_tokens + note_cost
     if not first.dropped or first.budget - reserve <= 0:
         return None
     second = retrim(first.budget - reserve)
@@ -290,7 +350,16 @@ async def summarize_trim(
         return None
     head, _ = counter.keep_ends(text, config.max_tokens, 0, model)
     note = summary_note(head)
-    tokens = second.tokens_after + counter.count_message(note, model)
+    sent = insert_summary(second.messages, note)
+    tokens = second.tokens_after + summary_tokens(sent, second.messages, counter, model)
     if tokens > first.budget:
         return None
-    return Summarized(second, note, insert_summary(second.messages, note), tokens)
+    return Summarized(second, note, sent, tokens)
+
+
+def summary_tokens(
+    sent: Sequence[Message], trimmed: Sequence[Message], counter: TokenCounter, model: str | None
+) -> int:
+    """What the note (and its acknowledgement) that `insert_summary` added to `trimmed` cost."""
+    at = _note_position(trimmed)
+    return sum(counter.count_message(m, model) for m in sent[at : at + len(sent) - len(trimmed)])
