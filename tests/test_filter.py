@@ -285,7 +285,7 @@ def test_valves_are_described_and_secrets_hidden():
         for name, field in model.model_fields.items():
             assert field.description, name
     assert Filter.Valves.model_json_schema()["properties"]["redis_url"]["input"] == {"type": "password"}
-    assert list(Filter.Valves.model_fields)[0] == "priority"
+    assert list(Filter.Valves.model_fields)[0] == "mode"  # Open WebUI reads priority by name; the form starts with mode
 
 
 async def test_window_falls_back_to_the_price_table(counter):

@@ -113,3 +113,63 @@ def test_every_valve_has_a_real_title_and_the_two_budgets_are_named_apart():
     admin = Valves.model_json_schema()["properties"]["max_context_tokens"]["title"]
     user = UserValves.model_json_schema()["properties"]["max_context_tokens"]["title"]
     assert "window" in admin.lower() and "budget" in user.lower() and admin != user
+
+
+# The valves form lists fields in the model's order: what an admin sets first comes first.
+FORM_GROUPS = (
+    ("mode", "max_context_tokens", "reserve_output_tokens", "strategy", "keep_last_turns", "low_watermark"),
+    ("growth_turns", "allowed_user_flags", "state_ttl_hours", "show_status"),  # trim, then what users see
+    ("openrouter_pricing", "pricing_file", "model_aliases", "free_models", "connection_prefixes"),  # cost
+    ("pricing_ttl_hours", "request_stream_usage", "prompt_cache_hints"),
+    ("daily_limit_usd", "monthly_limit_usd", "daily_limit_tokens", "monthly_limit_tokens", "limit_overrides"),
+    ("show_spend", "limit_store_failure", "ledger_retention_days"),  # limits
+    ("redis_url",),
+    ("semantic_relevance", "embed_timeout_seconds", "embed_max_texts", "summary_enabled", "summary_base_url"),
+    ("summary_api_key", "summary_model", "summary_timeout_seconds", "summary_max_tokens"),
+    ("calibrate_counts", "priority"),  # diagnostics and plumbing
+)
+
+
+def test_the_admin_form_starts_with_the_window_and_trim_and_ends_with_plumbing():
+    """A new valve must be placed in its group here, not appended after `priority`."""
+    expected = [name for group in FORM_GROUPS for name in group]
+    assert list(Valves.model_fields) == expected
+    assert list(Valves.model_json_schema()["properties"]) == expected  # what Open WebUI renders
+    assert list(UserValves.model_fields) == ["max_context_tokens", "show_status", "show_cost", "show_spend"]
+
+
+def _shown(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+@pytest.mark.parametrize(("cls", "name"), NUMERIC, ids=[f"{c.__name__}.{n}" for c, n in NUMERIC])
+def test_every_range_is_the_last_thing_its_description_says(cls, name):
+    """Open WebUI's save error does not name the field (tests/e2e/test_valves_form.py): the
+    description is the only place an admin learns the range, so both ends are stated."""
+    field = cls.model_fields[name]
+    bounds = {type(m).__name__: m for m in field.metadata}
+    high = _shown(bounds["Le"].le)
+    if "Gt" in bounds:
+        note = f"(Above {_shown(bounds['Gt'].gt)}, at most {high}.)"
+    else:
+        note = f"({_shown(bounds['Ge'].ge)} to {high}.)"
+    assert field.description.endswith(" " + note), field.description
+
+
+def test_descriptions_survive_the_forms_markdown():
+    """Open WebUI renders descriptions as markdown through DOMPurify: a bare `<user id>` became
+    an empty tag, so JSON examples are code spans."""
+    import re
+
+    for cls in (Valves, UserValves):
+        for name, field in cls.model_fields.items():
+            outside_code = re.sub(r"`[^`]*`", "", field.description)
+            assert "<" not in outside_code and "{" not in outside_code, name
+
+
+def test_cost_and_spend_are_said_to_be_above_the_reply_where_the_line_is():
+    for cls in (Valves, UserValves):
+        for name in ("show_cost", "show_spend"):
+            if name in cls.model_fields:
+                text = cls.model_fields[name].description
+                assert "after" not in text and "above" in text, (cls.__name__, name, text)

@@ -59,47 +59,53 @@ LIMIT_STORE_FAILURES = ("fail-open", "fail-closed")
 CACHE_HINTS = ("auto", "off")
 
 
+def _number(value: float) -> str:
+    """A bound as the form shows it: 1,000 for whole numbers, 0.1 otherwise."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def range_note(low: float, high: float, *, above: bool = False) -> str:
+    """How a valve's description ends: its allowed range, so the admin reads it before saving
+    (Open WebUI 0.12.4's save error does not name the field: tests/e2e/test_valves_form.py)."""
+    return f"(Above {_number(low)}, at most {_number(high)}.)" if above else f"({_number(low)} to {_number(high)}.)"
+
+
+def _bounded(default: float, description: str, *, low: float, high: float, above: bool = False, **extra: Any) -> Any:
+    """A pydantic Field from `low` (excluded when `above`) to `high`, its range stated in its description."""
+    text = f"{description} {range_note(low, high, above=above)}"
+    if above:
+        return Field(default=default, gt=low, le=high, description=text, **extra)
+    return Field(default=default, ge=low, le=high, description=text, **extra)
+
+
 def _int_field(name: str, default: int, description: str, **extra: Any) -> Any:
     """A pydantic Field bounded by `INT_RANGES[name]`, its range stated in its description."""
     low, high = INT_RANGES[name]
-    return Field(default=default, ge=low, le=high, description=f"{description} ({low:,} to {high:,}.)", **extra)
+    return _bounded(default, description, low=low, high=high, **extra)
 
 
 # What the valves form shows above each field (Open WebUI renders the schema's titles; without
 # them it shows the field name, e.g. "Redis Url"). The admin's window and a user's own prompt
 # budget share a field name, so their titles tell them apart.
 TITLES = {
-    "priority": "Filter order (lower runs first)",
     "mode": "Mode: enforce, shadow or off",
     "max_context_tokens": "Context window of the model (tokens, 0 = the model's own)",
     "reserve_output_tokens": "Tokens kept free for the reply",
-    "redis_url": "Redis URL (shared state between workers)",
-    "model_aliases": "Model aliases for pricing (JSON)",
-    "show_status": "Show status lines above replies",
-    "openrouter_pricing": "Live prices from OpenRouter",
-    "pricing_ttl_hours": "Refresh live prices after (hours)",
-    "pricing_file": "Your own price file (path)",
-    "free_models": "Models that cost nothing",
-    "connection_prefixes": "Connection prefixes to strip before pricing",
-    "request_stream_usage": "Ask streamed replies for real usage",
-    "calibrate_counts": "Learn each model's token count correction",
-    "ledger_retention_days": "Keep usage totals for (days)",
     "strategy": "What a trim keeps: relevance or recent",
     "keep_last_turns": "Latest turns always kept",
     "low_watermark": "Share of the budget a new trim fills",
     "growth_turns": "Room left for this many more turns",
-    "semantic_relevance": "Use Open WebUI's embedder for relevance",
-    "embed_timeout_seconds": "Longest embedder wait per turn (seconds)",
-    "embed_max_texts": "Most messages embedded per turn",
-    "state_ttl_hours": "Remember a chat's trim and pins for (hours)",
     "allowed_user_flags": "Inline flags users may use",
+    "state_ttl_hours": "Remember a chat's trim and pins for (hours)",
+    "show_status": "Show status lines above replies",
+    "openrouter_pricing": "Live prices from OpenRouter",
+    "pricing_file": "Your own price file (path)",
+    "model_aliases": "Model aliases for pricing (JSON)",
+    "free_models": "Models that cost nothing",
+    "connection_prefixes": "Connection prefixes to strip before pricing",
+    "pricing_ttl_hours": "Refresh live prices after (hours)",
+    "request_stream_usage": "Ask streamed replies for real usage",
     "prompt_cache_hints": "Prompt-cache markers for Claude: auto or off",
-    "summary_enabled": "Summarize what a trim drops",
-    "summary_base_url": "Summary API base URL",
-    "summary_api_key": "Summary API key",
-    "summary_model": "Summary model",
-    "summary_timeout_seconds": "Longest summary wait (seconds)",
-    "summary_max_tokens": "Longest summary (tokens)",
     "daily_limit_usd": "Daily spending limit per user (USD, 0 = none)",
     "monthly_limit_usd": "Monthly spending limit per user (USD, 0 = none)",
     "daily_limit_tokens": "Daily token limit per user (0 = none)",
@@ -107,10 +113,23 @@ TITLES = {
     "limit_overrides": "Limit overrides by role, group or user (JSON)",
     "show_spend": "Show users their spend",
     "limit_store_failure": "When usage totals cannot be read: fail-open or fail-closed",
+    "ledger_retention_days": "Keep usage totals for (days)",
+    "redis_url": "Redis URL (shared state between workers)",
+    "semantic_relevance": "Use Open WebUI's embedder for relevance",
+    "embed_timeout_seconds": "Longest embedder wait per turn (seconds)",
+    "embed_max_texts": "Most messages embedded per turn",
+    "summary_enabled": "Summarize what a trim drops",
+    "summary_base_url": "Summary API base URL",
+    "summary_api_key": "Summary API key",
+    "summary_model": "Summary model",
+    "summary_timeout_seconds": "Longest summary wait (seconds)",
+    "summary_max_tokens": "Longest summary (tokens)",
+    "calibrate_counts": "Learn each model's token count correction",
+    "priority": "Filter order (lower runs first)",
 }
 USER_TITLES = {
-    "show_status": "Show status lines above replies",
     "max_context_tokens": "Your own prompt budget (tokens, 0 = the admin's)",
+    "show_status": "Show status lines above replies",
     "show_cost": "Show what each reply cost",
     "show_spend": "Show my spend today",
 }
@@ -126,9 +145,6 @@ class Valves(BaseModel):
 
     model_config = _titled(TITLES)
 
-    priority: int = _int_field(
-        "priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content."
-    )
     mode: str = Field(
         default="enforce",
         description=(
@@ -148,14 +164,47 @@ class Valves(BaseModel):
         1_024,
         "Tokens kept free for the reply; the prompt budget is the window minus this. Must be below the window.",
     )
-    redis_url: str = Field(
-        default="",
-        description="redis://host:6379/0 to share state and usage totals between workers; empty = in-process.",
-        json_schema_extra=_SECRET,
+    strategy: str = Field(
+        default="relevance",
+        description=(
+            "What a trim keeps of the older history: relevance = the messages that matter most to the latest question "
+            "(BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long "
+            "chat never seen)."
+        ),
+        json_schema_extra={"enum": list(STRATEGIES)},
     )
-    model_aliases: str = Field(
-        default="",
-        description='JSON object mapping model ids (or * globs) to price-table ids, e.g. {"my-gpt": "openai/gpt-4o"}.',
+    keep_last_turns: int = _int_field(
+        "keep_last_turns",
+        1,
+        "The latest turns always kept, the current one included (users can change it per message with !keep=N).",
+    )
+    low_watermark: float = _bounded(
+        DEFAULT_LOW_WATERMARK,
+        "When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is "
+        "reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 fills "
+        "the budget.",
+        low=0,
+        high=1,
+        above=True,
+    )
+    growth_turns: int = _int_field(
+        "growth_turns",
+        DEFAULT_GROWTH_TURNS,
+        "Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one "
+        "(never more than half the budget), so chats with long turns keep their prefix as long as chats with short "
+        "ones. 0: the watermark alone.",
+    )
+    allowed_user_flags: str = Field(
+        default=DEFAULT_ALLOWED_FLAGS,
+        description=(
+            f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full "
+            "bypasses the budget and is off by default. Empty = none."
+        ),
+    )
+    state_ttl_hours: int = _int_field(
+        "state_ttl_hours",
+        DEFAULT_STATE_TTL_HOURS,
+        "How long a chat's remembered trim decision and pins are kept after its last message.",
     )
     show_status: bool = Field(default=True, description="Show what was trimmed and what a reply cost above each reply.")
     openrouter_pricing: bool = Field(
@@ -165,20 +214,17 @@ class Valves(BaseModel):
             "bundled prices are used)."
         ),
     )
-    pricing_ttl_hours: float = Field(
-        default=DEFAULT_PRICING_TTL_HOURS,
-        ge=MIN_PRICING_TTL_HOURS,
-        le=MAX_PRICING_TTL_HOURS,
-        description=(
-            f"How old live OpenRouter prices may get before a background refresh, {MIN_PRICING_TTL_HOURS:g} to "
-            f"{MAX_PRICING_TTL_HOURS:g} hours."
-        ),
-    )
     pricing_file: str = Field(
         default="",
         description=(
             "Path to your own pricing.json (same format as the bundled one); its models win over live and bundled "
             "prices. Empty = none."
+        ),
+    )
+    model_aliases: str = Field(
+        default="",
+        description=(
+            'JSON object mapping model ids (or * globs) to price-table ids, e.g. `{"my-gpt": "openai/gpt-4o"}`.'
         ),
     )
     free_models: str = Field(
@@ -194,85 +240,17 @@ class Valves(BaseModel):
             'Open WebUI connection prefix ids to strip before pricing, comma-separated, e.g. "openrouter,azure".'
         ),
     )
+    pricing_ttl_hours: float = _bounded(
+        DEFAULT_PRICING_TTL_HOURS,
+        "How old live OpenRouter prices may get, in hours, before a background refresh.",
+        low=MIN_PRICING_TTL_HOURS,
+        high=MAX_PRICING_TTL_HOURS,
+    )
     request_stream_usage: bool = Field(
         default=True,
         description=(
             "Ask OpenAI-compatible backends for usage in streamed replies (stream_options.include_usage), so costs are "
             "real, not estimates."
-        ),
-    )
-    calibrate_counts: bool = Field(
-        default=True,
-        description="Learn per model how far our token counts are from the provider's and shrink budgets to match.",
-    )
-    ledger_retention_days: int = _int_field(
-        "ledger_retention_days",
-        DEFAULT_LEDGER_RETENTION_DAYS,
-        "How long per user / model / day usage totals are kept (in Redis or in-process).",
-    )
-    strategy: str = Field(
-        default="relevance",
-        description=(
-            "What a trim keeps of the older history: relevance = the messages that matter most to the latest question "
-            "(BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long "
-            "chat never seen)."
-        ),
-        json_schema_extra={"enum": list(STRATEGIES)},
-    )
-    keep_last_turns: int = _int_field(
-        "keep_last_turns",
-        1,
-        "The latest turns always kept, the current one included (users can change it per message with !keep=N).",
-    )
-    low_watermark: float = Field(
-        default=DEFAULT_LOW_WATERMARK,
-        gt=0,
-        le=1,
-        description=(
-            "When a chat must be trimmed, trim it to this share of the budget, then let it grow until the budget is "
-            "reached again, so the sent prefix stays the same (and provider prompt caches hit) for several turns. 1 "
-            "fills the budget. (Above 0, at most 1.)"
-        ),
-    )
-    growth_turns: int = _int_field(
-        "growth_turns",
-        DEFAULT_GROWTH_TURNS,
-        "Below a low_watermark of 1, a new trim also leaves room for this many more turns the size of the last one "
-        "(never more than half the budget), so chats with long turns keep their prefix as long as chats with short "
-        "ones. 0: the watermark alone.",
-    )
-    semantic_relevance: bool = Field(
-        default=True,
-        description=(
-            "Use Open WebUI's own embedding model (the one RAG uses) beside word matching to find what matters to the "
-            "latest question. Off, or with no embedder loaded, relevance is word matching only."
-        ),
-    )
-    embed_timeout_seconds: float = Field(
-        default=DEFAULT_EMBED_TIMEOUT,
-        gt=0,
-        le=MAX_EMBED_TIMEOUT_SECONDS,
-        description=(
-            f"Longest wait for the embedder per turn (0-{MAX_EMBED_TIMEOUT_SECONDS:g} s); past it that turn uses word "
-            "matching and later turns embed the rest."
-        ),
-    )
-    embed_max_texts: int = _int_field(
-        "embed_max_texts",
-        DEFAULT_EMBED_TEXTS,
-        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few "
-        "turns.",
-    )
-    state_ttl_hours: int = _int_field(
-        "state_ttl_hours",
-        DEFAULT_STATE_TTL_HOURS,
-        "How long a chat's remembered trim decision and pins are kept after its last message.",
-    )
-    allowed_user_flags: str = Field(
-        default=DEFAULT_ALLOWED_FLAGS,
-        description=(
-            f"Inline flags users may put in a message, comma-separated, from: {', '.join(FLAG_NAMES)} (* = all). full "
-            "bypasses the budget and is off by default. Empty = none."
         ),
     )
     prompt_cache_hints: str = Field(
@@ -284,79 +262,39 @@ class Valves(BaseModel):
         ),
         json_schema_extra={"enum": list(CACHE_HINTS)},
     )
-    summary_enabled: bool = Field(
-        default=False,
-        description=(
-            "Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
-        ),
+    daily_limit_usd: float = _bounded(
+        0,
+        "Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the model is "
+        "called. 0 = none. Admins are not limited unless limit_overrides names the admin role.",
+        low=0,
+        high=float(MAX_LIMIT_USD),
     )
-    summary_base_url: str = Field(
-        default="",
-        description="OpenAI-compatible API base for summaries, e.g. https://api.openai.com/v1 or http://localhost:11434/v1.",
+    monthly_limit_usd: float = _bounded(
+        0, "Each user's spending limit per calendar month (UTC) in USD. 0 = none.", low=0, high=float(MAX_LIMIT_USD)
     )
-    summary_api_key: str = Field(
-        default="", description="API key for the summary endpoint (sent as a Bearer token).", json_schema_extra=_SECRET
+    daily_limit_tokens: int = _bounded(
+        0,
+        "Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none.",
+        low=0,
+        high=MAX_LIMIT_TOKENS,
     )
-    summary_model: str = Field(default="", description="Model that writes summaries, e.g. gpt-4o-mini.")
-    summary_timeout_seconds: float = Field(
-        default=DEFAULT_SUMMARY_TIMEOUT_SECONDS,
-        gt=0,
-        le=MAX_SUMMARY_TIMEOUT_SECONDS,
-        description=(
-            "Longest wait for a summary; past it the chat goes on without one. (Above 0, at most "
-            f"{MAX_SUMMARY_TIMEOUT_SECONDS:g}.)"
-        ),
-    )
-    summary_max_tokens: int = _int_field(
-        "summary_max_tokens",
-        DEFAULT_SUMMARY_MAX_TOKENS,
-        "Longest summary in tokens; this much of the budget is set aside for it when one is added.",
-    )
-    daily_limit_usd: float = Field(
-        default=0,
-        ge=0,
-        le=float(MAX_LIMIT_USD),
-        description=(
-            "Each user's spending limit per UTC day in USD (priced replies); a turn over it is refused before the "
-            "model is called. 0 = none. Admins are not limited unless limit_overrides names the admin role. (0 to "
-            f"{MAX_LIMIT_USD:,}.)"
-        ),
-    )
-    monthly_limit_usd: float = Field(
-        default=0,
-        ge=0,
-        le=float(MAX_LIMIT_USD),
-        description=f"Each user's spending limit per calendar month (UTC) in USD. 0 = none. (0 to {MAX_LIMIT_USD:,}.)",
-    )
-    daily_limit_tokens: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_LIMIT_TOKENS,
-        description=(
-            "Each user's limit per UTC day in tokens (prompt + completion, priced or not). 0 = none. (0 to "
-            f"{MAX_LIMIT_TOKENS:,}.)"
-        ),
-    )
-    monthly_limit_tokens: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_LIMIT_TOKENS,
-        description=f"Each user's limit per calendar month (UTC) in tokens. 0 = none. (0 to {MAX_LIMIT_TOKENS:,}.)",
+    monthly_limit_tokens: int = _bounded(
+        0, "Each user's limit per calendar month (UTC) in tokens. 0 = none.", low=0, high=MAX_LIMIT_TOKENS
     )
     limit_overrides: str = Field(
         default="",
         description=(
             "JSON limits by Open WebUI role, group (id or name) and user id; the most specific wins, and of several "
-            'groups the most generous. E.g. {"roles": {"user": {"daily_usd": 2}}, "groups": {"research": '
-            '{"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}. Keys: daily_usd, monthly_usd, '
+            'groups the most generous. E.g. `{"roles": {"user": {"daily_usd": 2}}, "groups": {"research": '
+            '{"monthly_usd": 100}}, "users": {"<user id>": {"daily_tokens": 0}}}`. Keys: daily_usd, monthly_usd, '
             "daily_tokens, monthly_tokens (0 = none)."
         ),
     )
     show_spend: bool = Field(
         default=False,
         description=(
-            "Show every user what they spent today in the line after each reply, also users without a limit (users "
-            "with one see it anyway, unless they hide it)."
+            "Show every user what they spent today in the status line above each reply, also users without a limit "
+            "(users with one see it anyway, unless they hide it)."
         ),
     )
     limit_store_failure: str = Field(
@@ -367,6 +305,72 @@ class Valves(BaseModel):
         ),
         json_schema_extra={"enum": list(LIMIT_STORE_FAILURES)},
     )
+    ledger_retention_days: int = _int_field(
+        "ledger_retention_days",
+        DEFAULT_LEDGER_RETENTION_DAYS,
+        "How long per user / model / day usage totals are kept (in Redis or in-process).",
+    )
+    redis_url: str = Field(
+        default="",
+        description="redis://host:6379/0 to share state and usage totals between workers; empty = in-process.",
+        json_schema_extra=_SECRET,
+    )
+    semantic_relevance: bool = Field(
+        default=True,
+        description=(
+            "Use Open WebUI's own embedding model (the one RAG uses) beside word matching to find what matters to the "
+            "latest question. Off, or with no embedder loaded, relevance is word matching only."
+        ),
+    )
+    embed_timeout_seconds: float = _bounded(
+        DEFAULT_EMBED_TIMEOUT,
+        "Longest wait for the embedder per turn, in seconds; past it that turn uses word matching and later turns "
+        "embed the rest.",
+        low=0,
+        high=MAX_EMBED_TIMEOUT_SECONDS,
+        above=True,
+    )
+    embed_max_texts: int = _int_field(
+        "embed_max_texts",
+        DEFAULT_EMBED_TEXTS,
+        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few "
+        "turns.",
+    )
+    summary_enabled: bool = Field(
+        default=False,
+        description=(
+            "Condense what a trim drops into a short note, with one call to the summary endpoint below (cached)."
+        ),
+    )
+    summary_base_url: str = Field(
+        default="",
+        description=(
+            "OpenAI-compatible API base for summaries, e.g. https://api.openai.com/v1 or http://localhost:11434/v1."
+        ),
+    )
+    summary_api_key: str = Field(
+        default="", description="API key for the summary endpoint (sent as a Bearer token).", json_schema_extra=_SECRET
+    )
+    summary_model: str = Field(default="", description="Model that writes summaries, e.g. gpt-4o-mini.")
+    summary_timeout_seconds: float = _bounded(
+        DEFAULT_SUMMARY_TIMEOUT_SECONDS,
+        "Longest wait for a summary, in seconds; past it the chat goes on without one.",
+        low=0,
+        high=MAX_SUMMARY_TIMEOUT_SECONDS,
+        above=True,
+    )
+    summary_max_tokens: int = _int_field(
+        "summary_max_tokens",
+        DEFAULT_SUMMARY_MAX_TOKENS,
+        "Longest summary in tokens; this much of the budget is set aside for it when one is added.",
+    )
+    calibrate_counts: bool = Field(
+        default=True,
+        description="Learn per model how far our token counts are from the provider's and shrink budgets to match.",
+    )
+    priority: int = _int_field(
+        "priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content."
+    )
 
 
 class UserValves(BaseModel):
@@ -374,18 +378,20 @@ class UserValves(BaseModel):
 
     model_config = _titled(USER_TITLES)
 
-    show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
     max_context_tokens: int = _int_field(
         "max_context_tokens",
         0,
         "Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget.",
     )
-    show_cost: bool = Field(default=True, description="Show what each reply cost (in dollars) in the line after it.")
+    show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
+    show_cost: bool = Field(
+        default=True, description="Show what each reply cost (in dollars) in the status line above it."
+    )
     show_spend: bool = Field(
         default=True,
         description=(
-            "Show what you spent today (and your limit) in the line after each reply; shown when you have a limit or "
-            "the admin shows spend to everyone."
+            "Show what you spent today (and your limit) in the status line above each reply; shown when you have a "
+            "limit or the admin shows spend to everyone."
         ),
     )
 
