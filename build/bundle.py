@@ -31,6 +31,7 @@ OUTPUT = Path("open_webui_filter.py") if INSTALLED else HERE.parent / "open_webu
 # Dependency order: each module only imports modules listed before it.
 MODULES = [
     "errors",
+    "money",
     "conversation",
     "tokens",
     "semantic",

@@ -256,7 +256,7 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
         __metadata__={},
         __event_emitter__=events,
     )
-    assert events.statuses[-1].startswith("9,000 in (8,120 cached) · 20 out · $")
+    assert events.statuses[-1].startswith("9,000 tokens in (8,120 cached) · 20 out · $")
     from contextwarden.cache_stats import load_cache_stats
 
     assert (await load_cache_stats(f._store, SONNET)).caches() is True
@@ -317,7 +317,7 @@ async def test_savings_follow_what_the_model_was_learned_to_do(counter):
 
     f = make_filter(counter, openrouter_pricing=False)
     # untrimmed: 1,000 × $2/M + 25,000 × $0.5/M = $0.0145; sent: 8,000 × $2/M = $0.016 → −$0.0015
-    assert (await saved(f)).endswith(" · untrimmed ~$0.0015 cheaper (prompt cache)")
+    assert (await saved(f)).endswith(" · untrimmed about $0.0015 cheaper (prompt cache)")
     f = make_filter(counter, openrouter_pricing=False)
     await save_cache_stats(f._store, model, CacheStats(3, 0))
-    assert (await saved(f)).endswith(" · saved ~$0.036 vs untrimmed")  # 18,000 × $2/M
+    assert (await saved(f)).endswith(" · saved about $0.036 vs untrimmed")  # 18,000 × $2/M

@@ -76,9 +76,9 @@ def test_table_by_model(seeded, capsys):
     models = [line.split()[0] for line in table[2:-2]]
     assert models == ["anthropic/claude-sonnet-4.5", "openai/gpt-4o", "llama3.1:8b"]  # by cost
     gpt = next(line for line in lines if line.startswith("openai/gpt-4o")).split()
-    assert gpt[1:] == ["3", "1,600", "160", "≥0.005250", "1", "0.000000"]  # one of its replies had no price
-    assert next(line for line in lines if line.startswith("llama3.1:8b")).split()[4] == "0.000000"  # priced at 0: free
-    assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.015750", "1", "0.000000"]
+    assert gpt[1:] == ["3", "1,600", "160", "≥0.0053", "1", "0"]  # one of its replies had no price
+    assert next(line for line in lines if line.startswith("llama3.1:8b")).split()[4] == "0"  # priced at 0: free
+    assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.016", "1", "0"]
     assert lines[len(table) :] == [
         "1 replies had no known price: their tokens are counted, their cost is not (≥, unknown)",
         "1 replies were estimated (the backend sent no usage)",
@@ -175,7 +175,7 @@ def test_html_report_is_self_contained(seeded, capsys, tmp_path):
         "By day",
         seeded["ann"],
         "anthropic/claude-sonnet-4.5",
-        "$0.0158",
+        "$0.016",
         seeded["since"],
     ):
         assert text in page, text

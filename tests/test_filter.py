@@ -189,7 +189,7 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
         "cost_saved_usd": "0",  # the chat fit: nothing trimmed
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
-    assert events.statuses == ["321 in · 12 out · $0.00092"]
+    assert events.statuses == ["321 tokens in · 12 out · $0.0009"]
 
 
 async def test_outlet_usage_in_info_and_estimates(counter, caplog):

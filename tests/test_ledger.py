@@ -149,7 +149,7 @@ async def test_ledger_failure_keeps_the_log_line_and_counts_once(caplog, monkeyp
     assert await f.outlet(body, __user__={"id": unique}, __event_emitter__=events) is body
     assert len(usage_records(caplog)) == 1 and len(calls) == 1  # logged once, tried once
     assert any("not added to the usage ledger (ConnectionError)" in r.getMessage() for r in caplog.records)
-    assert events.statuses == ["10 in · 2 out · $0.000045"]
+    assert events.statuses == ["10 tokens in · 2 out · <$0.0001"]
 
 
 @pytest.mark.redis

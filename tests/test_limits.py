@@ -388,27 +388,29 @@ async def test_status_line_shows_spend_and_the_limit(counter, store_valves, uniq
     user = {"id": f"u-{unique}", "role": "user"}
     await spent(f, user["id"], "0.4", datetime.now(UTC).date())
     run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
-    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020 · today $0.42 of $2.00"
+    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020 · today $0.42 of $2.00"
     await spent(f, user["id"], "1.3", datetime.now(UTC).date())
     run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
-    assert run.events.statuses[-1] == "4,000 in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
+    assert (
+        run.events.statuses[-1] == "4,000 tokens in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
+    )
 
 
 async def test_spend_hidden_by_the_user_valve_and_off_without_a_limit(counter, unique):
     f = await limited(counter, {"daily_limit_usd": 2}, datetime.now(UTC))
     hidden = {"id": f"u-{unique}", "role": "user", "valves": f.UserValves(show_spend=False)}
     run = await run_turn(f, CHAT, user=hidden, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
-    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
+    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020"
     g = await limited(counter, {}, datetime.now(UTC))  # no limit: not shown unless the admin asks
     run = await run_turn(
         g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0})
     )
-    assert run.events.statuses[-1] == "8,000 in · 0 out · $0.020"
+    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020"
     g.valves = g.Valves(show_spend=True)
     run = await run_turn(
         g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0})
     )
-    assert run.events.statuses[-1] == "4,000 in · 0 out · $0.010 · today $0.03"
+    assert run.events.statuses[-1] == "4,000 tokens in · 0 out · $0.010 · today $0.03"
 
 
 # -- !usage ------------------------------------------------------------------------------------
@@ -429,8 +431,8 @@ async def test_admin_usage_command_answers_without_the_model(counter, store_valv
         await f.inlet(body, __user__=who, __metadata__=body["metadata"])
     text = str(answer.value)
     assert text.startswith("### contextwarden usage · 2026-12 (UTC, to 2026-12-01 09:30)")
-    assert "Today: ≥$1.7500 · 3 replies." in text
-    assert f"| {ann} | 2 | 501,000 | 1.7500 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
+    assert "Today: ≥$1.75 · 3 replies." in text
+    assert f"| {ann} | 2 | 501,000 | 1.75 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
     assert "1 replies had no known price: dollar limits could not count them (token limits did)." in text
     assert "overrides for 0 roles, 1 group, 0 users" in text and "background calls" in text
     assert "9.0000" not in text

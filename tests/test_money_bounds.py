@@ -31,7 +31,8 @@ from contextwarden.pricing import (
     ModelPrice,
     PriceBook,
 )
-from contextwarden.status import format_usd, usage_status
+from contextwarden.money import format_usd
+from contextwarden.status import usage_status
 from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore
 from contextwarden.usage import (
     MAX_REPLY_COST_USD,
@@ -256,7 +257,7 @@ async def test_forged_cost_is_estimated_logged_once_and_the_ledger_stays_sane(co
         record, statuses, line = await _outlet(f, forged, caplog)
         assert len(line) < 2_000
         assert (record["cost_usd"], record["cost_source"]) == ("0.0035", "price_table")
-        assert statuses == ["1,000 in · 100 out · $0.0035"]
+        assert statuses == ["1,000 tokens in · 100 out · $0.0035"]
     [entry] = await read_ledger(f._store)
     assert entry.counters["cost_picousd"] == 3 * 3_500_000_000 and entry.counters["requests"] == 3
     f2 = make_filter(counter, openrouter_pricing=False, calibrate_counts=False)

@@ -26,7 +26,8 @@ from contextwarden.calibration import (
     update_calibration,
 )
 from contextwarden.filter import wants_stream_usage
-from contextwarden.status import format_usd
+from contextwarden.money import format_usd
+from contextwarden.status import ESTIMATE_KEY
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.price_sources import PriceSources
 from contextwarden.pricing import ModelPrice, PriceBook
@@ -118,7 +119,7 @@ async def test_openai_cached_and_reasoning(counter, logs):
     )
     assert (record["prompt_tokens"], record["cached_tokens"], record["reasoning_tokens"]) == (1234, 980, 100)
     assert (record["estimated"], record["usage_shape"], record["chat_id"]) == (False, "openai", "c9")
-    assert statuses == ["1,234 in (980 cached) · 456 out · $0.0064"]
+    assert statuses == ["1,234 tokens in (980 cached) · 456 out · $0.0064"]
 
 
 async def test_openrouter_cost_is_the_provider_figure(counter, logs):
@@ -133,7 +134,7 @@ async def test_openrouter_cost_is_the_provider_figure(counter, logs):
     record, statuses = await outlet_once(f, logs, "openrouter.anthropic/claude-sonnet-4.5", usage)
     assert (record["cost_usd"], record["cost_source"]) == ("0.0105", "provider")
     assert record["resolved_model"] == "anthropic/claude-sonnet-4.5" and record["usage_shape"] == "openrouter"
-    assert statuses == ["2,000 in · 300 out · $0.011"]
+    assert statuses == ["2,000 tokens in · 300 out · $0.011"]
 
 
 async def test_anthropic_native_cache_reads_and_writes(counter, logs):
@@ -148,7 +149,7 @@ async def test_anthropic_native_cache_reads_and_writes(counter, logs):
     # 100 x 0.000003 + 1000 x 0.0000003 + 200 x 0.00000375 + 50 x 0.000015 = 0.0003 + 0.0003 + 0.00075 + 0.00075
     assert D(record["cost_usd"]) == D("0.0021") and record["resolved_model"] == "anthropic/claude-sonnet-4.5"
     assert (record["prompt_tokens"], record["cached_tokens"], record["usage_shape"]) == (1300, 1000, "anthropic")
-    assert statuses == ["1,300 in (1,000 cached) · 50 out · $0.0021"]
+    assert statuses == ["1,300 tokens in (1,000 cached) · 50 out · $0.0021"]
 
 
 async def test_ollama_unpriced_unless_listed_free(counter, logs):
@@ -156,12 +157,12 @@ async def test_ollama_unpriced_unless_listed_free(counter, logs):
     record, statuses = await outlet_once(cost_filter(counter), logs, "llama3.1:8b", usage, __model__=OLLAMA_MODEL)
     assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == (None, None, None)
     assert "free_models" in record["cost_note"] and record["usage_shape"] == "ollama"
-    assert statuses == ["50 in · 7 out"]  # unknown price: no $ part, never $0
+    assert statuses == ["50 tokens in · 7 out"]  # unknown price: no $ part, never $0
     record, statuses = await outlet_once(
         cost_filter(counter, free_models='["llama*", "qwen3:*"]'), logs, "llama3.1:8b", usage, __model__=OLLAMA_MODEL
     )
     assert (record["cost_usd"], record["cost_source"], record["resolved_model"]) == ("0", "price_table", "llama3.1:8b")
-    assert statuses == ["50 in · 7 out · $0"]
+    assert statuses == ["50 tokens in · 7 out · $0"]
 
 
 async def test_estimated_usage_is_priced_and_marked(counter, logs):
@@ -175,7 +176,7 @@ async def test_estimated_usage_is_priced_and_marked(counter, logs):
     expected = counted * D("0.0000025") + completion * D("0.00001")
     assert D(record["cost_usd"]) == expected and record["cost_source"] == "price_table"
     assert record["usage_shape"] == "estimate"
-    assert statuses == [f"~{counted:,} in · ~{completion:,} out · ~${format_usd(expected)}"]
+    assert statuses == [f"~{counted:,} tokens in · ~{completion:,} out · ~${format_usd(expected)} · {ESTIMATE_KEY}"]
 
 
 async def test_workspace_model_priced_as_its_base(counter, logs):
@@ -198,7 +199,7 @@ async def test_aliases_and_cost_hidden_by_user_valve(counter, logs):
     )
     # gpt-4o-mini: $0.15/M in, $0.60/M out
     assert record["resolved_model"] == "openai/gpt-4o-mini" and D(record["cost_usd"]) == D("0.0000075")
-    assert statuses == ["10 in · 10 out"]
+    assert statuses == ["10 tokens in · 10 out"]
 
 
 @pytest.mark.parametrize(
@@ -207,7 +208,10 @@ async def test_aliases_and_cost_hidden_by_user_valve(counter, logs):
         ("0", "0"),
         ("0.0031", "0.0031"),
         ("0.003125", "0.0031"),
-        ("0.00000004", "0.000000040"),
+        ("0.00000004", "<0.0001"),
+        ("0.0000071", "<0.0001"),
+        ("0.00054", "0.0005"),
+        ("0.054", "0.054"),
         ("0.5", "0.50"),
         ("1", "1.00"),
         ("1234.567", "1,234.57"),

@@ -214,11 +214,11 @@ def test_cache_stats_learn_whether_a_model_caches():
 
 def test_the_lines_say_when_the_untrimmed_chat_is_cheaper():
     cheaper = Savings(26_000, 8_000, D("-0.01875"))
-    assert savings_status(cheaper, False) == " · untrimmed ~$0.019 cheaper (prompt cache)"
-    assert savings_status(Savings(26_000, 8_000, D("0.0054")), True) == " · would save ~$0.0054 vs untrimmed"
+    assert savings_status(cheaper, False) == " · untrimmed about $0.019 cheaper (prompt cache)"
+    assert savings_status(Savings(26_000, 8_000, D("0.0054")), True) == " · would save about $0.0054 vs untrimmed"
     assert savings_status(Savings(8_000, 8_000, D(0)), False) == ""
     line = usage_status(Usage(8_000, 50, cached_tokens=7_000), False, Cost(D("0.01"), "price_table"), True, cheaper)
-    assert line == "8,000 in (7,000 cached) · 50 out · $0.010 · untrimmed ~$0.019 cheaper (prompt cache)"
+    assert line == "8,000 tokens in (7,000 cached) · 50 out · $0.010 · untrimmed about $0.019 cheaper (prompt cache)"
 
 
 def test_explain_prices_the_cache_by_hand(counter):
@@ -296,6 +296,8 @@ def test_shadow_line_says_when_trimming_would_cost_more():
 
     choice = TurnChoice([{}] * 38, 142, 26_000, 8_000, 8_000, "exact")
     assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("-0.01875")), True).endswith(
-        "26,000 → 8,000 tokens (+~$0.019: untrimmed cheaper, prompt cache)"
+        "26,000 → 8,000 tokens · untrimmed about $0.019 cheaper (prompt cache)"
     )
-    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("0.0054")), True).endswith("(−~$0.0054)")
+    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("0.0054")), True).endswith(
+        "tokens, saving about $0.0054"
+    )

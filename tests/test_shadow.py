@@ -111,7 +111,7 @@ async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have
     system = counter.count_messages(chat[:1], MODEL) - 3
     assert note["cache"] == {"untrimmed": prefix, "trimmed": system, "caches": True, "minimum": 1_024}
     line = f"Shadow: would send {len(trimmed['messages'])} of {len(chat)} messages · {full:,} → {sent:,} tokens"
-    assert events.statuses and all(s.startswith(line + " (−~$") for s in events.statuses)
+    assert events.statuses and all(s.startswith(line + ", saving about $") for s in events.statuses)
     assert all(e["data"]["done"] is True for e in events.items)
 
 
@@ -241,7 +241,7 @@ async def test_off_does_nothing_before_the_reply_but_records_usage(counter, capl
         None,
         4_000,
     )
-    assert events.statuses == ["4,000 in · 10 out · $0.010"]  # 4,000 × $2.50/M + 10 × $10/M = $0.0101
+    assert events.statuses == ["4,000 tokens in · 10 out · $0.010"]  # 4,000 × $2.50/M + 10 × $10/M = $0.0101
     [row] = ledger_totals(await read_ledger(f._store), "user")
     assert row.counters["requests"] == 1 and row.counters["trimmed"] == row.counters["shadow_trimmed"] == 0
 

@@ -110,3 +110,55 @@ async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users
     plain = await run_turn(f, long_chat(), user={"id": "u1", "role": "user"}, chat_id="u")
     assert not any("strategy" in s for s in plain.events.statuses)
     assert all("newest-please" not in s for s in admin.events.statuses)  # never the value
+
+
+# ---- wording: what a reader can tell from the line alone ----------------------------------------
+
+from decimal import Decimal as D  # noqa: E402
+
+from contextwarden.money import usd  # noqa: E402
+from contextwarden.status import ESTIMATE_KEY, savings_status, usage_status  # noqa: E402
+from contextwarden.usage import Cost, Usage  # noqa: E402
+
+PRICED = Cost(D("0.0073"), "price_table")
+
+
+def test_the_usage_line_says_tokens_once_at_the_start():
+    # Before: "2,974 in · 7 out · $0.0073": in and out of what?
+    assert usage_status(Usage(2_974, 7), False, PRICED, True) == "2,974 tokens in · 7 out · $0.0073"
+    cached = usage_status(Usage(2_974, 7, cached_tokens=2_048), False, PRICED, True)
+    assert cached == "2,974 tokens in (2,048 cached) · 7 out · $0.0073"
+
+
+def test_the_estimate_mark_is_explained_once_on_the_line_that_carries_it():
+    # Before: "~2,974 in · ~7 out · ~$0.0073" and nothing said what ~ meant.
+    line = usage_status(Usage(2_974, 7), True, PRICED, True)
+    assert line == f"~2,974 tokens in · ~7 out · ~$0.0073 · {ESTIMATE_KEY}" and line.count(ESTIMATE_KEY) == 1
+    assert ESTIMATE_KEY.startswith("~ = estimated")
+    assert "~" not in usage_status(Usage(2_974, 7), False, PRICED, True)  # real usage: no mark, no key
+
+
+def test_savings_say_about_in_words_never_minus_tilde():
+    # Before: "saved ~$0.0054" on the usage line and "(−~$0.00054)" on the shadow line.
+    saving = Savings(26_000, 8_000, D("0.00054"))
+    assert savings_status(saving, False) == " · saved about $0.0005 vs untrimmed"
+    shadow = shadow_status_line(TurnChoice([{}] * 2, 9, 26_000, 8_000, 8_000, "exact"), Flags(), saving, True)
+    assert shadow == "Shadow: would send 2 of 9 messages · 26,000 → 8,000 tokens, saving about $0.0005"
+    for text in (savings_status(saving, True), shadow):
+        assert "~" not in text and "−" not in text and "(+" not in text
+
+
+@pytest.mark.parametrize(
+    ("amount", "shown"),
+    [
+        ("0.0000071", "<$0.0001"),  # before: $0.0000071
+        ("0.00054", "$0.0005"),  # before: $0.00054 (never finer than a hundredth of a cent)
+        ("0.0073", "$0.0073"),
+        ("0.054", "$0.054"),
+        ("12.345", "$12.35"),
+        ("0", "$0"),
+    ],
+)
+def test_one_money_rule_for_every_line(amount, shown):
+    assert usd(D(amount)) == shown
+    assert usage_status(Usage(10, 2), False, Cost(D(amount), "price_table"), True).endswith(" · " + shown)

@@ -16,6 +16,7 @@ from typing import Any
 from .conversation import Message, message_text
 from .ledger import LedgerEntry, LedgerRow, ledger_totals, read_ledger
 from .limits import KINDS, LimitRules, Limits, amount_text, check_limits, month_start, spend_of, spend_text
+from .money import format_usd, usd
 from .store import Store
 
 __all__ = ["USAGE_COMMAND", "is_usage_command", "usage_answer", "usage_markdown", "cost_cell"]
@@ -30,20 +31,20 @@ BACKGROUND_NOTE = (
 ReplyEmitter = Callable[[dict[str, Any]], Awaitable[Any]]
 
 
-def cost_cell(counters: dict[str, int], usd: Decimal, *, places: int = 6, dollar: str = "") -> str:
+def cost_cell(counters: dict[str, int], amount: Decimal, *, dollar: bool = False) -> str:
     """A cost that never shows a guessed 0: `unknown` when no reply had a price, `≥x` when some
-    did not (x counts the priced ones), else the amount.
+    did not (x counts the priced ones), else the amount as every amount is shown (`money`).
 
     Example:
         >>> cost_cell({"requests": 2, "unpriced": 2}, Decimal(0)), cost_cell(
-        ...     {"requests": 3, "unpriced": 1}, Decimal("0.5"), places=2
+        ...     {"requests": 3, "unpriced": 1}, Decimal("0.5"), dollar=True
         ... )
-        ('unknown', '≥0.50')
+        ('unknown', '≥$0.50')
     """
     requests, unpriced = counters.get("requests", 0), counters.get("unpriced", 0)
     if requests and unpriced >= requests:
         return "unknown"
-    text = f"{dollar}{usd:,.{places}f}"
+    text = usd(amount) if dollar else format_usd(amount)
     return f"≥{text}" if unpriced else text
 
 
@@ -63,8 +64,7 @@ def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
         tokens = row.counters.get("prompt_tokens", 0) + row.counters.get("completion_tokens", 0)
         name = row.key.replace("|", "\\|")
         lines.append(
-            f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | "
-            f"{cost_cell(row.counters, row.cost_usd, places=4)} |"
+            f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | {cost_cell(row.counters, row.cost_usd)} |"
         )
     if len(rows) > limit:
         lines.append(f"| … {len(rows) - limit:,} more | | | |")
@@ -98,11 +98,9 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
     lines = [f"### contextwarden usage · {today:%Y-%m} (UTC, to {now:%Y-%m-%d %H:%M})", ""]
     if day_rows:
         d = day_rows[0]
-        lines.append(
-            f"Today: {cost_cell(d.counters, d.cost_usd, places=4, dollar='$')} · {d.counters['requests']:,} replies."
-        )
+        lines.append(f"Today: {cost_cell(d.counters, d.cost_usd, dollar=True)} · {d.counters['requests']:,} replies.")
     lines += [
-        f"This month: {cost_cell(all_month, month_usd, places=4, dollar='$')} · {all_month['requests']:,} replies.",
+        f"This month: {cost_cell(all_month, month_usd, dollar=True)} · {all_month['requests']:,} replies.",
         "",
     ]
     if not month:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
 from .ledger import LedgerEntry
-from .status import format_usd
+from .money import usd
 
 __all__ = [
     "Limits",
@@ -290,10 +290,10 @@ def check_limits(limits: Limits, day: Spend, month: Spend) -> Verdict:
 
 
 def amount_text(kind: LimitKind, value: Decimal | int) -> str:
-    """`$2.00` (whole cents), `$0.013` (else as the status line rounds), `12,000 tokens`."""
+    """`$2.00` (whole cents), `$0.013` (else as every amount is shown: `money.usd`), `12,000 tokens`."""
     if kind.endswith("_usd"):
         amount = Decimal(value)
-        return f"${amount:,.2f}" if amount == amount.quantize(CENT) else f"${format_usd(amount)}"
+        return f"${amount:,.2f}" if amount == amount.quantize(CENT) else usd(amount)
     return f"{int(value):,} tokens"
 
 

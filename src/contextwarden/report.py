@@ -18,6 +18,7 @@ from decimal import ROUND_CEILING, Decimal
 
 from .adminview import cost_cell
 from .ledger import LEDGER_FIELDS, LEDGER_MONEY_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
+from .money import format_usd, usd
 from .savings import SAVINGS_ASSUMPTION
 
 __all__ = ["render_table", "render_json", "render_csv", "render_html", "REPORT_COLUMNS", "TABLE_COLUMNS", "TABLE_WIDTH"]
@@ -67,7 +68,7 @@ def _report_cell(row: LedgerRow, field: str) -> str:
     if field == "cost_usd":
         return cost_cell(row.counters, row.cost_usd)  # never a guessed 0 for an unknown price
     if money in LEDGER_MONEY_FIELDS:
-        return f"{row.usd(money):,.6f}"
+        return format_usd(row.usd(money))
     return f"{row.counters.get(field, 0):,}"
 
 
@@ -257,7 +258,7 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
                     y,
                     h,
                     CHART_COLORS[m_index % len(CHART_COLORS)],
-                    f"{day} · {model}: ${picodollars_to_usd(amount):f}",
+                    f"{day} · {model}: {usd(picodollars_to_usd(amount))}",
                 )
             )
         y = top + plot_h
@@ -268,7 +269,7 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
                 continue
             h = float(picodollars_to_usd(amount)) * scale
             y -= h
-            parts.append(rect(x + bar + 2, y, h, fill, f"{day} · {what}: ~${picodollars_to_usd(amount):f}"))
+            parts.append(rect(x + bar + 2, y, h, fill, f"{day} · {what}: about {usd(picodollars_to_usd(amount))}"))
         if i % every == 0:
             cx, cy = left + slot * i + slot / 2, top + plot_h + 14
             parts.append(
@@ -330,21 +331,21 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
     last = max((e.day for e in entries), default=None)
     period = f"{first} to {last.isoformat()}" if last else "no usage recorded"
     cards = [
-        (cost_cell(total.counters, total.cost_usd, places=4, dollar="$"), "total cost (priced replies)"),
+        (cost_cell(total.counters, total.cost_usd, dollar=True), "total cost (priced replies)"),
         (f"{total.counters['requests']:,}", "replies"),
         (f"{total.counters['prompt_tokens']:,}", "prompt tokens"),
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
         (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
         (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
         (
-            f"~${total.usd('cost_saved_picousd'):,.4f}",
+            usd(total.usd("cost_saved_picousd")),
             f"saved by trimming (estimate; trimmed replies: {total.counters['trimmed']:,})",
         ),
     ]
     if total.counters["shadow_trimmed"]:
         cards.append(
             (
-                f"~${total.usd('shadow_cost_saved_picousd'):,.4f}",
+                usd(total.usd("shadow_cost_saved_picousd")),
                 f"would have saved in shadow mode (estimate; replies: {total.counters['shadow_trimmed']:,})",
             )
         )

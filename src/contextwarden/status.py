@@ -5,43 +5,18 @@ what the reply cost. Pure formatting of numbers the filter computed; no message 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal  # noqa: F401  (the doctests use it)
 
 from .cache_hints import carried_prefix
 from .conversation import Message
 from .flags import Flags
+from .money import usd
 from .savings import Savings
 from .selection import TrimDecision
 from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
-__all__ = ["TurnChoice", "format_usd", "status_line", "shadow_status_line", "usage_status", "savings_status"]
-
-
-# Beyond these a status line shows the amount in scientific notation, never a million digits.
-_USD_PLAIN_RANGE = (Decimal("1e-12"), Decimal("1e12"))
-
-
-def format_usd(amount: Decimal | None) -> str:
-    """Dollars for a status line: cents from $1 up, else two significant digits. Total: None,
-    NaN and infinities give "?", amounts outside 1e-12 to 1e12 scientific notation.
-
-    Example:
-        >>> format_usd(Decimal("0.003125")), format_usd(Decimal("12.3456")), format_usd(Decimal("1e30"))
-        ('0.0031', '12.35', '1.0E+30')
-    """
-    if not isinstance(amount, Decimal) or not amount.is_finite():
-        return "?"
-    if amount == 0:
-        return "0"
-    if amount < 0:
-        return "-" + format_usd(-amount)
-    low, high = _USD_PLAIN_RANGE
-    if not low <= amount < high:
-        return format(amount, ".1E")
-    if amount >= 1:
-        return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
-    return format(amount.quantize(Decimal(1).scaleb(amount.adjusted() - 1), rounding=ROUND_HALF_UP), "f")
+__all__ = ["TurnChoice", "ESTIMATE_KEY", "status_line", "shadow_status_line", "usage_status", "savings_status"]
 
 
 def _count_text(count: object, mark: str = "") -> str:
@@ -51,39 +26,50 @@ def _count_text(count: object, mark: str = "") -> str:
     return f"{mark}{count:,}"
 
 
+# Said once, at the end of a usage line whose numbers carry `~`, so nobody has to guess.
+ESTIMATE_KEY = "~ = estimated, no usage from the provider"
+
+
 def usage_status(
     usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False
 ) -> str:
-    """`1,234 in (980 cached) · 456 out · $0.0031 · saved ~$0.0054 vs untrimmed`; `~` marks
-    estimates; no $ when unknown; the savings part as `savings_status` words it."""
+    """`1,234 tokens in (980 cached) · 456 out · $0.0031 · saved about $0.0054 vs untrimmed`;
+    counted here when the provider sent no usage: `~` marks those numbers and the line says so
+    last (`ESTIMATE_KEY`). No $ when the price is unknown; savings as `savings_status` words them.
+
+    Example:
+        >>> usage_status(Usage(2_974, 7), True, Cost(Decimal("0.0075"), "price_table"), True)
+        '~2,974 tokens in · ~7 out · ~$0.0075 · ~ = estimated, no usage from the provider'
+    """
     mark = "~" if estimated else ""
 
-    line = f"{_count_text(usage.prompt_tokens, mark)} in"
+    line = f"{_count_text(usage.prompt_tokens, mark)} tokens in"
     if usage.cached_tokens:
         line += f" ({_count_text(usage.cached_tokens)} cached)"
     line += f" · {_count_text(usage.completion_tokens, mark)} out"
     if show_cost and cost.cost_usd is not None:
-        line += f" · {mark}${format_usd(cost.cost_usd)}"
+        line += f" · {mark}{usd(cost.cost_usd)}"
     if show_cost and savings is not None:
         line += savings_status(savings, shadow)
-    return line
+    return line + (f" · {ESTIMATE_KEY}" if estimated else "")
 
 
 def savings_status(savings: Savings, shadow: bool) -> str:
-    """` · saved ~$0.0054 vs untrimmed` (shadow: `would save`), or, when the untrimmed chat
+    """` · saved about $0.0054 vs untrimmed` (shadow: `would save`), or, when the untrimmed chat
     would have cost less (its prompt cache outweighs what the trim removed),
-    ` · untrimmed ~$0.019 cheaper (prompt cache)`; "" when nothing was trimmed or the price is unknown.
+    ` · untrimmed about $0.019 cheaper (prompt cache)`; "" when nothing was trimmed or the price
+    is unknown. A saving is always an estimate (of a chat never sent): "about" says so in words.
 
     Example:
         >>> savings_status(Savings(26_000, 8_000, Decimal("-0.01875")), False)
-        ' · untrimmed ~$0.019 cheaper (prompt cache)'
+        ' · untrimmed about $0.019 cheaper (prompt cache)'
     """
     amount = savings.cost_saved_usd
     if amount is None or amount == 0 or savings.tokens_saved <= 0:
         return ""
     if amount > 0:
-        return f" · {'would save' if shadow else 'saved'} ~${format_usd(amount)} vs untrimmed"
-    return f" · untrimmed ~${format_usd(-amount)} cheaper (prompt cache)"
+        return f" · {'would save' if shadow else 'saved'} about {usd(amount)} vs untrimmed"
+    return f" · untrimmed about {usd(-amount)} cheaper (prompt cache)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,13 +186,13 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
 
 
 def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_cost: bool) -> str:
-    """`Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens (−$0.22)`: what enforce
-    mode would have done; the chat itself went out unchanged. Money is an estimate (`~`).
+    """`Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens, saving about $0.22`: what
+    enforce mode would have done; the chat itself went out unchanged. Money is an estimate ("about").
 
     Example:
         >>> shadow_status_line(TurnChoice([{}] * 38, 142, 96_210, 7_950, 8_000, "exact"), Flags(),
         ...     Savings(96_210, 7_950, Decimal("0.2206")), True)
-        'Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens (−~$0.22)'
+        'Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens, saving about $0.22'
     """
     after = len(choice.messages)
     if choice.full:
@@ -222,9 +208,9 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
         if show_cost and savings.cost_saved_usd:
             amount = savings.cost_saved_usd
             line += (
-                f" (−~${format_usd(amount)})"
+                f", saving about {usd(amount)}"
                 if amount > 0
-                else f" (+~${format_usd(-amount)}: untrimmed cheaper, prompt cache)"
+                else f" · untrimmed about {usd(-amount)} cheaper (prompt cache)"
             )
     else:
         line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"

@@ -20,7 +20,7 @@ import pytest
 
 from browser import Reply, chat_page, expand_status, find_browser, open_chat, send, wait_for_replies
 from contextwarden.pricing import PriceBook, resolve_model
-from contextwarden.status import format_usd
+from contextwarden.money import format_usd
 from contextwarden.usage import Usage, compute_cost
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
 from owui import OpenWebUI, add_user, installed_function
@@ -34,7 +34,7 @@ MODEL = "gpt-4o"  # priced in the bundled table, so the line carries a cost
 WINDOW, RESERVE = 1_500, 300  # a 1,200-token budget: the ~2,600-token document cannot stay
 DOCUMENT = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
 QUESTION = "What did the document say about quartz?"
-USAGE_LINE = re.compile(r"(?P<prompt>[\d,]+) in · (?P<completion>[\d,]+) out · \$(?P<usd>[\d.]+)")
+USAGE_LINE = re.compile(r"(?P<prompt>[\d,]+) tokens in · (?P<completion>[\d,]+) out · \$(?P<usd>[\d.]+)")
 TRIM = re.compile(r"\b3 → (?P<after>\d+) messages?\b")  # the second turn: document, reply, question
 TASKS_OFF = {"ENABLE_TITLE_GENERATION": False, "ENABLE_TAGS_GENERATION": False, "ENABLE_FOLLOW_UP_GENERATION": False}
 
@@ -64,7 +64,7 @@ def quiet_tasks(open_webui: OpenWebUI) -> Iterator[None]:
 
 
 def usage_numbers(line: str | None) -> tuple[int, int, str] | None:
-    """``(prompt, completion, dollars)`` of a ``1,234 in · 56 out · $0.0031`` line, else None."""
+    """``(prompt, completion, dollars)`` of a ``1,234 tokens in · 56 out · $0.0031`` line, else None."""
     match = USAGE_LINE.match(line or "")
     if not match:
         return None
