@@ -269,3 +269,21 @@ def test_mode_valve_renders_as_a_select():
 
     schema = Filter.Valves.model_json_schema()["properties"]["mode"]
     assert schema["enum"] == ["enforce", "shadow", "off"] and schema["default"] == "enforce"
+
+
+async def test_the_shadow_lines_before_count_is_what_was_really_sent_flags_and_all(counter, unique):
+    """Shadow sends the chat as it came, `!pin` text in older messages included; enforce strips
+    it. The line's "before" (and the savings) count the chat really sent, not the stripped one."""
+    chat = chat_of(20)
+    chat[3] = {**chat[3], "content": chat[3]["content"] + " !pin"}
+    chat[5] = {**chat[5], "content": "!pin " + chat[5]["content"]}
+    shadow = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500, mode="shadow")
+    body, events = body_of(chat, chat_id=f"s-{unique}"), Events()
+    out = await inlet_then_request(shadow, body, "u1", events)
+    assert out["messages"] is chat  # sent with the flags in the text
+    full = counter.count_messages(chat, MODEL)
+    note = body["metadata"]["contextwarden"]
+    assert note["estimated_prompt_tokens"] == full
+    before = re.match(r"Shadow: would send \d+ of \d+ messages · ([\d,]+) → ([\d,]+) tokens", events.statuses[0])
+    assert before is not None and int(before.group(1).replace(",", "")) == full, events.statuses
+    assert note["tokens_saved"] == full - int(before.group(2).replace(",", ""))

@@ -469,6 +469,9 @@ class Filter:
             read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off
         )
         choice = choice.plus_fixed(budget.fixed.tokens, budget.fixed.label, budget.fixed_over, budget.total)
+        if shadow and not _same_messages(read.messages, body["messages"]):  # sent as it came, flag text and all
+            sent_as_is = await compute(off, self._counter.count_messages, body["messages"], model_id)
+            choice = replace(choice, tokens_before=sent_as_is + budget.fixed.tokens)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
@@ -513,15 +516,8 @@ class Filter:
         )
         if isinstance(metadata, dict):
             sent, sent_messages = choice.tokens_after, choice.messages
-            if shadow:  # shadow sends the body as it came
-                same = _same_messages(read.messages, body["messages"])
-                sent = (
-                    choice.tokens_before
-                    if same
-                    else await compute(off, self._counter.count_messages, body["messages"], model_id)
-                    + budget.fixed.tokens
-                )
-                sent_messages = body["messages"]
+            if shadow:  # shadow sends the body as it came: counted above
+                sent, sent_messages = choice.tokens_before, body["messages"]
             note.update(
                 mode=settings.mode,
                 estimated_prompt_tokens=sent,
