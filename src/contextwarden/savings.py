@@ -78,7 +78,7 @@ def calibrated_tokens(tokens: int, factor: float) -> int:
 
 
 def price_caches(price: ModelPrice | None) -> bool:
-    """True when the model's price lists a cache-read rate below its input rate (246 of the 414 bundled)."""
+    """True when the model's price lists a cache-read rate below its input rate (240 of the 414 bundled)."""
     return (
         price is not None
         and price.prompt is not None
