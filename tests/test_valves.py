@@ -113,6 +113,8 @@ def test_every_valve_has_a_real_title_and_the_two_budgets_are_named_apart():
     admin = Valves.model_json_schema()["properties"]["max_context_tokens"]["title"]
     user = UserValves.model_json_schema()["properties"]["max_context_tokens"]["title"]
     assert "window" in admin.lower() and "budget" in user.lower() and admin != user
+    # the user's description names the same thing its title does (it said "context budget")
+    assert "prompt budget" in UserValves.model_fields["max_context_tokens"].description
 
 
 # The valves form lists fields in the model's order: what an admin sets first comes first.

@@ -381,7 +381,7 @@ class UserValves(BaseModel):
     max_context_tokens: int = _int_field(
         "max_context_tokens",
         0,
-        "Your own context budget in tokens; 0 = the admin's. It can only lower the admin's budget.",
+        "Your own prompt budget in tokens; 0 = the admin's. It can only lower the admin's budget.",
     )
     show_status: bool = Field(default=True, description="Show the context and cost lines above replies.")
     show_cost: bool = Field(
