@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, message_text, read_conversation, tool_call_ids
+from contextwarden.selection import mandatory_indices
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
 
@@ -66,7 +68,7 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
         before_question = [k for k in blocks if sent[k + 1] is latest]
         assert result.stable_prefix == (before_question[0] if before_question else len(sent))
     else:
-        cut = min(result.shortened, default=None)
+        cut = min(set(result.shortened).difference(result.excerpted), default=None)  # excerpts are sent again
         assert not result.recalled
         assert result.stable_prefix == (
             len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut)
@@ -77,6 +79,23 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     for index in result.kept:
         assert by_index[index] is chat[index]
     assert sorted(result.kept + result.dropped + result.shortened) == list(range(len(chat)))
+    # excerpts: earlier messages only (never the system prompt or the current turn), sent as
+    # copies with every key but the text unchanged, their text the original's pieces in order.
+    assert set(result.excerpted) <= set(result.shortened)
+    assert set(result.excerpted).isdisjoint(mandatory_indices(conversation))
+    for index in result.excerpted:
+        sent_copy, original = by_index[index], chat[index]
+        assert {k: v for k, v in sent_copy.items() if k != "content"} == {
+            k: v for k, v in original.items() if k != "content"
+        }
+        text = message_text(sent_copy)
+        pieces = [p for p in re.split(r"\n?\[… [0-9,]+ tokens cut by contextwarden …\]\n?", text) if p]
+        at = 0
+        source = message_text(original)
+        for piece in pieces:
+            found = source.find(piece, at)
+            assert found >= 0, "an excerpt holds text that is not the original's, in its order"
+            at = found + len(piece)
 
 
 def assert_same_trim(a: TrimResult, b: TrimResult) -> None:

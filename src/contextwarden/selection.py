@@ -132,6 +132,7 @@ class TrimDecision:
     seen_chars: int = -1
     counted_with: str = ""
     recalls: tuple[Recall, ...] = ()
+    excerpts: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (position, chunk numbers) of excerpted messages
 
     def __post_init__(self) -> None:
         """Positions that cannot be right (not one ascending int per kept message) are dropped,
@@ -148,6 +149,8 @@ class TrimDecision:
             object.__setattr__(self, "seen", 0)
         if self.recalls and not all(r.anchor in self.at for r in self.recalls):
             object.__setattr__(self, "recalls", ())
+        if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
+            object.__setattr__(self, "excerpts", ())
 
     def to_json(self) -> str:
         """A compact JSON text of this decision (what the filter stores per chat)."""
@@ -161,6 +164,7 @@ class TrimDecision:
                 "at": list(self.at),
                 "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
                 "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls],
+                "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
             },
             separators=(",", ":"),
         )
@@ -196,9 +200,27 @@ class TrimDecision:
                 seen[2],
                 seen[3],
                 recalls=tuple(r for r in recalls if r is not None),
+                excerpts=_excerpt_records(data.get("excerpts")),  # absent before excerpts
             )
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+
+
+def _excerpt_records(value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Excerpt records from their JSON form `[[position, [chunk, ...]], ...]`; () when not that."""
+    if not isinstance(value, list) or not all(isinstance(e, list) and len(e) == 2 for e in value):
+        return ()
+    if not all(type(e[0]) is int and isinstance(e[1], list) and all(type(k) is int for k in e[1]) for e in value):
+        return ()
+    return tuple((e[0], tuple(e[1])) for e in value)
+
+
+def _excerpt_record_ok(record: object, at: tuple[int, ...]) -> bool:
+    """An excerpt record names a kept position and ascending chunk numbers."""
+    if not (isinstance(record, tuple) and len(record) == 2 and record[0] in at and isinstance(record[1], tuple)):
+        return False
+    chunks = record[1]
+    return all(type(k) is int and k >= 0 for k in chunks) and all(a < b for a, b in zip(chunks, chunks[1:]))
 
 
 def message_fingerprint(message: Message) -> str:

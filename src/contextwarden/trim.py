@@ -11,7 +11,16 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
-from .conversation import Conversation, Message, read_conversation, recall_message, recall_positions, system_positions
+from .conversation import (
+    Conversation,
+    Message,
+    message_text,
+    read_conversation,
+    recall_message,
+    recall_positions,
+    system_positions,
+)
+from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores, score_messages
 from .selection import (
     STRATEGIES,
@@ -62,7 +71,7 @@ RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
 _RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
-SHORTENED_MARK = "[… {n} tokens cut by contextwarden …]"
+SHORTENED_MARK = CUT_MARK
 PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
 PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
 MIN_KEPT_TEXT_TOKENS = 0
@@ -92,6 +101,10 @@ class TrimResult:
     `stable_prefix` how many leading messages of `messages` the next turn will send again
     unchanged while its selection holds: all of them, or those before this turn's recall block
     or the first shortened copy.
+
+    `excerpted` holds the shortened indices that are earlier messages too large for what was
+    left, sent as excerpts for the latest question (see `excerpt.py`); the next turn sends
+    them again, byte for byte, while it keeps the selection.
     """
 
     messages: list[Message]
@@ -108,10 +121,11 @@ class TrimResult:
     reused: bool = False
     recalled: tuple[int, ...] = ()
     stable_prefix: int = -1
+    excerpted: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
-            cut = min(self.shortened, default=None)
+            cut = min(set(self.shortened).difference(self.excerpted), default=None)
             stable = len(self.messages) if cut is None else sum(1 for i in (*self.kept, *self.shortened) if i < cut)
             object.__setattr__(self, "stable_prefix", stable)
 
@@ -286,18 +300,23 @@ def trim_messages(
         room = 0
     keep: set[int] | None = None
     blocks: list[_Block] = []
+    excerpts: dict[int, Excerpt] | None = {}
     if previous is not None and mandatory_cost <= max_tokens:
+        excerpts = _carried_excerpts(messages, previous, fingerprints, set(mandatory), question, counter, model)
+        sized = _sized(costs, excerpts or {})
         keep = reuse_previous(
             previous,
             fingerprints,
             conversation,
-            costs,
+            sized,
             max_tokens - TOKENS_PER_REPLY,
             keep_last_turns=keep_last_turns,
             pinned=pinned,
         )
+        if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
+            keep = None  # an excerpt the next prompt cannot send again as it was: select anew
         if keep is not None and room and question is not None:  # room is 0 when there is no question
-            base = TOKENS_PER_REPLY + sum(costs[i] for i in keep)
+            base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
             kept_blocks = _recalls_kept(
                 messages,
                 previous,
@@ -317,6 +336,7 @@ def trim_messages(
                 blocks = kept_blocks
     reused = keep is not None
     if keep is None:
+        excerpts = {}
         # Estimated counts already err high (1.1-2x): leaving room to grow as well would
         # starve the prompt, so a selection made on them fills the budget.
         watermark = 1.0 if mode == "estimate" else low_watermark
@@ -332,8 +352,12 @@ def trim_messages(
             scores=scores,
             room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         )
+        if strategy == "relevance" and shorten and mandatory_cost <= max_tokens:
+            spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
+            added, excerpts = excerpt_turns(conversation, keep, costs, spare, counter, model)
+            keep.update(added)
         if room and question is not None:
-            left = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in keep)
+            left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
             pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
             block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
             blocks = [block] if block is not None else []
@@ -342,6 +366,8 @@ def trim_messages(
     # A shortened copy of a message the selection let go (a pinned reply whose turn has no
     # question may not lead the history) is not sent: it is dropped, not shortened.
     replaced = {i: m for i, m in replaced.items() if i in keep}
+    excerpts = excerpts or {}
+    replaced.update((i, e.message) for i, e in excerpts.items())
     sent = [replaced.get(i, messages[i]) for i in order]
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
@@ -361,6 +387,7 @@ def trim_messages(
         seen_chars=history_chars(messages, conversation.system_indices),
         counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
+        excerpts=tuple((i, e.chunks) for i, e in sorted(excerpts.items())),
     )
     return TrimResult(
         messages=sent,
@@ -377,7 +404,44 @@ def trim_messages(
         reused=reused,
         recalled=_recalled(blocks),
         stable_prefix=stable,
+        excerpted=tuple(sorted(excerpts)),
     )
+
+
+def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:
+    """`costs` with each excerpted message at what its excerpt costs."""
+    if not excerpts:
+        return costs
+    return [excerpts[i].tokens if i in excerpts else c for i, c in enumerate(costs)]
+
+
+def _carried_excerpts(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    fingerprints: Fingerprints,
+    mandatory: Collection[int],
+    question: int | None,
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, Excerpt] | None:
+    """The previous turn's excerpts rebuilt (the same bytes) while their messages are where they
+    were, unchanged and not mandatory now, and they still hold `EXCERPT_KEEP_SHARE` of what
+    this question would excerpt of them; None when one does not (the selection is made anew)."""
+    at = {i: k for k, i in enumerate(previous.at)}
+    text = message_text(messages[question]) if question is not None else ""
+    out: dict[int, Excerpt] = {}
+    for i, chunks in previous.excerpts:
+        k = at.get(i)
+        if k is None or i >= len(messages) or i in mandatory or fingerprints[i] != previous.kept[k]:
+            return None
+        excerpt = rebuild(messages[i], chunks, counter, model)
+        if (
+            excerpt is None
+            or fresh_share(messages[i], chunks, text, excerpt.tokens, counter, model) < EXCERPT_KEEP_SHARE
+        ):
+            return None
+        out[i] = excerpt
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +622,7 @@ def _without(
         dropped=tuple(sorted([*map(back, inner.dropped), *blocks])),
         shortened=tuple(map(back, inner.shortened)),
         recalled=tuple(map(back, inner.recalled)),
+        excerpted=tuple(map(back, inner.excerpted)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
     )
 
@@ -598,7 +663,7 @@ def _extend_previous(
     selection no longer fits); the full path then decides, with the same result."""
     seen = previous.seen
     scheme, mode = counter.scheme(model), counter.mode(model)
-    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0 or previous.excerpts:
         return None
     system = system_positions(messages)
     chars = history_chars(messages, system)

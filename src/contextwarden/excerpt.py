@@ -1,0 +1,317 @@
+"""Excerpts: an old message too large for what is left of the budget, cut to what the question needs.
+
+A pasted document or a long tool result in an earlier turn would be dropped whole. Instead its
+text is split into line-aligned chunks (`split_chunks`), the chunks are scored against the
+latest question with the chat's own scorer (`relevance.score_messages`, the chunks as its
+corpus), and the best that fit are sent in their order, each stretch left out replaced by a
+`CUT_MARK` line. An excerpt is named by its chunk numbers, so the next turn can rebuild the very
+same bytes (`rebuild`) while the question's needs do not change (prompt cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+
+from .conversation import Conversation, Message, message_text
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages
+from .tokens import TokenCounter
+
+__all__ = [
+    "CUT_MARK",
+    "CHUNK_CHARS",
+    "MIN_EXCERPT_TOKENS",
+    "EXCERPT_KEEP_SHARE",
+    "Excerpt",
+    "split_chunks",
+    "chunk_scores",
+    "excerpt_message",
+    "rebuild",
+    "excerpt_text",
+    "excerpt_turns",
+    "fresh_share",
+]
+
+CUT_MARK = "[… {n} tokens cut by contextwarden …]"
+CHUNK_CHARS = 600  # a chunk is lines (paragraphs first) joined up to about this; longer lines are split
+MIN_EXCERPT_TOKENS = 200  # a message costing less is never excerpted: kept whole or dropped
+# A carried excerpt is sent again while its chunks hold at least this share of the relevance a
+# fresh excerpt of the same size would hold for the new question (as the recall block's rule).
+EXCERPT_KEEP_SHARE = 0.5
+_CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
+_SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
+
+
+@dataclass(frozen=True, slots=True)
+class Excerpt:
+    """An excerpted copy of one message: the copy, what it costs, the chunk numbers it keeps."""
+
+    message: Message
+    tokens: int
+    chunks: tuple[int, ...]
+
+
+def split_chunks(text: str) -> list[str]:
+    """`text` cut into chunks of about `CHUNK_CHARS` that join back to it exactly: whole lines,
+    a chunk ending at a blank line when it is a third full; a longer line is cut at a sentence
+    end, else a comma or a space, else anywhere.
+
+    Example:
+        >>> chunks = split_chunks("a\\n\\nb\\n" + "word " * 200)
+        >>> "".join(chunks) == "a\\n\\nb\\n" + "word " * 200, len(chunks)
+        (True, 3)
+    """
+    chunks: list[str] = []
+    current = ""
+    for line in _pieces(text):
+        if current and len(current) + len(line) > CHUNK_CHARS:
+            chunks.append(current)
+            current = ""
+        current += line
+        if not line.strip() and len(current) >= CHUNK_CHARS // 3:
+            chunks.append(current)
+            current = ""
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _pieces(text: str) -> list[str]:
+    """The lines of `text` (with their ends), lines over `CHUNK_CHARS` cut into pieces."""
+    out: list[str] = []
+    for line in text.splitlines(keepends=True):
+        while len(line) > CHUNK_CHARS:
+            window = line[:CHUNK_CHARS]
+            cut = CHUNK_CHARS
+            for mark in _SPLIT_AT:
+                at = window.rfind(mark)
+                if at >= CHUNK_CHARS // 3:
+                    cut = at + len(mark)
+                    break
+            out.append(line[:cut])
+            line = line[cut:]
+        out.append(line)
+    return out
+
+
+def chunk_scores(chunks: Sequence[str], question: str) -> list[float]:
+    """How relevant each chunk is to `question`: BM25 and friends over the chunks as the corpus
+    (`score_messages` without recency, pairing or the turns before the question)."""
+    pseudo = [{"role": "user", "content": c} for c in chunks]
+    pseudo.append({"role": "user", "content": question})
+    return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS)[:-1]
+
+
+def excerpt_text(
+    chunks: Sequence[str], kept: Sequence[int], counter: TokenCounter, model: str | None
+) -> tuple[str, int]:
+    """The kept chunks in their order, each stretch left out as one `CUT_MARK` line naming its
+    tokens; and the tokens cut in all."""
+    out: list[str] = []
+    cut_total = 0
+    wanted = set(kept)
+    k = 0
+    while k < len(chunks):
+        if k in wanted:
+            out.append(chunks[k])
+            k += 1
+            continue
+        stop = k
+        while stop < len(chunks) and stop not in wanted:
+            stop += 1
+        cut = counter.count_text("".join(chunks[k:stop]), model)
+        cut_total += cut
+        lead = "\n" if out and not out[-1].endswith("\n") else ""
+        out.append(lead + CUT_MARK.format(n=f"{cut:,}") + ("\n" if stop < len(chunks) else ""))
+        k = stop
+    return "".join(out), cut_total
+
+
+def _text_slot(message: Message) -> tuple[str, int | None] | None:
+    """The text an excerpt cuts: the string content, or the largest text part (and its index)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content, None
+    if isinstance(content, list):
+        parts = [
+            (len(p["text"]), k) for k, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+        if parts:
+            k = max(parts)[1]
+            return content[k]["text"], k
+    return None
+
+
+def _with_text(message: Message, text: str, part: int | None) -> Message:
+    if part is None:
+        return {**message, "content": text}
+    parts = list(message["content"])
+    parts[part] = {**parts[part], "text": text}
+    return {**message, "content": parts}
+
+
+def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model: str | None) -> Excerpt | None:
+    """The excerpt of `message` that keeps chunks `kept` (as an earlier turn chose them): the
+    same bytes for the same message and counter. None when the message has no text to cut."""
+    slot = _text_slot(message)
+    if slot is None:
+        return None
+    chunks = split_chunks(slot[0])
+    if any(not 0 <= k < len(chunks) for k in kept):
+        return None
+    text, _ = excerpt_text(chunks, kept, counter, model)
+    copy = _with_text(message, text, slot[1])
+    return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)))
+
+
+def excerpt_message(
+    message: Message, question: str, room: int, counter: TokenCounter, model: str | None
+) -> Excerpt | None:
+    """The copy of `message` within `room` tokens (overhead included) that keeps its chunks
+    most relevant to `question` (score above 0), in order, the rest marked as cut; with no
+    relevant chunk, or none that fits, a placeholder (only the mark). None when even that
+    does not fit or the message has no text to cut.
+
+    Example:
+        >>> from contextwarden.tokens import TokenCounter
+        >>> doc = "\\n\\n".join(f"Section {n}. " + "Filler text about nothing. " * 20 for n in range(10))
+        >>> doc += "\\n\\nThe vault code is 7731.\\n\\n" + "More filler. " * 40
+        >>> message = {"role": "user", "content": doc}
+        >>> cut = excerpt_message(message, "What is the vault code?", 300, TokenCounter(), None)
+        >>> "vault code is 7731" in cut.message["content"], "tokens cut by contextwarden" in cut.message["content"]
+        (True, True)
+    """
+    slot = _text_slot(message)
+    if slot is None:
+        return None
+    chunks = split_chunks(slot[0])
+    scores = chunk_scores(chunks, question)
+    chosen = _choose(
+        chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
+    )
+    while True:
+        text, _ = excerpt_text(chunks, chosen, counter, model)
+        copy = _with_text(message, text, slot[1])
+        tokens = counter.count_message(copy, model)
+        if tokens <= room:
+            return Excerpt(copy, tokens, tuple(chosen))
+        if not chosen:
+            return None
+        # Joined pieces and marks counted more than apart: let the least relevant chunk go.
+        chosen.remove(min(chosen, key=lambda k: (scores[k], -k)))
+
+
+def _choose(
+    chunks: Sequence[str], scores: Sequence[float], room: int, counter: TokenCounter, model: str | None
+) -> list[int]:
+    """The relevant chunks (score above 0) that fit `room` best first, ascending; each counted
+    with a mark for the stretch it may leave before it (and one mark more for the end)."""
+    mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
+    left = room - mark
+    chosen: list[int] = []
+    for k in sorted((k for k, s in enumerate(scores) if s > 0), key=lambda k: (-scores[k], k)):
+        cost = counter.count_text(chunks[k], model) + mark
+        if cost <= left:
+            chosen.append(k)
+            left -= cost
+    return sorted(chosen)
+
+
+def fresh_share(
+    message: Message, kept: Sequence[int], question: str, tokens: int, counter: TokenCounter, model: str | None
+) -> float:
+    """The relevance to `question` that chunks `kept` hold, as a share of what a fresh excerpt of
+    `tokens` would hold (1.0 when nothing is relevant: the needs have not changed)."""
+    slot = _text_slot(message)
+    if slot is None:
+        return 1.0
+    chunks = split_chunks(slot[0])
+    scores = chunk_scores(chunks, question)
+    fresh = _choose(chunks, scores, tokens, counter, model)
+    best = sum(scores[k] for k in fresh)
+    if best <= 0:
+        return 1.0
+    return sum(scores[k] for k in kept if 0 <= k < len(scores)) / best
+
+
+def excerpt_turns(
+    conversation: Conversation,
+    keep: Collection[int],
+    costs: Sequence[int],
+    room: int,
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[set[int], dict[int, Excerpt]]:
+    """Earlier turns the selection left out (`keep` holds none of them) that hold a message of
+    `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
+    the most relevant turn first, while they fit `room`; the indices to add and the excerpts.
+    A turn goes whole or not at all (a question with its answer, a tool call with its result);
+    a turn whose excerpts keep no relevant chunk goes only to collapse a tool result."""
+    question = conversation.question
+    if question is None or room <= 0 or not conversation.current:
+        return set(), {}
+    messages = conversation.messages
+    candidates: list[tuple[list[int], list[int]]] = []
+    for turn in conversation.turns[: conversation.current]:
+        indices = turn.indices
+        if turn.units[0].kind != "user" or not _disjoint(keep, indices):
+            continue
+        large = [i for i in indices if costs[i] >= MIN_EXCERPT_TOKENS and _text_slot(messages[i]) is not None]
+        if large and sum(costs[i] for i in indices if i not in large) < room:
+            candidates.append((indices, large))
+    if not candidates:
+        return set(), {}
+    excluded = conversation.system_indices + conversation.orphan_indices
+    scores = score_messages(messages, question=question, exclude=excluded)
+    text = message_text(messages[question])
+    added: set[int] = set()
+    excerpts: dict[int, Excerpt] = {}
+    for indices, large in sorted(candidates, key=lambda c: (-sum(scores[i] for i in c[0]), -c[0][0])):
+        if sum(scores[i] for i in indices) <= 0:
+            break
+        got = _excerpt_turn(messages, indices, large, scores, text, room, costs, counter, model)
+        if got is None:
+            continue
+        added.update(indices)
+        excerpts.update(got)
+        room -= sum(got[i].tokens if i in got else costs[i] for i in indices)
+    return added, excerpts
+
+
+def _disjoint(keep: Collection[int], indices: Sequence[int]) -> bool:
+    """None of `indices` is in `keep`."""
+    return not any(i in keep for i in indices)
+
+
+def _excerpt_turn(
+    messages: Sequence[Message],
+    indices: Sequence[int],
+    large: Sequence[int],
+    scores: Sequence[float],
+    question: str,
+    room: int,
+    costs: Sequence[int],
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, Excerpt] | None:
+    """The excerpts of one turn's `large` messages within `room` less its other messages: the
+    most relevant message first, each leaving the room for the others' placeholders. None when
+    it does not fit, or keeps nothing relevant and collapses no tool result."""
+    left = room - sum(costs[i] for i in indices if i not in large)
+    placeholders = {i: rebuild(messages[i], (), counter, model) for i in large}
+    if any(p is None for p in placeholders.values()):
+        return None
+    reserve = sum(p.tokens for p in placeholders.values() if p is not None)
+    if reserve > left:
+        return None
+    out: dict[int, Excerpt] = {}
+    for i in sorted(large, key=lambda i: (-scores[i], i)):
+        reserve -= placeholders[i].tokens  # type: ignore[union-attr]
+        cut = excerpt_message(messages[i], question, left - reserve, counter, model)
+        if cut is None:
+            return None
+        out[i] = cut
+        left -= cut.tokens
+    if not any(e.chunks for e in out.values()) and not any(messages[i].get("role") == "tool" for i in large):
+        return None
+    return out

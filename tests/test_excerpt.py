@@ -1,0 +1,165 @@
+"""Excerpts (issue 15, item 4): a large old message is cut to what the new question needs, not dropped."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from contextwarden import TrimDecision, trim_messages
+from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, split_chunks
+from contextwarden.tokens import TokenCounter
+
+from chats import check_contract
+
+MODEL = "gpt-4o"
+FACT = "The spare turbine blades are stored in aisle 42 of the Tromsø warehouse."
+QUESTION = "In which aisle are the spare turbine blades stored?"
+WORDS = (
+    "river market harbour lantern copper meadow violin orchard granite festival ledger summit "
+    "canvas pilgrim quartz saddle thunder velvet walnut yacht zephyr bramble cobalt dune ember "
+    "falcon glacier hazel island jasmine kettle lagoon mosaic nectar oasis pebble quiver ridge"
+).split()
+
+
+def document(tokens: int, counter: TokenCounter, seed: int = 7, fact_at: float = 0.55) -> str:
+    """A pasted document of about `tokens` tokens: paragraphs of filler, `FACT` in one of them."""
+    rng = random.Random(seed)
+    paragraphs: list[str] = []
+    while counter.count_text("\n\n".join(paragraphs), MODEL) < tokens:
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))).capitalize() + "." for _ in range(5)]
+        paragraphs.append(" ".join(sentences))
+    paragraphs.insert(int(len(paragraphs) * fact_at), paragraphs.pop(int(len(paragraphs) * fact_at)) + " " + FACT)
+    return "\n\n".join(paragraphs)
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter(block=True)
+
+
+def pasted_chat(counter: TokenCounter) -> list[dict]:
+    doc = document(6_000, counter)
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Please read this report and keep it in mind:\n\n" + doc},
+        {"role": "assistant", "content": "I have read the report. What would you like to know?"},
+        {"role": "user", "content": QUESTION},
+    ]
+
+
+def sent_text(result) -> str:
+    return "\n".join(str(m.get("content")) for m in result.messages)
+
+
+def test_split_chunks_is_a_line_aligned_partition(counter):
+    text = document(1_500, counter) + "\n" + "x" * (3 * CHUNK_CHARS) + "\nlast line"
+    chunks = split_chunks(text)
+    assert "".join(chunks) == text
+    assert all(len(c) <= CHUNK_CHARS for c in chunks)
+    assert all(c.endswith("\n") for c in chunks[:-1] if "x" * CHUNK_CHARS not in c and "\n" in c[:-1] + "\n")
+
+
+def test_fact_in_a_pasted_6k_document_is_sent_as_an_excerpt_in_a_4k_window(counter):
+    chat = pasted_chat(counter)
+    assert counter.count_text(chat[1]["content"], MODEL) >= 6_000
+    result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)
+    check_contract(chat, result, counter, MODEL)
+    assert result.excerpted == (1,) and 1 in result.shortened and 1 not in result.dropped
+    assert 2 in result.kept  # the answer goes with its question
+    excerpt = result.messages[1]["content"]
+    assert FACT in excerpt
+    assert "tokens cut by contextwarden …]" in excerpt
+    assert result.tokens_after == counter.count_messages(result.messages, MODEL) <= 4_000
+    # the passages are the document's own, in its order
+    pieces = [p for p in excerpt.split("\n") if p and not p.startswith("[…")]
+    positions = [chat[1]["content"].index(p) for p in pieces]
+    assert positions == sorted(positions)
+
+
+def test_a_pasted_document_then_a_question_over_three_turns_keeps_the_excerpt_bytes(counter):
+    """The filter's flow: the paste is this turn (cut middle-out), then the question (excerpt),
+    then a turn whose needs are the same: the excerpt is sent again byte for byte."""
+    chat = pasted_chat(counter)
+    options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter}
+    first = trim_messages(chat[:2], **options)
+    assert first.shortened == (1,) and not first.excerpted
+    second = trim_messages(chat, previous=TrimDecision.from_json(first.decision.to_json()), **options)
+    assert second.excerpted == (1,) and FACT in second.messages[1]["content"]
+    assert second.stable_prefix >= 3  # the excerpt is part of the prefix the next turn sends again
+    chat += [{"role": "assistant", "content": "They are in aisle 42."}, {"role": "user", "content": "Thanks!"}]
+    third = trim_messages(chat, previous=TrimDecision.from_json(second.decision.to_json()), **options)
+    check_contract(chat, third, counter, MODEL)
+    assert third.reused and third.excerpted == (1,)
+    assert third.messages[: second.stable_prefix] == second.messages[: second.stable_prefix]
+    assert third.tokens_after == counter.count_messages(third.messages, MODEL) <= 4_000
+
+
+def test_a_question_about_another_part_gets_a_new_excerpt(counter):
+    chat = pasted_chat(counter)
+    options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter}
+    second = trim_messages(chat, **options)
+    other = "The harbour inspection moved the glacier survey to the violin hall on Friday."
+    doc = chat[1]["content"]
+    chat[1] = {**chat[1], "content": doc[:200] + " " + other + " " + doc[200:]}
+    second = trim_messages(chat, **options)
+    assert FACT in second.messages[1]["content"] and other not in second.messages[1]["content"]
+    chat += [
+        {"role": "assistant", "content": "Aisle 42."},
+        {"role": "user", "content": "Where was the glacier survey moved after the harbour inspection?"},
+    ]
+    third = trim_messages(chat, previous=second.decision, **options)
+    check_contract(chat, third, counter, MODEL)
+    assert third.excerpted == (1,) and other in third.messages[1]["content"]
+
+
+def tool_chat(counter: TokenCounter, question: str) -> list[dict]:
+    log = document(5_000, counter, seed=11).replace(FACT, "Valve P7 on the north pump failed its pressure test.")
+    call = {"id": "call_1", "type": "function", "function": {"name": "read_log", "arguments": '{"day": "monday"}'}}
+    return [
+        {"role": "system", "content": "You are a maintenance assistant."},
+        {"role": "user", "content": "Read monday's maintenance log for the pump."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": log},
+        {"role": "assistant", "content": "I read monday's log for the pump."},
+        {"role": "user", "content": question},
+    ]
+
+
+def test_an_old_tool_result_is_excerpted_with_its_call(counter):
+    chat = tool_chat(counter, "Which valve on the north pump failed its pressure test?")
+    result = trim_messages(chat, max_tokens=2_000, model=MODEL, token_counter=counter)
+    check_contract(chat, result, counter, MODEL)
+    assert result.excerpted == (3,)
+    roles = [m["role"] for m in result.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert result.messages[2] is chat[2] and result.messages[3]["tool_call_id"] == "call_1"
+    assert "Valve P7" in result.messages[3]["content"]
+    assert result.tokens_after == counter.count_messages(result.messages, MODEL) <= 2_000
+
+
+def test_an_old_tool_result_with_nothing_relevant_collapses_to_a_placeholder(counter):
+    chat = tool_chat(counter, "Thanks, did you read all of it?")
+    result = trim_messages(chat, max_tokens=1_000, model=MODEL, token_counter=counter)
+    check_contract(chat, result, counter, MODEL)
+    assert result.excerpted == (3,)
+    tool = result.messages[3]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == "call_1"
+    assert tool["content"].startswith("[…") and counter.count_message(tool, MODEL) < 40
+    assert result.tokens_after == counter.count_messages(result.messages, MODEL) <= 1_000
+
+
+def test_budget_is_exact_over_many_budgets(counter):
+    chat = pasted_chat(counter)
+    for budget in range(300, 8_000, 457):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        check_contract(chat, result, counter, MODEL)
+        assert result.tokens_after == counter.count_messages(result.messages, MODEL)
+        assert result.over_budget or result.tokens_after <= budget
+
+
+def test_excerpt_message_never_exceeds_its_room(counter):
+    message = {"role": "user", "content": document(3_000, counter)}
+    for room in (5, 20, 60, 200, 999):
+        cut = excerpt_message(message, QUESTION, room, counter, MODEL)
+        assert cut is None or cut.tokens == counter.count_message(cut.message, MODEL) <= room
