@@ -37,6 +37,7 @@ MODULES = [
     "semantic",
     "relevance",
     "selection",
+    "excerpt",
     "trim",
     "flags",
     "chatstate",
