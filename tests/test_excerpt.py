@@ -27,7 +27,9 @@ def document(tokens: int, counter: TokenCounter, seed: int = 7, fact_at: float =
     rng = random.Random(seed)
     paragraphs: list[str] = []
     while counter.count_text("\n\n".join(paragraphs), MODEL) < tokens:
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))).capitalize() + "." for _ in range(5)]
+        sentences = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))).capitalize() + "." for _ in range(5)
+        ]
         paragraphs.append(" ".join(sentences))
     paragraphs.insert(int(len(paragraphs) * fact_at), paragraphs.pop(int(len(paragraphs) * fact_at)) + " " + FACT)
     return "\n\n".join(paragraphs)
@@ -163,3 +165,19 @@ def test_excerpt_message_never_exceeds_its_room(counter):
     for room in (5, 20, 60, 200, 999):
         cut = excerpt_message(message, QUESTION, room, counter, MODEL)
         assert cut is None or cut.tokens == counter.count_message(cut.message, MODEL) <= room
+
+
+def test_status_line_and_explain_say_excerpted(counter):
+    from contextwarden.explain import explain_trim
+    from contextwarden.flags import Flags
+    from contextwarden.status import TurnChoice, status_line
+
+    chat = pasted_chat(counter)
+    result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)
+    line = status_line(TurnChoice.of(result, result.messages), Flags())
+    assert "· 1 excerpted" in line and "shortened" not in line
+    explanation = explain_trim(chat, result, model=MODEL, token_counter=counter)
+    row = explanation.messages[1]
+    assert row.action == "excerpted" and "most relevant to the question" in row.reasons[0]
+    sent = sum(counter.count_message(m, MODEL) for m in result.messages[1:3])
+    assert explanation.budget.history_sent == sent

@@ -746,3 +746,94 @@ def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, t
                 "a second pass changed the prompt"
             )
         event("recalled" if result.recalled else "no recall")
+
+
+DOC_WORDS = tuple(
+    "river market harbour lantern copper meadow violin orchard granite festival ledger summit canvas pilgrim "
+    "quartz saddle thunder velvet walnut yacht zephyr bramble cobalt dune ember falcon glacier hazel Paris 2024 "
+    "日本語の文章 émoji ünïcode".split()
+) + ("\n", "\n\n", "\n\n", "  ", "<|endoftext|>", "a" * 700)
+
+
+@st.composite
+def document_text(draw) -> str:
+    """A pasted document or a tool result: 0 to ~4k tokens of words with line breaks (seeded)."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    return " ".join(rng.choice(DOC_WORDS) for _ in range(draw(st.sampled_from([0, 50, 300, 1_200, 3_000]))))
+
+
+@st.composite
+def document_chat(draw) -> list[dict]:
+    """Turns of short questions and answers, pasted documents and tool calls with large results."""
+    ids = iter(range(10**9))
+    chat: list[dict] = [{"role": "system", "content": "Answer from the documents."}] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["paste", "paste", "tool", "tools", "short"]))
+        question = " ".join(draw(st.lists(st.sampled_from(DOC_WORDS[:32]), min_size=1, max_size=6)))
+        if kind == "paste":
+            content = draw(document_text())
+            if draw(st.booleans()):
+                content = [{"type": "text", "text": content}, IMAGE] if draw(st.booleans()) else [{"type": "text"}]
+            chat.append({"role": "user", "content": content})
+        else:
+            chat.append({"role": "user", "content": question})
+        if kind.startswith("tool"):
+            call_ids = [f"call_{next(ids)}" for _ in range(1 if kind == "tool" else draw(st.integers(2, 3)))]
+            chat.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": i, "type": "function", "function": {"name": "read", "arguments": "{}"}} for i in call_ids
+                    ],
+                }
+            )
+            chat.extend({"role": "tool", "tool_call_id": i, "content": draw(document_text())} for i in call_ids)
+        chat.append({"role": "assistant", "content": draw(st.one_of(short_text, document_text()))})
+    question = " ".join(draw(st.lists(st.sampled_from(DOC_WORDS[:32]), min_size=1, max_size=6)))
+    return chat + [{"role": "user", "content": question + "?"}]
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 4))
+@given(
+    data=st.data(),
+    chat=document_chat(),
+    budget=st.one_of(st.integers(100, 1_500), st.integers(1_500, 8_000)),
+    model=st.sampled_from(MODELS),
+    turns=st.integers(0, 2),
+)
+def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, chat, budget, model, turns):
+    """Chats with pasted documents and large tool results, over a few turns passing decisions on
+    (through JSON): budget, tool pairs and order hold with excerpts; each trim is deterministic
+    and a second pass changes nothing; a turn that keeps the selection sends its excerpts again
+    byte for byte."""
+    previous = None
+    sent: dict[int, dict] = {}
+    for turn in range(turns + 1):
+        options = {"max_tokens": budget, "model": model, "token_counter": counter, "previous": previous}
+        result = trim_messages(chat, **options)
+        check_contract(chat, result, counter, model)
+        again = trim_messages(copy.deepcopy(chat), **options)
+        assert frozen(again.messages) == frozen(result.messages) and again.excerpted == result.excerpted
+        if not result.over_budget:
+            second = trim_messages(copy.deepcopy(result.messages), **options)
+            assert frozen(second.messages) == frozen(result.messages)
+        plain = dict(zip(sorted(result.kept + result.shortened), [m for m in result.messages if not _is_block(m)]))
+        if result.reused:
+            for index in set(sent).intersection(result.excerpted):
+                assert plain[index] == sent[index], "a carried excerpt changed"
+        event(f"excerpted {min(len(result.excerpted), 2)}" + (" (reused)" if result.reused else ""))
+        if result.decision is None or result.over_budget:
+            return
+        sent = {i: plain[i] for i in result.excerpted}
+        previous = TrimDecision.from_json(result.decision.to_json())
+        chat = json.loads(json.dumps(chat)) + [
+            {"role": "assistant", "content": data.draw(short_text)},
+            {"role": "user", "content": data.draw(st.sampled_from(["Thanks!", "ok", "And the river?", "Paris?"]))},
+        ]
+
+
+def _is_block(message: dict) -> bool:
+    from contextwarden.conversation import is_recall_message
+
+    return is_recall_message(message)

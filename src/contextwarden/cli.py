@@ -86,6 +86,7 @@ def _print_table(messages: list[dict[str, Any]], result: TrimResult, counter: To
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<9} text")
     for index, message in enumerate(messages):
         action = "kept" if index in kept else "shortened" if index in shortened else "dropped"
+        action = "excerpted" if index in result.excerpted else action
         tokens = counter.count_message(message, model)
         role = str(message.get("role", "?"))[:9]
         print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(message_text(message), 48)}")
@@ -180,6 +181,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
             "count_mode": result.count_mode,
             "kept": list(result.kept),
             "shortened": list(result.shortened),
+            "excerpted": list(result.excerpted),
             "dropped": list(result.dropped),
             "over_budget": result.over_budget,
             "decision": json.loads(result.decision.to_json()) if result.decision else None,

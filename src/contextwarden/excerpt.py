@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .conversation import Conversation, Message, message_text
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 from .tokens import TokenCounter
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "excerpt_text",
     "excerpt_turns",
     "fresh_share",
+    "pointed_words",
 ]
 
 CUT_MARK = "[… {n} tokens cut by contextwarden …]"
@@ -38,6 +39,7 @@ MIN_EXCERPT_TOKENS = 200  # a message costing less is never excerpted: kept whol
 # A carried excerpt is sent again while its chunks hold at least this share of the relevance a
 # fresh excerpt of the same size would hold for the new question (as the recall block's rule).
 EXCERPT_KEEP_SHARE = 0.5
+POINTED_SHARE = 0.25  # a question word held by more of the chunks than this says nothing of what it needs
 _CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
 _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
 
@@ -217,16 +219,33 @@ def _choose(
     return sorted(chosen)
 
 
+def pointed_words(chunks: Sequence[str], question: str) -> str:
+    """The words of `question` that point somewhere in `chunks`: each with a search term held by at
+    most `POINTED_SHARE` of them ("thanks" in a chat transcript points nowhere; "aisle" does).
+
+    Example:
+        >>> pointed_words(["thanks a lot", "thanks, see you", "thanks", "the aisle is 42"], "Thanks! Which aisle?")
+        'aisle?'
+    """
+    held = [set(relevance_terms(c)) for c in chunks]
+    limit = max(1, int(len(chunks) * POINTED_SHARE))
+    return " ".join(
+        word
+        for word in question.split()
+        if any(sum(term in h for h in held) <= limit for term in relevance_terms(word))
+    )
+
+
 def fresh_share(
     message: Message, kept: Sequence[int], question: str, tokens: int, counter: TokenCounter, model: str | None
 ) -> float:
-    """The relevance to `question` that chunks `kept` hold, as a share of what a fresh excerpt of
-    `tokens` would hold (1.0 when nothing is relevant: the needs have not changed)."""
+    """The relevance to `question` (its `pointed_words`) that chunks `kept` hold, as a share of what
+    a fresh excerpt of `tokens` would hold (1.0 when nothing is relevant: the needs have not changed)."""
     slot = _text_slot(message)
     if slot is None:
         return 1.0
     chunks = split_chunks(slot[0])
-    scores = chunk_scores(chunks, question)
+    scores = chunk_scores(chunks, pointed_words(chunks, question))
     fresh = _choose(chunks, scores, tokens, counter, model)
     best = sum(scores[k] for k in fresh)
     if best <= 0:

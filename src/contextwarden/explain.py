@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .cache_hints import min_cacheable_tokens
-from .conversation import Conversation, Message, read_conversation
+from .conversation import Conversation, Message, is_recall_message, read_conversation
 from .pricing import ModelPrice
 from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
@@ -37,7 +37,7 @@ class MessageReason:
     index: int
     role: str
     tokens: int
-    action: str  # kept | dropped | shortened | summarized
+    action: str  # kept | dropped | shortened | excerpted | summarized
     reasons: tuple[str, ...]
     score: float | None = None
 
@@ -169,6 +169,7 @@ def explain_trim(
     for i, message in enumerate(messages):
         sent = i in kept or i in shortened
         action = "shortened" if i in shortened else "kept" if sent else "summarized" if i in covered else "dropped"
+        action = "excerpted" if i in result.excerpted else action
         reasons: list[str] = []
         if i in orphans:
             reasons.append("orphan tool message: its call is not in the chat, never sent")
@@ -214,7 +215,9 @@ def explain_trim(
         turn = conversation.turns[turn_of[i]].indices if i in turn_of and i not in mandatory else []
         if trimmed and len(turn) > 1:
             reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
-        if i in shortened:
+        if i in result.excerpted:
+            reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
+        elif i in shortened:
             reasons.insert(0, "mandatory content over budget: cut middle-out")
         if i in covered:
             reasons.append("a summary note stands for it")
@@ -235,7 +238,7 @@ def explain_trim(
     watermark = 1.0 if result.count_mode == "estimate" else low_watermark  # as trim_messages does
     whole = selection_target(conversation, costs, result.budget, watermark, growth_turns)
     target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
-    sent_history = sum(costs[i] for i in kept if i not in mandatory)
+    sent_history = sum(costs[i] for i in kept if i not in mandatory) + _excerpts_cost(result, token_counter, model)
     parts = BudgetParts(
         budget=result.budget,
         system_tokens=system_tokens,
@@ -253,6 +256,15 @@ def explain_trim(
     )
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
+
+
+def _excerpts_cost(result: TrimResult, counter: TokenCounter, model: str | None) -> int:
+    """What the excerpts sent cost (the sent copies, not the messages they were cut from)."""
+    if not result.excerpted:
+        return 0
+    plain = [m for m in result.messages if not is_recall_message(m)]
+    sent_at = dict(zip(sorted(result.kept + result.shortened), plain))
+    return sum(counter.count_message(sent_at[i], model) for i in result.excerpted)
 
 
 def _savings(

@@ -85,6 +85,7 @@ class TurnChoice:
     decision: TrimDecision | None = None
     dropped: int = 0
     shortened: int = 0
+    excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
@@ -124,7 +125,8 @@ class TurnChoice:
             count_mode=result.count_mode,
             decision=result.decision,
             dropped=len(result.dropped),
-            shortened=len(result.shortened),
+            shortened=len(result.shortened) - len(result.excerpted),
+            excerpted=len(result.excerpted),
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
@@ -172,6 +174,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
+    if choice.excerpted:
+        line += f" · {choice.excerpted} excerpted"
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
