@@ -181,3 +181,33 @@ def test_status_line_and_explain_say_excerpted(counter):
     assert row.action == "excerpted" and "most relevant to the question" in row.reasons[0]
     sent = sum(counter.count_message(m, MODEL) for m in result.messages[1:3])
     assert explanation.budget.history_sent == sent
+
+
+async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(counter, unique):
+    """The filter's own flow, stored decision and both passes (inlet, then request on what inlet
+    sent): the question's prompt holds the fact, the status line says `1 excerpted` (the last
+    one, which Open WebUI shows, too), and the line after the reply says `trimmed, 1 excerpted`."""
+    from contextwarden.filter import trim_summary
+    from test_filter import Events, make_filter
+
+    f = make_filter(counter, max_context_tokens=4_000, reserve_output_tokens=0)
+    user, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = pasted_chat(counter)
+
+    async def both_passes(messages: list[dict], events: Events) -> tuple[dict, dict]:
+        metadata = {"chat_id": chat_id, "user_id": user}
+        body = {"model": MODEL, "messages": messages, "stream": False, "metadata": metadata}
+        first = await f.inlet(body, __user__={"id": user}, __metadata__=metadata, __event_emitter__=events)
+        second = await f.request(first, __user__={"id": user}, __metadata__=metadata, __event_emitter__=events)
+        return second, metadata
+
+    await both_passes(chat[:2], Events())
+    events = Events()
+    sent, metadata = await both_passes(chat, events)
+    assert FACT in sent["messages"][1]["content"]
+    assert counter.count_messages(sent["messages"], MODEL) <= 4_000
+    assert "· 1 excerpted" in events.statuses[0] and "· 1 excerpted" in events.statuses[-1], events.statuses
+    note = next(v for v in metadata.values() if isinstance(v, dict) and "line" in v)
+    assert note["excerpted"] == 1
+    note = {**note, "savings": {**(note.get("savings") or {}), "messages_before": 4}}
+    assert trim_summary(note) == " · trimmed, 1 excerpted"

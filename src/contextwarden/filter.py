@@ -277,13 +277,16 @@ def _cache_view_ok(view: object) -> bool:
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: dict) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with."""
-    shortened = note.get("shortened")
-    earlier = shortened if isinstance(shortened, int) and 0 <= shortened <= messages_before else 0
+    earlier, excerpts = (
+        n if isinstance(n := note.get(key), int) and 0 <= n <= messages_before else 0
+        for key in ("shortened", "excerpted")
+    )
     return replace(
         choice,
         count_before=messages_before,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
+        excerpted=max(choice.excerpted, excerpts),
     )
 
 
@@ -295,15 +298,19 @@ def trim_summary(note: dict) -> str:
         read_count(v) if isinstance(v, int) else None
         for v in (savings.get("messages_before"), note.get("sent_messages"))
     )
-    shortened = read_count(note.get("shortened")) if isinstance(note.get("shortened"), int) else None
-    if before is None or after is None or after > before or (before == after and not shortened):
+    shortened, excerpted = (
+        read_count(note.get(k)) if isinstance(note.get(k), int) else None for k in ("shortened", "excerpted")
+    )
+    if before is None or after is None or after > before or (before == after and not shortened and not excerpted):
         return ""
     text = (
         f" · trimmed {before:,} → {after:,} {'message' if after == 1 else 'messages'}"
         if before != after
         else " · trimmed"
     )
-    return text + (f", {shortened:,} shortened" if shortened else "")
+    return (
+        text + (f", {shortened:,} shortened" if shortened else "") + (f", {excerpted:,} excerpted" if excerpted else "")
+    )
 
 
 def _decision(text: str | None) -> TrimDecision | None:
@@ -545,7 +552,9 @@ class Filter:
             if line != note.get("line"):  # one line a turn: a later pass that changes nothing says nothing
                 await self._emit(emit, line)
             if isinstance(metadata, dict):
-                note.update(line=line, sent_messages=len(turn.messages), shortened=turn.shortened)
+                note.update(
+                    line=line, sent_messages=len(turn.messages), shortened=turn.shortened, excerpted=turn.excerpted
+                )
         if shadow:
             return body
         out = choice.messages
