@@ -211,3 +211,20 @@ async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(coun
     assert note["excerpted"] == 1
     note = {**note, "savings": {**(note.get("savings") or {}), "messages_before": 4}}
     assert trim_summary(note) == " · trimmed, 1 excerpted"
+
+
+def test_an_embedder_finds_the_passage_words_do_not(counter):
+    """`embed=` scores the chunks semantically too: a question that shares no word with the
+    fact's passage gets it only with the embedder (a fake one that knows rotors are turbines)."""
+
+    def embed(texts: list[str]) -> list[list[float]]:
+        return [[1.0, 0.0] if any(w in t for w in ("turbine", "rotor", "report")) else [0.0, 1.0] for t in texts]
+
+    chat = pasted_chat(counter)
+    chat[-1] = {"role": "user", "content": "Where do we keep the replacement rotor parts?"}
+    options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter}
+    lexical = trim_messages(chat, **options)
+    semantic = trim_messages(chat, embed=embed, **options)
+    check_contract(chat, semantic, counter, MODEL)
+    assert FACT not in sent_text(lexical)
+    assert semantic.excerpted == (1,) and FACT in semantic.messages[1]["content"]

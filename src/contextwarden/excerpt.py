@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from .conversation import Conversation, Message, message_text
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
+from .semantic import VECTORS, Embed, similarities
 from .tokens import TokenCounter
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
 CUT_MARK = "[… {n} tokens cut by contextwarden …]"
 CHUNK_CHARS = 600  # a chunk is lines (paragraphs first) joined up to about this; longer lines are split
 MIN_EXCERPT_TOKENS = 200  # a message costing less is never excerpted: kept whole or dropped
+MIN_EXCERPT_ROOM = 64  # tokens left below which no further turn is excerpted
+MAX_EXCERPT_TRIES = 8  # candidate turns tried per trim, most relevant first (each chunks and scores its text)
 # A carried excerpt is sent again while its chunks hold at least this share of the relevance a
 # fresh excerpt of the same size would hold for the new question (as the recall block's rule).
 EXCERPT_KEEP_SHARE = 0.5
@@ -96,12 +99,19 @@ def _pieces(text: str) -> list[str]:
     return out
 
 
-def chunk_scores(chunks: Sequence[str], question: str) -> list[float]:
+def chunk_scores(chunks: Sequence[str], question: str, embed: Embed | None = None) -> list[float]:
     """How relevant each chunk is to `question`: BM25 and friends over the chunks as the corpus
-    (`score_messages` without recency, pairing or the turns before the question)."""
+    (`score_messages` without recency, pairing or the turns before the question), with the
+    embedder's cosines fused in when `embed` gives them (else, or when it fails, lexical)."""
     pseudo = [{"role": "user", "content": c} for c in chunks]
     pseudo.append({"role": "user", "content": question})
-    return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS)[:-1]
+    similarity = None
+    if embed is not None and chunks:
+        try:
+            similarity = similarities(pseudo, len(chunks), VECTORS, embed)
+        except Exception:  # any embedder (the filter's looks vectors up and raises for chunks): lexical
+            similarity = None
+    return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS, similarity=similarity)[:-1]
 
 
 def excerpt_text(
@@ -158,16 +168,19 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     slot = _text_slot(message)
     if slot is None:
         return None
-    chunks = split_chunks(slot[0])
-    if any(not 0 <= k < len(chunks) for k in kept):
-        return None
-    text, _ = excerpt_text(chunks, kept, counter, model)
+    if not kept:  # a placeholder: the mark for the whole text (as `excerpt_text` makes it, without chunking)
+        text = CUT_MARK.format(n=f"{counter.count_text(slot[0], model):,}") if slot[0] else ""
+    else:
+        chunks = split_chunks(slot[0])
+        if any(not 0 <= k < len(chunks) for k in kept):
+            return None
+        text, _ = excerpt_text(chunks, kept, counter, model)
     copy = _with_text(message, text, slot[1])
     return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)))
 
 
 def excerpt_message(
-    message: Message, question: str, room: int, counter: TokenCounter, model: str | None
+    message: Message, question: str, room: int, counter: TokenCounter, model: str | None, embed: Embed | None = None
 ) -> Excerpt | None:
     """The copy of `message` within `room` tokens (overhead included) that keeps its chunks
     most relevant to `question` (score above 0), in order, the rest marked as cut; with no
@@ -187,7 +200,7 @@ def excerpt_message(
     if slot is None:
         return None
     chunks = split_chunks(slot[0])
-    scores = chunk_scores(chunks, question)
+    scores = chunk_scores(chunks, question, embed)
     chosen = _choose(
         chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
     )
@@ -260,12 +273,17 @@ def excerpt_turns(
     room: int,
     counter: TokenCounter,
     model: str | None,
+    *,
+    scores: Sequence[float] | None = None,
+    embed: Embed | None = None,
 ) -> tuple[set[int], dict[int, Excerpt]]:
     """Earlier turns the selection left out (`keep` holds none of them) that hold a message of
     `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
     the most relevant turn first, while they fit `room`; the indices to add and the excerpts.
     A turn goes whole or not at all (a question with its answer, a tool call with its result);
-    a turn whose excerpts keep no relevant chunk goes only to collapse a tool result."""
+    a turn whose excerpts keep no relevant chunk goes only to collapse a tool result. `scores`
+    (one per message, as the selection used them) rank the turns; by default `score_messages`.
+    `embed` (optional) scores the chunks semantically as well."""
     question = conversation.question
     if question is None or room <= 0 or not conversation.current:
         return set(), {}
@@ -275,26 +293,34 @@ def excerpt_turns(
         indices = turn.indices
         if turn.units[0].kind != "user" or not _disjoint(keep, indices):
             continue
-        large = [i for i in indices if costs[i] >= MIN_EXCERPT_TOKENS and _text_slot(messages[i]) is not None]
+        large = [i for i in indices if costs[i] >= MIN_EXCERPT_TOKENS and _cuttable(messages[i])]
         if large and sum(costs[i] for i in indices if i not in large) < room:
             candidates.append((indices, large))
     if not candidates:
         return set(), {}
-    excluded = conversation.system_indices + conversation.orphan_indices
-    scores = score_messages(messages, question=question, exclude=excluded)
+    if scores is None:
+        excluded = conversation.system_indices + conversation.orphan_indices
+        scores = score_messages(messages, question=question, exclude=excluded)
     text = message_text(messages[question])
     added: set[int] = set()
     excerpts: dict[int, Excerpt] = {}
-    for indices, large in sorted(candidates, key=lambda c: (-sum(scores[i] for i in c[0]), -c[0][0])):
-        if sum(scores[i] for i in indices) <= 0:
+    ranked = sorted(candidates, key=lambda c: (-sum(scores[i] for i in c[0]), -c[0][0]))
+    for indices, large in ranked[:MAX_EXCERPT_TRIES]:
+        if sum(scores[i] for i in indices) <= 0 or room < MIN_EXCERPT_ROOM:
             break
-        got = _excerpt_turn(messages, indices, large, scores, text, room, costs, counter, model)
+        got = _excerpt_turn(messages, indices, large, scores, text, room, costs, counter, model, embed)
         if got is None:
             continue
         added.update(indices)
         excerpts.update(got)
         room -= sum(got[i].tokens if i in got else costs[i] for i in indices)
     return added, excerpts
+
+
+def _cuttable(message: Message) -> bool:
+    """The message has a text of at least one chunk to cut."""
+    slot = _text_slot(message)
+    return slot is not None and len(slot[0]) >= CHUNK_CHARS
 
 
 def _disjoint(keep: Collection[int], indices: Sequence[int]) -> bool:
@@ -312,6 +338,7 @@ def _excerpt_turn(
     costs: Sequence[int],
     counter: TokenCounter,
     model: str | None,
+    embed: Embed | None = None,
 ) -> dict[int, Excerpt] | None:
     """The excerpts of one turn's `large` messages within `room` less its other messages: the
     most relevant message first, each leaving the room for the others' placeholders. None when
@@ -326,7 +353,7 @@ def _excerpt_turn(
     out: dict[int, Excerpt] = {}
     for i in sorted(large, key=lambda i: (-scores[i], i)):
         reserve -= placeholders[i].tokens  # type: ignore[union-attr]
-        cut = excerpt_message(messages[i], question, left - reserve, counter, model)
+        cut = excerpt_message(messages[i], question, left - reserve, counter, model, embed)
         if cut is None:
             return None
         out[i] = cut

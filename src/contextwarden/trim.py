@@ -354,7 +354,9 @@ def trim_messages(
         )
         if strategy == "relevance" and shorten and mandatory_cost <= max_tokens:
             spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
-            added, excerpts = excerpt_turns(conversation, keep, costs, spare, counter, model)
+            added, excerpts = excerpt_turns(
+                conversation, keep, costs, spare, counter, model, scores=scores, embed=embed
+            )
             keep.update(added)
         if room and question is not None:
             left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
