@@ -113,7 +113,16 @@ def chat_of(case: dict) -> list[dict]:
     ]
 
 
-def measure(path: Path, limit: int | None) -> dict:
+def sentence_embedder(model_dir: str):
+    """An `embed` for `trim_messages` from a local sentence-transformers model (embeds on demand;
+    the trim's own vector cache keeps each text's vector)."""
+    from sentence_transformers import SentenceTransformer  # the Open WebUI venv has it
+
+    model = SentenceTransformer(model_dir, device="cpu")
+    return lambda texts: model.encode(texts, batch_size=64, normalize_embeddings=True).tolist()
+
+
+def measure(path: Path, limit: int | None, embed_model: str | None = None) -> dict:
     """Run every case in both flows at each budget with whichever contextwarden is importable."""
     from contextwarden import TrimDecision, trim_messages
     from contextwarden.tokens import TokenCounter
@@ -121,9 +130,10 @@ def measure(path: Path, limit: int | None) -> dict:
     counter = TokenCounter(block=True)
     all_cases = cases(path, counter, limit)
     result: dict = {"cases": len(all_cases)}
+    embed = sentence_embedder(embed_model) if embed_model else None
     started = time.perf_counter()
     for budget in BUDGETS:
-        options = {"max_tokens": budget, "model": MODEL, "token_counter": counter}
+        options = {"max_tokens": budget, "model": MODEL, "token_counter": counter, "embed": embed}
         library = filter_flow = stable = excerpts = excerpt_tokens = 0
         for case in all_cases:
             chat = chat_of(case)
@@ -161,19 +171,23 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path, required=True)
     parser.add_argument("--baseline-name", default=None, help="what the baseline is, for the report (e.g. a commit)")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--embed-model", default=None, help="a sentence-transformers folder: adds runs with embed=")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "excerpt.md")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.data, args.limit)))
+        print(json.dumps(measure(args.data, args.limit, args.embed_model)))
         return
     runs = {}
-    for label, src in (("before", args.baseline_src), ("after", ROOT / "src")):
-        command = [sys.executable, __file__, "--child", "--data", str(args.data), "--baseline-src", str(src)]
-        if args.limit:
-            command += ["--limit", str(args.limit)]
-        env = {**os.environ, "PYTHONPATH": str(src)}
-        runs[label] = json.loads(subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout)
+    modes = [""] + (["embed"] if args.embed_model else [])
+    for mode in modes:
+        for label, src in (("before", args.baseline_src), ("after", ROOT / "src")):
+            command = [sys.executable, __file__, "--child", "--data", str(args.data), "--baseline-src", str(src)]
+            command += ["--limit", str(args.limit)] if args.limit else []
+            command += ["--embed-model", args.embed_model] if mode else []
+            env = {**os.environ, "PYTHONPATH": str(src)}
+            run = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+            runs[label + mode] = json.loads(run.stdout.splitlines()[-1])
     report = render(runs, args)
     args.output.write_text(report, "utf-8")
     print(report)
@@ -182,10 +196,11 @@ def main() -> None:
 def render(runs: dict, args: argparse.Namespace) -> str:
     n = runs["after"]["cases"]
     rows = []
-    for budget in BUDGETS:
-        b, a = runs["before"][str(budget)], runs["after"][str(budget)]
+    for mode, budget in [(m, b) for m in ("", "embed") if "after" + m in runs for b in BUDGETS]:
+        b, a = runs["before" + mode][str(budget)], runs["after" + mode][str(budget)]
+        name = f"{Path(args.embed_model).name}, " if mode else ""
         rows.append(
-            f"| {budget:,} | {b['library'] / n:.3f} | {a['library'] / n:.3f} | {b['filter'] / n:.3f} "
+            f"| {name}{budget:,} | {b['library'] / n:.3f} | {a['library'] / n:.3f} | {b['filter'] / n:.3f} "
             f"| {a['filter'] / n:.3f} | {b['stable'] / n:.3f} | {a['stable'] / n:.3f} | {a['excerpt_tokens']:,} |"
         )
     load = os.getloadavg()
@@ -206,7 +221,7 @@ def render(runs: dict, args: argparse.Namespace) -> str:
             *rows,
             "",
             f"before: {args.baseline_name or args.baseline_src}; after: this tree. "
-            f"Run time {runs['before']['seconds']} s / {runs['after']['seconds']} s; "
+            "Run time (s): " + ", ".join(f"{k or 'lexical'} {v['seconds']}" for k, v in runs.items()) + "; "
             f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (2 cores, shared).",
             "",
         ]
