@@ -263,7 +263,7 @@ def _excerpts_cost(result: TrimResult, counter: TokenCounter, model: str | None)
     if not result.excerpted:
         return 0
     plain = [m for m in result.messages if not is_recall_message(m)]
-    sent_at = dict(zip(sorted(result.kept + result.shortened), plain))
+    sent_at = dict(zip(sorted(result.kept + result.shortened), plain, strict=True))
     return sum(counter.count_message(sent_at[i], model) for i in result.excerpted)
 
 

@@ -220,7 +220,7 @@ def _excerpt_record_ok(record: object, at: tuple[int, ...]) -> bool:
     if not (isinstance(record, tuple) and len(record) == 2 and record[0] in at and isinstance(record[1], tuple)):
         return False
     chunks = record[1]
-    return all(type(k) is int and k >= 0 for k in chunks) and all(a < b for a, b in zip(chunks, chunks[1:]))
+    return all(type(k) is int and k >= 0 for k in chunks) and all(a < b for a, b in pairwise(chunks))
 
 
 def message_fingerprint(message: Message) -> str:
