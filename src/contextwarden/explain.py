@@ -186,7 +186,8 @@ def explain_trim(
                 reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
             elif conversation.current and turn_of.get(i) == conversation.current - 1 and not result.reused:
                 reasons.append(
-                    "the latest answer and its question, kept whenever they fit" + ("" if sent else ": did not")
+                    "the latest answer and its question, kept whenever they fit"
+                    + ("" if sent and i not in result.excerpted else ": did not")
                 )
             if result.reused:
                 if sent and message_fingerprint(message) in remembered:
