@@ -63,6 +63,7 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     )
     assert frozen(chat) == before and body["messages"] is chat
     assert events.statuses[0].startswith(f"Context {len(chat)} → {len(first['messages'])} messages · ")
+    assert len(events.statuses) == 1  # one line a turn, said once by the request pass
     assert all(e["data"]["done"] is True for e in events.items)
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
         first["messages"], "gpt-4o"
@@ -150,7 +151,8 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
     f = make_filter(counter)
     chat = chat_of(2)
     body = body_of(chat)
-    await f.inlet(body, __user__={"id": "u1", "email": "ann@example.com"}, __metadata__=body["metadata"])
+    user = {"id": "u1", "email": "ann@example.com"}
+    await f.request(await f.inlet(body, __user__=user, __metadata__=body["metadata"]), __user__=user)
     reply = {
         "role": "assistant",
         "content": "Answer.",

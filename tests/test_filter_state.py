@@ -50,6 +50,12 @@ async def send(f, chat, user_id, chat_id, *, events=None) -> dict:
     return await f.inlet(b, __user__={"id": user_id}, __metadata__=b["metadata"], __event_emitter__=events)
 
 
+async def shown(f, chat, user_id, chat_id, events) -> dict:
+    """A turn's first pass whose line is shown: `request`, as in Open WebUI 0.12 (inlet's waits for it)."""
+    b = body(chat, user_id, chat_id)
+    return await f.request(b, __user__={"id": user_id}, __metadata__=b["metadata"], __event_emitter__=events)
+
+
 def grow(chat: list[dict], i: int, words: int = 60) -> list[dict]:
     """The chat one turn later: the reply to its last question and a new question."""
     reply, question = turn(i, words)[1], {"role": "user", "content": f"question {i}? " + "lorem " * words}
@@ -168,7 +174,7 @@ async def test_pin_keeps_a_message_on_later_turns(counter, store_valves, trims, 
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     chat = chat_of(3, last="My locker code is 4711. !pin")
     events = Events()
-    first = await send(f, chat, user_id, chat_id, events=events)
+    first = await shown(f, chat, user_id, chat_id, events)
     assert first["messages"][-1]["content"] == "My locker code is 4711."
     assert events.statuses[-1].endswith(" · flags !pin")
     pinned_text = chat[-1]["content"]
@@ -218,12 +224,12 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
     chat = chat_of(20, last="Everything! !full")
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)
     events = Events()
-    out = await send(f, chat, f"u-{unique}", f"c-{unique}", events=events)
+    out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
     assert len(out["messages"]) < len(chat) and out["messages"][-1]["content"] == "Everything! !full"
     assert events.statuses[-1].endswith(" · not enabled: !full")
     f.valves = f.Valves(max_context_tokens=1_000, reserve_output_tokens=0, allowed_user_flags="full")
     events = Events()
-    out = await send(f, chat, f"u-{unique}", f"c-{unique}", events=events)
+    out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
     assert len(out["messages"]) == len(chat) and out["messages"][-1]["content"] == "Everything!"
     assert out["messages"][:-1] == chat[:-1] and all(a is b for a, b in zip(out["messages"][:-1], chat))
     assert "not trimmed: !full" in events.statuses[-1] and events.statuses[-1].endswith(" · flags !full")

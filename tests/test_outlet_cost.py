@@ -168,7 +168,7 @@ async def test_ollama_unpriced_unless_listed_free(counter, logs):
 async def test_estimated_usage_is_priced_and_marked(counter, logs):
     f = cost_filter(counter)
     body = body_of(chat_of(2))
-    await f.inlet(body, __metadata__=body["metadata"])
+    await f.request(await f.inlet(body, __metadata__=body["metadata"]), __metadata__=body["metadata"])
     counted = body["metadata"]["contextwarden"]["estimated_prompt_tokens"]
     record, statuses = await outlet_once(f, logs, "gpt-4o", None, metadata=body["metadata"], content="Hello there.")
     completion = counter.count_text("Hello there.", "gpt-4o")

@@ -14,7 +14,7 @@ from contextwarden.trim import trim_messages
 
 from chats import check_contract
 from test_filter import Events, make_filter
-from test_filter_state import send
+from test_filter_state import send, shown
 
 MODEL = "gpt-4o"
 PIN_BUDGET = 2_976
@@ -86,7 +86,7 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
             {"role": "user", "content": f"next {i} " + words(i + 3, 120)},
         ]
         events = Events()
-        sent = (await send(f, chat, user_id, chat_id, events=events))["messages"]
+        sent = (await shown(f, chat, user_id, chat_id, events))["messages"]
         assert any(m["content"] == text for m in sent), f"pin dropped on turn {i}"
         assert counter.count_messages(sent, MODEL) <= PIN_BUDGET
     assert "→" in events.statuses[-1]  # the chat was being trimmed all along

@@ -255,6 +255,7 @@ async def test_a_bad_mode_is_named_and_fails_open_to_shadow(counter, caplog):
     events = Events()
     out = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
     assert out is body and without_metadata(out) == before
+    await f.request(out, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=events)
     assert (
         "contextwarden: mode must be one of enforce, shadow, off; using shadow (chats are sent unchanged)"
         in events.statuses

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from contextwarden.flags import Flags
 from contextwarden.savings import Savings
 from contextwarden.status import TurnChoice, shadow_status_line, status_line
 
-from test_filter import make_filter
+from test_filter import Events, make_filter
 from turns import run_turn
+
+BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 
 
 def lines(choice: TurnChoice) -> list[str]:
@@ -60,9 +65,49 @@ async def test_one_context_line_a_turn_and_the_last_line_says_what_the_trim_did(
     sent = run.after_request["messages"]
     assert len(sent) < len(chat)
     statuses = run.events.statuses
-    assert len(statuses) == 2  # inlet's context line (request changed nothing: no second one), then usage
+    assert len(statuses) == 2  # the turn's one context line (said by the request pass), then usage
     assert statuses[0].startswith(f"Context {len(chat)} → {len(sent)} messages · ")
     assert statuses[-1].endswith(f" · trimmed {len(chat)} → {len(sent)} messages"), statuses[-1]
+
+
+async def test_the_turn_has_one_context_line_from_the_request_pass_with_its_tools(counter):
+    # Open WebUI 0.12 calls inlet before it adds the tool definitions and request after: the
+    # inlet's line would be contradicted by the request's; only the request pass speaks.
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
+    tools = BUILTIN_TOOLS[:4]
+    metadata = {"chat_id": "tools", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    events = Events()
+    body = {"model": "gpt-4o", "messages": long_chat(), "stream": True, "metadata": metadata}
+    first = await f.inlet(body, __event_emitter__=events, **hooks)
+    assert not [s for s in events.statuses if s.startswith("Context")]  # the inlet's line waits
+    await f.request({**first, "tools": tools}, __event_emitter__=events, **hooks)
+    context = [s for s in events.statuses if s.startswith("Context")]
+    assert len(context) == 1 and " for tool definitions" in context[0], context
+    assert context[0].startswith(f"Context {len(long_chat())} → "), context
+
+
+async def test_without_a_request_pass_the_outlet_shows_the_inlets_line_once(counter):
+    # An Open WebUI without the request hook: the inlet's line is shown after the reply,
+    # once, before the usage line (which stays last and says what the trim did).
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
+    chat = long_chat()
+    metadata = {"chat_id": "old", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    events = Events()
+    sent = await f.inlet({"model": "gpt-4o", "messages": chat, "metadata": metadata}, __event_emitter__=events, **hooks)
+    reply = {"role": "assistant", "content": "The answer."}
+    await f.outlet({"model": "gpt-4o", "messages": sent["messages"] + [reply]}, __event_emitter__=events, **hooks)
+    statuses = events.statuses
+    assert len(statuses) == 2 and statuses[0].startswith(f"Context {len(chat)} → "), statuses
+    assert statuses[1].endswith(f" · trimmed {len(chat)} → {len(sent['messages'])} messages"), statuses
+
+
+async def test_a_request_pass_that_changes_nothing_shows_the_inlets_line_once(counter):
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
+    run = await run_turn(f, long_chat())
+    context = [s for s in run.events.statuses if s.startswith("Context")]
+    assert len(context) == 1 and run.events.statuses[0] == context[0], run.events.statuses
 
 
 async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counter):
@@ -78,7 +123,18 @@ async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counte
     grown = {**first, "messages": first["messages"][:-1] + [rag, first["messages"][-1]]}
     await f.request(grown, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)
     context = [s for s in events.statuses if s.startswith("Context")]
-    assert len(context) == 2 and all(line.startswith(f"Context {len(chat)} → ") for line in context), context
+    assert len(context) == 1 and context[0].startswith(f"Context {len(chat)} → "), context
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_count_that_did_not_change_is_said_once(count):
+    # Before: "Context 1 → 1 message · 2,153 → 834 tokens · 1 shortened".
+    choice = TurnChoice([{}] * count, count, 2_153, 834, 1_200, "exact", shortened=1)
+    said = f"{count} message" + ("s" if count > 1 else "")
+    assert status_line(choice, Flags()) == f"Context {said} · 2,153 → 834 tokens · 1 shortened"
+    shadow = shadow_status_line(choice, Flags(), Savings(0, 0, None), True)
+    assert shadow == f"Shadow: would send {said} · 2,153 → 834 tokens · 1 shortened"
+    assert "→ 1 message" not in status_line(choice, Flags())
 
 
 def test_one_message_is_singular():
@@ -162,3 +218,13 @@ def test_savings_say_about_in_words_never_minus_tilde():
 def test_one_money_rule_for_every_line(amount, shown):
     assert usd(D(amount)) == shown
     assert usage_status(Usage(10, 2), False, Cost(D(amount), "price_table"), True).endswith(" · " + shown)
+
+
+@pytest.mark.parametrize(
+    "value", [None, 3, "", "usage forged", "Context 1 message\nforged", "Context " + "x" * 2_000, ["Context 1"]]
+)
+def test_a_waiting_line_the_filter_did_not_write_is_not_shown(value):
+    from contextwarden.status import PENDING_KEY, pending_line
+
+    assert pending_line({PENDING_KEY: value}) is None
+    assert pending_line({PENDING_KEY: "Context 3 messages · 90 tokens (fits 500)"}) is not None

@@ -305,8 +305,8 @@ def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str,
         a.call("outlet", body=body, metadata=seen["metadata"], user_id=meta["user_id"])
     meta = {"chat_id": f"chat-{unique}-b", "user_id": f"user-{unique}", "message_id": "m1"}
     request = {"model": MODEL, "messages": long_chat(30)}
-    on_b = b.call("inlet", body=request, metadata=meta, user_id=meta["user_id"])
-    fresh = alone.call("inlet", body=request, metadata=meta, user_id=meta["user_id"])
+    on_b = b.call("request", body=request, metadata=meta, user_id=meta["user_id"])  # the pass that shows the line
+    fresh = alone.call("request", body=request, metadata=meta, user_id=meta["user_id"])
     assert any("calibrated ×1.3" in line for line in on_b["status"]), on_b["status"]
     assert not any("calibrated" in line for line in fresh["status"])
     assert counter.count_messages(on_b["body"]["messages"], MODEL) <= BUDGET / 1.25

@@ -7,7 +7,7 @@ line on stdin, one JSON reply per line on stdout. Logs (the ``usage`` lines) go 
 
     python tests/worker_proc.py <built file> <redis key prefix or "">
 
-Commands (``op``): ``valves``, ``inlet``, ``outlet``, ``outlets`` (n concurrent, after an
+Commands (``op``): ``valves``, ``inlet``, ``request``, ``outlet``, ``outlets`` (n concurrent, after an
 optional Redis barrier so two workers write at the same time), ``inlets`` (the same for turns
 starting, refusals reported), ``ledger``, ``store``, ``quit``.
 Nothing here imports the contextwarden package: only the built file runs.
@@ -77,7 +77,7 @@ class Worker:
             if command.get("wait_encodings"):
                 self.filter._counter.wait_ready(command.get("model_id", "gpt-4o"))
             return {"ok": True}
-        if op in ("inlet", "outlet"):
+        if op in ("inlet", "request", "outlet"):
             metadata = copy.deepcopy(command.get("metadata") or {})
             return await self._hook(op, command, copy.deepcopy(command["body"]), metadata)
         if op == "outlets":

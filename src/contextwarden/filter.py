@@ -72,7 +72,7 @@ from .savings import (
     reply_savings,
 )
 from .spendbook import SpendBook
-from .status import TurnChoice, shadow_status_line, status_line, usage_status
+from .status import PENDING_KEY, TurnChoice, pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
@@ -549,12 +549,14 @@ class Filter:
                 shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(turn, flags)
             )
             line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
-            if line != note.get("line"):  # one line a turn: a later pass that changes nothing says nothing
+            if hook == "inlet" and isinstance(metadata, dict):
+                note[PENDING_KEY] = line  # one line a turn: the request pass (tools added) or else outlet says it
+            elif line != note.get("line"):  # a later pass that changes nothing says nothing
                 await self._emit(emit, line)
+                note["line"] = line
+                note.pop(PENDING_KEY, None)
             if isinstance(metadata, dict):
-                note.update(
-                    line=line, sent_messages=len(turn.messages), shortened=turn.shortened, excerpted=turn.excerpted
-                )
+                note.update(sent_messages=len(turn.messages), shortened=turn.shortened, excerpted=turn.excerpted)
         if shadow:
             return body
         out = choice.messages
@@ -672,7 +674,8 @@ class Filter:
                 result = await compute(off, retrim, budget - cost)
                 sent = insert_summary(result.messages, summary, ack)
                 added, cost = len(sent) - len(result.messages), summary_tokens(sent, result.messages, counter, model_id)
-                return TurnChoice.of(result, sent, extra=added, extra_tokens=cost)
+                # the note goes out again: the line says so (a later pass's line is the one shown)
+                return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
         result = await compute(off, retrim, budget)
         if (
             embedder is not None
@@ -962,6 +965,8 @@ class Filter:
             )  # sent back next turn: counted now, off that turn's path
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
+            if (waiting := pending_line(note)) is not None:  # no request pass came (older Open WebUI)
+                await self._emit(emit, waiting)
             trimmed = trim_summary(note) if mode == "enforce" else ""
             await self._emit(
                 emit,

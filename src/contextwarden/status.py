@@ -16,7 +16,16 @@ from .selection import TrimDecision
 from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
-__all__ = ["TurnChoice", "ESTIMATE_KEY", "status_line", "shadow_status_line", "usage_status", "savings_status"]
+__all__ = [
+    "TurnChoice",
+    "ESTIMATE_KEY",
+    "PENDING_KEY",
+    "pending_line",
+    "status_line",
+    "shadow_status_line",
+    "usage_status",
+    "savings_status",
+]
 
 
 def _count_text(count: object, mark: str = "") -> str:
@@ -150,10 +159,8 @@ def status_line(choice: TurnChoice, flags: Flags) -> str:
             f"{choice.budget:,})"
         )
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = (
-            f"Context {choice.count_before:,} → {_messages(after)} · {choice.tokens_before:,} → "
-            f"{choice.tokens_after:,} tokens"
-        )
+        counts = f"{choice.count_before:,} → {_messages(after)}" if choice.count_before != after else _messages(after)
+        line = f"Context {counts} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
     else:
         line = f"Context {_messages(after)} · {choice.tokens_after:,} tokens ({_fits(choice)})"
     return line + _status_extras(choice, flags)
@@ -161,6 +168,23 @@ def status_line(choice: TurnChoice, flags: Flags) -> str:
 
 def _messages(count: int) -> str:
     return f"{count:,} message" if count == 1 else f"{count:,} messages"
+
+
+# The turn note's key for the inlet's context line, not yet shown: Open WebUI 0.12 calls
+# `request` after `inlet`, with the tool definitions and RAG added, and that pass's line is the
+# turn's; a status cannot be edited, so the inlet says nothing and the first pass after it does.
+PENDING_KEY = "pending_line"
+_LINE_STARTS = ("Context ", "Shadow: ")
+
+
+def pending_line(note: dict) -> str | None:
+    """The inlet's context line that no later pass showed (an Open WebUI without the request
+    hook), for the outlet to show once; None when there is none or it is not this filter's
+    (outlet input can be user-controlled)."""
+    line = note.get(PENDING_KEY)
+    if isinstance(line, str) and line.startswith(_LINE_STARTS) and len(line) <= 1_000 and "\n" not in line:
+        return line
+    return None
 
 
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
@@ -205,10 +229,8 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_
             f"{choice.budget:,})"
         )
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        line = (
-            f"Shadow: would send {after:,} of {choice.count_before:,} messages · {choice.tokens_before:,} → "
-            f"{choice.tokens_after:,} tokens"
-        )
+        counts = f"{after:,} of {choice.count_before:,} messages" if choice.count_before != after else _messages(after)
+        line = f"Shadow: would send {counts} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
         if show_cost and savings.cost_saved_usd:
             amount = savings.cost_saved_usd
             line += (

@@ -36,6 +36,7 @@ DOCUMENT = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keep
 QUESTION = "What did the document say about quartz?"
 USAGE_LINE = re.compile(r"(?P<prompt>[\d,]+) tokens in · (?P<completion>[\d,]+) out · \$(?P<usd>[\d.]+)")
 TRIM = re.compile(r"\b3 → (?P<after>\d+) messages?\b")  # the second turn: document, reply, question
+SAME_COUNT = re.compile(r"\b(\d[\d,]*) → \1 messages?\b")  # "1 → 1 message": a count said twice
 TASKS_OFF = {"ENABLE_TITLE_GENERATION": False, "ENABLE_TAGS_GENERATION": False, "ENABLE_FOLLOW_UP_GENERATION": False}
 
 
@@ -85,7 +86,8 @@ def test_status_line_after_a_trimmed_reply(
 ) -> None:
     """Paste a document, ask about it: the page shows each reply with the filter's usage line
     (the backend's counts and the table's price); the second prompt no longer holds the
-    document, and the expanded status history says so (3 → 1 messages)."""
+    document, and the expanded status history says so (3 → 1 messages), in one context line a
+    turn: the request pass's, which counts the tool definitions the inlet never sees."""
     user = add_user(open_webui, "Browser user", f"browser-{uuid.uuid4().hex[:8]}@example.com")
     valves = {**base_valves(), "max_context_tokens": WINDOW, "reserve_output_tokens": RESERVE}
 
@@ -113,3 +115,7 @@ def test_status_line_after_a_trimmed_reply(
     assert history.lines[-1] == history.shown == replies[1].shown, "the line shown is not the reply's last status"
     trims = [match for line in history.lines if (match := TRIM.search(line))]
     assert trims and int(trims[0]["after"]) == len(second), history.lines
+    for turn in histories:  # one context line a turn: the request pass's, tool definitions counted
+        context = [line for line in turn.lines if line.startswith("Context ")]
+        assert len(context) == 1, turn.lines
+        assert " for tool definitions" in context[0] and not SAME_COUNT.search(context[0]), context
