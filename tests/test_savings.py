@@ -58,6 +58,9 @@ def test_carry_only_when_a_pass_works_on_an_earlier_pass_output():
     assert carried_savings(note, 40, chained=True) == (0, 40)  # the whole chat again: replace
     assert carried_savings(note, 12, chained=False) == (0, 12)  # shadow never chains
     assert carried_savings({}, 12, chained=True) == (0, 12)
+    # a pasted document the inlet cut (1 message stays 1): the request pass sees the cut copy
+    assert carried_savings({"removed": 900, "messages_before": 1}, 1, chained=True, cut_seen=True) == (900, 1)
+    assert carried_savings({"removed": 900, "messages_before": 1}, 1, chained=False, cut_seen=True) == (0, 1)
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -87,6 +87,25 @@ async def test_the_turn_has_one_context_line_from_the_request_pass_with_its_tool
     assert context[0].startswith(f"Context {len(long_chat())} → "), context
 
 
+async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(counter):
+    # The browser test's first turn: one pasted document, cut by the inlet (1 message stays 1);
+    # the request pass sees the cut copy and must still count from the document as pasted.
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
+    document = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
+    metadata = {"chat_id": "doc", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    events = Events()
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": document}], "metadata": metadata}
+    first = await f.inlet(body, __event_emitter__=events, **hooks)
+    await f.request({**first, "tools": BUILTIN_TOOLS[:1]}, __event_emitter__=events, **hooks)
+    [line] = [s for s in events.statuses if s.startswith("Context")]
+    pasted = counter.count_messages(body["messages"], "gpt-4o")
+    assert line.startswith("Context 1 message · ") and " → " in line and " · 1 shortened" in line, line
+    before = int(line.split(" · ")[1].split(" → ")[0].replace(",", ""))
+    assert before >= pasted, (line, pasted)
+    assert metadata["contextwarden"]["tokens_saved"] > 0
+
+
 async def test_without_a_request_pass_the_outlet_shows_the_inlets_line_once(counter):
     # An Open WebUI without the request hook: the inlet's line is shown after the reply,
     # once, before the usage line (which stays last and says what the trim did).

@@ -66,6 +66,7 @@ from .savings import (
     cached_prefixes,
     calibrated_tokens,
     carried_savings,
+    carries_a_cut,
     estimate_savings,
     predicted_cache,
     price_caches,
@@ -485,7 +486,9 @@ class Filter:
             decision = stored if choice.decision is None or later_pass else choice.decision.to_json()
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
-        removed, messages_before = carried_savings(note.get("savings") or {}, len(read.messages), chained=not shadow)
+        removed, messages_before = carried_savings(
+            note.get("savings") or {}, len(read.messages), chained=not shadow, cut_seen=carries_a_cut(read.messages)
+        )
         removed_now = max(0, choice.tokens_before - choice.tokens_after)
         if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
             removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from .conversation import Message
+from .conversation import Message, message_text
 from .pricing import ModelPrice
 from .tokens import TOKENS_PER_REPLY
+from .trim import SHORTENED_MARK
 from .usage import Usage
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "PromptCache",
     "estimate_savings",
     "carried_savings",
+    "carries_a_cut",
     "calibrated_tokens",
     "previous_prompt_end",
     "cached_prefixes",
@@ -201,20 +203,32 @@ def reply_savings(
     return estimate_savings(other_tokens, sent, price=price, cache_before=other, cache_after=reported)
 
 
-def carried_savings(note: Mapping, message_count: int, *, chained: bool) -> tuple[int, int]:
+_CUT_TEXT = SHORTENED_MARK.split("}", 1)[1]  # " tokens cut by contextwarden …]"
+
+
+def carries_a_cut(messages: Sequence[Message]) -> bool:
+    """Whether a chat holds a copy an earlier pass shortened (its marker): then this pass works on
+    what that pass sent, although no message was dropped (a pasted document cut, 1 → 1 message)."""
+    return any(_CUT_TEXT in message_text(m) for m in messages if isinstance(m, dict))
+
+
+def carried_savings(note: Mapping, message_count: int, *, chained: bool, cut_seen: bool = False) -> tuple[int, int]:
     """(tokens already removed earlier this turn, message count of the untrimmed chat).
 
     Open WebUI may call the filter several times a turn (inlet, then request before each
     provider call). When a later pass works on what an earlier pass sent (`chained`: enforce
-    mode, and fewer messages than the earlier pass saw), what that pass removed still counts;
-    otherwise (shadow mode, or a fresh body) this pass's numbers replace the earlier ones.
+    mode, and fewer messages than the earlier pass saw, or `cut_seen`: a copy it shortened), what
+    that pass removed still counts; otherwise (shadow mode, or a fresh body) this pass's numbers
+    replace the earlier ones.
 
     Example:
         >>> carried_savings({"removed": 900, "messages_before": 40}, 12, chained=True)
         (900, 40)
     """
     removed, seen = note.get("removed"), note.get("messages_before")
-    if not chained or not isinstance(removed, int) or not isinstance(seen, int) or message_count >= seen:
+    if not chained or not isinstance(removed, int) or not isinstance(seen, int):
+        return 0, message_count
+    if message_count >= seen and not (cut_seen and removed > 0):
         return 0, message_count
     return removed, seen
 
