@@ -315,3 +315,13 @@ def test_removing_a_flag_never_exposes_one_that_was_code():
     assert read_flags(read.messages, allowed=ALL).messages[0] is read.messages[0]
     assert pin_fingerprint(user(text)) == pin_fingerprint(read.messages[0])
     assert read_one("!pin\n```\ncode\n```") == ("```\ncode\n```", Flags(pin=True, used=("!pin",)))
+
+
+def test_stripping_never_turns_a_flag_into_code():
+    """Found by the property test: removing `!budget=1 !keep=1 ` put the ``` at the start of its
+    line, opening a fence over the `!pin` below, so the pin's fingerprint changed. Such a text is
+    left as written."""
+    chat = [{"role": "user", "content": "!BUDGET=1 !KEEP=1 ```\n!PIN"}]
+    read = read_flags(chat, allowed={"budget", "keep"})
+    assert read.messages[0] is chat[0]
+    assert pin_fingerprint(read.messages[0]) == pin_fingerprint(chat[0])

@@ -286,8 +286,11 @@ def _strip(text: str, allowed: Collection[str]) -> tuple[str, list[str], list[st
         return text, used, refused
     out.append(text[position:])
     stripped = "".join(out).strip()
-    if any(_valid(m.group(1)) and _flag_name(m.group(1)) in allowed for m in _flag_matches(stripped)):
-        return text, [], refused  # removing them made code text (`!pin ``` `) into flags: leave it all as written
+    left = ["!" + m.group(1).lower() for m in _flag_matches(stripped) if _valid(m.group(1))]
+    if left != refused:
+        # Removing them turned code into flags (`!pin ``` `) or flags into code (a fence now
+        # opens before a `!pin`): leave it all as written, so the message means what it did.
+        return text, [], refused
     return stripped, used, refused
 
 
