@@ -36,6 +36,7 @@ MODULES = [
     "tokens",
     "semantic",
     "relevance",
+    "recall_index",
     "selection",
     "excerpt",
     "trim",

@@ -13,13 +13,8 @@ import pytest
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
-from contextwarden.relevance import (
-    DEFAULT_RELEVANCE_WEIGHTS,
-    RECALL_CONTEXT_TERMS,
-    recall_scores,
-    relevance_terms,
-    score_messages,
-)
+from contextwarden.recall_index import RECALL_CONTEXT_TERMS, recall_scores
+from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 from contextwarden.selection import Recall, choose_recall, recall_candidates
 
 from chats import check_contract

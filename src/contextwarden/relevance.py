@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import add, contains, mul, truediv
+from operator import mul
 
 from .conversation import Message, message_text
 from .semantic import SEMANTIC_SHARE
@@ -41,16 +41,12 @@ __all__ = [
     "DEFAULT_RELEVANCE_WEIGHTS",
     "relevance_terms",
     "score_messages",
-    "recall_scores",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
 ]
 
 DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
 DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
-DEFAULT_TERM_INDEX_TERMS = 250_000  # (term, count) entries in the recall's per-message dicts, ~9 MiB at most
-RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it
-RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 TERM_MEMO_SIZE = 16_384  # distinct words whose term is memoised, per memo
 TERM_MEMO_CHARS = 40  # longer words are not memoised
 
@@ -446,94 +442,3 @@ def _mixed(
         if 0 <= i < n:
             scores[i] = 0.0
     return scores
-
-
-class _TermIndexCache:
-    """Per-text `{term: count}` dicts, least recently used out first, at most `max_terms`
-    (term, count) entries in all: what lets the per-turn recall look up a few query terms in
-    every message instead of reading every term of the chat (`_TermStatsCache`'s key)."""
-
-    def __init__(self, max_terms: int) -> None:
-        self.max_terms = max_terms
-        self._entries: OrderedDict[tuple[int, int, bool], dict[str, int]] = OrderedDict()
-        self._terms = 0
-        self._lock = threading.Lock()
-
-    def get(self, text: str, stats: _TermStats, fold: bool) -> dict[str, int]:
-        key = (len(text), hash(text), fold)
-        index = lru_hit(self._entries, key)
-        if index is not None:
-            return index
-        index = dict.fromkeys(stats.once, 1)
-        index.update(zip(stats.more, stats.more_tfs, strict=True))
-        with self._lock:
-            if key not in self._entries:
-                self._entries[key] = index
-                self._terms += len(index)
-                while self._entries and self._terms > self.max_terms:
-                    self._terms -= len(self._entries.popitem(last=False)[1])
-        return index
-
-
-_term_index = _TermIndexCache(DEFAULT_TERM_INDEX_TERMS)
-
-
-def _recall_query(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
-    """`_query_weights` for a short follow-up (at most `RECALL_CONTEXT_TERMS` terms); else the
-    question's own terms only (the turns before it would weigh at most 1/20 of them)."""
-    if stats[question].distinct <= RECALL_CONTEXT_TERMS:
-        return _query_weights(stats, question, weights)
-    return dict.fromkeys(stats[question].once + stats[question].more, 1.0)
-
-
-def recall_scores(
-    messages: Sequence[Message],
-    *,
-    question: int,
-    exclude: Sequence[int] = (),
-    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
-) -> list[float]:
-    """`score_messages`, cheaply enough for every turn of a chat that goes on: each query term is
-    looked up in every message's cached term dict (in C) instead of every term of the chat
-    being read; a question of more than `RECALL_CONTEXT_TERMS` terms is its own query (as with
-    `context_weight` 0), and only its `RECALL_QUERY_TERMS` weightiest (rarest) terms are read.
-    Up to that, the same scores (sums may differ in the last bit).
-
-    Example:
-        >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
-        ...         {"role": "assistant", "content": "Lovely!"},
-        ...         {"role": "user", "content": "The weather is bad."},
-        ...         {"role": "user", "content": "What is my cat called?"}]
-        >>> scores = recall_scores(chat, question=3)
-        >>> max(range(3), key=scores.__getitem__)
-        0
-    """
-    n = len(messages)
-    fold = weights.fold_suffixes
-    texts = list(map(message_text, messages))
-    stats = [_term_cache.get(text, fold) for text in texts]
-    skip = set(exclude)
-    skip.add(question)
-    query = _recall_query(stats, question, weights)
-    corpus = [i for i in range(n) if i not in skip]
-    lookup = _term_index.get
-    held = [lookup(texts[i], stats[i], fold) for i in corpus]
-    total = sum(stats[i].length for i in corpus)
-    average = total / n if n and total else 1.0
-    k1, b = weights.k1, weights.b
-    norms = [k1 * (1.0 - b + b * stats[i].length / average) for i in corpus]
-    found = {term: sum(map(contains, held, repeat(term))) for term in query}
-    idf = {term: query[term] * math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for term, f in found.items() if f}
-    # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
-    # add little to what is recalled, and each term read costs a pass over every message.
-    terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
-    columns: list[list[float]] = []  # per query term: its BM25 share in each corpus message
-    for term in terms:
-        counts = list(map(dict.get, held, repeat(term), repeat(0)))
-        weight = idf[term] * (k1 + 1.0)
-        columns.append(list(map(truediv, map(mul, counts, repeat(weight)), map(add, counts, norms))))
-    base = [0.0] * n
-    if columns:
-        for i, score in zip(corpus, map(math.fsum, zip(*columns, strict=True)), strict=True):
-            base[i] = score
-    return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)

@@ -693,16 +693,19 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     )
 
 
-def recall_candidates(messages: Sequence[Message], scores: Sequence[float]) -> list[int]:
+def recall_candidates(
+    messages: Sequence[Message], scores: Sequence[float], texts: Sequence[str] | None = None
+) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
-    are relevant to the question (score above 0), never a recall block of an earlier pass."""
+    are relevant to the question (score above 0), never a recall block of an earlier pass.
+    `texts`: each message's `message_text`, when the caller has them."""
     return [
         i
         for i, score in enumerate(scores)
         if score > 0
         and messages[i].get("role") in RECALLABLE_ROLES
         and not is_recall_message(messages[i])
-        and message_text(messages[i])
+        and (texts[i] if texts is not None else message_text(messages[i]))
     ]
 
 

@@ -21,7 +21,8 @@ from .conversation import (
     system_positions,
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, recall_scores, score_messages
+from .recall_index import recall_scores
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages
 from .selection import (
     STRATEGIES,
     Fingerprints,
@@ -278,8 +279,11 @@ def trim_messages(
                 counter,
                 model,
             )
+    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0)
     if previous is not None and previous.seen and not pinned:
-        extended = _extend_previous(messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room)
+        extended = _extend_previous(
+            messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room, pools
+        )
         if extended is not None:
             return extended
     costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
@@ -329,6 +333,7 @@ def trim_messages(
                 counter,
                 model,
                 conversation.system_indices,
+                pools,
             )
             if kept_blocks is None:  # the selection no longer leaves room for what this question needs
                 keep = None
@@ -360,7 +365,7 @@ def trim_messages(
             keep.update(added)
         if room and question is not None:
             left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
-            pool = _Pool.of(messages, question, conversation.system_indices, counter, model)
+            pool = pools.of(question, conversation.system_indices)
             block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
             blocks = [block] if block is not None else []
 
@@ -469,6 +474,7 @@ def _recalls_kept(
     counter: TokenCounter,
     model: str | None,
     system: Sequence[int],
+    pools: _Pools,
 ) -> list[_Block] | None:
     """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`):
     the earlier turns' blocks again, unchanged, and a new one for this question. When they do
@@ -486,7 +492,7 @@ def _recalls_kept(
         blocks.append(_Block(recall.anchor, recall.at, message, count(message, model)))
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
-    pool = _Pool.of(messages, question, system, counter, model)
+    pool = pools.of(question, system)
     while True:
         used = set(keep).union(*(b.indices for b in blocks))
         left = max_tokens - base - sum(b.tokens for b in blocks)
@@ -556,14 +562,31 @@ class _Pool:
     candidates: list[int]
     costs: dict[int, int]
 
-    @classmethod
-    def of(
-        cls, messages: Sequence[Message], question: int, system: Sequence[int], counter: TokenCounter, model: str | None
-    ) -> _Pool:
-        scores = recall_scores(messages, question=question, exclude=system, weights=_RECALL_WEIGHTS)
-        candidates = recall_candidates(messages, scores)
-        count = counter.count_message
-        return cls(scores, candidates, {i: count(messages[i], model) for i in candidates})
+
+class _Pools:
+    """One trim's recall pools by question and system messages: each made once, however many
+    paths look (the fast path, then the full one). `seen`: how many leading messages the
+    previous turn read (see `recall_scores`)."""
+
+    __slots__ = ("messages", "counter", "model", "seen", "_made")
+
+    def __init__(self, messages: Sequence[Message], counter: TokenCounter, model: str | None, seen: int) -> None:
+        self.messages, self.counter, self.model, self.seen = messages, counter, model, seen
+        self._made: dict[tuple[int, tuple[int, ...]], _Pool] = {}
+
+    def of(self, question: int, system: Sequence[int]) -> _Pool:
+        key = (question, tuple(system))
+        pool = self._made.get(key)
+        if pool is None:
+            messages = self.messages
+            texts = list(map(message_text, messages))
+            scores = recall_scores(
+                messages, question=question, exclude=system, weights=_RECALL_WEIGHTS, seen=self.seen, texts=texts
+            )
+            candidates = recall_candidates(messages, scores, texts)
+            costs = self.counter.count_each([messages[i] for i in candidates], self.model)
+            pool = self._made[key] = _Pool(scores, candidates, dict(zip(candidates, costs)))
+        return pool
 
 
 def _new_recall(
@@ -657,6 +680,7 @@ def _extend_previous(
     strategy: Strategy,
     keep_last_turns: int,
     room: int,
+    pools: _Pools,
 ) -> TrimResult | None:
     """The previous turn's selection plus the new messages, reading and counting only what is
     sent and what is new: the messages dropped before are known from the decision's `seen`
@@ -691,7 +715,7 @@ def _extend_previous(
     if room:
         question = next(i for i in reversed(order) if messages[i].get("role") == "user")
         kept_blocks = _recalls_kept(
-            messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system
+            messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system, pools
         )
         if kept_blocks is None:
             return None

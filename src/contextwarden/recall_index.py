@@ -1,0 +1,194 @@
+"""Scoring a chat's messages for the per-turn recall block, incrementally (issue 14).
+
+A chat that goes on asks for a recall every turn, so that scoring must cost little more than
+reading the new messages. Per chat this keeps what the previous turn already read: each
+message's text key (length and string hash, as the term cache keys it), its term statistics,
+its `{term: count}` dict and the document frequency of every term. The next turn checks that
+its messages begin with exactly those (by key) and reads only the rest. It is a cache: a
+worker that never saw the chat builds the same index from scratch, with the same scores.
+
+Memory limits (per process): at most `DEFAULT_INDEX_TERMS` (250,000) (message, term) entries
+over all indexes (a term dict and a frequency entry each, ~60 bytes, so ~15 MiB at most), least
+recently used chat out first; a chat over that alone is scored without being kept.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add, mul, truediv
+
+from .conversation import Message, message_text
+from .relevance import (
+    DEFAULT_RELEVANCE_WEIGHTS,
+    RelevanceWeights,
+    _mixed,
+    _query_weights,
+    _term_cache,
+    _TermStats,
+)
+
+__all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAULT_INDEX_TERMS"]
+
+RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it
+RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
+DEFAULT_INDEX_TERMS = 250_000  # (message, term) entries over all kept indexes
+
+
+@dataclass(slots=True)
+class _ChatIndex:
+    """What the recall read of one chat's messages, in order: text keys, term statistics, term
+    dicts, and how many of them hold each term."""
+
+    fold: bool
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    stats: list[_TermStats] = field(default_factory=list)
+    held: list[dict[str, int]] = field(default_factory=list)
+    frequency: Counter = field(default_factory=Counter)
+    entries: int = 0
+
+    def extend(self, texts: Sequence[str], keys: Sequence[tuple[int, int]]) -> None:
+        """Read the messages after those already indexed."""
+        get = _term_cache.get
+        fold = self.fold
+        for k in range(len(self.keys), len(texts)):
+            stats = get(texts[k], fold)
+            held = dict.fromkeys(stats.once, 1)
+            held.update(zip(stats.more, stats.more_tfs, strict=True))
+            self.frequency.update(held.keys())
+            self.stats.append(stats)
+            self.held.append(held)
+            self.entries += len(held)
+        self.keys.extend(keys[len(self.keys) :])
+
+
+class _IndexCache:
+    """Chat indexes by the text keys of the messages they hold, least recently used out first."""
+
+    def __init__(self, max_terms: int) -> None:
+        self.max_terms = max_terms
+        self._entries: OrderedDict[tuple[bool, int, int], _ChatIndex] = OrderedDict()
+        self._terms = 0
+        self._lock = threading.Lock()
+
+    def take(self, keys: list[tuple[int, int]], fold: bool, seen: int) -> _ChatIndex:
+        """The index of the chat whose first `seen` messages have these `keys` (taken out: the
+        caller owns it until `give`), or a new, empty one."""
+        for m in dict.fromkeys((len(keys), seen)):  # this list again (a second pass), or the last turn's
+            if not 0 < m <= len(keys):
+                continue
+            name = (fold, m, hash(tuple(keys[:m])))
+            with self._lock:
+                index = self._entries.pop(name, None)
+                if index is not None:
+                    self._terms -= index.entries
+            if index is not None and index.keys == keys[:m]:
+                return index
+        return _ChatIndex(fold)
+
+    def give(self, index: _ChatIndex) -> None:
+        """Keep `index` for the chat's next turn, under the keys it holds now."""
+        if index.entries > self.max_terms:
+            return
+        name = (index.fold, len(index.keys), hash(tuple(index.keys)))
+        with self._lock:
+            old = self._entries.pop(name, None)
+            if old is not None:
+                self._terms -= old.entries
+            self._entries[name] = index
+            self._terms += index.entries
+            while self._terms > self.max_terms:
+                self._terms -= self._entries.popitem(last=False)[1].entries
+
+
+_indexes = _IndexCache(DEFAULT_INDEX_TERMS)
+
+
+def recall_scores(
+    messages: Sequence[Message],
+    *,
+    question: int,
+    exclude: Sequence[int] = (),
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    seen: int = 0,
+    texts: Sequence[str] | None = None,
+) -> list[float]:
+    """`score_messages`, cheaply enough for every turn of a chat that goes on: a question of more
+    than `RECALL_CONTEXT_TERMS` terms is its own query (as with `context_weight` 0), and only its
+    `RECALL_QUERY_TERMS` weightiest (rarest) terms are read. Up to that, the same scores (sums
+    may differ in the last bit). `seen`: how many leading messages the previous turn of this
+    chat read (its decision's `seen`): those are not read again when this process kept them.
+    `texts`: each message's `message_text`, when the caller has them.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
+        ...         {"role": "assistant", "content": "Lovely!"},
+        ...         {"role": "user", "content": "The weather is bad."},
+        ...         {"role": "user", "content": "What is my cat called?"}]
+        >>> scores = recall_scores(chat, question=3)
+        >>> max(range(3), key=scores.__getitem__)
+        0
+    """
+    texts = list(map(message_text, messages)) if texts is None else texts
+    keys = [(len(text), hash(text)) for text in texts]
+    index = _indexes.take(keys, weights.fold_suffixes, seen)
+    index.extend(texts, keys)
+    try:
+        return _scores(index, [m.get("role") for m in messages], question, exclude, weights)
+    finally:
+        _indexes.give(index)
+
+
+def _scores(
+    index: _ChatIndex, roles: list[object], question: int, exclude: Sequence[int], weights: RelevanceWeights
+) -> list[float]:
+    """BM25 of the query's weightiest terms over the chat less `exclude` and the question, mixed."""
+    n = len(index.keys)
+    stats, held = index.stats, index.held
+    skip = set(exclude)
+    skip.add(question)
+    skip = {i for i in skip if 0 <= i < n}
+    query = _recall_query(stats, question, weights)
+    total = sum(stats[i].length for i in range(n)) - sum(stats[i].length for i in skip)
+    average = total / n if n and total else 1.0
+    k1, b = weights.k1, weights.b
+    frequency = index.frequency
+    skipped = [held[i] for i in skip]
+    idf = {}
+    for term, weight in query.items():
+        found = frequency[term] - sum(term in h for h in skipped)
+        if found:
+            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+    # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
+    # add little to what is recalled, and each term read costs a pass over every message.
+    terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
+    base = [0.0] * n
+    if terms:
+        wanted = frozenset(terms)
+        disjoint = wanted.isdisjoint
+        hits = [i for i, h in enumerate(held) if not disjoint(h) and i not in skip]
+        k1_plus = k1 + 1.0
+        for term in terms:
+            weight = idf[term] * k1_plus
+            idf[term] = weight
+        for i in hits:
+            h = held[i]
+            norm = k1 * (1.0 - b + b * stats[i].length / average)
+            present = [t for t in terms if t in h]
+            counts = [h[t] for t in present]
+            base[i] = math.fsum(
+                map(truediv, map(mul, counts, map(idf.__getitem__, present)), map(add, counts, repeat(norm)))
+            )
+    return _mixed(base, stats, roles, skip, weights)
+
+
+def _recall_query(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
+    """`_query_weights` for a short follow-up (at most `RECALL_CONTEXT_TERMS` terms); else the
+    question's own terms only (the turns before it would weigh at most 1/20 of them)."""
+    if stats[question].distinct <= RECALL_CONTEXT_TERMS:
+        return _query_weights(stats, question, weights)
+    return dict.fromkeys(stats[question].once + stats[question].more, 1.0)
