@@ -169,20 +169,15 @@ def _scores(
     base = [0.0] * n
     if terms:
         wanted = frozenset(terms)
-        disjoint = wanted.isdisjoint
-        hits = [i for i, h in enumerate(held) if not disjoint(h) and i not in skip]
         k1_plus = k1 + 1.0
-        for term in terms:
-            weight = idf[term] * k1_plus
-            idf[term] = weight
-        for i in hits:
-            h = held[i]
-            norm = k1 * (1.0 - b + b * stats[i].length / average)
-            present = [t for t in terms if t in h]
-            counts = [h[t] for t in present]
-            base[i] = math.fsum(
-                map(truediv, map(mul, counts, map(idf.__getitem__, present)), map(add, counts, repeat(norm)))
-            )
+        weight_of = {term: idf[term] * k1_plus for term in terms}.__getitem__
+        fsum = math.fsum
+        for i, h in enumerate(held):
+            present = h.keys() & wanted  # in C; its order does not matter to fsum (exact)
+            if present and i not in skip:
+                counts = list(map(h.__getitem__, present))
+                norm = k1 * (1.0 - b + b * stats[i].length / average)
+                base[i] = fsum(map(truediv, map(mul, counts, map(weight_of, present)), map(add, counts, repeat(norm))))
     return _mixed(base, stats, roles, skip, weights)
 
 

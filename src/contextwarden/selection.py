@@ -48,6 +48,7 @@ __all__ = [
     "mandatory_indices",
     "recent_turns",
     "choose_recall",
+    "recall_order",
     "recall_candidates",
     "Recall",
     "carried_recalls",
@@ -709,12 +710,24 @@ def recall_candidates(
     ]
 
 
+def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:
+    """`candidates` by what they are worth to a recall block: score per cost ** `DEFAULT_COST_EXPONENT`,
+    the most first (ties: the newer first)."""
+    return sorted(candidates, key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i))
+
+
 def choose_recall(
-    candidates: Sequence[int], keep: Collection[int], scores: Sequence[float], costs: Mapping[int, int], room: int
+    candidates: Sequence[int],
+    keep: Collection[int],
+    scores: Sequence[float],
+    costs: Mapping[int, int],
+    room: int,
+    *,
+    ordered: bool = False,
 ) -> list[int]:
     """The `candidates` (see `recall_candidates`) not in `keep` to quote in this turn's recall
     block, ascending: those worth most per √token (`scores`, `costs`), greedily while they fit
-    `room`.
+    `room`. `ordered`: the candidates are already in `recall_order` (a turn sorts them once).
 
     Example:
         >>> choose_recall([0, 1, 2], {2}, [0.5, 2.0, 1.0], {0: 10, 1: 10, 2: 10}, room=15)
@@ -722,13 +735,10 @@ def choose_recall(
     """
     if room <= 0:
         return []
-    order = sorted(
-        (i for i in candidates if i not in keep),
-        key=lambda i: (-scores[i] / max(costs[i], 1) ** DEFAULT_COST_EXPONENT, -i),
-    )
+    order = candidates if ordered else recall_order(candidates, scores, costs)
     chosen: list[int] = []
     for i in order:
-        if costs[i] <= room:
+        if i not in keep and costs[i] <= room:
             chosen.append(i)
             room -= costs[i]
     return sorted(chosen)

@@ -36,6 +36,7 @@ from .selection import (
     history_chars,
     mandatory_indices,
     recall_candidates,
+    recall_order,
     reuse_previous,
 )
 from .semantic import VECTORS, Embed, similarities
@@ -556,7 +557,8 @@ def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Pool:
-    """What this turn's recall chooses from: every message's score, the candidates, their costs."""
+    """What this turn's recall chooses from: every message's score, the candidates (in
+    `recall_order`), their costs."""
 
     scores: list[float]
     candidates: list[int]
@@ -584,8 +586,8 @@ class _Pools:
                 messages, question=question, exclude=system, weights=_RECALL_WEIGHTS, seen=self.seen, texts=texts
             )
             candidates = recall_candidates(messages, scores, texts)
-            costs = self.counter.count_each([messages[i] for i in candidates], self.model)
-            pool = self._made[key] = _Pool(scores, candidates, dict(zip(candidates, costs)))
+            costs = dict(zip(candidates, self.counter.count_each([messages[i] for i in candidates], self.model)))
+            pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
         return pool
 
 
@@ -608,7 +610,7 @@ def _new_recall(
     if room <= frame:
         return None
     scores, costs = pool.scores, pool.costs
-    chosen = choose_recall(pool.candidates, keep, scores, costs, room - frame)
+    chosen = choose_recall(pool.candidates, keep, scores, costs, room - frame, ordered=True)
     estimate = frame + sum(costs[i] for i in chosen)
     if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
         return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
