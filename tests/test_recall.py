@@ -72,9 +72,10 @@ def test_earlier_blocks_are_sent_again_unchanged(counter):
     chat = river_chat()
     first = trim(chat, token_counter=counter)
     second_chat = next_turn(chat, "What is my locker code?")
-    second = trim(second_chat, first.decision, token_counter=counter)
+    # blocks of at most a fifth of the budget: the second turn's and the third's fit side by side
+    second = trim(second_chat, first.decision, token_counter=counter, recall_share=0.2)
     third_chat = next_turn(second_chat, "And which bike did I say I ride, Batavus?")
-    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter)
+    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter, recall_share=0.2)
     check_contract(third_chat, third, counter, MODEL)
     assert third.reused
     # Everything the second turn sent, its block included, is the third turn's prefix.
@@ -214,6 +215,16 @@ def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
     assert choose_recall(candidates, {6}, scores, costs, room=65) == [0, 1]
     assert choose_recall(candidates, {6}, scores, costs, room=59) == [0]
     assert choose_recall(candidates, {6, 0}, scores, costs, room=4) == []
+
+
+def test_choose_recall_takes_the_most_relevant_first_whatever_its_length():
+    """A recall block has little room and a question needs a few messages: the most relevant
+    goes first even when a shorter, less relevant one is worth more per token."""
+    scores = [4.0, 5.0, 0.0]
+    costs = {0: 5, 1: 60}
+    assert choose_recall([0, 1], {2}, scores, costs, room=60) == [1]
+    assert choose_recall([0, 1], {2}, scores, costs, room=65) == [0, 1]
+    assert choose_recall([0, 1], {2}, scores, costs, room=59) == [0]
 
 
 @pytest.mark.parametrize(
