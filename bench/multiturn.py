@@ -24,6 +24,10 @@ turn has none), `carried, no recall` (the same with `recall_share=0`: before iss
 Tokens are counted with o200k_base (gpt-4o) for all models.
 
     PYTHONPATH=src python bench/multiturn.py [path/to/locomo_dev.json] [--quick] [--recall-share X]
+
+With `--embed-model PATH` (a sentence-transformers folder, run under Open WebUI's python, see
+bench/quality.py) every trim gets `embed=`: new selections and the recall fuse the cosine in;
+results go to `multiturn-<model folder name>.{md,json}`.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from contextwarden import trim as trim_module  # noqa: E402
 from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import ANSWERABLE, DEFAULT_DATA, conversation_chat  # noqa: E402
+from quality import ANSWERABLE, DEFAULT_DATA, conversation_chat, sentence_embedder  # noqa: E402
 
 MODEL = "gpt-4o"
 BUDGETS = (1_000, 2_000, 4_000, 8_000)
@@ -99,6 +103,7 @@ def run_chat(
     method: str,
     counter: TokenCounter,
     recall_share: float,
+    embed=None,
 ) -> list[dict]:
     """Every turn of one chat under one method: what it sent and how that compares to the turn before."""
     chat = [SYSTEM] + history
@@ -114,7 +119,13 @@ def run_chat(
             previous = TrimDecision.from_json(stored) if stored and method.startswith("carried") else None
             share = 0.0 if method == "carried, no recall" else recall_share
             result = trim_messages(
-                chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=previous, recall_share=share
+                chat,
+                max_tokens=budget,
+                model=MODEL,
+                token_counter=counter,
+                previous=previous,
+                recall_share=share,
+                embed=embed,
             )
             if result.decision is not None:  # the filter keeps the stored decision when a turn makes none
                 stored = result.decision.to_json()
@@ -181,7 +192,7 @@ def summarize(turns: list[dict], budget: int, priced: dict) -> dict:
     return row
 
 
-def run(path: Path, quick: bool, recall_share: float) -> dict:
+def run(path: Path, quick: bool, recall_share: float, embed_model: str | None = None) -> dict:
     counter = TokenCounter(block=True)
     assert counter.wait_ready(MODEL)
     samples = json.loads(path.read_text())
@@ -191,11 +202,16 @@ def run(path: Path, quick: bool, recall_share: float) -> dict:
         history, where = conversation_chat(sample)
         asked = questions(sample, where)
         chats.append((k, history, asked[::3] if quick else asked))
+    embed = None
+    if embed_model:
+        texts = {SYSTEM["content"]} | {m["content"] for _, history, _ in chats for m in history}
+        texts |= {text for _, _, asked in chats for question, answer, _ in asked for text in (question, answer)}
+        embed = sentence_embedder(embed_model, sorted(texts))
     results: dict = {}
     for budget in BUDGETS:
         for method in METHODS:
             per_chat = {
-                k: run_chat(history, asked, budget, method, counter, recall_share) for k, history, asked in chats
+                k: run_chat(history, asked, budget, method, counter, recall_share, embed) for k, history, asked in chats
             }
             every = [t for k in per_chat for t in per_chat[k]]
             results[f"{budget}|{method}"] = {
@@ -219,6 +235,11 @@ def markdown(results: dict, meta: dict) -> str:
         f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, each in its "
         f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}; "
         f"counts o200k_base + 4 per message",
+        *(
+            [f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into selections and the recall"]
+            if meta.get("embedder")
+            else []
+        ),
         "",
         "## Evidence sent, cacheable share, re-selections, fill",
         "",
@@ -291,6 +312,7 @@ def main() -> None:
     parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA))
     parser.add_argument("--quick", action="store_true", help="every third question, no files written")
     parser.add_argument("--recall-share", type=float, default=DEFAULT_RECALL_SHARE)
+    parser.add_argument("--embed-model", help="a sentence-transformers model folder (e.g. all-MiniLM-L6-v2)")
     parser.add_argument(
         "--remake", action="store_true", help="re-make the recall block every turn (earlier blocks not sent again)"
     )
@@ -300,7 +322,7 @@ def main() -> None:
     seed_tiktoken_cache()
     load_start = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
-    results = run(Path(args.data), args.quick, args.recall_share)
+    results = run(Path(args.data), args.quick, args.recall_share, args.embed_model)
     any_row = next(iter(results.values()))["all"]
     meta = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}",
@@ -314,13 +336,15 @@ def main() -> None:
         "recall_share": args.recall_share,
         "quick": args.quick,
         "remake": args.remake,
+        "embedder": Path(args.embed_model).name if args.embed_model else None,
     }
     text = markdown(results, meta)
     print(text)
     if not args.quick:
         out = ROOT / "bench" / "results"
-        (out / "multiturn.md").write_text(text)
-        (out / "multiturn.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        name = f"multiturn-{meta['embedder']}" if meta["embedder"] else "multiturn"
+        (out / f"{name}.md").write_text(text)
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

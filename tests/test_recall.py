@@ -263,3 +263,34 @@ def test_filter_request_pass_keeps_the_one_block():
     sent, resent = asyncio.run(turn(next_turn(chat, "What is my locker code?")))
     assert resent == sent
     assert len(recall_positions(sent)) == 1 and "4417" in sent[recall_positions(sent)[0]]["content"]
+
+
+def test_with_an_embedder_the_recall_weighs_meaning_too(counter):
+    """`embed` given: the recall fuses the cosine into its scores as a new selection does, so a
+    dropped message that shares no word with the question but its meaning is recalled."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    assert 1 in first.dropped
+    later_chat = next_turn(chat, "Where do I store my swimming things?")
+
+    def embed(texts):
+        return [[1.0, 0.0] if ("4417" in t or "swimming" in t) else [0.0, 1.0] for t in texts]
+
+    lexical = trim(later_chat, first.decision, token_counter=counter)
+    assert 1 not in lexical.recalled
+    semantic = trim(later_chat, first.decision, token_counter=counter, embed=embed)
+    check_contract(later_chat, semantic, counter, MODEL)
+    assert semantic.reused and 1 in semantic.recalled
+
+
+def test_a_failing_embedder_leaves_the_recall_lexical_with_a_note(counter):
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    later_chat = next_turn(chat, "What is my locker code?")
+
+    def broken(texts):
+        raise RuntimeError("down")
+
+    later = trim(later_chat, first.decision, token_counter=counter, embed=broken)
+    assert later.reused and {1, 2} <= set(later.recalled)
+    assert "embedder failed (RuntimeError): recall is lexical" in later.notes

@@ -26,6 +26,7 @@ from .conversation import Message, message_text
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
     RelevanceWeights,
+    _fuse,
     _mixed,
     _query_weights,
     _term_cache,
@@ -116,13 +117,16 @@ def recall_scores(
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
     seen: int = 0,
     texts: Sequence[str] | None = None,
+    similarity: Sequence[float] | None = None,
 ) -> list[float]:
     """`score_messages`, cheaply enough for every turn of a chat that goes on: a question of more
     than `RECALL_CONTEXT_TERMS` terms is its own query (as with `context_weight` 0), and only its
     `RECALL_QUERY_TERMS` weightiest (rarest) terms are read. Up to that, the same scores (sums
     may differ in the last bit). `seen`: how many leading messages the previous turn of this
     chat read (its decision's `seen`): those are not read again when this process kept them.
-    `texts`: each message's `message_text`, when the caller has them.
+    `texts`: each message's `message_text`, when the caller has them. `similarity`: one cosine
+    per message to the question (see `semantic.similarities`), fused into the base signal as
+    `score_messages` fuses it.
 
     Example:
         >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
@@ -138,15 +142,21 @@ def recall_scores(
     index = _indexes.take(keys, weights.fold_suffixes, seen)
     index.extend(texts, keys)
     try:
-        return _scores(index, [m.get("role") for m in messages], question, exclude, weights)
+        return _scores(index, [m.get("role") for m in messages], question, exclude, weights, similarity)
     finally:
         _indexes.give(index)
 
 
 def _scores(
-    index: _ChatIndex, roles: list[object], question: int, exclude: Sequence[int], weights: RelevanceWeights
+    index: _ChatIndex,
+    roles: list[object],
+    question: int,
+    exclude: Sequence[int],
+    weights: RelevanceWeights,
+    similarity: Sequence[float] | None = None,
 ) -> list[float]:
-    """BM25 of the query's weightiest terms over the chat less `exclude` and the question, mixed."""
+    """BM25 of the query's weightiest terms over the chat less `exclude` and the question, fused
+    with `similarity` when given, mixed."""
     n = len(index.keys)
     stats, held = index.stats, index.held
     skip = set(exclude)
@@ -178,6 +188,8 @@ def _scores(
                 counts = list(map(h.__getitem__, present))
                 norm = k1 * (1.0 - b + b * stats[i].length / average)
                 base[i] = fsum(map(truediv, map(mul, counts, map(weight_of, present)), map(add, counts, repeat(norm))))
+    if similarity is not None and len(similarity) == n:
+        base = _fuse(base, similarity, skip, weights.semantic_share)
     return _mixed(base, stats, roles, skip, weights)
 
 

@@ -283,7 +283,7 @@ def trim_messages(
                 counter,
                 model,
             )
-    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0)
+    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, embed)
     if previous is not None and previous.seen and not pinned:
         extended = _extend_previous(
             messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room, pools
@@ -387,6 +387,7 @@ def trim_messages(
     at = tuple(i for i in order if i not in system)
     sent, stable = _with_blocks(sent, order, blocks, question)
     after += sum(b.tokens for b in blocks)
+    notes += [note for note in pools.notes if note not in notes]
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -571,12 +572,16 @@ class _Pool:
 class _Pools:
     """One trim's recall pools by question and system messages: each made once, however many
     paths look (the fast path, then the full one). `seen`: how many leading messages the
-    previous turn read (see `recall_scores`)."""
+    previous turn read (see `recall_scores`); `embed`: the trim's embedder, whose cosine the
+    recall fuses in as a new selection does; `notes` say when it could not."""
 
-    __slots__ = ("messages", "counter", "model", "seen", "_made")
+    __slots__ = ("messages", "counter", "model", "seen", "embed", "notes", "_made")
 
-    def __init__(self, messages: Sequence[Message], counter: TokenCounter, model: str | None, seen: int) -> None:
-        self.messages, self.counter, self.model, self.seen = messages, counter, model, seen
+    def __init__(
+        self, messages: Sequence[Message], counter: TokenCounter, model: str | None, seen: int, embed: Embed | None
+    ) -> None:
+        self.messages, self.counter, self.model, self.seen, self.embed = messages, counter, model, seen, embed
+        self.notes: list[str] = []
         self._made: dict[tuple[int, tuple[int, ...]], _Pool] = {}
 
     def of(self, question: int, system: Sequence[int]) -> _Pool:
@@ -585,13 +590,36 @@ class _Pools:
         if pool is None:
             messages = self.messages
             texts = list(map(message_text, messages))
+            similarity = _recall_cosines(messages, question, system, self.embed, self.notes) if self.embed else None
             scores = recall_scores(
-                messages, question=question, exclude=system, weights=_RECALL_WEIGHTS, seen=self.seen, texts=texts
+                messages,
+                question=question,
+                exclude=system,
+                weights=_RECALL_WEIGHTS,
+                seen=self.seen,
+                texts=texts,
+                similarity=similarity,
             )
             candidates = recall_candidates(messages, scores, texts)
             costs = dict(zip(candidates, self.counter.count_each([messages[i] for i in candidates], self.model)))
             pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
         return pool
+
+
+def _recall_cosines(
+    messages: Sequence[Message], question: int, system: Sequence[int], embed: Embed, notes: list[str]
+) -> list[float] | None:
+    """Each message's cosine to the question for the recall; None (lexical, with a note) when
+    the embedder fails or its vectors are not there yet."""
+    try:
+        return similarities(messages, question, VECTORS, embed, skip=system)
+    except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
+        note = "some messages not embedded yet: recall is lexical"
+    except Exception as exc:  # any embedder: its failure must not cost the trim
+        note = f"embedder failed ({type(exc).__name__}): recall is lexical"
+    if note not in notes:
+        notes.append(note)
+    return None
 
 
 def _new_recall(
@@ -749,6 +777,7 @@ def _extend_previous(
         tokens_after=after,
         budget=max_tokens,
         count_mode=mode,
+        notes=tuple(pools.notes),
         decision=decision,
         reused=True,
         recalled=_recalled(blocks),
