@@ -720,6 +720,8 @@ def recall_candidates(
 def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:
     """`candidates` by what they are worth to a recall block: score per cost ** `RECALL_COST_EXPONENT`,
     the most first (ties: the newer first)."""
+    if not RECALL_COST_EXPONENT:
+        return sorted(candidates, key=lambda i: (-scores[i], -i))
     return sorted(candidates, key=lambda i: (-scores[i] / max(costs[i], 1) ** RECALL_COST_EXPONENT, -i))
 
 
