@@ -601,7 +601,8 @@ class _Pools:
                 similarity=similarity,
             )
             candidates = recall_candidates(messages, scores, texts)
-            costs = dict(zip(candidates, self.counter.count_each([messages[i] for i in candidates], self.model)))
+            counts = self.counter.count_each([messages[i] for i in candidates], self.model)
+            costs = dict(zip(candidates, counts, strict=True))
             pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
         return pool
 
