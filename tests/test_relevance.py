@@ -183,3 +183,16 @@ def test_word_memo_is_bounded_and_replaced_whole(monkeypatch):
         memo = relevance._word_memos[True]
         assert len(memo) + len(memo.several) <= 8
         assert b"123456" not in memo and b"99999" not in memo  # long numbers are not remembered
+
+
+def test_a_question_with_many_terms_of_its_own_does_not_draw_on_the_turns_before_it():
+    chat = [
+        msg("user", "Tell me about the Eiffel tower height."),
+        msg("assistant", "It is 330 m tall."),
+        msg("user", "Random note about cooking pasta."),
+        msg("assistant", "Pasta needs salt and the Eiffel tower is far."),
+        msg("user", "Which museums in Madrid open late on Sundays?"),
+    ]
+    assert len(set(relevance_terms(chat[-1]["content"]))) > relevance.RECALL_CONTEXT_TERMS
+    with_context = score_messages(chat, question=4, weights=dataclasses.replace(OFF, context_weight=0.5))
+    assert with_context == score_messages(chat, question=4, weights=OFF)

@@ -25,6 +25,7 @@ from operator import add, mul, truediv
 from .conversation import Message, message_text
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
+    RECALL_CONTEXT_TERMS,
     RelevanceWeights,
     _fuse,
     _mixed,
@@ -35,7 +36,6 @@ from .relevance import (
 
 __all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAULT_INDEX_TERMS"]
 
-RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it
 RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 DEFAULT_INDEX_TERMS = 250_000  # (message, term) entries over all kept indexes
 

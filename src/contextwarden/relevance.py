@@ -1,8 +1,8 @@
 """Scoring messages against the current question: how much each one is worth keeping.
 
 BM25 over the chat's own messages (lower case, punctuation and stop words out, a light English
-suffix folding, CJK as character bigrams), queried with the latest user message plus, at a
-lower weight, the messages just before it (they carry the topic of a short follow-up). On
+suffix folding, CJK as character bigrams), queried with the latest user message plus, when
+it is short, the messages just before it at a lower weight (they carry the topic of a follow-up). On
 top of that, signals measured in `bench/quality.py`: a reply inherits part of its question's
 score, neighbours of a strong match share in it, short date-carrying messages (session
 headers) share in what follows them, and newer messages get a small recency bonus.
@@ -47,6 +47,7 @@ __all__ = [
 
 DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
 DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
+RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it (both scorers)
 TERM_MEMO_SIZE = 16_384  # distinct words whose term is memoised, per memo
 TERM_MEMO_CHARS = 40  # longer words are not memoised
 
@@ -298,12 +299,15 @@ _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
 
 
 def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
-    """Query terms with their weights: the question's at 1, the context's at `context_weight`."""
+    """Query terms with their weights: the question's at 1, for a short question the context's
+    at `context_weight` (shared by its term count)."""
     query: dict[str, float] = {}
-    # A short follow-up ("and tomorrow?") leans on the turns before it; a question with many
-    # terms of its own does not: the context weight shrinks with the question's term count.
-    context_weight = weights.context_weight / max(1, stats[question].distinct)
-    start = max(0, question - weights.context_messages)
+    # A short follow-up ("and tomorrow?") leans on the turns before it; a question with more
+    # than RECALL_CONTEXT_TERMS terms of its own does not (their terms would only add noise),
+    # and below that the context weight shrinks with the question's term count.
+    distinct = stats[question].distinct
+    context_weight = weights.context_weight / max(1, distinct) if distinct <= RECALL_CONTEXT_TERMS else 0.0
+    start = max(0, question - weights.context_messages) if context_weight else question
     for index in range(start, question):
         query.update(dict.fromkeys(stats[index].once, context_weight))
         query.update(dict.fromkeys(stats[index].more, context_weight))
