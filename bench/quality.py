@@ -55,11 +55,19 @@ ABLATIONS = {
     "no context turns": dataclasses.replace(W, context_weight=0.0),
     "no Q&A pairing": dataclasses.replace(W, pair_share=0.0, pair_back=0.0),
     "no neighbours": dataclasses.replace(W, neighbour_share=0.0),
+    "no turn neighbours": dataclasses.replace(W, turn_share=0.0),
     "no date headers": dataclasses.replace(W, header_share=0.0),
     "no recency": dataclasses.replace(W, recency=0.0),
     "no suffix folding": dataclasses.replace(W, fold_suffixes=False),
     "BM25 only (our tokens)": dataclasses.replace(
-        W, context_weight=0.0, pair_share=0.0, pair_back=0.0, neighbour_share=0.0, header_share=0.0, recency=0.0
+        W,
+        context_weight=0.0,
+        pair_share=0.0,
+        pair_back=0.0,
+        neighbour_share=0.0,
+        header_share=0.0,
+        recency=0.0,
+        turn_share=0.0,
     ),
 }
 
@@ -92,6 +100,9 @@ def conversation_chat(sample: dict) -> tuple[list[dict], dict[str, int]]:
             chat.append({"role": role, "content": text})
     return chat, where
 
+
+# Split halves reported apart (conversations 1-2 and 3 on), to show a change is no fit to a few chats.
+SPLIT_AT = 2
 
 # Exchanges merged into one block of the reshaped chats: mostly short, some long.
 RESHAPE_BLOCK_SIZES = (1, 1, 2, 3, 5)
@@ -135,14 +146,22 @@ SHAPES = {"locomo": conversation_chat, "reshaped": reshaped_chat}
 def load_cases(path: Path, shape: str = "locomo") -> list[dict]:
     """One case per QA item with resolvable evidence: chat, question, evidence indices."""
     cases = []
-    for sample in json.loads(path.read_text()):
+    for number, sample in enumerate(json.loads(path.read_text())):
         chat, where = SHAPES[shape](sample)
         for qa in sample["qa"]:
             ids = [d for e in qa.get("evidence", []) for d in re.split(r"[;,\s]+", str(e)) if d]
             evidence = sorted({where[d] for d in ids if d in where})
             if not evidence:
                 continue
-            cases.append({"chat": chat, "question": qa["question"], "evidence": evidence, "category": qa["category"]})
+            cases.append(
+                {
+                    "chat": chat,
+                    "question": qa["question"],
+                    "evidence": evidence,
+                    "category": qa["category"],
+                    "half": "1-2" if number < SPLIT_AT else f"{SPLIT_AT + 1}-",
+                }
+            )
     return cases
 
 
@@ -258,13 +277,16 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
                 same = choose_indices(conversation, costs, budget - TOKENS_PER_REPLY)
                 mismatches += same != set(result.kept)
             for name in ABLATIONS:
-                picks[name] = choose_indices(conversation, costs, budget - TOKENS_PER_REPLY, scores=scores[name])
+                picks[name] = choose_indices(
+                    conversation, costs, budget - TOKENS_PER_REPLY, scores=scores[name], weights=ABLATIONS[name]
+                )
             for name in methods:
                 kept = picks[name]
                 got = sum(1 for e in case["evidence"] if e in kept)
-                hits.setdefault((name, budget, case["category"]), []).append(
-                    (got / len(case["evidence"]), got == len(case["evidence"]))
-                )
+                hit = (got / len(case["evidence"]), got == len(case["evidence"]))
+                hits.setdefault((name, budget, case["category"]), []).append(hit)
+                if case["category"] in ANSWERABLE:
+                    hits.setdefault((name, budget, case["half"]), []).append(hit)
     return {"cases": len(cases), "hits": hits, "methods": methods, "mismatches": mismatches}
 
 
@@ -273,7 +295,8 @@ def summarize(hits: dict, methods: list[str]) -> dict:
     for name in methods:
         for budget in BUDGETS:
             row = table.setdefault(name, {}).setdefault(str(budget), {})
-            groups = {str(c): [c] for c in CATEGORIES} | {"1-4": list(ANSWERABLE)}
+            halves = sorted({k[2] for k in hits if isinstance(k[2], str)})
+            groups = {str(c): [c] for c in CATEGORIES} | {"1-4": list(ANSWERABLE)} | {f"conv {h}": [h] for h in halves}
             for label, cats in groups.items():
                 values = [v for c in cats for v in hits.get((name, budget, c), [])]
                 if values:
@@ -318,6 +341,19 @@ def markdown(table: dict, meta: dict) -> str:
     ]
     for name, rows in table.items():
         cells = [f"{rows[str(b)]['1-4']['all_kept']:.3f} ({rows[str(b)]['1-4']['recall']:.3f})" for b in BUDGETS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    halves = [k for k in table["contextwarden"][str(BUDGETS[0])] if k.startswith("conv ")]
+    lines += [
+        "",
+        "## Split halves: all evidence kept by conversations, categories 1-4",
+        "",
+        "| method | " + " | ".join(f"{b // 1000}k {h}" for b in (2_000, 8_000) for h in halves) + " |",
+        "|---|" + "---|" * (2 * len(halves)),
+    ]
+    for name, rows in table.items():
+        cells = [
+            f"{rows[str(b)][h]['all_kept']:.3f} (n={rows[str(b)][h]['n']})" for b in (2_000, 8_000) for h in halves
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "## Per category: all evidence kept / recall", ""]
     for budget in BUDGETS:

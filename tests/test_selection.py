@@ -10,6 +10,7 @@ import pytest
 
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.conversation import read_conversation
+from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS
 from contextwarden.selection import choose_indices, message_fingerprint, reuse_previous, select_by_value
 from contextwarden.tokens import TokenCounter
 
@@ -462,3 +463,37 @@ def test_decision_size_figures_round_trip_and_are_optional():
         '{"v":1,"max_tokens":100,"tokens":80,"strategy":"recent","kept":["aa","bb"],"at":[5,2],"seen":[9,700,2100,"x"]}'
     )
     assert TrimDecision.from_json(unordered).at == () and TrimDecision.from_json(unordered).seen == 0
+
+
+def _four_turn_chat() -> list[dict]:
+    """Turns 0-3 (a user message and its reply each), then the question."""
+    chat = []
+    for t in range(4):
+        chat += [{"role": "user", "content": f"u{t}"}, {"role": "assistant", "content": f"a{t}"}]
+    return chat + [{"role": "user", "content": "q"}]
+
+
+def test_a_turn_next_to_a_strong_match_shares_in_it():
+    chat = _four_turn_chat()
+    scores = [1.0, 0.0, 0.1, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0]  # turn 0 matches; turns 1 and 2 tie
+    costs = [10] * 9
+    budget = 7 * 10  # the question, the latest turn (3), turn 0 and one more turn
+    conversation = read_conversation(chat)
+    weights = DEFAULT_RELEVANCE_WEIGHTS
+    assert choose_indices(conversation, costs, budget, scores=scores, weights=weights) == {0, 1, 2, 3, 6, 7, 8}
+    alone = replace(weights, turn_share=0.0)  # without it, the tie goes to the newer turn
+    assert choose_indices(conversation, costs, budget, scores=scores, weights=alone) == {0, 1, 4, 5, 6, 7, 8}
+
+
+def test_a_long_turn_gets_less_of_its_neighbours_score():
+    chat = _four_turn_chat()
+    scores = [1.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0]
+    costs = [10, 10, 500, 500, 500, 500, 10, 10, 10]  # turns 1 and 2 are long (1,000 tokens each)
+    budget = 50 + 1000  # the question, the latest turn, turn 0 and one long turn
+    conversation = read_conversation(chat)
+    reach = DEFAULT_RELEVANCE_WEIGHTS.turn_reach
+    near = replace(DEFAULT_RELEVANCE_WEIGHTS, turn_reach=10_000)  # as if turn 1 were short: its neighbour counts
+    assert choose_indices(conversation, costs, budget, scores=scores, weights=near) == {0, 1, 2, 3, 6, 7, 8}
+    # at the default reach turn 1 gets 0.5 * 1.0 * 2 * reach / 1,020 of turn 0's score: less than turn 2's lead
+    assert 0.5 * 2 * reach / 1020 < 0.1
+    assert choose_indices(conversation, costs, budget, scores=scores) == {0, 1, 4, 5, 6, 7, 8}

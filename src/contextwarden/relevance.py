@@ -88,7 +88,10 @@ class RelevanceWeights:
     share of the best adjacent message's score; `header_share` the share of the best score in
     the `header_reach` messages after a short date-carrying message; `recency` a bonus rising
     linearly to this share of the top score for the newest message. `semantic_share` is the
-    embedder's share of the base signal when similarities are given.
+    embedder's share of the base signal when similarities are given. `turn_share` is used
+    where whole turns are chosen (`selection.choose_indices`): a turn also gets this share of
+    the best message score in an adjacent turn, in full while the two turns average at most
+    `turn_reach` tokens and in proportion beyond (a long turn carries its own context).
     """
 
     k1: float = 1.2
@@ -103,6 +106,8 @@ class RelevanceWeights:
     recency: float = 0.01
     fold_suffixes: bool = True
     semantic_share: float = SEMANTIC_SHARE
+    turn_share: float = 0.5
+    turn_reach: int = 64
 
 
 DEFAULT_RELEVANCE_WEIGHTS = RelevanceWeights()
