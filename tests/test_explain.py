@@ -139,3 +139,21 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
     assert main(args + ["--previous", str(previous)]) == 0
     out = capsys.readouterr().out
     assert "reused from the previous decision" in out and "(the previous decision, reused)" in out
+
+
+def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
+    from contextwarden.conversation import read_conversation
+    from contextwarden.relevance import score_messages
+    from contextwarden.selection import DEFAULT_COST_EXPONENT, turn_values
+
+    chat = crafted()
+    result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0)
+    why = reasons_of(explain_trim(chat, result, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0))
+    costs = counter.count_each(chat, MODEL)
+    scores = score_messages(chat, question=12, exclude=[0, 5])
+    conversation = read_conversation(chat)
+    turn = next(t for t, turn in enumerate(conversation.turns) if 3 in turn.indices)
+    worth = turn_values(conversation, costs, scores)[turn]
+    assert worth > scores[3] + scores[4]  # it shares in the turn next to it
+    expected = worth / (costs[3] + costs[4]) ** DEFAULT_COST_EXPONENT
+    assert f"its turn's value {expected:.3f} per token" in why[3]

@@ -23,6 +23,7 @@ from .selection import (
     mandatory_indices,
     message_fingerprint,
     recent_turns,
+    turn_values,
 )
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
@@ -162,8 +163,10 @@ def explain_trim(
     trimmed = bool(result.dropped or result.shortened)
     question = conversation.question
     scores: list[float] | None = None
+    worth: dict[int, float] = {}
     if trimmed and not result.reused and question is not None and strategy == "relevance":
         scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
+        worth = turn_values(conversation, costs, scores)
 
     rows = []
     for i, message in enumerate(messages):
@@ -198,9 +201,8 @@ def explain_trim(
                 together = (
                     [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
                 )
-                value = (
-                    sum(scores[j] for j in together) / max(1, sum(costs[j] for j in together)) ** DEFAULT_COST_EXPONENT
-                )
+                total = worth[turn_of[i]] if turn_of.get(i) in worth else sum(scores[j] for j in together)
+                value = total / max(1, sum(costs[j] for j in together)) ** DEFAULT_COST_EXPONENT
                 reasons.append(
                     f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
                     + ("worth its tokens" if sent else "below what was kept, or did not fit")

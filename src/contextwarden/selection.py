@@ -40,6 +40,7 @@ __all__ = [
     "select_recent",
     "select_by_value",
     "choose_indices",
+    "turn_values",
     "reuse_previous",
     "extend_previous",
     "history_chars",
@@ -511,6 +512,19 @@ def choose_indices(
     for u in taken:
         keep.update(plan.units[u])
     return _repair_history_start(conversation, plan, keep, costs, left)
+
+
+def turn_values(
+    conversation: Conversation,
+    costs: Sequence[int],
+    scores: Sequence[float],
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+) -> dict[int, float]:
+    """What each earlier turn is worth to the relevance strategy (by turn number), as
+    `choose_indices` weighs it before dividing by its cost ** `DEFAULT_COST_EXPONENT`."""
+    plan = _plan(conversation)
+    unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
+    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights)
 
 
 def _turn_values(
