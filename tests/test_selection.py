@@ -497,3 +497,12 @@ def test_a_long_turn_gets_less_of_its_neighbours_score():
     # at the default reach turn 1 gets 0.5 * 1.0 * 2 * reach / 1,020 of turn 0's score: less than turn 2's lead
     assert 0.5 * 2 * reach / 1020 < 0.1
     assert choose_indices(conversation, costs, budget, scores=scores) == {0, 1, 4, 5, 6, 7, 8}
+
+
+def test_the_latest_turn_lifts_no_neighbour():
+    """A short question's query is built from the latest turn: its score must not pull in the turn before it."""
+    chat = _four_turn_chat()
+    scores = [0.0, 0.0, 0.2, 0.0, 0.1, 0.0, 5.0, 5.0, 0.0]  # the latest turn (3) matches itself
+    conversation = read_conversation(chat)
+    kept = choose_indices(conversation, [10] * 9, 5 * 10, scores=scores)  # room for one turn besides it
+    assert kept == {2, 3, 6, 7, 8}  # turn 1 on its own score, not turn 2 for being next to the latest

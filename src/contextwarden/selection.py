@@ -502,7 +502,7 @@ def choose_indices(
             scores = score_messages(
                 conversation.messages, question=conversation.question, exclude=excluded, weights=weights
             )
-        values = _turn_values(plan, groups, unit_cost, scores, weights)
+        values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
         chosen = select_by_value(group_cost, [values[t] for t in open_turns], left)
     else:
         chosen = []
@@ -524,7 +524,8 @@ def turn_values(
     `choose_indices` weighs it before dividing by its cost ** `DEFAULT_COST_EXPONENT`."""
     plan = _plan(conversation)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
-    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights)
+    latest = (conversation.current - 1) if conversation.current else None
+    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, latest)
 
 
 def _turn_values(
@@ -533,14 +534,17 @@ def _turn_values(
     unit_cost: Sequence[int],
     scores: Sequence[float],
     weights: RelevanceWeights,
+    latest: int | None,
 ) -> dict[int, float]:
     """Each turn's worth when kept whole: its messages' scores plus `weights.turn_share` of the
     best message score in an adjacent turn, in full while the two turns average at most
     `turn_reach` tokens, in proportion beyond (what was said next to a match often completes
-    it; a long turn already holds its own context). bench/quality.py: +0.02-0.03 kept at 2k."""
+    it; a long turn already holds its own context). bench/quality.py: +0.02-0.03 kept at 2k.
+    The `latest` turn (kept first anyway) shares nothing: a short question's query is built from
+    it, so its score is its own words matching themselves."""
     own = {t: [scores[i] for u in us for i in plan.units[u]] for t, us in groups.items()}
     cost = {t: sum(unit_cost[u] for u in us) for t, us in groups.items()}
-    best = {t: max(values, default=0.0) for t, values in own.items()}
+    best = {t: max(values, default=0.0) for t, values in own.items() if t != latest}
     reach, share = 2 * weights.turn_reach, weights.turn_share
     values = {}
     for t, mine in own.items():
