@@ -22,7 +22,7 @@ from .conversation import (
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
 from .recall_index import recall_scores
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 from .selection import (
     STRATEGIES,
     Fingerprints,
@@ -600,11 +600,31 @@ class _Pools:
                 texts=texts,
                 similarity=similarity,
             )
+            scores = _with_neighbours(scores, texts, question, _RECALL_WEIGHTS)
             candidates = recall_candidates(messages, scores, texts)
             counts = self.counter.count_each([messages[i] for i in candidates], self.model)
             costs = dict(zip(candidates, counts, strict=True))
             pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
         return pool
+
+
+def _with_neighbours(
+    scores: Sequence[float], texts: Sequence[str], question: int, weights: RelevanceWeights
+) -> list[float]:
+    """Each message's score plus `turn_share` of its better neighbour's, in full while the two
+    average at most `turn_reach` tokens (by length), in proportion beyond: the rule a new
+    selection applies to turns (see `selection._turn_values`), for the recall's messages."""
+    sizes = [len(text) // 4 + 1 for text in texts]
+    reach, share, n = 2 * weights.turn_reach, weights.turn_share, len(scores)
+    out = list(scores)
+    for i in range(n):
+        if i == question:
+            continue
+        near = [
+            scores[j] * min(1.0, reach / (sizes[i] + sizes[j])) for j in (i - 1, i + 1) if 0 <= j < n and j != question
+        ]
+        out[i] += share * max(near, default=0.0)
+    return out
 
 
 def _recall_cosines(
