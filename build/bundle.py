@@ -78,7 +78,7 @@ AUDIT = [
     ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
     ("network: Redis (only when the redis_url valve is set)", "store.RedisStore.__init__"),
     ("file: the admin's pricing_file valve (read only, checked first)", "pricing._read_price_file"),
-    ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder.prefetch"),
+    ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder._fetch"),
 ]
 # What counts as reaching outside: opening an HTTP client or a Redis connection, reading a file.
 OUTSIDE = re.compile(

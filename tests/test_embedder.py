@@ -63,16 +63,40 @@ async def test_a_slow_embedder_times_out_and_nothing_is_cached():
 
 
 async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again():
-    function = FakeEmbeddingFunction(delay=5)
+    class SlowAndFailing(FakeEmbeddingFunction):
+        async def __call__(self, texts, prefix=None, user=None):
+            await super().__call__(texts)
+            raise RuntimeError("model crashed")  # nothing lands: every turn asks again
+
+    function = SlowAndFailing(delay=0.05)
     embedder = OpenWebUIEmbedder(function)
     chat = chat_about_a_cat()
     for expected in (32, 16, 8, 4, 4):
         with pytest.raises(TimeoutError):
             await embedder.prefetch(chat, timeout=0.01, max_texts=32)
         assert len(function.calls[-1]) == expected
-    function.delay = 0
+        await asyncio.sleep(0.08)  # the call ends (and fails) before the next turn
+    function = FakeEmbeddingFunction()
+    embedder._function = function
     assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 4  # the slow embedder still makes progress
     assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 8  # and is asked for more once it answers
+
+
+async def test_a_late_answer_is_kept_and_no_second_call_starts_beside_it():
+    """The embedder's thread runs on after a turn's timeout: its vectors are kept when they land,
+    and a turn meanwhile waits for that call instead of starting another beside it (on 2 CPU
+    cores each extra call slows every user)."""
+    function = FakeEmbeddingFunction(delay=0.3)
+    embedder = OpenWebUIEmbedder(function)
+    chat = chat_about_a_cat()
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            await embedder.prefetch(chat, timeout=0.05, max_texts=8)
+    assert len(function.calls) == 1
+    await asyncio.sleep(0.35)
+    function.delay = 0
+    assert await embedder.prefetch(chat, timeout=5, max_texts=8) == 4  # halved after the timeout
+    assert set(function.calls[1]).isdisjoint(function.calls[0])  # the late vectors were kept
 
 
 async def test_a_wrong_shaped_answer_is_refused():

@@ -41,6 +41,7 @@ class OpenWebUIEmbedder:
     def __init__(self, function: Any) -> None:
         self._function = function
         self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
+        self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
 
     def batch(self, max_texts: int) -> int:
         """How many texts the next turn asks for: `max_texts`, less after timeouts."""
@@ -53,23 +54,47 @@ class OpenWebUIEmbedder:
     async def prefetch(self, messages: Sequence[Message], *, timeout: float, max_texts: int) -> int:
         """Embed up to `max_texts` uncached messages, newest first, within `timeout`; how many.
 
+        One call at a time: a call that outlives a turn's `timeout` goes on, and its vectors are
+        kept when it lands (the embedder's thread runs on whether awaited or not); a later turn
+        waits for it within its own timeout rather than start another beside it.
         Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        running = self._running
+        if running is not None and not running.done() and running.get_loop() is loop:
+            await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
+            if not running.done() or loop.time() >= deadline:
+                raise TimeoutError("the previous call is still running")
         texts = [embed_text(m) for m in reversed(messages) if m.get("role") not in ("system", "developer")]
         todo = VECTORS.missing(texts, self)[: self.batch(max_texts)]
         if not todo:
             return 0
+        task = self._running = asyncio.ensure_future(self._fetch(todo))
+        task.add_done_callback(_retrieve)
         try:
-            vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), timeout)
+            done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time.
             self._batch = max(MIN_EMBED_BATCH, len(todo) // 2)
             raise
-        self._batch = min(max_texts, 2 * len(todo)) if self._batch else None
+        self._batch = min(max_texts, 2 * done) if self._batch else None
+        return done
+
+    async def _fetch(self, todo: list[str]) -> int:
+        """One call to the embedding function; its vectors go into `VECTORS`, however late."""
+        vectors = await self._function(todo, prefix=None, user=None)
         if not isinstance(vectors, list):
             raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
         VECTORS.put(todo, vectors, self)
         return len(todo)
+
+
+def _retrieve(task: asyncio.Task[int]) -> None:
+    """Read a finished call's outcome, so a failure nobody awaited is not reported as lost
+    (the turn that waited for it has logged it already, or its timeout)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def embedder_of(request: Any) -> OpenWebUIEmbedder | None:
