@@ -189,6 +189,7 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
         "mode": "enforce",
         "tokens_saved": 0,
         "cost_saved_usd": "0",  # the chat fit: nothing trimmed
+        "v": 1,  # records.USAGE_RECORD_VERSION
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
     assert events.statuses == ["321 tokens in · 12 out · $0.0009"]

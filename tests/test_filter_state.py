@@ -88,12 +88,12 @@ async def test_decision_is_saved_and_passed_back_next_turn(counter, store_valves
     )
     assert list(options["pinned"]) == [] and result.decision is not None
     saved = await stored_state(f, user_id, chat_id)
-    assert saved.decision == result.decision.to_json()
+    assert saved.decision == result.decision
     chat = grow(chat, 20)
     await send(f, chat, user_id, chat_id)
     options, second = trims[-1]
-    assert options["previous"].to_json() == saved.decision
-    assert (await stored_state(f, user_id, chat_id)).decision == second.decision.to_json()
+    assert options["previous"] == saved.decision
+    assert (await stored_state(f, user_id, chat_id)).decision == second.decision
 
 
 async def test_a_later_pass_of_the_same_turn_keeps_the_turns_decision(counter, store_valves, trims, unique):
@@ -149,7 +149,7 @@ async def test_state_is_isolated_between_users_and_chats(counter, store_valves, 
         options, _ = trims[-1]
         assert options["previous"] is None and list(options["pinned"]) == []
         assert await stored_state(f, user_id, other_chat) == ChatState(
-            decision=trims[-1][1].decision.to_json(), pins=(), pin_mode=False
+            decision=trims[-1][1].decision, pins=(), pin_mode=False
         )
     # Ann's own chat still has her pins, pin mode and decision
     await send(f, grow(chat, 20), ann, chat_id)
@@ -281,7 +281,7 @@ async def test_unreadable_state_is_ignored(counter, trims, unique):
     assert trims[-1][0]["previous"] is None and len(out["messages"]) < 41
 
 
-@pytest.mark.parametrize("raw", [b'{"v": 2, "pins": ["from a newer version"]}', b"\xff not json", b""])
+@pytest.mark.parametrize("raw", [b'{"v": 3, "pins": ["from a newer version"]}', b"\xff not json", b""])
 async def test_state_this_version_cannot_read_is_never_written_over(counter, store_valves, trims, unique, raw):
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
     key = chat_state_key(f"u-{unique}", f"c-{unique}")
@@ -343,3 +343,22 @@ async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):
     b["metadata"]["contextwarden"] = {"flags": {"budget": "lots"}}
     out = await f.request(b, __user__={"id": f"u-{unique}"}, __metadata__=b["metadata"])
     assert trims[-1][0]["max_tokens"] == 1_500 and len(out["messages"]) < 41
+
+
+async def test_a_worker_upgraded_mid_chat_reuses_the_state_the_previous_version_stored(
+    counter, store_valves, trims, unique
+):
+    """Version 1 of the chat state (each decision as JSON text inside the JSON) is read, its
+    decision reused, and the state written back in the current version."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(20)
+    await send(f, chat, user_id, chat_id)
+    decision = trims[-1][1].decision
+    key = chat_state_key(user_id, chat_id)
+    previous = {"v": 1, "decision": decision.to_json(), "pins": ["p1"], "pin_mode": False}
+    await f._store.set(key, json.dumps(previous, separators=(",", ":")).encode(), ttl=60)
+    await send(f, grow(chat, 20), user_id, chat_id)
+    assert trims[-1][0]["previous"] == decision
+    state = await stored_state(f, user_id, chat_id)
+    assert json.loads(await f._store.get(key))["v"] == 2 and state.pins == ("p1",)

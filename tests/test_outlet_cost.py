@@ -68,6 +68,7 @@ LOG_KEYS = {
     "mode",
     "tokens_saved",
     "cost_saved_usd",
+    "v",
 }
 
 

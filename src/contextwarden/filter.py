@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from enum import Enum
@@ -29,21 +28,22 @@ from .cache_hints import (
     breakpoint_positions,
     breakpoint_provider,
     has_cache_markers,
-    min_cacheable_tokens,
-    needs_breakpoints,
     place_breakpoints,
     remove_breakpoints,
 )
-from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
-from .calibration import (
-    Calibration,
-    comparable_turn,
-    load_calibration,
-    save_calibration,
-    update_calibration,
+from .accounting import (
+    billed_usage,
+    cache_view,
+    learn_caching,
+    learn_calibration,
+    reply_savings_of,
+    spent_tokens,
+    trim_savings,
+    usage_record,
 )
+from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
-from .conversation import Message, message_text
+from .conversation import Message
 from .embedder import OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
@@ -61,24 +61,15 @@ from .limits import (
 )
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
-from .savings import (
-    Savings,
-    cached_prefixes,
-    calibrated_tokens,
-    carried_savings,
-    carries_a_cut,
-    estimate_savings,
-    predicted_cache,
-    price_caches,
-    reply_savings,
-)
+from .records import CacheView, TurnNote, UsageRecord
+from .savings import Savings, carried_savings, carries_a_cut
 from .spendbook import SpendBook
-from .status import PENDING_KEY, TurnChoice, pending_line, shadow_status_line, status_line, usage_status
+from .status import TurnChoice, pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, trim_messages
-from .usage import Usage, compute_cost, read_count, read_usage, with_counts
+from .usage import Cost, Usage, compute_cost, read_count, read_usage
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
@@ -89,7 +80,6 @@ filter_log = logging.getLogger("contextwarden")
 Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
-MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
 # What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
 # is one), fails open. Cancellation and shutdown are not errors of the filter's.
@@ -235,30 +225,6 @@ def _same_messages(a: Sequence[Message], b: Sequence[Message]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _flags_of_turn(value: dict) -> Flags:
-    """The flags an earlier pass of this turn left in `__metadata__` (none when unreadable)."""
-    try:
-        return Flags.from_dict(value)
-    except (KeyError, TypeError, ValueError):
-        return Flags()
-
-
-def _usd_text(amount: Decimal | None) -> str | None:
-    """An exact decimal string for a log line or note (None, and anything not plausible, is None)."""
-    if amount is None or not amount.is_finite() or not -30 <= amount.adjusted() <= 30:
-        return None
-    return format(amount.normalize(), "f")
-
-
-def _log_value(value: object) -> object:
-    """An id or note for a usage line: text clipped to MAX_LOG_TEXT, numbers only when small."""
-    if isinstance(value, str):
-        return value[:MAX_LOG_TEXT]
-    if isinstance(value, (int, float)) and abs(value) < 10**18:
-        return value
-    return None if value is None else type(value).__name__
-
-
 def _sent_id(model_id: str, resolution: Resolution) -> str:
     """The model id the connection receives: without the Open WebUI connection prefix the price
     resolution removed (`openrouter.anthropic/claude-sonnet-4.5` -> `anthropic/claude-sonnet-4.5`)."""
@@ -266,22 +232,10 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
-def _cache_view_ok(view: object) -> bool:
-    """True for a cache view an earlier pass of this turn noted (see `Filter._cache_view`)."""
-    return (
-        isinstance(view, dict)
-        and isinstance(view.get("caches"), bool)
-        and all(type(view.get(k)) is int and view[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
-    )
-
-
-def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: dict) -> TurnChoice:
+def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with."""
-    earlier, excerpts = (
-        n if isinstance(n := note.get(key), int) and 0 <= n <= messages_before else 0
-        for key in ("shortened", "excerpted")
-    )
+    earlier, excerpts = (n if n is not None and n <= messages_before else 0 for n in (note.shortened, note.excerpted))
     return replace(
         choice,
         count_before=messages_before,
@@ -291,17 +245,12 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: d
     )
 
 
-def trim_summary(note: dict) -> str:
+def trim_summary(note: TurnNote | dict) -> str:
     """` · trimmed 9 → 1 messages` for the usage line after a reply (the line left showing), from
     the turn note; "" when nothing was cut or the note is not this filter's (outlet input is hostile)."""
-    savings = _dict_at(note, "savings")
-    before, after = (
-        read_count(v) if isinstance(v, int) else None
-        for v in (savings.get("messages_before"), note.get("sent_messages"))
-    )
-    shortened, excerpted = (
-        read_count(note.get(k)) if isinstance(note.get(k), int) else None for k in ("shortened", "excerpted")
-    )
+    note = note if isinstance(note, TurnNote) else TurnNote.from_dict(note)
+    before = read_count(note.messages_before) if note.messages_before is not None else None
+    after, shortened, excerpted = note.sent_messages, note.shortened, note.excerpted
     if before is None or after is None or after > before or (before == after and not shortened and not excerpted):
         return ""
     text = (
@@ -314,15 +263,42 @@ def trim_summary(note: dict) -> str:
     )
 
 
-def _decision(text: str | None) -> TrimDecision | None:
-    """The stored decision, or None when there is none or it is from another version."""
-    if text is None:
-        return None
-    try:
-        return TrimDecision.from_json(text)
-    except Exception:  # a decision written by another version is simply not reused
-        filter_log.debug("contextwarden: stored trim decision not readable; starting afresh")
-        return None
+@dataclass(slots=True)
+class _Turn:
+    """One pass's inputs, read once and handed from step to step (a local: never on `self`)."""
+
+    body: dict
+    metadata: dict | None
+    settings: Settings
+    model_id: str
+    resolution: Resolution
+    calibration: Calibration
+    note: TurnNote  # what earlier passes of this turn noted
+    read: FlagRead
+    flags: Flags
+    budget: PromptBudget
+    off: bool  # count and trim off the event loop
+    key: str | None  # the chat's state key; None for API callers
+
+    @property
+    def shadow(self) -> bool:
+        return self.settings.mode == "shadow"
+
+    def write(self, note: TurnNote) -> None:
+        """Leave `note` in `__metadata__` for later passes and outlet."""
+        if isinstance(self.metadata, dict):
+            self.metadata[METADATA_KEY] = note.to_dict()
+
+
+@dataclass(frozen=True, slots=True)
+class _TurnMoney:
+    """The tokens a turn removed (earlier passes' included), the cache view and the savings."""
+
+    removed: int
+    messages_before: int
+    hints: bool  # prompt-cache breakpoints go on the sent body
+    cache: CacheView
+    savings: Savings
 
 
 class Filter:
@@ -441,7 +417,33 @@ class Filter:
         settings = await self._settings(user, emit if hook == "inlet" else None)  # valve problems: once a turn
         if settings.mode == "off":
             return body
-        shadow = settings.mode == "shadow"
+        turn = await self._open_turn(body, user, metadata, model, emit, settings)
+        choice = await self._decide(turn, request)
+        money = await self._turn_money(turn, choice, model)
+        note = await self._noted(turn, choice, money)
+        note = await self._show_turn(turn, choice, money, note, emit, hook)
+        if turn.shadow:
+            return body
+        out = choice.messages
+        if hook == "request" and money.hints:
+            out, marked = self._with_breakpoints(out, choice, money.cache.minimum, turn.model_id)
+            note = replace(note, cache_marked=marked)
+            turn.write(note)
+        if _same_messages(out, body["messages"]):
+            return body
+        return {**body, "messages": out}
+
+    async def _open_turn(
+        self,
+        body: dict,
+        user: dict | None,
+        metadata: dict | None,
+        model: dict | None,
+        emit: Emitter | None,
+        settings: Settings,
+    ) -> _Turn:
+        """What a pass knows before it chooses: the model and its price, the calibration, the
+        earlier passes' note, the flags (their text removed) and the prompt's budget."""
         model_id = _base_model_id(body, model)
         await self._await_encoding(model_id)
         resolution = await self._resolve(settings, model_id, emit)
@@ -449,16 +451,15 @@ class Filter:
         window = model_context_length(model) or (resolution.price.context_length if resolution.price else None)
         if (problem := settings.reserve_problem(window)) is not None:
             await self._report(problem, emit)
-        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
-        note = note if isinstance(note, dict) else {}
+        note = TurnNote.from_dict(metadata.get(METADATA_KEY)) if isinstance(metadata, dict) else TurnNote()
         incoming = body["messages"]
-        if isinstance(note.get("cache_marked"), dict):  # an earlier pass's breakpoints off: trim what it saw
-            incoming = remove_breakpoints(incoming, note["cache_marked"])
+        if note.cache_marked is not None:  # an earlier pass's breakpoints off: trim what it saw
+            incoming = remove_breakpoints(incoming, note.cache_marked)
         off = heavy(incoming)
         read = await compute(off, read_flags, incoming, allowed=settings.allowed_flags)
         flags = read.flags
-        if not (flags.used or flags.refused) and isinstance(note.get("flags"), dict):
-            flags = _flags_of_turn(note["flags"])  # an earlier pass of this turn removed them from the text
+        if not (flags.used or flags.refused) and note.flags is not None:
+            flags = note.flags  # an earlier pass of this turn removed them from the text
         budget = prompt_budget(
             settings.budget(window),
             calibration,
@@ -466,162 +467,149 @@ class Filter:
             flags.budget,
             ceiling=settings.window_budget(window),
         )
-        key = chat_state_key(*_ids(body, user, metadata))
-        state, stored_bytes = await self._load_state(key, read, flags)
+        return _Turn(
+            body,
+            metadata,
+            settings,
+            model_id,
+            resolution,
+            calibration,
+            note,
+            read,
+            flags,
+            budget,
+            off,
+            chat_state_key(*_ids(body, user, metadata)),
+        )
+
+    async def _decide(self, turn: _Turn, request: Any) -> TurnChoice:
+        """Choose what to send from the chat's stored state, and store this pass's decision."""
+        settings, shadow, key = turn.settings, turn.shadow, turn.key
+        state, stored_bytes = await self._load_state(key, turn.read, turn.flags)
         # Shadow simulates enforce turn after turn from its own unsent decisions (enforce's last
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
         choice = await self._choose(
-            read.messages, flags, state, chooser, budget, model_id, _decision(stored), embedder, off=off
+            turn.read.messages, turn.flags, state, chooser, turn.budget, turn.model_id, stored, embedder, off=turn.off
         )
-        choice = choice.plus_fixed(budget.fixed.tokens, budget.fixed.label, budget.fixed_over, budget.total)
-        if shadow and not _same_messages(read.messages, body["messages"]):  # sent as it came, flag text and all
-            sent_as_is = await compute(off, self._counter.count_messages, body["messages"], model_id)
-            choice = replace(choice, tokens_before=sent_as_is + budget.fixed.tokens)
+        fixed = turn.budget.fixed
+        choice = choice.plus_fixed(fixed.tokens, fixed.label, turn.budget.fixed_over, turn.budget.total)
+        if shadow and not _same_messages(
+            turn.read.messages, turn.body["messages"]
+        ):  # sent as it came, flag text and all
+            sent_as_is = await compute(turn.off, self._counter.count_messages, turn.body["messages"], turn.model_id)
+            choice = replace(choice, tokens_before=sent_as_is + fixed.tokens)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
-            later_pass = bool(note.get("decided")) and _same_messages(choice.messages, read.messages)
-            decision = stored if choice.decision is None or later_pass else choice.decision.to_json()
+            later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
+            decision = stored if choice.decision is None or later_pass else choice.decision
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await self._save_state(key, stored_bytes, saved, settings.state_ttl_seconds)
+        return choice
+
+    async def _turn_money(self, turn: _Turn, choice: TurnChoice, model: dict | None) -> _TurnMoney:
+        """The tokens this turn removed (earlier passes' included), the cache view and the savings."""
         removed, messages_before = carried_savings(
-            note.get("savings") or {}, len(read.messages), chained=not shadow, cut_seen=carries_a_cut(read.messages)
+            turn.note.carried,
+            len(turn.read.messages),
+            chained=not turn.shadow,
+            cut_seen=carries_a_cut(turn.read.messages),
         )
         removed_now = max(0, choice.tokens_before - choice.tokens_after)
         if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
             removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)
         removed += removed_now
-        factor = calibration.effect
+        factor = turn.calibration.effect
+        resolution, model_id = turn.resolution, turn.model_id
         hints = (
-            settings.prompt_cache_hints == "auto"
-            and not shadow
+            turn.settings.prompt_cache_hints == "auto"
+            and not turn.shadow
             and breakpoint_provider(_sent_id(model_id, resolution), resolution.model_id, model) is not None
         )
-        cache = note.get("cache") if _cache_view_ok(note.get("cache")) else None
+        cache = turn.note.cache
         if cache is None:  # a later pass of this turn keeps the first pass's view: that pass saw the whole chat
-            cache = await self._cache_view(
-                read.messages, choice, choice.tokens_after + removed, resolution, model_id, factor, hints
+            cache = await cache_view(
+                self._store,
+                lambda part: self._counter.count_each(part, model_id),
+                turn.read.messages,
+                choice,
+                choice.tokens_after + removed,
+                resolution,
+                model_id,
+                factor,
+                hints,
             )
-        savings = estimate_savings(
-            choice.tokens_after + removed,
-            choice.tokens_after,
-            factor=factor,
-            price=resolution.price,
-            cache_before=predicted_cache(
-                calibrated_tokens(choice.tokens_after + removed, factor),
-                cache["untrimmed"],
-                resolution.price,
-                caches=cache["caches"],
-                minimum=cache["minimum"],
-            ),
-            cache_after=predicted_cache(
-                calibrated_tokens(choice.tokens_after, factor),
-                cache["trimmed"],
-                resolution.price,
-                caches=cache["caches"],
-                minimum=cache["minimum"],
-            ),
+        savings = trim_savings(choice.tokens_after + removed, choice.tokens_after, factor, resolution, cache)
+        return _TurnMoney(removed, messages_before, hints, cache, savings)
+
+    async def _noted(self, turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote:
+        """The note with this pass's figures (what outlet and later passes read), written to `__metadata__`."""
+        if not isinstance(turn.metadata, dict):
+            return turn.note
+        body, shadow = turn.body, turn.shadow
+        sent, sent_messages = choice.tokens_after, choice.messages
+        if shadow:  # shadow sends the body as it came: counted in _decide
+            sent, sent_messages = choice.tokens_before, body["messages"]
+        note = replace(
+            turn.note,
+            mode=turn.settings.mode,
+            estimated_prompt_tokens=sent,
+            count_mode=choice.count_mode,
+            budget=choice.budget,
+            dropped=0 if shadow else choice.dropped,
+            reused=choice.reused,
+            decided=turn.key is not None,
+            calibration=turn.calibration.effect,
+            comparable=comparable_turn(sent_messages, body),
+            removed=money.removed,
+            messages_before=money.messages_before,
+            tokens_saved=money.savings.tokens_saved,
+            cost_saved_usd=money.savings.cost_saved_usd,
+            cache=money.cache,
+            flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
         )
-        if isinstance(metadata, dict):
-            sent, sent_messages = choice.tokens_after, choice.messages
-            if shadow:  # shadow sends the body as it came: counted above
-                sent, sent_messages = choice.tokens_before, body["messages"]
-            note.update(
-                mode=settings.mode,
-                estimated_prompt_tokens=sent,
-                count_mode=choice.count_mode,
-                budget=choice.budget,
-                dropped=0 if shadow else choice.dropped,
-                reused=choice.reused,
-                decided=key is not None,
-                calibration=calibration.effect,
-                comparable=comparable_turn(sent_messages, body),
-                savings={"removed": removed, "messages_before": messages_before},
-                tokens_saved=savings.tokens_saved,
-                cost_saved_usd=_usd_text(savings.cost_saved_usd),
-                cache=cache,
-            )
-            if flags.used or flags.refused:
-                note["flags"] = flags.to_dict()
-            metadata[METADATA_KEY] = note
-        if settings.show_status:
-            turn = choice if shadow else _turn_so_far(choice, messages_before, removed, note)
-            line = (
-                shadow_status_line(choice, flags, savings, settings.show_cost) if shadow else status_line(turn, flags)
-            )
-            line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
-            if hook == "inlet" and isinstance(metadata, dict):
-                note[PENDING_KEY] = line  # one line a turn: the request pass (tools added) or else outlet says it
-            elif line != note.get("line"):  # a later pass that changes nothing says nothing
-                await self._emit(emit, line)
-                note["line"] = line
-                note.pop(PENDING_KEY, None)
-            if isinstance(metadata, dict):
-                note.update(sent_messages=len(turn.messages), shortened=turn.shortened, excerpted=turn.excerpted)
-        if shadow:
-            return body
-        out = choice.messages
-        if hook == "request" and hints:
-            out = self._with_breakpoints(out, choice, cache["minimum"], model_id, note)
-        if _same_messages(out, body["messages"]):
-            return body
-        return {**body, "messages": out}
+        turn.write(note)
+        return note
+
+    async def _show_turn(
+        self, turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNote, emit: Emitter | None, hook: str
+    ) -> TurnNote:
+        """The turn's status line, shown once a turn (a later pass that changes nothing says nothing)."""
+        settings = turn.settings
+        if not settings.show_status:
+            return note
+        shadow, flags, calibration = turn.shadow, turn.flags, turn.calibration
+        done = choice if shadow else _turn_so_far(choice, money.messages_before, money.removed, note)
+        line = (
+            shadow_status_line(choice, flags, money.savings, settings.show_cost) if shadow else status_line(done, flags)
+        )
+        line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
+        if hook == "inlet" and isinstance(turn.metadata, dict):
+            note = replace(note, pending_line=line)  # one line a turn: the request pass (tools added) or else outlet
+        elif line != note.line:  # a later pass that changes nothing says nothing
+            await self._emit(emit, line)
+            note = replace(note, line=line, pending_line=None)
+        if not isinstance(turn.metadata, dict):
+            return note
+        note = replace(note, sent_messages=len(done.messages), shortened=done.shortened, excerpted=done.excerpted)
+        turn.write(note)
+        return note
 
     def _with_breakpoints(
-        self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str, note: dict
-    ) -> list[Message]:
+        self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str
+    ) -> tuple[list[Message], dict[str, bool] | None]:
         """`messages` with prompt-cache breakpoints on the stable prefix, unless some are there already
-        (another filter's, or the caller's): never a second set. What was marked is noted, so a
-        later pass of this turn takes them off before it trims."""
-        note.pop("cache_marked", None)
+        (another filter's, or the caller's): never a second set. What was marked is returned for the
+        note, so a later pass of this turn takes them off before it trims."""
         if has_cache_markers(messages):
-            return messages
+            return messages, None
         carried = len(messages) if choice.carried is None else choice.carried
         positions = breakpoint_positions(messages, self._counter.count_each(messages, model_id), carried, minimum)
         if not positions:
-            return messages
-        marked, undo = place_breakpoints(messages, positions)
-        note["cache_marked"] = undo
-        return marked
-
-    async def _cache_view(
-        self,
-        messages: list[Message],
-        choice: TurnChoice,
-        untrimmed: int,
-        resolution: Resolution,
-        model_id: str,
-        factor: float,
-        hints: bool,
-    ) -> dict[str, Any]:
-        """What the provider's cache would serve (provider tokens): the untrimmed chat's previous
-        prompt (`untrimmed`), the sent prompt's reused prefix (`trimmed`: all but the newest reply
-        and turn when the previous selection was reused, else its system prompt); whether the model
-        caches at all (learned from replies, else expected from its price and breakpoints)."""
-        minimum = min_cacheable_tokens(resolution.model_id or model_id)
-        view: dict[str, Any] = {"untrimmed": 0, "trimmed": 0, "caches": False, "minimum": minimum}
-        if untrimmed <= choice.tokens_after or not price_caches(resolution.price):
-            return view  # nothing removed (savings are 0 whatever is cached), or a model without a cache price
-        expected = hints or not needs_breakpoints(resolution.model_id or model_id)
-        try:
-            learned = (await load_cache_stats(self._store, resolution.model_id or model_id)).caches()
-        except Exception as exc:  # stats are an estimate's input: go on with the expectation
-            filter_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
-            learned = None
-        view["caches"] = bool(expected if learned is None else learned)
-        untrimmed_prefix, sent_prefix = cached_prefixes(
-            messages,
-            choice.messages,
-            untrimmed,
-            choice.tokens_after,
-            choice.reused,
-            lambda part: self._counter.count_each(part, model_id),
-        )
-        view["untrimmed"] = calibrated_tokens(untrimmed_prefix, factor)
-        view["trimmed"] = calibrated_tokens(sent_prefix, factor)
-        return view
+            return messages, None
+        return place_breakpoints(messages, positions)
 
     async def _choose(
         self,
@@ -795,8 +783,7 @@ class Filter:
             raise TurnRefused(BUSY_TEXT)
         hold = self._inflight.hold(user_id)
         if isinstance(metadata, dict):
-            note = _dict_at(metadata, METADATA_KEY)
-            metadata[METADATA_KEY] = {**note, "limit_hold": hold}
+            metadata[METADATA_KEY] = replace(TurnNote.from_dict(metadata.get(METADATA_KEY)), limit_hold=hold).to_dict()
 
     async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
         """The limits of one user (none without an id, or when no limit is set anywhere)."""
@@ -832,8 +819,7 @@ class Filter:
 
     def _release_hold(self, user: dict | None, metadata: dict | None) -> None:
         """End the hold inlet took for this turn (a user near a limit may start the next)."""
-        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
-        hold = note.get("limit_hold") if isinstance(note, dict) else None
+        hold = TurnNote.from_dict(metadata.get(METADATA_KEY)).limit_hold if isinstance(metadata, dict) else None
         user_id = user.get("id") if isinstance(user, dict) else None
         if isinstance(hold, str) and isinstance(user_id, str):
             self._inflight.release(user_id, hold)
@@ -849,7 +835,7 @@ class Filter:
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
 
-    async def _spend_status(self, settings: Settings, user: dict | None, note: dict, shown: bool) -> str:
+    async def _spend_status(self, settings: Settings, user: dict | None, note: TurnNote, shown: bool) -> str:
         """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
         user_id, role = str((user or {}).get("id") or ""), str((user or {}).get("role") or "")
         if not user_id or not settings.show_status or not shown:
@@ -874,58 +860,78 @@ class Filter:
         model: dict | None,
         emit: Emitter | None,
     ) -> None:
+        """After a reply: bill its usage, log one `usage {json}` line, add it to the ledger and the
+        spend totals, learn from it, and show a status line."""
         if not _is_chat_body(body) or not body["messages"]:
             return
         settings = await self._settings(user, None)  # valve problems were shown before the reply
         metadata = metadata if isinstance(metadata, dict) else {}
-        note = _dict_at(metadata, METADATA_KEY)
+        note = TurnNote.from_dict(metadata.get(METADATA_KEY))
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
+        usage = self._reply_usage(body["messages"][-1])
+        off = heavy(body["messages"])
+        billed, estimated = await compute(
+            off, billed_usage, self._counter, usage, note.estimated_prompt_tokens, body["messages"], model_id
+        )
+        cost = compute_cost(billed, resolution.price)
+        mode = note.mode if note.mode in MODES else settings.mode
+        tokens_saved = note.tokens_saved if mode != "off" else None
+        savings = await reply_savings_of(self._store, billed, note, str(mode), tokens_saved, resolution, model_id)
+        record = usage_record(
+            model_id=model_id,
+            resolution=resolution,
+            user_id=(user or {}).get("id"),
+            chat_id=body.get("chat_id") or metadata.get("chat_id") or None,
+            billed=billed,
+            estimated=estimated,
+            estimated_prompt=note.estimated_prompt_tokens,
+            cost=cost,
+            mode=str(mode),
+            tokens_saved=tokens_saved,
+            savings=savings,
+        )
+        filter_log.info("usage %s", record.to_json())
+        await self._book(
+            settings, (user or {}).get("id"), resolution.model_id or model_id, billed, estimated, cost, record
+        )
+        await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
         reply = body["messages"][-1]
+        if reply.get("role") == "assistant":  # sent back next turn: counted now, off that turn's path
+            await compute(off, self._counter.count_message, reply, model_id)
+        spent = await self._spend_status(settings, user, note, shown=emit is not None)
+        if settings.show_status:
+            if (waiting := pending_line(note.to_dict())) is not None:  # no request pass came (older Open WebUI)
+                await self._emit(emit, waiting)
+            trimmed = trim_summary(note) if mode == "enforce" else ""
+            shown = usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow") + trimmed
+            await self._emit(emit, " · ".join(filter(None, (shown, spent))))
+
+    def _reply_usage(self, reply: dict) -> Usage | None:
+        """The usage the backend reported on the reply; what it said that cannot be true is warned about."""
         rejected: list[str] = []
         usage = read_usage(reply, rejected)
         if rejected:
             self._warn_once(f"contextwarden: reply usage not believed ({', '.join(rejected[:6])}); estimated instead")
-        estimated_prompt = note.get("estimated_prompt_tokens")
-        estimated_prompt = read_count(estimated_prompt) if isinstance(estimated_prompt, int) else None
-        off = heavy(body["messages"])
-        billed, estimated = await compute(off, self._billed_usage, usage, estimated_prompt, body["messages"], model_id)
-        cost = compute_cost(billed, resolution.price)
-        if cost.cost_usd is None:
-            cost_note = resolution.reason if resolution.price is None and resolution.reason else cost.reason
-        else:
-            cost_note = "; ".join(cost.notes) or None
-        user_id = (user or {}).get("id")
-        mode = note.get("mode") if note.get("mode") in MODES else settings.mode
-        tokens_saved = note.get("tokens_saved") if mode != "off" else None
-        tokens_saved = read_count(tokens_saved) if isinstance(tokens_saved, int) else None
-        savings = await self._reply_savings(billed, note, str(mode), tokens_saved, resolution, model_id)
-        cost_saved = savings.cost_saved_usd if savings is not None else None
-        record = {
-            "model": _log_value(model_id),
-            "resolved_model": _log_value(resolution.model_id),
-            "user_id": _log_value(user_id),
-            "chat_id": _log_value(body.get("chat_id") or metadata.get("chat_id") or None),
-            "prompt_tokens": billed.prompt_tokens,
-            "completion_tokens": billed.completion_tokens,
-            "cached_tokens": billed.cached_tokens,
-            "reasoning_tokens": billed.reasoning_tokens,
-            "estimated": estimated,
-            "estimated_prompt_tokens": estimated_prompt,
-            "usage_shape": billed.shape,
-            "cost_usd": _usd_text(cost.cost_usd),
-            "cost_source": cost.cost_source,
-            "cost_note": _log_value(cost_note),
-            "mode": mode,
-            "tokens_saved": tokens_saved,
-            "cost_saved_usd": _usd_text(cost_saved),
-        }
-        filter_log.info("usage %s", json.dumps(record, separators=(",", ":")))
-        try:  # after the log line, once: never retried, so never counted twice
+        return usage
+
+    async def _book(
+        self,
+        settings: Settings,
+        user_id: object,
+        model_key: str,
+        billed: Usage,
+        estimated: bool,
+        cost: Cost,
+        record: UsageRecord,
+    ) -> None:
+        """The reply into the usage ledger, then the spend totals: after the log line, once (never
+        retried, so never counted twice)."""
+        try:
             await record_reply(
                 self._store,
                 user=user_id,
-                model=resolution.model_id or model_id,
+                model=model_key,
                 prompt_tokens=billed.prompt_tokens,
                 completion_tokens=billed.completion_tokens,
                 cached_tokens=billed.cached_tokens,
@@ -934,113 +940,38 @@ class Filter:
                 estimated=estimated,
                 retention_days=settings.ledger_retention_days,
                 day=self._now().date(),
-                tokens_saved=tokens_saved or 0,
-                cost_saved_usd=cost_saved,
-                shadow=mode == "shadow",
+                tokens_saved=record.tokens_saved or 0,
+                cost_saved_usd=record.cost_saved_usd,
+                shadow=record.mode == "shadow",
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
-            await self._record_spend(
-                user_id, cost.cost_usd, (billed.prompt_tokens or 0) + (billed.completion_tokens or 0)
-            )
+            await self._record_spend(user_id, cost.cost_usd, spent_tokens(billed))
+
+    async def _learn(
+        self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str
+    ) -> None:
+        """What a reply with real usage teaches: the count calibration (a comparable, exactly
+        counted prompt) and whether the model's cache serves anything."""
         if (
             settings.calibrate_counts
             and not estimated
             and usage is not None
             and not usage.calls_summed
-            and estimated_prompt is not None
-            and note.get("count_mode") == "exact"
-            and note.get("comparable") is True
+            and note.estimated_prompt_tokens is not None
+            and note.count_mode == "exact"
+            and note.comparable
         ):
             try:
-                await self._learn_calibration(resolution.model_id or model_id, estimated_prompt, usage.prompt_tokens)
+                await self._learn_calibration(model_key, note.estimated_prompt_tokens, usage.prompt_tokens)
             except Exception as exc:
                 filter_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
         if not estimated:
             try:
-                await self._learn_caching(resolution.model_id or model_id, billed)
+                await learn_caching(self._store, model_key, billed)
             except Exception as exc:
                 filter_log.debug("contextwarden: cache stats not updated (%s)", type(exc).__name__)
-        if reply.get("role") == "assistant":
-            await compute(
-                off, self._counter.count_message, reply, model_id
-            )  # sent back next turn: counted now, off that turn's path
-        spent = await self._spend_status(settings, user, note, shown=emit is not None)
-        if settings.show_status:
-            if (waiting := pending_line(note)) is not None:  # no request pass came (older Open WebUI)
-                await self._emit(emit, waiting)
-            trimmed = trim_summary(note) if mode == "enforce" else ""
-            await self._emit(
-                emit,
-                " · ".join(
-                    filter(
-                        None,
-                        (
-                            usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow")
-                            + trimmed,
-                            spent,
-                        ),
-                    )
-                ),
-            )
-
-    async def _reply_savings(
-        self, billed: Usage, note: dict, mode: str, tokens_saved: int | None, resolution: Resolution, model_id: str
-    ) -> Savings | None:
-        """This reply's savings, cache-aware now that the backend said what its cache served (None
-        in `off` mode). The model caches when this reply was served from cache, else as learned
-        from earlier replies, else as the request hook expected from its price and breakpoints."""
-        if tokens_saved is None:
-            return None
-        model_key = resolution.model_id or model_id
-        view = _dict_at(note, "cache")
-        caches = bool(billed.cached_tokens)
-        if not caches and tokens_saved > 0:
-            try:
-                learned = (await load_cache_stats(self._store, model_key)).caches()
-            except Exception as exc:
-                filter_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
-                learned = None
-            caches = view.get("caches") is True if learned is None else learned
-        prefix = view.get("trimmed" if mode == "shadow" else "untrimmed")
-        prefix = prefix if isinstance(prefix, int) and not isinstance(prefix, bool) and prefix >= 0 else 0
-        return reply_savings(
-            billed,
-            shadow=mode == "shadow",
-            tokens_saved=tokens_saved,
-            other_prefix=prefix,
-            price=resolution.price,
-            caches=caches,
-            minimum=min_cacheable_tokens(model_key),
-        )
-
-    async def _learn_caching(self, model_key: str, billed: Usage) -> None:
-        """Count this reply in the model's cache stats (prompts over the minimum, and cache hits)."""
-        stats = await load_cache_stats(self._store, model_key)
-        updated = update_cache_stats(stats, billed.prompt_tokens, billed.cached_tokens, min_cacheable_tokens(model_key))
-        if updated is not None:
-            await save_cache_stats(self._store, model_key, updated)
-
-    def _billed_usage(
-        self, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
-    ) -> tuple[Usage, bool]:
-        """The usage to log and bill: the backend's, with what it left out estimated (and marked)."""
-        if usage is not None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
-            return usage, False
-        prompt = usage.prompt_tokens if usage is not None else None
-        if prompt is None:
-            prompt = (
-                estimated_prompt
-                if estimated_prompt is not None
-                else self._counter.count_messages(messages[:-1], model_id)
-            )
-        completion = usage.completion_tokens if usage is not None else None
-        if completion is None:
-            completion = self._counter.count_text(message_text(messages[-1]), model_id)
-        if usage is None:
-            return Usage(prompt, completion, shape="estimate"), True
-        return with_counts(usage, prompt, completion), True
 
     # -- prices, calibration, stream usage -----------------------------------------------------
 
@@ -1072,11 +1003,7 @@ class Filter:
             return Calibration()
 
     async def _learn_calibration(self, model_key: str, counted: int, real: int | None) -> None:
-        if real is None:
-            return
-        updated = update_calibration(await load_calibration(self._store, model_key), counted, real)
-        if updated is not None:
-            await save_calibration(self._store, model_key, updated)
+        await learn_calibration(self._store, model_key, counted, real)
 
     def _ask_stream_usage(self, body: Any, user: dict | None, model: dict | None) -> Any:
         """The body with `stream_options.include_usage` when the backend should be asked."""

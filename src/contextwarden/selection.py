@@ -161,29 +161,38 @@ class TrimDecision:
         if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
             object.__setattr__(self, "excerpts", ())
 
+    def to_dict(self) -> dict:
+        """This decision as JSON values (what the filter stores per chat, inside `ChatState`)."""
+        return {
+            "v": DECISION_FORMAT,
+            "max_tokens": self.max_tokens,
+            "tokens": self.tokens,
+            "strategy": self.strategy,
+            "kept": list(self.kept),
+            "at": list(self.at),
+            "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
+            "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls],
+            "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
+        }
+
     def to_json(self) -> str:
-        """A compact JSON text of this decision (what the filter stores per chat)."""
-        return json.dumps(
-            {
-                "v": DECISION_FORMAT,
-                "max_tokens": self.max_tokens,
-                "tokens": self.tokens,
-                "strategy": self.strategy,
-                "kept": list(self.kept),
-                "at": list(self.at),
-                "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
-                "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls],
-                "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
-            },
-            separators=(",", ":"),
-        )
+        """A compact JSON text of this decision."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TrimDecision:
         """Read a decision written by `to_json`; ValueError when it is not one."""
         try:
             data = json.loads(text)
-            if data.get("v") != DECISION_FORMAT:
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: object) -> TrimDecision:
+        """Read a decision written by `to_dict`; ValueError when it is not one."""
+        try:
+            if data.get("v") != DECISION_FORMAT:  # type: ignore[union-attr]
                 raise ValueError(f"unknown decision format {data.get('v')!r}")
             kept = tuple(data["kept"])
             if not all(isinstance(k, str) for k in kept):
@@ -211,7 +220,7 @@ class TrimDecision:
                 recalls=tuple(r for r in recalls if r is not None),
                 excerpts=_excerpt_records(data.get("excerpts")),  # absent before excerpts
             )
-        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+        except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
 
 

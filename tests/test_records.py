@@ -1,0 +1,155 @@
+"""The records that cross a boundary (`records.py`, `chatstate.py`): round trips, and reading
+what the previous version wrote (a worker upgraded mid-chat, or Open WebUI re-executing the
+module between a turn's inlet and its outlet)."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal as D
+
+import pytest
+
+from contextwarden.chatstate import CHAT_STATE_VERSION, ChatState
+from contextwarden.flags import Flags
+from contextwarden.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
+from contextwarden.selection import Recall, TrimDecision
+
+DECISION = TrimDecision(
+    max_tokens=1_000,
+    tokens=640,
+    strategy="relevance",
+    kept=("a1b2c3d4e5f60718", "0f1e2d3c4b5a6978"),
+    at=(3, 7),
+    seen=9,
+    seen_tokens=2_400,
+    seen_chars=9_000,
+    counted_with="o200k_base",
+    recalls=(Recall(7, (1,), ("1122334455667788",)),),
+)
+
+# What the previous version (main before typed records, with excerpts) left in __metadata__ after inlet and request.
+PREVIOUS_NOTE = {
+    "limit_hold": "h-1",
+    "mode": "enforce",
+    "estimated_prompt_tokens": 640,
+    "count_mode": "exact",
+    "budget": 1_000,
+    "dropped": 3,
+    "reused": False,
+    "decided": True,
+    "calibration": 1.0,
+    "comparable": True,
+    "savings": {"removed": 900, "messages_before": 40},
+    "tokens_saved": 900,
+    "cost_saved_usd": "0.00225",
+    "cache": {"untrimmed": 0, "trimmed": 0, "caches": False, "minimum": 1_024},
+    "flags": Flags(keep=2, used=("keep",)).to_dict(),
+    "line": "kept 12 of 40 messages",
+    "sent_messages": 12,
+    "shortened": 1,
+    "excerpted": 2,
+    "cache_marked": {"a1b2c3d4e5f60718": True},
+}
+# The previous version's usage line (after "usage "), as tests/test_filter.py saw it.
+PREVIOUS_USAGE_LINE = (
+    '{"model":"gpt-4o","resolved_model":"openai/gpt-4o","user_id":"u1","chat_id":"c1","prompt_tokens":321,'
+    '"completion_tokens":12,"cached_tokens":null,"reasoning_tokens":null,"estimated":false,'
+    '"estimated_prompt_tokens":530,"usage_shape":"openai","cost_usd":"0.0009225","cost_source":"price_table",'
+    '"cost_note":null,"mode":"enforce","tokens_saved":0,"cost_saved_usd":"0"}'
+)
+
+
+# ---- the turn note -------------------------------------------------------------------------
+
+
+def test_a_turn_note_reads_the_previous_versions_note_and_writes_it_back_with_its_version():
+    note = TurnNote.from_dict(PREVIOUS_NOTE)
+    assert (note.mode, note.estimated_prompt_tokens, note.removed, note.messages_before) == ("enforce", 640, 900, 40)
+    assert note.cost_saved_usd == D("0.00225")  # a number inside, text only in the JSON
+    assert note.cache == CacheView(0, 0, False, 1_024) and note.flags == Flags(keep=2, used=("keep",))
+    assert (note.line, note.sent_messages, note.shortened, note.excerpted) == ("kept 12 of 40 messages", 12, 1, 2)
+    assert note.limit_hold == "h-1"
+    assert note.to_dict() == {**PREVIOUS_NOTE, "v": NOTE_VERSION}
+
+
+def test_a_turn_note_round_trips():
+    note = TurnNote(
+        mode="shadow", estimated_prompt_tokens=10, cost_saved_usd=D("-0.01875"), cache=CacheView(5, 1, True, 0)
+    )
+    assert TurnNote.from_dict(note.to_dict()) == note
+    assert TurnNote.from_json(note.to_json()) == note
+    assert TurnNote.from_dict(TurnNote().to_dict()) == TurnNote() and TurnNote().to_dict() == {"v": NOTE_VERSION}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        [],
+        {"v": NOTE_VERSION + 1, "mode": "enforce"},  # a newer version's note: nothing of it is trusted
+        {"estimated_prompt_tokens": 10**30, "tokens_saved": True, "cost_saved_usd": "1e999000", "shortened": -1},
+        {"cache": {"untrimmed": -1, "trimmed": 0, "caches": True, "minimum": 0}, "flags": {"full": 1}},
+    ],
+)
+def test_a_turn_note_bounds_what_it_reads(raw):
+    note = TurnNote.from_dict(raw)
+    assert note.estimated_prompt_tokens is None and note.tokens_saved is None and note.cost_saved_usd is None
+    assert note.shortened is None and note.cache is None
+    assert note.flags in (None, Flags())
+
+
+# ---- the usage line ------------------------------------------------------------------------
+
+
+def test_a_usage_record_reads_the_previous_versions_line():
+    record = UsageRecord.from_json(PREVIOUS_USAGE_LINE)
+    assert (record.model, record.prompt_tokens, record.cost_usd, record.cost_saved_usd) == (
+        "gpt-4o",
+        321,
+        D("0.0009225"),
+        D("0"),
+    )
+    assert json.loads(record.to_json()) == {**json.loads(PREVIOUS_USAGE_LINE), "v": USAGE_RECORD_VERSION}
+
+
+def test_a_usage_record_round_trips_and_clips_what_it_logs():
+    record = UsageRecord(model="m" * 1_000, user_id="u1", cost_saved_usd=D("-0.5"), estimated=True, mode="shadow")
+    again = UsageRecord.from_json(record.to_json())
+    assert again.model == "m" * 200 and again.cost_saved_usd == D("-0.5") and again.estimated is True
+    assert UsageRecord.from_json(again.to_json()) == again
+    with pytest.raises(ValueError):
+        UsageRecord.from_json('{"v": 99}')
+    with pytest.raises(ValueError):
+        UsageRecord.from_json("usage {")
+
+
+# ---- the chat state ------------------------------------------------------------------------
+
+
+def test_chat_state_round_trips_with_decisions_as_json_objects():
+    state = ChatState(decision=DECISION, pins=("p1", "p2"), pin_mode=True, shadow_decision=DECISION)
+    raw = state.to_bytes()
+    data = json.loads(raw)
+    assert data["v"] == CHAT_STATE_VERSION == 2 and isinstance(data["decision"], dict)  # no JSON inside the JSON
+    assert ChatState.from_bytes(raw) == state
+    assert "shadow_decision" not in json.loads(ChatState(decision=DECISION).to_bytes())
+
+
+def test_chat_state_reads_what_the_previous_version_stored():
+    """Version 1 (main before typed records) kept each decision as its own JSON text."""
+    previous = json.dumps(
+        {
+            "v": 1,
+            "decision": DECISION.to_json(),
+            "pins": ["p1"],
+            "pin_mode": True,
+            "shadow_decision": DECISION.to_json(),
+        },
+        separators=(",", ":"),
+    ).encode()
+    assert ChatState.parse(previous) == ChatState(
+        decision=DECISION, pins=("p1",), pin_mode=True, shadow_decision=DECISION
+    )
+    unreadable = json.dumps({"v": 1, "decision": "{broken", "pins": ["p1"], "pin_mode": False}).encode()
+    assert ChatState.parse(unreadable) == ChatState(pins=("p1",))  # the pins live on; the decision is not reused
+    assert ChatState.parse(b'{"v": 3, "decision": null, "pins": [], "pin_mode": false}') is None
