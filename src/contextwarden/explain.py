@@ -9,7 +9,7 @@ decision), so `trim_messages` pays nothing for it. Pure; for the `contextwarden 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cache_hints import min_cacheable_tokens
 from .conversation import Conversation, Message, is_recall_message, read_conversation
@@ -150,106 +150,197 @@ def explain_trim(
         >>> explain_trim(chat, result, model="gpt-4o", token_counter=counter).messages[0].reasons  # doctest: +SKIP
         ('mandatory: system prompt',)
     """
+    facts = _facts(messages, result, model, token_counter, strategy, keep_last_turns, pinned, previous, summarized)
+    rows = tuple(_row(i, message, facts) for i, message in enumerate(messages))
+    parts = _budget_parts(facts, result, low_watermark, growth_turns, window, reserve, calibration)
+    if result.excerpted:  # the excerpts sent cost what their copies do, not the messages they were cut from
+        parts = replace(parts, history_sent=parts.history_sent + _excerpts_cost(result, token_counter, model))
+    savings = _savings(messages, result, model, token_counter, price) if price is not None else None
+    return Explanation(rows, parts, result.reused, result.notes, savings)
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What explaining each message needs, read once from the chat and the result."""
+
+    conversation: Conversation
+    costs: list[int]
+    result: TrimResult
+    strategy: str
+    keep_last_turns: int
+    kept: set[int]
+    shortened: set[int]
+    covered: set[int]
+    system: set[int]
+    mandatory: set[int]
+    orphans: set[int]
+    turn_of: dict[int, int]
+    unit_of: dict[int, range]
+    recent: Collection[int]
+    pins: set[int]
+    remembered: set[str]
+    trimmed: bool
+    scores: list[float] | None
+    worth: dict[int, float]
+
+
+def _facts(
+    messages: Sequence[Message],
+    result: TrimResult,
+    model: str | None,
+    token_counter: TokenCounter,
+    strategy: str,
+    keep_last_turns: int,
+    pinned: Collection[int],
+    previous: TrimDecision | None,
+    summarized: Collection[int],
+) -> _Facts:
     conversation = read_conversation(messages)
-    costs = token_counter.count_each(messages, model)
-    kept, shortened, covered = set(result.kept), set(result.shortened), set(summarized)
-    system = set(conversation.system_indices)
-    mandatory = set(mandatory_indices(conversation))
-    orphans = set(conversation.orphan_indices)
-    turn_of, unit_of = _turn_of(conversation), _unit_of(conversation)
-    recent = recent_turns(conversation, keep_last_turns)
-    pins = {i for p in pinned for i in unit_of.get(p, (p,))}
-    remembered = set(previous.kept) if previous is not None and result.reused else set()
+    system, orphans = set(conversation.system_indices), set(conversation.orphan_indices)
+    unit_of = _unit_of(conversation)
     trimmed = bool(result.dropped or result.shortened)
     question = conversation.question
+    costs = token_counter.count_each(messages, model)
     scores: list[float] | None = None
     worth: dict[int, float] = {}
     if trimmed and not result.reused and question is not None and strategy == "relevance":
         scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
         worth = turn_values(conversation, costs, scores)
+    return _Facts(
+        conversation=conversation,
+        costs=costs,
+        result=result,
+        strategy=strategy,
+        keep_last_turns=keep_last_turns,
+        kept=set(result.kept),
+        shortened=set(result.shortened),
+        covered=set(summarized),
+        system=system,
+        mandatory=set(mandatory_indices(conversation)),
+        orphans=orphans,
+        turn_of=_turn_of(conversation),
+        unit_of=unit_of,
+        recent=recent_turns(conversation, keep_last_turns),
+        pins={i for p in pinned for i in unit_of.get(p, (p,))},
+        remembered=set(previous.kept) if previous is not None and result.reused else set(),
+        trimmed=trimmed,
+        scores=scores,
+        worth=worth,
+    )
 
-    rows = []
-    for i, message in enumerate(messages):
-        sent = i in kept or i in shortened
-        action = "shortened" if i in shortened else "kept" if sent else "summarized" if i in covered else "dropped"
-        action = "excerpted" if i in result.excerpted else action
-        reasons: list[str] = []
-        if i in orphans:
-            reasons.append("orphan tool message: its call is not in the chat, never sent")
-        elif i in system:
-            reasons.append("mandatory: system prompt")
-        elif i in mandatory:
-            reasons.append("mandatory: current turn" if i != question else "mandatory: current turn (latest question)")
-        elif not trimmed:
-            reasons.append("everything fits the budget")
-        else:
-            if i in pins:
-                reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
-            if turn_of.get(i) in recent:
-                reasons.append(f"recent (keep_last_turns={keep_last_turns})" + ("" if sent else ", but did not fit"))
-            elif conversation.current and turn_of.get(i) == conversation.current - 1 and not result.reused:
-                reasons.append(
-                    "the latest answer and its question, kept whenever they fit"
-                    + ("" if sent and i not in result.excerpted else ": did not")
-                )
-            if result.reused:
-                if sent and message_fingerprint(message) in remembered:
-                    reasons.append("reused from the previous decision (same prefix, provider cache hits)")
-                elif sent:
-                    reasons.append("new since the previous decision")
-            elif scores is not None and not reasons:
-                together = (
-                    [j for j in conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
-                )
-                total = worth[turn_of[i]] if turn_of.get(i) in worth else sum(scores[j] for j in together)
-                value = total / max(1, sum(costs[j] for j in together)) ** DEFAULT_COST_EXPONENT
-                reasons.append(
-                    f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, "
-                    + ("worth its tokens" if sent else "below what was kept, or did not fit")
-                )
-            if not reasons:
-                newest = strategy == "recent" and not result.reused
-                reasons.append(
-                    ("among the newest turns that fit" if newest else "kept") if sent else "older than what fit"
-                )
-        unit = unit_of.get(i)
-        if unit is not None and len(unit) > 1 and i not in orphans:
-            reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
-        turn = conversation.turns[turn_of[i]].indices if i in turn_of and i not in mandatory else []
-        if trimmed and len(turn) > 1:
-            reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
-        if i in result.excerpted:
-            reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
-        elif i in shortened:
-            reasons.insert(0, "mandatory content over budget: cut middle-out")
-        if i in covered:
-            reasons.append("a summary note stands for it")
-        rows.append(
-            MessageReason(
-                i,
-                str(message.get("role", "?")),
-                costs[i],
-                action,
-                tuple(reasons),
-                scores[i] if scores is not None and i not in mandatory | orphans else None,
-            )
+
+def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
+    """One message's action and reasons: why it was sent or not, then what it was sent with."""
+    sent = i in facts.kept or i in facts.shortened
+    action = (
+        "shortened" if i in facts.shortened else "kept" if sent else "summarized" if i in facts.covered else "dropped"
+    )
+    action = "excerpted" if i in facts.result.excerpted else action
+    reasons = _why(i, message, sent, facts) + _together(i, facts)
+    if i in facts.result.excerpted:
+        reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
+    elif i in facts.shortened:
+        reasons.insert(0, "mandatory content over budget: cut middle-out")
+    if i in facts.covered:
+        reasons.append("a summary note stands for it")
+    scores = facts.scores
+    return MessageReason(
+        i,
+        str(message.get("role", "?")),
+        facts.costs[i],
+        action,
+        tuple(reasons),
+        scores[i] if scores is not None and i not in facts.mandatory | facts.orphans else None,
+    )
+
+
+def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
+    """Why message `i` was sent or not: its place in the chat, pins, recency, reuse, its score."""
+    conversation, result = facts.conversation, facts.result
+    if i in facts.orphans:
+        return ["orphan tool message: its call is not in the chat, never sent"]
+    if i in facts.system:
+        return ["mandatory: system prompt"]
+    if i in facts.mandatory:
+        return [
+            "mandatory: current turn" if i != conversation.question else "mandatory: current turn (latest question)"
+        ]
+    if not facts.trimmed:
+        return ["everything fits the budget"]
+    reasons: list[str] = []
+    if i in facts.pins:
+        reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
+    if facts.turn_of.get(i) in facts.recent:
+        reasons.append(f"recent (keep_last_turns={facts.keep_last_turns})" + ("" if sent else ", but did not fit"))
+    elif conversation.current and facts.turn_of.get(i) == conversation.current - 1 and not result.reused:
+        reasons.append(
+            "the latest answer and its question, kept whenever they fit"
+            + ("" if sent and i not in result.excerpted else ": did not")
         )
+    if result.reused:
+        if sent and message_fingerprint(message) in facts.remembered:
+            reasons.append("reused from the previous decision (same prefix, provider cache hits)")
+        elif sent:
+            reasons.append("new since the previous decision")
+    elif facts.scores is not None and not reasons:
+        reasons.append(_score_reason(i, sent, facts))
+    if not reasons:
+        newest = facts.strategy == "recent" and not result.reused
+        reasons.append(("among the newest turns that fit" if newest else "kept") if sent else "older than what fit")
+    return reasons
 
+
+def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
+    """The value of message `i`'s turn as selection weighs it (scores per token^exponent)."""
+    assert facts.scores is not None
+    turn_of, mandatory, scores, costs = facts.turn_of, facts.mandatory, facts.scores, facts.costs
+    whole = [j for j in facts.conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+    worth = facts.worth
+    total = worth[turn_of[i]] if turn_of.get(i) in worth else sum(scores[j] for j in whole)
+    value = total / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
+    return f"score: its turn's value {value:.3f} per token^{DEFAULT_COST_EXPONENT:g}, " + (
+        "worth its tokens" if sent else "below what was kept, or did not fit"
+    )
+
+
+def _together(i: int, facts: _Facts) -> list[str]:
+    """The units message `i` goes with: its tool pair, its whole turn."""
+    reasons = []
+    unit = facts.unit_of.get(i)
+    if unit is not None and len(unit) > 1 and i not in facts.orphans:
+        reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
+    turn_of = facts.turn_of
+    turn = facts.conversation.turns[turn_of[i]].indices if i in turn_of and i not in facts.mandatory else []
+    if facts.trimmed and len(turn) > 1:
+        reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
+    return reasons
+
+
+def _budget_parts(
+    facts: _Facts,
+    result: TrimResult,
+    low_watermark: float,
+    growth_turns: int,
+    window: int | None,
+    reserve: int | None,
+    calibration: float | None,
+) -> BudgetParts:
+    """What the budget was made of: system prompt, current turn, reply priming, the history's share."""
+    costs, system, mandatory, trimmed = facts.costs, facts.system, facts.mandatory, facts.trimmed
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
     watermark = 1.0 if result.count_mode == "estimate" else low_watermark  # as trim_messages does
-    whole = selection_target(conversation, costs, result.budget, watermark, growth_turns)
+    whole = selection_target(facts.conversation, costs, result.budget, watermark, growth_turns)
     target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
-    sent_history = sum(costs[i] for i in kept if i not in mandatory) + _excerpts_cost(result, token_counter, model)
-    parts = BudgetParts(
+    return BudgetParts(
         budget=result.budget,
         system_tokens=system_tokens,
         current_turn_tokens=current_tokens,
         reply_priming_tokens=TOKENS_PER_REPLY,
         history_available=available,
         history_target=available if result.reused or not trimmed else target,
-        history_sent=sent_history,
+        history_sent=sum(costs[i] for i in facts.kept if i not in mandatory),
         window=window,
         reserve=reserve,
         calibration=calibration,
@@ -257,8 +348,6 @@ def explain_trim(
         fill=result.tokens_after / result.budget,
         fill_rule=_fill_rule(result, trimmed, whole, watermark, growth_turns),
     )
-    savings = _savings(messages, result, model, token_counter, price) if price is not None else None
-    return Explanation(tuple(rows), parts, result.reused, result.notes, savings)
 
 
 def _excerpts_cost(result: TrimResult, counter: TokenCounter, model: str | None) -> int:
