@@ -232,6 +232,14 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
+def _pinned(messages: list[Message], state: ChatState) -> list[int]:
+    """The positions of the user messages the chat's state has pinned."""
+    pins = set(state.pins)
+    if not pins:
+        return []
+    return [i for i, m in enumerate(messages) if m.get("role") == "user" and pin_fingerprint(m) in pins]
+
+
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with."""
@@ -629,19 +637,10 @@ class Filter:
         counter = self._counter
         budget = prompt.messages
         if flags.full:
-            costs, mode, _ = await compute(
-                off, counter.count_each_as, messages, model_id
-            )  # the label goes with the counts
-            tokens = TOKENS_PER_REPLY + sum(costs)
-            return TurnChoice(
-                messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True
-            )
+            return await self._untrimmed(messages, budget, model_id, off)
         at, merged = find_summary(messages)
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
-        pins = set(state.pins)
-        pinned = (
-            [i for i, m in enumerate(base) if m.get("role") == "user" and pin_fingerprint(m) in pins] if pins else []
-        )
+        pinned = _pinned(base, state)
 
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
             return trim_messages(
@@ -676,15 +675,43 @@ class Filter:
         ):
             result = await compute(off, retrim, budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
-            done = await summarize_trim(
-                base, result, retrim=retrim, config=settings.summary, store=self._store, counter=counter, model=model_id
-            )
-            if done is not None:
-                chosen = TurnChoice.of(done.result, done.messages)
-                return replace(
-                    chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True
-                )
+            summarized = await self._summarized(base, result, retrim, settings, model_id, budget)
+            if summarized is not None:
+                return summarized
         return TurnChoice.of(result, result.messages)
+
+    async def _summarized(
+        self,
+        base: list[Message],
+        result: TrimResult,
+        retrim: Callable[[int], TrimResult],
+        settings: Settings,
+        model_id: str,
+        budget: int,
+    ) -> TurnChoice | None:
+        """The trim with a summary of what it dropped (None when no summary came)."""
+        assert settings.summary is not None
+        done = await summarize_trim(
+            base,
+            result,
+            retrim=retrim,
+            config=settings.summary,
+            store=self._store,
+            counter=self._counter,
+            model=model_id,
+        )
+        if done is None:
+            return None
+        chosen = TurnChoice.of(done.result, done.messages)
+        return replace(
+            chosen, tokens_before=result.tokens_before, tokens_after=done.tokens, budget=budget, summarized=True
+        )
+
+    async def _untrimmed(self, messages: list[Message], budget: int, model_id: str, off: bool) -> TurnChoice:
+        """`!full`: the chat as it is, counted (the count's label goes with the counts)."""
+        costs, mode, _ = await compute(off, self._counter.count_each_as, messages, model_id)
+        tokens = TOKENS_PER_REPLY + sum(costs)
+        return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
 
     async def _embed_ahead(self, embedder: OpenWebUIEmbedder, messages: list[Message], settings: Settings) -> bool:
         """Fetch this chat's missing vectors from Open WebUI's embedder, within the turn's limits.

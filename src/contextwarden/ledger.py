@@ -161,6 +161,28 @@ class LedgerRow(_Money):
         return out
 
 
+def _savings_fields(tokens_saved: int, cost_saved_usd: Decimal | None, shadow: bool) -> dict[str, int]:
+    """The counters of a trimmed reply (`shadow_*` when shadow mode only estimated them)."""
+    prefix = "shadow_" if shadow else ""
+    saved = cost_saved_usd or Decimal(0)  # negative when the untrimmed chat was cheaper (prompt cache)
+    return {
+        prefix + "trimmed": 1,
+        prefix + "tokens_saved": tokens_saved,
+        prefix + "cost_saved_picousd": (
+            -usd_to_picodollars(-saved) if saved.is_finite() and saved < 0 else usd_to_picodollars(saved)
+        ),
+    }
+
+
+def _check_fields(fields: dict[str, int]) -> None:
+    """ValueError unless every counter is an int within its limit (checked before anything is written)."""
+    for name, amount in fields.items():
+        limit = _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT)
+        low = -limit if name in SIGNED_MONEY_FIELDS else 0
+        if not isinstance(amount, int) or isinstance(amount, bool) or not low <= amount <= limit:
+            raise ValueError(f"ledger field {name} out of range")
+
+
 async def record_reply(
     store: Store,
     *,
@@ -216,18 +238,8 @@ async def record_reply(
         "unpriced": int(cost_usd is None),
     }
     if tokens_saved > 0:
-        prefix = "shadow_" if shadow else ""
-        fields[prefix + "trimmed"] = 1
-        fields[prefix + "tokens_saved"] = tokens_saved
-        saved = cost_saved_usd or Decimal(0)  # negative when the untrimmed chat was cheaper (prompt cache)
-        fields[prefix + "cost_saved_picousd"] = (
-            -usd_to_picodollars(-saved) if saved.is_finite() and saved < 0 else usd_to_picodollars(saved)
-        )
-    for name, amount in fields.items():  # checked before anything is written
-        limit = _FIELD_LIMITS.get(name, MAX_TOKEN_COUNT)
-        low = -limit if name in SIGNED_MONEY_FIELDS else 0
-        if not isinstance(amount, int) or isinstance(amount, bool) or not low <= amount <= limit:
-            raise ValueError(f"ledger field {name} out of range")
+        fields.update(_savings_fields(tokens_saved, cost_saved_usd, shadow))
+    _check_fields(fields)
     await store.incr(key, fields, ttl=max(1, retention_days) * 86_400, once=f"ledger:{uuid.uuid4().hex}")
     return key
 

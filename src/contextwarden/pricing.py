@@ -535,6 +535,31 @@ def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None,
     return None, None, None
 
 
+def _by_alias(
+    requested: str, names: Sequence[str], prefix: str | None, book: PriceBook, aliases: Mapping[str, str]
+) -> Resolution | None:
+    """The resolution an admin alias gives the first of `names` it matches (None: no alias matches)."""
+    for name in names:
+        pattern = _model_glob_match(name, aliases)
+        if pattern is None:
+            continue
+        target = aliases[pattern]
+        resolved, _step, reason = _resolve_chain(target, book)
+        if resolved is None:
+            return Resolution(
+                requested,
+                None,
+                None,
+                prefix=prefix,
+                reason=(
+                    f"model_aliases maps {pattern!r} to {target!r}, which is not in the price "
+                    f"book ({book.source})" + (f"; {reason}" if reason else "")
+                ),
+            )
+        return Resolution(requested, resolved, "alias", prefix=prefix, price=book.prices[resolved])
+    return None
+
+
 def resolve_model(
     model_id: str,
     book: PriceBook,
@@ -567,24 +592,9 @@ def resolve_model(
     query, prefix = _strip_connection_prefix(requested, book, prefixes)
     names = (requested, query) if query != requested else (requested,)
     if aliases:
-        for name in names:
-            pattern = _model_glob_match(name, aliases)
-            if pattern is None:
-                continue
-            target = aliases[pattern]
-            resolved, _step, reason = _resolve_chain(target, book)
-            if resolved is None:
-                return Resolution(
-                    requested,
-                    None,
-                    None,
-                    prefix=prefix,
-                    reason=(
-                        f"model_aliases maps {pattern!r} to {target!r}, which is not in the price "
-                        f"book ({book.source})" + (f"; {reason}" if reason else "")
-                    ),
-                )
-            return Resolution(requested, resolved, "alias", prefix=prefix, price=book.prices[resolved])
+        aliased = _by_alias(requested, names, prefix, book, aliases)
+        if aliased is not None:
+            return aliased
     for name in names:
         if _model_glob_match(name, free_models) is not None:
             return Resolution(requested, requested, "free", prefix=prefix, price=FREE_PRICE)

@@ -450,6 +450,33 @@ def recent_turns(conversation: Conversation, keep_last_turns: int) -> set[int]:
     return set(range(current - max(0, keep_last_turns - 1), current))
 
 
+def _pick_turns(
+    conversation: Conversation,
+    plan: _Plan,
+    groups: dict[int, list[int]],
+    unit_cost: Sequence[int],
+    open_turns: list[int],
+    group_cost: list[int],
+    left: int,
+    strategy: Strategy,
+    weights: RelevanceWeights,
+    scores: Sequence[float] | None,
+) -> list[int]:
+    """The strategy's pick among the turns still open (positions in `open_turns`) within `left`."""
+    if strategy == "recent":
+        return select_recent(group_cost, max(0, left))
+    if not (open_turns and left > 0 and conversation.question is not None):
+        return []
+    if scores is None:
+        excluded = conversation.system_indices + conversation.orphan_indices
+        scores = score_messages(
+            conversation.messages, question=conversation.question, exclude=excluded, weights=weights
+        )
+    latest = (conversation.current - 1) if conversation.current else None
+    values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
+    return select_by_value(group_cost, [values[t] for t in open_turns], left)
+
+
 def choose_indices(
     conversation: Conversation,
     costs: Sequence[int],
@@ -503,18 +530,7 @@ def choose_indices(
             left -= cost
     open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
     group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
-    if strategy == "recent":
-        chosen = select_recent(group_cost, max(0, left))
-    elif open_turns and left > 0 and conversation.question is not None:
-        if scores is None:
-            excluded = conversation.system_indices + conversation.orphan_indices
-            scores = score_messages(
-                conversation.messages, question=conversation.question, exclude=excluded, weights=weights
-            )
-        values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
-        chosen = select_by_value(group_cost, [values[t] for t in open_turns], left)
-    else:
-        chosen = []
+    chosen = _pick_turns(conversation, plan, groups, unit_cost, open_turns, group_cost, left, strategy, weights, scores)
     for k in chosen:
         taken.update(groups[open_turns[k]])
         left -= group_cost[k]

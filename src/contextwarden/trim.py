@@ -725,6 +725,22 @@ def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str])
     return score_messages(conversation.messages, question=question, exclude=excluded, similarity=similarity)
 
 
+def _history_unchanged(
+    messages: Sequence[Message], previous: TrimDecision, scheme: str
+) -> tuple[list[int], int] | None:
+    """(system positions, history length) when the messages `previous` saw are there unchanged
+    in length and counted alike; None when the shortcut cannot tell."""
+    seen = previous.seen
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0 or previous.excerpts:
+        return None
+    system = system_positions(messages)
+    chars = history_chars(messages, system)
+    new_chars = history_chars(messages[seen:], [i - seen for i in system if i >= seen])
+    if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
+        return None
+    return system, chars
+
+
 def _extend_previous(
     messages: Sequence[Message],
     previous: TrimDecision,
@@ -743,13 +759,10 @@ def _extend_previous(
     selection no longer fits); the full path then decides, with the same result."""
     seen = previous.seen
     scheme, mode = counter.scheme(model), counter.mode(model)
-    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0 or previous.excerpts:
+    known = _history_unchanged(messages, previous, scheme)
+    if known is None:
         return None
-    system = system_positions(messages)
-    chars = history_chars(messages, system)
-    new_chars = history_chars(messages[seen:], [i - seen for i in system if i >= seen])
-    if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
-        return None
+    system, chars = known
     fingerprints = Fingerprints(messages)
     keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns, system=system)
     if keep is None:
@@ -789,10 +802,27 @@ def _extend_previous(
         counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
     )
+    return _reused_result(sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable)
+
+
+def _reused_result(
+    sent: list[Message],
+    order: list[int],
+    keep: set[int],
+    count: int,
+    before: int,
+    after: int,
+    max_tokens: int,
+    mode: CountMode,
+    decision: TrimDecision,
+    blocks: list[_Block],
+    stable: int,
+) -> TrimResult:
+    """The result of a turn that sent the previous selection again, plus what is new."""
     return TrimResult(
         messages=sent,
         kept=tuple(order),
-        dropped=tuple(filterfalse(keep.__contains__, range(len(messages)))),
+        dropped=tuple(filterfalse(keep.__contains__, range(count))),
         shortened=(),
         tokens_before=before,
         tokens_after=after,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from decimal import Decimal, localcontext
 
-from .pricing import ModelPrice, read_decimal
+from .pricing import ModelPrice, PriceTier, read_decimal
 
 __all__ = [
     "MAX_TOKEN_COUNT",
@@ -360,6 +360,35 @@ def _cost_term(tokens: int | None, rate: Decimal | None, what: str) -> tuple[Dec
     return tokens * rate, None
 
 
+def _cost_terms(
+    usage: Usage, price: ModelPrice, rates: PriceTier
+) -> tuple[list[tuple[int | None, Decimal | None, str]], list[str]]:
+    """The (tokens, rate, what) terms of a price_table cost, and notes on what was assumed."""
+    reported = (usage.cached_tokens or 0, usage.cache_write_tokens or 0)
+    parts = _cache_parts(usage.prompt_tokens, *reported)
+    cached, written = parts[0] or 0, parts[1] or 0
+    notes: list[str] = []
+    if (cached, written) != reported:
+        notes.append("cached + cache-write tokens exceed prompt tokens; counted up to the prompt")
+    uncached = None if usage.prompt_tokens is None else usage.prompt_tokens - cached - written
+    terms = [
+        (uncached, rates.prompt, "prompt"),
+        (cached, rates.cache_read, "cache read"),
+        (written, rates.cache_write, "cache write"),
+    ]
+    reasoning = usage.reasoning_tokens or 0
+    completion = usage.completion_tokens
+    if price.internal_reasoning and reasoning and completion is not None:
+        visible = max(completion - reasoning, 0)
+        terms += [
+            (visible, rates.completion, "completion"),
+            (completion - visible, price.internal_reasoning, "reasoning"),
+        ]
+    else:
+        terms.append((completion, rates.completion, "completion"))
+    return terms, notes
+
+
 def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     """Cost of one reply in USD: the provider's own figure when given, else usage x price.
 
@@ -395,28 +424,7 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     if any(c is not None and read_count(c) is None for c in counts):
         return Cost(None, None, reason=f"a token count is beyond {MAX_TOKEN_COUNT:,}")
     rates = price.rates_for(usage.prompt_tokens)
-    reported = (usage.cached_tokens or 0, usage.cache_write_tokens or 0)
-    parts = _cache_parts(usage.prompt_tokens, *reported)
-    cached, written = parts[0] or 0, parts[1] or 0
-    notes: list[str] = []
-    if (cached, written) != reported:
-        notes.append("cached + cache-write tokens exceed prompt tokens; counted up to the prompt")
-    uncached = None if usage.prompt_tokens is None else usage.prompt_tokens - cached - written
-    terms = [
-        (uncached, rates.prompt, "prompt"),
-        (cached, rates.cache_read, "cache read"),
-        (written, rates.cache_write, "cache write"),
-    ]
-    reasoning = usage.reasoning_tokens or 0
-    completion = usage.completion_tokens
-    if price.internal_reasoning and reasoning and completion is not None:
-        visible = max(completion - reasoning, 0)
-        terms += [
-            (visible, rates.completion, "completion"),
-            (completion - visible, price.internal_reasoning, "reasoning"),
-        ]
-    else:
-        terms.append((completion, rates.completion, "completion"))
+    terms, notes = _cost_terms(usage, price, rates)
     if price.varies_by_time:
         notes.append("price varies by time of day; the base price was used")
     total = Decimal(0)

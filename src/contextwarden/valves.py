@@ -521,6 +521,84 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     def number(source: object, name: str, default: int) -> int:
         return _in_range(take(source, name, default), name, default, problems)
 
+    window, reserve = _window(valves, number, defaults, problems)
+    aliases, globs = _model_names(valves, take, problems)
+    ttl = _pricing_ttl(valves, take, defaults, problems)
+    retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
+    user_window, show, show_cost, show_spend = _user_view(valves, user_valves, take, number)
+    allowed = _allowed_flags(valves, take, problems)
+    strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
+    keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
+    watermark = _watermark(valves, take, problems)
+    growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
+    ttl_hours = number(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
+    summary = _summary_config(valves, take, ttl_hours * 3600, problems)
+    embed_timeout = _embed_timeout(valves, take, problems)
+    embed_texts = number(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
+    mode, cache_hints = _modes(valves, take, problems)
+    switches = _switches(valves, take, problems)  # read in this order: problems are told in it
+    settings = Settings(
+        **switches,
+        max_context_tokens=window,
+        user_max_context_tokens=user_window,
+        reserve_output_tokens=reserve,
+        model_aliases=aliases,
+        show_status=show,
+        show_cost=show_cost,
+        pricing_ttl_hours=float(ttl),
+        free_models=globs["free_models"],
+        connection_prefixes=globs["connection_prefixes"],
+        ledger_retention_days=retention,
+        strategy=strategy,
+        keep_last_turns=keep,
+        low_watermark=watermark,
+        growth_turns=growth,
+        state_ttl_seconds=ttl_hours * 3600,
+        allowed_flags=allowed,
+        summary=summary,
+        mode=mode,
+        embed_timeout_seconds=float(embed_timeout),
+        embed_max_texts=embed_texts,
+        show_spend=show_spend,
+        prompt_cache_hints=cache_hints,
+    )
+    return settings, problems
+
+
+def _modes(valves: object, take, problems: list[ConfigError]) -> tuple[Mode, str]:
+    """The filter's mode and the prompt-cache hints setting."""
+    mode = _one_of(
+        take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)"
+    )
+    cache_hints = _one_of(
+        take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems
+    )
+    return mode, cache_hints
+
+
+def _switches(valves: object, take, problems: list[ConfigError]) -> dict:
+    """The valves taken as they are (the store, prices, usage, calibration, embedder, limits)."""
+    return {
+        "redis_url": take(valves, "redis_url", ""),
+        "openrouter_pricing": take(valves, "openrouter_pricing", True),
+        "pricing_file": take(valves, "pricing_file", "").strip(),
+        "request_stream_usage": take(valves, "request_stream_usage", True),
+        "calibrate_counts": take(valves, "calibrate_counts", True),
+        "semantic_relevance": take(valves, "semantic_relevance", True),
+        "limits": _limit_rules(valves, take, problems),
+        "limit_store_failure": _one_of(
+            take(valves, "limit_store_failure", "fail-open"),
+            "limit_store_failure",
+            LIMIT_STORE_FAILURES,
+            "fail-open",
+            problems,
+        ),
+        "spend_for_all": take(valves, "show_spend", False),
+    }
+
+
+def _window(valves: object, number, defaults: Valves, problems: list[ConfigError]) -> tuple[int, int]:
+    """The admin's window and output reserve (the reserve below the window)."""
     window = number(valves, "max_context_tokens", defaults.max_context_tokens)
     reserve = number(valves, "reserve_output_tokens", defaults.reserve_output_tokens)
     if window and reserve >= window:
@@ -531,6 +609,13 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             )
         )
         reserve = window // 4
+    return window, reserve
+
+
+def _model_names(
+    valves: object, take, problems: list[ConfigError]
+) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """The model aliases, and the free-model and connection-prefix globs."""
     try:
         aliases = parse_aliases(take(valves, "model_aliases", ""))
     except ConfigError as exc:
@@ -543,6 +628,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
         except ConfigError as exc:
             problems.append(exc)
             globs[name] = ()
+    return aliases, globs
+
+
+def _pricing_ttl(valves: object, take, defaults: Valves, problems: list[ConfigError]) -> float:
     ttl = take(valves, "pricing_ttl_hours", defaults.pricing_ttl_hours)
     if ttl <= 0:
         problems.append(
@@ -551,13 +640,21 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             )
         )
         ttl = DEFAULT_PRICING_TTL_HOURS
-    retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
+    return ttl
+
+
+def _user_view(valves: object, user_valves: object | None, take, number) -> tuple[int, bool, bool, bool]:
+    """A user's window, and whether they see status lines, costs and their spend."""
     user_window, show, show_cost, show_spend = 0, take(valves, "show_status", True), True, True
     if user_valves is not None:
         user_window = number(user_valves, "max_context_tokens", 0)
         show = show and take(user_valves, "show_status", True)
         show_cost = take(user_valves, "show_cost", True)
         show_spend = take(user_valves, "show_spend", True)
+    return user_window, show, show_cost, show_spend
+
+
+def _allowed_flags(valves: object, take, problems: list[ConfigError]) -> frozenset[str]:
     allowed, unknown = parse_flag_names(take(valves, "allowed_user_flags", DEFAULT_ALLOWED_FLAGS))
     if unknown:
         problems.append(
@@ -566,8 +663,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
                 valve="allowed_user_flags",
             )
         )
-    strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
-    keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
+    return allowed
+
+
+def _watermark(valves: object, take, problems: list[ConfigError]) -> float:
     watermark = take(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
     if not 0 < watermark <= 1:
         problems.append(
@@ -576,9 +675,10 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             )
         )
         watermark = DEFAULT_LOW_WATERMARK
-    growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
-    ttl_hours = number(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
-    summary = _summary_config(valves, take, ttl_hours * 3600, problems)
+    return watermark
+
+
+def _embed_timeout(valves: object, take, problems: list[ConfigError]) -> float:
     embed_timeout = take(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
     if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
         problems.append(
@@ -589,53 +689,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             )
         )
         embed_timeout = DEFAULT_EMBED_TIMEOUT
-    embed_texts = number(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
-    mode = _one_of(
-        take(valves, "mode", "enforce"), "mode", MODES, FALLBACK_MODE, problems, " (chats are sent unchanged)"
-    )
-    cache_hints = _one_of(
-        take(valves, "prompt_cache_hints", "auto"), "prompt_cache_hints", CACHE_HINTS, "auto", problems
-    )
-    settings = Settings(
-        max_context_tokens=window,
-        user_max_context_tokens=user_window,
-        reserve_output_tokens=reserve,
-        redis_url=take(valves, "redis_url", ""),
-        model_aliases=aliases,
-        show_status=show,
-        show_cost=show_cost,
-        openrouter_pricing=take(valves, "openrouter_pricing", True),
-        pricing_ttl_hours=float(ttl),
-        pricing_file=take(valves, "pricing_file", "").strip(),
-        free_models=globs["free_models"],
-        connection_prefixes=globs["connection_prefixes"],
-        request_stream_usage=take(valves, "request_stream_usage", True),
-        calibrate_counts=take(valves, "calibrate_counts", True),
-        ledger_retention_days=retention,
-        strategy=strategy,
-        keep_last_turns=keep,
-        low_watermark=watermark,
-        growth_turns=growth,
-        state_ttl_seconds=ttl_hours * 3600,
-        allowed_flags=allowed,
-        summary=summary,
-        mode=mode,
-        semantic_relevance=take(valves, "semantic_relevance", True),
-        embed_timeout_seconds=float(embed_timeout),
-        embed_max_texts=embed_texts,
-        limits=_limit_rules(valves, take, problems),
-        limit_store_failure=_one_of(
-            take(valves, "limit_store_failure", "fail-open"),
-            "limit_store_failure",
-            LIMIT_STORE_FAILURES,
-            "fail-open",
-            problems,
-        ),
-        show_spend=show_spend,
-        spend_for_all=take(valves, "show_spend", False),
-        prompt_cache_hints=cache_hints,
-    )
-    return settings, problems
+    return embed_timeout
 
 
 def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRules:
