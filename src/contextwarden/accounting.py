@@ -10,7 +10,7 @@ The filter passes the store, the counter and the price resolution in; nothing he
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .cache_hints import min_cacheable_tokens, needs_breakpoints
 from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
@@ -49,7 +49,7 @@ accounting_log = logging.getLogger("contextwarden")
 
 async def cache_view(
     store: Store,
-    count_each: Callable[[list[Message]], list[int]],
+    count_each: Callable[[Sequence[Message]], list[int]],
     messages: list[Message],
     choice: TurnChoice,
     untrimmed: int,

@@ -22,15 +22,6 @@ from enum import Enum
 from itertools import repeat
 from typing import Any, Final
 
-from .adminview import is_usage_command, usage_answer
-from .budget import PromptBudget, fixed_cost, prompt_budget
-from .cache_hints import (
-    breakpoint_positions,
-    breakpoint_provider,
-    has_cache_markers,
-    place_breakpoints,
-    remove_breakpoints,
-)
 from .accounting import (
     billed_usage,
     cache_view,
@@ -40,6 +31,15 @@ from .accounting import (
     spent_tokens,
     trim_savings,
     usage_record,
+)
+from .adminview import is_usage_command, usage_answer
+from .budget import PromptBudget, fixed_cost, prompt_budget
+from .cache_hints import (
+    breakpoint_positions,
+    breakpoint_provider,
+    has_cache_markers,
+    place_breakpoints,
+    remove_breakpoints,
 )
 from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
@@ -945,7 +945,7 @@ class Filter:
     async def _book(
         self,
         settings: Settings,
-        user_id: object,
+        user_id: Any,  # the client's: record_reply and the spend totals check it
         model_key: str,
         billed: Usage,
         estimated: bool,

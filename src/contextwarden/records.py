@@ -67,6 +67,11 @@ def _count(raw: object) -> int | None:
     return read_count(raw) if isinstance(raw, int) else None
 
 
+def _text(raw: object) -> str | None:
+    """A short text from a record (clipped as the log line clips it), else None."""
+    return raw[:MAX_LOG_TEXT] if isinstance(raw, str) else None
+
+
 @dataclass(frozen=True, slots=True)
 class CacheView:
     """What the provider's cache would serve this turn (provider tokens), noted by the first pass:
@@ -181,7 +186,8 @@ class TurnNote:
         input is the client's), anything unreadable left at its default, an unknown version empty."""
         if not isinstance(raw, dict) or raw.get("v", NOTE_VERSION) != NOTE_VERSION:
             return cls()
-        savings = raw.get("savings") if isinstance(raw.get("savings"), dict) else {}
+        carried = raw.get("savings")
+        savings: dict[str, Any] = carried if isinstance(carried, dict) else {}
         flags = raw.get("flags")
         line = raw.get("line")
         hold = raw.get("limit_hold")
@@ -299,23 +305,22 @@ class UsageRecord:
             raise ValueError(f"not a usage record: {type(exc).__name__}") from exc
         if not isinstance(data, dict) or data.get("v", USAGE_RECORD_VERSION) != USAGE_RECORD_VERSION:
             raise ValueError("not a usage record of this version")
-        counts = {
-            k: _count(data.get(k))
-            for k in (
-                "prompt_tokens",
-                "completion_tokens",
-                "cached_tokens",
-                "reasoning_tokens",
-                "estimated_prompt_tokens",
-                "tokens_saved",
-            )
-        }
-        texts = {k: data[k] if isinstance(data.get(k), str) else None for k in ("usage_shape", "cost_source", "mode")}
         return cls(
-            **{k: log_value(data.get(k)) for k in ("model", "resolved_model", "user_id", "chat_id", "cost_note")},
-            **counts,
-            **texts,
+            model=log_value(data.get("model")),
+            resolved_model=log_value(data.get("resolved_model")),
+            user_id=log_value(data.get("user_id")),
+            chat_id=log_value(data.get("chat_id")),
+            prompt_tokens=_count(data.get("prompt_tokens")),
+            completion_tokens=_count(data.get("completion_tokens")),
+            cached_tokens=_count(data.get("cached_tokens")),
+            reasoning_tokens=_count(data.get("reasoning_tokens")),
             estimated=data.get("estimated") is True,
+            estimated_prompt_tokens=_count(data.get("estimated_prompt_tokens")),
+            usage_shape=_text(data.get("usage_shape")),
             cost_usd=read_usd(data.get("cost_usd")),
+            cost_source=_text(data.get("cost_source")),
+            cost_note=log_value(data.get("cost_note")),
+            mode=_text(data.get("mode")),
+            tokens_saved=_count(data.get("tokens_saved")),
             cost_saved_usd=read_usd(data.get("cost_saved_usd")),
         )

@@ -191,8 +191,10 @@ class TrimDecision:
     @classmethod
     def from_dict(cls, data: object) -> TrimDecision:
         """Read a decision written by `to_dict`; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError(f"not a TrimDecision: {type(data).__name__}")
         try:
-            if data.get("v") != DECISION_FORMAT:  # type: ignore[union-attr]
+            if data.get("v") != DECISION_FORMAT:
                 raise ValueError(f"unknown decision format {data.get('v')!r}")
             kept = tuple(data["kept"])
             if not all(isinstance(k, str) for k in kept):
