@@ -14,7 +14,7 @@ from typing import Any
 
 from . import __version__
 from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
-from .conversation import message_text
+from .conversation import Message, message_text
 from .errors import ConfigError
 from .explain import Explanation, explain_trim
 from .ledger import LedgerEntry, ledger_totals, read_ledger
@@ -22,7 +22,7 @@ from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .pricing import PriceBook, resolve_model
 from .report import render_csv, render_html, render_json, render_table
 from .savings import SAVINGS_ASSUMPTION
-from .selection import STRATEGIES, TrimDecision
+from .selection import DEFAULT_KEEP_LAST_TURNS, STRATEGIES, TrimDecision
 from .status import savings_status
 from .store import RedisStore, open_store
 from .tokens import TokenCounter
@@ -173,39 +173,49 @@ def _cmd_trim(args: argparse.Namespace) -> int:
             price=price,
         )
     if args.json:
-        document = {
-            "model": model,
-            "budget": result.budget,
-            "tokens_before": result.tokens_before,
-            "tokens_after": result.tokens_after,
-            "count_mode": result.count_mode,
-            "kept": list(result.kept),
-            "shortened": list(result.shortened),
-            "excerpted": list(result.excerpted),
-            "dropped": list(result.dropped),
-            "over_budget": result.over_budget,
-            "decision": json.loads(result.decision.to_json()) if result.decision else None,
-            "messages": result.messages,
-        }
+        document = _trim_document(model, result)
         if explanation is not None:
             document["explain"] = explanation.as_dict()
         json.dump(document, sys.stdout, ensure_ascii=False, indent=2)
         print()
     elif explanation is not None:
-        _print_explanation(explanation)
-        print()
-        print(
-            f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
-            f"{result.tokens_after:,} tokens ({result.count_mode} counts)"
-        )
-        for note in result.notes:
-            print(f"note: {note}")
-        if explanation.savings is not None and explanation.savings.cost_saved_usd is not None:
-            print(savings_status(explanation.savings, False).removeprefix(" · ") + f" (bundled {model} prices)")
-            print(f"note: {SAVINGS_ASSUMPTION}")
+        _print_explained(messages, result, explanation, model)
     else:
         _print_table(messages, result, counter, model)
     return 0
+
+
+def _trim_document(model: str | None, result: TrimResult) -> dict[str, Any]:
+    """`trim --json`: the result, its decision (for `--previous` next turn) and the messages to send."""
+    return {
+        "model": model,
+        "budget": result.budget,
+        "tokens_before": result.tokens_before,
+        "tokens_after": result.tokens_after,
+        "count_mode": result.count_mode,
+        "kept": list(result.kept),
+        "shortened": list(result.shortened),
+        "excerpted": list(result.excerpted),
+        "dropped": list(result.dropped),
+        "over_budget": result.over_budget,
+        "decision": result.decision.to_dict() if result.decision else None,
+        "messages": result.messages,
+    }
+
+
+def _print_explained(messages: list[Message], result: TrimResult, explanation: Explanation, model: str | None) -> None:
+    """`trim --explain`: the reasons table, then the totals, notes and savings."""
+    _print_explanation(explanation)
+    print()
+    print(
+        f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
+        f"{result.tokens_after:,} tokens ({result.count_mode} counts)"
+    )
+    for note in result.notes:
+        print(f"note: {note}")
+    if explanation.savings is not None and explanation.savings.cost_saved_usd is not None:
+        print(savings_status(explanation.savings, False).removeprefix(" · ") + f" (bundled {model} prices)")
+        print(f"note: {SAVINGS_ASSUMPTION}")
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -290,12 +300,8 @@ def _since_date(text: str) -> date:
         raise argparse.ArgumentTypeError(f"not a date: {text!r} (use YYYY-MM-DD)") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `contextwarden` command."""
-    parser = argparse.ArgumentParser(prog="contextwarden", description="Keep chats inside a token budget.")
-    parser.add_argument("--version", action="version", version=f"contextwarden {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_trim_command(commands: Any) -> None:
+    """`contextwarden trim`: its options, those of `trim_messages` with the same defaults."""
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
     trim.add_argument("chat", help='chat JSON: a list of messages or {"model": ..., "messages": [...]}; - for stdin')
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
@@ -324,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         help="relevance: what matters to the latest question (default); recent: the newest turns that fit",
     )
     trim.add_argument(
-        "--keep-last-turns", type=int, default=1, help="latest turns kept first (default 1: the current one)"
+        "--keep-last-turns",
+        type=int,
+        default=DEFAULT_KEEP_LAST_TURNS,
+        help=f"latest turns kept first (default {DEFAULT_KEEP_LAST_TURNS}: the current one)",
     )
     trim.add_argument(
         "--pin",
@@ -350,15 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     trim.set_defaults(run=_cmd_trim)
 
-    build = commands.add_parser("build", help="write open_webui_filter.py, the single file for Open WebUI")
-    build.add_argument("--output", help="where to write (default: open_webui_filter.py)")
-    build.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
-    build.set_defaults(run=_cmd_build)
 
-    encodings = commands.add_parser("encodings", help="seed tiktoken's cache for offline machines")
-    encodings.add_argument("--dir", help="cache directory (default: tiktoken's, from TIKTOKEN_CACHE_DIR)")
-    encodings.set_defaults(run=_cmd_encodings)
-
+def _add_usage_command(commands: Any) -> None:
+    """`contextwarden usage`: totals from the ledger in Redis."""
     usage = commands.add_parser("usage", help="usage and cost totals per user, model or day (from Redis)")
     usage.add_argument("--redis-url", help="the Redis the filter records into (its redis_url valve)")
     usage.add_argument(
@@ -376,6 +379,26 @@ def main(argv: list[str] | None = None) -> int:
         "--html", metavar="FILE", help="also write a one-page HTML report (chart + tables; works offline)"
     )
     usage.set_defaults(run=_cmd_usage)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `contextwarden` command."""
+    parser = argparse.ArgumentParser(prog="contextwarden", description="Keep chats inside a token budget.")
+    parser.add_argument("--version", action="version", version=f"contextwarden {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    _add_trim_command(commands)
+
+    build = commands.add_parser("build", help="write open_webui_filter.py, the single file for Open WebUI")
+    build.add_argument("--output", help="where to write (default: open_webui_filter.py)")
+    build.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
+    build.set_defaults(run=_cmd_build)
+
+    encodings = commands.add_parser("encodings", help="seed tiktoken's cache for offline machines")
+    encodings.add_argument("--dir", help="cache directory (default: tiktoken's, from TIKTOKEN_CACHE_DIR)")
+    encodings.set_defaults(run=_cmd_encodings)
+
+    _add_usage_command(commands)
 
     args = parser.parse_args(argv)
     if getattr(args, "max_tokens", 1) is not None and getattr(args, "max_tokens", 1) <= 0:

@@ -18,6 +18,7 @@ from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .selection import (
     DEFAULT_COST_EXPONENT,
+    DEFAULT_KEEP_LAST_TURNS,
     Strategy,
     TrimDecision,
     mandatory_indices,
@@ -124,7 +125,7 @@ def explain_trim(
     model: str | None = None,
     token_counter: TokenCounter,
     strategy: Strategy = "relevance",
-    keep_last_turns: int = 1,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
     low_watermark: float = DEFAULT_LOW_WATERMARK,

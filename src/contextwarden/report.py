@@ -229,47 +229,12 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
         '<rect width="6" height="6" fill="#ffffff"/>'
         f'<rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>',
     ]
-    tick = Decimal(0)
-    while tick <= axis_top:
-        y = top + plot_h - float(tick) * scale
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">${tick.normalize():f}</text>')
-        tick += step
-
-    def rect(x: float, y: float, h: float, fill: str, title: str) -> str:
-        return (
-            f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" fill="{fill}" '
-            f'stroke="{SAVED_COLOR if fill.startswith("url") else "none"}"><title>{html.escape(title)}</title></rect>'
-        )
+    parts += _chart_grid(axis_top, step, scale, left, width - right, top + plot_h)
 
     every = max(1, len(days) // 20)
     for i, day in enumerate(days):
         x = left + slot * i + slot / 2 - bar - 1
-        y = top + plot_h
-        for m_index, model in enumerate(models):
-            amount = cells.get((day, model), 0)
-            if not amount:
-                continue
-            h = float(picodollars_to_usd(amount)) * scale
-            y -= h
-            parts.append(
-                rect(
-                    x,
-                    y,
-                    h,
-                    CHART_COLORS[m_index % len(CHART_COLORS)],
-                    f"{day} · {model}: {usd(picodollars_to_usd(amount))}",
-                )
-            )
-        y = top + plot_h
-        for amount, fill, what in zip(
-            savings.get(day, (0, 0)), (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)"), strict=True
-        ):
-            if not amount:
-                continue
-            h = float(picodollars_to_usd(amount)) * scale
-            y -= h
-            parts.append(rect(x + bar + 2, y, h, fill, f"{day} · {what}: about {usd(picodollars_to_usd(amount))}"))
+        parts += _day_bars(day, x, top + plot_h, bar, scale, models, cells, savings.get(day, (0, 0)))
         if i % every == 0:
             cx, cy = left + slot * i + slot / 2, top + plot_h + 14
             parts.append(
@@ -277,6 +242,63 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
             )
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" class="axis"/>')
     parts.append("</svg>")
+    return "".join(parts) + _chart_legend(models)
+
+
+def _bar(x: float, y: float, h: float, bar: float, fill: str, title: str) -> str:
+    return (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" fill="{fill}" '
+        f'stroke="{SAVED_COLOR if fill.startswith("url") else "none"}"><title>{html.escape(title)}</title></rect>'
+    )
+
+
+def _day_bars(
+    day: str,
+    x: float,
+    base: float,
+    bar: float,
+    scale: float,
+    models: Sequence[str],
+    cells: dict[tuple[str, str], int],
+    saved: tuple[int, int],
+) -> list[str]:
+    """One day's two bars: its cost stacked by model, and beside it saved and would-have-saved."""
+    parts = []
+    y = base
+    for m_index, model in enumerate(models):
+        amount = cells.get((day, model), 0)
+        if not amount:
+            continue
+        h = float(picodollars_to_usd(amount)) * scale
+        y -= h
+        color = CHART_COLORS[m_index % len(CHART_COLORS)]
+        parts.append(_bar(x, y, h, bar, color, f"{day} · {model}: {usd(picodollars_to_usd(amount))}"))
+    y = base
+    for amount, fill, what in zip(
+        saved, (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)"), strict=True
+    ):
+        if not amount:
+            continue
+        h = float(picodollars_to_usd(amount)) * scale
+        y -= h
+        parts.append(_bar(x + bar + 2, y, h, bar, fill, f"{day} · {what}: about {usd(picodollars_to_usd(amount))}"))
+    return parts
+
+
+def _chart_grid(axis_top: Decimal, step: Decimal, scale: float, left: int, right: int, base: int) -> list[str]:
+    """The horizontal grid lines and their dollar labels, from 0 up to `axis_top`."""
+    parts = []
+    tick = Decimal(0)
+    while tick <= axis_top:
+        y = base - float(tick) * scale
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">${tick.normalize():f}</text>')
+        tick += step
+    return parts
+
+
+def _chart_legend(models: Sequence[str]) -> str:
+    """The chart's key: one colour a model, then saved and would-have-saved."""
     keys = [(CHART_COLORS[i % len(CHART_COLORS)], m) for i, m in enumerate(models)]
     keys += [
         (SAVED_COLOR, "saved by trimming (estimate)"),
@@ -288,7 +310,7 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
     legend = "".join(
         f'<span class="key"><i style="background:{color}"></i>{html.escape(m)}</span>' for color, m in keys
     )
-    return "".join(parts) + f'<div class="legend">{legend}</div>'
+    return f'<div class="legend">{legend}</div>'
 
 
 def _html_table(rows: Sequence[LedgerRow], by: str) -> str:

@@ -34,6 +34,7 @@ from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messag
 from .tokens import lru_hit
 
 __all__ = [
+    "DEFAULT_KEEP_LAST_TURNS",
     "Strategy",
     "STRATEGIES",
     "TrimDecision",
@@ -73,6 +74,7 @@ DEFAULT_COST_EXPONENT = 0.25
 # 0.5 worse (0.840 / 0.932 | 0.780 / 0.911). On the reshaped chats (bench/quality.py) at 2k:
 # 0.80x -> 0.94x.
 RECALL_COST_EXPONENT = 0.0
+DEFAULT_KEEP_LAST_TURNS = 1  # the current turn: the latest question and what answers it
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages, LRU; ~125 bytes an entry: under 3 MiB when full
 _fingerprint_lock = threading.Lock()
@@ -485,7 +487,7 @@ def choose_indices(
     budget: int,
     *,
     strategy: Strategy = "relevance",
-    keep_last_turns: int = 1,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
     scores: Sequence[float] | None = None,
@@ -629,7 +631,7 @@ def reuse_previous(
     costs: Sequence[int],
     budget: int,
     *,
-    keep_last_turns: int = 1,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
 ) -> set[int] | None:
     """The previous selection plus everything after it, if that is still valid and fits.
@@ -679,7 +681,7 @@ def extend_previous(
     messages: Sequence[Message],
     fingerprints: Sequence[str],
     *,
-    keep_last_turns: int = 1,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     system: Sequence[int] | None = None,
 ) -> set[int] | None:
     """`reuse_previous` without reading the whole chat: the indices it would keep (budget not

@@ -24,6 +24,7 @@ from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh
 from .recall_index import recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 from .selection import (
+    DEFAULT_KEEP_LAST_TURNS,
     STRATEGIES,
     Fingerprints,
     Recall,
@@ -147,7 +148,7 @@ def trim_messages(
     model: str | None = None,
     token_counter: TokenCounter | None = None,
     strategy: Strategy = "relevance",
-    keep_last_turns: int = 1,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
     low_watermark: float = DEFAULT_LOW_WATERMARK,

@@ -20,7 +20,7 @@ from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs
-from .selection import STRATEGIES, Strategy
+from .selection import DEFAULT_KEEP_LAST_TURNS, STRATEGIES, Strategy
 from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
@@ -175,7 +175,7 @@ class Valves(BaseModel):
     )
     keep_last_turns: int = _int_field(
         "keep_last_turns",
-        1,
+        DEFAULT_KEEP_LAST_TURNS,
         "The latest turns always kept, the current one included (users can change it per message with !keep=N).",
     )
     low_watermark: float = _bounded(
@@ -416,7 +416,7 @@ class Settings:
     calibrate_counts: bool = True
     ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
     strategy: Strategy = "relevance"
-    keep_last_turns: int = 1
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
     low_watermark: float = DEFAULT_LOW_WATERMARK
     growth_turns: int = DEFAULT_GROWTH_TURNS
     state_ttl_seconds: int = DEFAULT_STATE_TTL_HOURS * 3600
