@@ -44,6 +44,7 @@ from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = [
+    "TrimOptions",
     "TrimResult",
     "trim_messages",
     "selection_target",
@@ -259,136 +260,230 @@ def trim_messages(
     if not all(map(isinstance, messages, repeat(dict))):
         index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
-    counter = token_counter or default_counter()
-    room = recall_room(max_tokens, recall_share) if previous is not None and strategy == "relevance" else 0
+    options = TrimOptions(
+        strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten
+    )
+    return _trim(messages, max_tokens, model, token_counter or default_counter(), options)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimOptions:
+    """How `trim_messages` chooses, besides the budget and the counter (each as its Args say).
+
+    Made once a call and handed from step to step, so no step retypes the options."""
+
+    strategy: Strategy = "relevance"
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
+    pinned: Collection[int] = ()
+    previous: TrimDecision | None = None
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    growth_turns: int = DEFAULT_GROWTH_TURNS
+    embed: Embed | None = None
+    recall_share: float = DEFAULT_RECALL_SHARE
+    shorten: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    """The chat read and counted once: its view, each message's tokens and the label they go with."""
+
+    messages: Sequence[Message]
+    conversation: Conversation
+    costs: list[int]
+    mode: CountMode
+    scheme: str
+    before: int  # the whole chat, reply priming included
+    pools: _Pools  # this trim's recall pools, shared with the fast path
+
+
+def _trim(
+    messages: Sequence[Message], max_tokens: int, model: str | None, counter: TokenCounter, options: TrimOptions
+) -> TrimResult:
+    """`trim_messages` in steps: an earlier pass's recall block taken out when the chat no longer
+    fits; the previous selection extended, reading only what is new; the chat whole when it fits;
+    else a selection (`_select`)."""
+    previous = options.previous
+    room = (
+        recall_room(max_tokens, options.recall_share) if previous is not None and options.strategy == "relevance" else 0
+    )
     if room:
         earlier = recall_positions(messages)
         if earlier and not _fits_whole(messages, max_tokens, counter, model):
-            return _without(
-                earlier,
-                messages,
-                lambda rest: trim_messages(
-                    rest,
-                    max_tokens=max_tokens,
-                    model=model,
-                    token_counter=counter,
-                    strategy=strategy,
-                    keep_last_turns=keep_last_turns,
-                    pinned=[p - sum(e < p for e in earlier) for p in pinned if p not in earlier],
-                    previous=previous,
-                    low_watermark=low_watermark,
-                    growth_turns=growth_turns,
-                    recall_share=recall_share,
-                    embed=embed,
-                ),
-                counter,
-                model,
+            # shorten=True as before this was split into steps (the recursive call did not pass it on)
+            rest = replace(
+                options,
+                pinned=[p - sum(e < p for e in earlier) for p in options.pinned if p not in earlier],
+                shorten=True,
             )
-    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, embed)
-    if previous is not None and previous.seen and not pinned:
-        extended = _extend_previous(
-            messages, previous, max_tokens, counter, model, strategy, keep_last_turns, room, pools
-        )
+            return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
+    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, options.embed)
+    if previous is not None and previous.seen and not options.pinned:
+        extended = _extend_previous(messages, previous, max_tokens, counter, model, options, room, pools)
         if extended is not None:
             return extended
     costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
-    before = TOKENS_PER_REPLY + sum(costs)
     conversation = read_conversation(messages)
-
-    if before <= max_tokens and not conversation.orphans:
+    chat = _Counted(messages, conversation, costs, mode, scheme, TOKENS_PER_REPLY + sum(costs), pools)
+    if chat.before <= max_tokens and not chat.conversation.orphans:
         everything = tuple(range(len(messages)))
-        return TrimResult(list(messages), everything, (), (), before, before, max_tokens, mode)
+        return TrimResult(list(messages), everything, (), (), chat.before, chat.before, max_tokens, mode)
+    return _select(chat, max_tokens, model, counter, options, room)
 
+
+def _select(
+    chat: _Counted, max_tokens: int, model: str | None, counter: TokenCounter, options: TrimOptions, room: int
+) -> TrimResult:
+    """The mandatory part (shortened when it alone is over), then the previous selection reused
+    or a new one, each with the recall block this question needs."""
     mandatory, replaced, over, notes, pinned = _mandatory_part(
-        conversation, costs, max_tokens, counter, model, pinned, shorten
+        chat.conversation, chat.costs, max_tokens, counter, model, options.pinned, options.shorten
     )
-    mandatory_cost = TOKENS_PER_REPLY + sum(costs[i] for i in mandatory)
-    fingerprints = Fingerprints(messages)
-    question = conversation.question
-    if mandatory_cost > max_tokens or question is None:
+    mandatory_cost = TOKENS_PER_REPLY + sum(chat.costs[i] for i in mandatory)
+    fingerprints = Fingerprints(chat.messages)
+    if mandatory_cost > max_tokens or chat.conversation.question is None:
         room = 0
     keep: set[int] | None = None
     blocks: list[_Block] = []
-    excerpts: dict[int, Excerpt] | None = {}
-    if previous is not None and mandatory_cost <= max_tokens:
-        excerpts = _carried_excerpts(messages, previous, fingerprints, set(mandatory), question, counter, model)
-        sized = _sized(costs, excerpts or {})
-        keep = reuse_previous(
-            previous,
-            fingerprints,
-            conversation,
-            sized,
-            max_tokens - TOKENS_PER_REPLY,
-            keep_last_turns=keep_last_turns,
-            pinned=pinned,
+    excerpts: dict[int, Excerpt] = {}
+    if options.previous is not None and mandatory_cost <= max_tokens:
+        keep, blocks, excerpts = _reused(
+            chat, options, pinned, fingerprints, set(mandatory), max_tokens, counter, model, room
         )
-        if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
-            keep = None  # an excerpt the next prompt cannot send again as it was: select anew
-        if keep is not None and room and question is not None:  # room is 0 when there is no question
-            base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
-            kept_blocks = _recalls_kept(
-                messages,
-                previous,
-                fingerprints,
-                keep,
-                question,
-                room,
-                base,
-                max_tokens,
-                counter,
-                model,
-                conversation.system_indices,
-                pools,
-            )
-            if kept_blocks is None:  # the selection no longer leaves room for what this question needs
-                keep = None
-            else:
-                blocks = kept_blocks
     reused = keep is not None
     if keep is None:
-        excerpts = {}
-        # Estimated counts already err high (1.1-2x): leaving room to grow as well would
-        # starve the prompt, so a selection made on them fills the budget.
-        watermark = 1.0 if mode == "estimate" else low_watermark
-        target = selection_target(conversation, costs, max_tokens, watermark, growth_turns) - TOKENS_PER_REPLY
-        scores = _semantic_scores(conversation, embed, notes) if embed is not None and strategy == "relevance" else None
-        keep = choose_indices(
-            conversation,
-            costs,
-            target - room,
-            strategy=strategy,
-            keep_last_turns=keep_last_turns,
-            pinned=pinned,
-            scores=scores,
-            room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
+        keep, blocks, excerpts = _new_selection(
+            chat, options, pinned, notes, mandatory_cost, max_tokens, counter, model, room
         )
-        if strategy == "relevance" and shorten and mandatory_cost <= max_tokens:
-            spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
-            added, excerpts = excerpt_turns(
-                conversation, keep, costs, spare, counter, model, scores=scores, embed=embed
-            )
-            keep.update(added)
-        if room and question is not None:
-            left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
-            pool = pools.of(question, conversation.system_indices)
-            block = _new_recall(messages, keep, question, min(room, left), counter, model, pool)
-            blocks = [block] if block is not None else []
-
-    order = sorted(keep)
     # A shortened copy of a message the selection let go (a pinned reply whose turn has no
     # question may not lead the history) is not sent: it is dropped, not shortened.
     replaced = {i: m for i, m in replaced.items() if i in keep}
-    excerpts = excerpts or {}
     replaced.update((i, e.message) for i, e in excerpts.items())
+    notes += [note for note in chat.pools.notes if note not in notes]
+    result = _result(chat, keep, blocks, replaced, excerpts, fingerprints, max_tokens, counter, model, options.strategy)
+    return replace(result, over_budget=over, notes=tuple(notes), reused=reused)
+
+
+def _reused(
+    chat: _Counted,
+    options: TrimOptions,
+    pinned: Collection[int],
+    fingerprints: Fingerprints,
+    mandatory: set[int],
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    room: int,
+) -> tuple[set[int] | None, list[_Block], dict[int, Excerpt]]:
+    """The previous selection again, with its excerpts and recall blocks (None when it no longer
+    fits, an excerpt cannot be sent again as it was, or it leaves no room for what this question
+    needs)."""
+    previous = options.previous
+    assert previous is not None
+    conversation, question = chat.conversation, chat.conversation.question
+    excerpts = _carried_excerpts(chat.messages, previous, fingerprints, mandatory, question, counter, model)
+    sized = _sized(chat.costs, excerpts or {})
+    keep = reuse_previous(
+        previous,
+        fingerprints,
+        conversation,
+        sized,
+        max_tokens - TOKENS_PER_REPLY,
+        keep_last_turns=options.keep_last_turns,
+        pinned=pinned,
+    )
+    if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
+        return None, [], {}  # an excerpt the next prompt cannot send again as it was: select anew
+    if keep is None or not room or question is None:  # room is 0 when there is no question
+        return keep, [], excerpts
+    base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
+    kept_blocks = _recalls_kept(
+        chat.messages,
+        previous,
+        fingerprints,
+        keep,
+        question,
+        room,
+        base,
+        max_tokens,
+        counter,
+        model,
+        conversation.system_indices,
+        chat.pools,
+    )
+    if kept_blocks is None:  # the selection no longer leaves room for what this question needs
+        return None, [], {}
+    return keep, kept_blocks, excerpts
+
+
+def _new_selection(
+    chat: _Counted,
+    options: TrimOptions,
+    pinned: Collection[int],
+    notes: list[str],
+    mandatory_cost: int,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    room: int,
+) -> tuple[set[int], list[_Block], dict[int, Excerpt]]:
+    """A new selection up to its target (watermark and growth room), less the recall room; large
+    old messages excerpted into what it left; the recall block of what the question needs."""
+    conversation, costs, question = chat.conversation, chat.costs, chat.conversation.question
+    # Estimated counts already err high (1.1-2x): leaving room to grow as well would
+    # starve the prompt, so a selection made on them fills the budget.
+    watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
+    target = selection_target(conversation, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
+    semantic = options.embed is not None and options.strategy == "relevance"
+    scores = _semantic_scores(conversation, options.embed, notes) if semantic and options.embed is not None else None
+    keep = choose_indices(
+        conversation,
+        costs,
+        target - room,
+        strategy=options.strategy,
+        keep_last_turns=options.keep_last_turns,
+        pinned=pinned,
+        scores=scores,
+        room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
+    )
+    excerpts: dict[int, Excerpt] = {}
+    if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
+        spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
+        added, excerpts = excerpt_turns(
+            conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed
+        )
+        keep.update(added)
+    if not (room and question is not None):
+        return keep, [], excerpts
+    left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
+    pool = chat.pools.of(question, conversation.system_indices)
+    block = _new_recall(chat.messages, keep, question, min(room, left), counter, model, pool)
+    return keep, [block] if block is not None else [], excerpts
+
+
+def _result(
+    chat: _Counted,
+    keep: set[int],
+    blocks: list[_Block],
+    replaced: dict[int, Message],
+    excerpts: dict[int, Excerpt],
+    fingerprints: Fingerprints,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    strategy: Strategy,
+) -> TrimResult:
+    """What to send (kept messages, shortened copies and excerpts, recall blocks), its count, and
+    the decision (the caller adds what the selection knows: reused, over budget, notes)."""
+    messages, costs, conversation = chat.messages, chat.costs, chat.conversation
+    order = sorted(keep)
     sent = [replaced.get(i, messages[i]) for i in order]
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
     )
     system = set(conversation.system_indices)
     at = tuple(i for i in order if i not in system)
-    sent, stable = _with_blocks(sent, order, blocks, question)
+    sent, stable = _with_blocks(sent, order, blocks, conversation.question)
     after += sum(b.tokens for b in blocks)
-    notes += [note for note in pools.notes if note not in notes]
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -398,7 +493,7 @@ def trim_messages(
         seen=len(messages),
         seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
         seen_chars=history_chars(messages, conversation.system_indices),
-        counted_with=scheme,
+        counted_with=chat.scheme,
         recalls=_recall_record(blocks, fingerprints),
         excerpts=tuple((i, e.chunks) for i, e in sorted(excerpts.items())),
     )
@@ -407,14 +502,11 @@ def trim_messages(
         kept=tuple(i for i in order if i not in replaced),
         dropped=tuple(i for i in range(len(messages)) if i not in keep),
         shortened=tuple(sorted(replaced)),
-        tokens_before=before,
+        tokens_before=chat.before,
         tokens_after=after,
         budget=max_tokens,
-        count_mode=mode,
-        over_budget=over,
-        notes=tuple(notes),
+        count_mode=chat.mode,
         decision=decision,
-        reused=reused,
         recalled=_recalled(blocks),
         stable_prefix=stable,
         excerpted=tuple(sorted(excerpts)),
@@ -748,8 +840,7 @@ def _extend_previous(
     max_tokens: int,
     counter: TokenCounter,
     model: str | None,
-    strategy: Strategy,
-    keep_last_turns: int,
+    options: TrimOptions,
     room: int,
     pools: _Pools,
 ) -> TrimResult | None:
@@ -765,7 +856,7 @@ def _extend_previous(
         return None
     system, chars = known
     fingerprints = Fingerprints(messages)
-    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=keep_last_turns, system=system)
+    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=options.keep_last_turns, system=system)
     if keep is None:
         return None
     order = sorted(keep)
@@ -794,7 +885,7 @@ def _extend_previous(
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
-        strategy=strategy,
+        strategy=options.strategy,
         kept=tuple(fingerprints[i] for i in at),
         at=at,
         seen=len(messages),
@@ -803,7 +894,8 @@ def _extend_previous(
         counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
     )
-    return _reused_result(sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable)
+    result = _reused_result(sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable)
+    return replace(result, notes=tuple(pools.notes))
 
 
 def _reused_result(
@@ -829,7 +921,6 @@ def _reused_result(
         tokens_after=after,
         budget=max_tokens,
         count_mode=mode,
-        notes=tuple(pools.notes),
         decision=decision,
         reused=True,
         recalled=_recalled(blocks),
