@@ -32,6 +32,7 @@ OUTPUT = Path("open_webui_filter.py") if INSTALLED else HERE.parent / "open_webu
 MODULES = [
     "errors",
     "money",
+    "caches",
     "conversation",
     "tokens",
     "semantic",

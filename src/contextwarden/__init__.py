@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 import logging
 
-from .errors import ConfigError, ContextWardenError, PricingError, StoreError
+from .errors import ConfigError, ContextWardenError, PricingError
 from .explain import Explanation, explain_trim
 from .filter import Filter
 from .selection import TrimDecision
@@ -38,6 +38,5 @@ __all__ = [
     "encoding_for",
     "ContextWardenError",
     "ConfigError",
-    "StoreError",
     "PricingError",
 ]

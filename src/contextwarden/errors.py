@@ -2,14 +2,16 @@
 
 ContextWardenError
 ├── ConfigError        a valve (or option) has a value we cannot use; names the valve
-├── StoreError         shared state (Redis) could not be read or written
 ├── PricingError       a price table could not be loaded or parsed
 └── TurnRefused        a turn stopped on purpose (a limit); its text is shown to the user
+
+Shared state has no error of its own: the store falls back to memory and the filter goes on
+(fail open), so a Redis failure surfaces as the redis client's or Python's ConnectionError.
 """
 
 from __future__ import annotations
 
-__all__ = ["ContextWardenError", "ConfigError", "StoreError", "PricingError", "TurnRefused"]
+__all__ = ["ContextWardenError", "ConfigError", "PricingError", "TurnRefused"]
 
 
 class ContextWardenError(Exception):
@@ -22,10 +24,6 @@ class ConfigError(ContextWardenError):
     def __init__(self, message: str, *, valve: str | None = None) -> None:
         super().__init__(message)
         self.valve = valve
-
-
-class StoreError(ContextWardenError):
-    """Shared state could not be read or written."""
 
 
 class PricingError(ContextWardenError):

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import mul
 
+from .caches import lru_hit
 from .conversation import Message, message_text
 from .semantic import SEMANTIC_SHARE
-from .tokens import lru_hit
 
 __all__ = [
     "RelevanceWeights",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from itertools import pairwise, repeat
 from typing import Any, Literal
 
+from .caches import lru_hit
 from .conversation import (
     SYSTEM_ROLES,
     Conversation,
@@ -31,7 +32,6 @@ from .conversation import (
     system_positions,
 )
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
-from .tokens import lru_hit
 
 __all__ = [
     "DEFAULT_KEEP_LAST_TURNS",

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from operator import mul
 
+from .caches import lru_hit
 from .conversation import Message, message_text
-from .tokens import lru_hit
 
 __all__ = [
     "Embed",

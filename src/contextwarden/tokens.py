@@ -15,14 +15,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import tiktoken
 
+from .caches import lru_hit
 from .conversation import Message, image_count, message_text
 
 __all__ = [
-    "lru_hit",
     "encode_pieces",
     "ENCODE_CHUNK_CHARS",
     "CountMode",
@@ -37,8 +37,6 @@ __all__ = [
 ]
 
 tokens_log = logging.getLogger("contextwarden")
-_K = TypeVar("_K")
-_V = TypeVar("_V")
 
 CountMode = Literal["exact", "substitute", "estimate"]
 """`exact`: the model's encoding; `substitute`: another BPE encoding; `estimate`: no encoding."""
@@ -182,23 +180,6 @@ def _longest_within(limit: int, fits: Callable[[int], bool]) -> int:
         else:
             high = middle - 1
     return low
-
-
-def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
-    """`cache[key]` marked as just used, or None; safe while other threads evict (no lock).
-
-    Example:
-        >>> cache = OrderedDict(a=1, b=2)
-        >>> lru_hit(cache, "a"), list(cache), lru_hit(cache, "c")
-        (1, ['b', 'a'], None)
-    """
-    value = cache.get(key)
-    if value is not None:
-        try:
-            cache.move_to_end(key)
-        except KeyError:  # evicted by another thread in between
-            pass
-    return value
 
 
 @dataclass(slots=True)

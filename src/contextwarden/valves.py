@@ -19,7 +19,7 @@ from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
-from .pricing import parse_aliases, parse_model_globs
+from .pricing import parse_aliases, parse_model_globs, read_decimal
 from .selection import DEFAULT_KEEP_LAST_TURNS, STRATEGIES, Strategy
 from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
@@ -702,8 +702,8 @@ def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRule
         ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
     ):
         value = take(valves, name, 0.0 if kind.endswith("usd") else 0)
-        amount = Decimal(str(value)) if kind.endswith("usd") else value
-        if not (amount.is_finite() if isinstance(amount, Decimal) else True) or not 0 <= amount <= bound:
+        amount = read_decimal(value, ceiling=Decimal(bound)) if kind.endswith("usd") else value  # the money parser
+        if amount is None or not 0 <= amount <= bound:
             problems.append(ConfigError(f"{name} must be 0 (none) to {bound:,}; no such limit used", valve=name))
             amount = 0
         amounts[kind] = amount
