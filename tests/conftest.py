@@ -113,3 +113,12 @@ def _fresh_summary_backoff() -> Iterator[None]:
     summarize._backoff.clear()
     yield
     summarize._backoff.clear()
+
+
+@pytest.fixture
+def redis_binary() -> str:
+    """The redis-server binary, for tests that start and stop their own server (skip without one)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    return binary

@@ -109,15 +109,14 @@ LOADER = textwrap.dedent(
     sys.modules[name] = module
     exec(source, module.__dict__)
     Filter = module.Filter
-    f = Filter()
-    assert f.valves.priority == 0
+    assert Filter().valves.priority == 0  # as Open WebUI makes it: no arguments
+    f = Filter(counter=module.TokenCounter(block=True))
     f.valves = Filter.Valves(**{"max_context_tokens": BUDGET + 500, "reserve_output_tokens": 500, "openrouter_pricing": False})
-    f._counter = module.TokenCounter(block=True)
-    assert f._counter.wait_ready("gpt-4o")
+    assert f.counter.wait_ready("gpt-4o")
     Forbid.blocked.discard("contextwarden")
 
     from chatgen import random_chat
-    counter = f._counter
+    counter = f.counter
     events = []
     async def emit(e):
         events.append(e)

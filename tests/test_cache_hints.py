@@ -24,9 +24,7 @@ from contextwarden.trim import trim_messages
 
 from chatgen import random_chat
 from chats import frozen
-from test_filter import Events, body_of, make_filter
-from test_filter_state import grow
-from test_trim import chat_of
+from helpers import Events, body_of, chat_of, grow, make_filter
 
 SONNET = "anthropic/claude-sonnet-4.5"
 OPENROUTER_SONNET = {
@@ -259,7 +257,7 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
     assert events.statuses[-1].startswith("9,000 tokens in (8,120 cached) · 20 out · $")
     from contextwarden.cache_stats import load_cache_stats
 
-    assert (await load_cache_stats(f._store, SONNET)).caches() is True
+    assert (await load_cache_stats(f.store, SONNET)).caches() is True
     for _ in range(3):
         await f.outlet(
             {
@@ -272,7 +270,7 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
             __user__={"id": "u1"},
             __metadata__={},
         )
-    assert (await load_cache_stats(f._store, "openai/gpt-4.1")).caches() is False
+    assert (await load_cache_stats(f.store, "openai/gpt-4.1")).caches() is False
 
 
 async def test_a_connection_prefix_is_removed_before_deciding(counter):
@@ -319,5 +317,5 @@ async def test_savings_follow_what_the_model_was_learned_to_do(counter):
     # untrimmed: 1,000 × $2/M + 25,000 × $0.5/M = $0.0145; sent: 8,000 × $2/M = $0.016 → −$0.0015
     assert (await saved(f)).endswith(" · untrimmed about $0.0015 cheaper (prompt cache)")
     f = make_filter(counter, openrouter_pricing=False)
-    await save_cache_stats(f._store, model, CacheStats(3, 0))
+    await save_cache_stats(f.store, model, CacheStats(3, 0))
     assert (await saved(f)).endswith(" · saved about $0.036 vs untrimmed")  # 18,000 × $2/M

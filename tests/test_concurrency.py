@@ -22,7 +22,7 @@ from contextwarden.tokens import TokenCounter
 from decimal import Decimal
 
 from chats import check_contract
-from test_filter import make_filter
+from helpers import make_filter
 from turns import YieldingEvents, reply_of, run_turn, usage_lines
 
 MODEL = "gpt-4o"
@@ -138,7 +138,7 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
     # a healthy Redis under load is not an outage: no fallback, no warnings
     assert [r.getMessage() for r in caplog.records if "Redis" in r.getMessage() and r.levelno >= logging.WARNING] == []
     # the ledger adds up exactly what the usage lines said, per user, in memory and in Redis
-    entries = [e for e in await read_ledger(f._store) if e.user.startswith(f"user-{unique}-")]
+    entries = [e for e in await read_ledger(f.store) if e.user.startswith(f"user-{unique}-")]
     rows = {row.key: row.counters for row in ledger_totals(entries, "user")}
     assert set(rows) == set(user_id.values())
     for u, uid in user_id.items():

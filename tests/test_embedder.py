@@ -122,8 +122,7 @@ def cat_body() -> dict:
 async def inlet_with(counter, function, **valves) -> dict:
     from contextwarden import Filter
 
-    f = Filter()
-    f._counter = counter
+    f = Filter(counter=counter)
     f.valves = f.Valves(max_context_tokens=1_174, reserve_output_tokens=1_024, low_watermark=1.0, **valves)
     body = cat_body()
     return await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __request__=request_with(function))

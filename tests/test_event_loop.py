@@ -18,8 +18,7 @@ import pytest
 import contextwarden.filter as filter_module
 from contextwarden.chatstate import chat_state_key
 
-from test_filter import Events, make_filter
-from test_trim import chat_of
+from helpers import Events, chat_of, make_filter
 from turns import run_turn
 
 MODEL = "gpt-4o"
@@ -104,7 +103,7 @@ async def test_a_request_cancelled_during_the_trim_writes_no_state(counter, spy_
     key = chat_state_key("u1", "c1")
     chat = big_chat()
     await request(f, body(chat[:-1] + [{"role": "user", "content": "Remember this !pin"}]))
-    before = await f._store.get(key)
+    before = await f.store.get(key)
     entered, release = threading.Event(), threading.Event()
     spy_trim.before = lambda: (entered.set(), release.wait(10))
     task = asyncio.create_task(request(f, body(chat[:-1] + [{"role": "user", "content": "Forget it !pin"}])))
@@ -115,7 +114,7 @@ async def test_a_request_cancelled_during_the_trim_writes_no_state(counter, spy_
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.05)  # the thread finishes its trim; nobody takes its result
-    assert await f._store.get(key) == before
+    assert await f.store.get(key) == before
     spy_trim.before = None
     out = await request(f, body(chat))  # and the chat goes on
     assert len(out["messages"]) < len(chat)

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 from decimal import Decimal
-import shutil
 import signal
 import threading
 
@@ -34,8 +33,7 @@ from contextwarden.trim import TrimResult
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT, read_count
 
 from chats import check_contract, frozen
-from test_filter import Events, make_filter
-from test_trim import chat_of
+from helpers import Events, chat_of, make_filter
 from turns import OwnRedis, free_port, run_turn, usage_lines
 
 MODEL = "gpt-4o"
@@ -102,8 +100,8 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
 # -- tiktoken ----------------------------------------------------------------------------------
 
 
-def offline_filter(**valves) -> Filter:
-    f = Filter()  # its own counter, loading in the background as in Open WebUI
+def offline_filter(counter: TokenCounter | None = None, **valves) -> Filter:
+    f = Filter(counter=counter)  # by default its own counter, loading in the background as in Open WebUI
     f.valves = f.Valves(**valves)
     return f
 
@@ -117,11 +115,11 @@ async def test_encodings_unavailable_estimates_within_budget(counter, monkeypatc
     f = offline_filter(max_context_tokens=1_500, reserve_output_tokens=500)
     chat = chat_of(30)
     runs = [await run_turn(f, chat, chat_id=f"c{i}") for i in range(20)]
-    assert not f._counter.wait_ready(MODEL)
+    assert not f.counter.wait_ready(MODEL)
     for run in runs:
         sent = run.after_request["messages"]
         assert len(sent) < len(chat)
-        assert f._counter.count_messages(sent, MODEL) <= 1_000
+        assert f.counter.count_messages(sent, MODEL) <= 1_000
         assert counter.count_messages(sent, MODEL) <= 1_000  # the estimate errs high: exact fits too
         assert "estimated (tokenizer not loaded)" in run.events.statuses[0]
         assert run.events.statuses[-1].startswith("~")  # no usage reported: an estimate, marked
@@ -138,10 +136,11 @@ async def test_encodings_failing_oddly_still_estimate(error, monkeypatch):
         raise error
 
     monkeypatch.setattr(tiktoken, "get_encoding", broken)
-    f = offline_filter(max_context_tokens=900, reserve_output_tokens=100)
-    f._counter = TokenCounter(block=True)  # fail in the calling thread: the error reaches our code
+    f = offline_filter(
+        TokenCounter(block=True), max_context_tokens=900, reserve_output_tokens=100
+    )  # fail in the calling thread: the error reaches our code
     run = await run_turn(f, chat_of(20))
-    assert f._counter.count_messages(run.after_request["messages"], MODEL) <= 800
+    assert f.counter.count_messages(run.after_request["messages"], MODEL) <= 800
     assert "estimated" in run.events.statuses[0]
 
 
@@ -158,9 +157,9 @@ async def test_encodings_slow_to_load_do_not_block_and_then_count_exactly(counte
     while_loading = await run_turn(f, chat_of(30))
     assert not gate.is_set()  # the turn finished while the encoding was still loading
     assert "estimated (tokenizer not loaded)" in while_loading.events.statuses[0]
-    assert f._counter.count_messages(while_loading.after_request["messages"], MODEL) <= 1_000
+    assert f.counter.count_messages(while_loading.after_request["messages"], MODEL) <= 1_000
     gate.set()
-    assert f._counter.wait_ready(MODEL)
+    assert f.counter.wait_ready(MODEL)
     loaded = await run_turn(f, chat_of(30))
     assert "estimated" not in loaded.events.statuses[0]
     assert counter.count_messages(loaded.after_request["messages"], MODEL) <= 1_000
@@ -172,8 +171,7 @@ async def test_an_encoding_that_breaks_while_counting_fails_open(monkeypatch, ca
             raise RuntimeError("secret message text")
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Broken())
-    f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
-    f._counter = TokenCounter(block=True)
+    f = offline_filter(TokenCounter(block=True), max_context_tokens=500, reserve_output_tokens=0)
     chat = chat_of(10)
     run = await run_turn(f, chat)
     assert run.after_inlet is run.sent_in and run.after_request is run.sent_in  # passed through
@@ -192,8 +190,7 @@ async def test_a_base_exception_inside_a_hook_fails_open(monkeypatch, caplog, ho
             raise Panic("secret message text")
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Panicking())
-    f = offline_filter(max_context_tokens=500, reserve_output_tokens=0)
-    f._counter = TokenCounter(block=True)
+    f = offline_filter(TokenCounter(block=True), max_context_tokens=500, reserve_output_tokens=0)
     body = {
         "model": MODEL,
         "messages": chat_of(10) + ([{"role": "assistant", "content": "ok"}] if hook == "outlet" else []),
@@ -231,14 +228,6 @@ async def test_a_million_spaces_in_a_message_trim_and_count(counter, run):
 
 
 # -- Redis ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def redis_binary() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    return binary
 
 
 @pytest.fixture
@@ -320,10 +309,10 @@ async def test_redis_refused_at_start_chat_goes_on(counter, caplog, unique):
     runs = [await run_turn(f, chat_of(12), chat_id=f"{unique}{i}") for i in range(5)]
     for run in runs:
         assert_valid_turn(run, 800, counter)
-    assert isinstance(f._store, RedisStore)
+    assert isinstance(f.store, RedisStore)
     for i in range(20):  # what the ledger and chat state will do through the filter's store
-        await f._store.incr(f"t:{unique}", {"n": 1}, ttl=60)
-    assert await f._store.counters(f"t:{unique}") == {"n": 20} and not f._store.shared
+        await f.store.incr(f"t:{unique}", {"n": 1}, ttl=60)
+    assert await f.store.counters(f"t:{unique}") == {"n": 20} and not f.store.shared
     assert len(warnings_about(caplog, "Redis unavailable")) == 1
 
 
@@ -335,19 +324,19 @@ async def test_redis_killed_and_restarted_mid_run(counter, own_redis, caplog, mo
     async def phase(tag: str, n: int) -> None:
         for i in range(n):
             assert_valid_turn(await run_turn(f, chat_of(8), chat_id=f"{tag}{i}"), 800, counter)
-            await f._store.incr(key, {"n": 1}, ttl=60)
-            await f._store.set(f"{key}:{tag}{i}", b"x", ttl=60)
+            await f.store.incr(key, {"n": 1}, ttl=60)
+            await f.store.set(f"{key}:{tag}{i}", b"x", ttl=60)
 
     await phase("up", 10)
-    assert f._store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
+    assert f.store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
     own_redis.stop()
     await phase("down", 10)
-    assert not f._store.shared
-    assert await f._store.fallback.counters(key) == {"n": 10}
+    assert not f.store.shared
+    assert await f.store.fallback.counters(key) == {"n": 10}
     own_redis.start()  # same port, empty (no persistence): what a restarted cache looks like
     await phase("back", 10)
-    assert f._store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
-    assert await f._store.get(f"{key}:back3") == b"x"
+    assert f.store.shared and await raw_counters(own_redis.url, key) == {"n": 10}
+    assert await f.store.get(f"{key}:back3") == b"x"
     assert len(warnings_about(caplog, "Redis unavailable")) == 1
     assert len(warnings_about(caplog, "Redis reachable again")) == 1
 
@@ -359,8 +348,7 @@ async def test_redis_partition_loses_nothing_and_counts_once(counter, own_redis,
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.3)
-    f = make_filter(counter, redis_url=proxy.url, max_context_tokens=900, reserve_output_tokens=100)
-    f._store, f._store_url = store, proxy.url
+    f = make_filter(counter, store=store, redis_url=proxy.url, max_context_tokens=900, reserve_output_tokens=100)
     key = f"t:{unique}"
     increments = 0
     for step in range(3):
@@ -393,8 +381,7 @@ async def test_slow_redis_times_out_falls_back_and_recovers_consistent(counter, 
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.2)
-    f = make_filter(counter, max_context_tokens=900, reserve_output_tokens=100)
-    f._store, f._store_url = store, proxy.url
+    f = make_filter(counter, store=store, max_context_tokens=900, reserve_output_tokens=100)
     for i in range(10):
         await store.set(f"k:{unique}:{i}", str(i).encode(), ttl=60)
     proxy.delay = 1.0  # every reply arrives 5x after the store's timeout
@@ -517,8 +504,13 @@ async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog,
     read that failed or came from the fallback is never written over the real one in Redis.
     """
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)  # every call tries Redis again
-    f = make_filter(counter, redis_url=own_redis.url, max_context_tokens=900, reserve_output_tokens=100)
-    f._store, f._store_url = RedisStore(own_redis.url, timeout=0.2), own_redis.url
+    f = make_filter(
+        counter,
+        store=RedisStore(own_redis.url, timeout=0.2),
+        redis_url=own_redis.url,
+        max_context_tokens=900,
+        reserve_output_tokens=100,
+    )
     user = {"id": f"u-{unique}"}
     chats = {f"c{i}": chat_of(6, last=f"My locker code is {4000 + i}. !pin") for i in range(40)}
     for chat_id, chat in chats.items():
@@ -549,12 +541,12 @@ async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog,
             lost.append(chat_id)
     assert not lost, f"{len(lost)} of 40 chats lost their pin"
     assert not warnings_about(caplog, "chat state not read")  # the replay's trouble never reached a read
-    assert not f._store._pending
+    assert not f.store._pending
     direct = RedisStore(own_redis.url)
     replies = sum(e.counters["requests"] for e in await read_ledger(direct) if e.user == user["id"])
     assert replies == 40 * 5  # every reply recorded once, in Redis, the held ones replayed
     await direct.aclose()
-    await f._store.aclose()
+    await f.store.aclose()
 
 
 # -- OpenRouter prices ------------------------------------------------------------------------------
@@ -590,7 +582,7 @@ async def test_openrouter_failing_never_breaks_a_turn_or_the_ledger(counter, fau
                 reply={"role": "assistant", "content": "ok", "usage": usage},
             )
             assert_valid_turn(run, 800, counter)
-            task = f._prices.live._task if f._prices.live else None
+            task = f.prices.live._task if f.prices.live else None
             if task is not None:
                 await task  # let the background refresh finish (it must never raise)
     assert route.call_count == 1  # the fault was met, once: failures wait before retrying
@@ -598,7 +590,7 @@ async def test_openrouter_failing_never_breaks_a_turn_or_the_ledger(counter, fau
     assert len(records) == 4
     for record in records:
         assert record["cost_usd"] is None or float(record["cost_usd"]) >= 0
-    entries = [e for e in await read_ledger(f._store) if e.user == f"u-{unique}"]
+    entries = [e for e in await read_ledger(f.store) if e.user == f"u-{unique}"]
     assert sum(e.counters["requests"] for e in entries) == 4 and all(e.counters["cost_picousd"] >= 0 for e in entries)
     if fault == "negative prices":  # fetched fine; a negative price is "unknown": null, never negative
         # from the second turn on: the first may be priced while the fetch is still parsed (in a thread)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -12,41 +11,7 @@ from contextwarden import Filter
 from contextwarden.filter import model_context_length
 
 from chats import check_contract, frozen
-from test_trim import chat_of
-
-
-class Events:
-    """Collects what the filter emits."""
-
-    def __init__(self) -> None:
-        self.items: list[dict] = []
-
-    async def __call__(self, event: dict) -> None:
-        self.items.append(event)
-
-    @property
-    def statuses(self) -> list[str]:
-        return [e["data"]["description"] for e in self.items if e["type"] == "status"]
-
-
-def make_filter(counter, **valves) -> Filter:
-    f = Filter()
-    f._counter = counter
-    f.valves = f.Valves(**valves)
-    return f
-
-
-def body_of(chat, model="gpt-4o", **metadata) -> dict:
-    return {
-        "model": model,
-        "messages": chat,
-        "stream": False,
-        "metadata": {"chat_id": "c1", "user_id": "u1", **metadata},
-    }
-
-
-def usage_records(caplog) -> list[dict]:
-    return [json.loads(r.getMessage()[len("usage ") :]) for r in caplog.records if r.getMessage().startswith("usage ")]
+from helpers import Events, body_of, chat_of, make_filter, usage_records
 
 
 async def test_inlet_and_request_trim_once_and_agree(counter):

@@ -14,8 +14,7 @@ from contextwarden.conversation import is_recall_message
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.store import KEY_PREFIX
 
-from test_filter import Events, make_filter
-from test_trim import chat_of, turn
+from helpers import Events, chat_of, grow, make_filter, send, shown
 
 MODEL = "gpt-4o"
 
@@ -45,25 +44,8 @@ def body(chat, user_id: str, chat_id: str) -> dict:
     return {"model": MODEL, "messages": chat, "stream": False, "metadata": {"chat_id": chat_id, "user_id": user_id}}
 
 
-async def send(f, chat, user_id, chat_id, *, events=None) -> dict:
-    b = body(chat, user_id, chat_id)
-    return await f.inlet(b, __user__={"id": user_id}, __metadata__=b["metadata"], __event_emitter__=events)
-
-
-async def shown(f, chat, user_id, chat_id, events) -> dict:
-    """A turn's first pass whose line is shown: `request`, as in Open WebUI 0.12 (inlet's waits for it)."""
-    b = body(chat, user_id, chat_id)
-    return await f.request(b, __user__={"id": user_id}, __metadata__=b["metadata"], __event_emitter__=events)
-
-
-def grow(chat: list[dict], i: int, words: int = 60) -> list[dict]:
-    """The chat one turn later: the reply to its last question and a new question."""
-    reply, question = turn(i, words)[1], {"role": "user", "content": f"question {i}? " + "lorem " * words}
-    return chat + [reply, question]
-
-
 async def stored_state(f, user_id: str, chat_id: str) -> ChatState:
-    return ChatState.from_bytes(await f._store.get(chat_state_key(user_id, chat_id)))
+    return ChatState.from_bytes(await f.store.get(chat_state_key(user_id, chat_id)))
 
 
 async def test_decision_is_saved_and_passed_back_next_turn(counter, store_valves, trims, unique):
@@ -127,14 +109,14 @@ async def test_hysteresis_keeps_the_sent_prefix_across_turns(counter, store_valv
     without_state = await _stable_share(f, f"u-{unique}", "", 20)  # API callers: no chat id, no state
     assert with_state >= 0.7 and with_state > without_state
     if not store_valves:  # in-process: only the chat with an id left state
-        assert await f._store.keys("chat:*") == [chat_state_key(f"u-{unique}", f"c-{unique}")]
+        assert await f.store.keys("chat:*") == [chat_state_key(f"u-{unique}", f"c-{unique}")]
 
 
 async def test_api_callers_leave_no_state(counter, trims, unique):
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
     await send(f, chat_of(20, last="Go !pin"), f"u-{unique}", "")
     await send(f, chat_of(20), f"u-{unique}", "")
-    assert await f._store.keys("*") == [] and trims[-1][0]["previous"] is None
+    assert await f.store.keys("*") == [] and trims[-1][0]["previous"] is None
 
 
 async def test_state_is_isolated_between_users_and_chats(counter, store_valves, trims, unique):
@@ -276,7 +258,7 @@ async def test_state_valves_are_checked(counter):
 async def test_unreadable_state_is_ignored(counter, trims, unique):
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0)
     key = chat_state_key(f"u-{unique}", f"c-{unique}")
-    await f._store.set(key, json.dumps({"v": 1, "decision": "{broken", "pins": [], "pin_mode": False}).encode(), ttl=60)
+    await f.store.set(key, json.dumps({"v": 1, "decision": "{broken", "pins": [], "pin_mode": False}).encode(), ttl=60)
     out = await send(f, chat_of(20), f"u-{unique}", f"c-{unique}")
     assert trims[-1][0]["previous"] is None and len(out["messages"]) < 41
 
@@ -286,10 +268,10 @@ async def test_state_this_version_cannot_read_is_never_written_over(counter, sto
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
     key = chat_state_key(f"u-{unique}", f"c-{unique}")
     await f._settings(None, None)  # opens the store the valves name
-    await f._store.set(key, raw, ttl=60)
+    await f.store.set(key, raw, ttl=60)
     out = await send(f, chat_of(20, last="Keep this !pin"), f"u-{unique}", f"c-{unique}")
     assert len(out["messages"]) < 41 and out["messages"][-1]["content"] == "Keep this"  # the turn went on
-    assert await f._store.get(key) == raw
+    assert await f.store.get(key) == raw
 
 
 async def test_a_failed_state_read_saves_nothing(counter, trims, unique, caplog):
@@ -300,15 +282,15 @@ async def test_a_failed_state_read_saves_nothing(counter, trims, unique, caplog)
     await send(f, chat_of(20, last="Keep this !pin"), user_id, chat_id)
     pinned = await stored_state(f, user_id, chat_id)
     assert len(pinned.pins) == 1
-    real_get = f._store.get
+    real_get = f.store.get
 
     async def failing_get(key):
         raise RuntimeError("read failed")
 
-    f._store.get = failing_get
+    f.store.get = failing_get
     out = await send(f, grow(chat_of(20, last="Keep this"), 30), user_id, chat_id)
     assert len(out["messages"]) < 43 and trims[-1][0]["previous"] is None
-    f._store.get = real_get
+    f.store.get = real_get
     assert await stored_state(f, user_id, chat_id) == pinned
     assert [r.getMessage() for r in caplog.records if "chat state" in r.getMessage()] == [
         "contextwarden: chat state not read (RuntimeError)"
@@ -329,12 +311,12 @@ async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, st
             with redis.Redis.from_url(store_valves["redis_url"]) as client:
                 client.set(KEY_PREFIX + key, other, ex=60)
         else:
-            f._store._put(key, other, 60)
+            f.store._put(key, other, 60)
         return real_trim(messages, **options)
 
     monkeypatch.setattr(filter_module, "trim_messages", trim_while_another_pass_saves)
     await send(f, chat_of(20), user_id, chat_id)
-    assert await f._store.get(key) == other
+    assert await f.store.get(key) == other
 
 
 async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):
@@ -357,8 +339,8 @@ async def test_a_worker_upgraded_mid_chat_reuses_the_state_the_previous_version_
     decision = trims[-1][1].decision
     key = chat_state_key(user_id, chat_id)
     previous = {"v": 1, "decision": decision.to_json(), "pins": ["p1"], "pin_mode": False}
-    await f._store.set(key, json.dumps(previous, separators=(",", ":")).encode(), ttl=60)
+    await f.store.set(key, json.dumps(previous, separators=(",", ":")).encode(), ttl=60)
     await send(f, grow(chat, 20), user_id, chat_id)
     assert trims[-1][0]["previous"] == decision
     state = await stored_state(f, user_id, chat_id)
-    assert json.loads(await f._store.get(key))["v"] == 2 and state.pins == ("p1",)
+    assert json.loads(await f.store.get(key))["v"] == 2 and state.pins == ("p1",)

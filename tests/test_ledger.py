@@ -24,7 +24,7 @@ from contextwarden.ledger import (
 )
 from contextwarden.store import KEY_PREFIX, MemoryStore, open_store
 
-from test_filter import Events, usage_records
+from helpers import Events, usage_records
 
 D = Decimal
 DAY = date(2026, 8, 19)
@@ -126,7 +126,7 @@ async def test_outlet_records_in_process(unique):
     f = _filter()
     for _ in range(3):
         await f.outlet(_reply_body(1000, 100, prompt_tokens_details={"cached_tokens": 400}), __user__={"id": unique})
-    [row] = ledger_totals(await read_ledger(f._store), "user")
+    [row] = ledger_totals(await read_ledger(f.store), "user")
     # each: 600 x 2.5e-6 + 400 x 1.25e-6 + 100 x 1e-5 = 0.0015 + 0.0005 + 0.001
     assert row.cost_usd == 3 * D("0.003")
     assert (row.counters["requests"], row.counters["cached_tokens"], row.counters["estimated"]) == (3, 1200, 0)
@@ -163,7 +163,7 @@ async def test_two_filters_sharing_redis_add_up_exactly(redis_url, unique):
             await f.outlet(body, __user__={"id": unique})
 
     await asyncio.gather(*(replies(f, per_worker) for f in workers))
-    store = workers[0]._store
+    store = workers[0].store
     today = datetime.now(timezone.utc).date()
     mine = [e for e in await read_ledger(store, since=today) if e.user == unique]
     [row] = ledger_totals(mine, "model")
@@ -176,7 +176,7 @@ async def test_two_filters_sharing_redis_add_up_exactly(redis_url, unique):
     assert 399 * 86_400 < await raw.ttl(key) <= 400 * 86_400
     await raw.aclose()
     for f in workers:
-        await f._store.aclose()
+        await f.store.aclose()
 
 
 @pytest.mark.redis
@@ -187,7 +187,7 @@ async def test_retention_valve_sets_the_expiry(redis_url, unique):
     [key] = [k async for k in raw.scan_iter(match=f"{KEY_PREFIX}ledger:*:{unique}:*")]
     assert 2 * 86_400 < await raw.ttl(key) <= 3 * 86_400
     await raw.aclose()
-    await f._store.aclose()
+    await f.store.aclose()
 
 
 @pytest.mark.redis

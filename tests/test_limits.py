@@ -31,7 +31,7 @@ from contextwarden.limits import (
 from contextwarden.usergroups import GroupReader
 from contextwarden.valves import read_settings
 
-from test_filter import Events, make_filter
+from helpers import Events, make_filter
 from turns import free_port, reply_of, run_turn
 
 D = Decimal
@@ -54,9 +54,9 @@ def store_valves(request) -> dict:
     return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
 
 
-async def limited(counter, valves: dict, now: datetime):
-    f = make_filter(counter, **valves)
-    f._now = Clock(now)
+async def limited(counter, valves: dict, now: datetime | Clock):
+    """A filter with these valves on this clock (a `Clock` the test moves on, or a fixed time), its store open."""
+    f = make_filter(counter, clock=now if isinstance(now, Clock) else Clock(now), **valves)
     await f._settings(None, None)  # opens the store the valves name
     return f
 
@@ -64,7 +64,7 @@ async def limited(counter, valves: dict, now: datetime):
 async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -> None:
     """One reply of `user` on `day` in the filter's ledger (usd None: an unknown price)."""
     await record_reply(
-        f._store,
+        f.store,
         user=user,
         model="openai/gpt-4o",
         prompt_tokens=tokens,
@@ -198,7 +198,8 @@ def test_warning_from_80_percent_of_the_nearest_limit():
 
 async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, store_valves, unique):
     now = datetime(2026, 12, 1, 20, 48, tzinfo=UTC)
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 2}, now)
+    clock = Clock(now)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 2}, clock)
     user = f"u-{unique}"
     await spent(f, user, "1.99", now.date())
     assert (await inlet(f, user))["messages"][-1]["content"] == "What is a fjord?"  # under the limit: goes on
@@ -210,12 +211,13 @@ async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, st
     )
     assert "ann@example.com" not in str(refused.value)
     await inlet(f, f"other-{unique}")  # another user is not held back
-    f._now.now = datetime(2026, 12, 2, 0, 0, 0, tzinfo=UTC)  # the next UTC day
+    clock.now = datetime(2026, 12, 2, 0, 0, 0, tzinfo=UTC)  # the next UTC day
     assert await inlet(f, user)
 
 
 async def test_monthly_limit_resets_on_the_first(counter, store_valves, unique):
-    f = await limited(counter, {**store_valves, "monthly_limit_usd": 10}, datetime(2026, 12, 31, 23, 59, tzinfo=UTC))
+    clock = Clock(datetime(2026, 12, 31, 23, 59, tzinfo=UTC))
+    f = await limited(counter, {**store_valves, "monthly_limit_usd": 10}, clock)
     user = f"u-{unique}"
     await spent(f, user, "6", date(2026, 12, 3))
     await spent(f, user, "4", date(2026, 12, 31))
@@ -225,7 +227,7 @@ async def test_monthly_limit_resets_on_the_first(counter, store_valves, unique):
         match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)",
     ):
         await inlet(f, user)
-    f._now.now = datetime(2027, 1, 1, 0, 0, tzinfo=UTC)
+    clock.now = datetime(2027, 1, 1, 0, 0, tzinfo=UTC)
     assert await inlet(f, user)
 
 
@@ -342,7 +344,7 @@ async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valve
     f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
     user = f"u-{unique}"
     await spent(f, user, "0.85", now.date())  # 85%: near the limit
-    f._store = SlowStore(f._store)
+    f._store = SlowStore(f.store)
     turns = [turn(user) for _ in range(12)]
     results = await asyncio.gather(
         *(f.inlet(body, __user__=who, __metadata__=body["metadata"]) for body, who in turns), return_exceptions=True
@@ -522,7 +524,7 @@ async def outlet_on(f, user: str, prompt: int) -> None:
 async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, store_valves, unique):
     """Replies from before this version are only in the ledger: the month they are in still adds
     up exactly; later checks read one key (no ledger scan), and later months need no ledger."""
-    clock = datetime(2026, 12, 10, 9, tzinfo=UTC)
+    clock = Clock(datetime(2026, 12, 10, 9, tzinfo=UTC))
     f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock)
     user = f"u-{unique}"
     await spent(f, user, "1.5", date(2026, 12, 3))  # before the upgrade: in the ledger only
@@ -530,18 +532,18 @@ async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, sto
     await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
     day, month = await f._spend(user)
     assert (day.usd, month.usd, month.requests) == (D("1.25"), D("2.75"), 3)
-    f._now.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
+    clock.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
     await outlet_on(f, user, 200_000)  # $0.50
-    f._store = CountingStore(f._store)
+    f._store = CountingStore(f.store)
     for _ in range(3):
         day, month = await f._spend(user)
         assert (day.usd, month.usd, month.tokens) == (D("0.5"), D("3.25"), 600_000 + 2_000)
-    assert f._store.scans == 1  # the days up to the upgrade, once; remembered after
-    f._now.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
+    assert f.store.scans == 1  # the days up to the upgrade, once; remembered after
+    clock.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
     await outlet_on(f, user, 40_000)  # $0.10
-    scans = f._store.scans
+    scans = f.store.scans
     assert await f._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
-    assert f._store.scans == scans  # a month after the upgrade: the key alone
+    assert f.store.scans == scans  # a month after the upgrade: the key alone
     g = await limited(counter, store_valves, datetime(2027, 1, 2, 10, tzinfo=UTC))  # another worker, same store
     if store_valves:
         assert await g._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
@@ -550,9 +552,9 @@ async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, sto
 async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
     """Outlet input is user-controlled: a reply counts at most $1,000 toward limits, never below 0."""
     f = await limited(counter, {"daily_limit_usd": 5}, datetime(2026, 12, 1, tzinfo=UTC))
-    await f._spendbook.record(f._store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
-    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
-    await f._spendbook.record(f._store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
+    await f._spendbook.record(f.store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
+    await f._spendbook.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
+    await f._spendbook.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
     day, _ = await f._spend(unique)
     assert day.usd == D(1000) and day.tokens == 10**10
 

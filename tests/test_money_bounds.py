@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 import respx
-from test_filter import Events, make_filter, usage_records
+from helpers import Events, make_filter, usage_records
 
 from contextwarden.errors import PricingError
 from contextwarden.ledger import read_ledger, record_reply, usd_to_picodollars
@@ -258,7 +258,7 @@ async def test_forged_cost_is_estimated_logged_once_and_the_ledger_stays_sane(co
         assert len(line) < 2_000
         assert (record["cost_usd"], record["cost_source"]) == ("0.0035", "price_table")
         assert statuses == ["1,000 tokens in · 100 out · $0.0035"]
-    [entry] = await read_ledger(f._store)
+    [entry] = await read_ledger(f.store)
     assert entry.counters["cost_picousd"] == 3 * 3_500_000_000 and entry.counters["requests"] == 3
     f2 = make_filter(counter, openrouter_pricing=False, calibrate_counts=False)
     with caplog.at_level(logging.WARNING, logger="contextwarden"):
@@ -291,7 +291,7 @@ async def test_forged_counts_are_estimated_and_bounded_everywhere(counter, caplo
     for name in ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens"):
         assert record[name] is None or 0 <= record[name] <= MAX_TOKEN_COUNT
     assert record["cost_usd"] is None or D(record["cost_usd"]) <= MAX_REPLY_COST_USD
-    [entry] = await read_ledger(f._store)
+    [entry] = await read_ledger(f.store)
     assert all(0 <= v <= MAX_TOKEN_COUNT for k, v in entry.counters.items() if not k.endswith("picousd"))
     assert entry.counters["cost_picousd"] <= usd_to_picodollars(MAX_REPLY_COST_USD)
     assert statuses and len(statuses[-1]) < 100
@@ -363,12 +363,12 @@ async def test_forged_usage_never_tears_the_redis_ledger(counter, redis_url, uni
         reply = {"role": "assistant", "content": "ok", "usage": usage}
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}, reply]}
         assert await f.outlet(body, __user__={"id": unique}) is body
-    assert f._store.shared and not f._store._pending
-    rows = [e for e in await read_ledger(f._store) if e.user == unique]
+    assert f.store.shared and not f.store._pending
+    rows = [e for e in await read_ledger(f.store) if e.user == unique]
     assert len(rows) == 1 and rows[0].counters["requests"] == 3
     assert rows[0].counters["prompt_tokens"] < 3 * MAX_TOKEN_COUNT
     assert not [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
-    await f._store.aclose()
+    await f.store.aclose()
 
 
 # -- item 7: pricing_file ------------------------------------------------------------------------

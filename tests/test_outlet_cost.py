@@ -33,8 +33,7 @@ from contextwarden.price_sources import PriceSources
 from contextwarden.pricing import ModelPrice, PriceBook
 
 from shared_paths import load_fixture
-from test_filter import Events, body_of, make_filter, usage_records
-from test_trim import chat_of
+from helpers import Events, body_of, chat_of, make_filter, usage_records
 
 D = Decimal
 OPENAI_MODEL = {
@@ -304,7 +303,7 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
     assert all(real > 0.75 * budget for real in reals[1:]), reals
     assert "· calibrated ×1.25" in events.statuses[-1]
     assert "calibrated" not in events.statuses[0]
-    assert (await load_calibration(f._store, model)).factor >= 1.25
+    assert (await load_calibration(f.store, model)).factor >= 1.25
 
 
 async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
@@ -325,7 +324,7 @@ async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
             usage = {"prompt_tokens": counted * 2 - 1, "completion_tokens": 5}
         reply = {"role": "assistant", "content": "ok", **({"usage": usage} if usage else {})}
         await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=body["metadata"])
-        assert await load_calibration(f._store, "openai/gpt-4o") == Calibration()
+        assert await load_calibration(f.store, "openai/gpt-4o") == Calibration()
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
@@ -382,7 +381,7 @@ async def test_one_users_image_and_tool_chats_do_not_move_anothers_budget(counte
     ]
     for _ in range(8):
         await learning_turn(f, tool_loop, "ann", lambda n: int(n * 1.6), model=model)
-    assert await load_calibration(f._store, model) == Calibration()
+    assert await load_calibration(f.store, model) == Calibration()
     note = await learning_turn(f, chat_of(4), "bob", lambda n: n, model=model)
     assert note["budget"] == 15_000 and note["calibration"] == 1.0
 
@@ -394,7 +393,7 @@ async def test_a_calibrated_budget_stays_within_the_window_and_the_bounded_effec
     never exceeds the window less the reserve."""
     model = "anthropic/claude-sonnet-4.5"
     f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000)
-    await save_calibration(f._store, model, Calibration(factor, 20))
+    await save_calibration(f.store, model, Calibration(factor, 20))
     body = body_of(chat_of(4), model=model, user_id="bob", chat_id="c-bob")
     user = {"id": "bob", "valves": f.UserValves(max_context_tokens=user_budget)}
     await f.request(body, __user__=user, __metadata__=body["metadata"])
@@ -450,15 +449,19 @@ def _live_payload() -> dict:
     return payload
 
 
+def live_prices(store):
+    """Price sources with the real LivePrices holder (its client goes to respx's mock)."""
+    return PriceSources(store, live_factory=LivePrices)
+
+
 async def test_live_openrouter_over_bundled_and_file_over_live(counter, logs, tmp_path):
     usage = {"prompt_tokens": 1000, "completion_tokens": 100}
     with respx.mock(assert_all_called=True) as router:
         route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
-        f = cost_filter(counter, openrouter_pricing=True)
-        f._prices = PriceSources(lambda: f._store, live_factory=LivePrices)
+        f = cost_filter(counter, openrouter_pricing=True, prices=live_prices)
         record, _ = await outlet_once(f, logs, "gpt-4o", usage)
         assert D(record["cost_usd"]) == D("0.0035")  # bundled while the fetch runs in the background
-        await f._prices.live._task
+        await f.prices.live._task
         record, _ = await outlet_once(f, logs, "gpt-4o", usage)
         assert D(record["cost_usd"]) == D("0.006")  # live: 1000 x 5e-6 + 100 x 1e-5
         record, _ = await outlet_once(f, logs, "gpt-4.1", usage)
@@ -475,11 +478,10 @@ async def test_live_openrouter_over_bundled_and_file_over_live(counter, logs, tm
 async def test_openrouter_off_never_fetches(counter, logs):
     with respx.mock(assert_all_called=False) as router:
         route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
-        f = cost_filter(counter, openrouter_pricing=False)
-        f._prices = PriceSources(lambda: f._store, live_factory=LivePrices)
+        f = cost_filter(counter, openrouter_pricing=False, prices=live_prices)
         await outlet_once(f, logs, "gpt-4o", {"prompt_tokens": 1, "completion_tokens": 1})
         await asyncio.sleep(0)
-        assert route.call_count == 0 and f._prices.live is None
+        assert route.call_count == 0 and f.prices.live is None
 
 
 @pytest.mark.redis
@@ -489,17 +491,22 @@ async def test_workers_share_one_fetch_through_redis(counter, logs, redis_url, u
         route = router.get(DEFAULT_OPENROUTER_URL).mock(return_value=httpx.Response(200, json=_live_payload()))
         workers = []
         for _ in range(2):
-            f = cost_filter(counter, openrouter_pricing=True, redis_url=redis_url, calibrate_counts=False)
-            f._prices = PriceSources(lambda f=f: f._store, live_factory=LivePrices, shared_key=f"prices:test:{unique}")
+            f = cost_filter(
+                counter,
+                openrouter_pricing=True,
+                redis_url=redis_url,
+                calibrate_counts=False,
+                prices=lambda store: PriceSources(store, live_factory=LivePrices, shared_key=f"prices:test:{unique}"),
+            )
             workers.append(f)
         await asyncio.gather(*(outlet_once(f, logs, "gpt-4o", usage, user={"id": unique}) for f in workers))
-        await asyncio.gather(*(f._prices.live._task for f in workers))
+        await asyncio.gather(*(f.prices.live._task for f in workers))
         assert route.call_count == 1  # one worker fetched, the other took the shared table
         for f in workers:
             record, _ = await outlet_once(f, logs, "gpt-4o", usage, user={"id": unique})
             assert D(record["cost_usd"]) == D("0.006")
-        shared = await workers[0]._store.get(f"prices:test:{unique}")
+        shared = await workers[0].store.get(f"prices:test:{unique}")
         assert json.loads(shared)["models"]["openai/gpt-4o"]["prompt"] == "0.000005"
         for f in workers:
-            await f._store.delete(f"prices:test:{unique}")
-            await f._store.aclose()
+            await f.store.delete(f"prices:test:{unique}")
+            await f.store.aclose()

@@ -18,9 +18,7 @@ import contextwarden.filter as filter_module
 import contextwarden.store as store_module
 from contextwarden.store import KEY_PREFIX, RedisStore
 
-from test_faults import redis_binary  # noqa: F401 - fixture
-from test_filter import Events, make_filter
-from test_trim import chat_of
+from helpers import Events, chat_of, make_filter
 from turns import OwnRedis, all_logs, rendered, reply_of, run_turn, usage_lines
 
 SECRET_TEXT = "zebra-quartz-7731"
@@ -75,11 +73,11 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
                     reply=reply_of(f"Reply about {SECRET_TEXT}", usage),
                 )
                 statuses += run.events.statuses
-            assert isinstance(f._store, RedisStore) and f._store.shared
+            assert isinstance(f.store, RedisStore) and f.store.shared
             for i in range(5):  # what the ledger and chat state will write
-                await f._store.incr(f"usage:user-1:c{i}", {"prompt_tokens": 900}, ttl=3_600)
-                await f._store.set(f"chat:c{i}", b"state", ttl=3_600)
-                await f._store.add(f"lock:c{i}", b"1", ttl=30)
+                await f.store.incr(f"usage:user-1:c{i}", {"prompt_tokens": 900}, ttl=3_600)
+                await f.store.set(f"chat:c{i}", b"state", ttl=3_600)
+                await f.store.add(f"lock:c{i}", b"1", ttl=30)
 
             # 2. every key in this Redis is ours, namespaced and expiring
             raw = aioredis.Redis.from_url(server.url)
@@ -113,10 +111,10 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
             server.stop()
             for i in range(3):
                 await run_turn(f, secret_chat(8), user=user, chat_id=f"down{i}")
-                await f._store.incr("usage:user-1:down", {"n": 1}, ttl=60)
+                await f.store.incr("usage:user-1:down", {"n": 1}, ttl=60)
             server.start()
-            await f._store.incr("usage:user-1:back", {"n": 1}, ttl=60)
-            assert f._store.shared
+            await f.store.incr("usage:user-1:back", {"n": 1}, ttl=60)
+            assert f.store.shared
 
             # 5. bad valves, among them the key in invalid JSON and a password that breaks the URL
             events = Events()

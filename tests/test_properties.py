@@ -565,8 +565,7 @@ def hostile_usage(draw) -> dict:
 @example(usages=[{"completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 10**6}}])
 def test_outlet_survives_any_forged_usage(counter, usages):
     async def outlets() -> tuple[list, list[str]]:
-        f = Filter()
-        f._counter = counter
+        f = Filter(counter=counter)
         f.valves = f.Valves(openrouter_pricing=False, calibrate_counts=False)
         statuses: list[str] = []
 
@@ -579,7 +578,7 @@ def test_outlet_survives_any_forged_usage(counter, usages):
                 "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ok", "usage": usage}],
             }
             assert await f.outlet(body, __user__={"id": "u"}, __event_emitter__=emit) is body
-        return await read_ledger(f._store), statuses
+        return await read_ledger(f.store), statuses
 
     entries, statuses = asyncio.run(outlets())
     assert not any("internal error" in s for s in statuses) and all(len(s) < 120 for s in statuses)
@@ -667,8 +666,7 @@ def test_the_whole_prompt_fits_with_tool_definitions(counter, chat, window, tool
     """A body with tool definitions and a response format through the filter: messages plus
     the fixed part fit the budget, unless the mandatory part alone cannot; when the fixed part
     alone fills it, only the mandatory part goes, uncut."""
-    f = Filter()
-    f._counter = counter
+    f = Filter(counter=counter)
     f.valves = f.Valves(
         max_context_tokens=window, reserve_output_tokens=window // 8, calibrate_counts=False, allowed_user_flags=""
     )

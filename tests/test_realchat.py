@@ -13,8 +13,7 @@ from contextwarden.status import TurnChoice, status_line
 from contextwarden.trim import trim_messages
 
 from chats import check_contract
-from test_filter import Events, make_filter
-from test_filter_state import send, shown
+from helpers import Events, body_of, make_filter, send, shown
 
 MODEL = "gpt-4o"
 PIN_BUDGET = 2_976
@@ -100,7 +99,6 @@ from pathlib import Path  # noqa: E402
 from contextwarden.budget import FixedCost, fixed_cost, prompt_budget, render_tools  # noqa: E402
 from contextwarden.calibration import Calibration  # noqa: E402
 
-from test_filter import body_of  # noqa: E402
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 BROWSER_TOOLS = BUILTIN_TOOLS[:36]
@@ -381,7 +379,7 @@ async def test_savings_carried_from_an_estimated_pass_stay_below_the_chat(counte
     hooks = {"__user__": {"id": "u1"}, "__metadata__": b["metadata"]}
     first = await f.inlet(b, **hooks)
     assert b["metadata"]["contextwarden"]["count_mode"] == "estimate"
-    f._counter.loaded = True
+    f.counter.loaded = True
     out = await f.request(first, **hooks)
     note = b["metadata"]["contextwarden"]
     assert note["count_mode"] == "exact"

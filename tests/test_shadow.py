@@ -18,9 +18,7 @@ from contextwarden.pricing import PriceBook
 from contextwarden.savings import PromptCache, estimate_savings
 
 from chats import frozen
-from test_filter import Events, body_of, make_filter, usage_records
-from test_filter_state import grow
-from test_trim import chat_of
+from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
 
 MODEL = "gpt-4o"
 GPT4O_INPUT = Decimal("0.0000025")  # bundled price of openai/gpt-4o input, $2.50 / M
@@ -131,8 +129,8 @@ async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_r
         ).groups()
         assert (would[1], would[0], would[2], would[3]) == counts  # the same choice, turn after turn
         chat = grow(chat, i)
-    e_state = ChatState.from_bytes(await enforce._store.get(chat_state_key("u1", f"e-{unique}")))
-    s_state = ChatState.from_bytes(await shadow._store.get(chat_state_key("u1", f"s-{unique}")))
+    e_state = ChatState.from_bytes(await enforce.store.get(chat_state_key("u1", f"e-{unique}")))
+    s_state = ChatState.from_bytes(await shadow.store.get(chat_state_key("u1", f"s-{unique}")))
     assert s_state.decision is None and s_state.shadow_decision == e_state.decision is not None
     assert e_state.shadow_decision is None
 
@@ -183,7 +181,7 @@ async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves
     assert sum(r["tokens_saved"] for r in records) == saved_tokens > 0
     assert sum(Decimal(r["cost_saved_usd"]) for r in records) == saved_usd > 0
     today = datetime.now(timezone.utc).date()
-    [row] = ledger_totals([e for e in await read_ledger(f._store, since=today) if e.user == user], "user")
+    [row] = ledger_totals([e for e in await read_ledger(f.store, since=today) if e.user == user], "user")
     real, shadow = (saved_tokens, 0) if mode == "enforce" else (0, saved_tokens)
     assert (row.counters["tokens_saved"], row.counters["shadow_tokens_saved"]) == (real, shadow)
     assert (row.counters["trimmed"], row.counters["shadow_trimmed"]) == ((2, 0) if mode == "enforce" else (0, 2))
@@ -227,7 +225,7 @@ async def test_off_does_nothing_before_the_reply_but_records_usage(counter, capl
     events = Events()
     assert await inlet_then_request(f, body, "u1", events) is body
     assert json.dumps(body, sort_keys=True) == before and events.items == []  # not even a metadata note
-    assert await f._store.get(chat_state_key("u1", f"c-{unique}")) is None
+    assert await f.store.get(chat_state_key("u1", f"c-{unique}")) is None
     await f.outlet(
         {"model": MODEL, "messages": chat + [reply_with_usage(4_000)], "chat_id": "c"},
         __user__={"id": "u1"},
@@ -242,7 +240,7 @@ async def test_off_does_nothing_before_the_reply_but_records_usage(counter, capl
         4_000,
     )
     assert events.statuses == ["4,000 tokens in · 10 out · $0.010"]  # 4,000 × $2.50/M + 10 × $10/M = $0.0101
-    [row] = ledger_totals(await read_ledger(f._store), "user")
+    [row] = ledger_totals(await read_ledger(f.store), "user")
     assert row.counters["requests"] == 1 and row.counters["trimmed"] == row.counters["shadow_trimmed"] == 0
 
 

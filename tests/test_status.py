@@ -11,7 +11,7 @@ from contextwarden.flags import Flags
 from contextwarden.savings import Savings
 from contextwarden.status import TurnChoice, shadow_status_line, status_line
 
-from test_filter import Events, make_filter
+from helpers import Events, make_filter
 from turns import run_turn
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
@@ -134,7 +134,7 @@ async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counte
     chat = long_chat()
     events_hooks = {"__user__": {"id": "u1"}}
     body = {"model": "gpt-4o", "messages": chat, "metadata": {"chat_id": "rag", "user_id": "u1"}}
-    from test_filter import Events
+    from helpers import Events
 
     events = Events()
     first = await f.inlet(body, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)

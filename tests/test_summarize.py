@@ -32,8 +32,7 @@ from contextwarden.summarize import (
 
 from chatgen import random_chat
 from chats import frozen
-from test_filter import Events, body_of, make_filter
-from test_trim import chat_of
+from helpers import Events, body_of, chat_of, make_filter
 
 URL = "http://llm.test/v1"
 KEY = "sk-test-SECRET-0123456789"

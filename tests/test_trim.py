@@ -11,22 +11,9 @@ from contextwarden.trim import SHORTENED_MARK
 
 from chatgen import random_chat
 from chats import check_contract, frozen
+from helpers import chat_of, turn
 
 MODEL = "gpt-4o"
-
-
-def turn(i: int, words: int = 60) -> list[dict]:
-    return [
-        {"role": "user", "content": f"question {i} " + "lorem ipsum " * words},
-        {"role": "assistant", "content": f"answer {i} " + "dolor sit " * words},
-    ]
-
-
-def chat_of(turns: int, *, system: str = "You are helpful.", last: str = "What now?") -> list[dict]:
-    chat = [{"role": "system", "content": system}]
-    for i in range(turns):
-        chat += turn(i)
-    return chat + [{"role": "user", "content": last}]
 
 
 def test_fitting_chat_is_returned_whole(counter):

@@ -9,8 +9,7 @@ import pytest
 
 from contextwarden.valves import INT_RANGES, MIN_BUDGET_TOKENS, UserValves, Valves, read_settings
 
-from test_filter import make_filter
-from test_trim import chat_of
+from helpers import chat_of, make_filter
 from turns import run_turn
 
 NUMERIC = [

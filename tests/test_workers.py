@@ -25,7 +25,7 @@ from contextwarden.conversation import is_recall_message
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.tokens import TokenCounter
 from contextwarden.usage import Usage, compute_cost
-from pending import BUILT_FILE, has_feature, pending
+from helpers import BUILT_FILE
 
 pytestmark = pytest.mark.redis
 
@@ -202,7 +202,6 @@ def test_concurrent_outlets_each_log_once(spawn: Callable[..., WorkerProcess], u
         }
 
 
-@pending("ledger")
 def test_ledger_totals_are_exact_across_workers(spawn: Callable[..., WorkerProcess], unique: str) -> None:
     """After 2 x N concurrent replies, both workers read the same, exact totals (cost to the picodollar)."""
     workers = [spawn(), spawn()]
@@ -223,7 +222,6 @@ def test_ledger_totals_are_exact_across_workers(spawn: Callable[..., WorkerProce
 # --- chat state written by one worker, read by the other ----------------------------------------
 
 
-@pending("decisions")
 def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: str, counter: TokenCounter) -> None:
     """Worker A trims a chat; the next turn lands on worker B, which reuses A's decision: what A
     sent is the start of what B sends (the provider's prompt cache still hits). A worker without
@@ -267,7 +265,6 @@ def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: st
     )
 
 
-@pending("pins")
 def test_pin_is_shared(spawn: Callable[..., WorkerProcess], unique: str) -> None:
     """A message pinned with !pin on worker A survives trimming on worker B (not on a worker
     without Redis, where the old message goes as any other)."""
@@ -290,7 +287,6 @@ def test_pin_is_shared(spawn: Callable[..., WorkerProcess], unique: str) -> None
     assert not any("PINNED-FACT" in str(m.get("content")) for m in fresh["messages"])
 
 
-@pending("calibration")
 def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str, counter: TokenCounter) -> None:
     """Worker A learns that the provider counts 30% more than we do; worker B trims with that."""
     # low_watermark 1.0: trims fill the budget, so only calibration can explain a smaller prompt.
@@ -299,7 +295,7 @@ def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str,
         meta = {"chat_id": f"chat-{unique}-{turn}", "user_id": f"user-{unique}", "message_id": "m1"}
         chat = long_chat(4)
         seen = a.call("inlet", body={"model": MODEL, "messages": chat}, metadata=meta, user_id=meta["user_id"])
-        counted = counter.count_messages(seen["body"]["messages"], MODEL)
+        counted = seen["metadata"]["contextwarden"]["estimated_prompt_tokens"]  # the filter's own count
         body = outlet_body(prompt=round(counted * 1.3))
         body["messages"] = [*seen["body"]["messages"], body["messages"][-1]]
         a.call("outlet", body=body, metadata=seen["metadata"], user_id=meta["user_id"])
@@ -332,7 +328,6 @@ def test_worker_without_redis_works_alone(
     assert "WARNING" not in alone.log()
 
 
-@pending("ledger")
 def test_worker_without_redis_keeps_its_own_ledger(spawn: Callable[..., WorkerProcess], unique: str) -> None:
     """The alone worker counts its own replies and none of the shared ones (and vice versa)."""
     shared, alone = spawn(), spawn(shared=False)
@@ -381,8 +376,3 @@ def test_limit_races_let_one_turn_per_worker_past(spawn: Callable[..., WorkerPro
     texts = {text.split(" It resets")[0] for v in views for text in v["refused"]}
     assert spent == Decimal("0.063")
     assert texts == {"TurnRefused: contextwarden: your daily limit of $0.05 is reached ($0.063 used today)."}
-
-
-def test_pending_features_are_detected() -> None:
-    """The pending marks read the built file: a feature on main is no longer marked."""
-    assert has_feature("stream_usage") == ("request_stream_usage" in BUILT_FILE.read_text("utf-8"))

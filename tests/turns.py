@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from test_filter import Events
+from helpers import Events
 
 
 class YieldingEvents(Events):

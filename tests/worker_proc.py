@@ -75,7 +75,7 @@ class Worker:
             self.filter.valves = self.filter.Valves(**command["valves"])
             self.redis_url = command["valves"].get("redis_url", "")
             if command.get("wait_encodings"):
-                self.filter._counter.wait_ready(command.get("model_id", "gpt-4o"))
+                self.filter.counter.wait_ready(command.get("model_id", "gpt-4o"))
             return {"ok": True}
         if op in ("inlet", "request", "outlet"):
             metadata = copy.deepcopy(command.get("metadata") or {})
@@ -110,7 +110,7 @@ class Worker:
         if op == "ledger":
             if not hasattr(self.module, "read_ledger"):
                 return {"missing": True}
-            entries = await self.module.read_ledger(self.filter._store)
+            entries = await self.module.read_ledger(self.filter.store)
             rows = [
                 {"user": e.user, "model": e.model, "counters": e.counters, "cost_usd": format(e.cost_usd, "f")}
                 for e in entries
@@ -118,7 +118,7 @@ class Worker:
             ]
             return {"rows": rows}
         if op == "store":
-            return {"type": type(self.filter._store).__name__, "shared": self.filter._store.shared}
+            return {"type": type(self.filter.store).__name__, "shared": self.filter.store.shared}
         raise ValueError(f"unknown op {op!r}")
 
     def _barrier(self, key: str, parties: int, timeout: float = 30.0) -> None:

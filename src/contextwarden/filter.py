@@ -315,20 +315,54 @@ class Filter:
     Valves = Valves
     UserValves = UserValves
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store | None = None,
+        counter: TokenCounter | None = None,
+        clock: Callable[[], datetime] | None = None,
+        prices: Callable[[Callable[[], Store]], PriceSources] | None = None,
+    ) -> None:
+        """Open WebUI makes it with no arguments; each argument replaces one part (tests, embedding).
+
+        Args:
+            store: shared state; given, it is used whatever the `redis_url` valve says
+                (default: in-process, then the valve's Redis once it is set).
+            counter: the token counter (default: one that loads encodings in the background).
+            clock: the current time, timezone-aware (default: UTC now); days and months of
+                limits and the ledger follow it.
+            prices: builds the price sources from a function returning the current store
+                (default: `PriceSources`, which fetches OpenRouter in the background).
+        """
         self.valves = self.Valves()
-        self._counter = TokenCounter()
+        self._counter = counter or TokenCounter()
         self._encodings_wait_until = time.monotonic() + ENCODING_WAIT_SECONDS
-        self._store: Store = MemoryStore()
+        self._store: Store = store or MemoryStore()
+        self._store_given = store is not None
         self._store_url = ""
         self._store_problem: ConfigError | None = None
         self._reported: set[str] = set()
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
-        self._prices = PriceSources(lambda: self._store)
+        self._prices = (prices or PriceSources)(lambda: self._store)
         self._inflight = InFlight()
         self._spendbook = SpendBook()
         self._groups = GroupReader()
-        self._now: Callable[[], datetime] = lambda: datetime.now(UTC)
+        self._now: Callable[[], datetime] = clock or (lambda: datetime.now(UTC))
+
+    @property
+    def store(self) -> Store:
+        """The store this filter uses now (it changes with the `redis_url` valve unless one was given)."""
+        return self._store
+
+    @property
+    def counter(self) -> TokenCounter:
+        """The token counter this filter counts with."""
+        return self._counter
+
+    @property
+    def prices(self) -> PriceSources:
+        """Where this filter's prices come from (admin file, live OpenRouter, bundled)."""
+        return self._prices
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -1058,7 +1092,7 @@ class Filter:
         settings, problems = self._read_settings(user_valves)
         for problem in problems:
             await self._report(problem, emit)
-        if settings.redis_url != self._store_url:
+        if settings.redis_url != self._store_url and not self._store_given:
             self._store_problem = None
             try:
                 self._store = open_store(settings.redis_url)

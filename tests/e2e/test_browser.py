@@ -24,7 +24,7 @@ from contextwarden.money import format_usd
 from contextwarden.usage import Usage, compute_cost
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
 from owui import OpenWebUI, add_user, installed_function
-from pending import BUILT_FILE
+from helpers import BUILT_FILE
 from test_product import base_valves
 
 pytestmark = pytest.mark.e2e

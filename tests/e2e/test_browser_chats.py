@@ -18,7 +18,7 @@ from contextwarden.budget import fixed_cost
 from contextwarden.tokens import TokenCounter
 from fake_backend import FakeBackend, expected_prompt_tokens, tool_definition_tokens
 from owui import OpenWebUI, chat, install_function, set_valves, start_open_webui
-from pending import BUILT_FILE
+from helpers import BUILT_FILE
 from test_product import (
     BUDGET,
     MODEL,

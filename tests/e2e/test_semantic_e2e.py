@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from owui import OpenWebUI, chat, installed_function, set_valves, wait_for_log
-from pending import BUILT_FILE
+from helpers import BUILT_FILE
 
 pytestmark = pytest.mark.e2e
 

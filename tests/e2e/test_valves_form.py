@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from owui import OpenWebUI, installed_function
-from pending import BUILT_FILE
+from helpers import BUILT_FILE
 
 pytestmark = pytest.mark.e2e
 
