@@ -274,16 +274,25 @@ def test_ten_turns_keep_their_prefix_and_an_early_fact_is_recalled(
     but its recall block and question (a provider's prompt cache keeps hitting), and the question
     about the early fact gets that fact's message sent, quoted verbatim in a user-role recall
     block right before it (never a system message: Open WebUI would merge it into the system
-    prompt)."""
+    prompt). Lexical relevance, so that what is dropped does not hang on the embedder's view of
+    this filler (or on its timing)."""
+    set_valves(open_webui, cw, {**base_valves(), "semantic_relevance": False})
     chat_id = f"temporary:{uuid.uuid4()}"
     fact = "Remember this: my storage unit is number 5821 at the Lindholm depot, code word pelican."
+    # As long as a real message: a turn this short would be kept as fill (room the newest turns
+    # leave), and the fact would never be dropped to be recalled.
+    aside = " Moving flats last spring took weeks, with boxes in every room until the autumn." * 3
     messages = [
         {"role": "system", "content": "You are careful."},
-        {"role": "user", "content": fact},
+        {"role": "user", "content": fact + aside},
         {"role": "assistant", "content": "Noted: unit 5821 at Lindholm, code word pelican."},
     ]
     messages += long_chat(turns=40)[1:-1]  # ~120 messages of filler after it
-    questions = [f"Turn {k}: tell me more about the {WORDS[k]} and the {WORDS[k + 9]}." for k in range(9)]
+    # Follow-ups that match no filler word and are long enough to be their own query: the filler
+    # repeats the same 26 words in every message, so a question naming some of them (or a short
+    # one, which draws on the turns before it) would rank the turns by noise.
+    parts = "alpha bravo charlie echo foxtrot golf hotel india juliett".split()
+    questions = [f"Please go on with the story of the {part} expedition and its crew." for part in parts]
     questions.append("Which storage unit number and depot did I ask you to remember, with the code word?")
     sent: list[list[dict[str, Any]]] = []
     for question in questions:
