@@ -7,7 +7,14 @@ import json
 import re
 from typing import Any
 
-from contextwarden.conversation import RECALL_LABEL, is_recall_message, message_text, read_conversation, tool_call_ids
+from contextwarden.conversation import (
+    RECALL_LABEL,
+    SUMMARY_ACK_MESSAGE,
+    message_text,
+    read_conversation,
+    recall_parts,
+    tool_call_ids,
+)
 from contextwarden.selection import mandatory_indices
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
@@ -52,20 +59,22 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:
         assert result.tokens_after <= result.budget
-    # recall blocks: new user messages (not input dicts), each right before a kept user message,
-    # together quoting each recalled (dropped) message's text verbatim; the one right before the
-    # question (this turn's) ends the stable prefix.
+    # recall blocks: new user messages (not input dicts), each followed by a new assistant
+    # acknowledgement right before a kept user message, together quoting each recalled (dropped)
+    # message's text verbatim; the one right before the question (this turn's) ends the stable prefix.
     new = [k for k, m in enumerate(sent) if not any(m is x for x in chat)]
     blocks = [k for k in new if sent[k].get("role") == "user" and str(sent[k].get("content")).startswith(RECALL_LABEL)]
-    plain = [m for k, m in enumerate(sent) if k not in blocks]
+    added = set(blocks) | {k + 1 for k in blocks}
+    plain = [m for k, m in enumerate(sent) if k not in added]
     if blocks:
         quoted = "".join(sent[k]["content"] for k in blocks)
         assert result.recalled and set(result.recalled) <= set(result.dropped)
         assert all(message_text(chat[i]) in quoted for i in result.recalled)
         for k in blocks:
-            assert k + 1 < len(sent) and sent[k + 1].get("role") == "user" and k + 1 not in blocks
+            assert k + 2 < len(sent) and k + 1 in new and sent[k + 1] == SUMMARY_ACK_MESSAGE
+            assert sent[k + 2].get("role") == "user" and k + 2 not in blocks
         latest = chat[conversation.question]
-        before_question = [k for k in blocks if sent[k + 1] is latest]
+        before_question = [k for k in blocks if sent[k + 2] is latest]
         assert result.stable_prefix == (before_question[0] if before_question else len(sent))
     else:
         cut = min(set(result.shortened).difference(result.excerpted), default=None)  # excerpts are sent again
@@ -73,6 +82,14 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
         assert result.stable_prefix == (
             len(sent) if cut is None else sum(1 for i in result.kept + result.shortened if i < cut)
         )
+    # what the trim adds keeps roles alternating: with the blocks and acknowledgements, no more
+    # same-role neighbours than without them. (Not none: the selection itself sends two user
+    # messages in a row when it drops what stood between them, see `same_role_pairs`.)
+    origin = iter(sorted(result.kept + result.shortened))
+    at = [None if k in added else next(origin) for k in range(len(sent))]
+    pairs = same_role_pairs(chat, sent, at)
+    bare = same_role_pairs(chat, [m for k, m in enumerate(sent) if k not in added], [i for i in at if i is not None])
+    assert len(pairs) <= len(bare), ("an added message repeats a role", pairs, [m.get("role") for m in sent])
     # 3. untouched means untouched: kept messages are the same dicts, in order.
     assert len(plain) == len(result.kept) + len(result.shortened)
     by_index = dict(zip(sorted(result.kept + result.shortened), plain))
@@ -98,12 +115,33 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
             at = found + len(piece)
 
 
+def same_role_pairs(chat: list[dict[str, Any]], sent: list[dict[str, Any]], at: list[int | None]) -> list[tuple]:
+    """Positions in `sent` (input positions `at`, None for a message the trim added) of consecutive
+    non-system messages with the same role that the input did not already have side by side (its
+    own repeats, say tool results, are its own): what a strict chat template would refuse, as
+    far as the trim made it (a block between two user messages the input had side by side is
+    the input's repeat). The selection makes some: a user message whose answer is dropped
+    while the next user message is kept (an unanswered tool call, an orphan, is never sent)."""
+    system = ("system", "developer")
+    rest = [k for k in range(len(sent)) if sent[k].get("role") not in system]
+    pairs = []
+    for p, q in zip(rest, rest[1:]):
+        if sent[p].get("role") != sent[q].get("role"):
+            continue
+        i = at[p]
+        j = next((x for x in at[q:] if x is not None), None)  # a block stands for the question after it
+        if i is None or j is None or any(chat[x].get("role") not in system for x in range(i + 1, j)):
+            pairs.append((p, q))
+    return pairs
+
+
 def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
     """Two trims of one chat chose alike: the same messages (each kept one the very same dict),
     counts and decision."""
     assert a.messages == b.messages
     sent = sorted(a.kept + a.shortened)
-    plain = [(x, y) for x, y in zip(a.messages, b.messages) if x is y or not is_recall_message(x)]  # blocks aside
+    added = set(recall_parts(a.messages))
+    plain = [(x, y) for k, (x, y) in enumerate(zip(a.messages, b.messages)) if k not in added]  # blocks aside
     assert all(x is y for i, (x, y) in zip(sent, plain) if i in a.kept)
     assert (
         a.kept,

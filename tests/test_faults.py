@@ -62,7 +62,7 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
                 last = where[id(m)]
                 kept.append(last)
                 continue
-            if is_recall_message(m):
+            if is_recall_message(m) or j - 1 in blocks:  # a block, or the acknowledgement after it
                 blocks.append(j)
                 continue
             upper = next((where[id(n)] for n in sent[j + 1 :] if id(n) in where), len(chat))
@@ -76,10 +76,11 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
             shortened.append(last)
         after = counter.count_messages(sent, MODEL)
         dropped = tuple(i for i in range(len(chat)) if i not in kept + shortened)
+        blocks = [j for j in blocks if is_recall_message(sent[j])]
         quoted = "".join(sent[j]["content"] for j in blocks)
         recalled = tuple(i for i in dropped if blocks and message_text(chat[i]) and message_text(chat[i]) in quoted)
         question = max((i for i, m in enumerate(chat) if m.get("role") == "user"), default=None)
-        stable = next((j for j in blocks if question is not None and sent[j + 1] is chat[question]), -1)
+        stable = next((j for j in blocks if question is not None and sent[j + 2] is chat[question]), -1)
         result = TrimResult(
             list(sent),
             tuple(kept),

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from contextwarden.conversation import is_recall_message, recall_message
+from contextwarden.conversation import SUMMARY_ACK, is_recall_message, recall_message
 from contextwarden import Filter
 from contextwarden.filter import model_context_length
 
@@ -309,7 +309,8 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
     # The question, and the recall block when this turn quotes older messages (and its bare label,
     # counted once): nothing that was sent before.
     recalled = [m["content"] for m in out["messages"] if is_recall_message(m)]
-    assert [t for t in spy.texts if t != recall_message([], ())["content"]] == [question["content"], *recalled]
+    frames = (recall_message([], ())["content"], SUMMARY_ACK)
+    assert [t for t in spy.texts if t not in frames] == [question["content"], *recalled]
 
 
 async def test_settings_follow_the_valves_values_not_the_objects(counter):

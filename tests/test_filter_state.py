@@ -97,7 +97,7 @@ async def _stable_share(f, user_id: str, chat_id: str, turns: int) -> float:
     for i in range(turns):
         chat = grow(chat, 100 + i, words=30)
         sent = (await send(f, chat, user_id, chat_id))["messages"]
-        kept = len(previous) - 1 - (len(previous) > 1 and is_recall_message(previous[-2]))  # its recall block aside
+        kept = len(previous) - 1 - 2 * (len(previous) > 2 and is_recall_message(previous[-3]))  # its block aside
         stable += sent[:kept] == previous[:kept]
         previous = sent
     return stable / turns

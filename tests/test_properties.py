@@ -29,14 +29,14 @@ from hypothesis import strategies as st
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.ledger import read_ledger, usd_to_picodollars
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
-from contextwarden.conversation import read_conversation
+from contextwarden.conversation import read_conversation, recall_parts
 from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.tokens import TokenCounter
 from contextwarden.selection import mandatory_indices
 from contextwarden.budget import fixed_cost
 from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK
 
-from chats import assert_same_trim, check_contract, frozen
+from chats import assert_same_trim, check_contract, frozen, same_role_pairs
 
 CI_EXAMPLES = 1_000
 settings.register_profile(
@@ -725,7 +725,8 @@ def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
 def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, turns):
     """A chat that goes on for a few turns, each passing its decision on (through JSON), so that
     recall blocks are made and carried: every turn keeps the contract and is deterministic, the
-    fast and the full path agree, and a second pass over what was sent (Open WebUI's `request`
+    fast and the full path agree, roles alternate around each block (its acknowledgement follows
+    it: `check_contract`), and a second pass over what was sent (Open WebUI's `request`
     after `inlet`) changes nothing and never adds a second block for the question."""
     result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
     for _ in range(turns):
@@ -744,6 +745,11 @@ def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, t
                 "a second pass changed the prompt"
             )
         event("recalled" if result.recalled else "no recall")
+        added = set(recall_parts(result.messages))
+        origin = iter(sorted(result.kept + result.shortened))
+        at = [None if k in added else next(origin) for k in range(len(result.messages))]
+        if same_role_pairs(chat, result.messages, at):  # the selection's own (check_contract: never the blocks')
+            event("two messages with one role in a row (the selection's)")
 
 
 DOC_WORDS = tuple(
@@ -816,7 +822,10 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
         if not result.over_budget:
             second = trim_messages(copy.deepcopy(result.messages), **options)
             assert frozen(second.messages) == frozen(result.messages)
-        plain = dict(zip(sorted(result.kept + result.shortened), [m for m in result.messages if not _is_block(m)]))
+        added = set(recall_parts(result.messages))
+        plain = dict(
+            zip(sorted(result.kept + result.shortened), [m for k, m in enumerate(result.messages) if k not in added])
+        )
         if result.reused:
             for index in set(sent).intersection(result.excerpted):
                 assert plain[index] == sent[index], "a carried excerpt changed"
@@ -829,9 +838,3 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
             {"role": "assistant", "content": data.draw(short_text)},
             {"role": "user", "content": data.draw(st.sampled_from(["Thanks!", "ok", "And the river?", "Paris?"]))},
         ]
-
-
-def _is_block(message: dict) -> bool:
-    from contextwarden.conversation import is_recall_message
-
-    return is_recall_message(message)

@@ -64,8 +64,8 @@ def test_a_dropped_fact_is_recalled_and_the_prefix_is_kept(counter):
     block = later.messages[later.stable_prefix]
     assert block["role"] == "user" and block["content"].startswith(RECALL_LABEL)
     assert "user: My locker code is 4417 and my bike is a green Batavus." in block["content"]
-    assert later.messages[later.stable_prefix + 1] is later_chat[-1]
-    assert later.stable_prefix == len(later.messages) - 2
+    assert later.messages[later.stable_prefix + 2] is later_chat[-1]
+    assert later.stable_prefix == len(later.messages) - 3
     assert later.tokens_after == counter.count_messages(later.messages, MODEL) <= BUDGET
 
 
@@ -78,12 +78,12 @@ def test_earlier_blocks_are_sent_again_unchanged(counter):
     third_chat = next_turn(second_chat, "And which bike did I say I ride, Batavus?")
     third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter, recall_share=0.2)
     check_contract(third_chat, third, counter, MODEL)
-    assert third.reused
+    assert third.reused and alternates(third.messages)
     # Everything the second turn sent, its block included, is the third turn's prefix.
     assert third.messages[: len(second.messages)] == second.messages
     assert set(second.recalled) <= set(third.recalled)
-    new_block = is_recall_message(third.messages[-2])
-    assert third.stable_prefix == len(third.messages) - (2 if new_block else 0)
+    new_block = is_recall_message(third.messages[-3])
+    assert third.stable_prefix == len(third.messages) - (3 if new_block else 0)
     # The bike message is quoted already: it is not quoted a second time.
     assert sum(m["content"].count("green Batavus bike") for m in third.messages if is_recall_message(m)) == 1
 
@@ -318,3 +318,61 @@ def test_the_short_reply_next_to_a_match_ranks_before_filler(counter):
     pool = _Pools(chat, counter, MODEL, 0, None).of(len(chat) - 1, [0])
     fillers = [i for i in pool.candidates if i > 4]
     assert pool.candidates.index(3) < min(map(pool.candidates.index, fillers))
+
+
+# -- roles alternate around the recall block (chat templates that require it) ----------------
+
+
+def alternates(messages: list[dict]) -> bool:
+    """No two consecutive messages with the same role once the system prompt is set aside: what
+    strict chat templates (Gemma, Mistral in vLLM or llama.cpp) require of a chat without tools."""
+    roles = [m["role"] for m in messages if m["role"] not in ("system", "developer")]
+    return all(a != b for a, b in zip(roles, roles[1:]))
+
+
+def test_the_recall_block_is_followed_by_the_acknowledgement(counter):
+    """Each block (the new one and the earlier ones sent again) is a user message followed by an
+    assistant SUMMARY_ACK, then the question it was made for: roles alternate, the budget counts
+    the acknowledgement, and the previous prompt is the prefix of the next, byte for byte."""
+    from contextwarden.summarize import SUMMARY_ACK
+
+    chat = river_chat()
+    result = trim(chat, token_counter=counter)
+    assert alternates(result.messages)
+    previous_sent = result.messages
+    questions = ["What is my locker code?", "And which bike did I say I ride, Batavus?", "Locker 4417 again?"]
+    blocks = 0
+    for question in questions:
+        chat = next_turn(chat, question)
+        result = trim(chat, TrimDecision.from_json(result.decision.to_json()), token_counter=counter, recall_share=0.2)
+        check_contract(chat, result, counter, MODEL)
+        assert alternates(result.messages), [m["role"] for m in result.messages]
+        for k in recall_positions(result.messages):
+            assert result.messages[k + 1] == {"role": "assistant", "content": SUMMARY_ACK}
+            assert result.messages[k + 2]["role"] == "user" and not is_recall_message(result.messages[k + 2])
+        assert result.tokens_after == counter.count_messages(result.messages, MODEL) <= BUDGET
+        if result.reused:
+            assert json.dumps(result.messages[: len(previous_sent)]) == json.dumps(previous_sent)
+        blocks += len(recall_positions(result.messages))
+        previous_sent = result.messages
+    assert blocks
+
+
+def test_a_decision_from_before_the_acknowledgement_still_reads(counter):
+    """Decisions stored before the acknowledgement record blocks as `[anchor, at, kept]`: they
+    still read (as not acknowledged), and their blocks are sent again with the acknowledgement."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter, recall_share=0.2)
+    assert second.recalled and all(r.acked for r in second.decision.recalls)
+    data = json.loads(second.decision.to_json())
+    assert all(len(r) == 4 for r in data["recalls"])
+    data["recalls"] = [r[:3] for r in data["recalls"]]  # as written before
+    old = TrimDecision.from_json(json.dumps(data))
+    assert old.recalls and not any(r.acked for r in old.recalls)
+    third_chat = next_turn(second_chat, "And which bike did I say I ride, Batavus?")
+    third = trim(third_chat, old, token_counter=counter, recall_share=0.2)
+    check_contract(third_chat, third, counter, MODEL)
+    assert alternates(third.messages) and third.reused
+    assert third.messages == trim(third_chat, second.decision, token_counter=counter, recall_share=0.2).messages

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextwarden import trim_messages
-from contextwarden.conversation import is_recall_message
 from contextwarden.store import MemoryStore
 import contextwarden.summarize as summarize_module
 from contextwarden.summarize import (
@@ -85,9 +84,9 @@ def merge_system_messages(messages: list[dict]) -> list[dict]:
 
 def assert_alternates(messages: list[dict]) -> None:
     """After the system prompt: a user message first, then user and assistant turns in turn
-    (a `tool` reply belongs to the assistant turn before it). Recall blocks are left out: they
-    are trim.py's (a user message right before the question)."""
-    roles = [m["role"] for m in messages if m["role"] not in ("system", "tool") and not is_recall_message(m)]
+    (a `tool` reply belongs to the assistant turn before it). Recall blocks too: each is followed
+    by its acknowledgement."""
+    roles = [m["role"] for m in messages if m["role"] not in ("system", "tool")]
     assert roles[0] == "user" and all(a != b for a, b in zip(roles, roles[1:])), roles
 
 

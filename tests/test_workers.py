@@ -253,7 +253,7 @@ def test_trim_decision_is_shared(spawn: Callable[..., WorkerProcess], unique: st
     on_b = seen_b["body"]
     fresh = alone.call("inlet", body=body, metadata=meta2, user_id=meta["user_id"])["body"]
     sent_a = first["messages"]
-    stable = len(sent_a) - 2 if is_recall_message(sent_a[-2]) else len(sent_a)  # all but A's recall block and question
+    stable = len(sent_a) - 3 if is_recall_message(sent_a[-3]) else len(sent_a)  # all but A's block, ack, question
     assert on_b["messages"][:stable] == sent_a[:stable]
     assert fresh["messages"][:stable] != sent_a[:stable]
     # B counted only what it sent and the new messages; the dropped ones' size came with A's

@@ -28,6 +28,10 @@ __all__ = [
     "recall_message",
     "is_recall_message",
     "recall_positions",
+    "recall_parts",
+    "SUMMARY_ACK",
+    "SUMMARY_ACK_MESSAGE",
+    "is_acknowledgement",
 ]
 
 Message = dict[str, Any]
@@ -36,6 +40,10 @@ Message = dict[str, Any]
 UnitKind = Literal["system", "user", "assistant", "tool_group", "orphan_tool", "other"]
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
+# The assistant's short turn after a user-role note contextwarden adds (the summary note, a recall
+# block) when a user message follows it: roles alternate, as strict chat templates require.
+SUMMARY_ACK = "Noted."
+SUMMARY_ACK_MESSAGE: Message = {"role": "assistant", "content": SUMMARY_ACK}  # a template: copied, never sent
 RECALL_LABEL = "[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):"
 
 
@@ -250,3 +258,21 @@ def is_recall_message(message: Message) -> bool:
 def recall_positions(messages: Sequence[Message]) -> list[int]:
     """Indices of the recall messages in a list (an earlier pass of this turn added them)."""
     return [i for i, m in enumerate(messages) if m.get("role") == "user" and is_recall_message(m)]
+
+
+def is_acknowledgement(message: Message) -> bool:
+    """True for an assistant `SUMMARY_ACK` without tool calls (what follows an added note)."""
+    return (
+        message.get("role") == "assistant" and message.get("content") == SUMMARY_ACK and not message.get("tool_calls")
+    )
+
+
+def recall_parts(messages: Sequence[Message]) -> list[int]:
+    """Indices of the recall blocks in a list and of the acknowledgement right after each: all
+    that an earlier pass of this turn added for the recall, ascending."""
+    parts = []
+    for i in recall_positions(messages):
+        parts.append(i)
+        if i + 1 < len(messages) and is_acknowledgement(messages[i + 1]):
+            parts.append(i + 1)
+    return parts

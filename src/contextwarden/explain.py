@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .cache_hints import min_cacheable_tokens
-from .conversation import Conversation, Message, is_recall_message, read_conversation
+from .conversation import Conversation, Message, read_conversation, recall_parts
 from .pricing import ModelPrice
 from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
@@ -355,7 +355,8 @@ def _excerpts_cost(result: TrimResult, counter: TokenCounter, model: str | None)
     """What the excerpts sent cost (the sent copies, not the messages they were cut from)."""
     if not result.excerpted:
         return 0
-    plain = [m for m in result.messages if not is_recall_message(m)]
+    added = set(recall_parts(result.messages))  # recall blocks and their acknowledgements
+    plain = [m for k, m in enumerate(result.messages) if k not in added]
     sent_at = dict(zip(sorted(result.kept + result.shortened), plain, strict=True))
     return sum(counter.count_message(sent_at[i], model) for i in result.excerpted)
 

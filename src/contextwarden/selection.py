@@ -86,18 +86,26 @@ class Recall:
     """One recall block a turn sent: quoting the messages at input positions `at` (with
     fingerprints `kept`), right before the kept message at position `anchor` (the question it
     was made for). The next turn sends it again, rebuilt from the same messages, while they are
-    still there: the prompt then only grows at its end."""
+    still there: the prompt then only grows at its end. `acked`: an assistant `SUMMARY_ACK` followed
+    it (False in decisions written before: that block is sent again with one, so the prompt differs
+    from the previous one from that block on, once, and roles alternate from then on)."""
 
     anchor: int
     at: tuple[int, ...]
     kept: tuple[str, ...]
+    acked: bool = True
+
+    def to_list(self) -> list[object]:
+        """Its JSON form `[anchor, [positions], [fingerprints], 1]` (the 1: acknowledged)."""
+        return [self.anchor, list(self.at), list(self.kept), *([1] if self.acked else [])]
 
     @classmethod
     def from_list(cls, value: object) -> Recall | None:
-        """From its JSON form `[anchor, [positions], [fingerprints]]`; None when it is not one."""
+        """From its JSON form (see `to_list`; without the last item before the acknowledgement);
+        None when it is not one."""
         if not (
             isinstance(value, list)
-            and len(value) == 3
+            and (len(value) == 3 or (len(value) == 4 and value[3] == 1 and type(value[3]) is int))
             and type(value[0]) is int
             and isinstance(value[1], list)
             and isinstance(value[2], list)
@@ -112,7 +120,7 @@ class Recall:
             and all(a < b for a, b in pairwise(at))
         ):
             return None
-        return cls(value[0], at, kept)
+        return cls(value[0], at, kept, acked=len(value) == 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +181,7 @@ class TrimDecision:
             "kept": list(self.kept),
             "at": list(self.at),
             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
-            "recalls": [[r.anchor, list(r.at), list(r.kept)] for r in self.recalls],
+            "recalls": [r.to_list() for r in self.recalls],
             "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
         }
 

@@ -20,7 +20,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .conversation import SYSTEM_ROLES, Message, message_text, system_positions
+from .conversation import (
+    SUMMARY_ACK,
+    SUMMARY_ACK_MESSAGE,
+    SYSTEM_ROLES,
+    Message,
+    is_acknowledgement,
+    message_text,
+    system_positions,
+)
 from .store import Store
 from .tokens import TokenCounter
 from .trim import TrimResult
@@ -46,8 +54,6 @@ __all__ = [
 summarize_log = logging.getLogger("contextwarden")
 
 SUMMARY_LABEL = "[contextwarden] Summary of earlier messages in this chat (no longer sent in full):"
-SUMMARY_ACK = "Noted."  # the assistant's turn after the note when a user message follows it (roles alternate)
-SUMMARY_ACK_MESSAGE: Message = {"role": "assistant", "content": SUMMARY_ACK}  # a template: copied, never sent
 LEGACY_SUMMARY_LABEL = "Summary of earlier conversation (by contextwarden):"  # earlier versions' system note
 DEFAULT_SUMMARY_INPUT_CHARS = 24_000  # what one call may send, newest dropped messages first
 DEFAULT_SUMMARY_MESSAGE_CHARS = 4_000  # one message's share of it (middle cut)
@@ -107,12 +113,6 @@ def _is_legacy_note(message: Message) -> bool:
     return message.get("role") in SYSTEM_ROLES and type(content) is str and content.startswith(LEGACY_SUMMARY_LABEL)
 
 
-def _is_ack(message: Message) -> bool:
-    return (
-        message.get("role") == "assistant" and message.get("content") == SUMMARY_ACK and not message.get("tool_calls")
-    )
-
-
 def find_summary(messages: Sequence[Message]) -> tuple[int | None, bool]:
     """Where contextwarden's own note is: the index of a standalone note (today's user note, or
     an older version's system note), and whether the chat holds one at all (also merged into a
@@ -134,7 +134,7 @@ def take_summary(messages: Sequence[Message], at: int) -> tuple[list[Message], M
     user note (an older version's system note keeps its text and leaves the system part); the
     acknowledgement found, to be sent again as the same dict."""
     note = messages[at]
-    ack = messages[at + 1] if at + 1 < len(messages) and _is_ack(messages[at + 1]) else None
+    ack = messages[at + 1] if at + 1 < len(messages) and is_acknowledgement(messages[at + 1]) else None
     if _is_legacy_note(note):
         note = summary_note(note["content"][len(LEGACY_SUMMARY_LABEL) :].lstrip("\n"))
     return [*messages[:at], *messages[at + (1 if ack is None else 2) :]], note, ack

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
 from .conversation import (
+    SUMMARY_ACK_MESSAGE,
     Conversation,
     Message,
     message_text,
     read_conversation,
     recall_message,
-    recall_positions,
+    recall_parts,
     system_positions,
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
@@ -104,7 +105,8 @@ class TrimResult:
     that the previous turn's selection was kept and only new messages were added.
 
     `recalled` holds the dropped input indices whose text this turn quotes in its recall
-    block (a user message right before the latest user message, see `trim_messages`);
+    block (a user message and an assistant acknowledgement right before the latest user
+    message, see `trim_messages`);
     `stable_prefix` how many leading messages of `messages` the next turn will send again
     unchanged while its selection holds: all of them, or those before this turn's recall block
     or the first shortened copy.
@@ -207,8 +209,9 @@ def trim_messages(
             strategy, up to this share of the budget (default 0.40 at 2,000 tokens; scaled by
             sqrt(2,000 / max_tokens) for other budgets, at most 0.5: see `recall_room`) is kept
             for a recall block: the dropped messages most relevant to the latest question,
-            quoted verbatim in one user message right before it (`TrimResult.recalled` lists
-            them). The prefix before the block stays the previous turn's, so provider caches
+            quoted verbatim in one user message right before it, followed by an assistant
+            `SUMMARY_ACK` so that roles alternate (`TrimResult.recalled` lists them; the
+            budget counts both). The prefix before the block stays the previous turn's, so provider caches
             still hit, while the question still gets what it needs. The previous selection is
             given up (a cache miss) only when it no longer fits beside the block it needs; a
             new one then fills its target less this share. A recall block in the input (an
@@ -255,6 +258,8 @@ def trim_messages(
         '[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):'
         >>> "user: My locker code is 4417." in block and "assistant: Noted: locker code 4417." in block
         True
+        >>> [m["role"] for m in later.messages[-4:]]  # the block, its acknowledgement, the question
+        ['assistant', 'user', 'assistant', 'user']
     """
     _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns, recall_share)
     if not all(map(isinstance, messages, repeat(dict))):
@@ -307,7 +312,7 @@ def _trim(
         recall_room(max_tokens, options.recall_share) if previous is not None and options.strategy == "relevance" else 0
     )
     if room:
-        earlier = recall_positions(messages)
+        earlier = recall_parts(messages)
         if earlier and not _fits_whole(messages, max_tokens, counter, model):
             # shorten=True as before this was split into steps (the recursive call did not pass it on)
             rest = replace(
@@ -552,7 +557,7 @@ def _carried_excerpts(
 @dataclass(frozen=True, slots=True)
 class _Block:
     """A recall block: the kept message it goes right before, the input indices it quotes, the
-    message itself, and what it costs."""
+    message itself, and what it costs with the acknowledgement sent after it (`_with_blocks`)."""
 
     anchor: int
     indices: tuple[int, ...]
@@ -583,11 +588,10 @@ def _recalls_kept(
     carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
     if carried is None:
         return None
-    count = counter.count_message
     blocks = []
     for recall in carried[: MAX_RECALL_BLOCKS - 1]:
         message = recall_message(messages, recall.at)
-        blocks.append(_Block(recall.anchor, recall.at, message, count(message, model)))
+        blocks.append(_Block(recall.anchor, recall.at, message, _block_tokens(message, counter, model)))
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
     pool = pools.of(question, system)
@@ -621,11 +625,25 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
     return question in at and previous.kept[at.index(question)] == fingerprints[question]
 
 
+def _block_tokens(block: Message, counter: TokenCounter, model: str | None) -> int:
+    """What a recall block costs sent: the block and the acknowledgement after it."""
+    return counter.count_message(block, model) + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+
+
 def _with_blocks(
     sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None
 ) -> tuple[list[Message], int]:
-    """`sent` (the messages at `order`) with each block right before its anchor, and how many
-    leading messages the next turn sends again: all but this question's block and what follows."""
+    """`sent` (the messages at `order`) with each block, then an assistant `SUMMARY_ACK`, right
+    before its anchor, and how many leading messages the next turn sends again: all but this
+    question's block and what follows.
+
+    The acknowledgement always goes with the block: the block is a user message and its anchor
+    (the question it was made for) is a user message too, so without it two user messages would
+    follow each other whatever came before, which chat templates that require roles to alternate
+    (Gemma's, Mistral's in vLLM or llama.cpp) reject. Before the block is then what came before
+    the question: an assistant answer in a chat that alternates (or the system prompt, or the
+    start), so user, assistant, user holds; the same constant as the summary note's, so a block
+    costs the same few tokens and the next turn sends it again byte for byte."""
     if not blocks:
         return sent, -1  # TrimResult works it out
     by_anchor = {b.anchor: b.message for b in blocks}
@@ -636,7 +654,7 @@ def _with_blocks(
         if block is not None:
             if index == question:
                 stable = len(out)
-            out.append(block)
+            out += (block, dict(SUMMARY_ACK_MESSAGE))
         out.append(message)
     return out, stable if stable >= 0 else len(out)
 
@@ -747,11 +765,11 @@ def _new_recall(
     fits_in: int | None = None,
 ) -> _Block | None:
     """The recall block for this turn: the messages not sent otherwise (`keep`) most relevant
-    to `question` (by `recall_scores`) that fit `room` tokens once quoted (block and label
-    included); None when nothing is relevant. A block clearly over `fits_in` is not counted
-    exactly (that would encode its text for nothing): its `tokens` are then the estimate."""
-    count = counter.count_message
-    frame = count(recall_message(messages, ()), model)  # the label and the message's overhead
+    to `question` (by `recall_scores`) that fit `room` tokens once quoted (block, label and the
+    acknowledgement after it included); None when nothing is relevant. A block clearly over
+    `fits_in` is not counted exactly (that would encode its text for nothing): its `tokens` are
+    then the estimate."""
+    frame = _block_tokens(recall_message(messages, ()), counter, model)  # the label, overheads, acknowledgement
     if room <= frame:
         return None
     scores, costs = pool.scores, pool.costs
@@ -761,7 +779,7 @@ def _new_recall(
         return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
     while chosen:
         message = recall_message(messages, chosen)
-        tokens = count(message, model)
+        tokens = _block_tokens(message, counter, model)
         if tokens <= room:
             return _Block(question, tuple(chosen), message, tokens)
         # Quoting joined the texts into more tokens than they count apart: let the least worth go.
