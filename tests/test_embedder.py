@@ -151,3 +151,37 @@ async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, cap
     assert not sends_the_cat(body) and len(body["messages"]) < len(chat_about_a_cat())
     warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
     assert warnings == ["contextwarden: embedder: timed out; relevance is lexical this turn"]
+
+
+async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter):
+    """A chat that goes on keeps the previous selection and recalls what the question needs: with
+    Open WebUI's embedder loaded, that recall weighs meaning too, so the dropped cat message,
+    which shares no word with "feline", is the one quoted."""
+    from contextwarden import Filter
+    from contextwarden.conversation import is_recall_message
+
+    function = FakeEmbeddingFunction()
+    f = Filter()
+    f._counter = counter
+    f.valves = f.Valves(max_context_tokens=1_324, reserve_output_tokens=1_024, low_watermark=0.5)
+    chat = chat_about_a_cat()
+    chat[-1] = {"role": "user", "content": "Will the storm and the rain go on tomorrow?"}
+    meta = {"chat_id": "cat-later", "user_id": "u1"}
+
+    async def turn(messages):
+        body = {"model": "gpt-4o", "messages": messages, "stream": False, "metadata": dict(meta)}
+        return await f.inlet(
+            body, __user__={"id": "u1"}, __metadata__=body["metadata"], __request__=request_with(function)
+        )
+
+    first = await turn(chat)
+    assert not sends_the_cat(first)
+    later = chat + [
+        {"role": "assistant", "content": "More rain, I think."},
+        {"role": "user", "content": "What was my feline called?"},
+    ]
+    out = await turn(later)
+    state = out["metadata"]["contextwarden"]
+    blocks = [m["content"] for m in out["messages"] if is_recall_message(m)]
+    assert state.get("reused", True) and blocks, state  # the selection was kept, with a recall block
+    assert any("named Miso" in b for b in blocks)

@@ -701,12 +701,9 @@ class Filter:
                 # the note goes out again: the line says so (a later pass's line is the one shown)
                 return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
         result = await compute(off, retrim, budget)
-        if (
-            embedder is not None
-            and result.dropped
-            and await self._embed_ahead(embedder, base, settings)
-            and not result.reused
-        ):
+        # With the embedder's vectors, trim again: a new selection weighs meaning, and so does the
+        # recall of a turn that keeps the previous selection (what it quotes for the question).
+        if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings):
             result = await compute(off, retrim, budget, embedder)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             summarized = await self._summarized(base, result, retrim, settings, model_id, budget)
