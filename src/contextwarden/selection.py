@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
@@ -576,16 +577,24 @@ def _turn_values(
     """Each turn's worth when kept whole: its messages' scores plus `weights.turn_share` of the
     best message score in an adjacent turn, in full while the two turns average at most
     `turn_reach` tokens, in proportion beyond (what was said next to a match often completes
-    it; a long turn already holds its own context). bench/quality.py: +0.02-0.03 kept at 2k.
+    it; a long turn already holds its own context). Only what the neighbour's best holds above
+    the chat's median turn counts: next to a turn as ordinary as most, nothing is completed
+    (near-alike filler turns would otherwise all gain and pass a real match).
+    bench/quality.py: +0.02-0.03 kept at 2k.
     The `latest` turn (kept first anyway) shares nothing: a short question's query is built from
     it, so its score is its own words matching themselves."""
     own = {t: [scores[i] for u in us for i in plan.units[u]] for t, us in groups.items()}
     cost = {t: sum(unit_cost[u] for u in us) for t, us in groups.items()}
     best = {t: max(values, default=0.0) for t, values in own.items() if t != latest}
+    typical = statistics.median(best.values()) if best else 0.0
     reach, share = 2 * weights.turn_reach, weights.turn_share
     values = {}
     for t, mine in own.items():
-        near = [best[j] * min(1.0, reach / max(1, cost[t] + cost[j])) for j in (t - 1, t + 1) if j in best]
+        near = [
+            max(0.0, best[j] - typical) * min(1.0, reach / max(1, cost[t] + cost[j]))
+            for j in (t - 1, t + 1)
+            if j in best
+        ]
         values[t] = sum(mine) + share * max(near, default=0.0)
     return values
 

@@ -65,12 +65,6 @@ def valves(**extra) -> dict:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect (issue 16): the turn-neighbour share (selection._turn_values, turn_share 0.5) "
-    "lifts these near-alike filler turns past the fact's turn; with turn_share 0 the fact is sent "
-    "(reproduced with trim_messages(embed=) and the same MiniLM)",
-)
 def test_the_filter_finds_by_meaning_with_open_webuis_embedder(open_webui: OpenWebUI, backend):
     with installed_function(open_webui, FID, BUILT_FILE.read_text("utf-8"), valves(), name="contextwarden"):
         chat(open_webui, MODEL, weather_chat(), chat_id=f"local:{uuid.uuid4()}")
