@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from contextwarden.conversation import RECALL_LABEL
+from contextwarden.conversation import RECALL_LABEL, is_acknowledgement
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.tokens import TokenCounter
 from contextwarden.usage import Usage, compute_cost
@@ -257,9 +257,11 @@ def test_next_turn_sends_the_same_prefix(
     chat(open_webui, MODEL, following, chat_id=chat_id)
     second = backend.last_request["messages"]
     assert second[: len(first)] == first, "the second prompt does not start with the first"
-    recall = [m for m in second[len(first) :] if m not in following]  # a recall block before the question, if any
+    recall = [m for m in second[len(first) :] if m not in following]  # a recall block and its "Noted.", if any
     assert [m for m in second[len(first) :] if m in following] == following[-2:]
-    assert all(m["role"] == "user" and m["content"].startswith(RECALL_LABEL) for m in recall) and len(recall) <= 1
+    assert recall == [] or (
+        len(recall) == 2 and recall[0]["content"].startswith(RECALL_LABEL) and is_acknowledgement(recall[1])
+    )
     assert_valid_prompt(following, second)
     tokens = counter.count_messages(second, MODEL)
     assert tokens <= BUDGET
@@ -305,15 +307,18 @@ def test_ten_turns_keep_their_prefix_and_an_early_fact_is_recalled(
         messages = messages + [{"role": "assistant", "content": backend.default_reply}]
 
     def stable(prompt: list[dict[str, Any]]) -> int:
-        """What the next turn should send again: all but this turn's recall block and question."""
+        """What the next turn should send again: all but this turn's recall block (and the
+        assistant "Noted." after it, so roles alternate) and question."""
         end = len(prompt) - 1
-        return end - 1 if end > 0 and str(prompt[end - 1].get("content")).startswith(RECALL_LABEL) else end
+        block = end >= 2 and is_acknowledgement(prompt[end - 1])
+        return end - 2 if block and str(prompt[end - 2].get("content")).startswith(RECALL_LABEL) else end
 
     kept = sum(now[: stable(before)] == before[: stable(before)] for before, now in zip(sent, sent[1:]))
     assert kept >= 7, f"the prefix was kept on {kept} of 9 turns"
     assert not any(fact in str(m.get("content")) for m in sent[-2]), "the fact was not dropped before"
     assert any(fact in str(m.get("content")) for m in sent[-1]), "the question about the fact did not get it sent"
-    block = sent[-1][-2]  # here by recall (a new selection would have kept it in place instead)
+    assert is_acknowledgement(sent[-1][-2])
+    block = sent[-1][-3]  # here by recall (a new selection would have kept it in place instead)
     assert block["role"] == "user" and block["content"].startswith(RECALL_LABEL) and f"user: {fact}" in block["content"]
 
 
