@@ -35,6 +35,7 @@ from .conversation import (
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 
 __all__ = [
+    "neighbour_reach",
     "DEFAULT_KEEP_LAST_TURNS",
     "Strategy",
     "STRATEGIES",
@@ -566,6 +567,12 @@ def turn_values(
     return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, latest)
 
 
+def neighbour_reach(own: int, theirs: int, weights: RelevanceWeights) -> float:
+    """How much of a neighbour's share reaches: all of it while the two (turns, or the recall's
+    messages) average at most `weights.turn_reach` tokens, in proportion beyond."""
+    return min(1.0, 2 * weights.turn_reach / max(1, own + theirs))
+
+
 def _turn_values(
     plan: _Plan,
     groups: dict[int, list[int]],
@@ -587,15 +594,14 @@ def _turn_values(
     cost = {t: sum(unit_cost[u] for u in us) for t, us in groups.items()}
     best = {t: max(values, default=0.0) for t, values in own.items() if t != latest}
     typical = statistics.median(best.values()) if best else 0.0
-    reach, share = 2 * weights.turn_reach, weights.turn_share
     values = {}
     for t, mine in own.items():
         near = [
-            max(0.0, best[j] - typical) * min(1.0, reach / max(1, cost[t] + cost[j]))
+            max(0.0, best[j] - typical) * neighbour_reach(cost[t], cost[j], weights)
             for j in (t - 1, t + 1)
             if j in best
         ]
-        values[t] = sum(mine) + share * max(near, default=0.0)
+        values[t] = sum(mine) + weights.turn_share * max(near, default=0.0)
     return values
 
 

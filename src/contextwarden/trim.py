@@ -37,6 +37,7 @@ from .selection import (
     extend_previous,
     history_chars,
     mandatory_indices,
+    neighbour_reach,
     recall_candidates,
     recall_order,
     reuse_previous,
@@ -726,15 +727,17 @@ def _with_neighbours(
     average at most `turn_reach` tokens (by length), in proportion beyond: the rule a new
     selection applies to turns (see `selection._turn_values`), for the recall's messages."""
     sizes = [len(text) // 4 + 1 for text in texts]
-    reach, share, n = 2 * weights.turn_reach, weights.turn_share, len(scores)
+    n = len(scores)
     out = list(scores)
     for i in range(n):
         if i == question:
             continue
         near = [
-            scores[j] * min(1.0, reach / (sizes[i] + sizes[j])) for j in (i - 1, i + 1) if 0 <= j < n and j != question
+            scores[j] * neighbour_reach(sizes[i], sizes[j], weights)
+            for j in (i - 1, i + 1)
+            if 0 <= j < n and j != question
         ]
-        out[i] += share * max(near, default=0.0)
+        out[i] += weights.turn_share * max(near, default=0.0)
     return out
 
 
