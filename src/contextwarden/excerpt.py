@@ -10,11 +10,13 @@ same bytes (`rebuild`) while the question's needs do not change (prompt cache).
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .conversation import Conversation, Message, message_text
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, relevance_terms, score_messages
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TokenCounter
 
@@ -240,13 +242,21 @@ def pointed_words(chunks: Sequence[str], question: str) -> str:
         >>> pointed_words(["thanks a lot", "thanks, see you", "thanks", "the aisle is 42"], "Thanks! Which aisle?")
         'aisle?'
     """
-    held = [set(relevance_terms(c)) for c in chunks]
+    words, wanted = _question_words(question)
+    holders: Counter[str] = Counter()
+    for chunk in chunks:
+        holders.update(wanted.intersection(held_terms(chunk)))
     limit = max(1, int(len(chunks) * POINTED_SHARE))
-    return " ".join(
-        word
-        for word in question.split()
-        if any(sum(term in h for h in held) <= limit for term in relevance_terms(word))
-    )
+    return " ".join(word for word, terms in words if any(holders[term] <= limit for term in terms))
+
+
+@functools.lru_cache(maxsize=16)
+def _question_words(question: str) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], frozenset[str]]:
+    """Each word of `question` with its search terms, and all those terms (one question is read
+    for every excerpt of a turn)."""
+    words = question.split()
+    terms = {word: tuple(relevance_terms(word)) for word in dict.fromkeys(words)}
+    return tuple((word, terms[word]) for word in words), frozenset().union(*terms.values())
 
 
 def fresh_share(

@@ -40,6 +40,7 @@ __all__ = [
     "RelevanceWeights",
     "DEFAULT_RELEVANCE_WEIGHTS",
     "relevance_terms",
+    "held_terms",
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
@@ -301,6 +302,13 @@ class _TermStatsCache:
 
 
 _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
+
+
+def held_terms(text: str) -> frozenset[str]:
+    """The distinct search terms of `text` (`relevance_terms`, folded), read from the per-text
+    cache, so a text seen on an earlier turn is not cut into words again."""
+    stats = _term_cache.get(text, True)
+    return frozenset(stats.once).union(stats.more)
 
 
 def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
