@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -95,6 +96,36 @@ def test_a_pasted_document_then_a_question_over_three_turns_keeps_the_excerpt_by
     assert third.reused and third.excerpted == (1,)
     assert third.messages[: second.stable_prefix] == second.messages[: second.stable_prefix]
     assert third.tokens_after == counter.count_messages(third.messages, MODEL) <= 4_000
+
+
+def test_a_turn_that_keeps_its_excerpts_reads_only_what_is_new(counter):
+    """The next turn's shortcut (the previous selection plus the new messages) carries excerpts:
+    it does not count the whole chat again, and it sends what the full path would."""
+    chat = pasted_chat(counter)
+    options = {"max_tokens": 4_000, "model": MODEL}
+    second = trim_messages(chat, token_counter=counter, **options)
+    chat += [{"role": "assistant", "content": "They are in aisle 42."}, {"role": "user", "content": "Thanks!"}]
+    previous = TrimDecision.from_json(second.decision.to_json())
+
+    class Spy(TokenCounter):
+        whole = 0
+
+        def count_each_as(self, messages, model):
+            Spy.whole += 1
+            return super().count_each_as(messages, model)
+
+    spy = Spy(block=True)
+    third = trim_messages(chat, previous=previous, token_counter=spy, **options)
+    assert third.reused and third.excerpted == (1,) and Spy.whole == 0
+    full = trim_messages(chat, previous=replace(previous, seen=0), token_counter=spy, **options)
+    assert Spy.whole == 1 and full.messages == third.messages
+    assert (full.kept, full.shortened, full.excerpted, full.tokens_after, full.decision) == (
+        third.kept,
+        third.shortened,
+        third.excerpted,
+        third.tokens_after,
+        third.decision,
+    )
 
 
 def test_a_question_about_another_part_gets_a_new_excerpt(counter):

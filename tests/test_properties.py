@@ -808,8 +808,8 @@ def document_chat(draw) -> list[dict]:
 )
 def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, chat, budget, model, turns):
     """Chats with pasted documents and large tool results, over a few turns passing decisions on
-    (through JSON): budget, tool pairs and order hold with excerpts; each trim is deterministic
-    and a second pass changes nothing; a turn that keeps the selection sends its excerpts again
+    (through JSON): budget, tool pairs and order hold with excerpts; each trim is deterministic,
+    the shortcut and the full path agree, and a second pass changes nothing; a turn that keeps the selection sends its excerpts again
     byte for byte."""
     previous = None
     sent: dict[int, dict] = {}
@@ -819,6 +819,8 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
         check_contract(chat, result, counter, model)
         again = trim_messages(copy.deepcopy(chat), **options)
         assert frozen(again.messages) == frozen(result.messages) and again.excerpted == result.excerpted
+        if previous is not None:  # the shortcut (reads only what is new) and the full path agree
+            assert_same_trim(result, trim_messages(chat, **{**options, "previous": replace(previous, seen=0)}))
         if not result.over_budget:
             second = trim_messages(copy.deepcopy(result.messages), **options)
             assert frozen(second.messages) == frozen(result.messages)

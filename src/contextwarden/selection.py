@@ -47,6 +47,7 @@ __all__ = [
     "reuse_previous",
     "extend_previous",
     "history_chars",
+    "window_start",
     "message_fingerprint",
     "Fingerprints",
     "mandatory_indices",
@@ -729,7 +730,7 @@ def extend_previous(
     at = previous.at
     if not _kept_in_place(previous, fingerprints):
         return None
-    start = next((i for i in reversed(at) if messages[i].get("role") != "tool"), None)
+    start = window_start(previous, messages)
     if start is None:
         return None
     window = read_conversation(messages[start:])
@@ -743,6 +744,12 @@ def extend_previous(
     keep.update(i for i in at if i < start)
     keep.update(start + i for i in grown)
     return keep if _starts_well(messages, keep) else None
+
+
+def window_start(previous: TrimDecision, messages: Sequence[Message]) -> int | None:
+    """Where `extend_previous` starts reading: the last kept message that starts a unit (not a
+    tool result); None when no kept message does."""
+    return next((i for i in reversed(previous.at) if i < len(messages) and messages[i].get("role") != "tool"), None)
 
 
 def history_chars(messages: Sequence[Message], system: Sequence[int] | None = None) -> int:

@@ -41,6 +41,7 @@ from .selection import (
     recall_candidates,
     recall_order,
     reuse_previous,
+    window_start,
 )
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
@@ -845,7 +846,7 @@ def _history_unchanged(
     """(system positions, history length) when the messages `previous` saw are there unchanged
     in length and counted alike; None when the shortcut cannot tell."""
     seen = previous.seen
-    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0 or previous.excerpts:
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
     system = system_positions(messages)
     chars = history_chars(messages, system)
@@ -881,8 +882,12 @@ def _extend_previous(
     if keep is None:
         return None
     order = sorted(keep)
+    question = next(i for i in reversed(order) if messages[i].get("role") == "user")
+    excerpts = _extended_excerpts(messages, previous, fingerprints, keep, question, counter, model)
+    if excerpts is None:
+        return None
     count = counter.count_message
-    cost = {i: count(messages[i], model) for i in order}
+    cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
     is_system = set(system).__contains__
     new = list(filterfalse(is_system, range(seen, len(messages))))  # kept, but for orphans
     new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
@@ -891,16 +896,15 @@ def _extend_previous(
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
     blocks: list[_Block] = []
-    question = None
     if room:
-        question = next(i for i in reversed(order) if messages[i].get("role") == "user")
         kept_blocks = _recalls_kept(
             messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system, pools
         )
         if kept_blocks is None:
             return None
         blocks = kept_blocks
-    sent, stable = _with_blocks([messages[i] for i in order], order, blocks, question)
+    sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
+    sent, stable = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
     at = tuple(filterfalse(is_system, order))
     decision = TrimDecision(
@@ -914,9 +918,34 @@ def _extend_previous(
         seen_chars=chars,
         counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
+        excerpts=previous.excerpts,
     )
     result = _reused_result(sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable)
+    if excerpts:
+        shortened = tuple(sorted(excerpts))
+        kept = tuple(i for i in order if i not in excerpts)
+        result = replace(result, kept=kept, shortened=shortened, excerpted=shortened, stable_prefix=stable)
     return replace(result, notes=tuple(pools.notes))
+
+
+def _extended_excerpts(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    fingerprints: Fingerprints,
+    keep: set[int],
+    question: int,
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, Excerpt] | None:
+    """The shortcut's `_carried_excerpts`: the same, while every excerpt lies before the window
+    `extend_previous` read (the current and recent turns, which are never excerpted, lie in
+    it); None when one does not or cannot be sent again (the full path then decides)."""
+    if not previous.excerpts:
+        return {}
+    start = window_start(previous, messages)
+    if start is None or any(i >= start or i not in keep for i, _ in previous.excerpts):
+        return None
+    return _carried_excerpts(messages, previous, fingerprints, (), question, counter, model)
 
 
 def _reused_result(
