@@ -125,3 +125,27 @@ def test_indexes_stay_within_their_bound(monkeypatch):
     huge = [{"role": "user", "content": " ".join(f"t{k}" for k in range(600))}, {"role": "user", "content": "t1"}]
     assert recall_scores(huge, question=1, weights=WEIGHTS) == reference_scores(huge, question=1)
     assert all(len(index.keys) != 2 for index in cache._entries.values())  # over the bound alone: not kept
+
+
+def test_a_reply_read_ahead_leaves_the_next_turn_only_its_question(monkeypatch):
+    """Open WebUI's outlet sees the reply before the next turn sends it back: `read_reply` counts
+    it and cuts its terms then, so the next turn's trim cuts only the new question's."""
+    from contextwarden.relevance import _term_stats
+    from contextwarden.tokens import TokenCounter
+    from contextwarden.trim import read_reply
+
+    rng = random.Random(5)
+    chats = list(growing_chat(rng, 12))
+    before, after = chats[-2], chats[-1]
+    fresh = f" unique{rng.random()}"  # texts no other test had the term cache read
+    after = [*after[:-2], *({**m, "content": m["content"] + fresh} for m in after[-2:])]
+    counter = TokenCounter()
+    recall_scores(before, question=len(before) - 1, exclude=[0], weights=WEIGHTS)
+    reply = after[-2]
+    read_reply(reply, counter, "gpt-4o")
+    cut: list[str] = []
+    monkeypatch.setattr(
+        "contextwarden.relevance._term_stats", lambda text, fold: cut.append(text) or _term_stats(text, fold)
+    )
+    recall_scores(after, question=len(after) - 1, exclude=[0], weights=WEIGHTS, seen=len(before))
+    assert cut == [after[-1]["content"]]

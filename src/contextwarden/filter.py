@@ -68,7 +68,7 @@ from .status import TurnChoice, pending_line, shadow_status_line, status_line, u
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
-from .trim import TrimDecision, TrimResult, trim_messages
+from .trim import TrimDecision, TrimResult, read_reply, trim_messages
 from .usage import Cost, Usage, compute_cost, read_count, read_usage
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
@@ -955,8 +955,8 @@ class Filter:
         )
         await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
         reply = body["messages"][-1]
-        if reply.get("role") == "assistant":  # sent back next turn: counted now, off that turn's path
-            await compute(off, self._counter.count_message, reply, model_id)
+        if reply.get("role") == "assistant":  # sent back next turn: counted and read now, off that turn's path
+            await compute(off, read_reply, reply, self._counter, model_id)
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
             if (waiting := pending_line(note.to_dict())) is not None:  # no request pass came (older Open WebUI)

@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_RELEVANCE_WEIGHTS",
     "relevance_terms",
     "held_terms",
+    "read_ahead",
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
@@ -302,6 +303,12 @@ class _TermStatsCache:
 
 
 _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
+
+
+def read_ahead(text: str) -> None:
+    """Cut `text` into its search terms now (the per-text cache keeps them), so that a later
+    trim that meets it does not: Open WebUI's outlet reads a reply the next turn sends back."""
+    _term_cache.get(text, DEFAULT_RELEVANCE_WEIGHTS.fold_suffixes)
 
 
 def held_terms(text: str) -> frozenset[str]:

@@ -23,7 +23,7 @@ from .conversation import (
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
 from .recall_index import recall_scores
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages
 from .selection import (
     DEFAULT_KEEP_LAST_TURNS,
     STRATEGIES,
@@ -52,6 +52,7 @@ __all__ = [
     "trim_messages",
     "selection_target",
     "default_counter",
+    "read_reply",
     "SHORTENED_MARK",
     "PINS_SHORTENED_NOTE",
     "PINS_DROPPED_NOTE",
@@ -95,6 +96,17 @@ def default_counter() -> TokenCounter:
     if _default_counter is None:
         _default_counter = TokenCounter(block=True)
     return _default_counter
+
+
+def read_reply(message: Message, counter: TokenCounter, model: str | None) -> None:
+    """Read a reply that the next turn will send back: count its tokens and cut its search terms
+    now, so that turn's trim reads only its new question (the filter's outlet calls this).
+
+    Example:
+        >>> read_reply({"role": "assistant", "content": "Miso is a tabby cat."}, default_counter(), "gpt-4o")
+    """
+    counter.count_message(message, model)
+    read_ahead(message_text(message))
 
 
 @dataclass(frozen=True, slots=True)
