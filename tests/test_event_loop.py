@@ -66,6 +66,21 @@ async def test_a_big_chat_is_trimmed_in_the_worker_thread_a_small_one_on_the_loo
     assert spy_trim.threads == ["contextwarden-cpu_0", threading.current_thread().name]
 
 
+async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages(counter, monkeypatch):
+    """Reading flags costs ~0.5 µs a message: a big chat's are read on the loop (a hop to the
+    thread would cost more), those of a chat of more than FLAGS_ON_LOOP_MAX_MESSAGES in the thread."""
+    real = filter_module.read_flags
+    threads: list[str] = []
+    monkeypatch.setattr(
+        filter_module, "read_flags", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
+    )
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    await request(f, body(big_chat()))
+    monkeypatch.setattr(filter_module, "FLAGS_ON_LOOP_MAX_MESSAGES", 10)
+    await request(f, body(big_chat(), "c2"))
+    assert threads == [threading.current_thread().name, "contextwarden-cpu_0"]
+
+
 async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):
     """The trim waits for a coroutine on the loop: on the loop itself it could never finish."""
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
