@@ -158,6 +158,16 @@ def test_term_counts_match_relevance_terms(text, fold):
     assert relevance._term_counts(text, fold) == (dict(Counter(terms)), len(terms))
 
 
+@given(st.text(alphabet=st.sampled_from(TRICKY) | st.characters(), max_size=60), st.booleans())
+@example("Caroline painted 2 sunrises in 2022! 日本語 ΟΔΟΣ'Α İstanbul don’t", True)
+def test_words_terms_match_relevance_terms(text, fold):
+    """Each word's terms through the memo are those `relevance_terms` gives that word."""
+    words = text.split()
+    got = relevance.words_terms(words, fold=fold)
+    assert list(got) == list(dict.fromkeys(words))
+    assert all(Counter(got[w]) == Counter(relevance_terms(w, fold=fold)) for w in words)
+
+
 def test_term_cache_is_bounded_by_messages_and_terms():
     cache = relevance._TermStatsCache(size=3, max_terms=10)
     for k in range(6):

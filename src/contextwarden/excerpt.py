@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .conversation import Conversation, Message, message_text
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, relevance_terms, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, score_messages, words_terms
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TokenCounter
 
@@ -255,7 +255,7 @@ def _question_words(question: str) -> tuple[tuple[tuple[str, tuple[str, ...]], .
     """Each word of `question` with its search terms, and all those terms (one question is read
     for every excerpt of a turn)."""
     words = question.split()
-    terms = {word: tuple(relevance_terms(word)) for word in dict.fromkeys(words)}
+    terms = words_terms(words)
     return tuple((word, terms[word]) for word in words), frozenset().union(*terms.values())
 
 

@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import mul
@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_RELEVANCE_WEIGHTS",
     "relevance_terms",
     "held_terms",
+    "words_terms",
     "read_ahead",
     "score_messages",
     "DEFAULT_TERM_CACHE_SIZE",
@@ -222,6 +223,31 @@ def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
                 counts[term] = counts.get(term, 0) + times
     counts.pop("", None)  # stop words and single letters
     return counts, sum(counts.values())
+
+
+def words_terms(words: Iterable[str], *, fold: bool = True) -> dict[str, tuple[str, ...]]:
+    """Each distinct word with its search terms (those of `relevance_terms(word)`, perhaps in
+    another order), cut as `_term_counts` cuts a text: through the word memo, several times
+    cheaper than a `relevance_terms` call a word.
+
+    Example:
+        >>> words_terms(["Caroline's", "the", "sunrises"])
+        {"Caroline's": ('carolin',), 'the': (), 'sunrises': ('sunris',)}
+    """
+    memo = _word_memos[fold]
+    out: dict[str, tuple[str, ...]] = {}
+    for word in words:
+        if word in out:
+            continue
+        terms: list[str] = []
+        for piece in word.encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split():
+            term = memo[piece]
+            if type(term) is tuple:
+                terms += term
+            elif term:
+                terms.append(term)
+        out[word] = tuple(terms)
+    return out
 
 
 def _word_terms(word: bytes, fold: bool) -> list[str]:
