@@ -44,6 +44,8 @@ MAX_EXCERPT_TRIES = 8  # candidate turns tried per trim, most relevant first (ea
 # A carried excerpt is sent again while its chunks hold at least this share of the relevance a
 # fresh excerpt of the same size would hold for the new question (as the recall block's rule).
 EXCERPT_KEEP_SHARE = 0.5
+CHUNK_CACHE_SIZE = 16  # texts whose chunks and chunk terms are kept (see `_chunked`)
+CHUNK_CACHE_MAX_CHARS = 100_000  # longer texts are cut anew each time
 POINTED_SHARE = 0.25  # a question word held by more of the chunks than this says nothing of what it needs
 _CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
 _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
@@ -81,6 +83,23 @@ def split_chunks(text: str) -> list[str]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def _chunked(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+    """`split_chunks(text)` and each chunk's search terms. A carried excerpt's message is cut,
+    checked and rebuilt again every turn: the last `CHUNK_CACHE_SIZE` texts of up to
+    `CHUNK_CACHE_MAX_CHARS` are kept (~10 bytes a character with their terms: 16 MiB at most)."""
+    if len(text) > CHUNK_CACHE_MAX_CHARS:
+        return _chunk_terms(text)
+    return _cached_chunk_terms(text)
+
+
+def _chunk_terms(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
+    chunks = tuple(split_chunks(text))
+    return chunks, tuple(held_terms(c) for c in chunks)
+
+
+_cached_chunk_terms = functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)(_chunk_terms)
 
 
 def _pieces(text: str) -> list[str]:
@@ -173,7 +192,7 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     if not kept:  # a placeholder: the mark for the whole text (as `excerpt_text` makes it, without chunking)
         text = CUT_MARK.format(n=f"{counter.count_text(slot[0], model):,}") if slot[0] else ""
     else:
-        chunks = split_chunks(slot[0])
+        chunks, _ = _chunked(slot[0])
         if any(not 0 <= k < len(chunks) for k in kept):
             return None
         text, _ = excerpt_text(chunks, kept, counter, model)
@@ -242,11 +261,16 @@ def pointed_words(chunks: Sequence[str], question: str) -> str:
         >>> pointed_words(["thanks a lot", "thanks, see you", "thanks", "the aisle is 42"], "Thanks! Which aisle?")
         'aisle?'
     """
+    return _pointed([held_terms(c) for c in chunks], question)
+
+
+def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
+    """`pointed_words` of chunks whose terms are `held`."""
     words, wanted = _question_words(question)
     holders: Counter[str] = Counter()
-    for chunk in chunks:
-        holders.update(wanted.intersection(held_terms(chunk)))
-    limit = max(1, int(len(chunks) * POINTED_SHARE))
+    for terms in held:
+        holders.update(wanted.intersection(terms))
+    limit = max(1, int(len(held) * POINTED_SHARE))
     return " ".join(word for word, terms in words if any(holders[term] <= limit for term in terms))
 
 
@@ -267,8 +291,8 @@ def fresh_share(
     slot = _text_slot(message)
     if slot is None:
         return 1.0
-    chunks = split_chunks(slot[0])
-    scores = chunk_scores(chunks, pointed_words(chunks, question))
+    chunks, held = _chunked(slot[0])
+    scores = chunk_scores(chunks, _pointed(held, question))
     fresh = _choose(chunks, scores, tokens, counter, model)
     best = sum(scores[k] for k in fresh)
     if best <= 0:
