@@ -883,7 +883,6 @@ def _extend_previous(
     figures (their total length must be unchanged). None when this shortcut cannot tell (the
     chat was edited or shortened, another encoding counts, the whole chat now fits, the
     selection no longer fits); the full path then decides, with the same result."""
-    seen = previous.seen
     scheme, mode = counter.scheme(model), counter.mode(model)
     known = _history_unchanged(messages, previous, scheme)
     if known is None:
@@ -898,27 +897,20 @@ def _extend_previous(
     excerpts = _extended_excerpts(messages, previous, fingerprints, keep, question, counter, model)
     if excerpts is None:
         return None
-    count = counter.count_message
-    cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
-    is_system = set(system).__contains__
-    new = list(filterfalse(is_system, range(seen, len(messages))))  # kept, but for orphans
-    new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
-    before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
-    after = TOKENS_PER_REPLY + sum(cost.values())
+    new_cost, before, after = _extended_sizes(messages, previous, order, system, excerpts, counter, model)
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
-    blocks: list[_Block] = []
+    blocks: list[_Block] | None = []
     if room:
-        kept_blocks = _recalls_kept(
+        blocks = _recalls_kept(
             messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system, pools
         )
-        if kept_blocks is None:
-            return None
-        blocks = kept_blocks
+    if blocks is None:
+        return None
     sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
     sent, stable = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
-    at = tuple(filterfalse(is_system, order))
+    at = tuple(i for i in order if i not in system)
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -932,12 +924,29 @@ def _extend_previous(
         recalls=_recall_record(blocks, fingerprints),
         excerpts=previous.excerpts,
     )
-    result = _reused_result(sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable)
-    if excerpts:
-        shortened = tuple(sorted(excerpts))
-        kept = tuple(i for i in order if i not in excerpts)
-        result = replace(result, kept=kept, shortened=shortened, excerpted=shortened, stable_prefix=stable)
+    result = _reused_result(
+        sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable, excerpts
+    )
     return replace(result, notes=tuple(pools.notes))
+
+
+def _extended_sizes(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    order: list[int],
+    system: list[int],
+    excerpts: dict[int, Excerpt],
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[int, int, int]:
+    """The shortcut's counts: (the new messages', the whole chat's, what is sent), counting only
+    the kept messages (excerpts at their size) and the new ones; the rest is the decision's `seen_tokens`."""
+    count = counter.count_message
+    cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
+    new = [i for i in range(previous.seen, len(messages)) if i not in system]  # kept, but for orphans
+    new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
+    before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
+    return new_cost, before, TOKENS_PER_REPLY + sum(cost.values())
 
 
 def _extended_excerpts(
@@ -972,13 +981,16 @@ def _reused_result(
     decision: TrimDecision,
     blocks: list[_Block],
     stable: int,
+    excerpts: Collection[int] = (),
 ) -> TrimResult:
-    """The result of a turn that sent the previous selection again, plus what is new."""
+    """The result of a turn that sent the previous selection again (its `excerpts` as well), plus what is new."""
+    shortened = tuple(sorted(excerpts))
     return TrimResult(
         messages=sent,
-        kept=tuple(order),
+        kept=tuple(i for i in order if i not in excerpts) if excerpts else tuple(order),
         dropped=tuple(filterfalse(keep.__contains__, range(count))),
-        shortened=(),
+        shortened=shortened,
+        excerpted=shortened,
         tokens_before=before,
         tokens_after=after,
         budget=max_tokens,
