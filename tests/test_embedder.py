@@ -153,10 +153,11 @@ async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, cap
     assert warnings == ["contextwarden: embedder: timed out; relevance is lexical this turn"]
 
 
-async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter):
+async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, monkeypatch):
     """A chat that goes on keeps the previous selection and recalls what the question needs: with
     Open WebUI's embedder loaded, that recall weighs meaning too, so the dropped cat message,
-    which shares no word with "feline", is the one quoted."""
+    which shares no word with "feline", is the one quoted. A chat trimmed before is embedded
+    first and trimmed once (not lexically, then again with the vectors)."""
     from contextwarden import Filter
     from contextwarden.conversation import is_recall_message
 
@@ -180,7 +181,13 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter):
         {"role": "assistant", "content": "More rain, I think."},
         {"role": "user", "content": "What was my feline called?"},
     ]
+    import contextwarden.filter as filter_module
+
+    trims = []
+    real = filter_module.trim_messages
+    monkeypatch.setattr(filter_module, "trim_messages", lambda *a, **k: trims.append(k["embed"]) or real(*a, **k))
     out = await turn(later)
+    assert len(trims) == 1 and trims[0] is not None
     state = out["metadata"]["contextwarden"]
     blocks = [m["content"] for m in out["messages"] if is_recall_message(m)]
     assert state.get("reused", True) and blocks, state  # the selection was kept, with a recall block

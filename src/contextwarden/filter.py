@@ -705,16 +705,33 @@ class Filter:
                 added, cost = len(sent) - len(result.messages), summary_tokens(sent, result.messages, counter, model_id)
                 # the note goes out again: the line says so (a later pass's line is the one shown)
                 return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
-        result = await compute(off, retrim, budget)
-        # With the embedder's vectors, trim again: a new selection weighs meaning, and so does the
-        # recall of a turn that keeps the previous selection (what it quotes for the question).
-        if embedder is not None and result.dropped and await self._embed_ahead(embedder, base, settings):
-            result = await compute(off, retrim, budget, embedder)
+        result = await self._semantic_trim(retrim, budget, base, settings, embedder, previous is not None, off)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             summarized = await self._summarized(base, result, retrim, settings, model_id, budget)
             if summarized is not None:
                 return summarized
         return TurnChoice.of(result, result.messages)
+
+    async def _semantic_trim(
+        self,
+        retrim: Callable[[int, OpenWebUIEmbedder | None], TrimResult],
+        budget: int,
+        base: list[Message],
+        settings: Settings,
+        embedder: OpenWebUIEmbedder | None,
+        trimmed_before: bool,
+        off: bool,
+    ) -> TrimResult:
+        """`retrim(budget)`, with the embedder's vectors when there is one: a new selection weighs
+        meaning, and so does the recall of a turn that keeps the previous selection. A chat
+        trimmed before is embedded first and trimmed once; another only once it drops messages."""
+        ready = embedder is not None and trimmed_before and await self._embed_ahead(embedder, base, settings)
+        result: TrimResult = await compute(off, retrim, budget, embedder if ready else None)
+        if embedder is None or trimmed_before or not result.dropped:
+            return result
+        if not await self._embed_ahead(embedder, base, settings):
+            return result
+        return await compute(off, retrim, budget, embedder)
 
     async def _summarized(
         self,
