@@ -59,6 +59,67 @@ def test_out_of_range_values_that_skip_pydantic_are_named(name):  # summary_max_
     assert [p.valve for p in problems] == ["max_context_tokens"]
 
 
+def _outside(field) -> list[float]:
+    """Values just outside a numeric Field's bounds (and NaN for a float one)."""
+    bounds = {type(m).__name__: m for m in field.metadata}
+    high = bounds["Le"].le
+    if "Gt" in bounds:
+        lows = [bounds["Gt"].gt]
+    else:
+        lows = [bounds["Ge"].ge - (1 if field.annotation is int else bounds["Ge"].ge / 2 or 0.5)]
+    step = 1 if field.annotation is int else max(high / 1_000, 0.001)
+    return [*lows, high + step, *([float("nan")] if field.annotation is float else [])]
+
+
+SUMMARY_ON = {
+    "summary_enabled": True,
+    "summary_base_url": "https://llm.example/v1",
+    "summary_model": "mini",
+    "summary_api_key": "sk-x",
+}
+
+
+@pytest.mark.parametrize("name", [n for c, n in NUMERIC if c is Valves and n != "priority"])
+def test_every_numeric_valve_that_skips_pydantic_is_checked_against_its_field(name):
+    # One range per valve: the Field's. Before, pricing_ttl_hours was checked only against 0 (a
+    # model_construct value of 0.05 or 9,000 h, or NaN, went through unnamed) and
+    # low_watermark / embed_timeout_seconds restated their bounds by hand.
+    field = Valves.model_fields[name]
+    default = field.default
+    for value in _outside(field):
+        settings, problems = read_settings(Valves.model_construct(**{**SUMMARY_ON, name: value}))
+        named = [p for p in problems if p.valve == name]
+        assert len(named) == 1, (name, value, problems)
+        assert f"{name} must be" in str(named[0])
+        assert not value > default or repr(value) not in str(named[0])  # the value is never echoed
+        if name.startswith("summary_"):
+            assert settings.summary is None and "summaries are off" in str(named[0])
+        elif name.endswith(("_usd", "_tokens")) and "limit" in name:
+            assert "no such limit used" in str(named[0])
+        else:
+            kept = getattr(settings, name, None)
+            assert kept is None or kept == default, (name, value, kept)
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("low_watermark", "low_watermark must be above 0 and at most 1; using 0.8"),
+        ("embed_timeout_seconds", "embed_timeout_seconds must be above 0 and at most 30; using 2"),
+        ("pricing_ttl_hours", "pricing_ttl_hours must be 0.1 to 8,760; using 24"),
+    ],
+)
+def test_a_float_valve_out_of_its_range_is_named_with_the_fields_range_and_falls_back(name, words):
+    for value in (-1.0, 0.0, 0.05, 1e6, float("nan")):
+        if name != "pricing_ttl_hours" and value == 0.05:
+            continue  # inside the other two ranges
+        settings, problems = read_settings(Valves.model_construct(**{name: value}))
+        assert [str(p) for p in problems] == [words], (value, problems)
+        assert getattr(settings, name) == Valves.model_fields[name].default
+    settings, problems = read_settings(Valves.model_construct(**{name: 0.5}))
+    assert not problems and getattr(settings, name) == 0.5
+
+
 async def test_reserve_at_or_above_the_models_window_is_named_not_a_64_token_budget(counter):
     # Before: with the window from the model (num_ctx 2,048) and the reserve at 4,096 the
     # budget silently became 64 tokens.

@@ -6,6 +6,7 @@ Valves are parsed once per call into a frozen `Settings`; problems are collected
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from decimal import Decimal
@@ -35,8 +36,9 @@ DEFAULT_SUMMARY_MAX_TOKENS = 400
 MAX_SUMMARY_TIMEOUT_SECONDS = 120.0
 SUMMARY_MAX_TOKENS_RANGE = (32, 4_000)
 MAX_WINDOW_TOKENS = 10_000_000  # no model has a window this large; a bigger number is a typo
-# Every integer valve's range, in one place: its Field bounds, its description and the check
-# `read_settings` makes of values that did not come through pydantic all read it.
+# Every integer valve's range, declared once for its Field (bounds and description); the check
+# `read_settings` makes of values that did not come through pydantic reads the Field's bounds
+# back (`valve_range`), for these and the float valves alike.
 INT_RANGES: dict[str, tuple[int, int]] = {
     "priority": (-1_000_000, 1_000_000),
     "max_context_tokens": (0, MAX_WINDOW_TOKENS),
@@ -503,6 +505,39 @@ def valves_key(valves: object | None) -> tuple | None:
         return None
 
 
+@functools.cache
+def valve_range(name: str, model: type[BaseModel] = Valves) -> tuple[float, float, bool]:
+    """A numeric valve's bounds as its pydantic Field holds them: (low, high, low excluded).
+
+    Example:
+        >>> valve_range("low_watermark"), valve_range("keep_last_turns")
+        ((0, 1, True), (1, 1000, False))
+    """
+    low, high, above = None, None, False
+    for bound in model.model_fields[name].metadata:  # annotated_types Gt / Ge / Le
+        if getattr(bound, "gt", None) is not None:
+            low, above = bound.gt, True
+        elif getattr(bound, "ge", None) is not None:
+            low = bound.ge
+        if getattr(bound, "le", None) is not None:
+            high = bound.le
+    if low is None or high is None:
+        raise TypeError(f"valve {name} has no lower and upper bound")
+    return low, high, above
+
+
+def _inside(value: Any, name: str, model: type[BaseModel] = Valves) -> bool:
+    """Whether `value` is inside the valve's Field range (NaN never is)."""
+    low, high, above = valve_range(name, model)
+    return bool((low < value if above else low <= value) and value <= high)
+
+
+def _range_words(name: str, model: type[BaseModel] = Valves) -> str:
+    """The valve's Field range as a problem states it: `1 to 1,000`, `above 0 and at most 1`."""
+    low, high, above = valve_range(name, model)
+    return f"above {_number(low)} and at most {_number(high)}" if above else f"{_number(low)} to {_number(high)}"
+
+
 def read_settings(valves: object, user_valves: object | None = None) -> tuple[Settings, list[ConfigError]]:
     """Settings from the admin's and the user's valves, with every problem found.
 
@@ -518,22 +553,22 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
             problems.append(problem)
         return value
 
-    def number(source: object, name: str, default: int) -> int:
-        return _in_range(take(source, name, default), name, default, problems)
+    def number(source: object, name: str, default: Any, model: type[BaseModel] = Valves) -> Any:
+        return _in_range(take(source, name, default), name, default, problems, model)
 
     window, reserve = _window(valves, number, defaults, problems)
     aliases, globs = _model_names(valves, take, problems)
-    ttl = _pricing_ttl(valves, take, defaults, problems)
+    ttl = number(valves, "pricing_ttl_hours", defaults.pricing_ttl_hours)
     retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
     user_window, show, show_cost, show_spend = _user_view(valves, user_valves, take, number)
     allowed = _allowed_flags(valves, take, problems)
     strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
     keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
-    watermark = _watermark(valves, take, problems)
+    watermark = number(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
     growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
     ttl_hours = number(valves, "state_ttl_hours", DEFAULT_STATE_TTL_HOURS)
     summary = _summary_config(valves, take, ttl_hours * 3600, problems)
-    embed_timeout = _embed_timeout(valves, take, problems)
+    embed_timeout = number(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
     embed_texts = number(valves, "embed_max_texts", DEFAULT_EMBED_TEXTS)
     mode, cache_hints = _modes(valves, take, problems)
     switches = _switches(valves, take, problems)  # read in this order: problems are told in it
@@ -631,23 +666,11 @@ def _model_names(
     return aliases, globs
 
 
-def _pricing_ttl(valves: object, take, defaults: Valves, problems: list[ConfigError]) -> float:
-    ttl = take(valves, "pricing_ttl_hours", defaults.pricing_ttl_hours)
-    if ttl <= 0:
-        problems.append(
-            ConfigError(
-                f"pricing_ttl_hours must be above 0; using {DEFAULT_PRICING_TTL_HOURS:g}", valve="pricing_ttl_hours"
-            )
-        )
-        ttl = DEFAULT_PRICING_TTL_HOURS
-    return ttl
-
-
 def _user_view(valves: object, user_valves: object | None, take, number) -> tuple[int, bool, bool, bool]:
     """A user's window, and whether they see status lines, costs and their spend."""
     user_window, show, show_cost, show_spend = 0, take(valves, "show_status", True), True, True
     if user_valves is not None:
-        user_window = number(user_valves, "max_context_tokens", 0)
+        user_window = number(user_valves, "max_context_tokens", 0, UserValves)
         show = show and take(user_valves, "show_status", True)
         show_cost = take(user_valves, "show_cost", True)
         show_spend = take(user_valves, "show_spend", True)
@@ -666,45 +689,22 @@ def _allowed_flags(valves: object, take, problems: list[ConfigError]) -> frozens
     return allowed
 
 
-def _watermark(valves: object, take, problems: list[ConfigError]) -> float:
-    watermark = take(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
-    if not 0 < watermark <= 1:
-        problems.append(
-            ConfigError(
-                f"low_watermark must be above 0 and at most 1; using {DEFAULT_LOW_WATERMARK}", valve="low_watermark"
-            )
-        )
-        watermark = DEFAULT_LOW_WATERMARK
-    return watermark
-
-
-def _embed_timeout(valves: object, take, problems: list[ConfigError]) -> float:
-    embed_timeout = take(valves, "embed_timeout_seconds", DEFAULT_EMBED_TIMEOUT)
-    if not 0 < embed_timeout <= MAX_EMBED_TIMEOUT_SECONDS:
-        problems.append(
-            ConfigError(
-                f"embed_timeout_seconds must be above 0 and at most {MAX_EMBED_TIMEOUT_SECONDS:g}; using "
-                f"{DEFAULT_EMBED_TIMEOUT:g}",
-                valve="embed_timeout_seconds",
-            )
-        )
-        embed_timeout = DEFAULT_EMBED_TIMEOUT
-    return embed_timeout
-
-
 def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRules:
     """The limit valves and their overrides; a bad value is named and counts as no limit."""
     amounts: dict[str, Any] = {}
-    for name, kind, bound in (
-        ("daily_limit_usd", "daily_usd", MAX_LIMIT_USD),
-        ("monthly_limit_usd", "monthly_usd", MAX_LIMIT_USD),
-        ("daily_limit_tokens", "daily_tokens", MAX_LIMIT_TOKENS),
-        ("monthly_limit_tokens", "monthly_tokens", MAX_LIMIT_TOKENS),
+    for name, kind in (
+        ("daily_limit_usd", "daily_usd"),
+        ("monthly_limit_usd", "monthly_usd"),
+        ("daily_limit_tokens", "daily_tokens"),
+        ("monthly_limit_tokens", "monthly_tokens"),
     ):
         value = take(valves, name, 0.0 if kind.endswith("usd") else 0)
-        amount = read_decimal(value, ceiling=Decimal(bound)) if kind.endswith("usd") else value  # the money parser
-        if amount is None or not 0 <= amount <= bound:
-            problems.append(ConfigError(f"{name} must be 0 (none) to {bound:,}; no such limit used", valve=name))
+        ceiling = Decimal(valve_range(name)[1])
+        amount = read_decimal(value, ceiling=ceiling) if kind.endswith("usd") else value  # the money parser
+        if amount is None or not _inside(amount, name):
+            problems.append(
+                ConfigError(f"{name} must be {_range_words(name)} (0 = none); no such limit used", valve=name)
+            )
             amount = 0
         amounts[kind] = amount
     base = Limits(**amounts)
@@ -715,12 +715,15 @@ def _limit_rules(valves: object, take, problems: list[ConfigError]) -> LimitRule
         return LimitRules(base=base)
 
 
-def _in_range(value: int, valve: str, fallback: int, problems: list[ConfigError]) -> int:
-    """`value` when inside the valve's `INT_RANGES` entry; else `fallback`, with the problem named."""
-    low, high = INT_RANGES[valve]
-    if low <= value <= high:
+def _in_range(
+    value: Any, valve: str, fallback: Any, problems: list[ConfigError], model: type[BaseModel] = Valves
+) -> Any:
+    """`value` when inside the valve's Field range; else `fallback`, with the problem named."""
+    if _inside(value, valve, model):
         return value
-    problems.append(ConfigError(f"{valve} must be {low:,} to {high:,}; using {fallback:,}", valve=valve))
+    problems.append(
+        ConfigError(f"{valve} must be {_range_words(valve, model)}; using {_number(fallback)}", valve=valve)
+    )
     return fallback
 
 
@@ -750,19 +753,9 @@ def _summary_config(valves: object, take, ttl: int, problems: list[ConfigError])
         found.append(ConfigError(f"summary_base_url {url_problem}; summaries are off", valve="summary_base_url"))
     if not model:
         found.append(ConfigError("summary_model is empty; summaries are off", valve="summary_model"))
-    if not 0 < timeout <= MAX_SUMMARY_TIMEOUT_SECONDS:
-        found.append(
-            ConfigError(
-                f"summary_timeout_seconds must be above 0 and at most {MAX_SUMMARY_TIMEOUT_SECONDS:g}; summaries are "
-                "off",
-                valve="summary_timeout_seconds",
-            )
-        )
-    low, high = SUMMARY_MAX_TOKENS_RANGE
-    if not low <= max_tokens <= high:
-        found.append(
-            ConfigError(f"summary_max_tokens must be {low} to {high}; summaries are off", valve="summary_max_tokens")
-        )
+    for name, value in (("summary_timeout_seconds", timeout), ("summary_max_tokens", max_tokens)):
+        if not _inside(value, name):
+            found.append(ConfigError(f"{name} must be {_range_words(name)}; summaries are off", valve=name))
     api_key = take(valves, "summary_api_key", "").strip()
     if (bad_key := key_problem(api_key)) is not None:
         found.append(ConfigError(f"summary_api_key {bad_key}; summaries are off", valve="summary_api_key"))
