@@ -79,7 +79,7 @@ AUDIT = [
     ("network: OpenRouter's public price list (GET, background refresh)", "live_prices.fetch_openrouter_prices"),
     ("network: OpenRouter fetch client (the only place it is opened)", "live_prices.LivePrices.refresh"),
     ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
-    ("network: Redis (only when the redis_url valve is set)", "store.RedisStore.__init__"),
+    ("network: Redis (only when the redis_url valve is set)", "store.redis_client"),
     ("file: the admin's pricing_file valve (read only, checked first)", "pricing._read_price_file"),
     ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder._fetch"),
 ]

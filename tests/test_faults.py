@@ -27,7 +27,7 @@ from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.ledger import read_ledger
 from contextwarden import price_sources
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
-from contextwarden.store import RedisStore
+from contextwarden.store import KEY_PREFIX, RedisStore, redis_client
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT, read_count
@@ -412,12 +412,12 @@ async def test_slow_redis_does_not_double_count(own_redis, monkeypatch, unique):
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:1")
     proxy.delay = 1.0
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:2")  # reaches Redis; the reply comes too late
-    assert len(store._pending) == 1 and not await store.fallback.counters(key)
+    assert store.held == (f"{unique}:2",) and not await store.fallback.counters(key)
     await asyncio.sleep(1.2)
     proxy.delay = 0.0
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:3")  # Redis answers: the held one is sent again
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:3")  # a repeat of a named increment adds nothing
-    assert not store._pending
+    assert not store.held
     assert (await raw_counters(own_redis.url, key))["n"] == 3
     await store.aclose()
     await proxy.cut()
@@ -431,18 +431,48 @@ async def test_refused_redis_holds_named_increments_until_it_returns(own_redis, 
     own_redis.stop()
     for i in range(5):
         await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:{i}")
-    assert len(store._pending) == 5
+    assert store.held == tuple(f"{unique}:{i}" for i in range(5))
     own_redis.start()
     await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:5")
-    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 6
+    assert not store.held and (await raw_counters(own_redis.url, key))["n"] == 6
     await store.aclose()
+
+
+class IncrSpy:
+    """Wraps a Redis client: counts its named increments in flight and records each one sent
+    (by name); `before(name)` runs first and may raise, as Redis would."""
+
+    def __init__(self, client, before=None) -> None:
+        self.client, self.before, self.sent, self.pause = client, before, [], 0.0
+        self.running = self.most = 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def eval(self, script, numkeys, *args):
+        once_key = args[1] if numkeys == 2 else ""
+        if not once_key.startswith(KEY_PREFIX + "once:"):
+            return await self.client.eval(script, numkeys, *args)
+        once = once_key[len(KEY_PREFIX + "once:") :]
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if self.before is not None:
+                await self.before(once)
+            await asyncio.sleep(self.pause)
+            answer = await self.client.eval(script, numkeys, *args)
+            self.sent.append(once)
+            return answer
+        finally:
+            self.running -= 1
 
 
 async def test_concurrent_callers_replay_held_increments_once(own_redis, monkeypatch, unique):
     """Once Redis answers, one caller replays what was held; the others are answered at once,
     and none sees an error of the replay (it used to pop an emptied deque: IndexError)."""
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
-    store = RedisStore(own_redis.url, timeout=0.2)
+    client = IncrSpy(redis_client(own_redis.url, timeout=0.2))
+    store = RedisStore(own_redis.url, client=client)
     key = f"t:{unique}"
     await store.set(f"k:{unique}", b"v", ttl=60)
     own_redis.stop()
@@ -450,25 +480,12 @@ async def test_concurrent_callers_replay_held_increments_once(own_redis, monkeyp
         await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:{i}")
     own_redis.start()
     await RedisStore(own_redis.url).set(f"k:{unique}", b"v", ttl=60)  # a restarted Redis is empty
-    sent, replaying, most = [], 0, 0
-    real_incr = store._redis_incr
-
-    async def spy(key, fields, *, ttl, once=None):
-        nonlocal replaying, most
-        replaying += 1
-        most = max(most, replaying)
-        try:
-            await asyncio.sleep(0.001)
-            await real_incr(key, fields, ttl=ttl, once=once)
-            sent.append(once)
-        finally:
-            replaying -= 1
-
-    monkeypatch.setattr(store, "_redis_incr", spy)
+    client.sent.clear()  # the refused sends of the outage
+    client.pause = 0.001
     answers = await asyncio.gather(*(store.get(f"k:{unique}") for _ in range(40)))
     assert answers == [b"v"] * 40
-    assert most == 1 and sent == [f"{unique}:{i}" for i in range(30)]  # one replayer, in order, each once
-    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 30
+    assert client.most == 1 and client.sent == [f"{unique}:{i}" for i in range(30)]  # one replayer, in order, each once
+    assert not store.held and (await raw_counters(own_redis.url, key))["n"] == 30
     await store.aclose()
 
 
@@ -477,22 +494,24 @@ async def test_a_replay_that_fails_never_fails_the_call(own_redis, monkeypatch, 
     queue is not taken for the next, unsent one."""
     monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
     monkeypatch.setattr(store_module, "REDIS_PENDING_LIMIT", 3)
-    store = RedisStore(own_redis.url, timeout=0.2)
     key = f"t:{unique}"
-    for i in range(3):
-        store._pending.append((key, {"n": 1}, 60, f"{unique}:{i}"))
-    real_incr = store._redis_incr
+    refused = {f"{unique}:{i}" for i in range(4)}  # each refused once (held); :3 is the replay's rival
 
-    async def spy(key, fields, *, ttl, once=None):
-        if once == f"{unique}:0":  # while it is sent, a new one fills the queue and pushes it out
-            store._pending.append((key, {"n": 100}, 60, f"{unique}:3"))
+    async def before(once):
+        if once in refused:
+            refused.discard(once)
+            raise store_module.aioredis.ConnectionError("refused")
+        if once == f"{unique}:0":  # while it is sent, another caller's increment is held, fills the queue
+            await store.incr(key, {"n": 100}, ttl=60, once=f"{unique}:3")  # and pushes it out
         if once == f"{unique}:1":
             raise ValueError("cannot apply")
-        await real_incr(key, fields, ttl=ttl, once=once)
 
-    monkeypatch.setattr(store, "_redis_incr", spy)
+    store = RedisStore(own_redis.url, client=IncrSpy(redis_client(own_redis.url, timeout=0.2), before=before))
+    for i in range(3):
+        await store.incr(key, {"n": 1}, ttl=60, once=f"{unique}:{i}")
+    assert store.held == (f"{unique}:0", f"{unique}:1", f"{unique}:2")
     assert await store.get(f"absent:{unique}") is None
-    assert not store._pending and (await raw_counters(own_redis.url, key))["n"] == 102  # 0, 2 and 3; 1 dropped
+    assert not store.held and (await raw_counters(own_redis.url, key))["n"] == 102  # 0, 2 and 3; 1 dropped
     assert warnings_about(caplog, "held usage increment dropped (ValueError)")
     await store.aclose()
 
@@ -542,7 +561,7 @@ async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog,
             lost.append(chat_id)
     assert not lost, f"{len(lost)} of 40 chats lost their pin"
     assert not warnings_about(caplog, "chat state not read")  # the replay's trouble never reached a read
-    assert not f.store._pending
+    assert not f.store.held
     direct = RedisStore(own_redis.url)
     replies = sum(e.counters["requests"] for e in await read_ledger(direct) if e.user == user["id"])
     assert replies == 40 * 5  # every reply recorded once, in Redis, the held ones replayed

@@ -220,8 +220,18 @@ def test_picodollars_refuse_unbounded_amounts_without_converting(amount):
         usd_to_picodollars(amount)
 
 
+class IncrCounting(MemoryStore):
+    """A MemoryStore that counts the increments it is asked for."""
+
+    increments = 0
+
+    async def incr(self, key, fields, *, ttl, once=None):
+        self.increments += 1
+        await super().incr(key, fields, ttl=ttl, once=once)
+
+
 async def test_ledger_refuses_out_of_range_values_before_writing():
-    store = MemoryStore()
+    store = IncrCounting()
     for bad in (
         {"prompt_tokens": 10**20},
         {"completion_tokens": -1},
@@ -231,7 +241,7 @@ async def test_ledger_refuses_out_of_range_values_before_writing():
         args = {"prompt_tokens": 1, "completion_tokens": 1, "cost_usd": D("0.01"), **bad}
         with pytest.raises(ValueError):
             await record_reply(store, user="u", model="m", estimated=False, **args)
-    assert await read_ledger(store) == [] and not store._done
+    assert await read_ledger(store) == [] and store.increments == 0  # refused before any increment
 
 
 # -- the outlet end to end ------------------------------------------------------------------------
@@ -339,7 +349,7 @@ async def test_redis_overflow_writes_nothing_and_is_not_an_outage(redis_url, uni
     assert await raw.hgetall(KEY_PREFIX + key) == {b"requests": b"5", b"prompt_tokens": str(2**63 - 10).encode()}
     if once:
         assert not await raw.exists(KEY_PREFIX + "once:" + once)  # the marker says nothing was applied
-    assert store.shared and not store._pending  # not an outage: Redis is still used
+    assert store.shared and not store.held  # not an outage: Redis is still used
     await store.incr(key + ":ok", {"requests": 1}, ttl=60, once=once and once + ":2")
     assert await raw.hget(KEY_PREFIX + key + ":ok", "requests") == b"1"
     assert not [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
@@ -363,7 +373,7 @@ async def test_forged_usage_never_tears_the_redis_ledger(counter, redis_url, uni
         reply = {"role": "assistant", "content": "ok", "usage": usage}
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}, reply]}
         assert await f.outlet(body, __user__={"id": unique}) is body
-    assert f.store.shared and not f.store._pending
+    assert f.store.shared and not f.store.held
     rows = [e for e in await read_ledger(f.store) if e.user == unique]
     assert len(rows) == 1 and rows[0].counters["requests"] == 3
     assert rows[0].counters["prompt_tokens"] < 3 * MAX_TOKEN_COUNT

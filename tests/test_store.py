@@ -8,6 +8,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
+from contextwarden import store as store_module
 from contextwarden.errors import ConfigError
 from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore, open_store
 
@@ -45,7 +46,7 @@ async def test_memory_store_expires_and_is_bounded():
     assert await store.get("gone") is None
     for i in range(50):
         await store.set(f"k{i}", b"x", ttl=60)
-    assert len(store._data) == 10 and await store.get("k49") == b"x" and await store.get("k0") is None
+    assert len(await store.keys("*")) == 10 and await store.get("k49") == b"x" and await store.get("k0") is None
 
 
 @pytest.mark.redis
@@ -77,6 +78,41 @@ async def test_redis_refused_falls_back_with_one_warning(caplog, unique):
     assert not store.shared
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "Redis unavailable" in warnings[0].getMessage()
+
+
+class FlakyClient:
+    """A stand-in Redis client: refuses every command while `down`, else records what it was sent."""
+
+    def __init__(self) -> None:
+        self.down, self.sent = True, []
+
+    async def eval(self, script, numkeys, *args):
+        if self.down:
+            raise aioredis.ConnectionError("refused")
+        self.sent.append(args[:numkeys])
+        return 1
+
+    async def get(self, key):
+        if self.down:
+            raise aioredis.ConnectionError("refused")
+        return None
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_redis_store_sends_through_the_client_it_is_given_and_shows_what_it_holds(monkeypatch):
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    client = FlakyClient()
+    store = RedisStore("redis://never-dialled:1/0", client=client)
+    await store.incr("t", {"n": 1}, ttl=60, once="a")
+    await store.incr("t", {"n": 2}, ttl=60, once="b")
+    assert store.held == ("a", "b") and not store.shared and not await store.fallback.counters("t")
+    client.down = False
+    assert await store.get("x") is None  # Redis answers: the held increments are sent, in order
+    assert store.held == () and store.shared
+    assert client.sent == [(KEY_PREFIX + "t", KEY_PREFIX + "once:a"), (KEY_PREFIX + "t", KEY_PREFIX + "once:b")]
+    await store.aclose()
 
 
 def test_bad_redis_url_names_the_valve():

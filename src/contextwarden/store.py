@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from .errors import ConfigError
 
-__all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "KEY_PREFIX"]
+__all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "redis_client", "KEY_PREFIX"]
 
 store_log = logging.getLogger("contextwarden")
 
@@ -161,23 +161,26 @@ class RedisStore(Store):
     harmlessly, once Redis answers; nothing is counted twice or lost while the worker lives.
     """
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_REDIS_TIMEOUT, fallback: Store | None = None) -> None:
-        try:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=REDIS_MAX_CONNECTIONS,
-                timeout=max(timeout, REDIS_POOL_WAIT_SECONDS),
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-            )
-            self._redis = aioredis.Redis(connection_pool=pool)
-        except ValueError:
-            # Not the parser's message: it quotes parts of the URL, password included (a password
-            # with "/" or "#" ends the host part early and is read as the port).
-            raise ConfigError(
-                "redis_url is not a valid Redis URL (check host:port, and %-encode / # ? @ : in the password)",
-                valve="redis_url",
-            ) from None
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_REDIS_TIMEOUT,
+        fallback: Store | None = None,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        """A store on the Redis at `url`.
+
+        Args:
+            timeout: seconds each command may take before Redis counts as away.
+            fallback: where calls go while Redis is away (default: a new `MemoryStore`).
+            client: the client commands are sent with (default: `redis_client(url, timeout)`);
+                given, `url` and `timeout` are not read. Tests wrap one to watch or fail commands.
+
+        Raises:
+            ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+        """
+        self._redis = client if client is not None else redis_client(url, timeout)
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
         self._pending: deque[tuple[str, dict[str, int], int, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
@@ -186,6 +189,11 @@ class RedisStore(Store):
     @property
     def shared(self) -> bool:
         return self._down_since is None
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """The names of the named increments waiting for Redis to answer again, oldest first."""
+        return tuple(once for *_, once in self._pending)
 
     def _usable(self) -> bool:
         return self._down_since is None or time.monotonic() - self._down_since > REDIS_RETRY_SECONDS
@@ -337,6 +345,31 @@ elseif ARGV[1] ~= '' then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 return 1
 """
+
+
+def redis_client(url: str, timeout: float = DEFAULT_REDIS_TIMEOUT) -> aioredis.Redis:
+    """The client a `RedisStore` sends with: pooled (`REDIS_MAX_CONNECTIONS`), each command and
+    connect bounded by `timeout` seconds.
+
+    Raises:
+        ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+    """
+    try:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REDIS_MAX_CONNECTIONS,
+            timeout=max(timeout, REDIS_POOL_WAIT_SECONDS),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
+    except ValueError:
+        # Not the parser's message: it quotes parts of the URL, password included (a password
+        # with "/" or "#" ends the host part early and is read as the port).
+        raise ConfigError(
+            "redis_url is not a valid Redis URL (check host:port, and %-encode / # ? @ : in the password)",
+            valve="redis_url",
+        ) from None
+    return aioredis.Redis(connection_pool=pool)
 
 
 def open_store(redis_url: str) -> Store:
