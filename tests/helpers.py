@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from contextwarden import Filter
+from contextwarden.store import Store, open_store
 from contextwarden.tokens import TokenCounter
 
 __all__ = [
     "BUILT_FILE",
     "Events",
     "make_filter",
+    "store_of",
     "body_of",
     "usage_records",
     "turn",
@@ -52,6 +54,12 @@ def make_filter(
     f = Filter(store=store, counter=counter, clock=clock, prices=prices)
     f.valves = f.Valves(**valves)
     return f
+
+
+def store_of(valves: dict) -> Store:
+    """The store a filter with these valves opens (their `redis_url`, else in-process): given to
+    `make_filter(store=...)`, the test holds it from the start, before any turn."""
+    return open_store(valves.get("redis_url", ""))
 
 
 def body_of(chat: list[dict], model: str = "gpt-4o", **metadata: Any) -> dict:

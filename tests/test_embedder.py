@@ -162,8 +162,7 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
     from contextwarden.conversation import is_recall_message
 
     function = FakeEmbeddingFunction()
-    f = Filter()
-    f._counter = counter
+    f = Filter(counter=counter)
     f.valves = f.Valves(max_context_tokens=1_324, reserve_output_tokens=1_024, low_watermark=0.5)
     chat = chat_about_a_cat()
     chat[-1] = {"role": "user", "content": "Will the storm and the rain go on tomorrow?"}

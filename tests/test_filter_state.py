@@ -3,7 +3,9 @@ turns, pins, flags across passes of one turn, and isolation between users and ch
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import pytest
 import redis
@@ -14,7 +16,7 @@ from contextwarden.conversation import is_recall_message
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.store import KEY_PREFIX
 
-from helpers import Events, chat_of, grow, make_filter, send, shown
+from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
 
 MODEL = "gpt-4o"
 
@@ -265,10 +267,10 @@ async def test_unreadable_state_is_ignored(counter, trims, unique):
 
 @pytest.mark.parametrize("raw", [b'{"v": 3, "pins": ["from a newer version"]}', b"\xff not json", b""])
 async def test_state_this_version_cannot_read_is_never_written_over(counter, store_valves, trims, unique, raw):
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    store = store_of(store_valves)
+    f = make_filter(counter, store=store, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
     key = chat_state_key(f"u-{unique}", f"c-{unique}")
-    await f._settings(None, None)  # opens the store the valves name
-    await f.store.set(key, raw, ttl=60)
+    await store.set(key, raw, ttl=60)
     out = await send(f, chat_of(20, last="Keep this !pin"), f"u-{unique}", f"c-{unique}")
     assert len(out["messages"]) < 41 and out["messages"][-1]["content"] == "Keep this"  # the turn went on
     assert await f.store.get(key) == raw
@@ -299,24 +301,26 @@ async def test_a_failed_state_read_saves_nothing(counter, trims, unique, caplog)
 
 async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, store_valves, unique, monkeypatch):
     """Between this turn's read and its save another pass saved: the other pass's state stays."""
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    store = store_of(store_valves)
+    f = make_filter(counter, store=store, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     key = chat_state_key(user_id, chat_id)
     other = ChatState(pins=("someone else's pin",)).to_bytes()
-    await f._settings(None, None)
     real_trim = filter_module.trim_messages
 
     def trim_while_another_pass_saves(messages, **options):
         if store_valves:  # another worker, through its own connection
             with redis.Redis.from_url(store_valves["redis_url"]) as client:
                 client.set(KEY_PREFIX + key, other, ex=60)
-        else:
-            f.store._put(key, other, 60)
+        else:  # another pass of this worker; this thread may hold the event loop, so the save runs on its own
+            saver = threading.Thread(target=asyncio.run, args=(store.set(key, other, ttl=60),))
+            saver.start()
+            saver.join()
         return real_trim(messages, **options)
 
     monkeypatch.setattr(filter_module, "trim_messages", trim_while_another_pass_saves)
     await send(f, chat_of(20), user_id, chat_id)
-    assert await f.store.get(key) == other
+    assert await store.get(key) == other
 
 
 async def test_foreign_flags_in_metadata_are_ignored(counter, trims, unique):

@@ -14,6 +14,7 @@ from decimal import Decimal
 
 import pytest
 
+import contextwarden.filter as filter_module
 from contextwarden.errors import ConfigError, TurnRefused
 from contextwarden.ledger import record_reply
 from contextwarden.limits import (
@@ -28,10 +29,11 @@ from contextwarden.limits import (
     parse_overrides,
     refusal_text,
 )
+from contextwarden.spendbook import SpendBook
 from contextwarden.usergroups import GroupReader
 from contextwarden.valves import read_settings
 
-from helpers import Events, make_filter
+from helpers import Events, make_filter, store_of
 from turns import free_port, reply_of, run_turn
 
 D = Decimal
@@ -54,11 +56,11 @@ def store_valves(request) -> dict:
     return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
 
 
-async def limited(counter, valves: dict, now: datetime | Clock):
-    """A filter with these valves on this clock (a `Clock` the test moves on, or a fixed time), its store open."""
-    f = make_filter(counter, clock=now if isinstance(now, Clock) else Clock(now), **valves)
-    await f._settings(None, None)  # opens the store the valves name
-    return f
+async def limited(counter, valves: dict, now: datetime | Clock, wrap=None):
+    """A filter with these valves on this clock (a `Clock` the test moves on, or a fixed time), given
+    the store the valves name (`wrap`ped, when given) from the start."""
+    store = store_of(valves) if wrap is None else wrap(store_of(valves))
+    return make_filter(counter, store=store, clock=now if isinstance(now, Clock) else Clock(now), **valves)
 
 
 async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -> None:
@@ -310,13 +312,13 @@ def test_a_bad_store_failure_valve_is_named():
     assert [p.valve for p in problems] == ["limit_store_failure"] and settings.limit_store_failure == "fail-open"
 
 
-async def test_other_errors_in_the_limit_check_fail_open(counter, caplog, unique):
+async def test_other_errors_in_the_limit_check_fail_open(counter, caplog, monkeypatch, unique):
     f = await limited(counter, {"daily_limit_usd": 1}, datetime.now(UTC))
 
-    async def broken(*args, **kwargs):
+    def broken(*args, **kwargs):
         raise ZeroDivisionError
 
-    f._user_limits = broken
+    monkeypatch.setattr(filter_module, "limits_for", broken)
     assert await inlet(f, f"u-{unique}")
     assert "limits not checked (ZeroDivisionError" in caplog.text
 
@@ -341,24 +343,23 @@ class SlowStore:
 
 async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valves, unique):
     now = datetime(2026, 12, 1, 12, tzinfo=UTC)
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now, wrap=SlowStore)
     user = f"u-{unique}"
     await spent(f, user, "0.85", now.date())  # 85%: near the limit
-    f._store = SlowStore(f.store)
     turns = [turn(user) for _ in range(12)]
     results = await asyncio.gather(
         *(f.inlet(body, __user__=who, __metadata__=body["metadata"]) for body, who in turns), return_exceptions=True
     )
     refused = [r for r in results if isinstance(r, TurnRefused)]
     assert len(results) - len(refused) == 1 and {str(r) for r in refused} == {BUSY_TEXT}
-    assert f._inflight.count(user) == 1
+    with pytest.raises(TurnRefused, match=BUSY_TEXT):  # the admitted turn still holds its place
+        await inlet(f, user)
     # The admitted turn's outlet ends its hold: the next turn may start.
     ((body, who),) = [t for t, r in zip(turns, results) if not isinstance(r, Exception)]
     reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 1})
     await f.outlet(
         {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
     )
-    assert f._inflight.count(user) == 0
     assert await inlet(f, user)
 
 
@@ -367,7 +368,10 @@ async def test_below_80_percent_turns_of_one_user_run_together(counter, unique):
     user = f"u-{unique}"
     await spent(f, user, "0.5", date(2026, 12, 1))
     results = await asyncio.gather(*(inlet(f, user) for _ in range(5)), return_exceptions=True)
-    assert not [r for r in results if isinstance(r, Exception)] and f._inflight.count(user) == 5
+    assert not [r for r in results if isinstance(r, Exception)]
+    await spent(f, user, "0.35", date(2026, 12, 1))  # 85% now: the five still running hold their places
+    with pytest.raises(TurnRefused, match=BUSY_TEXT):
+        await inlet(f, user)
 
 
 def test_a_hold_without_outlet_expires():
@@ -525,38 +529,48 @@ async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, sto
     """Replies from before this version are only in the ledger: the month they are in still adds
     up exactly; later checks read one key (no ledger scan), and later months need no ledger."""
     clock = Clock(datetime(2026, 12, 10, 9, tzinfo=UTC))
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock, wrap=CountingStore)
+    book = SpendBook()  # what a worker's limits read of the spend the filter's replies left in the store
     user = f"u-{unique}"
     await spent(f, user, "1.5", date(2026, 12, 3))  # before the upgrade: in the ledger only
     await spent(f, user, "0.25", date(2026, 12, 10))  # the upgrade day, earlier that day
     await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
-    day, month = await f._spend(user)
+    day, month = await book.spend(f.store, user, clock.now.date())
     assert (day.usd, month.usd, month.requests) == (D("1.25"), D("2.75"), 3)
     clock.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
     await outlet_on(f, user, 200_000)  # $0.50
-    f._store = CountingStore(f.store)
+    scans = f.store.scans
     for _ in range(3):
-        day, month = await f._spend(user)
+        day, month = await book.spend(f.store, user, clock.now.date())
         assert (day.usd, month.usd, month.tokens) == (D("0.5"), D("3.25"), 600_000 + 2_000)
-    assert f.store.scans == 1  # the days up to the upgrade, once; remembered after
+    assert f.store.scans - scans == 1  # the days up to the upgrade, once; remembered after
     clock.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
     await outlet_on(f, user, 40_000)  # $0.10
     scans = f.store.scans
-    assert await f._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+    assert await book.spend(f.store, user, clock.now.date()) == (
+        Spend(D("0.1"), 40_000, 1, 0),
+        Spend(D("0.1"), 40_000, 1, 0),
+    )
     assert f.store.scans == scans  # a month after the upgrade: the key alone
-    g = await limited(counter, store_valves, datetime(2027, 1, 2, 10, tzinfo=UTC))  # another worker, same store
-    if store_valves:
-        assert await g._spend(user) == (Spend(D("0.1"), 40_000, 1, 0), Spend(D("0.1"), 40_000, 1, 0))
+    if store_valves:  # another worker, same store
+        other = store_of(store_valves)
+        assert await SpendBook().spend(other, user, date(2027, 1, 2)) == (
+            Spend(D("0.1"), 40_000, 1, 0),
+            Spend(D("0.1"), 40_000, 1, 0),
+        )
 
 
 async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
     """Outlet input is user-controlled: a reply counts at most $1,000 toward limits, never below 0."""
     f = await limited(counter, {"daily_limit_usd": 5}, datetime(2026, 12, 1, tzinfo=UTC))
-    await f._spendbook.record(f.store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
-    await f._spendbook.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
-    await f._spendbook.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
-    day, _ = await f._spend(unique)
+    book = SpendBook()  # the filter's replies are recorded by one like it, on its store
+    await book.record(f.store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
+    await book.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
+    await book.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
+    day, _ = await SpendBook().spend(f.store, unique, date(2026, 12, 1))
     assert day.usd == D(1000) and day.tokens == 10**10
+    with pytest.raises(TurnRefused, match=r"\(\$1,000.00 used today\)"):  # the filter reads the same
+        await inlet(f, unique)
 
 
 async def test_an_outlet_that_fails_still_ends_the_hold(counter, unique):
@@ -565,6 +579,7 @@ async def test_an_outlet_that_fails_still_ends_the_hold(counter, unique):
     await spent(f, user, "0.9", date(2026, 12, 1))
     body, who = turn(user)
     await f.inlet(body, __user__=who, __metadata__=body["metadata"])
-    assert f._inflight.count(user) == 1
+    with pytest.raises(TurnRefused, match=BUSY_TEXT):  # 90%: one turn at a time, and this one holds
+        await inlet(f, user)
     await f.outlet({"model": "gpt-4o", "messages": "not a list"}, __user__=who, __metadata__=body["metadata"])
-    assert f._inflight.count(user) == 0
+    assert await inlet(f, user)  # the hold ended: the next turn may start

@@ -12,6 +12,7 @@ from decimal import Decimal
 
 import pytest
 
+from contextwarden.accounting import learn_calibration
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.ledger import ledger_totals, read_ledger
 from contextwarden.pricing import PriceBook
@@ -194,7 +195,7 @@ async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves
 
 async def test_calibrated_savings_use_the_factor(counter, unique):
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
-    await f._learn_calibration("openai/gpt-4o", 1_000, 1_250)  # factor 1.25 from one sample
+    await learn_calibration(f.store, "openai/gpt-4o", 1_000, 1_250)  # factor 1.25 from one sample
     chat = chat_of(20)
     body = body_of(chat, chat_id=f"c-{unique}")
     out = await inlet_then_request(f, body, "u1", Events())
