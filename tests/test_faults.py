@@ -602,9 +602,8 @@ async def test_openrouter_failing_never_breaks_a_turn_or_the_ledger(counter, fau
                 reply={"role": "assistant", "content": "ok", "usage": usage},
             )
             assert_valid_turn(run, 800, counter)
-            task = f.prices.live._task if f.prices.live else None
-            if task is not None:
-                await task  # let the background refresh finish (it must never raise)
+            if f.prices.live:
+                await f.prices.live.settled()  # let the background refresh finish (it must never raise)
     assert route.call_count == 1  # the fault was met, once: failures wait before retrying
     records = usage_lines(caplog.records)
     assert len(records) == 4

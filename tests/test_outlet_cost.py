@@ -461,7 +461,7 @@ async def test_live_openrouter_over_bundled_and_file_over_live(counter, logs, tm
         f = cost_filter(counter, openrouter_pricing=True, prices=live_prices)
         record, _ = await outlet_once(f, logs, "gpt-4o", usage)
         assert D(record["cost_usd"]) == D("0.0035")  # bundled while the fetch runs in the background
-        await f.prices.live._task
+        await f.prices.live.settled()
         record, _ = await outlet_once(f, logs, "gpt-4o", usage)
         assert D(record["cost_usd"]) == D("0.006")  # live: 1000 x 5e-6 + 100 x 1e-5
         record, _ = await outlet_once(f, logs, "gpt-4.1", usage)
@@ -500,7 +500,7 @@ async def test_workers_share_one_fetch_through_redis(counter, logs, redis_url, u
             )
             workers.append(f)
         await asyncio.gather(*(outlet_once(f, logs, "gpt-4o", usage, user={"id": unique}) for f in workers))
-        await asyncio.gather(*(f.prices.live._task for f in workers))
+        await asyncio.gather(*(f.prices.live.settled() for f in workers))
         assert route.call_count == 1  # one worker fetched, the other took the shared table
         for f in workers:
             record, _ = await outlet_once(f, logs, "gpt-4o", usage, user={"id": unique})

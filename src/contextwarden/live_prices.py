@@ -209,6 +209,11 @@ class LivePrices:
         self._task = loop.create_task(self._refresh_quietly())
         return self._task
 
+    async def settled(self) -> None:
+        """Wait for the background refresh running now, if any, to end (it never raises)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
     async def _refresh_quietly(self) -> None:
         """refresh(), turning any failure into one warning and a retry delay."""
         try:
