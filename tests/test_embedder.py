@@ -64,9 +64,13 @@ async def test_a_slow_embedder_times_out_and_nothing_is_cached():
 
 async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again():
     class SlowAndFailing(FakeEmbeddingFunction):
+        crashing = True
+
         async def __call__(self, texts, prefix=None, user=None):
-            await super().__call__(texts)
-            raise RuntimeError("model crashed")  # nothing lands: every turn asks again
+            vectors = await super().__call__(texts)
+            if self.crashing:
+                raise RuntimeError("model crashed")  # nothing lands: every turn asks again
+            return vectors
 
     function = SlowAndFailing(delay=0.05)
     embedder = OpenWebUIEmbedder(function)
@@ -76,8 +80,7 @@ async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again():
             await embedder.prefetch(chat, timeout=0.01, max_texts=32)
         assert len(function.calls[-1]) == expected
         await asyncio.sleep(0.08)  # the call ends (and fails) before the next turn
-    function = FakeEmbeddingFunction()
-    embedder._function = function
+    function.crashing, function.delay = False, 0.0  # the model is back, and quick
     assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 4  # the slow embedder still makes progress
     assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 8  # and is asked for more once it answers
 
