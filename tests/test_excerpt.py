@@ -201,7 +201,8 @@ def test_excerpt_message_never_exceeds_its_room(counter):
 def test_status_line_and_explain_say_excerpted(counter):
     from contextwarden.explain import explain_trim
     from contextwarden.flags import Flags
-    from contextwarden.status import TurnChoice, status_line
+    from contextwarden.records import TurnChoice
+    from contextwarden.status import status_line
 
     chat = pasted_chat(counter)
     result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from contextwarden.flags import Flags
-from contextwarden.status import TurnChoice, status_line
+from contextwarden.records import TurnChoice
+from contextwarden.status import status_line
 from contextwarden.trim import trim_messages
 
 from chats import check_contract

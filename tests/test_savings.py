@@ -295,7 +295,8 @@ def test_cached_prefixes_of_a_reused_selection_stop_before_the_newest_reply(coun
 
 def test_shadow_line_says_when_trimming_would_cost_more():
     from contextwarden.flags import Flags
-    from contextwarden.status import TurnChoice, shadow_status_line
+    from contextwarden.records import TurnChoice
+    from contextwarden.status import shadow_status_line
 
     choice = TurnChoice([{}] * 38, 142, 26_000, 8_000, 8_000, "exact")
     assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("-0.01875")), True).endswith(

@@ -9,7 +9,8 @@ import pytest
 
 from contextwarden.flags import Flags
 from contextwarden.savings import Savings
-from contextwarden.status import TurnChoice, shadow_status_line, status_line
+from contextwarden.records import TurnChoice
+from contextwarden.status import shadow_status_line, status_line
 
 from helpers import Events, make_filter
 from turns import run_turn

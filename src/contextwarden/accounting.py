@@ -17,7 +17,7 @@ from .cache_stats import load_cache_stats, save_cache_stats, update_cache_stats
 from .calibration import load_calibration, save_calibration, update_calibration
 from .conversation import Message, message_text
 from .pricing import Resolution
-from .records import CacheView, TurnNote, UsageRecord
+from .records import CacheView, TurnChoice, TurnNote, UsageRecord
 from .savings import (
     Savings,
     cached_prefixes,
@@ -27,7 +27,6 @@ from .savings import (
     price_caches,
     reply_savings,
 )
-from .status import TurnChoice
 from .store import Store
 from .tokens import TokenCounter
 from .usage import Cost, Usage, with_counts

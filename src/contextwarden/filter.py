@@ -61,10 +61,10 @@ from .limits import (
 )
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
-from .records import CacheView, TurnNote, UsageRecord
+from .records import CacheView, TurnChoice, TurnNote, UsageRecord
 from .savings import Savings, carried_savings, carries_a_cut
 from .spendbook import SpendBook
-from .status import TurnChoice, pending_line, shadow_status_line, status_line, usage_status
+from .status import pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings

@@ -4,20 +4,15 @@ what the reply cost. Pure formatting of numbers the filter computed; no message 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from decimal import Decimal  # noqa: F401  (the doctests use it)
 
-from .cache_hints import carried_prefix
-from .conversation import Message
 from .flags import Flags
 from .money import usd
+from .records import TurnChoice
 from .savings import Savings
-from .selection import TrimDecision
-from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import Cost, Usage
 
 __all__ = [
-    "TurnChoice",
     "ESTIMATE_KEY",
     "PENDING_KEY",
     "pending_line",
@@ -79,68 +74,6 @@ def savings_status(savings: Savings, shadow: bool) -> str:
     if amount > 0:
         return f" · {'would save' if shadow else 'saved'} about {usd(amount)} vs untrimmed"
     return f" · untrimmed about {usd(-amount)} cheaper (prompt cache)"
-
-
-@dataclass(frozen=True, slots=True)
-class TurnChoice:
-    """What one pass decided to send, with the numbers the status line and outlet need."""
-
-    messages: list[Message]
-    count_before: int
-    tokens_before: int
-    tokens_after: int
-    budget: int
-    count_mode: str
-    decision: TrimDecision | None = None
-    dropped: int = 0
-    shortened: int = 0
-    excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
-    over_budget: bool = False
-    summarized: bool = False
-    full: bool = False
-    reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
-    carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
-    pins_shortened: bool = False  # pinned messages alone were over the budget and were cut middle-out
-    fixed_tokens: int = 0  # tool definitions and response format, in every count above
-    fixed_label: str = ""  # what they are ("tool definitions", ...)
-    fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
-
-    def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
-        """This choice with the request's fixed part (billed with every prompt) in its counts,
-        and the whole prompt's budget `total` when that part alone is over it."""
-        if not tokens:
-            return self
-        return replace(
-            self,
-            tokens_before=self.tokens_before + tokens,
-            tokens_after=self.tokens_after + tokens,
-            budget=total if over else self.budget + tokens,
-            fixed_tokens=tokens,
-            fixed_label=label,
-            fixed_over=over,
-            over_budget=self.over_budget or over,
-        )
-
-    @classmethod
-    def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
-        """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
-        count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
-        return cls(
-            messages=messages,
-            count_before=count,
-            tokens_before=result.tokens_before + extra_tokens,
-            tokens_after=result.tokens_after + extra_tokens,
-            budget=result.budget + extra_tokens,
-            count_mode=result.count_mode,
-            decision=result.decision,
-            dropped=len(result.dropped),
-            shortened=len(result.shortened) - len(result.excerpted),
-            excerpted=len(result.excerpted),
-            over_budget=result.over_budget,
-            reused=result.reused,
-            carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
-            pins_shortened=PINS_SHORTENED_NOTE in result.notes,
-        )
 
 
 def _fits(choice: TurnChoice) -> str:
