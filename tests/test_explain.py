@@ -157,3 +157,19 @@ def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
     assert worth > scores[3] + scores[4]  # it shares in the turn next to it
     expected = worth / (costs[3] + costs[4]) ** DEFAULT_COST_EXPONENT
     assert f"its turn's value {expected:.3f} per token" in why[3]
+
+
+def test_explain_takes_every_option_trim_messages_takes(counter):
+    """The options given to `trim_messages` are given to `explain_trim` as they are (one dict),
+    and an unknown one is refused as `trim_messages` refuses it."""
+    chat = crafted()
+    options = dict(strategy="recent", keep_last_turns=2, growth_turns=0, recall_share=0.0, shorten=False, embed=None)
+    result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, **options)
+    why = reasons_of(explain_trim(chat, result, model=MODEL, token_counter=counter, **options))
+    assert "recent (keep_last_turns=2)" in why[10]
+    try:
+        explain_trim(chat, result, model=MODEL, token_counter=counter, keep_last_turn=2)
+    except TypeError as exc:
+        assert "keep_last_turn" in str(exc)
+    else:
+        raise AssertionError("an unknown option was accepted")

@@ -22,11 +22,11 @@ from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .pricing import PriceBook, resolve_model
 from .report import render_csv, render_html, render_json, render_table
 from .savings import SAVINGS_ASSUMPTION
-from .selection import DEFAULT_KEEP_LAST_TURNS, STRATEGIES, TrimDecision
+from .selection import STRATEGIES, TrimDecision
 from .status import savings_status
 from .store import RedisStore, open_store
 from .tokens import TokenCounter
-from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, trim_messages
+from .trim import TrimOptions, TrimResult, trim_messages
 
 __all__ = ["main"]
 
@@ -301,7 +301,8 @@ def _since_date(text: str) -> date:
 
 
 def _add_trim_command(commands: Any) -> None:
-    """`contextwarden trim`: its options, those of `trim_messages` with the same defaults."""
+    """`contextwarden trim`: its options, those of `trim_messages` with the same defaults (`TrimOptions`'s)."""
+    defaults = TrimOptions()
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
     trim.add_argument("chat", help='chat JSON: a list of messages or {"model": ..., "messages": [...]}; - for stdin')
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
@@ -326,14 +327,15 @@ def _add_trim_command(commands: Any) -> None:
     trim.add_argument(
         "--strategy",
         choices=STRATEGIES,
-        default="relevance",
-        help="relevance: what matters to the latest question (default); recent: the newest turns that fit",
+        default=defaults.strategy,
+        help=f"relevance: what matters to the latest question; recent: the newest turns that fit "
+        f"(default {defaults.strategy})",
     )
     trim.add_argument(
         "--keep-last-turns",
         type=int,
-        default=DEFAULT_KEEP_LAST_TURNS,
-        help=f"latest turns kept first (default {DEFAULT_KEEP_LAST_TURNS}: the current one)",
+        default=defaults.keep_last_turns,
+        help=f"latest turns kept first, the current one included (default {defaults.keep_last_turns})",
     )
     trim.add_argument(
         "--pin",
@@ -348,14 +350,15 @@ def _add_trim_command(commands: Any) -> None:
     trim.add_argument(
         "--low-watermark",
         type=float,
-        default=DEFAULT_LOW_WATERMARK,
-        help="share of the budget a new cut fills (default 0.8)",
+        default=defaults.low_watermark,
+        help=f"share of the budget a new cut fills (default {defaults.low_watermark:g})",
     )
     trim.add_argument(
         "--growth-turns",
         type=int,
-        default=DEFAULT_GROWTH_TURNS,
-        help="a new cut also leaves room for this many turns like the last one (default 2, at most half the budget)",
+        default=defaults.growth_turns,
+        help=f"a new cut also leaves room for this many turns like the last one (default {defaults.growth_turns}, "
+        "at most half the budget)",
     )
     trim.set_defaults(run=_cmd_trim)
 

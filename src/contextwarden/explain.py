@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .cache_hints import min_cacheable_tokens
 from .conversation import Conversation, Message, read_conversation, recall_parts
@@ -18,16 +19,13 @@ from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
 from .selection import (
     DEFAULT_COST_EXPONENT,
-    DEFAULT_KEEP_LAST_TURNS,
-    Strategy,
-    TrimDecision,
     mandatory_indices,
     message_fingerprint,
     recent_turns,
     turn_values,
 )
 from .tokens import TOKENS_PER_REPLY, TokenCounter
-from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimResult, selection_target
+from .trim import TrimOptions, TrimResult, selection_target
 
 __all__ = ["MessageReason", "BudgetParts", "Explanation", "explain_trim"]
 
@@ -124,23 +122,20 @@ def explain_trim(
     *,
     model: str | None = None,
     token_counter: TokenCounter,
-    strategy: Strategy = "relevance",
-    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
-    pinned: Collection[int] = (),
-    previous: TrimDecision | None = None,
-    low_watermark: float = DEFAULT_LOW_WATERMARK,
-    growth_turns: int = DEFAULT_GROWTH_TURNS,
     summarized: Collection[int] = (),
     window: int | None = None,
     reserve: int | None = None,
     calibration: float | None = None,
     price: ModelPrice | None = None,
+    **options: Any,
 ) -> Explanation:
     """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
 
     Args:
-        messages, model, token_counter, strategy, keep_last_turns, pinned, previous,
-            low_watermark, growth_turns: as given to `trim_messages`.
+        messages, model, token_counter: as given to `trim_messages`.
+        options: the rest of what was given to it (`strategy`, `keep_last_turns`, `pinned`,
+            `previous`, ...), as they were: read into one `TrimOptions`, so their defaults are
+            the trim's own and a name it does not know is a TypeError.
         summarized: dropped indices a summary note stands for (shown as "summarized").
         window, reserve, calibration: how the budget was derived, when it was, to show it.
         price: the model's price, to show what the trim saved (cache-aware, see `SAVINGS_ASSUMPTION`;
@@ -151,9 +146,10 @@ def explain_trim(
         >>> explain_trim(chat, result, model="gpt-4o", token_counter=counter).messages[0].reasons  # doctest: +SKIP
         ('mandatory: system prompt',)
     """
-    facts = _facts(messages, result, model, token_counter, strategy, keep_last_turns, pinned, previous, summarized)
+    chosen = TrimOptions(**options)
+    facts = _facts(messages, result, model, token_counter, chosen, summarized)
     rows = tuple(_row(i, message, facts) for i, message in enumerate(messages))
-    parts = _budget_parts(facts, result, low_watermark, growth_turns, window, reserve, calibration)
+    parts = _budget_parts(facts, result, chosen, window, reserve, calibration)
     if result.excerpted:  # the excerpts sent cost what their copies do, not the messages they were cut from
         parts = replace(parts, history_sent=parts.history_sent + _excerpts_cost(result, token_counter, model))
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
@@ -190,12 +186,10 @@ def _facts(
     result: TrimResult,
     model: str | None,
     token_counter: TokenCounter,
-    strategy: str,
-    keep_last_turns: int,
-    pinned: Collection[int],
-    previous: TrimDecision | None,
+    options: TrimOptions,
     summarized: Collection[int],
 ) -> _Facts:
+    previous = options.previous
     conversation = read_conversation(messages)
     system, orphans = set(conversation.system_indices), set(conversation.orphan_indices)
     unit_of = _unit_of(conversation)
@@ -204,15 +198,15 @@ def _facts(
     costs = token_counter.count_each(messages, model)
     scores: list[float] | None = None
     worth: dict[int, float] = {}
-    if trimmed and not result.reused and question is not None and strategy == "relevance":
+    if trimmed and not result.reused and question is not None and options.strategy == "relevance":
         scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
         worth = turn_values(conversation, costs, scores)
     return _Facts(
         conversation=conversation,
         costs=costs,
         result=result,
-        strategy=strategy,
-        keep_last_turns=keep_last_turns,
+        strategy=options.strategy,
+        keep_last_turns=options.keep_last_turns,
         kept=set(result.kept),
         shortened=set(result.shortened),
         covered=set(summarized),
@@ -221,8 +215,8 @@ def _facts(
         orphans=orphans,
         turn_of=_turn_of(conversation),
         unit_of=unit_of,
-        recent=recent_turns(conversation, keep_last_turns),
-        pins={i for p in pinned for i in unit_of.get(p, (p,))},
+        recent=recent_turns(conversation, options.keep_last_turns),
+        pins={i for p in options.pinned for i in unit_of.get(p, (p,))},
         remembered=set(previous.kept) if previous is not None and result.reused else set(),
         trimmed=trimmed,
         scores=scores,
@@ -320,8 +314,7 @@ def _together(i: int, facts: _Facts) -> list[str]:
 def _budget_parts(
     facts: _Facts,
     result: TrimResult,
-    low_watermark: float,
-    growth_turns: int,
+    options: TrimOptions,
     window: int | None,
     reserve: int | None,
     calibration: float | None,
@@ -331,8 +324,8 @@ def _budget_parts(
     system_tokens = sum(costs[i] for i in system)
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
-    watermark = 1.0 if result.count_mode == "estimate" else low_watermark  # as trim_messages does
-    whole = selection_target(facts.conversation, costs, result.budget, watermark, growth_turns)
+    watermark = 1.0 if result.count_mode == "estimate" else options.low_watermark  # as trim_messages does
+    whole = selection_target(facts.conversation, costs, result.budget, watermark, options.growth_turns)
     target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
     return BudgetParts(
         budget=result.budget,
@@ -347,7 +340,7 @@ def _budget_parts(
         calibration=calibration,
         prompt_sent=result.tokens_after,
         fill=result.tokens_after / result.budget,
-        fill_rule=_fill_rule(result, trimmed, whole, watermark, growth_turns),
+        fill_rule=_fill_rule(result, trimmed, whole, watermark, options.growth_turns),
     )
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_KEEP_LAST_TURNS",
     "Strategy",
     "STRATEGIES",
+    "DEFAULT_STRATEGY",
     "TrimDecision",
     "select_recent",
     "select_by_value",
@@ -63,6 +64,7 @@ __all__ = [
 RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
 Strategy = Literal["relevance", "recent"]
 STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
+DEFAULT_STRATEGY: Strategy = "relevance"
 DECISION_FORMAT = 1
 # Value per cost ** 0.25: relevance scores are already length-normalised (BM25's b), so
 # dividing by the whole cost would penalise long messages twice. Measured in bench/quality.py
@@ -497,7 +499,7 @@ def choose_indices(
     costs: Sequence[int],
     budget: int,
     *,
-    strategy: Strategy = "relevance",
+    strategy: Strategy = DEFAULT_STRATEGY,
     keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,

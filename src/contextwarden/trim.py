@@ -26,6 +26,7 @@ from .recall_index import recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages
 from .selection import (
     DEFAULT_KEEP_LAST_TURNS,
+    DEFAULT_STRATEGY,
     STRATEGIES,
     Fingerprints,
     Recall,
@@ -164,7 +165,7 @@ def trim_messages(
     max_tokens: int,
     model: str | None = None,
     token_counter: TokenCounter | None = None,
-    strategy: Strategy = "relevance",
+    strategy: Strategy = DEFAULT_STRATEGY,
     keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
     previous: TrimDecision | None = None,
@@ -291,7 +292,7 @@ class TrimOptions:
 
     Made once a call and handed from step to step, so no step retypes the options."""
 
-    strategy: Strategy = "relevance"
+    strategy: Strategy = DEFAULT_STRATEGY
     keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
     pinned: Collection[int] = ()
     previous: TrimDecision | None = None

@@ -21,7 +21,7 @@ from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs, read_decimal
-from .selection import DEFAULT_KEEP_LAST_TURNS, STRATEGIES, Strategy
+from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy
 from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
@@ -167,7 +167,7 @@ class Valves(BaseModel):
         "Tokens kept free for the reply; the prompt budget is the window minus this. Must be below the window.",
     )
     strategy: str = Field(
-        default="relevance",
+        default=DEFAULT_STRATEGY,
         description=(
             "What a trim keeps of the older history: relevance = the messages that matter most to the latest question "
             "(BM25 and friends); recent = the newest whole turns that fit (no scoring: the cheapest trim of a long "
@@ -417,7 +417,7 @@ class Settings:
     request_stream_usage: bool = True
     calibrate_counts: bool = True
     ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
-    strategy: Strategy = "relevance"
+    strategy: Strategy = DEFAULT_STRATEGY
     keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
     low_watermark: float = DEFAULT_LOW_WATERMARK
     growth_turns: int = DEFAULT_GROWTH_TURNS
@@ -562,7 +562,7 @@ def read_settings(valves: object, user_valves: object | None = None) -> tuple[Se
     retention = number(valves, "ledger_retention_days", defaults.ledger_retention_days)
     user_window, show, show_cost, show_spend = _user_view(valves, user_valves, take, number)
     allowed = _allowed_flags(valves, take, problems)
-    strategy = _one_of(take(valves, "strategy", "relevance"), "strategy", STRATEGIES, "relevance", problems)
+    strategy = _one_of(take(valves, "strategy", DEFAULT_STRATEGY), "strategy", STRATEGIES, DEFAULT_STRATEGY, problems)
     keep = number(valves, "keep_last_turns", defaults.keep_last_turns)
     watermark = number(valves, "low_watermark", DEFAULT_LOW_WATERMARK)
     growth = number(valves, "growth_turns", DEFAULT_GROWTH_TURNS)
