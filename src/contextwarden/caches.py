@@ -1,20 +1,46 @@
-"""Helpers for the process-wide caches (bounded LRUs shared by every chat of a worker).
+"""Every cache contextwarden keeps in memory, in one place: what each holds and its bound.
 
-The caches themselves live beside what they remember (counts in `tokens.py`, fingerprints in
-`selection.py`, terms in `relevance.py`, vectors in `semantic.py`); each is bounded, and what
-one holds is listed in bench/README.md. Open WebUI re-executes this module when the filter's
-source changes: the caches then start empty, which costs time, never correctness.
+A cache lives beside what it computes (the module named on its line below) and takes its
+bound from here, the one definition. The process-wide ones (module level: one each per
+worker, shared by every chat) register how to empty them, so `clear_all()` empties them all
+(tests, benchmarks: a cold process without starting one) and `registered()` names them; the
+per-instance ones start empty with their Filter or TokenCounter. What a full one weighs is
+listed in bench/README.md. Open WebUI re-executes this module when the filter's source
+changes: the caches then start empty, which costs time, never correctness. Not caches, so
+not here: the in-process store (`store.DEFAULT_MEMORY_KEYS`, chat state) and the summary
+endpoints' back-off (`summarize`), which change what a turn does when emptied.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["lru_hit"]
+__all__ = ["lru_hit", "register", "registered", "clear_all"]
+
+# Process-wide, least recently used out first unless said otherwise.
+ENCODING_MEMO_SIZE = 1_024  # tokens._encoding_for_model_id: a model id's encoding name
+UNIT_MEMO_SIZE = 4_096  # conversation._unit: the Unit value for (start, stop, kind)
+CODE_MEMO_SIZE = 4_096  # flags._outside_code_memo: a text's flag positions outside code (emptied whole when full)
+DEFAULT_VECTOR_CACHE_SIZE = 8_192  # semantic.VECTORS: a text's unit vector (float32), by embedder
+MAX_EMBEDDERS = 8  # semantic.VECTORS key spaces and embedder._adapters: one per embedding function
+DEFAULT_TERM_CACHE_SIZE = 20_000  # relevance._term_cache: a text's term statistics, at most this many texts
+DEFAULT_TERM_CACHE_TERMS = 1_000_000  # relevance._term_cache: and this many (text, term) entries in all
+TERM_MEMO_SIZE = 16_384  # relevance._word_memos: a word's term, per memo (folded, plain; replaced whole when full)
+TERM_MEMO_CHARS = 40  # relevance._word_memos: longer words are not kept (nor numbers of more than three digits)
+DEFAULT_INDEX_TERMS = 250_000  # recall_index._indexes: per chat, term dicts and frequencies; (message, term) entries
+DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a message's fingerprint, by its stand-in key
+QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
+
+# Per instance (the Filter's own, so one per loaded function; `clear_all` leaves them).
+DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding
+SETTINGS_MEMO_SIZE = 1_024  # filter.Filter: the Settings parsed from (admin valves, user valves) (emptied when full)
+MAX_REMEMBERED_USERS = 10_000  # usergroups.GroupReader: a user's groups, expiring (emptied when full)
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_clears: dict[str, Callable[[], object]] = {}
 
 
 def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
@@ -32,3 +58,28 @@ def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
         except KeyError:  # evicted by another thread in between
             pass
     return value
+
+
+def register(name: str, clear: Callable[[], object]) -> None:
+    """Let `clear_all` empty the process-wide cache `name` ("module.attribute") by calling `clear`;
+    each module registers its caches where it makes them."""
+    _clears[name] = clear
+
+
+def registered() -> tuple[str, ...]:
+    """The names of the process-wide caches `clear_all` empties, sorted."""
+    return tuple(sorted(_clears))
+
+
+def clear_all() -> None:
+    """Empty every registered process-wide cache, as in a worker that has just started.
+
+    Example:
+        >>> memo = {"a": 1}
+        >>> register("example.memo", memo.clear)
+        >>> clear_all(), memo, "example.memo" in registered()
+        (None, {}, True)
+        >>> del _clears["example.memo"]
+    """
+    for clear in list(_clears.values()):
+        clear()

@@ -13,6 +13,8 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Any, Literal
 
+from .caches import UNIT_MEMO_SIZE, register
+
 __all__ = [
     "Message",
     "UnitKind",
@@ -172,11 +174,14 @@ _UNIT_KIND_BY_ROLE: dict[str, UnitKind] = {
 }
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=UNIT_MEMO_SIZE)
 def _unit(start: int, stop: int, kind: UnitKind) -> Unit:
     """The unit for these values, built once: units are immutable values, and a frozen
     dataclass costs about 4x a cache lookup to construct (a chat is re-read every turn)."""
     return Unit(start, stop, kind)
+
+
+register("conversation._unit", _unit.cache_clear)
 
 
 def _split_units(messages: Sequence[Message]) -> list[Unit]:

@@ -16,8 +16,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from .caches import MAX_EMBEDDERS, register
 from .conversation import Message
-from .semantic import MAX_EMBEDDERS, VECTORS, embed_text
+from .semantic import VECTORS, embed_text
 
 __all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_TIMEOUT", "DEFAULT_EMBED_TEXTS"]
 
@@ -25,6 +26,7 @@ DEFAULT_EMBED_TIMEOUT = 2.0  # seconds a turn waits for the embedder, at most
 DEFAULT_EMBED_TEXTS = 64  # texts embedded per turn, at most (newest first)
 MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
+register("embedder._adapters", _adapters.clear)
 
 
 class VectorsPending(LookupError):

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
+from .caches import QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, score_messages, words_terms
 from .semantic import VECTORS, Embed, similarities
@@ -274,13 +275,16 @@ def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
     return " ".join(word for word, terms in words if any(holders[term] <= limit for term in terms))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=QUESTION_MEMO_SIZE)
 def _question_words(question: str) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], frozenset[str]]:
     """Each word of `question` with its search terms, and all those terms (one question is read
     for every excerpt of a turn)."""
     words = question.split()
     terms = words_terms(words)
     return tuple((word, terms[word]) for word in words), frozenset().union(*terms.values())
+
+
+register("excerpt._question_words", _question_words.cache_clear)
 
 
 def fresh_share(

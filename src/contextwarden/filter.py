@@ -41,6 +41,7 @@ from .cache_hints import (
     place_breakpoints,
     remove_breakpoints,
 )
+from .caches import SETTINGS_MEMO_SIZE
 from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message
@@ -80,7 +81,6 @@ filter_log = logging.getLogger("contextwarden")
 Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
-SETTINGS_MEMO_SIZE = 1024  # distinct (admin valves, user valves) combinations remembered
 # What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
 # is one), fails open. Cancellation and shutdown are not errors of the filter's.
 NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from .caches import CODE_MEMO_SIZE, register
 from .conversation import Message, message_text
 
 __all__ = [
@@ -46,8 +47,8 @@ _BACKTICK_RUN = re.compile(r"`+")
 # removing flags never brings unread text into reach: a second read (request after inlet) and a
 # pin fingerprint see what the first read saw.
 MAX_FLAG_SCAN_CHARS = 32_768
-CODE_MEMO_SIZE = 4_096  # texts whose flags-outside-code are remembered: older messages come back every turn
-_outside_code_memo: dict[tuple[int, int], tuple[int, ...]] = {}
+_outside_code_memo: dict[tuple[int, int], tuple[int, ...]] = {}  # older messages come back every turn
+register("flags._outside_code_memo", _outside_code_memo.clear)
 # What every flag contains: a text without it has no flag, whatever its code spans (a literal
 # "!" first lets the regex engine skip to each "!" instead of trying every position).
 _FLAG_HINT = re.compile(r"!(?:[+-]pin|full|pin|nosum|budget=\d|keep=\d)", re.IGNORECASE)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from operator import add, mul, truediv
 
+from .caches import DEFAULT_INDEX_TERMS, register
 from .conversation import Message, message_text
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
@@ -37,7 +38,6 @@ from .relevance import (
 __all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAULT_INDEX_TERMS"]
 
 RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
-DEFAULT_INDEX_TERMS = 250_000  # (message, term) entries over all kept indexes
 
 
 @dataclass(slots=True)
@@ -105,8 +105,15 @@ class _IndexCache:
             while self._terms > self.max_terms:
                 self._terms -= self._entries.popitem(last=False)[1].entries
 
+    def clear(self) -> None:
+        """Forget every chat's index."""
+        with self._lock:
+            self._entries.clear()
+            self._terms = 0
+
 
 _indexes = _IndexCache(DEFAULT_INDEX_TERMS)
+register("recall_index._indexes", _indexes.clear)
 
 
 def recall_scores(

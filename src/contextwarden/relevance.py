@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import mul
 
-from .caches import lru_hit
+from .caches import (
+    DEFAULT_TERM_CACHE_SIZE,
+    DEFAULT_TERM_CACHE_TERMS,
+    TERM_MEMO_CHARS,
+    TERM_MEMO_SIZE,
+    lru_hit,
+    register,
+)
 from .conversation import Message, message_text
 from .semantic import SEMANTIC_SHARE
 
@@ -48,11 +55,7 @@ __all__ = [
     "DEFAULT_TERM_CACHE_TERMS",
 ]
 
-DEFAULT_TERM_CACHE_SIZE = 20_000  # messages
-DEFAULT_TERM_CACHE_TERMS = 1_000_000  # (message, term) entries over all cached messages
 RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it (both scorers)
-TERM_MEMO_SIZE = 16_384  # distinct words whose term is memoised, per memo
-TERM_MEMO_CHARS = 40  # longer words are not memoised
 
 # Han, Hiragana, Katakana, Hangul: scripts written without spaces between words.
 _CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
@@ -207,6 +210,14 @@ class _WordTerms(dict):
 _word_memos = {True: _WordTerms(True), False: _WordTerms(False)}
 
 
+def _fresh_word_memos() -> None:
+    """Both word memos replaced by empty ones, as when full (a call under way keeps its own)."""
+    _word_memos.update({True: _WordTerms(True), False: _WordTerms(False)})
+
+
+register("relevance._word_memos", _fresh_word_memos)
+
+
 def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
     """How often each (interned) term of `relevance_terms(text)` occurs, and their total,
     without a Python step per word: one byte translation of the UTF-8 text lower-cases ASCII
@@ -327,8 +338,15 @@ class _TermStatsCache:
                     self._terms -= entries.popitem(last=False)[1].distinct
         return stats
 
+    def clear(self) -> None:
+        """Forget every text's statistics."""
+        with self._lock:
+            self._entries.clear()
+            self._terms = 0
+
 
 _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
+register("relevance._term_cache", _term_cache.clear)
 
 
 def read_ahead(text: str) -> None:

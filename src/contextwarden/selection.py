@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import pairwise, repeat
 from typing import Any, Literal
 
-from .caches import lru_hit
+from .caches import DEFAULT_FINGERPRINT_CACHE_SIZE, lru_hit, register
 from .conversation import (
     SYSTEM_ROLES,
     Conversation,
@@ -81,9 +81,16 @@ DEFAULT_COST_EXPONENT = 0.25
 RECALL_COST_EXPONENT = 0.0
 DEFAULT_KEEP_LAST_TURNS = 1  # the current turn: the latest question and what answers it
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # messages, LRU; ~125 bytes an entry: under 3 MiB when full
 _fingerprint_lock = threading.Lock()
-_fingerprint_cache: OrderedDict[int, str] = OrderedDict()
+_fingerprint_cache: OrderedDict[int, str] = OrderedDict()  # ~125 bytes an entry: under 3 MiB when full
+
+
+def _clear_fingerprints() -> None:
+    with _fingerprint_lock:
+        _fingerprint_cache.clear()
+
+
+register("selection._fingerprint_cache", _clear_fingerprints)
 
 
 @dataclass(frozen=True, slots=True)

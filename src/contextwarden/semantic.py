@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from operator import mul
 
-from .caches import lru_hit
+from .caches import DEFAULT_VECTOR_CACHE_SIZE, MAX_EMBEDDERS, lru_hit, register
 from .conversation import Message, message_text
 
 __all__ = [
@@ -38,8 +38,6 @@ __all__ = [
 Embed = Callable[[list[str]], Sequence[Sequence[float]]]
 
 SEMANTIC_SHARE = 0.35  # of the base relevance signal; the rest is lexical (BM25). bench/quality.py
-DEFAULT_VECTOR_CACHE_SIZE = 8_192  # vectors per process
-MAX_EMBEDDERS = 8  # key spaces kept (one per embedder function)
 EMBED_CHARS = 2_000  # text embedded per message: MiniLM reads 256 word pieces (~1,000 chars) anyway
 
 
@@ -68,6 +66,11 @@ class VectorCache:
 
     def __len__(self) -> int:
         return len(self._vectors)
+
+    def clear(self) -> None:
+        """Forget every vector (the embedders keep their key spaces: a number is never reused)."""
+        with self._lock:
+            self._vectors.clear()
 
     def _space(self, embed: object) -> int:
         with self._lock:
@@ -117,6 +120,7 @@ class VectorCache:
 
 
 VECTORS = VectorCache()  # the process's vectors, shared by every chat (keyed by text)
+register("semantic.VECTORS", VECTORS.clear)
 
 
 def _unit_vector(vector: Sequence[float]) -> array:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import tiktoken
 
-from .caches import lru_hit
+from .caches import DEFAULT_COUNT_CACHE_SIZE, ENCODING_MEMO_SIZE, lru_hit, register
 from .conversation import Message, image_count, message_text
 
 __all__ = [
@@ -45,7 +45,6 @@ TOKENS_PER_MESSAGE = 3  # OpenAI cookbook: <|start|>{role}<|message|> ... <|end|
 TOKENS_PER_NAME = 1
 TOKENS_PER_REPLY = 3  # every reply is primed with <|start|>assistant<|message|>
 DEFAULT_IMAGE_TOKENS = 765  # one 1024x1024 image at high detail (OpenAI's tile formula)
-DEFAULT_CACHE_SIZE = 50_000
 RETRY_LOAD_AFTER_SECONDS = 600.0
 # The longest text one encode call gets. tiktoken panics (a BaseException) on a whitespace run of
 # ~1M characters, and one call holds the GIL for its whole text, superlinearly in a run of spaces
@@ -78,7 +77,7 @@ def encoding_for(model: str | None) -> str:
     return _encoding_for_model_id(model or "")
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=ENCODING_MEMO_SIZE)
 def _encoding_for_model_id(model: str) -> str:
     """`encoding_for` without the cache: counting asks once per text, so the answer is memoised."""
     name = model.lower()
@@ -87,6 +86,9 @@ def _encoding_for_model_id(model: str) -> str:
     if _CL100K_MODEL.search(name):
         return "cl100k_base"
     return "o200k_base"
+
+
+register("tokens._encoding_for_model_id", _encoding_for_model_id.cache_clear)
 
 
 def estimate_tokens(text: str) -> int:
@@ -210,7 +212,7 @@ class TokenCounter:
         self,
         *,
         image_tokens: int = DEFAULT_IMAGE_TOKENS,
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_size: int = DEFAULT_COUNT_CACHE_SIZE,
         block: bool = False,
     ) -> None:
         self.image_tokens = image_tokens

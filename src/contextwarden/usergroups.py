@@ -15,13 +15,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
+from .caches import MAX_REMEMBERED_USERS
+
 __all__ = ["GroupReader", "GROUPS_TTL_SECONDS"]
 
 groups_log = logging.getLogger("contextwarden")
 
 OPEN_WEBUI_GROUPS = "open_webui.models.groups"
 GROUPS_TTL_SECONDS = 60.0
-MAX_REMEMBERED_USERS = 10_000
 MAX_GROUPS_PER_USER = 1_000
 
 Lookup = Callable[[str], Awaitable[object] | object]

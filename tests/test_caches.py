@@ -1,0 +1,127 @@
+"""The in-memory caches in one inventory (`caches.py`): every process-wide cache registered there,
+each bound defined there only, and `clear_all()` emptying them all without changing a trim."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import contextwarden
+from contextwarden import caches, conversation, embedder, excerpt, flags, recall_index, relevance, selection, tokens
+from contextwarden.semantic import VECTORS
+from contextwarden.trim import trim_messages
+
+from embedders import chat_about_a_cat, topic_embed
+
+SRC = Path(contextwarden.__file__).resolve().parent
+MODEL = "gpt-4o"
+
+
+def _is_cache_call(value: ast.expr | None) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name == "OrderedDict" or name.endswith("Cache")
+
+
+def module_level_caches(root: Path = SRC) -> set[str]:
+    """`module.name` of every module-level cache: a function memoised with `lru_cache`, or a
+    module-level name that says it is a cache or memo, or holds an `OrderedDict` or a `...Cache`."""
+    found = set()
+    for path in sorted(root.glob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.FunctionDef):
+                decorators = [d.func if isinstance(d, ast.Call) else d for d in node.decorator_list]
+                if any(ast.unparse(d).split(".")[-1] in ("lru_cache", "cache") for d in decorators):
+                    found.add(f"{path.stem}.{node.name}")
+                continue
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            for target in targets:
+                if not isinstance(target, ast.Name):
+                    continue
+                named = not target.id.isupper() and ("cache" in target.id.lower() or "memo" in target.id.lower())
+                if named or _is_cache_call(node.value):  # type: ignore[union-attr]
+                    found.add(f"{path.stem}.{target.id}")
+    return found
+
+
+def test_every_process_wide_cache_is_registered():
+    for module in pkgutil.iter_modules(contextwarden.__path__):
+        importlib.import_module(f"contextwarden.{module.name}")
+    found = module_level_caches()
+    assert {"selection._fingerprint_cache", "relevance._term_cache", "excerpt._question_words"} <= found
+    assert set(caches.registered()) == found
+
+
+def test_each_bound_is_defined_in_caches_only():
+    tree = ast.parse((SRC / "caches.py").read_text())
+    bounds = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if t.id.isupper()}  # type: ignore[attr-defined]
+    assert {"DEFAULT_TERM_CACHE_SIZE", "DEFAULT_COUNT_CACHE_SIZE", "QUESTION_MEMO_SIZE"} <= bounds
+    elsewhere = {
+        f"{path.stem}.{t.id}"
+        for path in SRC.glob("*.py")
+        if path.stem != "caches"
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name) and t.id in bounds
+    }
+    assert elsewhere == set()
+    unused = {b for b in bounds if not any(b in p.read_text() for p in SRC.glob("*.py") if p.stem != "caches")}
+    assert unused == set()
+
+
+def _turns(chat: list[dict]) -> list[tuple]:
+    """Two turns of one chat, the second reusing the first's decision with a recall block."""
+    first = trim_messages(chat, max_tokens=300, model=MODEL, embed=topic_embed)
+    grown = chat + [{"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And my cat's name?"}]
+    second = trim_messages(grown, max_tokens=300, model=MODEL, previous=first.decision, embed=topic_embed)
+    return [(r.kept, r.dropped, r.shortened, r.recalled, r.messages) for r in (first, second)]
+
+
+def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
+    chat = chat_about_a_cat()
+    before = _turns(chat)
+    flags._flag_matches("see `!pin` and then !full")
+    excerpt.pointed_words(["the aisle is 42", "thanks"], "Which aisle?")
+    embedder.embedder_of(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=print))))
+    filled = {
+        "term stats": len(relevance._term_cache._entries),
+        "fingerprints": len(selection._fingerprint_cache),
+        "vectors": len(VECTORS),
+        "recall indexes": len(recall_index._indexes._entries),
+        "word memo": len(relevance._word_memos[True]),
+        "question words": excerpt._question_words.cache_info().currsize,
+        "encodings": tokens._encoding_for_model_id.cache_info().currsize,
+        "units": conversation._unit.cache_info().currsize,
+        "code spans": len(flags._outside_code_memo),
+        "adapters": len(embedder._adapters),
+    }
+    assert all(filled.values()), filled
+
+    caches.clear_all()
+
+    emptied = {
+        "term stats": len(relevance._term_cache._entries) + relevance._term_cache._terms,
+        "fingerprints": len(selection._fingerprint_cache),
+        "vectors": len(VECTORS),
+        "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,
+        "word memo": sum(len(m) + len(m.several) for m in relevance._word_memos.values()),
+        "question words": excerpt._question_words.cache_info().currsize,
+        "encodings": tokens._encoding_for_model_id.cache_info().currsize,
+        "units": conversation._unit.cache_info().currsize,
+        "code spans": len(flags._outside_code_memo),
+        "adapters": len(embedder._adapters),
+    }
+    assert emptied == dict.fromkeys(filled, 0)
+    assert _turns(chat) == before  # a cold process trims as a warm one did
