@@ -10,7 +10,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import contextwarden
-from contextwarden import caches, conversation, embedder, excerpt, flags, recall_index, relevance, selection, tokens
+from contextwarden import (
+    caches,
+    conversation,
+    embedder,
+    excerpt,
+    flags,
+    recall_index,
+    relevance,
+    selection,
+    tokens,
+    trim,
+)
 from contextwarden.semantic import VECTORS
 from contextwarden.trim import trim_messages
 
@@ -30,7 +41,8 @@ def _is_cache_call(value: ast.expr | None) -> bool:
 
 def module_level_caches(root: Path = SRC) -> set[str]:
     """`module.name` of every module-level cache: a function memoised with `lru_cache`, or a
-    module-level name that says it is a cache or memo, or holds an `OrderedDict` or a `...Cache`."""
+    module-level name that says it is a cache or memo, or holds an `OrderedDict`, a `...Cache` or a
+    `TokenCounter` (its counts)."""
     found = set()
     for path in sorted(root.glob("*.py")):
         for node in ast.parse(path.read_text(), str(path)).body:
@@ -50,7 +62,8 @@ def module_level_caches(root: Path = SRC) -> set[str]:
                 if not isinstance(target, ast.Name):
                     continue
                 named = not target.id.isupper() and ("cache" in target.id.lower() or "memo" in target.id.lower())
-                if named or _is_cache_call(node.value):  # type: ignore[union-attr]
+                counter = isinstance(node, ast.AnnAssign) and "TokenCounter" in ast.unparse(node.annotation)
+                if named or counter or _is_cache_call(node.value):  # type: ignore[union-attr]
                     found.add(f"{path.stem}.{target.id}")
     return found
 
@@ -106,6 +119,7 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),
         "adapters": len(embedder._adapters),
+        "default counter": len(trim.default_counter()._cache),
     }
     assert all(filled.values()), filled
 
@@ -122,6 +136,7 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),
         "adapters": len(embedder._adapters),
+        "default counter": len(trim.default_counter()._cache),
     }
     assert emptied == dict.fromkeys(filled, 0)
     assert _turns(chat) == before  # a cold process trims as a warm one did

@@ -34,7 +34,7 @@ DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a messa
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
 
 # Per instance (the Filter's own, so one per loaded function; `clear_all` leaves them).
-DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding
+DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding (trim's default registers)
 SETTINGS_MEMO_SIZE = 1_024  # filter.Filter: the Settings parsed from (admin valves, user valves) (emptied when full)
 MAX_REMEMBERED_USERS = 10_000  # usergroups.GroupReader: a user's groups, expiring (emptied when full)
 

@@ -223,6 +223,10 @@ class TokenCounter:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int, int], int] = OrderedDict()
 
+    def clear(self) -> None:
+        """Forget every count (the encodings stay loaded)."""
+        self._cache.clear()
+
     # -- encodings --------------------------------------------------------------------------
 
     def _load(self, name: str) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 
+from .caches import register
 from .conversation import (
     SUMMARY_ACK_MESSAGE,
     Conversation,
@@ -97,6 +98,14 @@ def default_counter() -> TokenCounter:
     if _default_counter is None:
         _default_counter = TokenCounter(block=True)
     return _default_counter
+
+
+def _clear_default_counter() -> None:
+    if _default_counter is not None:
+        _default_counter.clear()
+
+
+register("trim._default_counter", _clear_default_counter)
 
 
 def read_reply(message: Message, counter: TokenCounter, model: str | None) -> None:
