@@ -107,6 +107,7 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
     before = _turns(chat)
     flags._flag_matches("see `!pin` and then !full")
     excerpt.pointed_words(["the aisle is 42", "thanks"], "Which aisle?")
+    excerpt._chunked("A long message.\n\nIn two paragraphs.")
     embedder.embedder_of(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=print))))
     filled = {
         "term stats": len(relevance._term_cache._entries),
@@ -115,6 +116,7 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
         "recall indexes": len(recall_index._indexes._entries),
         "word memo": len(relevance._word_memos[True]),
         "question words": excerpt._question_words.cache_info().currsize,
+        "chunks": excerpt._cached_chunk_terms.cache_info().currsize,
         "encodings": tokens._encoding_for_model_id.cache_info().currsize,
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),
@@ -132,6 +134,7 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
         "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,
         "word memo": sum(len(m) + len(m.several) for m in relevance._word_memos.values()),
         "question words": excerpt._question_words.cache_info().currsize,
+        "chunks": excerpt._cached_chunk_terms.cache_info().currsize,
         "encodings": tokens._encoding_for_model_id.cache_info().currsize,
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),

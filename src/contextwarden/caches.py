@@ -32,6 +32,8 @@ TERM_MEMO_CHARS = 40  # relevance._word_memos: longer words are not kept (nor nu
 DEFAULT_INDEX_TERMS = 250_000  # recall_index._indexes: per chat, term dicts and frequencies; (message, term) entries
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a message's fingerprint, by its stand-in key
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
+CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_terms: a long message's chunks and their terms (16 MiB at most)
+CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_terms: longer texts are cut anew each time
 
 # Per instance (the Filter's own, so one per loaded function; `clear_all` leaves them).
 DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding (trim's default registers)

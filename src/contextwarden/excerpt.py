@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-from .caches import QUESTION_MEMO_SIZE, register
+from .caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, score_messages, words_terms
 from .semantic import VECTORS, Embed, similarities
@@ -45,8 +45,6 @@ MAX_EXCERPT_TRIES = 8  # candidate turns tried per trim, most relevant first (ea
 # A carried excerpt is sent again while its chunks hold at least this share of the relevance a
 # fresh excerpt of the same size would hold for the new question (as the recall block's rule).
 EXCERPT_KEEP_SHARE = 0.5
-CHUNK_CACHE_SIZE = 16  # texts whose chunks and chunk terms are kept (see `_chunked`)
-CHUNK_CACHE_MAX_CHARS = 100_000  # longer texts are cut anew each time
 POINTED_SHARE = 0.25  # a question word held by more of the chunks than this says nothing of what it needs
 _CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
 _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
@@ -101,6 +99,7 @@ def _chunk_terms(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]
 
 
 _cached_chunk_terms = functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)(_chunk_terms)
+register("excerpt._cached_chunk_terms", _cached_chunk_terms.cache_clear)
 
 
 def _pieces(text: str) -> list[str]:
