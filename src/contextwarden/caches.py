@@ -34,6 +34,7 @@ DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a messa
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
 CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_terms: a long message's chunks and their terms (16 MiB at most)
 CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_terms: longer texts are cut anew each time
+VALVE_RANGE_MEMO_SIZE = 64  # valves.valve_range: a numeric valve's Field bounds, by valve name
 
 # Per instance (the Filter's own, so one per loaded function; `clear_all` leaves them).
 DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding (trim's default registers)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .caches import VALVE_RANGE_MEMO_SIZE, register
 from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
@@ -505,7 +506,7 @@ def valves_key(valves: object | None) -> tuple | None:
         return None
 
 
-@functools.cache
+@functools.lru_cache(maxsize=VALVE_RANGE_MEMO_SIZE)
 def valve_range(name: str, model: type[BaseModel] = Valves) -> tuple[float, float, bool]:
     """A numeric valve's bounds as its pydantic Field holds them: (low, high, low excluded).
 
@@ -524,6 +525,9 @@ def valve_range(name: str, model: type[BaseModel] = Valves) -> tuple[float, floa
     if low is None or high is None:
         raise TypeError(f"valve {name} has no lower and upper bound")
     return low, high, above
+
+
+register("valves.valve_range", valve_range.cache_clear)
 
 
 def _inside(value: Any, name: str, model: type[BaseModel] = Valves) -> bool:
