@@ -185,16 +185,17 @@ def _scores(
     terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
     base = [0.0] * n
     if terms:
-        wanted = frozenset(terms)
+        # Term by term over every message, then each message's sum, all in C: a message without
+        # a term adds 0.0, which leaves `math.fsum` (exact) where it was.
         k1_plus = k1 + 1.0
-        weight_of = {term: idf[term] * k1_plus for term in terms}.__getitem__
-        fsum = math.fsum
-        for i, h in enumerate(held):
-            present = h.keys() & wanted  # in C; its order does not matter to fsum (exact)
-            if present and i not in skip:
-                counts = list(map(h.__getitem__, present))
-                norm = k1 * (1.0 - b + b * stats[i].length / average)
-                base[i] = fsum(map(truediv, map(mul, counts, map(weight_of, present)), map(add, counts, repeat(norm))))
+        norms = [k1 * (1.0 - b + b * s.length / average) for s in stats]
+        columns = []
+        for term in terms:
+            counts = list(map(dict.get, held, repeat(term), repeat(0)))
+            columns.append(map(truediv, map(mul, counts, repeat(idf[term] * k1_plus)), map(add, counts, norms)))
+        base = list(map(math.fsum, zip(*columns, strict=True)))
+        for i in skip:
+            base[i] = 0.0
     if similarity is not None and len(similarity) == n:
         base = _fuse(base, similarity, skip, weights.semantic_share)
     return _mixed(base, stats, roles, skip, weights)
