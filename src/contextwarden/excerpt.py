@@ -271,7 +271,8 @@ def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
     for terms in held:
         holders.update(wanted.intersection(terms))
     limit = max(1, int(len(held) * POINTED_SHARE))
-    return " ".join(word for word, terms in words if any(holders[term] <= limit for term in terms))
+    pointed = {term for term in wanted if holders[term] <= limit}
+    return " ".join(word for word, terms in words if not pointed.isdisjoint(terms))
 
 
 @functools.lru_cache(maxsize=QUESTION_MEMO_SIZE)
