@@ -562,7 +562,7 @@ class Filter:
             turn.note.carried,
             len(turn.read.messages),
             chained=not turn.shadow,
-            cut_seen=carries_a_cut(turn.read.messages),
+            cut_seen=bool(turn.note.removed) and carries_a_cut(turn.read.messages),  # (a pass over every text)
         )
         removed_now = max(0, choice.tokens_before - choice.tokens_after)
         if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
