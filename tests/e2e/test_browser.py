@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
-from browser import Reply, chat_page, expand_status, find_browser, open_chat, send, wait_for_replies
-from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.money import format_usd
+from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.usage import Usage, compute_cost
+
+from browser import Reply, chat_page, expand_status, find_browser, open_chat, send, wait_for_replies
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
-from owui import OpenWebUI, add_user, installed_function
 from helpers import BUILT_FILE
+from owui import OpenWebUI, add_user, installed_function
 from test_product import base_valves
 
 pytestmark = pytest.mark.e2e
@@ -110,7 +111,7 @@ def test_status_line_after_a_trimmed_reply(
     first, second = (body["messages"] for body in backend.requests)
     assert first[-1]["role"] == "user" and second[-1] == {"role": "user", "content": QUESTION}
     assert all(DOCUMENT[:40] not in str(message.get("content")) for message in second), "document still sent"
-    for reply, sent in zip(replies, backend.requests):
+    for reply, sent in zip(replies, backend.requests, strict=True):
         assert usage_numbers(reply.shown) == expected_usage(sent, backend.default_reply), reply
     assert history.lines[-1] == history.shown == replies[1].shown, "the line shown is not the reply's last status"
     trims = [match for line in history.lines if (match := TRIM.search(line))]

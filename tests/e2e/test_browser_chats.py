@@ -16,14 +16,15 @@ import pytest
 
 from contextwarden.budget import fixed_cost
 from contextwarden.tokens import TokenCounter
+
 from fake_backend import FakeBackend, expected_prompt_tokens, tool_definition_tokens
-from owui import OpenWebUI, chat, install_function, set_valves, start_open_webui
 from helpers import BUILT_FILE
+from owui import OpenWebUI, chat, install_function, set_valves, start_open_webui
 from test_product import (
     BUDGET,
     MODEL,
-    WINDOW,
     RESERVE,
+    WINDOW,
     assert_valid_prompt,
     base_valves,
     cw,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from contextwarden.tokens import TokenCounter
+
 from fake_backend import FakeBackend
 from owui import OpenWebUI, chat
 from test_product import BUDGET, MODEL, assert_valid_prompt, cw, product  # noqa: F401

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -22,7 +23,9 @@ from contextwarden.conversation import RECALL_LABEL, is_acknowledgement
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.tokens import TokenCounter
 from contextwarden.usage import Usage, compute_cost
+
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
+from helpers import BUILT_FILE
 from owui import (
     OpenWebUI,
     add_user,
@@ -34,7 +37,6 @@ from owui import (
     update_function_source,
     wait_for_log,
 )
-from helpers import BUILT_FILE
 
 pytestmark = pytest.mark.e2e
 
@@ -313,7 +315,7 @@ def test_ten_turns_keep_their_prefix_and_an_early_fact_is_recalled(
         block = end >= 2 and is_acknowledgement(prompt[end - 1])
         return end - 2 if block and str(prompt[end - 2].get("content")).startswith(RECALL_LABEL) else end
 
-    kept = sum(now[: stable(before)] == before[: stable(before)] for before, now in zip(sent, sent[1:]))
+    kept = sum(now[: stable(before)] == before[: stable(before)] for before, now in pairwise(sent))
     assert kept >= 7, f"the prefix was kept on {kept} of 9 turns"
     assert not any(fact in str(m.get("content")) for m in sent[-2]), "the fact was not dropped before"
     assert any(fact in str(m.get("content")) for m in sent[-1]), "the question about the fact did not get it sent"

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from contextwarden.tokens import TokenCounter
+
 from fake_backend import FakeBackend
 from owui import OpenWebUI, chat, set_valves
 from test_product import _filler, base_valves, cw, long_chat, one_usage_record, product  # noqa: F401  (fixtures)

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from owui import OpenWebUI, chat, installed_function, set_valves, wait_for_log
 from helpers import BUILT_FILE
+from owui import OpenWebUI, chat, installed_function, set_valves, wait_for_log
 
 pytestmark = pytest.mark.e2e
 

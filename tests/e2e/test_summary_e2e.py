@@ -13,6 +13,7 @@ import pytest
 
 from contextwarden.summarize import SUMMARY_ACK, SUMMARY_LABEL, SUMMARY_PROMPT
 from contextwarden.tokens import TokenCounter
+
 from fake_backend import FakeBackend
 from owui import OpenWebUI, chat, set_valves
 from test_product import BUDGET, MODEL, base_valves, cw, long_chat, one_usage_record, product  # noqa: F401  (fixtures)

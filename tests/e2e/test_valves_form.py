@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from owui import OpenWebUI, installed_function
 from helpers import BUILT_FILE
+from owui import OpenWebUI, installed_function
 
 pytestmark = pytest.mark.e2e
 
