@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from itertools import pairwise
 from typing import Any
 
 from contextwarden.conversation import (
@@ -92,7 +93,7 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     assert len(pairs) <= len(bare), ("an added message repeats a role", pairs, [m.get("role") for m in sent])
     # 3. untouched means untouched: kept messages are the same dicts, in order.
     assert len(plain) == len(result.kept) + len(result.shortened)
-    by_index = dict(zip(sorted(result.kept + result.shortened), plain))
+    by_index = dict(zip(sorted(result.kept + result.shortened), plain, strict=True))
     for index in result.kept:
         assert by_index[index] is chat[index]
     assert sorted(result.kept + result.dropped + result.shortened) == list(range(len(chat)))
@@ -125,7 +126,7 @@ def same_role_pairs(chat: list[dict[str, Any]], sent: list[dict[str, Any]], at: 
     system = ("system", "developer")
     rest = [k for k in range(len(sent)) if sent[k].get("role") not in system]
     pairs = []
-    for p, q in zip(rest, rest[1:]):
+    for p, q in pairwise(rest):
         if sent[p].get("role") != sent[q].get("role"):
             continue
         i = at[p]
@@ -141,8 +142,10 @@ def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
     assert a.messages == b.messages
     sent = sorted(a.kept + a.shortened)
     added = set(recall_parts(a.messages))
-    plain = [(x, y) for k, (x, y) in enumerate(zip(a.messages, b.messages)) if k not in added]  # blocks aside
-    assert all(x is y for i, (x, y) in zip(sent, plain) if i in a.kept)
+    plain = [
+        (x, y) for k, (x, y) in enumerate(zip(a.messages, b.messages, strict=True)) if k not in added
+    ]  # blocks aside
+    assert all(x is y for i, (x, y) in zip(sent, plain, strict=True) if i in a.kept)
     assert (
         a.kept,
         a.dropped,

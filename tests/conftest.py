@@ -21,8 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
-from contextwarden import price_sources  # noqa: E402
-from contextwarden.live_prices import LivePrices  # noqa: E402
 from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
 from contextwarden.tokens import TokenCounter  # noqa: E402
 

@@ -111,7 +111,7 @@ LOADER = textwrap.dedent(
     Filter = module.Filter
     assert Filter().valves.priority == 0  # as Open WebUI makes it: no arguments
     f = Filter(counter=module.TokenCounter(block=True))
-    f.valves = Filter.Valves(**{"max_context_tokens": BUDGET + 500, "reserve_output_tokens": 500, "openrouter_pricing": False})
+    f.valves = Filter.Valves(max_context_tokens=BUDGET + 500, reserve_output_tokens=500, openrouter_pricing=False)
     assert f.counter.wait_ready("gpt-4o")
     Forbid.blocked.discard("contextwarden")
 
@@ -145,7 +145,8 @@ LOADER = textwrap.dedent(
                     assert m["tool_call_id"] in {c["id"] for c in sent[j].get("tool_calls") or []}
             assert sent[-1] is chat[-1]
             checked += 1
-        for bad in (None, [], {}, {"messages": None}, {"messages": [1]}, {"messages": [{"role": "user", "content": {"x": 1}}]}):
+        odd_content = {"messages": [{"role": "user", "content": {"x": 1}}]}
+        for bad in (None, [], {}, {"messages": None}, {"messages": [1]}, odd_content):
             for hook in (f.inlet, f.request, f.outlet):
                 assert await hook(bad, __user__={"id": "u"}) is bad
         reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": 10, "completion_tokens": 2}}

@@ -12,14 +12,13 @@ import logging
 import random
 import sys
 import threading
+from decimal import Decimal
 
 import pytest
 
 from contextwarden import trim_messages
 from contextwarden.ledger import ledger_totals, read_ledger, usd_to_picodollars
 from contextwarden.tokens import TokenCounter
-
-from decimal import Decimal
 
 from chats import check_contract
 from helpers import make_filter
@@ -99,7 +98,7 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
     by_chat = {r["chat_id"]: r for r in records}
     assert len(by_chat) == len(turns)
     trimmed = 0
-    for (u, chat_id, marker, chat, _, usage), run in zip(turns, runs):
+    for (u, chat_id, marker, chat, _, usage), run in zip(turns, runs, strict=True):
         sent = run.after_request["messages"]
         # only this chat's messages, each the very dict of this chat's input
         assert all(any(m is n for n in chat) for m in sent)
@@ -141,7 +140,7 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
     entries = [e for e in await read_ledger(f.store) if e.user.startswith(f"user-{unique}-")]
     rows = {row.key: row.counters for row in ledger_totals(entries, "user")}
     assert set(rows) == set(user_id.values())
-    for u, uid in user_id.items():
+    for uid in user_id.values():
         mine = [r for r in records if r["user_id"] == uid]
         assert rows[uid]["requests"] == CHATS_PER_USER == len(mine)
         assert rows[uid]["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
@@ -161,7 +160,7 @@ async def test_concurrent_turns_of_one_chat_are_identical(counter):
     assert len(first) < len(chat)
     for run in runs:
         assert len(run.after_request["messages"]) == len(first)
-        assert all(a is b for a, b in zip(run.after_request["messages"], first))
+        assert all(a is b for a, b in zip(run.after_request["messages"], first, strict=True))
 
 
 def test_one_counter_shared_by_threads():

@@ -9,6 +9,7 @@ import pytest
 
 from contextwarden import trim_messages
 from contextwarden.embedder import OpenWebUIEmbedder, embedder_of
+
 from embedders import chat_about_a_cat, topic_embed
 
 

@@ -220,6 +220,7 @@ async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(coun
     sent): the question's prompt holds the fact, the status line says `1 excerpted` (the last
     one, which Open WebUI shows, too), and the line after the reply says `trimmed, 1 excerpted`."""
     from contextwarden.filter import trim_summary
+
     from helpers import Events, make_filter
 
     f = make_filter(counter, max_context_tokens=4_000, reserve_output_tokens=0)

@@ -116,7 +116,9 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["#", "role", "tokens", "action", "score", "why"]
-    assert any(l.split()[:4] == ["5", "tool", l.split()[2], "dropped"] and "orphan" in l for l in lines[1:14])
+    assert any(
+        line.split()[:4] == ["5", "tool", line.split()[2], "dropped"] and "orphan" in line for line in lines[1:14]
+    )
     assert "budget 420 = window 1,444 − reserve 1,024" in out and "left for history" in out and "system prompt" in out
     assert main(args + ["--json"]) == 0
     document = json.loads(capsys.readouterr().out)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from decimal import Decimal
 import signal
 import threading
+from decimal import Decimal
 
 import httpx
 import pytest
@@ -21,11 +21,10 @@ import respx
 import tiktoken
 
 import contextwarden.store as store_module
-from contextwarden.conversation import is_recall_message, message_text
-from contextwarden import Filter
+from contextwarden import Filter, price_sources
 from contextwarden.chatstate import ChatState, chat_state_key
+from contextwarden.conversation import is_recall_message, message_text
 from contextwarden.ledger import read_ledger
-from contextwarden import price_sources
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.store import KEY_PREFIX, RedisStore, redis_client
 from contextwarden.tokens import TokenCounter
@@ -311,7 +310,7 @@ async def test_redis_refused_at_start_chat_goes_on(counter, caplog, unique):
     for run in runs:
         assert_valid_turn(run, 800, counter)
     assert isinstance(f.store, RedisStore)
-    for i in range(20):  # what the ledger and chat state will do through the filter's store
+    for _ in range(20):  # what the ledger and chat state will do through the filter's store
         await f.store.incr(f"t:{unique}", {"n": 1}, ttl=60)
     assert await f.store.counters(f"t:{unique}") == {"n": 20} and not f.store.shared
     assert len(warnings_about(caplog, "Redis unavailable")) == 1
@@ -555,7 +554,7 @@ async def test_redis_paused_and_resumed_loses_no_pin(counter, own_redis, caplog,
         await turns
     await asyncio.gather(*(next_turn(chat_id, 9) for chat_id in chats))  # Redis up: every pin is read back
     lost = []
-    for i, chat_id in enumerate(chats):
+    for chat_id in chats:
         state = ChatState.from_bytes(await raw_get(own_redis.url, chat_state_key(user["id"], chat_id)))
         if len(state.pins) != 1:
             lost.append(chat_id)

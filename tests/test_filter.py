@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from contextwarden.conversation import SUMMARY_ACK, is_recall_message, recall_message
 from contextwarden import Filter
+from contextwarden.conversation import SUMMARY_ACK, is_recall_message, recall_message
 from contextwarden.filter import model_context_length
 
 from chats import check_contract, frozen
@@ -24,7 +24,7 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     assert len(first["messages"]) < len(chat) and counter.count_messages(first["messages"], "gpt-4o") <= 1_000
     second = await f.request(first, __user__={"id": "u1"}, __metadata__=first["metadata"], __event_emitter__=events)
     assert second["messages"] == first["messages"] and all(
-        a is b for a, b in zip(second["messages"], first["messages"])
+        a is b for a, b in zip(second["messages"], first["messages"], strict=True)
     )
     assert frozen(chat) == before and body["messages"] is chat
     assert events.statuses[0].startswith(f"Context {len(chat)} → {len(first['messages'])} messages · ")

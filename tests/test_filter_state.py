@@ -12,8 +12,8 @@ import redis
 import redis.asyncio as aioredis
 
 import contextwarden.filter as filter_module
-from contextwarden.conversation import is_recall_message
 from contextwarden.chatstate import ChatState, chat_state_key
+from contextwarden.conversation import is_recall_message
 from contextwarden.store import KEY_PREFIX
 
 from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
@@ -215,7 +215,9 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
     events = Events()
     out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
     assert len(out["messages"]) == len(chat) and out["messages"][-1]["content"] == "Everything!"
-    assert out["messages"][:-1] == chat[:-1] and all(a is b for a, b in zip(out["messages"][:-1], chat))
+    assert out["messages"][:-1] == chat[:-1] and all(
+        a is b for a, b in zip(out["messages"][:-1], chat[:-1], strict=True)
+    )
     assert "not trimmed: !full" in events.statuses[-1] and events.statuses[-1].endswith(" · flags !full")
     assert len(trims) == 1  # !full skipped trim_messages
 

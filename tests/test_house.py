@@ -55,8 +55,10 @@ def retyped_defaults(root: Path = SRC) -> list[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
                 positional = args.posonlyargs + args.args
-                pairs += zip([a.arg for a in positional[len(positional) - len(args.defaults) :]], args.defaults)
-                pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+                pairs += zip(
+                    [a.arg for a in positional[len(positional) - len(args.defaults) :]], args.defaults, strict=True
+                )
+                pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]
             elif isinstance(node, ast.ClassDef):
                 for s in node.body:
                     if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name):

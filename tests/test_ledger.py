@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -164,7 +164,7 @@ async def test_two_filters_sharing_redis_add_up_exactly(redis_url, unique):
 
     await asyncio.gather(*(replies(f, per_worker) for f in workers))
     store = workers[0].store
-    today = datetime.now(timezone.utc).date()
+    today = datetime.now(UTC).date()
     mine = [e for e in await read_ledger(store, since=today) if e.user == unique]
     [row] = ledger_totals(mine, "model")
     assert row.key == "openai/gpt-4o"  # the resolved id, not the connection-prefixed one

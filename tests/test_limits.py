@@ -5,11 +5,12 @@ status line with spend, and `!usage` inside Open WebUI. Memory store and a real 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import threading
 import types
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
@@ -37,7 +38,6 @@ from helpers import Events, make_filter, store_of
 from turns import free_port, reply_of, run_turn
 
 D = Decimal
-UTC = timezone.utc
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a fjord?"}]
 
 
@@ -98,7 +98,11 @@ async def inlet(f, user: str, role: str = "user", events=None, text: str = "What
 
 OVERRIDES = """{
   "roles": {"user": {"daily_usd": 2}, "pending": {"daily_usd": 0.1}},
-  "groups": {"research": {"daily_usd": 10, "monthly_tokens": 5000000}, "g-42": {"daily_usd": 4}, "interns": {"daily_usd": 0}},
+  "groups": {
+    "research": {"daily_usd": 10, "monthly_tokens": 5000000},
+    "g-42": {"daily_usd": 4},
+    "interns": {"daily_usd": 0}
+  },
   "users": {"u-vip": {"daily_usd": 0, "monthly_usd": 500}}
 }"""
 
@@ -179,7 +183,8 @@ def test_refusal_names_the_limit_the_spend_and_the_reset():
     now = datetime(2026, 12, 1, 20, 48, tzinfo=UTC)
     verdict = check_limits(Limits(daily_usd=D(2)), Spend(usd=D("2.034")), Spend(usd=D("2.034")))
     assert refusal_text(verdict, now) == (
-        "contextwarden: your daily limit of $2.00 is reached ($2.03 used today). It resets at 00:00 UTC (in 3 h 12 min)."
+        "contextwarden: your daily limit of $2.00 is reached ($2.03 used today). "
+        "It resets at 00:00 UTC (in 3 h 12 min)."
     )
     monthly = check_limits(Limits(monthly_tokens=100_000), Spend(tokens=5), Spend(tokens=100_000))
     assert refusal_text(monthly, now) == (
@@ -209,7 +214,8 @@ async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, st
     with pytest.raises(TurnRefused) as refused:
         await inlet(f, user)
     assert str(refused.value) == (
-        "contextwarden: your daily limit of $2.00 is reached ($2.01 used today). It resets at 00:00 UTC (in 3 h 12 min)."
+        "contextwarden: your daily limit of $2.00 is reached ($2.01 used today). "
+        "It resets at 00:00 UTC (in 3 h 12 min)."
     )
     assert "ann@example.com" not in str(refused.value)
     await inlet(f, f"other-{unique}")  # another user is not held back
@@ -226,7 +232,8 @@ async def test_monthly_limit_resets_on_the_first(counter, store_valves, unique):
     await spent(f, user, "50", date(2026, 11, 30))  # last month does not count
     with pytest.raises(
         TurnRefused,
-        match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)",
+        match=r"monthly limit of \$10.00 is reached \(\$10.00 used this month\). "
+        r"It resets at 00:00 UTC on 2027-01-01 \(in 0 h 01 min\)",
     ):
         await inlet(f, user)
     clock.now = datetime(2027, 1, 1, 0, 0, tzinfo=UTC)
@@ -251,7 +258,13 @@ async def test_limits_per_role_group_and_user_in_the_filter(counter, store_valve
             return [Group(n) for n in members.get(user_id, [])]
 
     monkeypatch.setitem(sys.modules, "open_webui.models.groups", types.SimpleNamespace(Groups=Groups))
-    overrides = f'{{"roles": {{"user": {{"daily_usd": 1}}}}, "groups": {{"research": {{"daily_usd": 5}}}}, "users": {{"vip-{unique}": {{"daily_usd": 0}}}}}}'
+    overrides = json.dumps(
+        {
+            "roles": {"user": {"daily_usd": 1}},
+            "groups": {"research": {"daily_usd": 5}},
+            "users": {f"vip-{unique}": {"daily_usd": 0}},
+        }
+    )
     f = await limited(counter, {**store_valves, "daily_limit_usd": 0.5, "limit_overrides": overrides}, now)
     for user in ("plain", "in-research", "vip", "admin", "pending"):
         await spent(f, f"{user}-{unique}", "3", now.date())
@@ -355,7 +368,7 @@ async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valve
     with pytest.raises(TurnRefused, match=BUSY_TEXT):  # the admitted turn still holds its place
         await inlet(f, user)
     # The admitted turn's outlet ends its hold: the next turn may start.
-    ((body, who),) = [t for t, r in zip(turns, results) if not isinstance(r, Exception)]
+    ((body, who),) = [t for t, r in zip(turns, results, strict=True) if not isinstance(r, Exception)]
     reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 1})
     await f.outlet(
         {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 import respx
-from helpers import Events, make_filter, usage_records
 
 from contextwarden.errors import PricingError
 from contextwarden.ledger import read_ledger, record_reply, usd_to_picodollars
@@ -24,6 +23,7 @@ from contextwarden.live_prices import (
     LivePrices,
     fetch_openrouter_prices,
 )
+from contextwarden.money import format_usd
 from contextwarden.price_sources import PriceSources
 from contextwarden.pricing import (
     FREE_PRICE,
@@ -31,7 +31,6 @@ from contextwarden.pricing import (
     ModelPrice,
     PriceBook,
 )
-from contextwarden.money import format_usd
 from contextwarden.status import usage_status
 from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore
 from contextwarden.usage import (
@@ -42,6 +41,8 @@ from contextwarden.usage import (
     compute_cost,
     read_usage,
 )
+
+from helpers import Events, make_filter, usage_records
 
 D = Decimal
 GPT4O = ModelPrice(D("0.0000025"), D("0.00001"), cache_read=D("0.00000125"))

@@ -26,14 +26,14 @@ from contextwarden.calibration import (
     update_calibration,
 )
 from contextwarden.filter import wants_stream_usage
-from contextwarden.money import format_usd
-from contextwarden.status import ESTIMATE_KEY
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
+from contextwarden.money import format_usd
 from contextwarden.price_sources import PriceSources
 from contextwarden.pricing import ModelPrice, PriceBook
+from contextwarden.status import ESTIMATE_KEY
 
-from shared_paths import load_fixture
 from helpers import Events, body_of, chat_of, make_filter, usage_records
+from shared_paths import load_fixture
 
 D = Decimal
 OPENAI_MODEL = {

@@ -23,6 +23,7 @@ from contextwarden.pricing import (
     parse_model_globs,
     resolve_model,
 )
+
 from shared_paths import REPO_ROOT, fixture_path, load_fixture
 
 FULL_DUMP = "openrouter_models_2026-08.json"

@@ -16,9 +16,9 @@ import copy
 import json
 import os
 import random
-from pathlib import Path
 from collections import Counter as Tally
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
-from contextwarden.ledger import read_ledger, usd_to_picodollars
-from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
+from contextwarden.budget import fixed_cost
 from contextwarden.conversation import read_conversation, recall_parts
 from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
-from contextwarden.tokens import TokenCounter
+from contextwarden.ledger import read_ledger, usd_to_picodollars
 from contextwarden.selection import mandatory_indices
-from contextwarden.budget import fixed_cost
+from contextwarden.tokens import TokenCounter
 from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK
+from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
 
 from chats import assert_same_trim, check_contract, frozen, same_role_pairs
 
@@ -350,7 +350,7 @@ def check_trim(chat: list[dict], budget: int, model: str, counter: TokenCounter)
     OVER_BUDGET["within budget"] += 1
     second = trim_messages(result.messages, max_tokens=budget, model=model, token_counter=counter)
     assert not second.changed, "trimming the trimmed chat changed it"
-    assert all(a is b for a, b in zip(second.messages, result.messages))
+    assert all(a is b for a, b in zip(second.messages, result.messages, strict=True))
     event(f"messages {'>200' if len(chat) > 200 else '21-200' if len(chat) > 20 else '0-20'}")
     event("dropped" if result.dropped else "kept all")
     if result.shortened:
@@ -712,7 +712,7 @@ def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
     before = frozen(chat)
     read = read_flags(chat, allowed=allowed)
     assert frozen(chat) == before
-    for original, sent in zip(chat, read.messages):
+    for original, sent in zip(chat, read.messages, strict=True):
         assert pin_fingerprint(original) == pin_fingerprint(sent)
         if sent is not original:
             assert len(sent["content"]) < len(original["content"])
@@ -809,11 +809,11 @@ def document_chat(draw) -> list[dict]:
 def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, chat, budget, model, turns):
     """Chats with pasted documents and large tool results, over a few turns passing decisions on
     (through JSON): budget, tool pairs and order hold with excerpts; each trim is deterministic,
-    the shortcut and the full path agree, and a second pass changes nothing; a turn that keeps the selection sends its excerpts again
-    byte for byte."""
+    the shortcut and the full path agree, and a second pass changes nothing; a turn that keeps the
+    selection sends its excerpts again byte for byte."""
     previous = None
     sent: dict[int, dict] = {}
-    for turn in range(turns + 1):
+    for _ in range(turns + 1):
         options = {"max_tokens": budget, "model": model, "token_counter": counter, "previous": previous}
         result = trim_messages(chat, **options)
         check_contract(chat, result, counter, model)
@@ -826,7 +826,11 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
             assert frozen(second.messages) == frozen(result.messages)
         added = set(recall_parts(result.messages))
         plain = dict(
-            zip(sorted(result.kept + result.shortened), [m for k, m in enumerate(result.messages) if k not in added])
+            zip(
+                sorted(result.kept + result.shortened),
+                [m for k, m in enumerate(result.messages) if k not in added],
+                strict=True,
+            )
         )
         if result.reused:
             for index in set(sent).intersection(result.excerpted):

@@ -67,7 +67,7 @@ def test_pins_over_the_budget_are_shortened_not_dropped(counter):
     assert "pinned messages shortened" in status_line(TurnChoice.of(result, result.messages), Flags())
     assert all(
         "cut by contextwarden" in m["content"]
-        for i, m in zip(sorted(result.kept + result.shortened), result.messages)
+        for i, m in zip(sorted(result.kept + result.shortened), result.messages, strict=True)
         if i in result.shortened
     )
 
@@ -99,7 +99,6 @@ from pathlib import Path  # noqa: E402
 
 from contextwarden.budget import FixedCost, fixed_cost, prompt_budget, render_tools  # noqa: E402
 from contextwarden.calibration import Calibration  # noqa: E402
-
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 BROWSER_TOOLS = BUILTIN_TOOLS[:36]

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -327,7 +328,7 @@ def alternates(messages: list[dict]) -> bool:
     """No two consecutive messages with the same role once the system prompt is set aside: what
     strict chat templates (Gemma, Mistral in vLLM or llama.cpp) require of a chat without tools."""
     roles = [m["role"] for m in messages if m["role"] not in ("system", "developer")]
-    return all(a != b for a, b in zip(roles, roles[1:]))
+    return all(a != b for a, b in pairwise(roles))
 
 
 def test_the_recall_block_is_followed_by_the_acknowledgement(counter):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
@@ -181,7 +181,7 @@ async def test_savings_reach_the_usage_line_and_the_ledger(counter, store_valves
     assert [r["mode"] for r in records] == [mode, mode]
     assert sum(r["tokens_saved"] for r in records) == saved_tokens > 0
     assert sum(Decimal(r["cost_saved_usd"]) for r in records) == saved_usd > 0
-    today = datetime.now(timezone.utc).date()
+    today = datetime.now(UTC).date()
     [row] = ledger_totals([e for e in await read_ledger(f.store, since=today) if e.user == user], "user")
     real, shadow = (saved_tokens, 0) if mode == "enforce" else (0, saved_tokens)
     assert (row.counters["tokens_saved"], row.counters["shadow_tokens_saved"]) == (real, shadow)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from contextwarden.flags import Flags
-from contextwarden.savings import Savings
 from contextwarden.records import TurnChoice
+from contextwarden.savings import Savings
 from contextwarden.status import shadow_status_line, status_line
 
 from helpers import Events, make_filter

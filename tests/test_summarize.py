@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import random
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -13,9 +14,9 @@ import respx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import contextwarden.summarize as summarize_module
 from contextwarden import trim_messages
 from contextwarden.store import MemoryStore
-import contextwarden.summarize as summarize_module
 from contextwarden.summarize import (
     LEGACY_SUMMARY_LABEL,
     SUMMARY_ACK,
@@ -87,7 +88,7 @@ def assert_alternates(messages: list[dict]) -> None:
     (a `tool` reply belongs to the assistant turn before it). Recall blocks too: each is followed
     by its acknowledgement."""
     roles = [m["role"] for m in messages if m["role"] not in ("system", "tool")]
-    assert roles[0] == "user" and all(a != b for a, b in zip(roles, roles[1:])), roles
+    assert roles[0] == "user" and all(a != b for a, b in pairwise(roles)), roles
 
 
 @pytest.fixture
@@ -245,7 +246,7 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     assert not events.statuses  # the request pass shows the turn's line
     second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
     assert "earlier messages summarized" in events.statuses[-1] and len(events.statuses) == 1
-    assert second["messages"] == sent and all(a is b for a, b in zip(second["messages"], sent))
+    assert second["messages"] == sent and all(a is b for a, b in zip(second["messages"], sent, strict=True))
     assert route.call_count == 1 and frozen(chat) == before
     # next turn: the same history is dropped, so the cached summary keeps the prefix identical
     nxt = chat + [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "And 3+3?"}]
@@ -278,7 +279,7 @@ async def test_the_system_prompt_reaches_the_provider_unchanged_on_every_turn(ll
         assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
         prompts.append(provider)
         chat = chat + [{"role": "assistant", "content": f"Reply {turn}."}, {"role": "user", "content": NEXT[turn]}]
-    for before, now in zip(prompts, prompts[1:]):  # the selection held: each prompt starts with the last
+    for before, now in pairwise(prompts):  # the selection held: each prompt starts with the last
         assert now[: len(before)] == before
     assert route.call_count == 1  # summarized once, then the cached summary
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import tiktoken
 
-from contextwarden.tokens import TokenCounter, encoding_for, estimate_tokens
 import contextwarden.tokens as tokens_module
+from contextwarden.tokens import TokenCounter, encoding_for, estimate_tokens
 
 from chatgen import WORDS
 

@@ -19,7 +19,7 @@ MODEL = "gpt-4o"
 def test_fitting_chat_is_returned_whole(counter):
     chat = chat_of(2)
     result = trim_messages(chat, max_tokens=10_000, model=MODEL, token_counter=counter)
-    assert result.messages == chat and all(a is b for a, b in zip(result.messages, chat))
+    assert result.messages == chat and all(a is b for a, b in zip(result.messages, chat, strict=True))
     assert not result.changed and result.tokens_before == result.tokens_after == counter.count_messages(chat, MODEL)
 
 

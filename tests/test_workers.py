@@ -25,6 +25,7 @@ from contextwarden.conversation import is_recall_message
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.tokens import TokenCounter
 from contextwarden.usage import Usage, compute_cost
+
 from helpers import BUILT_FILE
 
 pytestmark = pytest.mark.redis
