@@ -59,10 +59,11 @@ async def main(paths: list[Path], sizes: list[int], reps: int) -> None:
         for kind in ("next", "warm", "cold"):
             for clock in ("wall", "cpu"):
                 (a, ta), (b, tb) = [(label, times[(kind, clock, label)]) for label, _, _ in builds]
-                ratios = [y / x for x, y in zip(ta, tb)]
+                ratios = [y / x for x, y in zip(ta, tb, strict=True)]
                 q = statistics.quantiles(ratios, n=4, method="inclusive")
                 print(
-                    f"{n:>5} msgs {kind} {clock}: {a} {statistics.median(ta):.3f} ms, {b} {statistics.median(tb):.3f} ms; "
+                    f"{n:>5} msgs {kind} {clock}: {a} {statistics.median(ta):.3f} ms, "
+                    f"{b} {statistics.median(tb):.3f} ms; "
                     f"paired {b}/{a} median {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), {reps} reps"
                 )
 

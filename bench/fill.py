@@ -7,9 +7,10 @@ from __future__ import annotations
 import random
 import statistics
 
-from chatgen import random_chat
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import trim_messages
+
+from chatgen import random_chat
 
 MODEL = "gpt-4o"
 
@@ -44,7 +45,8 @@ def main() -> None:
         shares = fills(counter, **options)
         q = statistics.quantiles(shares, n=4)
         print(
-            f"{name:<26} n={len(shares):>3}  min {min(shares):.0%}  q1 {q[0]:.0%}  median {q[1]:.0%}  q3 {q[2]:.0%}  max {max(shares):.0%}"
+            f"{name:<26} n={len(shares):>3}  min {min(shares):.0%}  q1 {q[0]:.0%}  median {q[1]:.0%}  q3 {q[2]:.0%}  "
+            f"max {max(shares):.0%}"
         )
 
 

@@ -100,14 +100,16 @@ async def main() -> None:
         "same turn without it. Floor: tiktoken encoding exactly the messages B sends. Milliseconds, median (IQR).",
         f"Machine: {info['nproc']} cores, {info['cpu']}; tree {info.get('commit', '?')}.",
         "",
-        "| messages | turns that reused A's selection | B: next turn, decision shared | floor: encode what B sends | B / floor | C: same turn, no decision (cold) | C / B | tokens sent |",
+        "| messages | turns that reused A's selection | B: next turn, decision shared | floor: encode what B sends | "
+        "B / floor | C: same turn, no decision (cold) | C / B | tokens sent |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, reps, handoff, floor, cold, sent_tokens in rows:
-        ratio = statistics.median(h / f for h, f in zip(handoff, floor))
-        gain = statistics.median(c / h for c, h in zip(cold, handoff))
+        ratio = statistics.median(h / f for h, f in zip(handoff, floor, strict=True))
+        gain = statistics.median(c / h for c, h in zip(cold, handoff, strict=True))
         lines.append(
-            f"| {n:,} | {len(handoff)} of {reps} | {_cell(handoff)} | {_cell(floor)} | {ratio:.2f} | {_cell(cold)} | {gain:.1f}x | {int(statistics.median(sent_tokens)):,} |"
+            f"| {n:,} | {len(handoff)} of {reps} | {_cell(handoff)} | {_cell(floor)} | {ratio:.2f} | {_cell(cold)} | "
+            f"{gain:.1f}x | {int(statistics.median(sent_tokens)):,} |"
         )
     lines += [
         "",

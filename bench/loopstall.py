@@ -205,7 +205,8 @@ def markdown(results: dict, bundles: list[Path], reps: int, notes: dict[str, Any
         for n in names:
             stalls = [s for s, _ in per[n]]
             cells.append(
-                f"{max(stalls):.0f} ms ({statistics.median(stalls):.0f}) / {statistics.median(w for _, w in per[n]):.0f} ms"
+                f"{max(stalls):.0f} ms ({statistics.median(stalls):.0f}) / "
+                f"{statistics.median(w for _, w in per[n]):.0f} ms"
             )
         rows.append(f"| {title} | " + " | ".join(cells) + " |")
     meta = ", ".join(f"{k} {v}" for k, v in notes.items())

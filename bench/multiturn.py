@@ -48,9 +48,9 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
 import contextwarden  # noqa: E402
 from contextwarden import TrimDecision, trim_messages  # noqa: E402
+from contextwarden import trim as trim_module  # noqa: E402
 from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
 from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
-from contextwarden import trim as trim_module  # noqa: E402
 from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,7 +89,7 @@ def _text(message: dict) -> str:
 def common_prefix(a: list[dict], b: list[dict]) -> int:
     """How many leading messages of `a` and `b` are equal."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # a prefix of the shorter one at most
         if x != y:
             break
         n += 1
@@ -232,7 +232,8 @@ def markdown(results: dict, meta: dict) -> str:
         "",
         f"- {meta['machine']}, Python {meta['python']}, contextwarden {meta['version']}; load average "
         f"{meta['load_start']} at start, {meta['load_end']} at end; {meta['seconds']:.0f} s",
-        f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, each in its "
+        f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, "
+        "each in its "
         f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}; "
         f"counts o200k_base + 4 per message",
         *(

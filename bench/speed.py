@@ -241,6 +241,34 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     next_kind: list[str] = []  # per cw_next turn: the previous selection sent again, or a new one
     checks: dict[str, Any] = {}
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
+
+    async def run(system: str, chat: list[dict[str, Any]], pair: list[dict[str, Any]], chat_id: str) -> Any:
+        if system.startswith("floor"):
+            return floor(encoding, chat if system == "floor_cold" else pair)
+        body = request_body(fresh(chat), chat_id)
+        if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
+            outlet_ms.append(await cw_outlet(f, user, chat[:-1], chat_id))
+            gc.collect()
+        if system.startswith("cw"):
+            trimmer = f_recent if system == "cw_recent_cold" else f
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            out = await trimmer.inlet(
+                body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit
+            )
+            return (
+                time.perf_counter_ns() - t0,
+                time.thread_time_ns() - c0,
+                out["messages"],
+                body["metadata"].get("contextwarden"),
+            )
+        if system.startswith("lethes"):
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            out = await lethes_trim(orchestrator, conversation_cls, body["messages"])
+            return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out, None)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        out = naive_trim(encoding, body["messages"], BUDGET)
+        return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out, None)
+
     for rep in range(reps):
         cold_chat = synth.make_chat(n * 100_000 + rep, n)
         pair = synth.next_turn(n * 100_000 + 50_000 + rep)
@@ -252,10 +280,11 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
         new_tokens_cold.append(floor(encoding, cold_chat))
         new_tokens_warm.append(floor(encoding, pair))
 
-        async def run(system: str) -> Any:
+        order = SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]
+        for system in order:
+            if system.startswith("lethes") and orchestrator is None:
+                continue
             chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
-            if system.startswith("floor"):
-                return floor(encoding, chat if system == "floor_cold" else pair)
             chat_id = (
                 next_id
                 if system == "cw_next"
@@ -263,48 +292,19 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
                 if system.endswith("cold")
                 else f"chat-{n}-warm"
             )
-            body = request_body(fresh(chat), chat_id)
-            if system == "cw_next":  # as in Open WebUI, the reply went through outlet before this turn
-                outlet_ms.append(await cw_outlet(f, user, chat[:-1], chat_id))
-                gc.collect()
-            if system.startswith("cw"):
-                trimmer = f_recent if system == "cw_recent_cold" else f
-                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                out = await trimmer.inlet(
-                    body, __user__=user, __metadata__=body["metadata"], __model__={"id": MODEL}, __event_emitter__=_emit
-                )
-                return (
-                    time.perf_counter_ns() - t0,
-                    time.thread_time_ns() - c0,
-                    out["messages"],
-                    body["metadata"].get("contextwarden"),
-                )
-            if system.startswith("lethes"):
-                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                out = await lethes_trim(orchestrator, conversation_cls, body["messages"])
-                return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out, None)
-            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-            out = naive_trim(encoding, body["messages"], BUDGET)
-            return (time.perf_counter_ns() - t0, time.thread_time_ns() - c0, out, None)
-
-        order = SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]
-        for system in order:
-            if system.startswith("lethes") and orchestrator is None:
-                continue
             gc.collect()
             if system.startswith("floor"):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                await run(system)
+                await run(system, chat, pair, chat_id)
                 took, took_cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
                 out = meta = None
             else:
-                took, took_cpu, out, meta = await run(system)
+                took, took_cpu, out, meta = await run(system, chat, pair, chat_id)
             wall[system].append(took / 1e6)
             cpu[system].append(took_cpu / 1e6)
             if system == "cw_next":
                 next_kind.append("reused" if meta.get("reused") else "reselected")
             if rep == 0 and out is not None:
-                chat = cold_chat if system.endswith("cold") else next_chat if system == "cw_next" else warm_chat
                 checks[system] = {
                     "messages_in": len(chat),
                     "messages_out": len(out),
@@ -330,7 +330,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     summary["next_by_kind"] = {
         kind: {
             "turns": next_kind.count(kind),
-            "median_ms": statistics.median(t for t, k in zip(wall["cw_next"], next_kind) if k == kind),
+            "median_ms": statistics.median(t for t, k in zip(wall["cw_next"], next_kind, strict=True) if k == kind),
         }
         for kind in ("reused", "reselected")
         if kind in next_kind
@@ -367,7 +367,7 @@ def paired_ratios(wall: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     out = {}
     for label, (a, b) in pairs.items():
         if wall[a] and wall[b]:
-            ratios = [x / y for x, y in zip(wall[a], wall[b])]
+            ratios = [x / y for x, y in zip(wall[a], wall[b], strict=True)]
             q1, med, q3 = quartiles(ratios)
             out[label] = {"median": med, "q1": q1, "q3": q3}
     return out

@@ -109,7 +109,7 @@ def long_turns(turns: int) -> list[tuple[str, str]]:
     ]
     users = [m["content"] for m in chat if m["role"] == "user"]
     replies = [m["content"] for m in chat if m["role"] == "assistant" and m["content"]]
-    return list(zip(users, replies))[:turns]
+    return list(zip(users, replies, strict=False))[:turns]  # the chat ends with a question: one user more
 
 
 def _median_ms(call, repeat: int) -> str:
@@ -185,9 +185,11 @@ def main() -> None:
         "snap-research/locomo, CC BY-NC 4.0); numbers under the same terms.",
         "",
         f"- {meta['machine']}, Python {meta['python']}, contextwarden {meta['contextwarden']}, model {MODEL}",
-        f"- {TURNS}-turn chat, {runs[0]['final_tokens']} tokens at the end, budget {runs[0]['budget']} (a fifth), low_watermark 0.8",
+        f"- {TURNS}-turn chat, {runs[0]['final_tokens']} tokens at the end, budget {runs[0]['budget']} (a fifth), "
+        "low_watermark 0.8",
         "",
-        "| strategy | previous decision | growth turns | turns whose sent prefix is last turn's | trimmed turns | re-selections | mean sent / budget |",
+        "| strategy | previous decision | growth turns | turns whose sent prefix is last turn's | trimmed turns | "
+        "re-selections | mean sent / budget |",
         "|---|---|---|---|---|---|---|",
     ]
     row = "| {strategy} | {prev} | {growth_turns} | {stable_share:.1%} | {trimmed_turns} | {reselections} | {fill} |"
@@ -197,7 +199,8 @@ def main() -> None:
         f"Long turns: the speed benchmark's synthetic chat ({len(long_pairs)} turns, ~540 tokens a message, "
         f"{long_runs[0]['final_tokens']:,} tokens at the end), budget {long_runs[0]['budget']:,}, low_watermark 0.8:",
         "",
-        "| strategy | previous decision | growth turns | turns whose sent prefix is last turn's | trimmed turns | re-selections | mean sent / budget |",
+        "| strategy | previous decision | growth turns | turns whose sent prefix is last turn's | trimmed turns | "
+        "re-selections | mean sent / budget |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
@@ -205,7 +208,8 @@ def main() -> None:
     ]
     lines += [
         "",
-        f"Warm timing (median of repeated runs), {times['messages']} messages / {times['tokens']} tokens, budget {times['budget']}:",
+        f"Warm timing (median of repeated runs), {times['messages']} messages / {times['tokens']} tokens, budget "
+        f"{times['budget']}:",
         "",
         f"- relevance trim: {times['warm_trim_ms']}",
         f"- reuse of the previous decision (+2 messages): {times['warm_reuse_ms']}",

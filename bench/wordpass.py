@@ -63,7 +63,7 @@ def main() -> None:
     texts = [speed.bench_text(m) for m in chat]
     tokens = sum(len(encoding.encode_ordinary(t)) for t in texts)
     word_count = sum(len(words(t)) for t in texts)
-    for rep in range(REPS):
+    for _ in range(REPS):
         for name, step in steps.items():
             texts = [speed.bench_text(m) for m in speed.fresh(chat)]  # new string objects: no hash kept
             start = time.perf_counter_ns()
@@ -89,7 +89,8 @@ def main() -> None:
     lines += [
         "",
         "A cold trim within 1.5x the floor leaves 0.5x the floor for everything but tokenizing. Hashing",
-        f"each word once (the set row) takes {ratio['+ set of the words (hash each once)']:.2f}x before any word is mapped to a term,",
+        f"each word once (the set row) takes {ratio['+ set of the words (hash each once)']:.2f}x before any word is "
+        "mapped to a term,",
         f"counted or scored; the term statistics contextwarden keeps per message cost {ratio[list(steps)[-1]]:.2f}x.",
     ]
     out = ROOT / "bench" / "results" / "wordpass.md"
