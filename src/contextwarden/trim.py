@@ -751,15 +751,13 @@ def _with_neighbours(
     selection applies to turns (see `selection._turn_values`), for the recall's messages."""
     sizes = [len(text) // 4 + 1 for text in texts]
     n = len(scores)
+    # What reaches between messages k and k + 1 (the same both ways): one figure a pair.
+    reach = list(map(neighbour_reach, sizes, sizes[1:], repeat(weights, n - 1)))
     out = list(scores)
     for i in range(n):
         if i == question:
             continue
-        near = [
-            scores[j] * neighbour_reach(sizes[i], sizes[j], weights)
-            for j in (i - 1, i + 1)
-            if 0 <= j < n and j != question
-        ]
+        near = [scores[j] * reach[min(i, j)] for j in (i - 1, i + 1) if 0 <= j < n and j != question]
         out[i] += weights.turn_share * max(near, default=0.0)
     return out
 
