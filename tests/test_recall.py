@@ -11,6 +11,8 @@ from dataclasses import replace
 from itertools import pairwise
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
@@ -377,3 +379,28 @@ def test_a_decision_from_before_the_acknowledgement_still_reads(counter):
     check_contract(third_chat, third, counter, MODEL)
     assert alternates(third.messages) and third.reused
     assert third.messages == trim(third_chat, second.decision, token_counter=counter, recall_share=0.2).messages
+
+
+@given(
+    scores=st.lists(st.floats(0, 50, allow_nan=False) | st.just(0.0), max_size=12),
+    sizes=st.lists(st.integers(0, 2_000), min_size=12, max_size=12),
+    question=st.integers(-1, 12),
+)
+def test_neighbour_shares_are_those_of_the_rule_message_by_message(scores, sizes, question):
+    """`_with_neighbours` (in C) gives, bit for bit, each message plus `turn_share` of its better
+    neighbour's score times `neighbour_reach`, the question lending and taking nothing."""
+    from contextwarden.selection import neighbour_reach
+    from contextwarden.trim import _RECALL_WEIGHTS, _with_neighbours
+
+    texts = ["x" * (4 * s) for s in sizes[: len(scores)]]
+    n = len(scores)
+    expected = list(scores)
+    for i in range(n):
+        if i != question:
+            near = [
+                scores[j] * neighbour_reach(len(texts[i]) // 4 + 1, len(texts[j]) // 4 + 1, _RECALL_WEIGHTS)
+                for j in (i - 1, i + 1)
+                if 0 <= j < n and j != question
+            ]
+            expected[i] += _RECALL_WEIGHTS.turn_share * max(near, default=0.0)
+    assert _with_neighbours(scores, texts, question, _RECALL_WEIGHTS) == expected

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
+from operator import add, mul
 
 from .caches import register
 from .conversation import (
@@ -749,16 +750,20 @@ def _with_neighbours(
     """Each message's score plus `turn_share` of its better neighbour's, in full while the two
     average at most `turn_reach` tokens (by length), in proportion beyond: the rule a new
     selection applies to turns (see `selection._turn_values`), for the recall's messages."""
-    sizes = [len(text) // 4 + 1 for text in texts]
     n = len(scores)
+    if n < 2:
+        return list(scores)
+    sizes = [len(text) // 4 + 1 for text in texts]
     # What reaches between messages k and k + 1 (the same both ways): one figure a pair.
     reach = list(map(neighbour_reach, sizes, sizes[1:], repeat(weights, n - 1)))
-    out = list(scores)
-    for i in range(n):
-        if i == question:
-            continue
-        near = [scores[j] * reach[min(i, j)] for j in (i - 1, i + 1) if 0 <= j < n and j != question]
-        out[i] += weights.turn_share * max(near, default=0.0)
+    lending = list(scores)
+    if 0 <= question < n:
+        lending[question] = 0.0  # the question lends nothing (and takes nothing, below)
+    from_left = [0.0, *map(mul, lending[:-1], reach)]
+    from_right = [*map(mul, lending[1:], reach), 0.0]
+    out = list(map(add, scores, map(mul, repeat(weights.turn_share), map(max, from_left, from_right))))
+    if 0 <= question < n:
+        out[question] = scores[question]
     return out
 
 
