@@ -194,6 +194,7 @@ class _WordTerms(dict):
         super().__init__()
         self.fold = fold
         self.several: set[tuple[str, ...]] = set()
+        self.spaced: dict[str, tuple[str, ...]] = {}  # `words_terms`: a word as split() cuts it -> its terms
 
     def __missing__(self, word: bytes) -> str | tuple[str, ...]:
         terms = _word_terms(word, self.fold)
@@ -239,25 +240,32 @@ def _term_counts(text: str, fold: bool) -> tuple[dict[str, int], int]:
 def words_terms(words: Iterable[str], *, fold: bool = True) -> dict[str, tuple[str, ...]]:
     """Each distinct word with its search terms (those of `relevance_terms(word)`, perhaps in
     another order), cut as `_term_counts` cuts a text: through the word memo, several times
-    cheaper than a `relevance_terms` call a word.
+    cheaper than a `relevance_terms` call a word; a word met before (up to `TERM_MEMO_SIZE` of
+    them, kept with the word memo) is one lookup.
 
     Example:
         >>> words_terms(["Caroline's", "the", "sunrises"])
         {"Caroline's": ('carolin',), 'the': (), 'sunrises': ('sunris',)}
     """
     memo = _word_memos[fold]
+    spaced = memo.spaced
     out: dict[str, tuple[str, ...]] = {}
     for word in words:
         if word in out:
             continue
-        terms: list[str] = []
-        for piece in word.encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split():
-            term = memo[piece]
-            if type(term) is tuple:
-                terms += term
-            elif term:
-                terms.append(term)
-        out[word] = tuple(terms)
+        known = spaced.get(word)
+        if known is None:
+            terms: list[str] = []
+            for piece in word.encode("utf-8", "surrogatepass").translate(_WORD_BYTES).split():
+                term = memo[piece]
+                if type(term) is tuple:
+                    terms += term
+                elif term:
+                    terms.append(term)
+            known = tuple(terms)
+            if len(word) <= TERM_MEMO_CHARS and len(spaced) < TERM_MEMO_SIZE:
+                spaced[word] = known
+        out[word] = known
     return out
 
 
