@@ -14,6 +14,7 @@ import functools
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from .caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
@@ -267,9 +268,7 @@ def pointed_words(chunks: Sequence[str], question: str) -> str:
 def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
     """`pointed_words` of chunks whose terms are `held`."""
     words, wanted = _question_words(question)
-    holders: Counter[str] = Counter()
-    for terms in held:
-        holders.update(wanted.intersection(terms))
+    holders = Counter(chain.from_iterable(map(wanted.intersection, held)))
     limit = max(1, int(len(held) * POINTED_SHARE))
     pointed = {term for term in wanted if holders[term] <= limit}
     return " ".join(word for word, terms in words if not pointed.isdisjoint(terms))
