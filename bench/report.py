@@ -34,7 +34,14 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     s200 = sizes.get("200")
     if s200:
         warm = s200["systems"]["cw_next"]["median_ms"]
-        rows.append(("warm 200-message turn (next turn of a chat) < 2 ms median", f"{warm:.2f} ms", warm < 2.0))
+        rows.append(
+            (
+                "next turn of a 200-message chat <= 5 ms median (issue 14: the relevance check and recall every turn)",
+                f"{warm:.2f} ms",
+                warm <= 5.0,
+            )
+        )
+        rows.append(("info: the target before the per-turn recall was < 2 ms", f"{warm:.2f} ms", None))
         for kind, label in (("reused", "the previous selection sent again"), ("reselected", "a new selection made")):
             part = s200.get("next_by_kind", {}).get(kind)
             if part:
