@@ -210,15 +210,16 @@ def bm25_baseline(counts: list[Counter], question: list[str], costs: list[int], 
 def sentence_embedder(model_dir: str, texts: list[str]):
     """An `embed` function for `trim_messages` from a local sentence-transformers model.
 
-    Every text is embedded once, up front, in batches (vectors kept in bench/.cache by the
-    texts' hash, so later runs skip it); the function then looks vectors up.
+    Every text is embedded once (a long one in its pieces, as `similarities` asks for them), up
+    front, in batches (vectors kept in bench/.cache by the texts' hash, so later runs skip it);
+    the function then looks vectors up.
     """
     import numpy as np  # the Open WebUI venv has numpy, torch and sentence-transformers
     from sentence_transformers import SentenceTransformer
 
-    from contextwarden.semantic import embed_text
+    from contextwarden.semantic import embed_pieces
 
-    wanted = sorted({embed_text({"content": t}) for t in texts})
+    wanted = sorted({piece for t in texts for piece in embed_pieces({"content": t})})
     digest = hashlib.sha256(("\x00".join(wanted) + model_dir).encode()).hexdigest()[:16]
     cache = ROOT / "bench" / ".cache" / f"vectors-{digest}.npy"
     if cache.exists():

@@ -9,6 +9,7 @@ import pytest
 
 from contextwarden import trim_messages
 from contextwarden.embedder import OpenWebUIEmbedder, embedder_of
+from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, similarities
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -53,6 +54,20 @@ async def test_prefetch_embeds_newest_first_up_to_the_cap_then_the_rest():
     ready = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=embedder)
     assert 1 in ready.kept and not ready.notes
     assert sum(len(c) for c in function.calls) == len(chat) - 1  # each text once
+
+
+async def test_prefetch_embeds_a_long_message_in_its_pieces():
+    function = FakeEmbeddingFunction()
+    embedder = OpenWebUIEmbedder(function)
+    weather = [(f"Day {k}: the storm and the rain kept us in. " * 9)[: PIECE_CHARS - 10] for k in range(6)]
+    long = {"role": "assistant", "content": "\n".join([*weather, "I adopted a cat named Miso."])}
+    chat = [{"role": "user", "content": "Any news?"}, long, {"role": "user", "content": "What was my feline called?"}]
+    while await embedder.prefetch(chat, timeout=5, max_texts=4):
+        pass
+    asked = [t for call in function.calls for t in call]
+    assert asked == ["What was my feline called?", *embed_pieces(long), "Any news?"] and len(asked) > 3
+    found = similarities(chat, 2, VECTORS, embedder, fill=False)  # the trim only looks them up
+    assert found is not None and found[1] == pytest.approx(1.0)
 
 
 async def test_a_slow_embedder_times_out_and_nothing_is_cached():

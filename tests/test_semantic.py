@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contextwarden import trim_messages
-from contextwarden.semantic import VectorCache, similarities
+from contextwarden.semantic import EMBED_CHARS, PIECE_CHARS, VectorCache, embed_pieces, similarities
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -71,3 +71,28 @@ def test_a_failing_embedder_leaves_relevance_lexical():
     result = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=broken)
     assert result.kept == lexical.kept
     assert result.notes == ("embedder failed (RuntimeError): relevance is lexical",)
+
+
+def test_a_long_message_is_embedded_in_pieces_of_whole_lines():
+    lines = [f"line {k}: " + "word " * 30 for k in range(20)]  # ~160 characters each
+    pieces = embed_pieces({"role": "user", "content": "\n".join(lines)})
+    assert len(pieces) > 1 and all(len(p) <= PIECE_CHARS for p in pieces)
+    assert pieces[0].startswith("line 0:") and all(p.split("\n")[0] in lines for p in pieces[:-1])
+    assert sum(map(len, pieces)) <= EMBED_CHARS  # no more text than one message embedded whole
+    assert embed_pieces({"role": "user", "content": "a short one"}) == ["a short one"]
+
+
+def test_a_long_line_is_cut_at_sentence_ends():
+    text = " ".join(f"Sentence {k} has a few words in it." for k in range(20))
+    pieces = embed_pieces({"role": "user", "content": text})
+    assert len(pieces) > 1 and all(len(p) <= PIECE_CHARS for p in pieces)
+    assert all(p.startswith("Sentence") and p.endswith(".") for p in pieces)
+
+
+def test_a_long_message_is_as_close_as_its_closest_piece():
+    # One line of a long message is about the cat: a vector of the whole text blurs it.
+    weather = [(f"Day {k}: the storm and the rain kept us in. " * 9)[: PIECE_CHARS - 10] for k in range(6)]
+    long = {"role": "assistant", "content": "\n".join([*weather, "I adopted a cat named Miso."])}
+    chat = [long, {"role": "user", "content": "What was my feline called?"}]
+    found = similarities(chat, 1, VectorCache(), topic_embed)
+    assert found is not None and found[0] == pytest.approx(1.0)

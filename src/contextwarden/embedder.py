@@ -3,8 +3,9 @@
 Open WebUI loads an embedding model for RAG and a filter reaches it as
 `__request__.app.state.EMBEDDING_FUNCTION`: `await fn(texts, prefix=None, user=None)`, a list
 of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
-embeds what is not cached yet, newest messages first, at most `max_texts` of them within
-`timeout` seconds, into the process's `VECTORS`. The trim then only looks vectors up: when
+embeds what is not cached yet, newest messages first (a long one in its pieces, see
+`semantic.embed_pieces`), at most `max_texts` texts within `timeout` seconds, into the
+process's `VECTORS`. The trim then only looks vectors up: when
 some are still missing (a long chat seen for the first time, a slow or failing embedder), that
 turn's relevance is lexical and later turns fill in the rest.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from .caches import MAX_EMBEDDERS, register
 from .conversation import Message
-from .semantic import VECTORS, embed_text
+from .semantic import VECTORS, embed_pieces
 
 __all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_TIMEOUT", "DEFAULT_EMBED_TEXTS"]
 
@@ -68,7 +69,7 @@ class OpenWebUIEmbedder:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 raise TimeoutError("the previous call is still running")
-        texts = [embed_text(m) for m in reversed(messages) if m.get("role") not in ("system", "developer")]
+        texts = [t for m in reversed(messages) if m.get("role") not in ("system", "developer") for t in embed_pieces(m)]
         todo = VECTORS.missing(texts, self)[: self.batch(max_texts)]
         if not todo:
             return 0

@@ -8,6 +8,11 @@ An embedder is any `fn(texts: list[str]) -> list[list[float]]` (one vector per t
 length, same length for all). The filter adapts Open WebUI's async `EMBEDDING_FUNCTION` to
 this by embedding ahead of the trim and handing the trim a lookup into the cache.
 
+A message longer than `PIECE_CHARS` is embedded in pieces (whole lines, a long line cut at
+sentence ends) and is as close to the question as its closest piece: a mean-pooling embedder
+(MiniLM) blurs the one line that matters into the rest of a long message. The pieces cover
+the same `EMBED_CHARS` a message embedded whole would (bench/quality.py, reshaped chats).
+
 Memory limits (per process): at most `DEFAULT_VECTOR_CACHE_SIZE` (8,192) vectors, stored as
 float32 (384 dimensions, MiniLM: 1.5 KiB each, ~13 MiB when full), least recently used out.
 """
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from itertools import chain
 from operator import mul
 
 from .caches import DEFAULT_VECTOR_CACHE_SIZE, MAX_EMBEDDERS, lru_hit, register
@@ -30,7 +37,8 @@ __all__ = [
     "VectorCache",
     "VECTORS",
     "similarities",
-    "embed_text",
+    "embed_pieces",
+    "PIECE_CHARS",
     "SEMANTIC_SHARE",
     "DEFAULT_VECTOR_CACHE_SIZE",
 ]
@@ -39,11 +47,47 @@ Embed = Callable[[list[str]], Sequence[Sequence[float]]]
 
 SEMANTIC_SHARE = 0.35  # of the base relevance signal; the rest is lexical (BM25). bench/quality.py
 EMBED_CHARS = 2_000  # text embedded per message: MiniLM reads 256 word pieces (~1,000 chars) anyway
+PIECE_CHARS = 250  # a longer message is embedded in pieces of about this (a line or two)
+_SENTENCE_ENDS = re.compile(r"(?<=[.!?;])\s+")
 
 
-def embed_text(message: Message) -> str:
-    """The text of a message as it is embedded: its plain text, cut to `EMBED_CHARS`."""
-    return message_text(message)[:EMBED_CHARS]
+def embed_pieces(message: Message) -> list[str]:
+    """The texts a message is embedded as: its plain text when it holds at most `PIECE_CHARS`;
+    else its lines packed into pieces of at most `PIECE_CHARS` (a longer line cut at sentence
+    ends, a longer sentence into `PIECE_CHARS` stretches), together at most `EMBED_CHARS`.
+
+    Example:
+        >>> embed_pieces({"role": "user", "content": "short"})
+        ['short']
+        >>> [len(p) for p in embed_pieces({"role": "user", "content": "\\n".join(["x" * 100] * 5)})]
+        [201, 201, 100]
+    """
+    text = message_text(message)
+    if len(text) <= PIECE_CHARS:
+        return [text]
+    pieces: list[str] = []
+    current, left = "", EMBED_CHARS
+    for part, joint in _parts(text):
+        if current and len(current) + len(joint) + len(part) > PIECE_CHARS:
+            pieces.append(current[:left])
+            left -= len(current)
+            current = ""
+            if left <= 0:
+                return pieces
+        current = current + joint + part if current else part
+    return [*pieces, current[:left]] if current else pieces
+
+
+def _parts(text: str) -> Iterator[tuple[str, str]]:
+    """The non-blank lines of `text`, a line over `PIECE_CHARS` cut at sentence ends and a
+    sentence over it into `PIECE_CHARS` stretches; each with what joins it to the part before."""
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        sentences = _SENTENCE_ENDS.split(line) if len(line) > PIECE_CHARS else [line]
+        for k, sentence in enumerate(sentences):
+            for start in range(0, len(sentence), PIECE_CHARS):
+                yield sentence[start : start + PIECE_CHARS], " " if k or start else "\n"
 
 
 def _key(text: str) -> bytes:
@@ -142,9 +186,11 @@ def similarities(
 ) -> list[float] | None:
     """Cosine of each message to `messages[question]` (0 for the question and `skip`), or None.
 
-    Texts `embed` has no cached vector for are embedded first (one call); with `fill=False`
-    only cached vectors are used and None says some are missing, so the caller scores
-    lexically (the filter embeds ahead, off the trim, within its time and count limits).
+    A message in pieces (see `embed_pieces`) counts its closest piece; a question in pieces is
+    the mean of its pieces' vectors. Texts `embed` has no cached vector for are embedded first
+    (one call); with `fill=False` only cached vectors are used and None says some are missing,
+    so the caller scores lexically (the filter embeds ahead, off the trim, within its time and
+    count limits).
 
     Example:
         >>> cache = VectorCache()
@@ -154,16 +200,25 @@ def similarities(
         >>> similarities(chat, 2, cache, fake)
         [1.0, 0.0, 0.0]
     """
-    wanted = [i for i in range(len(messages)) if i not in skip]
-    texts = {i: embed_text(messages[i]) for i in wanted}
+    pieces = {i: embed_pieces(messages[i]) for i in range(len(messages)) if i not in skip}
+    texts = list(chain.from_iterable(pieces.values()))
     if fill:
-        cache.fill(list(texts.values()), embed)
-    vectors = dict(zip(texts, cache.lookup(list(texts.values()), embed), strict=True))
-    query = vectors.get(question)
-    if query is None or any(v is None or len(v) != len(query) for v in vectors.values()):
+        cache.fill(texts, embed)
+    found = dict(zip(texts, cache.lookup(texts, embed), strict=True))
+    if question not in pieces or any(v is None for v in found.values()):
+        return None
+    query = _mean([found[t] for t in pieces[question]])  # type: ignore[misc]
+    if any(len(v) != len(query) for v in found.values()):  # type: ignore[arg-type]
         return None
     out = [0.0] * len(messages)
-    for i, vector in vectors.items():
-        out[i] = math.fsum(map(mul, vector, query))  # type: ignore[arg-type]
+    for i, own in pieces.items():
+        out[i] = max(math.fsum(map(mul, found[t], query)) for t in own)  # type: ignore[arg-type]
     out[question] = 0.0
     return out
+
+
+def _mean(vectors: Sequence[array]) -> array:
+    """The unit-length mean of unit vectors (the vector itself when there is one)."""
+    if len(vectors) == 1:
+        return vectors[0]
+    return _unit_vector([math.fsum(column) for column in zip(*vectors, strict=True)])

@@ -120,7 +120,7 @@ TITLES = {
     "redis_url": "Redis URL (shared state between workers)",
     "semantic_relevance": "Use Open WebUI's embedder for relevance",
     "embed_timeout_seconds": "Longest embedder wait per turn (seconds)",
-    "embed_max_texts": "Most messages embedded per turn",
+    "embed_max_texts": "Most texts embedded per turn",
     "summary_enabled": "Summarize what a trim drops",
     "summary_base_url": "Summary API base URL",
     "summary_api_key": "Summary API key",
@@ -336,8 +336,8 @@ class Valves(BaseModel):
     embed_max_texts: int = _int_field(
         "embed_max_texts",
         DEFAULT_EMBED_TEXTS,
-        "Most messages embedded per turn, newest first; a long chat seen for the first time is embedded over a few "
-        "turns.",
+        "Most texts embedded per turn, newest first (a long message is embedded in pieces of a line or two); a long "
+        "chat seen for the first time is embedded over a few turns.",
     )
     summary_enabled: bool = Field(
         default=False,
