@@ -102,32 +102,9 @@ def _turns(chat: list[dict]) -> list[tuple]:
     return [(r.kept, r.dropped, r.shortened, r.recalled, r.messages) for r in (first, second)]
 
 
-def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
-    chat = chat_about_a_cat()
-    before = _turns(chat)
-    flags._flag_matches("see `!pin` and then !full")
-    excerpt.pointed_words(["the aisle is 42", "thanks"], "Which aisle?")
-    excerpt._chunked("A long message.\n\nIn two paragraphs.")
-    embedder.embedder_of(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=print))))
-    filled = {
-        "term stats": len(relevance._term_cache._entries),
-        "fingerprints": len(selection._fingerprint_cache),
-        "vectors": len(VECTORS),
-        "recall indexes": len(recall_index._indexes._entries),
-        "word memo": len(relevance._word_memos[True]),
-        "question words": excerpt._question_words.cache_info().currsize,
-        "chunks": excerpt._cached_chunk_terms.cache_info().currsize,
-        "encodings": tokens._encoding_for_model_id.cache_info().currsize,
-        "units": conversation._unit.cache_info().currsize,
-        "code spans": len(flags._outside_code_memo),
-        "adapters": len(embedder._adapters),
-        "default counter": len(trim.default_counter()._cache),
-    }
-    assert all(filled.values()), filled
-
-    caches.clear_all()
-
-    emptied = {
+def cache_sizes() -> dict[str, int]:
+    """What each process-wide cache holds (entries, and for those bounded by terms, terms too)."""
+    return {
         "term stats": len(relevance._term_cache._entries) + relevance._term_cache._terms,
         "fingerprints": len(selection._fingerprint_cache),
         "vectors": len(VECTORS),
@@ -141,5 +118,19 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
         "adapters": len(embedder._adapters),
         "default counter": len(trim.default_counter()._cache),
     }
-    assert emptied == dict.fromkeys(filled, 0)
+
+
+def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
+    chat = chat_about_a_cat()
+    before = _turns(chat)
+    flags._flag_matches("see `!pin` and then !full")
+    excerpt.pointed_words(["the aisle is 42", "thanks"], "Which aisle?")
+    excerpt._chunked("A long message.\n\nIn two paragraphs.")
+    embedder.embedder_of(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=print))))
+    filled = cache_sizes()
+    assert all(filled.values()), filled
+
+    caches.clear_all()
+
+    assert cache_sizes() == dict.fromkeys(filled, 0)
     assert _turns(chat) == before  # a cold process trims as a warm one did
