@@ -12,6 +12,7 @@ from contextwarden.ledger import ledger_totals, read_ledger, record_reply
 from contextwarden.pricing import ModelPrice, PriceTier
 from contextwarden.savings import Savings, carried_savings, estimate_savings
 from contextwarden.store import MemoryStore, open_store
+from contextwarden.trim import SHORTENED_MARK
 
 D = Decimal
 GPT4O = ModelPrice(D("0.0000025"), D("0.00001"))
@@ -54,13 +55,15 @@ def test_unknown_price_keeps_the_tokens_but_no_money():
 
 def test_carry_only_when_a_pass_works_on_an_earlier_pass_output():
     note = {"removed": 900, "messages_before": 40}
-    assert carried_savings(note, 12, chained=True) == (900, 40)  # enforce: request sees inlet's trimmed chat
-    assert carried_savings(note, 40, chained=True) == (0, 40)  # the whole chat again: replace
-    assert carried_savings(note, 12, chained=False) == (0, 12)  # shadow never chains
-    assert carried_savings({}, 12, chained=True) == (0, 12)
+    chat = [{"role": "user", "content": "q"}] * 40
+    cut = [{"role": "user", "content": "a document " + SHORTENED_MARK.format(n="5")}]
+    assert carried_savings(note, chat[:12], chained=True) == (900, 40)  # enforce: request sees inlet's trimmed chat
+    assert carried_savings(note, chat, chained=True) == (0, 40)  # the whole chat again: replace
+    assert carried_savings(note, chat[:12], chained=False) == (0, 12)  # shadow never chains
+    assert carried_savings({}, chat[:12], chained=True) == (0, 12)
     # a pasted document the inlet cut (1 message stays 1): the request pass sees the cut copy
-    assert carried_savings({"removed": 900, "messages_before": 1}, 1, chained=True, cut_seen=True) == (900, 1)
-    assert carried_savings({"removed": 900, "messages_before": 1}, 1, chained=False, cut_seen=True) == (0, 1)
+    assert carried_savings({"removed": 900, "messages_before": 1}, cut, chained=True) == (900, 1)
+    assert carried_savings({"removed": 900, "messages_before": 1}, cut, chained=False) == (0, 1)
 
 
 @pytest.fixture(params=["memory", "redis"])

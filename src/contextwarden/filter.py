@@ -63,7 +63,7 @@ from .limits import (
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .records import CacheView, TurnChoice, TurnNote, UsageRecord
-from .savings import Savings, carried_savings, carries_a_cut
+from .savings import Savings, carried_savings
 from .spendbook import SpendBook
 from .status import pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
@@ -558,12 +558,7 @@ class Filter:
 
     async def _turn_money(self, turn: _Turn, choice: TurnChoice, model: dict | None) -> _TurnMoney:
         """The tokens this turn removed (earlier passes' included), the cache view and the savings."""
-        removed, messages_before = carried_savings(
-            turn.note.carried,
-            len(turn.read.messages),
-            chained=not turn.shadow,
-            cut_seen=bool(turn.note.removed) and carries_a_cut(turn.read.messages),  # (a pass over every text)
-        )
+        removed, messages_before = carried_savings(turn.note.carried, turn.read.messages, chained=not turn.shadow)
         removed_now = max(0, choice.tokens_before - choice.tokens_after)
         if choice.count_mode == "estimate":  # estimates err high: at most the chat's real size (also
             removed_now = int(removed_now / ESTIMATE_HIGH_BY)  # when a later, exact pass carries it)

@@ -212,24 +212,26 @@ def carries_a_cut(messages: Sequence[Message]) -> bool:
     return any(_CUT_TEXT in message_text(m) for m in messages if isinstance(m, dict))
 
 
-def carried_savings(note: Mapping, message_count: int, *, chained: bool, cut_seen: bool = False) -> tuple[int, int]:
-    """(tokens already removed earlier this turn, message count of the untrimmed chat).
+def carried_savings(note: Mapping, messages: Sequence[Message], *, chained: bool) -> tuple[int, int]:
+    """(tokens already removed earlier this turn, message count of the untrimmed chat), for a
+    pass that sees `messages`.
 
     Open WebUI may call the filter several times a turn (inlet, then request before each
     provider call). When a later pass works on what an earlier pass sent (`chained`: enforce
-    mode, and fewer messages than the earlier pass saw, or `cut_seen`: a copy it shortened), what
-    that pass removed still counts; otherwise (shadow mode, or a fresh body) this pass's numbers
-    replace the earlier ones.
+    mode, and fewer messages than the earlier pass saw, or a copy it shortened: `carries_a_cut`,
+    read only when the earlier pass removed something), what that pass removed still counts;
+    otherwise (shadow mode, or a fresh body) this pass's numbers replace the earlier ones.
 
     Example:
-        >>> carried_savings({"removed": 900, "messages_before": 40}, 12, chained=True)
+        >>> carried_savings({"removed": 900, "messages_before": 40}, [{"role": "user"}] * 12, chained=True)
         (900, 40)
     """
+    count = len(messages)
     removed, seen = note.get("removed"), note.get("messages_before")
     if not chained or not isinstance(removed, int) or not isinstance(seen, int):
-        return 0, message_count
-    if message_count >= seen and not (cut_seen and removed > 0):
-        return 0, message_count
+        return 0, count
+    if count >= seen and not (removed > 0 and carries_a_cut(messages)):
+        return 0, count
     return removed, seen
 
 
