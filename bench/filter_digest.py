@@ -79,19 +79,19 @@ async def run(f, module, rec, statuses, model):
         statuses.append(e["data"]["description"])
 
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
+
+    async def inlet(body):
+        return await f.inlet(
+            body, __user__=user, __metadata__=body["metadata"], __model__={"id": speed.MODEL}, __event_emitter__=emit
+        )
+
     for n in (20, 200):
         for rep in range(6):
             chat = synth.make_chat(n * 100_000 + rep, n)
             for kind, cid in (("cold", f"c-{model}-{n}-{rep}"), ("again", f"c-{model}-{n}-{rep}")):
                 body = speed.request_body(speed.fresh(chat), cid)
                 body["metadata"]["message_id"] = "m"
-                o = await f.inlet(
-                    body,
-                    __user__=user,
-                    __metadata__=body["metadata"],
-                    __model__={"id": speed.MODEL},
-                    __event_emitter__=emit,
-                )
+                o = await inlet(body)
                 o = await f.request(
                     o,
                     __user__=user,
@@ -107,13 +107,7 @@ async def run(f, module, rec, statuses, model):
             nxt = nxt + synth.next_turn(n * 100_000 + 50_000 + t)
             body = speed.request_body(speed.fresh(nxt), cid)
             body["metadata"]["message_id"] = "m"
-            o = await f.inlet(
-                body,
-                __user__=user,
-                __metadata__=body["metadata"],
-                __model__={"id": speed.MODEL},
-                __event_emitter__=emit,
-            )
+            o = await inlet(body)
             note = {k: v for k, v in body["metadata"].get("contextwarden", {}).items() if k != "v"}
             rec.append([n, t, "next", o["messages"], note])
             reply = {
