@@ -973,7 +973,7 @@ class Filter:
         await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
         reply = body["messages"][-1]
         if reply.get("role") == "assistant":  # sent back next turn: counted and read now, off that turn's path
-            await compute(off, read_reply, reply, self._counter, model_id)
+            await compute(off, read_reply, reply, self._counter, model_id, terms=settings.strategy == "relevance")
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
         if settings.show_status:
             if (waiting := pending_line(note.to_dict())) is not None:  # no request pass came (older Open WebUI)

@@ -109,15 +109,17 @@ def _clear_default_counter() -> None:
 register("trim._default_counter", _clear_default_counter)
 
 
-def read_reply(message: Message, counter: TokenCounter, model: str | None) -> None:
-    """Read a reply that the next turn will send back: count its tokens and cut its search terms
-    now, so that turn's trim reads only its new question (the filter's outlet calls this).
+def read_reply(message: Message, counter: TokenCounter, model: str | None, *, terms: bool = True) -> None:
+    """Read a reply that the next turn will send back: count its tokens and, with `terms` (the
+    relevance strategy scores it), cut its search terms now, so that turn's trim reads only its
+    new question (the filter's outlet calls this).
 
     Example:
         >>> read_reply({"role": "assistant", "content": "Miso is a tabby cat."}, default_counter(), "gpt-4o")
     """
     counter.count_message(message, model)
-    read_ahead(message_text(message))
+    if terms:
+        read_ahead(message_text(message))
 
 
 @dataclass(frozen=True, slots=True)
