@@ -2,13 +2,14 @@
 
 A chat that goes on asks for a recall every turn, so that scoring must cost little more than
 reading the new messages. Per chat this keeps what the previous turn already read: each
-message's text key (length and string hash, as the term cache keys it), its term statistics,
-its `{term: count}` dict and the document frequency of every term. The next turn checks that
-its messages begin with exactly those (by key) and reads only the rest. It is a cache: a
+message's text key (length and string hash, as the term cache keys it) and term statistics,
+and for every term the messages that hold it and how often (its postings: a turn reads only
+the messages that hold a query term, not every message). The next turn checks
+that its messages begin with exactly those (by key) and reads only the rest. It is a cache: a
 worker that never saw the chat builds the same index from scratch, with the same scores.
 
 Memory limits (per process): at most `DEFAULT_INDEX_TERMS` (250,000) (message, term) entries
-over all indexes (a term dict and a frequency entry each, ~60 bytes, so ~15 MiB at most), least
+over all indexes (a posting and its count each, ~31 bytes, so ~7.5 MiB at most), least
 recently used chat out first; a chat over that alone is scored without being kept.
 """
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from operator import add, mul, truediv
 
 from .caches import DEFAULT_INDEX_TERMS, register
@@ -40,30 +41,37 @@ __all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAU
 RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 
 
+_consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
+
+
 @dataclass(slots=True)
 class _ChatIndex:
-    """What the recall read of one chat's messages, in order: text keys, term statistics, term
-    dicts, and how many of them hold each term."""
+    """What the recall read of one chat's messages, in order: text keys, term statistics, their
+    total length, and for each term the messages that hold it (its postings, ascending) with
+    how often each holds it."""
 
     fold: bool
     keys: list[tuple[int, int]] = field(default_factory=list)
     stats: list[_TermStats] = field(default_factory=list)
-    held: list[dict[str, int]] = field(default_factory=list)
-    frequency: Counter = field(default_factory=Counter)
+    postings: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    counts: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    length: int = 0
     entries: int = 0
 
     def extend(self, texts: Sequence[str], keys: Sequence[tuple[int, int]]) -> None:
         """Read the messages after those already indexed."""
         get = _term_cache.get
         fold = self.fold
+        at, tf = self.postings.__getitem__, self.counts.__getitem__
         for k in range(len(self.keys), len(texts)):
             stats = get(texts[k], fold)
-            held = dict.fromkeys(stats.once, 1)
-            held.update(zip(stats.more, stats.more_tfs, strict=True))
-            self.frequency.update(held.keys())
+            _consume(map(list.append, map(at, stats.once), repeat(k)))
+            _consume(map(list.append, map(tf, stats.once), repeat(1)))
+            _consume(map(list.append, map(at, stats.more), repeat(k)))
+            _consume(map(list.append, map(tf, stats.more), stats.more_tfs))
             self.stats.append(stats)
-            self.held.append(held)
-            self.entries += len(held)
+            self.length += stats.length
+            self.entries += stats.distinct
         self.keys.extend(keys[len(self.keys) :])
 
 
@@ -165,37 +173,41 @@ def _scores(
     """BM25 of the query's weightiest terms over the chat less `exclude` and the question, fused
     with `similarity` when given, mixed."""
     n = len(index.keys)
-    stats, held = index.stats, index.held
+    stats, postings = index.stats, index.postings
     skip = set(exclude)
     skip.add(question)
     skip = {i for i in skip if 0 <= i < n}
     query = _recall_query(stats, question, weights)
-    total = sum(stats[i].length for i in range(n)) - sum(stats[i].length for i in skip)
+    total = index.length - sum(stats[i].length for i in skip)
     average = total / n if n and total else 1.0
     k1, b = weights.k1, weights.b
-    frequency = index.frequency
-    skipped = [held[i] for i in skip]
+    skipped = Counter(chain.from_iterable(chain(stats[i].once, stats[i].more) for i in skip))
     idf = {}
     for term, weight in query.items():
-        found = frequency[term] - sum(term in h for h in skipped)
+        found = len(postings.get(term, ())) - skipped[term]
         if found:
             idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
     # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
-    # add little to what is recalled, and each term read costs a pass over every message.
+    # add little to what is recalled, and each term read costs a pass over its postings.
     terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
+    # Term by term over the messages that hold it, each message's parts then summed, all in C:
+    # `math.fsum` is exact, so a message's sum is the same whichever terms it lacks.
+    k1_plus = k1 + 1.0
+    norms = [k1 * (1.0 - b + b * s.length / average) for s in stats]
+    parts: defaultdict[int, list[float]] = defaultdict(list)
+    for term in terms:
+        at, tfs = postings[term], index.counts[term]
+        scaled = map(mul, tfs, repeat(idf[term] * k1_plus))
+        _consume(
+            map(
+                list.append, map(parts.__getitem__, at), map(truediv, scaled, map(add, tfs, map(norms.__getitem__, at)))
+            )
+        )
     base = [0.0] * n
-    if terms:
-        # Term by term over every message, then each message's sum, all in C: a message without
-        # a term adds 0.0, which leaves `math.fsum` (exact) where it was.
-        k1_plus = k1 + 1.0
-        norms = [k1 * (1.0 - b + b * s.length / average) for s in stats]
-        columns = []
-        for term in terms:
-            counts = list(map(dict.get, held, repeat(term), repeat(0)))
-            columns.append(map(truediv, map(mul, counts, repeat(idf[term] * k1_plus)), map(add, counts, norms)))
-        base = list(map(math.fsum, zip(*columns, strict=True)))
-        for i in skip:
-            base[i] = 0.0
+    for i, total_part in zip(parts, map(math.fsum, parts.values()), strict=True):
+        base[i] = total_part
+    for i in skip:
+        base[i] = 0.0
     if similarity is not None and len(similarity) == n:
         base = _fuse(base, similarity, skip, weights.semantic_share)
     return _mixed(base, stats, roles, skip, weights)
