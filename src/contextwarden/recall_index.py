@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import add, mul, truediv
@@ -41,7 +41,7 @@ __all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAU
 RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 
 
-_consume = deque(maxlen=0).extend  # runs an iterator to its end, in C
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend  # runs an iterator to its end, in C
 
 
 @dataclass(slots=True)
