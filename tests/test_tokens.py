@@ -9,6 +9,8 @@ import time
 
 import pytest
 import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import contextwarden.tokens as tokens_module
 from contextwarden.tokens import TokenCounter, encoding_for, estimate_tokens
@@ -217,3 +219,42 @@ def test_counting_hard_cuts_stays_within_a_token_per_cut(counter, unit):
     cuts = len(tokens_module.encode_pieces(text)) - 1
     assert cuts > 10
     assert abs(len(tokens_module._encode(encoding, text)) - len(encoding.encode_ordinary(text))) <= cuts
+
+
+# Text that stresses tiktoken's pre-split where two parts meet: line breaks, spaces, tabs,
+# punctuation, contractions, digits, CJK and emoji, at both ends of a part.
+_EDGES = st.text(alphabet=st.sampled_from(list("ab Z9.,'!?:/-_\n\r\t \u00a0日本🙂")), max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_EDGES, st.sampled_from(WORDS), _EDGES), min_size=1, max_size=5),
+    st.sampled_from(["gpt-4o", "gpt-4"]),
+)
+def test_counting_joined_parts_is_counting_the_joined_text(counter, chunks, model):
+    """`count_joined` equals one encode call of the joined text, also where it adds up parts."""
+    encoding = tiktoken.get_encoding(encoding_for(model))
+    texts = [head + word + tail for head, word, tail in chunks]
+    quoted = [f"user: {t}\n\n" for t in texts[:-1]] + [f"assistant: {texts[-1]}"]
+    for parts in (["Earlier:\n\n", *quoted], texts):  # a recall block's shape, and any parts at all
+        joined = "".join(parts)
+        assert counter.count_joined(parts, model) == len(encoding.encode_ordinary(joined))
+        assert counter.count_joined(parts, model) == counter.count_text(joined, model)
+
+
+def test_joined_parts_are_added_up_only_where_the_pre_split_cuts(monkeypatch):
+    """A recall block's quotes are counted one by one (cached per quote); parts that a token
+    could span are counted joined."""
+    counter = TokenCounter(block=True)  # its own count cache
+    encoded: list[str] = []
+    real = tokens_module._encode
+    monkeypatch.setattr(tokens_module, "_encode", lambda enc, text: encoded.append(text) or real(enc, text))
+    quotes = ["Earlier:\n\n", "user: my cat is Miso.\n\n", "assistant: Lovely!"]
+    counter.count_joined(quotes, "gpt-4o")
+    assert encoded == quotes
+    encoded.clear()
+    counter.count_joined(["Earlier:\n\n", "user: my cat is Miso.\n\n", "assistant: Cute!"], "gpt-4o")
+    assert encoded == ["assistant: Cute!"]  # the label and the first quote were counted before
+    encoded.clear()
+    counter.count_joined(["my cat", " is Miso"], "gpt-4o")  # a space before a word: joined
+    assert encoded == ["my cat is Miso"]

@@ -28,6 +28,7 @@ __all__ = [
     "system_positions",
     "RECALL_LABEL",
     "recall_message",
+    "recall_quotes",
     "is_recall_message",
     "recall_positions",
     "recall_parts",
@@ -250,8 +251,22 @@ def recall_message(messages: Sequence[Message], indices: Sequence[int]) -> Messa
         >>> recall_message([{"role": "user", "content": "My cat is Miso."}], [0])["content"].splitlines()[-1]
         'user: My cat is Miso.'
     """
-    quoted = "\n\n".join(f"{messages[i].get('role')}: {message_text(messages[i])}" for i in indices)
-    return {"role": "user", "content": f"{RECALL_LABEL}\n\n{quoted}"}
+    return {"role": "user", "content": "".join(recall_quotes(messages, indices))}
+
+
+def recall_quotes(messages: Sequence[Message], indices: Sequence[int]) -> list[str]:
+    """The text of `recall_message` in parts: the label, then each quoted message (every part
+    but the last ends with the blank line between them), so that its count can be made of the
+    parts' (see `TokenCounter.count_joined`).
+
+    Example:
+        >>> recall_quotes([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [0, 1])[1:]
+        ['user: a\n\n', 'assistant: b']
+    """
+    quotes = [f"{messages[i].get('role')}: {message_text(messages[i])}\n\n" for i in indices]
+    if quotes:
+        quotes[-1] = quotes[-1][:-2]
+    return [f"{RECALL_LABEL}\n\n", *quotes]
 
 
 def is_recall_message(message: Message) -> bool:

@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -62,6 +62,8 @@ _ESTIMATE_PIECES = re.compile(r" ?[A-Za-z]+|\d+| ?[^\sA-Za-z\d]|\s+")
 # The last single space between two non-spaces: BPE pre-tokenizers always start a piece there,
 # so cutting before it changes no token (greedy `.*` finds it from the end, in linear time).
 _LAST_WORD_GAP = re.compile(r".*\S( )\S", re.DOTALL)
+# The encodings whose pre-split `_splits_between` describes (checked by tests/test_tokens.py).
+_SPLITS_AFTER_LINE_BREAKS = frozenset({"o200k_base", "cl100k_base"})
 
 
 def encoding_for(model: str | None) -> str:
@@ -123,18 +125,32 @@ def encode_pieces(text: str, limit: int = ENCODE_CHUNK_CHARS) -> list[str]:
         >>> encode_pieces("aaa bbb ccc", limit=8)
         ['aaa bbb', ' ccc']
     """
-    if len(text) <= limit:
-        return [text]
-    pieces: list[str] = []
+    return [text[start:end] for start, end, _ in _cuts(text, limit)]
+
+
+def _cuts(text: str, limit: int) -> Iterator[tuple[int, int, bool]]:
+    """`encode_pieces`' pieces as (start, end, clean): clean unless the piece ends at the limit
+    (a cut that may change a token)."""
     start = 0
     while len(text) - start > limit:
         end = start + limit
         gap = _LAST_WORD_GAP.match(text, start + limit // 2 - 1, end + 1)
         cut = gap.start(1) if gap is not None else end
-        pieces.append(text[start:cut])
+        yield start, cut, gap is not None
         start = cut
-    pieces.append(text[start:])
-    return pieces
+    yield start, len(text), True
+
+
+def _cut_cleanly(text: str) -> bool:
+    """`_encode` gives `text` the tokens one encode call of it would (no cut at the limit)."""
+    return len(text) <= ENCODE_CHUNK_CHARS or all(clean for _, _, clean in _cuts(text, ENCODE_CHUNK_CHARS))
+
+
+def _splits_between(parts: Sequence[str]) -> bool:
+    """tiktoken's pre-split (o200k_base, cl100k_base) starts a piece where each part begins: its
+    regex ends a run of line breaks before a letter, whatever came before. So each part then
+    counts alone, and the parts' counts add up to the joined text's."""
+    return all(a.endswith("\n") for a in parts[:-1]) and all(b[:1].isascii() and b[:1].isalpha() for b in parts[1:])
 
 
 def _encode(encoding: Any, text: str) -> list[int]:
@@ -312,17 +328,45 @@ class TokenCounter:
         texts share a key with odds of about 1e-10 even with the cache full.
         """
         key = (name, len(text), hash(text))
-        cache = self._cache
-        cached = lru_hit(cache, key)
+        cached = lru_hit(self._cache, key)
         if cached is not None:
             return cached
         count = len(_encode(encoding, text)) if encoding is not None else estimate_tokens(text)
+        self._keep(key, count)
+        return count
+
+    def _keep(self, key: tuple[str, int, int], count: int) -> None:
+        cache = self._cache
         cache[key] = count
         if len(cache) > self.cache_size:
             try:
                 cache.popitem(last=False)
             except KeyError:  # emptied by other threads meanwhile
                 pass
+
+    def count_joined(self, parts: Sequence[str], model: str | None = None) -> int:
+        """`count_text("".join(parts))`, from each part's own (cached) count where that is the
+        same: each part but the last ends in a line break and each but the first starts with
+        an ASCII letter (see `_splits_between`). A text made of the same parts turn after turn
+        (a recall block of quoted messages) then encodes only its new parts.
+
+        Example:
+            >>> counter = TokenCounter(block=True)
+            >>> parts = ["Earlier:\n\n", "user: my cat is Miso.\n\n", "assistant: Lovely!"]
+            >>> counter.count_joined(parts, "gpt-4o") == counter.count_text("".join(parts), "gpt-4o")
+            True
+        """
+        name, encoding = self._pick(model)
+        joined = "".join(parts)
+        if not (
+            name in _SPLITS_AFTER_LINE_BREAKS and _splits_between(parts) and all(map(_cut_cleanly, [joined, *parts]))
+        ):
+            return self.count_text(joined, model)
+        key = (name, len(joined), hash(joined))
+        count = lru_hit(self._cache, key)
+        if count is None:
+            count = sum(self._count(part, name, encoding) for part in parts if part)
+            self._keep(key, count)  # the joined text counts from the cache too (when it is sent)
         return count
 
     def count_message(self, message: Message, model: str | None = None) -> int:

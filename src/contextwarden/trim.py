@@ -21,6 +21,7 @@ from .conversation import (
     read_conversation,
     recall_message,
     recall_parts,
+    recall_quotes,
     system_positions,
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
@@ -47,7 +48,7 @@ from .selection import (
     window_start,
 )
 from .semantic import VECTORS, Embed, similarities
-from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
+from .tokens import TOKENS_PER_MESSAGE, TOKENS_PER_REPLY, CountMode, TokenCounter
 
 __all__ = [
     "TrimOptions",
@@ -618,7 +619,7 @@ def _recalls_kept(
     blocks = []
     for recall in carried[: MAX_RECALL_BLOCKS - 1]:
         message = recall_message(messages, recall.at)
-        blocks.append(_Block(recall.anchor, recall.at, message, _block_tokens(message, counter, model)))
+        blocks.append(_Block(recall.anchor, recall.at, message, _block_tokens(messages, recall.at, counter, model)))
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
     pool = pools.of(question, system)
@@ -652,9 +653,11 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
     return question in at and previous.kept[at.index(question)] == fingerprints[question]
 
 
-def _block_tokens(block: Message, counter: TokenCounter, model: str | None) -> int:
-    """What a recall block costs sent: the block and the acknowledgement after it."""
-    return counter.count_message(block, model) + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+def _block_tokens(messages: Sequence[Message], indices: Sequence[int], counter: TokenCounter, model: str | None) -> int:
+    """What the recall block quoting `indices` costs sent, with the acknowledgement after it
+    (`count_message` of both): its text counted from its quotes, each counted once a chat."""
+    text = counter.count_joined(recall_quotes(messages, indices), model)
+    return TOKENS_PER_MESSAGE + 1 + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
 
 
 def _with_blocks(
@@ -800,7 +803,7 @@ def _new_recall(
     acknowledgement after it included); None when nothing is relevant. A block clearly over
     `fits_in` is not counted exactly (that would encode its text for nothing): its `tokens` are
     then the estimate."""
-    frame = _block_tokens(recall_message(messages, ()), counter, model)  # the label, overheads, acknowledgement
+    frame = _block_tokens(messages, (), counter, model)  # the label, overheads, acknowledgement
     if room <= frame:
         return None
     scores, costs = pool.scores, pool.costs
@@ -809,10 +812,9 @@ def _new_recall(
     if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
         return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
     while chosen:
-        message = recall_message(messages, chosen)
-        tokens = _block_tokens(message, counter, model)
+        tokens = _block_tokens(messages, chosen, counter, model)
         if tokens <= room:
-            return _Block(question, tuple(chosen), message, tokens)
+            return _Block(question, tuple(chosen), recall_message(messages, chosen), tokens)
         # Quoting joined the texts into more tokens than they count apart: let the least worth go.
         chosen.remove(min(chosen, key=lambda i: (scores[i] / max(costs[i], 1) ** 0.5, i)))
     return None
