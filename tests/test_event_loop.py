@@ -16,9 +16,10 @@ import threading
 import pytest
 
 import contextwarden.filter as filter_module
+from contextwarden import caches
 from contextwarden.chatstate import chat_state_key
 
-from helpers import Events, chat_of, make_filter
+from helpers import Events, chat_of, grow, make_filter
 from turns import run_turn
 
 MODEL = "gpt-4o"
@@ -79,6 +80,34 @@ async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages
     monkeypatch.setattr(filter_module, "FLAGS_ON_LOOP_MAX_MESSAGES", 10)
     await request(f, body(big_chat(), "c2"))
     assert threads == [threading.current_thread().name, "contextwarden-cpu_0"]
+
+
+async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_read_it(counter, spy_trim, monkeypatch):
+    """A next turn that carries the previous selection costs what is new: it runs on the loop (the
+    hop to the thread would cost about as much). The turn before it was read here only in part,
+    and after the caches are gone (as in a worker that never saw the chat), the carry declines at
+    once and the trim goes to the thread."""
+    real = filter_module.carry_previous
+    carried: list[tuple[str, bool]] = []
+
+    def spy_carry(messages, **options):
+        result = real(messages, **options)
+        carried.append((threading.current_thread().name, result is not None))
+        return result
+
+    monkeypatch.setattr(filter_module, "carry_previous", spy_carry)
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    chat = big_chat()
+    loop, worker = threading.current_thread().name, "contextwarden-cpu_0"
+    for i in range(3):
+        out = await request(f, body(chat))
+        chat = grow(chat, 100 + i)
+    assert carried == [(loop, False), (loop, True)]  # turn 2: turn 1 read no recall index; turn 3 on the loop
+    assert spy_trim.threads == [worker, worker]
+    caches.clear_all()
+    out = await request(f, body(chat))
+    assert carried[-1] == (loop, False) and spy_trim.threads[-1] == worker
+    assert len(out["messages"]) < len(chat)
 
 
 async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):

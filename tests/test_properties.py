@@ -33,7 +33,7 @@ from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.ledger import read_ledger, usd_to_picodollars
 from contextwarden.selection import mandatory_indices
 from contextwarden.tokens import TokenCounter
-from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK
+from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK, carry_previous
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
 
 from chats import assert_same_trim, check_contract, frozen, same_role_pairs
@@ -478,9 +478,12 @@ def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, ch
         return
     later = data.draw(grown_turn(chat))
     previous = TrimDecision.from_json(first.decision.to_json())
+    carried = carry_previous(later, previous=previous, **options)
     fast = trim_messages(later, previous=previous, **options)
     full = trim_messages(later, previous=replace(previous, seen=0), **options)
     assert_same_trim(fast, full)
+    if carried is not None:  # the next turn's path alone (the filter runs it on the loop) agrees too
+        assert_same_trim(carried, full)
     check_contract(later, fast, counter, model)
     event("reused" if fast.reused else "selected anew")
 
@@ -735,8 +738,12 @@ def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, t
         chat = data.draw(grown_turn(chat))
         previous = TrimDecision.from_json(result.decision.to_json())
         options = {"max_tokens": budget, "model": model, "token_counter": counter, "previous": previous}
+        carried = carry_previous(chat, **options)
         result = trim_messages(chat, **options)
         check_contract(chat, result, counter, model)
+        if carried is not None:
+            assert_same_trim(carried, result)
+            event("carried")
         assert_same_trim(result, trim_messages(chat, **{**options, "previous": replace(previous, seen=0)}))
         assert result.recalled == trim_messages(copy.deepcopy(chat), **options).recalled
         if not result.over_budget:
@@ -815,8 +822,12 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
     sent: dict[int, dict] = {}
     for _ in range(turns + 1):
         options = {"max_tokens": budget, "model": model, "token_counter": counter, "previous": previous}
+        carried = carry_previous(chat, **options)
         result = trim_messages(chat, **options)
         check_contract(chat, result, counter, model)
+        if carried is not None:
+            assert_same_trim(carried, result)
+            event("carried")
         again = trim_messages(copy.deepcopy(chat), **options)
         assert frozen(again.messages) == frozen(result.messages) and again.excerpted == result.excerpted
         if previous is not None:  # the shortcut (reads only what is new) and the full path agree

@@ -69,7 +69,7 @@ from .status import pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
-from .trim import TrimDecision, TrimResult, read_reply, trim_messages
+from .trim import TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
 from .usage import Cost, Usage, compute_cost, read_count, read_usage
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
@@ -104,6 +104,17 @@ _cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a 
 # for 2,000 at load 4): up to this many it runs on the loop, where the hop to the thread would
 # cost more (0.4 ms idle, 2-3 ms at load 4, the thread waiting for a core).
 FLAGS_ON_LOOP_MAX_MESSAGES = 2_000
+# A next turn that carries the previous selection reads only what is new, but still passes over
+# every message a few times (~10 µs each): up to this many it runs on the loop (at most ~10 ms),
+# where the hop to the thread costs about what the turn does. When it cannot be carried (a new
+# selection, a worker that never read the chat), the trim goes to the thread as before.
+NEXT_TURN_ON_LOOP_MAX_MESSAGES = 1_000
+
+
+def _light_next_turn(messages: Sequence[Message], previous: TrimDecision) -> bool:
+    """A next turn that may be carried on the loop: at most NEXT_TURN_ON_LOOP_MAX_MESSAGES
+    messages, and those new since `previous` hold less than OFF_LOOP_MIN_CHARS of text."""
+    return len(messages) <= NEXT_TURN_ON_LOOP_MAX_MESSAGES and not heavy(messages[previous.seen :])
 
 
 def heavy(messages: Sequence[Message]) -> bool:
@@ -676,21 +687,23 @@ class Filter:
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
         pinned = _pinned(base, state)
 
+        options: dict[str, Any] = {
+            "model": model_id,
+            "token_counter": counter,
+            "strategy": settings.strategy,
+            "keep_last_turns": flags.keep or settings.keep_last_turns,
+            "pinned": pinned,
+            "previous": previous,
+            "low_watermark": settings.low_watermark,
+            "growth_turns": settings.growth_turns,
+            "shorten": not prompt.fixed_over,  # no cut makes it fit: send the question whole
+        }
+
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
-            return trim_messages(
-                base,
-                max_tokens=limit,
-                model=model_id,
-                token_counter=counter,
-                strategy=settings.strategy,
-                keep_last_turns=flags.keep or settings.keep_last_turns,
-                pinned=pinned,
-                previous=previous,
-                low_watermark=settings.low_watermark,
-                growth_turns=settings.growth_turns,
-                embed=embed,
-                shorten=not prompt.fixed_over,  # no cut makes it fit: send the question whole
-            )
+            return trim_messages(base, max_tokens=limit, embed=embed, **options)
+
+        def carry(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult | None:
+            return carry_previous(base, max_tokens=limit, embed=embed, **options)
 
         if summary is not None:  # an earlier pass (or version) summarized: keep its note, never a second one
             cost = counter.count_message(summary, model_id) + counter.count_message(SUMMARY_ACK_MESSAGE, model_id)
@@ -700,7 +713,7 @@ class Filter:
                 added, cost = len(sent) - len(result.messages), summary_tokens(sent, result.messages, counter, model_id)
                 # the note goes out again: the line says so (a later pass's line is the one shown)
                 return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
-        result = await self._semantic_trim(retrim, budget, base, settings, embedder, previous is not None, off)
+        result = await self._semantic_trim(retrim, carry, budget, base, settings, embedder, previous, off)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
             summarized = await self._summarized(base, result, retrim, settings, model_id, budget)
             if summarized is not None:
@@ -710,19 +723,27 @@ class Filter:
     async def _semantic_trim(
         self,
         retrim: Callable[[int, OpenWebUIEmbedder | None], TrimResult],
+        carry: Callable[[int, OpenWebUIEmbedder | None], TrimResult | None],
         budget: int,
         base: list[Message],
         settings: Settings,
         embedder: OpenWebUIEmbedder | None,
-        trimmed_before: bool,
+        previous: TrimDecision | None,
         off: bool,
     ) -> TrimResult:
         """`retrim(budget)`, with the embedder's vectors when there is one: a new selection weighs
         meaning, and so does the recall of a turn that keeps the previous selection. A chat
-        trimmed before is embedded first and trimmed once; another only once it drops messages."""
-        ready = embedder is not None and trimmed_before and await self._embed_ahead(embedder, base, settings)
-        result: TrimResult = await compute(off, retrim, budget, embedder if ready else None)
-        if embedder is None or trimmed_before or not result.dropped:
+        trimmed before is embedded first and trimmed once; another only once it drops messages.
+        A next turn this process can carry (`carry`) is trimmed on the loop: its cost is what is
+        new, less than the hop to the thread would cost."""
+        ready = embedder is not None and previous is not None and await self._embed_ahead(embedder, base, settings)
+        embed = embedder if ready else None
+        if off and previous is not None and _light_next_turn(base, previous):
+            carried = carry(budget, embed)
+            if carried is not None:
+                return carried
+        result: TrimResult = await compute(off, retrim, budget, embed)
+        if embedder is None or previous is not None or not result.dropped:
             return result
         if not await self._embed_ahead(embedder, base, settings):
             return result

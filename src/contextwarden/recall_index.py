@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import add, mul, truediv
@@ -36,7 +36,7 @@ from .relevance import (
     _TermStats,
 )
 
-__all__ = ["recall_scores", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAULT_INDEX_TERMS"]
+__all__ = ["recall_scores", "indexed", "RECALL_CONTEXT_TERMS", "RECALL_QUERY_TERMS", "DEFAULT_INDEX_TERMS"]
 
 RECALL_QUERY_TERMS = 16  # the recall reads at most this many query terms, those that weigh most
 
@@ -87,10 +87,7 @@ class _IndexCache:
     def take(self, keys: list[tuple[int, int]], fold: bool, seen: int) -> _ChatIndex:
         """The index of the chat whose first `seen` messages have these `keys` (taken out: the
         caller owns it until `give`), or a new, empty one."""
-        for m in dict.fromkeys((len(keys), seen)):  # this list again (a second pass), or the last turn's
-            if not 0 < m <= len(keys):
-                continue
-            name = (fold, m, hash(tuple(keys[:m])))
+        for m, name in _names(keys, fold, seen):
             with self._lock:
                 index = self._entries.pop(name, None)
                 if index is not None:
@@ -98,6 +95,15 @@ class _IndexCache:
             if index is not None and index.keys == keys[:m]:
                 return index
         return _ChatIndex(fold)
+
+    def holds(self, keys: list[tuple[int, int]], fold: bool, seen: int) -> bool:
+        """`take` would find an index (and leave it)."""
+        for m, name in _names(keys, fold, seen):
+            with self._lock:
+                index = self._entries.get(name)
+            if index is not None and index.keys == keys[:m]:
+                return True
+        return False
 
     def give(self, index: _ChatIndex) -> None:
         """Keep `index` for the chat's next turn, under the keys it holds now."""
@@ -120,8 +126,30 @@ class _IndexCache:
             self._terms = 0
 
 
+def _names(keys: list[tuple[int, int]], fold: bool, seen: int) -> Iterator[tuple[int, tuple[bool, int, int]]]:
+    """Where an index of these messages may be kept: of them all (this list again, a second
+    pass), or of the first `seen` (the last turn's)."""
+    for m in dict.fromkeys((len(keys), seen)):
+        if 0 < m <= len(keys):
+            yield m, (fold, m, hash(tuple(keys[:m])))
+
+
 _indexes = _IndexCache(DEFAULT_INDEX_TERMS)
 register("recall_index._indexes", _indexes.clear)
+
+
+def indexed(messages: Sequence[Message], *, seen: int, weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS) -> bool:
+    """This process keeps the index of these messages, or of their first `seen` (the chat's last
+    turn here): `recall_scores` then reads only the messages after those.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "I adopted a cat."}, {"role": "user", "content": "Its name?"}]
+        >>> _ = recall_scores(chat, question=1)
+        >>> indexed(chat + [{"role": "user", "content": "And its age?"}], seen=2), indexed(chat[:1], seen=1)
+        (True, False)
+    """
+    keys = [(len(text), hash(text)) for text in map(message_text, messages)]
+    return _indexes.holds(keys, weights.fold_suffixes, seen)
 
 
 def recall_scores(

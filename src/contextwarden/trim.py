@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 from operator import add, mul
+from typing import Any
 
 from .caches import register
 from .conversation import (
@@ -25,7 +26,7 @@ from .conversation import (
     system_positions,
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
-from .recall_index import recall_scores
+from .recall_index import indexed, recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages
 from .selection import (
     DEFAULT_KEEP_LAST_TURNS,
@@ -54,6 +55,7 @@ __all__ = [
     "TrimOptions",
     "TrimResult",
     "trim_messages",
+    "carry_previous",
     "selection_target",
     "default_counter",
     "read_reply",
@@ -299,6 +301,63 @@ def trim_messages(
     return _trim(messages, max_tokens, model, token_counter or default_counter(), options)
 
 
+def carry_previous(
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    model: str | None = None,
+    token_counter: TokenCounter | None = None,
+    **options: Any,
+) -> TrimResult | None:
+    """`trim_messages(messages, max_tokens=..., **options)` when the `previous` decision carries
+    into this turn and this process read the chat before, else None (then call that).
+
+    This is the next turn's path alone: the previous selection with the new messages and this
+    question's recall, reading only what is new. Its cost is bounded by what is new, so a
+    caller can run it where a whole-chat trim would not belong (the filter: on its event loop).
+    None also when it would have to read every message first: the previous turn was trimmed
+    in another process, the chat was edited, an earlier pass added a recall block, pins.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "My locker code is 4417. " + "Filler. " * 60},
+        ...         {"role": "assistant", "content": "Noted. " * 60},
+        ...         {"role": "user", "content": "Tell me about trains."}]
+        >>> first = trim_messages(chat, max_tokens=200, model="gpt-4o")
+        >>> chat += [{"role": "assistant", "content": "On rails."}, {"role": "user", "content": "And buses?"}]
+        >>> second = trim_messages(chat, max_tokens=200, model="gpt-4o", previous=first.decision)
+        >>> chat += [{"role": "assistant", "content": "On roads."}, {"role": "user", "content": "My code?"}]
+        >>> carried = carry_previous(chat, max_tokens=200, model="gpt-4o", previous=second.decision)
+        >>> carried == trim_messages(chat, max_tokens=200, model="gpt-4o", previous=second.decision)
+        True
+        >>> carry_previous(chat, max_tokens=200, model="gpt-4o") is None  # no previous decision
+        True
+    """
+    chosen = TrimOptions(**options)
+    _check_options(
+        max_tokens,
+        chosen.strategy,
+        chosen.keep_last_turns,
+        chosen.low_watermark,
+        chosen.growth_turns,
+        chosen.recall_share,
+    )
+    previous = chosen.previous
+    if previous is None or not previous.seen or chosen.pinned or not all(map(isinstance, messages, repeat(dict))):
+        return None
+    room = _recall_room(max_tokens, chosen)
+    if room and (recall_parts(messages) or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
+        return None
+    counter = token_counter or default_counter()
+    pools = _Pools(messages, counter, model, previous.seen, chosen.embed)
+    return _extend_previous(messages, previous, max_tokens, counter, model, chosen, room, pools)
+
+
+def _recall_room(max_tokens: int, options: TrimOptions) -> int:
+    """The recall's room: a chat that goes on (a previous decision) under the relevance strategy."""
+    relevance = options.previous is not None and options.strategy == "relevance"
+    return recall_room(max_tokens, options.recall_share) if relevance else 0
+
+
 @dataclass(frozen=True, slots=True)
 class TrimOptions:
     """How `trim_messages` chooses, besides the budget and the counter (each as its Args say).
@@ -336,9 +395,7 @@ def _trim(
     fits; the previous selection extended, reading only what is new; the chat whole when it fits;
     else a selection (`_select`)."""
     previous = options.previous
-    room = (
-        recall_room(max_tokens, options.recall_share) if previous is not None and options.strategy == "relevance" else 0
-    )
+    room = _recall_room(max_tokens, options)
     if room:
         earlier = recall_parts(messages)
         if earlier and not _fits_whole(messages, max_tokens, counter, model):
