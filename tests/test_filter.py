@@ -306,11 +306,14 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
         __user__={"id": "u1"},
         __metadata__={"chat_id": "c1"},
     )
-    # The question, and the recall block when this turn quotes older messages (and its bare label,
-    # counted once): nothing that was sent before.
+    # The question, and the recall block's quotes when this turn quotes older messages (and its
+    # bare label, counted once): nothing that was sent before.
     recalled = [m["content"] for m in out["messages"] if is_recall_message(m)]
-    frames = (recall_message([], ())["content"], SUMMARY_ACK)
-    assert [t for t in spy.texts if t not in frames] == [question["content"], *recalled]
+    label = recall_message([], ())["content"]
+    encoded = [t for t in spy.texts if t not in (label, SUMMARY_ACK)]
+    assert encoded[0] == question["content"]
+    assert recalled, "the question recalls older messages here"
+    assert ["".join([label, *encoded[1:]])] == recalled
 
 
 async def test_settings_follow_the_valves_values_not_the_objects(counter):

@@ -261,7 +261,7 @@ def recall_quotes(messages: Sequence[Message], indices: Sequence[int]) -> list[s
 
     Example:
         >>> recall_quotes([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [0, 1])[1:]
-        ['user: a\n\n', 'assistant: b']
+        ['user: a\\n\\n', 'assistant: b']
     """
     quotes = [f"{messages[i].get('role')}: {message_text(messages[i])}\n\n" for i in indices]
     if quotes:

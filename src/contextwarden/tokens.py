@@ -352,7 +352,7 @@ class TokenCounter:
 
         Example:
             >>> counter = TokenCounter(block=True)
-            >>> parts = ["Earlier:\n\n", "user: my cat is Miso.\n\n", "assistant: Lovely!"]
+            >>> parts = ["Earlier:\\n\\n", "user: my cat is Miso.\\n\\n", "assistant: Lovely!"]
             >>> counter.count_joined(parts, "gpt-4o") == counter.count_text("".join(parts), "gpt-4o")
             True
         """
