@@ -4,7 +4,9 @@
 
 For committing an optimisation with before/after numbers: both builds load as Open WebUI
 loads them, alternate within every repetition on fresh copies of the same bodies, and the
-paired ratio after/before is reported (robust to load from other processes).
+paired ratio after/before is reported (robust to load from other processes). The file loaded
+second runs cold chats ~1.1x slower whatever its code (an A/A run shows it): for cold figures,
+run it both ways (`ab.py A B`, `ab.py B A`) and take the geometric mean of the two ratios.
 """
 
 from __future__ import annotations
