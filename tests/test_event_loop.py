@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import replace
 
 import pytest
 
 import contextwarden.filter as filter_module
 from contextwarden import caches
 from contextwarden.chatstate import chat_state_key
+from contextwarden.filter import EXCERPTS_ON_LOOP_MAX_CHARS
 
 from helpers import Events, chat_of, grow, make_filter
 from turns import run_turn
@@ -108,6 +110,20 @@ async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_r
     out = await request(f, body(chat))
     assert carried[-1] == (loop, False) and spy_trim.threads[-1] == worker
     assert len(out["messages"]) < len(chat)
+
+
+def test_a_next_turn_with_a_big_excerpted_message_stays_in_the_thread(counter):
+    """A carried excerpt is cut into chunks again every turn, in proportion to its message: a
+    next turn whose excerpted messages hold EXCERPTS_ON_LOOP_MAX_CHARS or more is not carried on the loop."""
+    chat = big_chat()
+    decision = filter_module.trim_messages(chat, max_tokens=1_500, model=MODEL, token_counter=counter).decision
+    later = grow(chat, 100)
+    assert filter_module._light_next_turn(later, decision)
+    k = decision.at[0]  # a kept message, made a big document that the decision excerpted
+    with_document = [*later[:k], {**later[k], "content": "word " * (EXCERPTS_ON_LOOP_MAX_CHARS // 5)}, *later[k + 1 :]]
+    excerpted = replace(decision, excerpts=((k, (0,)),))
+    assert excerpted.excerpts and not filter_module._light_next_turn(with_document, excerpted)
+    assert filter_module._light_next_turn(with_document, decision)  # not excerpted: not read again
 
 
 async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):
