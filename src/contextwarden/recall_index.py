@@ -148,8 +148,12 @@ def indexed(messages: Sequence[Message], *, seen: int, weights: RelevanceWeights
         >>> indexed(chat + [{"role": "user", "content": "And its age?"}], seen=2), indexed(chat[:1], seen=1)
         (True, False)
     """
-    keys = [(len(text), hash(text)) for text in map(message_text, messages)]
-    return _indexes.holds(keys, weights.fold_suffixes, seen)
+    return _indexes.holds(_text_keys(map(message_text, messages)), weights.fold_suffixes, seen)
+
+
+def _text_keys(texts: Iterable[str]) -> list[tuple[int, int]]:
+    """Each text's key: its length and string hash, as the term cache keys it."""
+    return [(len(text), hash(text)) for text in texts]
 
 
 def recall_scores(
@@ -181,7 +185,7 @@ def recall_scores(
         0
     """
     texts = list(map(message_text, messages)) if texts is None else texts
-    keys = [(len(text), hash(text)) for text in texts]
+    keys = _text_keys(texts)
     index = _indexes.take(keys, weights.fold_suffixes, seen)
     index.extend(texts, keys)
     try:

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_IMAGE_TOKENS",
     "TOKENS_PER_MESSAGE",
     "TOKENS_PER_REPLY",
+    "TOKENS_PER_ROLE",
 ]
 
 tokens_log = logging.getLogger("contextwarden")
@@ -43,6 +44,7 @@ CountMode = Literal["exact", "substitute", "estimate"]
 
 TOKENS_PER_MESSAGE = 3  # OpenAI cookbook: <|start|>{role}<|message|> ... <|end|>
 TOKENS_PER_NAME = 1
+TOKENS_PER_ROLE = 1  # every message's role (a one-token word)
 TOKENS_PER_REPLY = 3  # every reply is primed with <|start|>assistant<|message|>
 DEFAULT_IMAGE_TOKENS = 765  # one 1024x1024 image at high detail (OpenAI's tile formula)
 RETRY_LOAD_AFTER_SECONDS = 600.0
@@ -409,8 +411,9 @@ class TokenCounter:
             and "name" not in message
             and "tool_call_id" not in message
         ):
-            return TOKENS_PER_MESSAGE + 1 + self._count(content, encoding_name, encoding)  # the common message
-        total = TOKENS_PER_MESSAGE + 1
+            # the common message
+            return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + self._count(content, encoding_name, encoding)
+        total = TOKENS_PER_MESSAGE + TOKENS_PER_ROLE
         name = message.get("name")
         if isinstance(name, str) and name:
             total += TOKENS_PER_NAME + self._count(name, encoding_name, encoding)

@@ -49,7 +49,7 @@ from .selection import (
     window_start,
 )
 from .semantic import VECTORS, Embed, similarities
-from .tokens import TOKENS_PER_MESSAGE, TOKENS_PER_REPLY, CountMode, TokenCounter
+from .tokens import TOKENS_PER_MESSAGE, TOKENS_PER_REPLY, TOKENS_PER_ROLE, CountMode, TokenCounter
 
 __all__ = [
     "TrimOptions",
@@ -291,13 +291,13 @@ def trim_messages(
         >>> [m["role"] for m in later.messages[-4:]]  # the block, its acknowledgement, the question
         ['assistant', 'user', 'assistant', 'user']
     """
-    _check_options(max_tokens, strategy, keep_last_turns, low_watermark, growth_turns, recall_share)
-    if not all(map(isinstance, messages, repeat(dict))):
-        index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
-        raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
     options = TrimOptions(
         strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten
     )
+    _check_options(max_tokens, options)
+    if not all(map(isinstance, messages, repeat(dict))):
+        index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
+        raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
     return _trim(messages, max_tokens, model, token_counter or default_counter(), options)
 
 
@@ -333,16 +333,9 @@ def carry_previous(
         True
     """
     chosen = TrimOptions(**options)
-    _check_options(
-        max_tokens,
-        chosen.strategy,
-        chosen.keep_last_turns,
-        chosen.low_watermark,
-        chosen.growth_turns,
-        chosen.recall_share,
-    )
+    _check_options(max_tokens, chosen)
     previous = chosen.previous
-    if previous is None or not previous.seen or chosen.pinned or not all(map(isinstance, messages, repeat(dict))):
+    if previous is None or not _carries(chosen) or not all(map(isinstance, messages, repeat(dict))):
         return None
     room = _recall_room(max_tokens, chosen)
     if room and (recall_parts(messages) or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
@@ -350,6 +343,12 @@ def carry_previous(
     counter = token_counter or default_counter()
     pools = _Pools(messages, counter, model, previous.seen, chosen.embed)
     return _extend_previous(messages, previous, max_tokens, counter, model, chosen, room, pools)
+
+
+def _carries(options: TrimOptions) -> bool:
+    """The previous decision may carry into this turn (the shortcut is worth trying): it saw
+    messages, and no pin asks for a new selection."""
+    return options.previous is not None and options.previous.seen != 0 and not options.pinned
 
 
 def _recall_room(max_tokens: int, options: TrimOptions) -> int:
@@ -407,7 +406,7 @@ def _trim(
             )
             return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
     pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, options.embed)
-    if previous is not None and previous.seen and not options.pinned:
+    if previous is not None and _carries(options):
         extended = _extend_previous(messages, previous, max_tokens, counter, model, options, room, pools)
         if extended is not None:
             return extended
@@ -714,7 +713,7 @@ def _block_tokens(messages: Sequence[Message], indices: Sequence[int], counter: 
     """What the recall block quoting `indices` costs sent, with the acknowledgement after it
     (`count_message` of both): its text counted from its quotes, each counted once a chat."""
     text = counter.count_joined(recall_quotes(messages, indices), model)
-    return TOKENS_PER_MESSAGE + 1 + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+    return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
 
 
 def _with_blocks(
@@ -1168,10 +1167,10 @@ def selection_target(
     return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
 
 
-def _check_options(
-    max_tokens: int, strategy: str, keep_last_turns: int, low_watermark: float, growth_turns: int, recall_share: float
-) -> None:
+def _check_options(max_tokens: int, options: TrimOptions) -> None:
     """Raise ValueError naming the option and its valid values."""
+    strategy, keep_last_turns, low_watermark = options.strategy, options.keep_last_turns, options.low_watermark
+    growth_turns, recall_share = options.growth_turns, options.recall_share
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if strategy not in STRATEGIES:
