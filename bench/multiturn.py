@@ -204,9 +204,9 @@ def run(path: Path, quick: bool, recall_share: float, embed_model: str | None = 
         chats.append((k, history, asked[::3] if quick else asked))
     embed = None
     if embed_model:
-        texts = {SYSTEM["content"]} | {m["content"] for _, history, _ in chats for m in history}
+        texts = {SYSTEM["content"]}
         texts |= {text for _, _, asked in chats for question, answer, _ in asked for text in (question, answer)}
-        embed = sentence_embedder(embed_model, sorted(texts))
+        embed = sentence_embedder(embed_model, [history for _, history, _ in chats], sorted(texts))
     results: dict = {}
     for budget in BUDGETS:
         for method in METHODS:

@@ -30,6 +30,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,30 +208,47 @@ def bm25_baseline(counts: list[Counter], question: list[str], costs: list[int], 
 # -- the run -------------------------------------------------------------------------------
 
 
-def sentence_embedder(model_dir: str, texts: list[str]):
+def sentence_embedder(model_dir: str, chats: Iterable[Sequence[dict]], texts: Iterable[str] = ()):
     """An `embed` function for `trim_messages` from a local sentence-transformers model.
 
-    Every text is embedded once (a long one in its pieces, as `similarities` asks for them), up
-    front, in batches (vectors kept in bench/.cache by the texts' hash, so later runs skip it);
-    the function then looks vectors up.
+    Every text the chats' messages are embedded as (`semantic.embed_texts`: pieces and context
+    windows) and every one of `texts` (in its pieces) is embedded once, up front, in batches;
+    vectors are kept in bench/.cache by the texts' hash, so later runs skip it. The function
+    then looks vectors up, and embeds on the spot what it was not given up front.
     """
     import numpy as np  # the Open WebUI venv has numpy, torch and sentence-transformers
     from sentence_transformers import SentenceTransformer
 
-    from contextwarden.semantic import embed_pieces
+    from contextwarden.semantic import embed_pieces, embed_texts
 
-    wanted = sorted({piece for t in texts for piece in embed_pieces({"content": t})})
+    wanted_set = {piece for t in texts for piece in embed_pieces({"content": t})}
+    for chat in chats:
+        wanted_set.update(embed_texts(chat))
+    wanted = sorted(wanted_set)
     digest = hashlib.sha256(("\x00".join(wanted) + model_dir).encode()).hexdigest()[:16]
     cache = ROOT / "bench" / ".cache" / f"vectors-{digest}.npy"
+    models: list = []
+
+    def encode(batch: list[str]):
+        if not models:
+            models.append(SentenceTransformer(model_dir, device="cpu"))
+        return models[0].encode(batch, batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+
     if cache.exists():
         matrix = np.load(cache)
     else:
-        model = SentenceTransformer(model_dir, device="cpu")
-        matrix = model.encode(wanted, batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+        matrix = encode(wanted)
         cache.parent.mkdir(parents=True, exist_ok=True)
         np.save(cache, matrix)
     table = {text: row.tolist() for text, row in zip(wanted, matrix, strict=True)}
-    return lambda batch: [table[text] for text in batch]
+
+    def embed(batch: list[str]) -> list[list[float]]:
+        missing = [text for text in dict.fromkeys(batch) if text not in table]
+        if missing:
+            table.update((text, row.tolist()) for text, row in zip(missing, encode(missing), strict=True))
+        return [table[text] for text in batch]
+
+    return embed
 
 
 def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None = None) -> dict:
@@ -242,8 +260,8 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
     methods = ["contextwarden", "most recent", "BM25", *ABLATIONS]
     embed = None
     if embed_model:
-        texts = {m["content"] for c in cases for m in c["chat"]} | {c["question"] for c in cases}
-        embed = sentence_embedder(embed_model, sorted(texts))
+        chats = {id(c["chat"]): c["chat"] for c in cases}.values()
+        embed = sentence_embedder(embed_model, chats, sorted({c["question"] for c in cases}))
         methods.insert(1, "contextwarden + embedder")
     hits: dict[tuple[str, int, int], list[tuple[float, bool]]] = {}
     plain_cache: dict[int, tuple[list[list[str]], list[int]]] = {}

@@ -9,7 +9,7 @@ import pytest
 
 from contextwarden import trim_messages
 from contextwarden.embedder import OpenWebUIEmbedder, embedder_of
-from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, similarities
+from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -53,7 +53,9 @@ async def test_prefetch_embeds_newest_first_up_to_the_cap_then_the_rest():
         pass
     ready = trim_messages(chat, max_tokens=150, model="gpt-4o", low_watermark=1.0, embed=embedder)
     assert 1 in ready.kept and not ready.notes
-    assert sum(len(c) for c in function.calls) == len(chat) - 1  # each text once
+    asked = [t for call in function.calls for t in call]
+    assert asked == embed_texts(chat) and len(asked) == len(set(asked))  # each text once
+    assert len(asked) > len(chat) - 1  # the one-liners' context windows, after every message's own
 
 
 async def test_prefetch_embeds_a_long_message_in_its_pieces():

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from contextwarden import trim_messages
-from contextwarden.semantic import EMBED_CHARS, PIECE_CHARS, VectorCache, embed_pieces, similarities
+from contextwarden.semantic import (
+    CONTEXT_SHARE,
+    EMBED_CHARS,
+    PIECE_CHARS,
+    VectorCache,
+    context_window,
+    embed_pieces,
+    embed_texts,
+    similarities,
+)
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -96,3 +105,57 @@ def test_a_long_message_is_as_close_as_its_closest_piece():
     chat = [long, {"role": "user", "content": "What was my feline called?"}]
     found = similarities(chat, 1, VectorCache(), topic_embed)
     assert found is not None and found[0] == pytest.approx(1.0)
+
+
+# -- one-liners embedded with the one-liner before them ---------------------------------------
+
+
+def dialogue(*texts: str) -> list[dict]:
+    return [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(texts)]
+
+
+def test_a_one_liner_after_a_one_liner_has_a_context_window():
+    chat = dialogue("Did you adopt the kitten?", "Yes, last week!", "x" * (PIECE_CHARS + 1), "Nice.")
+    assert context_window(chat, 1) == "Did you adopt the kitten?\nYes, last week!"
+    assert context_window(chat, 0) is None  # nothing before it
+    assert context_window(chat, 2) is None  # a long message carries its own context
+    assert context_window(chat, 3) is None  # and gives none: it is not a one-liner
+    system = [{"role": "system", "content": "Be brief."}, *dialogue("Hi")]
+    assert context_window(system, 1) is None  # only user and assistant messages pair up
+    assert context_window(dialogue("  ", "Yes"), 1) is None
+    assert context_window(chat, 9) is None
+
+
+def test_a_reply_takes_its_share_of_similarity_from_what_it_answers():
+    chat = dialogue("Did you adopt the kitten?", "Yes, last week!", "It rained all day.", "What was my feline called?")
+    alone = similarities(chat, 3, VectorCache(), topic_embed, context=False)
+    found = similarities(chat, 3, VectorCache(), topic_embed)
+    assert alone is not None and found is not None
+    no_topic = 0.1 / 1.01**0.5  # "Yes, last week!" alone shares only the constant with the question
+    assert alone[1] == pytest.approx(no_topic, rel=1e-3)
+    assert found[1] == pytest.approx(no_topic + CONTEXT_SHARE * (1.0 - no_topic), rel=1e-3)  # its window is the cat
+    assert found[2] == pytest.approx(alone[2])  # its window ("Yes, last week!" and the rain) is no closer
+    assert found[0] == alone[0] and found[3] == 0.0  # the first message has no window; the question none
+
+
+def test_a_window_not_fetched_yet_leaves_its_message_scored_alone():
+    chat = dialogue("Did you adopt the kitten?", "Yes, last week!", "What was my feline called?")
+    cache = VectorCache()
+    own = [t for t in embed_texts(chat) if "\n" not in t]
+    cache.fill(own, topic_embed)
+    assert similarities(chat, 2, cache, topic_embed, fill=False) == similarities(
+        chat, 2, VectorCache(), topic_embed, context=False
+    )
+    cache.fill(embed_texts(chat), topic_embed)
+    assert similarities(chat, 2, cache, topic_embed, fill=False) == similarities(chat, 2, VectorCache(), topic_embed)
+
+
+def test_texts_are_fetched_messages_first_then_windows_newest_first():
+    chat = [{"role": "system", "content": "Be brief."}, *dialogue("Did you adopt the kitten?", "Yes!", "Cute.")]
+    assert embed_texts(chat) == [
+        "Cute.",
+        "Yes!",
+        "Did you adopt the kitten?",
+        "Yes!\nCute.",
+        "Did you adopt the kitten?\nYes!",
+    ]

@@ -3,11 +3,11 @@
 Open WebUI loads an embedding model for RAG and a filter reaches it as
 `__request__.app.state.EMBEDDING_FUNCTION`: `await fn(texts, prefix=None, user=None)`, a list
 of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
-embeds what is not cached yet, newest messages first (a long one in its pieces, see
-`semantic.embed_pieces`), at most `max_texts` texts within `timeout` seconds, into the
-process's `VECTORS`. The trim then only looks vectors up: when
-some are still missing (a long chat seen for the first time, a slow or failing embedder), that
-turn's relevance is lexical and later turns fill in the rest.
+embeds what is not cached yet (`semantic.embed_texts`: every message newest first, a long one
+in its pieces; then the one-liners together with the one before them), at most `max_texts`
+texts within `timeout` seconds, into the process's `VECTORS`. The trim then only looks vectors
+up: when some messages' are still missing (a long chat seen for the first time, a slow or
+failing embedder), that turn's relevance is lexical and later turns fill in the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from .caches import MAX_EMBEDDERS, register
 from .conversation import Message
-from .semantic import VECTORS, embed_pieces
+from .semantic import VECTORS, embed_texts
 
 __all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_TIMEOUT", "DEFAULT_EMBED_TEXTS"]
 
@@ -69,8 +69,7 @@ class OpenWebUIEmbedder:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 raise TimeoutError("the previous call is still running")
-        texts = [t for m in reversed(messages) if m.get("role") not in ("system", "developer") for t in embed_pieces(m)]
-        todo = VECTORS.missing(texts, self)[: self.batch(max_texts)]
+        todo = VECTORS.missing(embed_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return 0
         task = self._running = asyncio.ensure_future(self._fetch(todo))

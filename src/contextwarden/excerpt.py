@@ -130,7 +130,7 @@ def chunk_scores(chunks: Sequence[str], question: str, embed: Embed | None = Non
     similarity = None
     if embed is not None and chunks:
         try:
-            similarity = similarities(pseudo, len(chunks), VECTORS, embed)
+            similarity = similarities(pseudo, len(chunks), VECTORS, embed, context=False)
         except Exception:  # any embedder (the filter's looks vectors up and raises for chunks): lexical
             similarity = None
     return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS, similarity=similarity)[:-1]
