@@ -6,12 +6,14 @@ as for bench/quality.py:
     PYTHONPATH=src ~/.cache/contextwarden/owui-0.12.4/bin/python bench/embedcost.py \\
         --embed-model ~/.cache/contextwarden/owui-0.12.4-all-MiniLM-L6-v2
 
-Chats are bench/synth.py's (about 500 o200k tokens a message, tool groups), 200 and 1,000
-messages, budget 8,000 tokens, each turn a new selection (no `previous`: the worst case).
+Chats are bench/synth.py's, 200 and 1,000 messages, each turn a new selection (no
+`previous`: the worst case): about 500 o200k tokens a message with tool groups, budget 8,000
+tokens; and chats of one-liners (`synth.make_dialogue`: each also embedded with the one before
+it), budget 2,000.
 
 - **cold**: a chat never seen, no vectors cached: every message and the question embedded.
 - **warm**: the same chat plus a new reply and a new question, every other vector cached:
-  two texts embedded, the rest looked up.
+  two texts embedded (and their context windows), the rest looked up.
 - **lexical**: the same warm turn without an embedder (what the embedder adds is the gap).
 - **filter core, cold**: what the filter does on a chat it has never seen: `OpenWebUIEmbedder.prefetch`
   (at most `DEFAULT_EMBED_TEXTS` texts, newest first, within `DEFAULT_EMBED_TIMEOUT`) through an
@@ -48,6 +50,13 @@ import synth  # noqa: E402
 BUDGET = 8_000
 MODEL = "gpt-4o"
 SIZES = (200, 1_000)
+# synth's chats of ~540-token messages (a long one embedded in pieces) and of one-liners (each
+# embedded alone and again with the one before it, semantic.context_window): chat, next turn.
+# One-liners get a quarter of the budget: 200 of them (~6k tokens) would fit in 8,000 whole.
+SHAPES = {
+    "~540 tokens": (synth.make_chat, synth.next_turn, BUDGET),
+    "one-liners": (synth.make_dialogue, synth.next_dialogue_turn, BUDGET // 4),
+}
 
 
 class CountingEmbedder:
@@ -72,11 +81,11 @@ def timed(call) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def _trim(chat: list[dict], fn, counter: TokenCounter):
-    return trim_messages(chat, max_tokens=BUDGET, model=MODEL, token_counter=counter, embed=fn)
+def _trim(chat: list[dict], fn, counter: TokenCounter, budget: int = BUDGET):
+    return trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, embed=fn)
 
 
-def _filter_core(chat: list[dict], embed: CountingEmbedder, counter: TokenCounter) -> tuple[float, int]:
+def _filter_core(chat: list[dict], embed: CountingEmbedder, counter: TokenCounter, budget: int) -> tuple[float, int]:
     """The filter's cold turn: prefetch within the timeout, then the trim; ms and vectors ready in time.
 
     A prefetch that times out leaves its thread running (Open WebUI's embedder cannot be
@@ -91,31 +100,32 @@ def _filter_core(chat: list[dict], embed: CountingEmbedder, counter: TokenCounte
         except TimeoutError:
             pass  # the filter logs it and trims lexically
         ready = len(VECTORS)
-        _trim(chat, adapter, counter)
+        _trim(chat, adapter, counter, budget)
         return (time.perf_counter() - started) * 1000, ready
 
     return asyncio.run(turn())
 
 
-def run_size(n: int, embed: CountingEmbedder, counter: TokenCounter, reps: int) -> dict:
-    """Cold, warm, lexical and filter-core turns on chats of `n` messages."""
+def run_size(n: int, embed: CountingEmbedder, counter: TokenCounter, reps: int, shape: str) -> dict:
+    """Cold, warm, lexical and filter-core turns on chats of `n` messages of a `SHAPES` shape."""
+    make_chat, next_turn, budget = SHAPES[shape]
     rows: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": [], "lexical": [], "filter core, cold": []}
     for rep in range(reps):
-        chat = synth.make_chat(n * 1_000 + rep, n)
+        chat = make_chat(n * 1_000 + rep, n)
         counter.count_each_as(chat, MODEL)  # token counts warm in every row: the embedder is what differs
         VECTORS._vectors.clear()  # cold: no vector of any chat cached
         before = embed.texts
-        ms = timed(lambda chat=chat: _trim(chat, embed, counter))
+        ms = timed(lambda chat=chat: _trim(chat, embed, counter, budget))
         rows["cold"].append((ms, embed.texts - before))
         for k in range(3):  # warm: a new reply and question each, every other vector cached
-            grown = chat + synth.next_turn(n * 1_000 + rep * 10 + k)
+            grown = chat + next_turn(n * 1_000 + rep * 10 + k)
             counter.count_each_as(grown[:-2], MODEL)
             before = embed.texts
-            ms = timed(lambda grown=grown: _trim(grown, embed, counter))
+            ms = timed(lambda grown=grown: _trim(grown, embed, counter, budget))
             rows["warm"].append((ms, embed.texts - before))
-            rows["lexical"].append((timed(lambda grown=grown: _trim(grown, None, counter)), 0))
+            rows["lexical"].append((timed(lambda grown=grown: _trim(grown, None, counter, budget)), 0))
         VECTORS._vectors.clear()
-        rows["filter core, cold"].append(_filter_core(chat, embed, counter))
+        rows["filter core, cold"].append(_filter_core(chat, embed, counter, budget))
     return {
         name: {
             "median_ms": round(statistics.median(v[0] for v in values), 1),
@@ -132,8 +142,9 @@ def markdown(results: dict, meta: dict) -> str:
     lines = [
         "# Cost per turn of semantic relevance (real all-MiniLM-L6-v2, CPU)",
         "",
-        "Generated by `bench/embedcost.py`: `trim_messages(..., embed=fn)` on bench/synth.py chats (~500 o200k",
-        f"tokens a message, tool groups), budget {BUDGET:,} tokens, a new selection every turn (no `previous`).",
+        "Generated by `bench/embedcost.py`: `trim_messages(..., embed=fn)` on bench/synth.py chats (tool groups;",
+        "messages of ~540 o200k tokens, embedded in pieces, or one-liners, also embedded with the one before),",
+        f"budget {BUDGET:,} tokens ({BUDGET // 4:,} for one-liners), a new selection every turn (no `previous`).",
         "cold = no vector cached (every message and the question embedded); warm = the same chat plus a new",
         "reply and question, the rest cached; lexical = that warm turn without an embedder; filter core, cold =",
         f"the filter's prefetch (at most {DEFAULT_EMBED_TEXTS} texts, newest first, {DEFAULT_EMBED_TIMEOUT:g} s) "
@@ -148,15 +159,17 @@ def markdown(results: dict, meta: dict) -> str:
         f"- model load {meta['model_load_s']:.1f} s (once per process, not in the turns); "
         f"run took {meta['seconds']:.0f} s",
         "",
-        "| messages | turn | median ms | min-max ms | texts embedded | runs |",
-        "|---|---|---|---|---|---|",
+        "| messages | of | turn | median ms | min-max ms | texts embedded | runs |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for n, rows in results.items():
-        for name, r in rows.items():
-            lines.append(
-                f"| {int(n):,} | {name} | {r['median_ms']:,.1f} | {r['min_ms']:,.0f}-{r['max_ms']:,.0f} | "
-                f"{r['texts_embedded']:g} | {r['runs']} |"
-            )
+    for shape, sizes in results.items():
+        for n, rows in sizes.items():
+            for name, r in rows.items():
+                spread = f"{r['min_ms']:,.0f}-{r['max_ms']:,.0f}"
+                lines.append(
+                    f"| {int(n):,} | {shape} | {name} | {r['median_ms']:,.1f} | {spread} | "
+                    f"{r['texts_embedded']:g} | {r['runs']} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +200,10 @@ def main() -> None:
     t = time.perf_counter()
     model.encode(probe, batch_size=16)
     speed = len(probe) / (time.perf_counter() - t)
-    results = {str(n): run_size(n, embed, counter, args.reps if n < 1_000 else args.reps_1000) for n in SIZES}
+    results = {
+        shape: {str(n): run_size(n, embed, counter, args.reps if n < 1_000 else args.reps_1000, shape) for n in SIZES}
+        for shape in SHAPES
+    }
     meta = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "python": platform.python_version(),

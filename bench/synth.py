@@ -156,3 +156,22 @@ def next_turn(seed: int, *, mean_tokens: int = 540) -> list[dict[str, Any]]:
         {"role": "assistant", "content": prose(rng, _length(rng, mean_tokens * 14 // 10))},
         {"role": "user", "content": prose(rng, _length(rng, mean_tokens * 6 // 10))},
     ]
+
+
+def make_dialogue(seed: int, messages: int) -> list[dict[str, Any]]:
+    """A chat of one-liners (a sentence or two each, as in chit-chat), system prompt first, ending
+    with a user message: each one is embedded alone and with the one before it."""
+    rng = random.Random(seed)
+    chat: list[dict[str, Any]] = [{"role": "system", "content": prose(rng, 300)}]
+    while len(chat) < messages:
+        role = "user" if len(chat) % 2 else "assistant"
+        chat.append({"role": role, "content": " ".join(_sentence(rng) for _ in range(rng.randint(1, 2)))})
+    if chat[-1]["role"] != "user":
+        chat[-1] = {**chat[-1], "role": "user"}
+    return chat
+
+
+def next_dialogue_turn(seed: int) -> list[dict[str, Any]]:
+    """A reply and a new question for a chat of one-liners."""
+    rng = random.Random(seed)
+    return [{"role": role, "content": _sentence(rng)} for role in ("assistant", "user")]
