@@ -36,7 +36,7 @@ from itertools import chain
 from operator import mul
 
 from .caches import DEFAULT_VECTOR_CACHE_SIZE, MAX_EMBEDDERS, lru_hit, register
-from .conversation import Message, message_text
+from .conversation import SYSTEM_ROLES, Message, message_text
 
 __all__ = [
     "Embed",
@@ -59,7 +59,6 @@ EMBED_CHARS = 2_000  # text embedded per message: MiniLM reads 256 word pieces (
 PIECE_CHARS = 250  # a longer message is embedded in pieces of about this (a line or two)
 CONTEXT_SHARE = 0.65  # of a one-liner's similarity, from it embedded with the one-liner before it
 _DIALOGUE_ROLES = ("user", "assistant")
-_UNEMBEDDED_ROLES = ("system", "developer")
 _SENTENCE_ENDS = re.compile(r"(?<=[.!?;])\s+")
 
 
@@ -120,7 +119,7 @@ def embed_texts(messages: Sequence[Message]) -> list[str]:
     (`embed_pieces`), newest first, which a turn needs to score by meaning at all; then the
     context windows (`context_window`), newest first. System and developer messages are not
     embedded (relevance never scores them)."""
-    dialogue = [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") not in _UNEMBEDDED_ROLES]
+    dialogue = [i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") not in SYSTEM_ROLES]
     texts = [text for i in dialogue for text in embed_pieces(messages[i])]
     windows = (context_window(messages, i) for i in dialogue)
     return texts + [window for window in windows if window is not None]
