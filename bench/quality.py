@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -221,18 +222,15 @@ def sentence_embedder(model_dir: str, chats: Iterable[Sequence[dict]], texts: It
 
     from contextwarden.semantic import embed_pieces, embed_texts
 
-    wanted_set = {piece for t in texts for piece in embed_pieces({"content": t})}
-    for chat in chats:
-        wanted_set.update(embed_texts(chat))
-    wanted = sorted(wanted_set)
+    wanted = sorted(
+        {piece for t in texts for piece in embed_pieces({"content": t})}.union(*(embed_texts(c) for c in chats))
+    )
     digest = hashlib.sha256(("\x00".join(wanted) + model_dir).encode()).hexdigest()[:16]
     cache = ROOT / "bench" / ".cache" / f"vectors-{digest}.npy"
-    models: list = []
+    model = functools.cache(lambda: SentenceTransformer(model_dir, device="cpu"))  # loaded on first need
 
     def encode(batch: list[str]):
-        if not models:
-            models.append(SentenceTransformer(model_dir, device="cpu"))
-        return models[0].encode(batch, batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+        return model().encode(batch, batch_size=64, normalize_embeddings=True, show_progress_bar=False)
 
     if cache.exists():
         matrix = np.load(cache)
