@@ -58,6 +58,7 @@ MODULES = [
     "ledger",
     "limits",
     "spendbook",
+    "openturns",
     "adminview",
     "usergroups",
     "calibration",

@@ -241,6 +241,7 @@ async def test_bad_valve_value_is_named_and_auto_used(counter):
 
 
 async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache(counter):
+    """What a model's cache serves is learned from replies of turns the filter started (inlet)."""
     f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False)
     events = Events()
     reply = {
@@ -248,28 +249,24 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
         "content": "ok",
         "usage": {"prompt_tokens": 9_000, "completion_tokens": 20, "prompt_tokens_details": {"cached_tokens": 8_120}},
     }
-    await f.outlet(
-        {"model": SONNET, "messages": [{"role": "user", "content": "q"}, reply]},
-        __user__={"id": "u1"},
-        __metadata__={},
-        __event_emitter__=events,
-    )
+
+    async def turn(model: str, reply: dict, events: Events | None = None) -> None:
+        question, metadata = [{"role": "user", "content": "q"}], {}
+        await f.inlet({"model": model, "messages": question}, __user__={"id": "u1"}, __metadata__=metadata)
+        await f.outlet(
+            {"model": model, "messages": [*question, reply]},
+            __user__={"id": "u1"},
+            __metadata__=metadata,
+            __event_emitter__=events,
+        )
+
+    await turn(SONNET, reply, events)
     assert events.statuses[-1].startswith("9,000 tokens in (8,120 cached) · 20 out · $")
     from contextwarden.cache_stats import load_cache_stats
 
     assert (await load_cache_stats(f.store, SONNET)).caches() is True
     for _ in range(3):
-        await f.outlet(
-            {
-                "model": "openai/gpt-4.1",
-                "messages": [
-                    {"role": "user", "content": "q"},
-                    {**reply, "usage": {"prompt_tokens": 9_000, "completion_tokens": 20}},
-                ],
-            },
-            __user__={"id": "u1"},
-            __metadata__={},
-        )
+        await turn("openai/gpt-4.1", {**reply, "usage": {"prompt_tokens": 9_000, "completion_tokens": 20}})
     assert (await load_cache_stats(f.store, "openai/gpt-4.1")).caches() is False
 
 

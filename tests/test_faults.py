@@ -26,7 +26,7 @@ from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.conversation import is_recall_message, message_text
 from contextwarden.ledger import read_ledger
 from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
-from contextwarden.store import KEY_PREFIX, RedisStore, redis_client
+from contextwarden.store import RedisStore, redis_client
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
 from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT, read_count
@@ -449,10 +449,10 @@ class IncrSpy:
         return getattr(self.client, name)
 
     async def eval(self, script, numkeys, *args):
-        once_key = args[1] if numkeys == 2 else ""
-        if not once_key.startswith(KEY_PREFIX + "once:"):
+        # A named increment: KEYS are the counter and its marker bucket; ARGV[3] is its name.
+        once = args[numkeys + 2] if numkeys == 2 else ""
+        if not once:
             return await self.client.eval(script, numkeys, *args)
-        once = once_key[len(KEY_PREFIX + "once:") :]
         self.running += 1
         self.most = max(self.most, self.running)
         try:

@@ -1,6 +1,7 @@
 """Spending limits: the rules (role, group, user; admins), resets at the UTC day and month
-boundary, refusals through the fail-open wrapper, the store down, turns racing a limit, the
-status line with spend, and `!usage` inside Open WebUI. Memory store and a real Redis."""
+boundary, refusals through the fail-open wrapper, the store down, turns charged when they start
+and settled when they end (outlet, the stream's usage, or going quiet), the status line with
+spend, `!usage` inside Open WebUI and never sent on, damaged keys. Memory store and a real Redis."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
+import redis.asyncio as aioredis
 
 import contextwarden.filter as filter_module
+import contextwarden.openturns as openturns_module
+from contextwarden.cache_stats import CacheStats, load_cache_stats
+from contextwarden.calibration import load_calibration
 from contextwarden.errors import ConfigError, TurnRefused
-from contextwarden.ledger import record_reply
+from contextwarden.ledger import read_ledger, record_reply
 from contextwarden.limits import (
-    BUSY_TEXT,
     STORE_DOWN_TEXT,
-    InFlight,
     Limits,
     Spend,
     check_limits,
@@ -30,6 +33,7 @@ from contextwarden.limits import (
     parse_overrides,
     refusal_text,
 )
+from contextwarden.records import TurnNote
 from contextwarden.spendbook import SpendBook
 from contextwarden.usergroups import GroupReader
 from contextwarden.valves import read_settings
@@ -64,7 +68,10 @@ async def limited(counter, valves: dict, now: datetime | Clock, wrap=None):
 
 
 async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -> None:
-    """One reply of `user` on `day` in the filter's ledger (usd None: an unknown price)."""
+    """One reply of `user` on `day` in the filter's ledger and spend totals, as an outlet records
+    it (usd None: an unknown price)."""
+    cost = None if usd is None else D(usd)
+    await SpendBook().record(f.store, user=user, day=day, cost_usd=cost, tokens=tokens)
     await record_reply(
         f.store,
         user=user,
@@ -78,14 +85,19 @@ async def spent(f, user: str, usd: str | None, day: date, tokens: int = 1_000) -
     )
 
 
-def turn(user: str, role: str = "user", text: str = "What is a fjord?", **metadata) -> tuple[dict, dict]:
+def turn(
+    user: str, role: str = "user", text: str = "What is a fjord?", max_tokens: int | None = None, **metadata
+) -> tuple[dict, dict]:
     meta = {"chat_id": "", "user_id": user, "message_id": "m1", **metadata}
-    return {
+    body = {
         "model": "gpt-4o",
         "messages": [CHAT[0], {"role": "user", "content": text}],
         "stream": False,
         "metadata": meta,
-    }, {"id": user, "role": role, "name": "N", "email": "ann@example.com"}
+    }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body, {"id": user, "role": role, "name": "N", "email": "ann@example.com"}
 
 
 async def inlet(f, user: str, role: str = "user", events=None, text: str = "What is a fjord?", **metadata):
@@ -210,7 +222,7 @@ async def test_turn_over_the_daily_limit_is_refused_before_the_model(counter, st
     user = f"u-{unique}"
     await spent(f, user, "1.99", now.date())
     assert (await inlet(f, user))["messages"][-1]["content"] == "What is a fjord?"  # under the limit: goes on
-    await spent(f, user, "0.02", now.date())
+    await spent(f, user, "0.005", now.date())  # over, with that turn's charge (~$0.0103: its estimate)
     with pytest.raises(TurnRefused) as refused:
         await inlet(f, user)
     assert str(refused.value) == (
@@ -336,7 +348,7 @@ async def test_other_errors_in_the_limit_check_fail_open(counter, caplog, monkey
     assert "limits not checked (ZeroDivisionError" in caplog.text
 
 
-# -- turns racing the limit --------------------------------------------------------------------------
+# -- turns charged when they start, settled when they end ------------------------------------------
 
 
 class SlowStore:
@@ -348,55 +360,127 @@ class SlowStore:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def keys(self, pattern):
+    async def counters(self, key):
         for _ in range(3):
             await asyncio.sleep(0)
-        return await self._inner.keys(pattern)
+        return await self._inner.counters(key)
 
 
-async def test_near_the_limit_one_turn_at_a_time_per_worker(counter, store_valves, unique):
+async def started(f, body: dict, who: dict) -> dict | Exception:
+    try:
+        return await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    except TurnRefused as refused:
+        return refused
+
+
+async def test_turns_started_side_by_side_see_each_others_charge(counter, store_valves, unique):
+    """30 turns at once from $0 against $0.05, each charged $0.02 (its 2,000-token allowance at
+    gpt-4o's $10 per million out) when it starts: three start, the rest are refused as over."""
     now = datetime(2026, 12, 1, 12, tzinfo=UTC)
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now, wrap=SlowStore)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 0.05}, now, wrap=SlowStore)
     user = f"u-{unique}"
-    await spent(f, user, "0.85", now.date())  # 85%: near the limit
-    turns = [turn(user) for _ in range(12)]
-    results = await asyncio.gather(
-        *(f.inlet(body, __user__=who, __metadata__=body["metadata"]) for body, who in turns), return_exceptions=True
-    )
+    results = await asyncio.gather(*(started(f, *turn(user, max_tokens=2_000)) for _ in range(30)))
     refused = [r for r in results if isinstance(r, TurnRefused)]
-    assert len(results) - len(refused) == 1 and {str(r) for r in refused} == {BUSY_TEXT}
-    with pytest.raises(TurnRefused, match=BUSY_TEXT):  # the admitted turn still holds its place
-        await inlet(f, user)
-    # The admitted turn's outlet ends its hold: the next turn may start.
-    ((body, who),) = [t for t, r in zip(turns, results, strict=True) if not isinstance(r, Exception)]
-    reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 1})
+    assert len(results) - len(refused) == 3
+    assert all(str(r).startswith("contextwarden: your daily limit of $0.05 is reached ($0.06") for r in refused)
+    day, _ = await SpendBook().spend(f.store, user, now.date())
+    assert D("0.06") < day.usd < D("0.061") and day.requests == 3
+
+
+async def test_turns_whose_outlet_never_comes_stay_charged(counter, store_valves, unique):
+    """20 turns of ~40k tokens whose replies never reach outlet, against $0.01: one gets through."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 0.01}, now)
+    user = f"u-{unique}"
+    document = " ".join(f"word{i % 997}" for i in range(20_000))
+    results = [await started(f, *turn(user, text=document)) for _ in range(20)]
+    assert sum(not isinstance(r, Exception) for r in results) == 1
+    day, _ = await SpendBook().spend(f.store, user, now.date())
+    assert day.usd > D("0.09") and day.tokens > 39_000  # $2.50 per million in, the allowance at $10 out
+
+
+async def test_a_failed_call_costs_its_estimate_and_locks_nobody_out(counter, store_valves, unique):
+    """At 85%, a turn whose call fails (no outlet) is charged its estimate; the next one is served."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user = f"u-{unique}"
+    await spent(f, user, "0.85", now.date())
+    assert not isinstance(await started(f, *turn(user)), Exception)  # the call fails: no outlet
+    assert not isinstance(await started(f, *turn(user)), Exception)
+    day, _ = await SpendBook().spend(f.store, user, now.date())
+    assert D("0.87") < day.usd < D("0.871")  # two estimates of ~$0.0103 each (1,024 tokens out at $10)
+
+
+async def test_an_outlet_settles_the_turn_at_what_it_really_cost(counter, store_valves, unique):
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    book = SpendBook()
+    day, _ = await book.spend(f.store, user, now.date())
+    assert D("0.01") < day.usd < D("0.011") and day.requests == 1  # the estimate
+    reply = reply_of(usage={"prompt_tokens": 40_000, "completion_tokens": 100})
     await f.outlet(
         {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
     )
-    assert await inlet(f, user)
+    assert await book.spend(f.store, user, now.date()) == (Spend(D("0.101"), 40_100, 1, 0),) * 2
+    await f.outlet(
+        {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
+    )
+    day, _ = await book.spend(f.store, user, now.date())  # the same outlet again: a reply of its own
+    assert day == Spend(D("0.202"), 80_200, 2, 0)
 
 
-async def test_below_80_percent_turns_of_one_user_run_together(counter, unique):
-    f = await limited(counter, {"daily_limit_usd": 1}, datetime(2026, 12, 1, tzinfo=UTC))
-    user = f"u-{unique}"
-    await spent(f, user, "0.5", date(2026, 12, 1))
-    results = await asyncio.gather(*(inlet(f, user) for _ in range(5)), return_exceptions=True)
-    assert not [r for r in results if isinstance(r, Exception)]
-    await spent(f, user, "0.35", date(2026, 12, 1))  # 85% now: the five still running hold their places
-    with pytest.raises(TurnRefused, match=BUSY_TEXT):
-        await inlet(f, user)
+def stream_chunk(text: str = "", usage: dict | None = None) -> dict:
+    """One streamed chunk as Open WebUI hands it to a `stream` filter (OpenAI's shape)."""
+    chunk: dict = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    if usage is not None:
+        chunk["choices"], chunk["usage"] = [], usage
+    return chunk
 
 
-def test_a_hold_without_outlet_expires():
-    clock = [0.0]
-    held = InFlight(clock=lambda: clock[0])
-    token = held.hold("u1")
-    held.hold("u1")
-    assert held.count("u1") == 2
-    held.release("u1", token)
-    assert held.count("u1") == 1
-    clock[0] = 601.0
-    assert held.count("u1") == 0
+async def test_a_stream_settles_at_its_usage_chunk_and_a_stopped_one_when_it_goes_quiet(
+    counter, store_valves, unique, monkeypatch
+):
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 10}, now)
+    book, user = SpendBook(), f"u-{unique}"
+    # A stream with a usage chunk: settled at it, though no outlet ever comes.
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    for part in ("Fjords ", "are ", "long."):
+        assert await f.stream(stream_chunk(part), __metadata__=body["metadata"]) == stream_chunk(part)
+    await f.stream(stream_chunk(usage={"prompt_tokens": 4_000, "completion_tokens": 3}), __metadata__=body["metadata"])
+    assert await book.spend(f.store, user, now.date()) == (Spend(D("0.01003"), 4_003, 1, 0),) * 2
+    # A stream the user stops: no usage, no outlet. Once quiet, the prompt plus what it streamed.
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    prompt = TurnNote.from_dict(body["metadata"]["contextwarden"]).estimated_prompt_tokens
+    await f.stream(stream_chunk("x" * 400), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
+    day, _ = await book.spend(f.store, user, now.date())
+    assert day.tokens == 4_003 + prompt + 100 and day.requests == 2
+    assert day.usd == D("0.01003") + D(prompt) * D("0.0000025") + D("0.001")
+    [both] = [e for e in await read_ledger(f.store) if e.user == user]  # both ended without an outlet
+    assert (both.counters["requests"], both.counters["estimated"], both.counters["completion_tokens"]) == (2, 1, 103)
+
+
+async def test_only_turns_started_here_teach(counter, unique):
+    """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
+    to their sender, but never move the cache statistics or the calibration others see."""
+    f = await limited(counter, {}, datetime.now(UTC))
+    cached = {"prompt_tokens": 5_000, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4_000}}
+    body, who = turn(f"u-{unique}")
+    for _ in range(20):
+        await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply_of(usage=cached)]}, __user__=who)
+    assert await load_cache_stats(f.store, "openai/gpt-4o") == CacheStats()
+    assert (await load_calibration(f.store, "openai/gpt-4o")).samples == 0
+    await run_turn(f, CHAT, user=who, reply=reply_of(usage=cached))
+    assert await load_cache_stats(f.store, "openai/gpt-4o") != CacheStats()
 
 
 # -- the status line with spend ----------------------------------------------------------------
@@ -516,7 +600,7 @@ async def test_group_reader_without_open_webui_and_with_a_sync_lookup(monkeypatc
 
 
 class CountingStore:
-    """Counts ledger scans (`keys`) of the store it wraps."""
+    """Counts scans (`keys`) of the store it wraps."""
 
     def __init__(self, store) -> None:
         self._inner, self.scans = store, 0
@@ -529,55 +613,23 @@ class CountingStore:
         return await self._inner.keys(pattern)
 
 
-async def outlet_on(f, user: str, prompt: int) -> None:
-    """A reply of `user` through the filter's outlet (gpt-4o: $2.50 per 1M prompt tokens)."""
-    body, who = turn(user)
-    reply = reply_of(usage={"prompt_tokens": prompt, "completion_tokens": 0})
-    await f.outlet(
-        {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
-    )
-
-
-async def test_spend_keys_agree_with_the_ledger_from_the_upgrade_on(counter, store_valves, unique):
-    """Replies from before this version are only in the ledger: the month they are in still adds
-    up exactly; later checks read one key (no ledger scan), and later months need no ledger."""
-    clock = Clock(datetime(2026, 12, 10, 9, tzinfo=UTC))
-    f = await limited(counter, {**store_valves, "daily_limit_usd": 100}, clock, wrap=CountingStore)
-    book = SpendBook()  # what a worker's limits read of the spend the filter's replies left in the store
-    user = f"u-{unique}"
-    await spent(f, user, "1.5", date(2026, 12, 3))  # before the upgrade: in the ledger only
-    await spent(f, user, "0.25", date(2026, 12, 10))  # the upgrade day, earlier that day
-    await outlet_on(f, user, 400_000)  # the first reply this version records ($1.00)
-    day, month = await book.spend(f.store, user, clock.now.date())
-    assert (day.usd, month.usd, month.requests) == (D("1.25"), D("2.75"), 3)
-    clock.now = datetime(2026, 12, 15, 9, tzinfo=UTC)
-    await outlet_on(f, user, 200_000)  # $0.50
-    scans = f.store.scans
-    for _ in range(3):
-        day, month = await book.spend(f.store, user, clock.now.date())
-        assert (day.usd, month.usd, month.tokens) == (D("0.5"), D("3.25"), 600_000 + 2_000)
-    assert f.store.scans - scans == 1  # the days up to the upgrade, once; remembered after
-    clock.now = datetime(2027, 1, 2, 9, tzinfo=UTC)
-    await outlet_on(f, user, 40_000)  # $0.10
-    scans = f.store.scans
-    assert await book.spend(f.store, user, clock.now.date()) == (
-        Spend(D("0.1"), 40_000, 1, 0),
-        Spend(D("0.1"), 40_000, 1, 0),
-    )
-    assert f.store.scans == scans  # a month after the upgrade: the key alone
-    if store_valves:  # another worker, same store
-        other = store_of(store_valves)
-        assert await SpendBook().spend(other, user, date(2027, 1, 2)) == (
-            Spend(D("0.1"), 40_000, 1, 0),
-            Spend(D("0.1"), 40_000, 1, 0),
-        )
+async def test_no_request_path_scans_the_store(counter, store_valves, unique):
+    """A limited turn, its outlet, a user's and an admin's `!usage`: each reads keys by name."""
+    now = datetime.now(UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 5}, now, wrap=CountingStore)
+    user = {"id": f"u-{unique}", "role": "user"}
+    await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 400, "completion_tokens": 5}))
+    for who in (user["id"], "admin-1"):
+        body, caller = turn(who, role="admin" if who == "admin-1" else "user", text="!usage")
+        with pytest.raises(TurnRefused):
+            await f.inlet(body, __user__=caller, __metadata__=body["metadata"])
+    assert f.store.scans == 0
 
 
 async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
     """Outlet input is user-controlled: a reply counts at most $1,000 toward limits, never below 0."""
     f = await limited(counter, {"daily_limit_usd": 5}, datetime(2026, 12, 1, tzinfo=UTC))
     book = SpendBook()  # the filter's replies are recorded by one like it, on its store
-    await book.record(f.store, user="someone", day=date(2026, 11, 30), cost_usd=D(0), tokens=0)  # keys began
     await book.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("1e30"), tokens=10**30)
     await book.record(f.store, user=unique, day=date(2026, 12, 1), cost_usd=D("-5"), tokens=-5)
     day, _ = await SpendBook().spend(f.store, unique, date(2026, 12, 1))
@@ -586,13 +638,46 @@ async def test_spend_counts_a_forged_reply_within_bounds(counter, unique):
         await inlet(f, unique)
 
 
-async def test_an_outlet_that_fails_still_ends_the_hold(counter, unique):
-    f = await limited(counter, {"daily_limit_usd": 1}, datetime(2026, 12, 1, tzinfo=UTC))
-    user = f"u-{unique}"
-    await spent(f, user, "0.9", date(2026, 12, 1))
-    body, who = turn(user)
-    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
-    with pytest.raises(TurnRefused, match=BUSY_TEXT):  # 90%: one turn at a time, and this one holds
-        await inlet(f, user)
-    await f.outlet({"model": "gpt-4o", "messages": "not a list"}, __user__=who, __metadata__=body["metadata"])
-    assert await inlet(f, user)  # the hold ended: the next turn may start
+async def test_a_damaged_spend_key_is_repaired_and_locks_nobody_out(counter, redis_url, unique, caplog):
+    """A spend key of the wrong type, or with a field that is not a number, is named once and
+    repaired; the user is served (fail-closed included) and the next reply counts."""
+    valves = {"redis_url": redis_url, "daily_limit_usd": 1, "limit_store_failure": "fail-closed"}
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, valves, now)
+    raw = aioredis.from_url(redis_url)
+    wrong, bad_field = f"u-{unique}", f"v-{unique}"
+    await raw.set(f"contextwarden:spend:2026-12:{wrong}", "garbage", ex=60)
+    await raw.hset(f"contextwarden:spend:2026-12:{bad_field}", mapping={"d01:cost_picousd": "x1", "tokens": "7"})
+    for user in (wrong, bad_field, wrong, bad_field):
+        assert not isinstance(await started(f, *turn(user)), Exception)
+    assert caplog.text.count("was not a counter (damaged)") == 2
+    for user in (wrong, bad_field):
+        day, _ = await SpendBook().spend(f.store, user, now.date())
+        assert day.requests == 2 and D("0.02") < day.usd < D("0.021")
+    await raw.aclose()
+
+
+# -- !usage is never sent on -------------------------------------------------------------------
+
+
+async def test_usage_exchanges_are_never_sent_on(counter):
+    f = await limited(counter, {"daily_limit_usd": 5}, datetime.now(UTC))
+    chat = [
+        CHAT[0],
+        {"role": "user", "content": "What is a fjord?"},
+        {"role": "assistant", "content": "A sea inlet."},
+        {"role": "user", "content": " !usage"},
+        {"role": "assistant", "content": "### contextwarden usage · 2026-12\n| user id | replies |"},
+        {"role": "user", "content": "!USAGE"},
+        {"role": "assistant", "content": "contextwarden: today $0.42 of $5.00."},
+        {"role": "user", "content": "What does !usage show?"},
+        {"role": "assistant", "content": "Your spend."},
+        {"role": "user", "content": "Thanks. And a glacier?"},
+    ]
+    run = await run_turn(f, chat, user={"id": "u1", "role": "admin"})
+    for sent in (run.after_inlet, run.after_request):
+        texts = [m["content"] for m in sent["messages"]]
+        assert texts == [m["content"] for m in chat[:3] + chat[7:]]
+    g = await limited(counter, {"mode": "off"}, datetime.now(UTC))  # even with trimming off
+    run = await run_turn(g, chat, user={"id": "u1"})
+    assert len(run.after_request["messages"]) == 6

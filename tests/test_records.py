@@ -29,7 +29,7 @@ DECISION = TrimDecision(
 
 # What the previous version (main before typed records, with excerpts) left in __metadata__ after inlet and request.
 PREVIOUS_NOTE = {
-    "limit_hold": "h-1",
+    "turn": "h-1",
     "mode": "enforce",
     "estimated_prompt_tokens": 640,
     "count_mode": "exact",
@@ -68,7 +68,7 @@ def test_a_turn_note_reads_the_previous_versions_note_and_writes_it_back_with_it
     assert note.cost_saved_usd == D("0.00225")  # a number inside, text only in the JSON
     assert note.cache == CacheView(0, 0, False, 1_024) and note.flags == Flags(keep=2, used=("keep",))
     assert (note.line, note.sent_messages, note.shortened, note.excerpted) == ("kept 12 of 40 messages", 12, 1, 2)
-    assert note.limit_hold == "h-1"
+    assert note.turn_id == "h-1"
     assert note.to_dict() == {**PREVIOUS_NOTE, "v": NOTE_VERSION}
 
 

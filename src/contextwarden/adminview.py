@@ -4,6 +4,9 @@ their own spend and limits. Also the one rule for showing a cost that may be unk
 
 In a browser chat the answer is written into the reply (a `replace` event) and the turn ends
 with a one-line notice; API callers get the whole answer as the error text (HTTP 400 detail).
+The exchange stays in the chat for the user, but is never sent on: every later request of the
+chat goes out without it (`without_usage_exchanges`). Both answers read one key each: the
+admin's the month key of the ledger, a user's their spend key.
 """
 
 from __future__ import annotations
@@ -14,14 +17,23 @@ from decimal import Decimal
 from typing import Any
 
 from .conversation import Message, message_text
-from .ledger import LedgerEntry, LedgerRow, ledger_totals, read_ledger
-from .limits import KINDS, LimitRules, Limits, amount_text, check_limits, month_start, spend_of, spend_text
+from .ledger import LedgerRow, MonthTotals, read_month
+from .limits import KINDS, LimitRules, Limits, Spend, amount_text, check_limits, month_start, spend_text
 from .money import format_usd, usd
 from .store import Store
 
-__all__ = ["USAGE_COMMAND", "is_usage_command", "usage_answer", "usage_markdown", "cost_cell"]
+__all__ = [
+    "USAGE_COMMAND",
+    "is_usage_command",
+    "without_usage_exchanges",
+    "usage_answer",
+    "usage_markdown",
+    "cost_cell",
+]
 
 USAGE_COMMAND = "!usage"
+# How the filter's answers begin (the admin's report, a user's line, the notice in a chat).
+ANSWER_STARTS = ("### contextwarden usage", "contextwarden:")
 MAX_USER_ROWS = 25
 MAX_MODEL_ROWS = 15
 BACKGROUND_NOTE = (
@@ -50,12 +62,45 @@ def cost_cell(counters: dict[str, int], amount: Decimal, *, dollar: bool = False
 
 def is_usage_command(messages: Sequence[Message]) -> bool:
     """True when the latest message is the user's and says only `!usage`."""
-    if not messages or messages[-1].get("role") != "user":
+    return bool(messages) and _is_command(messages[-1])
+
+
+def _is_command(message: Message) -> bool:
+    if not isinstance(message, dict) or message.get("role") != "user":
         return False
-    content = messages[-1].get("content")
+    content = message.get("content")
     if isinstance(content, str) and len(content) > 64:
         return False
-    return message_text(messages[-1]).strip().lower() == USAGE_COMMAND
+    return message_text(message).strip().lower() == USAGE_COMMAND
+
+
+def _is_answer(message: Message) -> bool:
+    if not isinstance(message, dict) or message.get("role") != "assistant" or message.get("tool_calls"):
+        return False
+    text = message_text(message).lstrip()
+    return not text or text.startswith(ANSWER_STARTS)
+
+
+def without_usage_exchanges(messages: Sequence[Message]) -> list[Message] | None:
+    """The messages without earlier `!usage` commands and the filter's answers right after them;
+    None when there are none. The latest message is left alone (it may be a new command), and
+    so is any text that only mentions the command.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "!usage"},
+        ...         {"role": "assistant", "content": "contextwarden: today $0.01"},
+        ...         {"role": "user", "content": "What does !usage do?"}]
+        >>> [m["content"] for m in without_usage_exchanges(chat)]
+        ['What does !usage do?']
+    """
+    drop: set[int] = set()
+    last = len(messages) - 1
+    for at in range(last):
+        if _is_command(messages[at]):
+            drop.add(at)
+            if at + 1 < last and _is_answer(messages[at + 1]):
+                drop.add(at + 1)
+    return [m for at, m in enumerate(messages) if at not in drop] if drop else None
 
 
 def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
@@ -85,11 +130,10 @@ def _limits_line(rules: LimitRules) -> str:
     return line + "; overrides for " + ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts) + "."
 
 
-def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRules, *, shared: bool) -> str:
-    """The admin's report of this month (UTC) from ledger entries: totals, by user, by model, notes."""
+def usage_markdown(month: MonthTotals, now: datetime, rules: LimitRules, *, shared: bool) -> str:
+    """The admin's report of this month (UTC) from its totals: today, the month, by user, by model, notes."""
     today = now.date()
-    month = [e for e in entries if month_start(today) <= e.day <= today]
-    total = ledger_totals(month, "day")
+    total = month.days
     day_rows = [r for r in total if r.key == today.isoformat()]
     all_month = {
         f: sum(r.counters.get(f, 0) for r in total) for f in ("requests", "unpriced", "estimated", "cost_picousd")
@@ -103,11 +147,11 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
         f"This month: {cost_cell(all_month, month_usd, dollar=True)} · {all_month['requests']:,} replies.",
         "",
     ]
-    if not month:
+    if not total:
         lines.append("No usage recorded this month.")
     else:
-        lines += _table(ledger_totals(month, "user"), "user id", MAX_USER_ROWS) + [""]
-        lines += _table(ledger_totals(month, "model"), "model", MAX_MODEL_ROWS) + [""]
+        lines += _table(month.users, "user id", MAX_USER_ROWS) + [""]
+        lines += _table(month.models, "model", MAX_MODEL_ROWS) + [""]
     notes = []
     if all_month["unpriced"]:
         notes.append(
@@ -126,9 +170,8 @@ def usage_markdown(entries: Sequence[LedgerEntry], now: datetime, rules: LimitRu
     return "\n".join(lines)
 
 
-def own_usage_text(limits: Limits, entries: Sequence[LedgerEntry], now: datetime) -> str:
+def own_usage_text(limits: Limits, day: Spend, month: Spend) -> str:
     """What a user sees for `!usage`: their spend today and this month, and their limits."""
-    day, month = spend_of(entries, now.date())
     verdict = check_limits(limits, day, month)
     parts = [
         f"contextwarden: {spend_text(limits, day, verdict, True)}",
@@ -151,21 +194,18 @@ async def usage_answer(
     *,
     now: datetime,
     admin: bool,
-    user_id: str,
     limits: Limits,
     rules: LimitRules,
     emit: ReplyEmitter | None,
     chat: bool,
+    spend: Callable[[], Awaitable[tuple[Spend, Spend]]],
 ) -> str:
-    """The `!usage` answer; in a browser chat written into the reply, returning a short notice."""
-    today = now.date()
+    """The `!usage` answer; in a browser chat written into the reply, returning a short notice.
+    `spend` reads the user's (today's, this month's) spend (see `SpendBook.spend`)."""
     if admin:
-        entries = await read_ledger(store, since=month_start(today), until=today)
-        text = usage_markdown(entries, now, rules, shared=store.shared)
+        text = usage_markdown(await read_month(store, month_start(now.date())), now, rules, shared=store.shared)
     else:
-        text = own_usage_text(
-            limits, await read_ledger(store, since=month_start(today), until=today, user=user_id or "-"), now
-        )
+        text = own_usage_text(limits, *await spend())
     if chat and emit is not None:
         try:
             await emit({"type": "replace", "data": {"content": text}})

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import traceback
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from .accounting import (
     trim_savings,
     usage_record,
 )
-from .adminview import is_usage_command, usage_answer
+from .adminview import is_usage_command, usage_answer, without_usage_exchanges
 from .budget import PromptBudget, fixed_cost, prompt_budget
 from .cache_hints import (
     breakpoint_positions,
@@ -50,21 +51,21 @@ from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
 from .limits import (
-    BUSY_TEXT,
     STORE_DOWN_TEXT,
-    InFlight,
     Limits,
     Spend,
+    Verdict,
     check_limits,
     limits_for,
     refusal_text,
     spend_text,
 )
+from .openturns import OpenTurn, OpenTurns, reply_allowance, rough_tokens, streamed_chars
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .records import CacheView, TurnChoice, TurnNote, UsageRecord
 from .savings import Savings, carried_savings
-from .spendbook import SpendBook
+from .spendbook import Charge, SpendBook
 from .status import pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
@@ -369,7 +370,7 @@ class Filter:
         self._reported: set[str] = set()
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = (prices or PriceSources)(lambda: self._store)
-        self._inflight = InFlight()
+        self._open = OpenTurns()
         self._spendbook = SpendBook()
         self._groups = GroupReader()
         self._now: Callable[[], datetime] = clock or (lambda: datetime.now(UTC))
@@ -410,7 +411,16 @@ class Filter:
             filter_log.warning(
                 "contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc)
             )
-        return await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
+        out = await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
+        try:
+            await self._start_turn(out, __user__, __metadata__, __model__)
+        except (TurnRefused, *NEVER_SWALLOWED):
+            raise
+        except BaseException as exc:
+            filter_log.warning(
+                "contextwarden: turn not charged (%s at %s); turn allowed", type(exc).__name__, _where(exc)
+            )
+        return out
 
     async def request(
         self,
@@ -423,6 +433,20 @@ class Filter:
     ) -> dict:
         """Trim right before each provider call, after RAG and tools were added (idempotent)."""
         return await self._trim_hook("request", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
+
+    async def stream(self, event: Any, __metadata__: dict | None = None) -> Any:
+        """Watch a streamed reply as it goes: how much it carried, and each provider call's
+        usage (settled at once: a stream the user stops gets no outlet). Returns the event as it came."""
+        try:
+            note = __metadata__.get(METADATA_KEY) if isinstance(__metadata__, dict) else None
+            turn = self._open.find(note.get("turn") if isinstance(note, dict) else None)
+            if turn is not None:
+                await self._watch(turn, event)
+        except NEVER_SWALLOWED:
+            raise
+        except BaseException as exc:
+            filter_log.debug("contextwarden: stream chunk not read (%s)", type(exc).__name__)
+        return event
 
     async def outlet(
         self,
@@ -439,8 +463,6 @@ class Filter:
             raise
         except BaseException as exc:
             return await self._failed("outlet", exc, body, __event_emitter__)
-        finally:  # after the reply is recorded: a turn racing this one sees its cost
-            self._release_hold(__user__, __metadata__)
         return body
 
     # -- inlet / request ----------------------------------------------------------------------
@@ -482,6 +504,8 @@ class Filter:
         if isinstance(metadata, dict) and metadata.get("task"):
             return body
         settings = await self._settings(user, emit if hook == "inlet" else None)  # valve problems: once a turn
+        if (kept := without_usage_exchanges(body["messages"])) is not None:  # never sent on, whatever the mode
+            body = {**body, "messages": kept}
         if settings.mode == "off":
             return body
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
@@ -866,11 +890,11 @@ class Filter:
                     self._store,
                     now=self._now(),
                     admin=role == "admin",
-                    user_id=user_id,
                     limits=limits,
                     rules=settings.limits,
                     emit=emit,
                     chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
+                    spend=functools.partial(self._spendbook.spend, self._store, user_id or "-", self._now().date()),
                 )
             )
         limits = await self._user_limits(settings, user_id, role)
@@ -879,17 +903,113 @@ class Filter:
         spend = await self._spend_or_none(user_id, settings)
         if spend is None:
             return
-        verdict = check_limits(limits, *spend)
+        self._refuse_over(check_limits(limits, *spend))
+
+    def _refuse_over(self, verdict: Verdict) -> Verdict:
+        """Raise `TurnRefused` (the limit, the spend, the reset) when the verdict is a refusal."""
         if not verdict.allowed:
             filter_log.info("contextwarden: turn refused (%s limit reached)", verdict.kind)
             raise TurnRefused(refusal_text(verdict, self._now()))
-        # No await from here to the hold: a racing turn of this user sees it (one event loop).
-        if verdict.near and self._inflight.count(user_id):
-            filter_log.info("contextwarden: turn refused (near the %s limit, another turn running)", verdict.warn_kind)
-            raise TurnRefused(BUSY_TEXT)
-        hold = self._inflight.hold(user_id)
-        if isinstance(metadata, dict):
-            metadata[METADATA_KEY] = replace(TurnNote.from_dict(metadata.get(METADATA_KEY)), limit_hold=hold).to_dict()
+        return verdict
+
+    async def _start_turn(self, body: Any, user: dict | None, metadata: dict | None, model: dict | None) -> None:
+        """Start the turn in this worker (`OpenTurns`, its id in the note) and, for a user with a
+        limit, charge its estimate: the prompt as counted plus the reply's allowance, at the
+        model's price. Refuses it (`TurnRefused`) when a turn that started meanwhile took the
+        rest of the limit."""
+        if not _is_chat_body(body):
+            return
+        metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
+        if not isinstance(metadata, dict) or metadata.get("task") or is_usage_command(body["messages"]):
+            return
+        await self._settle_ended()
+        user = user if isinstance(user, dict) else {}
+        settings = await self._settings(user, None)
+        user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
+        limits = await self._user_limits(settings, user_id, role)
+        if settings.mode == "off" and not limits.any:
+            return  # off sends the body exactly as it came, its metadata included
+        note = TurnNote.from_dict(metadata.get(METADATA_KEY))
+        model_id = _base_model_id(body, model)
+        resolution = await self._resolve(settings, model_id, None)
+        turn = OpenTurn(
+            turn_id=uuid.uuid4().hex,
+            user=user_id,
+            day=self._now().date(),
+            model=resolution.model_id or model_id,
+            price=resolution.price,
+            prompt_tokens=note.estimated_prompt_tokens or rough_tokens(body["messages"]),
+            reply_tokens=reply_allowance(body, settings.reserve_output_tokens),
+            charged=None,
+            started=time.monotonic(),
+        )
+        if limits.any:
+            if await self._reserve(turn, turn.estimate, limits, settings):
+                turn.charged = turn.estimate
+        self._open.start(turn)
+        metadata[METADATA_KEY] = replace(TurnNote.from_dict(metadata.get(METADATA_KEY)), turn_id=turn.turn_id).to_dict()
+
+    async def _reserve(self, turn: OpenTurn, estimate: Charge, limits: Limits, settings: Settings) -> bool:
+        """Check and charge in one step (`SpendBook.reserve`); False when the store failed and
+        the valve lets the turn go uncharged (fail-open)."""
+        try:
+            if isinstance(self._store, RedisStore) and not self._store.shared:
+                raise ConnectionError("usage store unreachable")
+            verdict = await self._spendbook.reserve(
+                self._store,
+                user=turn.user,
+                day=turn.day,
+                charge=estimate,
+                check=lambda day, month: check_limits(limits, day, month),
+            )
+        except Exception as exc:
+            await self._store_failed(exc, settings)
+            return False
+        self._refuse_over(verdict)
+        return True
+
+    async def _watch(self, turn: OpenTurn, event: Any) -> None:
+        """One streamed chunk of a started turn: its text counted, its usage settled."""
+        turn.last_seen = time.monotonic()
+        turn.streamed += streamed_chars(event)
+        raw = event.get("usage") if isinstance(event, dict) else None
+        usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
+        if usage is not None:
+            turn.stream_usage.append(usage)
+            await self._settle(turn, turn.used()[1])
+
+    async def _settle(self, turn: OpenTurn, real: Charge) -> None:
+        """Replace what a turn was charged by `real` (nothing for a turn that took no charge)."""
+        if turn.charged is None or turn.charged == real:
+            return
+        try:
+            await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=turn.charged, real=real)
+        except Exception as exc:
+            filter_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
+            return
+        turn.charged = real
+
+    async def _settle_ended(self) -> None:
+        """Turns that ended without an outlet (`OpenTurns.due`): a stopped stream settled at its
+        prompt estimate plus what it streamed, one that showed nothing kept at its estimate;
+        each added to the ledger as an estimated reply."""
+        for turn in self._open.due(time.monotonic()):
+            used, charge = turn.used()
+            await self._settle(turn, charge)
+            filter_log.info("contextwarden: a turn ended without an outlet; settled at what this worker saw")
+            try:
+                await record_reply(
+                    self._store,
+                    user=turn.user,
+                    model=turn.model,
+                    prompt_tokens=used.prompt_tokens,
+                    completion_tokens=used.completion_tokens,
+                    cost_usd=charge.cost_usd,
+                    estimated=not turn.stream_usage,
+                    day=turn.day,
+                )
+            except Exception as exc:
+                filter_log.warning("contextwarden: ended turn not added to the usage ledger (%s)", type(exc).__name__)
 
     async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
         """The limits of one user (none without an id, or when no limit is set anywhere)."""
@@ -915,20 +1035,16 @@ class Filter:
         try:
             return await self._spend(user_id)
         except Exception as exc:
-            if settings.limit_store_failure == "fail-closed":
-                filter_log.warning(
-                    "contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__
-                )
-                raise TurnRefused(STORE_DOWN_TEXT) from None
-            filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
+            await self._store_failed(exc, settings)
             return None
 
-    def _release_hold(self, user: dict | None, metadata: dict | None) -> None:
-        """End the hold inlet took for this turn (a user near a limit may start the next)."""
-        hold = TurnNote.from_dict(metadata.get(METADATA_KEY)).limit_hold if isinstance(metadata, dict) else None
-        user_id = user.get("id") if isinstance(user, dict) else None
-        if isinstance(hold, str) and isinstance(user_id, str):
-            self._inflight.release(user_id, hold)
+    @staticmethod
+    async def _store_failed(exc: Exception, settings: Settings) -> None:
+        """The spend could not be read: fail-closed refuses the turn (`TurnRefused`), fail-open logs it."""
+        if settings.limit_store_failure == "fail-closed":
+            filter_log.warning("contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__)
+            raise TurnRefused(STORE_DOWN_TEXT) from None
+        filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
 
     async def _record_spend(self, user_id: object, cost_usd: Decimal | None, tokens: int) -> None:
         """Add a reply to its user's spend totals (what limits read); never costs the reply."""
@@ -973,6 +1089,7 @@ class Filter:
         settings = await self._settings(user, None)  # valve problems were shown before the reply
         metadata = metadata if isinstance(metadata, dict) else {}
         note = TurnNote.from_dict(metadata.get(METADATA_KEY))
+        started = self._open.finish(note.turn_id)  # None: a bare outlet (another worker's, or forged)
         model_id = _base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
         usage = self._reply_usage(body["messages"][-1])
@@ -999,9 +1116,10 @@ class Filter:
         )
         filter_log.info("usage %s", record.to_json())
         await self._book(
-            settings, (user or {}).get("id"), resolution.model_id or model_id, billed, estimated, cost, record
+            settings, (user or {}).get("id"), resolution.model_id or model_id, billed, estimated, cost, record, started
         )
-        await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
+        if started is not None:  # only a turn this worker started teaches (a bare outlet may be forged)
+            await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
         reply = body["messages"][-1]
         if reply.get("role") == "assistant":  # sent back next turn: counted and read now, off that turn's path
             await compute(off, read_reply, reply, self._counter, model_id, terms=settings.strategy == "relevance")
@@ -1030,9 +1148,10 @@ class Filter:
         estimated: bool,
         cost: Cost,
         record: UsageRecord,
+        started: OpenTurn | None,
     ) -> None:
-        """The reply into the usage ledger, then the spend totals: after the log line, once (never
-        retried, so never counted twice)."""
+        """The reply into the usage ledger, then the spend totals (its turn's charge settled, or
+        the reply added whole): after the log line, once (never retried, so never counted twice)."""
         try:
             await record_reply(
                 self._store,
@@ -1053,7 +1172,10 @@ class Filter:
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
-            await self._record_spend(user_id, cost.cost_usd, spent_tokens(billed))
+            if started is not None and started.charged is not None:
+                await self._settle(started, Charge(cost.cost_usd, spent_tokens(billed)))
+            else:
+                await self._record_spend(user_id, cost.cost_usd, spent_tokens(billed))
 
     async def _learn(
         self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str

@@ -7,6 +7,9 @@ or unpriced; beside real spend, what trimming saved (`trimmed`, `tokens_saved`,
 would have saved (`shadow_*`: the chat went out whole, nothing was saved). Several workers
 sharing one Redis add up exactly; without Redis each worker keeps its own totals. Query helpers
 add the keys up by user, model or day.
+
+Beside them, one key a month (`ledger-month:<YYYY-MM>`) holds the month's figures a report
+shows, by user, by model and by day, so `!usage` reads one key instead of scanning the store.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ __all__ = [
     "DEFAULT_LEDGER_RETENTION_DAYS",
     "record_reply",
     "read_ledger",
+    "read_month",
+    "MonthTotals",
     "ledger_totals",
     "usd_to_picodollars",
     "picodollars_to_usd",
@@ -68,6 +73,10 @@ SIGNED_MONEY_FIELDS = frozenset({"cost_saved_picousd", "shadow_cost_saved_picous
 _FIELD_LIMITS = {name: int(MAX_INCREMENT_USD) * PICODOLLARS_PER_USD for name in LEDGER_MONEY_FIELDS}
 
 LedgerGrouping = Literal["user", "model", "day"]
+MONTH_KEY_PREFIX = "ledger-month:"
+# The figures of the month key, each by user (`u`), model (`m`) and day of the month (`d`).
+MONTH_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cost_picousd", "unpriced", "estimated")
+MONTH_TTL_SECONDS = 40 * 86_400  # at least: a month's key outlives the month
 
 
 def usd_to_picodollars(amount: Decimal) -> int:
@@ -240,8 +249,60 @@ async def record_reply(
     if tokens_saved > 0:
         fields.update(_savings_fields(tokens_saved, cost_saved_usd, shadow))
     _check_fields(fields)
-    await store.incr(key, fields, ttl=max(1, retention_days) * 86_400, once=f"ledger:{uuid.uuid4().hex}")
+    ttl = max(1, retention_days) * 86_400
+    await store.incr(key, fields, ttl=ttl, once=f"ledger:{uuid.uuid4().hex}")
+    await store.incr(
+        _month_key(day),
+        _month_fields(day, key, fields),
+        ttl=max(ttl, MONTH_TTL_SECONDS),
+        once=f"ledger-month:{uuid.uuid4().hex}",
+    )
     return key
+
+
+def _month_key(day: date) -> str:
+    return f"{MONTH_KEY_PREFIX}{day:%Y-%m}"
+
+
+def _month_fields(day: date, key: str, fields: dict[str, int]) -> dict[str, int]:
+    """A reply's figures under `u:<user>:`, `m:<model>:` and `d:<DD>:` (ids as in its ledger key)."""
+    _, user, model = key[len(LEDGER_KEY_PREFIX) :].split(":")
+    out = {}
+    for group in (f"u:{user}", f"m:{model}", f"d:{day.day:02d}"):
+        out.update({f"{group}:{name}": fields[name] for name in MONTH_FIELDS if fields[name]})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MonthTotals:
+    """One month's figures from its month key: rows by user and by model (largest cost first)
+    and by day (`YYYY-MM-DD`, in order), each with the `MONTH_FIELDS` counters."""
+
+    users: list[LedgerRow]
+    models: list[LedgerRow]
+    days: list[LedgerRow]
+
+
+async def read_month(store: Store, month: date) -> MonthTotals:
+    """The month of `month` as a report shows it: one read of its month key.
+
+    Example:
+        >>> (await read_month(store, date(2026, 12, 1))).users[0].key  # doctest: +SKIP
+        'u-1'
+    """
+    groups: dict[tuple[str, str], dict[str, int]] = {}
+    for name, amount in (await store.counters(_month_key(month))).items():
+        parts = name.split(":")
+        if len(parts) != 3 or parts[0] not in ("u", "m", "d") or parts[2] not in MONTH_FIELDS:
+            continue
+        what = unquote(parts[1]) if parts[0] != "d" else f"{month:%Y-%m}-{parts[1]}"
+        groups.setdefault((parts[0], what), dict.fromkeys(MONTH_FIELDS, 0))[parts[2]] = amount
+    rows = {kind: [LedgerRow(key, totals) for (k, key), totals in groups.items() if k == kind] for kind in "umd"}
+    return MonthTotals(_by_cost(rows["u"]), _by_cost(rows["m"]), sorted(rows["d"], key=lambda r: r.key))
+
+
+def _by_cost(rows: list[LedgerRow]) -> list[LedgerRow]:
+    return sorted(rows, key=lambda r: (-r.counters["cost_picousd"], -r.counters["requests"], r.key))
 
 
 async def read_ledger(
@@ -289,6 +350,4 @@ def ledger_totals(entries: Iterable[LedgerEntry], by: LedgerGrouping) -> list[Le
         for field in LEDGER_FIELDS:
             totals[field] += entry.counters.get(field, 0)
     rows = [LedgerRow(name, totals) for name, totals in groups.items()]
-    if by == "day":
-        return sorted(rows, key=lambda r: r.key)
-    return sorted(rows, key=lambda r: (-r.counters["cost_picousd"], -r.counters["requests"], r.key))
+    return sorted(rows, key=lambda r: r.key) if by == "day" else _by_cost(rows)

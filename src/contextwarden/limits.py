@@ -10,18 +10,15 @@ overrides name the `admin` role.
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
-from time import monotonic
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
-from .ledger import LedgerEntry
 from .money import usd
 
 __all__ = [
@@ -31,7 +28,6 @@ __all__ = [
     "Verdict",
     "parse_overrides",
     "limits_for",
-    "spend_of",
     "check_limits",
     "month_start",
     "next_reset",
@@ -39,19 +35,15 @@ __all__ = [
     "spend_text",
     "amount_text",
     "WARN_FRACTION",
-    "InFlight",
-    "BUSY_TEXT",
     "STORE_DOWN_TEXT",
     "LimitKind",
 ]
 
-WARN_FRACTION = Decimal("0.8")  # the status line warns from here, and a worker runs one turn at a time
+WARN_FRACTION = Decimal("0.8")  # the status line warns from here
 MAX_OVERRIDES_CHARS = 65_536  # also bounds the entries: at most about 9,000
 MAX_LIMIT_USD = Decimal(1_000_000_000)
 MAX_LIMIT_TOKENS = 10**15
 OVERRIDES_VALVE = "limit_overrides"
-HOLD_SECONDS = 600.0  # a turn whose outlet never came stops counting as running after this
-MAX_HELD_USERS = 100_000
 LimitKind = Literal["daily_usd", "daily_tokens", "monthly_usd", "monthly_tokens"]
 CENT = Decimal("0.01")
 KINDS: tuple[LimitKind, ...] = ("daily_usd", "daily_tokens", "monthly_usd", "monthly_tokens")
@@ -217,30 +209,6 @@ def month_start(day: date) -> date:
     return day.replace(day=1)
 
 
-def spend_of(entries: Iterable[LedgerEntry], today: date) -> tuple[Spend, Spend]:
-    """(today's, this month's) spend from one user's ledger entries (others' days ignored)."""
-    day, month = Spend(), Spend()
-    first = month_start(today)
-    for entry in entries:
-        if not first <= entry.day <= today:
-            continue
-        c = entry.counters
-        part = Spend(
-            entry.cost_usd,
-            c.get("prompt_tokens", 0) + c.get("completion_tokens", 0),
-            c.get("requests", 0),
-            c.get("unpriced", 0),
-        )
-        month = _add(month, part)
-        if entry.day == today:
-            day = _add(day, part)
-    return day, month
-
-
-def _add(a: Spend, b: Spend) -> Spend:
-    return Spend(a.usd + b.usd, a.tokens + b.tokens, a.requests + b.requests, a.unpriced + b.unpriced)
-
-
 def next_reset(kind: LimitKind, now: datetime) -> datetime:
     """The next UTC midnight (daily) or first of the next month (monthly)."""
     today = now.astimezone(UTC).date()
@@ -322,10 +290,6 @@ def refusal_text(verdict: Verdict, now: datetime) -> str:
     )
 
 
-BUSY_TEXT = (
-    "contextwarden: you are near your usage limit and another of your replies is still running; "
-    "send this again when it has finished."
-)
 STORE_DOWN_TEXT = (
     "contextwarden: usage limits cannot be checked right now (the usage store is unreachable); try again shortly."
 )
@@ -357,38 +321,3 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
             + ("" if verdict.warn_kind.endswith("usd") else " (tokens)")
         )
     return " · ".join(parts)
-
-
-class InFlight:
-    """Turns of each user running in this worker: held from inlet to outlet (or for
-    `HOLD_SECONDS` when no outlet comes), so a user near a limit runs one turn at a time."""
-
-    def __init__(self, clock: Callable[[], float] = monotonic) -> None:
-        self._clock = clock
-        self._turns: dict[str, dict[str, float]] = {}
-
-    def count(self, user: str) -> int:
-        turns = self._turns.get(user)
-        if not turns:
-            return 0
-        now = self._clock()
-        for token in [t for t, until in turns.items() if until < now]:
-            del turns[token]
-        if not turns:
-            del self._turns[user]
-        return len(turns)
-
-    def hold(self, user: str) -> str:
-        if len(self._turns) >= MAX_HELD_USERS:
-            for name in list(self._turns):
-                self.count(name)  # drops expired holds and empty users
-        token = uuid.uuid4().hex
-        self._turns.setdefault(user, {})[token] = self._clock() + HOLD_SECONDS
-        return token
-
-    def release(self, user: str, token: str) -> None:
-        turns = self._turns.get(user)
-        if turns is not None:
-            turns.pop(token, None)
-            if not turns:
-                del self._turns[user]

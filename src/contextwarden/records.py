@@ -172,8 +172,8 @@ class TurnChoice:
 class TurnNote:
     """One turn's note, from the request hooks to later passes and to outlet.
 
-    Written in groups, each present only once its pass set it: `limit_hold` (inlet held the
-    turn near a spending limit); the trim's figures (`mode` ... `cache`, all set together);
+    Written in groups, each present only once its pass set it: `turn_id` (inlet started the
+    turn in this worker: `openturns.OpenTurns` knows it); the trim's figures (`mode` ... `cache`, all set together);
     `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
     left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
     (`sent_messages`, `shortened`, `excerpted`); `cache_marked` (the prompt-cache breakpoints this turn placed,
@@ -186,7 +186,7 @@ class TurnNote:
         True
     """
 
-    limit_hold: str | None = None
+    turn_id: str | None = None
     mode: str | None = None
     estimated_prompt_tokens: int | None = None
     count_mode: str | None = None
@@ -220,8 +220,8 @@ class TurnNote:
     def to_dict(self) -> dict[str, Any]:
         """The note as `__metadata__` holds it (JSON values only)."""
         out: dict[str, Any] = {"v": self.version}
-        if self.limit_hold is not None:
-            out["limit_hold"] = self.limit_hold
+        if self.turn_id is not None:
+            out["turn"] = self.turn_id
         if self.mode is not None:
             out.update(
                 mode=self.mode,
@@ -260,11 +260,11 @@ class TurnNote:
         savings: dict[str, Any] = carried if isinstance(carried, dict) else {}
         flags = raw.get("flags")
         line = raw.get("line")
-        hold = raw.get("limit_hold")
+        turn_id = raw.get("turn")
         mode, count_mode = raw.get("mode"), raw.get("count_mode")
         calibration = raw.get("calibration")
         return cls(
-            limit_hold=hold if isinstance(hold, str) else None,
+            turn_id=turn_id if isinstance(turn_id, str) and len(turn_id) <= 64 else None,
             mode=mode if isinstance(mode, str) else None,
             estimated_prompt_tokens=_count(raw.get("estimated_prompt_tokens")),
             count_mode=count_mode if isinstance(count_mode, str) else None,

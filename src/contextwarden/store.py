@@ -33,7 +33,10 @@ REDIS_RETRY_SECONDS = 30.0
 # the caller, and the worker keeps using Redis.
 _REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, asyncio.TimeoutError)
 REDIS_PENDING_LIMIT = 10_000  # named increments a worker holds while Redis is away
-ONCE_MARKER_SECONDS = 2 * 86_400  # how long Redis remembers that a named increment was applied
+ONCE_MARKER_SECONDS = 86_400  # how long Redis remembers that a named increment was applied
+# The markers of named increments live as fields of one hash an hour (`once:<YYYYMMDDHH>`):
+# a reply adds a field, not a key, so at most 25 marker keys exist at a time.
+ONCE_BUCKET_FORMAT = "%Y%m%d%H"
 REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
 # Waiting for a free pooled connection measures a busy event loop, not Redis: each holder's
 # command is already bounded by the socket timeouts. Give up only after this long.
@@ -72,7 +75,15 @@ class Store:
         """
         raise NotImplementedError
 
+    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+        """`incr` only while the counter `guard[0]` still holds `guard[1]` (absent = 0): a
+        read-check-write that another worker's write in between turns into a retry. True when
+        it was applied."""
+        raise NotImplementedError
+
     async def counters(self, key: str) -> dict[str, int]:
+        """The integer fields of a counter key ({} when absent). A field or key that is not a
+        counter (damaged by hand or by another program) is removed, with one warning."""
         raise NotImplementedError
 
     async def keys(self, pattern: str) -> list[str]:
@@ -138,6 +149,16 @@ class MemoryStore(Store):
             self._done[once] = None
             if len(self._done) > self.max_keys:
                 self._done.popitem(last=False)
+        self._add(key, fields, ttl)
+
+    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+        current = self._live(key)
+        if (current.get(guard[0], 0) if isinstance(current, dict) else 0) != guard[1]:
+            return False
+        self._add(key, fields, ttl)
+        return True
+
+    def _add(self, key: str, fields: Mapping[str, int], ttl: int) -> None:
         current = self._live(key)
         totals = dict(current) if isinstance(current, dict) else {}
         for name, amount in fields.items():
@@ -183,7 +204,8 @@ class RedisStore(Store):
         self._redis = client if client is not None else redis_client(url, timeout)
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
-        self._pending: deque[tuple[str, dict[str, int], int, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
+        # (key, fields, ttl, name, marker bucket): a replay marks the bucket of the first try.
+        self._pending: deque[tuple[str, dict[str, int], int, str, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
         self._replaying = False
 
     @property
@@ -193,7 +215,7 @@ class RedisStore(Store):
     @property
     def held(self) -> tuple[str, ...]:
         """The names of the named increments waiting for Redis to answer again, oldest first."""
-        return tuple(once for *_, once in self._pending)
+        return tuple(held[3] for held in self._pending)
 
     def _usable(self) -> bool:
         return self._down_since is None or time.monotonic() - self._down_since > REDIS_RETRY_SECONDS
@@ -238,7 +260,7 @@ class RedisStore(Store):
             while self._pending:
                 held = self._pending[0]
                 try:
-                    await self._redis_incr(held[0], held[1], ttl=held[2], once=held[3])
+                    await self._redis_incr(held[0], held[1], ttl=held[2], once=held[3], bucket=held[4])
                 except _REDIS_ERRORS as exc:
                     self._failed(exc)
                     return
@@ -268,9 +290,13 @@ class RedisStore(Store):
         if once is None:
             await self._call("incr", key, fields, ttl=ttl)
             return
-        done, _ = await self._try_redis("incr", key, fields, ttl=ttl, once=once)
+        bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
+        done, _ = await self._try_redis("incr", key, fields, ttl=ttl, once=once, bucket=bucket)
         if not done:
-            self._pending.append((key, dict(fields), ttl, once))
+            self._pending.append((key, dict(fields), ttl, once, bucket))
+
+    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+        return await self._call("incr_if", key, fields, ttl=ttl, guard=guard)
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
@@ -295,14 +321,43 @@ class RedisStore(Store):
     async def _redis_delete(self, key: str) -> None:
         await self._redis.delete(KEY_PREFIX + key)
 
-    async def _redis_incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+    async def _redis_incr(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None, bucket: str = ""
+    ) -> None:
+        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
+        await self._eval_incr(keys, fields, ttl, once or "", ("", 0))
+
+    async def _redis_incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+        return await self._eval_incr([KEY_PREFIX + key], fields, ttl, "", guard) != 0
+
+    async def _eval_incr(
+        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, guard: tuple[str, int]
+    ) -> int:
         flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
-        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + once] if once is not None else [])
-        await self._redis.eval(_INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), *flat)
+        answer = await self._redis.eval(
+            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, guard[0], guard[1], *flat
+        )
+        if answer == 2:
+            _warn_repaired(keys[0])
+        return int(answer)
 
     async def _redis_counters(self, key: str) -> dict[str, int]:
-        raw = await self._redis.hgetall(KEY_PREFIX + key)
-        return {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]  # bytes: see _redis_get
+        try:
+            raw = await self._redis.hgetall(KEY_PREFIX + key)
+        except aioredis.ResponseError:  # WRONGTYPE: not a counter key
+            await self._redis.delete(KEY_PREFIX + key)
+            _warn_repaired(KEY_PREFIX + key)
+            return {}
+        counters, damaged = {}, []
+        for name, value in raw.items():
+            try:
+                counters[name.decode() if isinstance(name, bytes) else name] = int(value)
+            except ValueError:
+                damaged.append(name)
+        if damaged:
+            await self._redis.hdel(KEY_PREFIX + key, *damaged)
+            _warn_repaired(KEY_PREFIX + key)
+        return counters
 
     async def _redis_keys(self, pattern: str) -> list[str]:
         found = [
@@ -314,25 +369,41 @@ class RedisStore(Store):
         await self._redis.aclose()
 
 
-# One atomic, all-or-nothing step: nothing when the marker (KEYS[2], if given) says this named
-# increment was applied; else every field is checked first (an integer, staying within
-# +-9e18, below the 2^63 where HINCRBY fails) and only then are all added, the expiry refreshed
-# and the marker set. A refused increment writes nothing (Redis does not undo a half-run script).
+def _warn_repaired(key: str) -> None:
+    store_log.warning("contextwarden: %s was not a counter (damaged); its bad part removed", key)
+
+
+# One atomic, all-or-nothing step. ARGV: ttl, marker ttl, the increment's name ("" = none; its
+# marker is a field of the hash KEYS[2]), a guard field ("" = none) and the value it must hold,
+# then field / amount pairs. Nothing when the marker says this increment was applied (1) or the
+# guard field holds another value (0); else every field is checked first (staying within +-9e18,
+# below the 2^63 where HINCRBY fails) and only then are all added, the expiry refreshed and the
+# marker set. A refused increment writes nothing (Redis does not undo a half-run script). A
+# damaged key (not a hash) or field (not an integer) is replaced, answering 2 so it is logged.
 _INCR_SCRIPT = """
-if #KEYS == 2 and redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return 1 end
+local answer = 1
 local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind ~= 'hash' and kind ~= 'none' then return redis.error_reply('ERR contextwarden: not a counter key') end
-for i = 3, #ARGV, 2 do
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]); answer = 2 end
+if ARGV[4] ~= '' and tonumber(redis.call('HGET', KEYS[1], ARGV[4]) or '0') ~= tonumber(ARGV[5]) then return 0 end
+local bad = {}
+for i = 6, #ARGV, 2 do
   local current = redis.call('HGET', KEYS[1], ARGV[i]) or '0'
-  if not string.match(current, '^-?%d+$') or not string.match(ARGV[i + 1], '^-?%d+$')
-      or math.abs(tonumber(current) + tonumber(ARGV[i + 1])) > 9e18 then
+  if not string.match(current, '^-?%d+$') then bad[i] = true; current = '0' end
+  if not string.match(ARGV[i + 1], '^-?%d+$') or math.abs(tonumber(current) + tonumber(ARGV[i + 1])) > 9e18 then
     return redis.error_reply('ERR contextwarden: counter ' .. ARGV[i] .. ' would leave the integer range')
   end
 end
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do
+  if bad[i] then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]); answer = 2
+  else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-if #KEYS == 2 then redis.call('SET', KEYS[2], '1', 'EX', ARGV[2]) end
-return 1
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[3], '1')
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+return answer
 """
 
 
