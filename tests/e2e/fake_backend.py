@@ -107,7 +107,8 @@ class ScriptedReply:
     """One reply a test queues with :meth:`FakeBackend.push_reply`.
 
     ``status`` other than 200 answers with ``{"error": {"message": error}}``. ``usage`` replaces
-    the computed usage dict entirely when given.
+    the computed usage dict entirely when given. ``piece_delay`` seconds pass between streamed
+    content chunks (a slow model, for a client that stops the stream mid-way).
     """
 
     content: str | None = None
@@ -116,6 +117,7 @@ class ScriptedReply:
     finish_reason: str | None = None
     status: int = 200
     error: str = "scripted error"
+    piece_delay: float = 0.0
 
 
 @dataclass
@@ -267,7 +269,12 @@ class _Handler(BaseHTTPRequestHandler):
 
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._stream(ident, created, model, content, script.tool_calls, finish, usage, include_usage)
+            try:
+                self._stream(
+                    ident, created, model, content, script.tool_calls, finish, usage, include_usage, script.piece_delay
+                )
+            except (BrokenPipeError, ConnectionResetError):  # the caller stopped the stream
+                pass
             return
 
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
@@ -296,6 +303,7 @@ class _Handler(BaseHTTPRequestHandler):
         finish: str,
         usage: dict[str, Any],
         include_usage: bool,
+        piece_delay: float = 0.0,
     ) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -323,6 +331,7 @@ class _Handler(BaseHTTPRequestHandler):
         for start in range(0, len(content or ""), STREAM_PIECE_CHARS):
             piece = (content or "")[start : start + STREAM_PIECE_CHARS]
             chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+            time.sleep(piece_delay)
         for position, call in enumerate(tool_calls or []):
             delta_call = {"index": position, **call}
             chunk([{"index": 0, "delta": {"tool_calls": [delta_call]}, "finish_reason": None}])

@@ -7,14 +7,19 @@ through Open WebUI's own `Groups` model, made through its REST API here.
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from typing import Any
 
 import pytest
 
 from fake_backend import FakeBackend
-from owui import OpenWebUI, add_user, chat, reply_text, set_valves
+from helpers import BUILT_FILE
+from owui import OpenWebUI, add_user, chat, installed_function, reply_text, set_valves, start_open_webui
 from test_product import FID, MODEL, base_valves, product, short_chat  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.e2e
@@ -90,3 +95,82 @@ def test_usage_command_answers_admins_without_the_model(open_webui, backend, lim
     assert (
         own["body"]["detail"] == "contextwarden: today $0.013 of $0.01 · 125% of your daily limit · this month $0.013."
     )
+
+
+# --- charged when a turn starts: outlets that never come, two workers --------------------------------
+
+
+def spent_today(owui: OpenWebUI, token: str) -> Decimal:
+    """The user's spend today as their own `!usage` answer says it."""
+    answer = chat(owui, MODEL, [{"role": "user", "content": "!usage"}], token=token, expect=None)
+    found = re.search(r"today \$([\d.]+)", answer["body"]["detail"])
+    assert found, answer
+    return Decimal(found.group(1))
+
+
+def test_a_stream_the_caller_stops_is_charged(open_webui, backend, limited):
+    """Open WebUI runs no outlet after a stream its caller drops (its CancelledError path): the
+    turn was charged its estimate when it started (the prompt, and the 500-token reply allowance
+    at gpt-4o's $10 a million: at least $0.005)."""
+    user = new_user(open_webui)
+    backend.push_reply(content="A slow and long answer. " * 40, piece_delay=0.05)  # 120 chunks, about 6 s
+    body = {"model": MODEL, "messages": short_chat(), "stream": True}
+    with open_webui.client(user["token"]) as client, client.stream("POST", "/api/chat/completions", json=body) as got:
+        assert got.status_code == 200
+        for n, _ in enumerate(got.iter_lines()):
+            if n == 10:
+                break  # the caller stops reading and closes the stream mid-way
+    deadline = time.monotonic() + 10
+    while not backend.requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(backend.requests) == 1  # the model was called
+    spent = spent_today(open_webui, user["token"])
+    assert Decimal("0.005") < spent < Decimal("0.01"), spent
+    log = open_webui.log_text()
+    assert f'"user_id": "{user["id"]}"' not in log  # no outlet ran: no usage line for this user
+
+
+@pytest.fixture(scope="module")
+def two_workers(owui_venv, fake_backend, tmp_path_factory, redis_server) -> Iterator[OpenWebUI]:
+    """A second Open WebUI with two uvicorn workers (two filter instances), the product on one Redis."""
+    owui = start_open_webui(
+        owui_venv, fake_backend, tmp_path_factory.mktemp("owui-two-workers"), extra_env={"UVICORN_WORKERS": "2"}
+    )
+    try:
+        valves = {**base_valves(), "daily_limit_usd": 0.01, "redis_url": redis_server[0], "semantic_relevance": False}
+        with installed_function(owui, FID, BUILT_FILE.read_text("utf-8"), valves=valves, name="contextwarden"):
+            yield owui
+    finally:
+        owui.stop()
+
+
+def test_two_workers_charge_parallel_turns_as_one(two_workers, backend):
+    """20 streamed turns of one user at once, spread over two workers sharing one Redis, against
+    $0.01 a day: each is charged ~$0.004 when it starts (400 tokens out), atomically across the
+    workers, so three start (the third crosses the limit) and the rest are refused naming it."""
+    user = new_user(two_workers)
+    for _ in range(20):
+        backend.push_reply(content="Slowly. " * 40, piece_delay=0.1)  # 40 chunks: 4 s, all start meanwhile
+
+    def one_turn(_: int) -> dict[str, Any]:
+        return chat(two_workers, MODEL, short_chat(), stream=True, token=user["token"], expect=None, max_tokens=400)
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one_turn, range(20)))
+    refused = [r["body"]["detail"] for r in results if r.get("status_code") == 400]
+    assert len(results) - len(refused) == 3, refused
+    assert all(d.startswith("contextwarden: your daily limit of $0.01 is reached ($0.01") for d in refused), refused
+
+
+def test_a_usage_exchange_never_reaches_the_backend(open_webui, backend, limited):
+    """The chat as Open WebUI stores it after `!usage` (the command, the report written into the
+    reply): the next turn goes out without both; a question that mentions it goes out as is."""
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "!usage"},
+        {"role": "assistant", "content": "### contextwarden usage · 2026-12 (UTC)\n| user id | replies |"},
+        {"role": "user", "content": "What does !usage show?"},
+    ]
+    chat(open_webui, MODEL, history)
+    sent = backend.last_request["messages"]
+    assert [m["content"] for m in sent] == ["Be brief.", "What does !usage show?"]
