@@ -296,6 +296,29 @@ def test_aliases_come_first_exact_then_globs(book):
     assert resolve_model("anything", book, aliases=aliases).model_id == "openai/gpt-4o-mini"
 
 
+def test_many_glob_aliases_are_compiled_once_and_keep_fnmatch_order(book, monkeypatch):
+    """Past fnmatch's own cache (32,768 patterns) every request used to compile them all again
+    (4 s a request at 34,000): the matcher is compiled once per valve value."""
+    import fnmatch
+
+    import contextwarden.pricing as pricing
+
+    aliases = {f"team-{i}-*": "openai/gpt-4o" for i in range(34_000)}
+    aliases |= {"team-7-exact": "anthropic/claude-sonnet-4.5", "team-[7]-?x": "openai/gpt-4o-mini"}
+    compiled = []
+    real = pricing._glob_matcher
+    monkeypatch.setattr(pricing, "_glob_matcher", lambda patterns: compiled.append(1) or real(patterns))
+    for _ in range(3):
+        assert resolve_model("team-7-exact", book, aliases=aliases).model_id == "anthropic/claude-sonnet-4.5"
+        assert resolve_model("team-33999-a", book, aliases=aliases).model_id == "openai/gpt-4o"
+        assert resolve_model("nobody", book, aliases=aliases).model_id is None
+    assert len(compiled) == 1
+    patterns = ("a*", "ab?", "[ab]c", "abc")
+    for name in ("abc", "abd", "bc", "zzz", "a"):
+        expected = name if name in patterns else next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+        assert pricing._model_glob_match(name, patterns) == expected
+
+
 def test_alias_target_goes_through_the_chain(book):
     resolution = resolve_model("house-model", book, aliases={"house-model": "claude-sonnet-4.5"})
     assert (resolution.model_id, resolution.step) == ("anthropic/claude-sonnet-4.5", "alias")

@@ -235,3 +235,20 @@ def test_cost_and_spend_are_said_to_be_above_the_reply_where_the_line_is():
             if name in cls.model_fields:
                 text = cls.model_fields[name].description
                 assert "after" not in text and "above" in text, (cls.__name__, name, text)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("model_aliases", "{" + ", ".join(f'"m{i}": "openai/gpt-4o"' for i in range(4_000)) + "}"),
+        ("free_models", ",".join(f"llama-{i}-*" for i in range(8_000))),
+        ("connection_prefixes", "\n".join(f"prefix{i}" for i in range(8_000))),
+    ],
+)
+def test_model_name_valves_are_bounded_like_the_overrides(name, value):
+    """Each is matched against every request's model: past 64 KB it is refused, named, and not used."""
+    assert len(value) > 65_536
+    settings, problems = read_settings(Valves(**{name: value}))
+    assert [p.valve for p in problems] == [name]
+    assert "longer than 65,536 characters" in str(problems[0])
+    assert not getattr(settings, name)

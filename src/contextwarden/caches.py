@@ -35,6 +35,7 @@ QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their
 CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_terms: a long message's chunks and their terms (16 MiB at most)
 CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_terms: longer texts are cut anew each time
 VALVE_RANGE_MEMO_SIZE = 64  # valves.valve_range: a numeric valve's Field bounds, by valve name
+GLOB_MEMO_SIZE = 16  # pricing._glob_matchers: a model-name valve's globs compiled once, by its patterns
 
 # Per instance (the Filter's own, so one per loaded function; `clear_all` leaves them).
 DEFAULT_COUNT_CACHE_SIZE = 50_000  # tokens.TokenCounter: a text's token count, by encoding (trim's default registers)

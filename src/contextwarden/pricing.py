@@ -11,12 +11,14 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from types import MappingProxyType
 
+from .caches import GLOB_MEMO_SIZE, lru_hit, register
 from .errors import ConfigError, PricingError
 from .price_data import BUNDLED_PRICES, BUNDLED_PRICES_DATE
 
@@ -494,11 +496,33 @@ def _strip_connection_prefix(model_id: str, book: PriceBook, prefixes: Sequence[
 
 
 def _model_glob_match(model_id: str, patterns: Iterable[str]) -> str | None:
-    """The first pattern (exact text or fnmatch glob) matching model_id, else None."""
-    patterns = list(patterns)
-    if model_id in patterns:
-        return model_id
-    return next((p for p in patterns if fnmatch.fnmatchcase(model_id, p)), None)
+    """The first pattern (exact text or fnmatch glob) matching model_id, else None. The
+    patterns are compiled once per value of the valve (fnmatch's own cache holds 32,768)."""
+    key = tuple(patterns)
+    match = lru_hit(_glob_matchers, key)
+    if match is None:
+        match = _glob_matcher(key)
+        if len(_glob_matchers) >= GLOB_MEMO_SIZE:
+            _glob_matchers.popitem(last=False)
+        _glob_matchers[key] = match
+    return match(model_id)
+
+
+_glob_matchers: OrderedDict[tuple[str, ...], Callable[[str], str | None]] = OrderedDict()
+register("pricing._glob_matchers", _glob_matchers.clear)
+
+
+def _glob_matcher(patterns: tuple[str, ...]) -> Callable[[str], str | None]:
+    """`_model_glob_match` for these patterns: a set for the exact ones, compiled regexes for the globs."""
+    exact = frozenset(patterns)
+    globs = [(p, re.compile(fnmatch.translate(p)).match) for p in patterns if any(c in p for c in "*?[")]
+
+    def first(model_id: str) -> str | None:
+        if model_id in exact:
+            return model_id
+        return next((p for p, match in globs if match(model_id)), None)
+
+    return first
 
 
 def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None, str | None]:

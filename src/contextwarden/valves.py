@@ -19,7 +19,7 @@ from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
 from .errors import ConfigError
 from .flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
 from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
-from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, LimitRules, Limits, parse_overrides
+from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, MAX_OVERRIDES_CHARS, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs, read_decimal
 from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy
@@ -27,6 +27,8 @@ from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
 __all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
+
+MAX_MODEL_NAMES_CHARS = MAX_OVERRIDES_CHARS  # model_aliases, free_models, connection_prefixes: 64 KB as limit_overrides
 
 MAX_EMBED_TIMEOUT_SECONDS = 30.0
 DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
@@ -471,6 +473,14 @@ def _field(valves: object, name: str, default):
     return default, ConfigError(f"{name} has the wrong type ({type(value).__name__}); using {default!r}", valve=name)
 
 
+def _names_text(text: object, valve: str) -> str:
+    """A model-name valve's text, refused (ConfigError naming it) past MAX_MODEL_NAMES_CHARS."""
+    text = text if isinstance(text, str) else ""
+    if len(text) > MAX_MODEL_NAMES_CHARS:
+        raise ConfigError(f"{valve} is longer than {MAX_MODEL_NAMES_CHARS:,} characters; not used", valve=valve)
+    return text
+
+
 def _parse_globs(text: str, valve: str) -> tuple[str, ...]:
     """A comma/newline list or a JSON list of ids or globs.
 
@@ -654,16 +664,17 @@ def _window(valves: object, number, defaults: Valves, problems: list[ConfigError
 def _model_names(
     valves: object, take, problems: list[ConfigError]
 ) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """The model aliases, and the free-model and connection-prefix globs."""
+    """The model aliases, and the free-model and connection-prefix globs (each valve at most
+    MAX_MODEL_NAMES_CHARS: they are matched against every request's model)."""
     try:
-        aliases = parse_aliases(take(valves, "model_aliases", ""))
+        aliases = parse_aliases(_names_text(take(valves, "model_aliases", ""), "model_aliases"))
     except ConfigError as exc:
         problems.append(exc)
         aliases = {}
     globs: dict[str, tuple[str, ...]] = {}
     for name in ("free_models", "connection_prefixes"):
         try:
-            globs[name] = _parse_globs(take(valves, name, ""), name)
+            globs[name] = _parse_globs(_names_text(take(valves, name, ""), name), name)
         except ConfigError as exc:
             problems.append(exc)
             globs[name] = ()
