@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from contextwarden import store as store_module
 from contextwarden.errors import ConfigError
-from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore, open_store
+from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore, open_store, redis_client
 
 STEADY_TIMEOUT = 10.0  # seconds: long enough for 200 queued commands on a loaded 2-core runner
 
@@ -120,3 +120,9 @@ def test_bad_redis_url_names_the_valve():
         open_store("localhost:6379")
     assert info.value.valve == "redis_url"
     assert isinstance(open_store("  "), MemoryStore)
+
+
+def test_connect_and_read_timeouts_are_apart():
+    """Redis away is told by the connect (0.5 s); a late answer on a busy machine gets 4x that."""
+    kwargs = redis_client("redis://127.0.0.1:6379/0").connection_pool.connection_kwargs
+    assert (kwargs["socket_connect_timeout"], kwargs["socket_timeout"]) == (0.5, 2.0)

@@ -26,7 +26,11 @@ store_log = logging.getLogger("contextwarden")
 
 KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
-DEFAULT_REDIS_TIMEOUT = 0.5  # seconds; a slow Redis must not slow every chat down
+DEFAULT_REDIS_TIMEOUT = 0.5  # seconds to connect; a Redis that is away must not slow every chat down
+# An answer may be late without Redis being away: a busy machine (or this worker's own loop,
+# busy with other users) reads it late. Answers wait this many times the connect timeout (a
+# Redis that is away refuses the connect at once, or lets it time out).
+REDIS_READ_TIMEOUT_FACTOR = 4
 REDIS_RETRY_SECONDS = 30.0
 # Only these mean Redis is away (an outage: fall back, hold named increments). Any other
 # RedisError is an answer, e.g. a ResponseError for a counter that would overflow: it reaches
@@ -193,7 +197,8 @@ class RedisStore(Store):
         """A store on the Redis at `url`.
 
         Args:
-            timeout: seconds each command may take before Redis counts as away.
+            timeout: seconds a connect may take (an answer: `REDIS_READ_TIMEOUT_FACTOR` times it) before
+                Redis counts as away.
             fallback: where calls go while Redis is away (default: a new `MemoryStore`).
             client: the client commands are sent with (default: `redis_client(url, timeout)`);
                 given, `url` and `timeout` are not read. Tests wrap one to watch or fail commands.
@@ -419,8 +424,8 @@ return 1
 
 
 def redis_client(url: str, timeout: float = DEFAULT_REDIS_TIMEOUT) -> aioredis.Redis:
-    """The client a `RedisStore` sends with: pooled (`REDIS_MAX_CONNECTIONS`), each command and
-    connect bounded by `timeout` seconds.
+    """The client a `RedisStore` sends with: pooled (`REDIS_MAX_CONNECTIONS`), a connect bounded
+    by `timeout` seconds and each answer by `REDIS_READ_TIMEOUT_FACTOR` times that.
 
     Raises:
         ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
@@ -430,7 +435,7 @@ def redis_client(url: str, timeout: float = DEFAULT_REDIS_TIMEOUT) -> aioredis.R
             url,
             max_connections=REDIS_MAX_CONNECTIONS,
             timeout=max(timeout, REDIS_POOL_WAIT_SECONDS),
-            socket_timeout=timeout,
+            socket_timeout=timeout * REDIS_READ_TIMEOUT_FACTOR,
             socket_connect_timeout=timeout,
         )
     except ValueError:
