@@ -99,6 +99,57 @@ async def trim_turn(f: Any, module: Any, chat: list[dict]) -> None:
     await f.request(body, **hooks)
 
 
+async def body_turn(f: Any, module: Any, extra: dict) -> None:
+    """`trim_turn` of a request that carries more than messages (tools, a response format)."""
+    hooks = _hooks(module, uuid.uuid4().hex)
+    body = {"model": MODEL, "stream": True, "metadata": hooks["__metadata__"], **extra}
+    body = await f.inlet(body, **hooks)
+    await f.request(body, **hooks)
+
+
+def many_tools(seed: int, n: int = 3_000) -> list[dict]:
+    """`n` tool definitions, each with a description and three typed parameters."""
+    rng = random.Random(seed)
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{seed}_{i}",
+                "description": synth.prose(rng, 12)[:120],
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        p: {"type": t, "description": synth.prose(rng, 4)[:40]}
+                        for p, t in (("query", "string"), ("limit", "integer"), ("exact", "boolean"))
+                    },
+                    "required": ["query"],
+                },
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def big_response_format(seed: int, size: int = 2 * MEGABYTE) -> dict:
+    """A JSON-schema response format of about `size` bytes (many described properties)."""
+    rng = random.Random(seed)
+    properties: dict[str, Any] = {}
+    while len(json.dumps(properties)) < size:
+        for _ in range(500):
+            properties[f"field_{len(properties)}"] = {"type": "string", "description": synth.prose(rng, 20)[:150]}
+    schema = {"type": "object", "properties": properties}
+    return {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+
+
+def many_images(seed: int, n: int = 10_000) -> list[dict]:
+    """A chat whose last message carries `n` image parts (small data URLs) and a question."""
+    chat = synth.make_chat(seed, 6)
+    parts: list[dict] = [{"type": "text", "text": f"What do these show? {seed}"}]
+    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i:08d}"}} for i in range(n)]
+    chat[-1] = {"role": "user", "content": parts}
+    return chat
+
+
 async def outlet_turn(f: Any, module: Any, chat: list[dict]) -> None:
     """outlet of a reply (the chat's last message) that carries no usage: everything is counted."""
     hooks = _hooks(module, uuid.uuid4().hex)
@@ -143,6 +194,14 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
             return outlet_turn, synth.make_chat(seed, 20) + [{"role": "assistant", "content": big_text(seed, shape)}]
 
         out[f"outlet, 1 MB {shape} reply"] = big_reply
+    question = [{"role": "user", "content": "Which tool fits?"}]
+    out["3,000 tool definitions"] = lambda seed: (body_turn, {"messages": question, "tools": many_tools(seed)})
+    out["2 MB response format"] = lambda seed: (
+        body_turn,
+        {"messages": question, "response_format": big_response_format(seed)},
+    )
+    out["5,000 short messages"] = lambda seed: (trim_turn, synth.make_chat(seed, 5_000, mean_tokens=12))
+    out["10,000 image parts"] = lambda seed: (trim_turn, many_images(seed))
     out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
         "concurrent",
         [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],

@@ -191,3 +191,29 @@ async def test_off_the_loop_the_trim_is_the_same_deterministic_and_idempotent(co
         assert again["messages"] == runs[0].after_request["messages"]
         results.append([r.after_request["messages"] for r in runs])
     assert results[0] == results[1] and results[0][0] == results[0][1]
+
+
+async def test_many_tools_a_response_format_and_many_images_are_counted_in_the_thread(counter, spy_trim, monkeypatch):
+    """Open WebUI's 30 built-in tools are counted on the loop; 3,000 tool definitions or any
+    response format in the thread; a chat of 10,000 image parts (little text) is trimmed there."""
+    real = filter_module.fixed_cost
+    threads: list[str] = []
+    monkeypatch.setattr(
+        filter_module, "fixed_cost", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
+    )
+    f = make_filter(counter, max_context_tokens=100_000, reserve_output_tokens=0, openrouter_pricing=False)
+
+    def tool(i: int) -> dict:
+        return {"type": "function", "function": {"name": f"t{i}", "description": "Looks a thing up."}}
+
+    loop, worker = threading.current_thread().name, "contextwarden-cpu_0"
+    await request(f, {**body(chat_of(3), "c1"), "tools": [tool(i) for i in range(30)]})
+    await request(f, {**body(chat_of(3), "c2"), "tools": [tool(i) for i in range(3_000)]})
+    await request(f, {**body(chat_of(3), "c3"), "response_format": {"type": "json_object"}})
+    assert threads == [loop, worker, worker]
+    images = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i:08d}"}} for i in range(10_000)]
+    chat = chat_of(3)
+    chat[-1] = {"role": "user", "content": [{"type": "text", "text": "What are these?"}, *images]}
+    spy_trim.threads.clear()
+    await request(f, body(chat, "c4"))
+    assert spy_trim.threads == [worker]

@@ -100,6 +100,8 @@ UNREADABLE: Final = _Unreadable.STATE
 # them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
 # and each hop to the thread costs the loop a GIL hand-over (up to sys.getswitchinterval()).
 OFF_LOOP_MIN_CHARS = 25_000
+PART_WEIGHT_CHARS = 1_000  # what a non-text part (an image) weighs toward OFF_LOOP_MIN_CHARS
+TOOLS_ON_LOOP_MAX = 64  # tool definitions rendered and counted on the loop (Open WebUI's built-in: 30)
 _cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
 # Reading the flags costs ~0.5 µs a message whatever their length (0.1 ms for 200 messages, 0.9 ms
 # for 2,000 at load 4): up to this many it runs on the loop, where the hop to the thread would
@@ -129,17 +131,29 @@ def _light_next_turn(messages: Sequence[Message], previous: TrimDecision) -> boo
 
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
-    """True when the messages hold `limit` characters of text or more (stops counting there)."""
+    """True when the messages hold `limit` characters of text or more (stops counting there);
+    a part that is not text (an image) counts as PART_WEIGHT_CHARS: walking it costs the same."""
     size = 0
     for message in messages:
         content = message.get("content")
         if isinstance(content, str):
             size += len(content)
         elif isinstance(content, list):
-            size += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                size += len(text) if isinstance(text, str) else PART_WEIGHT_CHARS
+                if size >= limit:
+                    return True
         if size >= limit:
             return True
     return False
+
+
+def _heavy_extras(body: dict[str, Any]) -> bool:
+    """True when a request's tool definitions or response format are worth counting off the loop
+    (3,000 tool definitions stalled it 120-180 ms; a 2 MB response format 280-310 ms)."""
+    tools = body.get("tools")
+    return (isinstance(tools, list) and len(tools) > TOOLS_ON_LOOP_MAX) or isinstance(body.get("response_format"), dict)
 
 
 async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -555,7 +569,7 @@ class Filter:
         budget = prompt_budget(
             settings.budget(window),
             calibration,
-            fixed_cost(body, self._counter, model_id),
+            await compute(_heavy_extras(body), fixed_cost, body, self._counter, model_id),
             flags.budget,
             ceiling=settings.window_budget(window),
         )
