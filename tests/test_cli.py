@@ -113,3 +113,31 @@ def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith("contextwarden usage:")
+
+
+def test_trim_refuses_a_chat_over_the_size_limit_and_says_how_to_lift_it(tmp_path, capsys):
+    """A 10 MB chat took a minute to trim with no word of it: it is refused unless asked for."""
+    words = " ".join(f"word{i}" for i in range(250_000))  # about 2.6 MB
+    text = json.dumps([{"role": "user", "content": words}])
+    err = _trim_error(tmp_path, capsys, text, "--max-input-mb", "1")
+    assert "chat.json: 2.6 MB, over the --max-input-mb limit of 1 MB" in err and "--max-input-mb 0" in err
+    assert main(["trim", str(tmp_path / "chat.json"), "--max-tokens", "2000", "--max-input-mb", "0", "--json"]) == 0
+
+
+def test_a_long_trim_shows_its_time_on_a_terminal_only(tmp_path, monkeypatch):
+    """Elapsed time on stderr while a trim runs past a second, and only when stderr is a terminal."""
+    import io
+    import time
+
+    import contextwarden.cli as cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_SECONDS", 0.0)
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with cli._progress("trimming 3 messages"):
+            time.sleep(0.7)
+        assert ("contextwarden: trimming 3 messages… " in stream.getvalue()) is shown

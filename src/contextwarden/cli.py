@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -35,11 +39,23 @@ class InputError(ValueError):
     """A chat file or an option the command cannot use; the text names which."""
 
 
-def _load_chat(path: str) -> tuple[list[dict[str, Any]], str | None]:
-    """Messages (and a model id, when given) from a JSON file: a list or `{"messages": [...]}`."""
+DEFAULT_MAX_INPUT_MB = 8.0  # a trim takes about 6 s a MB of made-up words here: 10 MB took 64 s
+PROGRESS_AFTER_SECONDS = 1.0  # a trim that runs longer shows its time on stderr (a terminal only)
+
+
+def _load_chat(path: str, max_mb: float = 0.0) -> tuple[list[dict[str, Any]], str | None]:
+    """Messages (and a model id, when given) from a JSON file: a list or `{"messages": [...]}`;
+    refused past `max_mb` megabytes (0: no limit), before it is parsed."""
     name = "stdin" if path == "-" else path
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    size_mb = len(text.encode("utf-8", "surrogatepass")) / 1e6 if max_mb else 0.0
+    if max_mb and size_mb > max_mb:
+        raise InputError(
+            f"{name}: {size_mb:,.1f} MB, over the --max-input-mb limit of {max_mb:g} MB (a trim takes seconds "
+            "a megabyte); pass --max-input-mb 0 to trim it anyway"
+        )
     try:
-        data = json.loads(sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{name}: not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     model = None
@@ -143,8 +159,34 @@ def _read_previous(path: str | None) -> TrimDecision | None:
     return TrimDecision.from_json(json.dumps(data))
 
 
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[None]:
+    """While the block runs longer than PROGRESS_AFTER_SECONDS, its time on stderr (a terminal only)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    done, started = threading.Event(), time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(0.5):
+            if (elapsed := time.monotonic() - started) >= PROGRESS_AFTER_SECONDS:
+                sys.stderr.write(f"\rcontextwarden: {what}… {elapsed:.0f} s")
+                sys.stderr.flush()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        if time.monotonic() - started >= PROGRESS_AFTER_SECONDS:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
 def _cmd_trim(args: argparse.Namespace) -> int:
-    messages, file_model = _load_chat(args.chat)
+    messages, file_model = _load_chat(args.chat, args.max_input_mb)
     model = args.model or file_model
     seed_tiktoken_cache()
     budget = _check_trim_options(args, messages)
@@ -157,7 +199,8 @@ def _cmd_trim(args: argparse.Namespace) -> int:
         "low_watermark": args.low_watermark,
         "growth_turns": args.growth_turns,
     }
-    result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
+    with _progress(f"trimming {len(messages):,} messages"):
+        result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
         price = resolve_model(model, PriceBook.from_bundled()).price if model else None
@@ -308,6 +351,12 @@ def _add_trim_command(commands: Any) -> None:
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
     trim.add_argument("--model", help="model id (picks the encoding); default: the file's model")
     trim.add_argument("--json", action="store_true", help="machine-readable output")
+    trim.add_argument(
+        "--max-input-mb",
+        type=float,
+        default=DEFAULT_MAX_INPUT_MB,
+        help=f"refuse a chat file larger than this (default {DEFAULT_MAX_INPUT_MB:g} MB; 0 = no limit)",
+    )
     trim.add_argument(
         "--explain",
         action="store_true",
