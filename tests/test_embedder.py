@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import contextwarden.embedder as embedder_module
 from contextwarden import trim_messages
-from contextwarden.embedder import OpenWebUIEmbedder, embedder_of
+from contextwarden.embedder import EmbedderResting, OpenWebUIEmbedder, embedder_of
 from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
 
 from embedders import chat_about_a_cat, topic_embed
@@ -80,7 +81,9 @@ async def test_a_slow_embedder_times_out_and_nothing_is_cached():
     assert result.notes == ("some messages not embedded yet: relevance is lexical",)
 
 
-async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again():
+async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again(monkeypatch):
+    monkeypatch.setattr(embedder_module, "BACKOFF_FIRST_SECONDS", 0.0)  # a failed call rests it: not here
+
     class SlowAndFailing(FakeEmbeddingFunction):
         crashing = True
 
@@ -171,7 +174,59 @@ async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, cap
     body = await inlet_with(counter, function, embed_timeout_seconds=0.05)
     assert not sends_the_cat(body) and len(body["messages"]) < len(chat_about_a_cat())
     warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
-    assert warnings == ["contextwarden: embedder: timed out; relevance is lexical this turn"]
+    assert warnings == ["contextwarden: embedder: not ready in time; relevance is lexical this turn"]
+
+
+async def test_a_failing_embedder_rests_and_no_turn_waits_for_it(monkeypatch):
+    """A call that fails makes the embedder rest (30 s, doubling): turns meanwhile ask nothing
+    and go lexical at once; once it answers again the back-off starts over."""
+    monkeypatch.setattr(embedder_module, "BACKOFF_FIRST_SECONDS", 0.2)
+
+    class Failing(FakeEmbeddingFunction):
+        failing = True
+
+        async def __call__(self, texts, prefix=None, user=None):
+            vectors = await super().__call__(texts)
+            if self.failing:
+                raise RuntimeError("model crashed")
+            return vectors
+
+    function = Failing()
+    embedder = OpenWebUIEmbedder(function)
+    chat = chat_about_a_cat()
+    with pytest.raises(RuntimeError):
+        await embedder.prefetch(chat, timeout=1, max_texts=8)
+    with pytest.raises(EmbedderResting):  # at once: no call, no wait
+        await embedder.prefetch(chat, timeout=1, max_texts=8)
+    assert not embedder.ahead(chat, max_texts=8) and len(function.calls) == 1
+    await asyncio.sleep(0.25)
+    with pytest.raises(RuntimeError):  # asked again after 0.2 s; fails again: rests 0.4 s now
+        await embedder.prefetch(chat, timeout=1, max_texts=8)
+    await asyncio.sleep(0.25)
+    with pytest.raises(EmbedderResting):
+        await embedder.prefetch(chat, timeout=1, max_texts=8)
+    await asyncio.sleep(0.2)
+    function.failing = False
+    assert await embedder.prefetch(chat, timeout=1, max_texts=8) == 8
+    assert embedder._failures == 0
+
+
+async def test_after_a_reply_the_chat_is_embedded_ahead_of_the_next_turn(counter):
+    """The outlet starts the call (it does not wait for it): the next turn finds the vectors."""
+    function = FakeEmbeddingFunction(delay=0.05)
+    from contextwarden import Filter
+
+    f = Filter(counter=counter)
+    f.valves = f.Valves(openrouter_pricing=False)
+    request = request_with(function)
+    chat = [*chat_about_a_cat(), {"role": "assistant", "content": "The cat is called Miso."}]
+    await f.outlet({"model": "gpt-4o", "messages": chat}, __user__={"id": "u1"}, __request__=request)
+    adapter = embedder_of(request)
+    assert VECTORS.missing(embed_texts(chat), adapter)  # the outlet did not wait for the call
+    await asyncio.sleep(0.2)
+    [asked] = function.calls
+    assert any("Miso" in text for text in asked)  # the reply itself, newest first
+    assert VECTORS.missing(asked, adapter) == []  # landed, normalised off the loop
 
 
 async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, monkeypatch):

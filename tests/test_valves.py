@@ -105,7 +105,7 @@ def test_every_numeric_valve_that_skips_pydantic_is_checked_against_its_field(na
     ("name", "words"),
     [
         ("low_watermark", "low_watermark must be above 0 and at most 1; using 0.8"),
-        ("embed_timeout_seconds", "embed_timeout_seconds must be above 0 and at most 30; using 2"),
+        ("embed_timeout_seconds", "embed_timeout_seconds must be above 0 and at most 30; using 0.1"),
         ("pricing_ttl_hours", "pricing_ttl_hours must be 0.1 to 8,760; using 24"),
     ],
 )

@@ -5,9 +5,15 @@ Open WebUI loads an embedding model for RAG and a filter reaches it as
 of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
 embeds what is not cached yet (`semantic.embed_texts`: every message newest first, a long one
 in its pieces; then the one-liners together with the one before them), at most `max_texts`
-texts within `timeout` seconds, into the process's `VECTORS`. The trim then only looks vectors
-up: when some messages' are still missing (a long chat seen for the first time, a slow or
-failing embedder), that turn's relevance is lexical and later turns fill in the rest.
+texts, into the process's `VECTORS`, waiting `timeout` seconds at most (0.1 by default): the
+call itself runs on in the background (bounded by `EMBED_CALL_SECONDS`) and its vectors land
+whenever it ends. After each reply the filter starts the next call at once (`ahead`), so the
+next turn finds its chat embedded. The trim then only looks vectors up: when some messages' are
+still missing (a long chat seen for the first time, a slow or failing embedder), that turn's
+relevance is lexical and later turns fill in the rest. A call that fails or outlives
+`EMBED_CALL_SECONDS` makes the embedder rest (`BACKOFF_FIRST_SECONDS`, doubling up to
+`BACKOFF_MAX_SECONDS`), as the summary endpoint does: no turn waits for it meanwhile. Vectors
+are normalised off the event loop.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ from .caches import MAX_EMBEDDERS, register
 from .conversation import Message
 from .semantic import VECTORS, embed_texts
 
-__all__ = ["OpenWebUIEmbedder", "VectorsPending", "embedder_of", "DEFAULT_EMBED_TIMEOUT", "DEFAULT_EMBED_TEXTS"]
+__all__ = [
+    "OpenWebUIEmbedder",
+    "VectorsPending",
+    "EmbedderResting",
+    "embedder_of",
+    "DEFAULT_EMBED_TIMEOUT",
+    "DEFAULT_EMBED_TEXTS",
+]
 
-DEFAULT_EMBED_TIMEOUT = 2.0  # seconds a turn waits for the embedder, at most
+DEFAULT_EMBED_TIMEOUT = 0.1  # seconds a turn waits for the embedder, at most (the call goes on)
+EMBED_CALL_SECONDS = 30.0  # one call to the embedder, at most, in the background
+BACKOFF_FIRST_SECONDS = 30.0  # after a failed call no turn asks for vectors this long...
+BACKOFF_MAX_SECONDS = 600.0  # ...doubling after each further failure up to this
 DEFAULT_EMBED_TEXTS = 64  # texts embedded per turn, at most (newest first)
 MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
@@ -32,6 +48,10 @@ register("embedder._adapters", _adapters.clear)
 
 class VectorsPending(LookupError):
     """Some messages have no vector yet: this turn's relevance is lexical."""
+
+
+class EmbedderResting(RuntimeError):
+    """The embedder failed lately and is not asked again before its back-off ends."""
 
 
 class OpenWebUIEmbedder:
@@ -45,6 +65,9 @@ class OpenWebUIEmbedder:
         self._function = function
         self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
         self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
+        self._failures = 0  # calls failed in a row (their back-off doubles)
+        self._asked = 0  # texts the latest call asked for
+        self._rest_until = 0.0  # loop time before which no call starts
 
     def batch(self, max_texts: int) -> int:
         """How many texts the next turn asks for: `max_texts`, less after timeouts."""
@@ -69,26 +92,61 @@ class OpenWebUIEmbedder:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 raise TimeoutError("the previous call is still running")
-        todo = VECTORS.missing(embed_texts(messages), self)[: self.batch(max_texts)]
-        if not todo:
+        task = self._start(messages, max_texts)
+        if task is None:
             return 0
-        task = self._running = asyncio.ensure_future(self._fetch(todo))
-        task.add_done_callback(_retrieve)
+        todo_count = self._asked
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time.
-            self._batch = max(MIN_EMBED_BATCH, len(todo) // 2)
+            self._batch = max(MIN_EMBED_BATCH, todo_count // 2)
             raise
         self._batch = min(max_texts, 2 * done) if self._batch else None
         return done
 
+    def ahead(self, messages: Sequence[Message], *, max_texts: int) -> bool:
+        """Start embedding a chat's uncached messages now, without waiting (after a reply, so the
+        next turn finds them); True when a call started. Never raises."""
+        running = self._running
+        if running is not None and not running.done():
+            return False
+        try:
+            return self._start(messages, max_texts) is not None
+        except Exception:  # resting, or the texts could not be read: the next turn tries again
+            return False
+
+    def _start(self, messages: Sequence[Message], max_texts: int) -> asyncio.Task[int] | None:
+        """The call for up to `max_texts` uncached texts, newest first (None: nothing to embed).
+
+        Raises:
+            EmbedderResting: a call failed lately; none starts before its back-off ends.
+        """
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._rest_until:
+            raise EmbedderResting(f"resting {self._rest_until - loop.time():.0f} s more after a failed call")
+        todo = VECTORS.missing(embed_texts(messages), self)[: self.batch(max_texts)]
+        if not todo:
+            return None
+        self._asked = len(todo)
+        task = self._running = asyncio.ensure_future(self._fetch(todo))
+        task.add_done_callback(_retrieve)
+        return task
+
     async def _fetch(self, todo: list[str]) -> int:
-        """One call to the embedding function; its vectors go into `VECTORS`, however late."""
-        vectors = await self._function(todo, prefix=None, user=None)
-        if not isinstance(vectors, list):
-            raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
-        VECTORS.put(todo, vectors, self)
+        """One call to the embedding function (at most EMBED_CALL_SECONDS); its vectors go into
+        `VECTORS`, however late, normalised off the event loop. A failure starts a back-off."""
+        try:
+            vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), EMBED_CALL_SECONDS)
+            if not isinstance(vectors, list):
+                raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
+            await asyncio.to_thread(VECTORS.put, todo, vectors, self)
+        except Exception:
+            self._failures += 1
+            rest = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (self._failures - 1))
+            self._rest_until = asyncio.get_running_loop().time() + rest
+            raise
+        self._failures = 0
         return len(todo)
 
 

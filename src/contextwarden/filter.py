@@ -46,7 +46,7 @@ from .caches import SETTINGS_MEMO_SIZE
 from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message
-from .embedder import OpenWebUIEmbedder, embedder_of
+from .embedder import EmbedderResting, OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
@@ -469,10 +469,12 @@ class Filter:
         __metadata__: dict | None = None,
         __model__: dict | None = None,
         __event_emitter__: Emitter | None = None,
+        __request__: Any = None,
     ) -> dict:
-        """Log what the reply really used: one `usage {json}` line, and a status line."""
+        """Log what the reply really used: one `usage {json}` line, and a status line; start
+        embedding the chat for the next turn."""
         try:
-            await self._record(body, __user__, __metadata__, __model__, __event_emitter__)
+            await self._record(body, __user__, __metadata__, __model__, __event_emitter__, __request__)
         except NEVER_SWALLOWED:
             raise
         except BaseException as exc:
@@ -840,7 +842,14 @@ class Filter:
                 messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts
             )
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
-            reason = "embedder: " + ("timed out" if isinstance(exc, TimeoutError) else type(exc).__name__)
+            reason = "embedder: " + (
+                "not ready in time"
+                if isinstance(exc, TimeoutError)
+                else "resting after a failed call"
+                if isinstance(exc, EmbedderResting)
+                else type(exc).__name__
+            )
+            filter_log.debug("contextwarden: %s; relevance is lexical this turn", reason)
             if reason not in self._reported and len(self._reported) < MAX_REPORTED_PROBLEMS:
                 self._reported.add(reason)
                 filter_log.warning("contextwarden: %s; relevance is lexical this turn", reason)
@@ -1095,12 +1104,16 @@ class Filter:
         metadata: dict | None,
         model: dict | None,
         emit: Emitter | None,
+        request: Any = None,
     ) -> None:
         """After a reply: bill its usage, log one `usage {json}` line, add it to the ledger and the
         spend totals, learn from it, and show a status line."""
         if not _is_chat_body(body) or not body["messages"]:
             return
         settings = await self._settings(user, None)  # valve problems were shown before the reply
+        if settings.semantic_relevance and settings.strategy == "relevance" and settings.mode != "off":
+            if (embedder := embedder_of(request)) is not None:  # the next turn finds the chat embedded
+                embedder.ahead(body["messages"], max_texts=settings.embed_max_texts)
         metadata = metadata if isinstance(metadata, dict) else {}
         note = TurnNote.from_dict(metadata.get(METADATA_KEY))
         started = self._open.finish(note.turn_id)  # None: a bare outlet (another worker's, or forged)

@@ -329,8 +329,8 @@ class Valves(BaseModel):
     )
     embed_timeout_seconds: float = _bounded(
         DEFAULT_EMBED_TIMEOUT,
-        "Longest wait for the embedder per turn, in seconds; past it that turn uses word matching and later turns "
-        "embed the rest.",
+        "Longest wait for the embedder per turn, in seconds; past it that turn uses word matching while the "
+        "embedder goes on in the background (each reply's chat is embedded ahead of the next turn).",
         low=0,
         high=MAX_EMBED_TIMEOUT_SECONDS,
         above=True,
