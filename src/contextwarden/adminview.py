@@ -69,8 +69,8 @@ def _is_command(message: Message) -> bool:
     if not isinstance(message, dict) or message.get("role") != "user":
         return False
     content = message.get("content")
-    if isinstance(content, str) and len(content) > 64:
-        return False
+    if isinstance(content, str):  # the common case, read without message_text (every message, every pass)
+        return len(content) <= 64 and content.strip().lower() == USAGE_COMMAND
     return message_text(message).strip().lower() == USAGE_COMMAND
 
 

@@ -970,7 +970,7 @@ class Filter:
             if await self._reserve(turn, turn.estimate, limits, settings):
                 turn.charged = turn.estimate
         self._open.start(turn)
-        metadata[METADATA_KEY] = replace(TurnNote.from_dict(metadata.get(METADATA_KEY)), turn_id=turn.turn_id).to_dict()
+        metadata[METADATA_KEY] = replace(note, turn_id=turn.turn_id).to_dict()
 
     async def _reserve(self, turn: OpenTurn, estimate: Charge, limits: Limits, settings: Settings) -> bool:
         """Check and charge in one step (`SpendBook.reserve`); False when the store failed and
