@@ -344,8 +344,7 @@ def _since_date(text: str) -> date:
 
 
 def _add_trim_command(commands: Any) -> None:
-    """`contextwarden trim`: its options, those of `trim_messages` with the same defaults (`TrimOptions`'s)."""
-    defaults = TrimOptions()
+    """`contextwarden trim`: its input and output options, then those of `trim_messages`."""
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
     trim.add_argument("chat", help='chat JSON: a list of messages or {"model": ..., "messages": [...]}; - for stdin')
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
@@ -373,6 +372,13 @@ def _add_trim_command(commands: Any) -> None:
         type=float,
         help="the model's calibration factor (real / counted tokens); the budget is divided by it",
     )
+    _add_selection_options(trim)
+    trim.set_defaults(run=_cmd_trim)
+
+
+def _add_selection_options(trim: argparse.ArgumentParser) -> None:
+    """`trim`'s options of `trim_messages`, with its defaults (`TrimOptions`'s)."""
+    defaults = TrimOptions()
     trim.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -409,7 +415,6 @@ def _add_trim_command(commands: Any) -> None:
         help=f"a new cut also leaves room for this many turns like the last one (default {defaults.growth_turns}, "
         "at most half the budget)",
     )
-    trim.set_defaults(run=_cmd_trim)
 
 
 def _add_usage_command(commands: Any) -> None:
