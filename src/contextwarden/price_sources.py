@@ -133,7 +133,11 @@ class PriceSources:
         if raw:
             return raw.decode()
         if await store.add(self._shared_key + ":lock", b"1", ttl=SHARED_PRICES_LOCK_SECONDS):
-            return None
+            raw = await store.get(self._shared_key)  # published between the read and the lock?
+            if not raw:
+                return None
+            await store.delete(self._shared_key + ":lock")
+            return raw.decode()
         for _ in range(SHARED_PRICES_WAIT_STEPS):  # another worker is fetching: wait for it
             await asyncio.sleep(SHARED_PRICES_WAIT_STEP)
             raw = await store.get(self._shared_key)
