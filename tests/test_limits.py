@@ -681,3 +681,17 @@ async def test_usage_exchanges_are_never_sent_on(counter):
     g = await limited(counter, {"mode": "off"}, datetime.now(UTC))  # even with trimming off
     run = await run_turn(g, chat, user={"id": "u1"})
     assert len(run.after_request["messages"]) == 6
+
+
+async def test_a_turn_without_metadata_is_charged_too(counter, unique):
+    """A caller that passes no `__metadata__` (no note can reach its outlet) is still charged
+    when its turn starts: of 20 such turns of ~$0.0103 each against $0.02, two start."""
+    f = await limited(counter, {"daily_limit_usd": 0.02}, datetime(2026, 12, 1, 12, tzinfo=UTC))
+    user = {"id": f"u-{unique}", "role": "user"}
+    results = []
+    for _ in range(20):
+        try:
+            results.append(await f.inlet({"model": "gpt-4o", "messages": [*CHAT]}, __user__=user))
+        except TurnRefused as refused:
+            results.append(refused)
+    assert sum(not isinstance(r, Exception) for r in results) == 2

@@ -943,7 +943,9 @@ class Filter:
         if not _is_chat_body(body):
             return
         metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
-        if not isinstance(metadata, dict) or metadata.get("task") or is_usage_command(body["messages"]):
+        if not isinstance(metadata, dict):
+            metadata = {}  # no note can reach an outlet: the turn is still charged (an outlet adds it whole)
+        if metadata.get("task") or is_usage_command(body["messages"]):
             return
         await self._settle_ended()
         user = user if isinstance(user, dict) else {}
