@@ -40,7 +40,6 @@ __all__ = [
     "usage_record",
     "learn_calibration",
     "learn_caching",
-    "spent_tokens",
 ]
 
 accounting_log = logging.getLogger("contextwarden")
@@ -210,8 +209,3 @@ async def learn_caching(store: Store, model_key: str, billed: Usage) -> None:
     updated = update_cache_stats(stats, billed.prompt_tokens, billed.cached_tokens, min_cacheable_tokens(model_key))
     if updated is not None:
         await save_cache_stats(store, model_key, updated)
-
-
-def spent_tokens(billed: Usage) -> int:
-    """The tokens a reply adds to its user's spend totals."""
-    return (billed.prompt_tokens or 0) + (billed.completion_tokens or 0)

@@ -66,7 +66,6 @@ class OpenWebUIEmbedder:
         self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
         self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
         self._failures = 0  # calls failed in a row (their back-off doubles)
-        self._asked = 0  # texts the latest call asked for
         self._rest_until = 0.0  # loop time before which no call starts
 
     def batch(self, max_texts: int) -> int:
@@ -92,15 +91,15 @@ class OpenWebUIEmbedder:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 raise TimeoutError("the previous call is still running")
-        task = self._start(messages, max_texts)
-        if task is None:
+        started = self._start(messages, max_texts)
+        if started is None:
             return 0
-        todo_count = self._asked
+        task, asked = started
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time.
-            self._batch = max(MIN_EMBED_BATCH, todo_count // 2)
+            self._batch = max(MIN_EMBED_BATCH, asked // 2)
             raise
         self._batch = min(max_texts, 2 * done) if self._batch else None
         return done
@@ -116,8 +115,9 @@ class OpenWebUIEmbedder:
         except Exception:  # resting, or the texts could not be read: the next turn tries again
             return False
 
-    def _start(self, messages: Sequence[Message], max_texts: int) -> asyncio.Task[int] | None:
-        """The call for up to `max_texts` uncached texts, newest first (None: nothing to embed).
+    def _start(self, messages: Sequence[Message], max_texts: int) -> tuple[asyncio.Task[int], int] | None:
+        """The call for up to `max_texts` uncached texts, newest first, and how many it asks for
+        (None: nothing to embed).
 
         Raises:
             EmbedderResting: a call failed lately; none starts before its back-off ends.
@@ -128,10 +128,9 @@ class OpenWebUIEmbedder:
         todo = VECTORS.missing(embed_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return None
-        self._asked = len(todo)
         task = self._running = asyncio.ensure_future(self._fetch(todo))
         task.add_done_callback(_retrieve)
-        return task
+        return task, len(todo)
 
     async def _fetch(self, todo: list[str]) -> int:
         """One call to the embedding function (at most EMBED_CALL_SECONDS); its vectors go into

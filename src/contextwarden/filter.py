@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from decimal import Decimal
 from enum import Enum
 from itertools import repeat
 from typing import Any, Final
@@ -29,7 +28,6 @@ from .accounting import (
     learn_caching,
     learn_calibration,
     reply_savings_of,
-    spent_tokens,
     trim_savings,
     usage_record,
 )
@@ -978,8 +976,6 @@ class Filter:
         """Check and charge in one step (`SpendBook.reserve`); False when the store failed and
         the valve lets the turn go uncharged (fail-open)."""
         try:
-            if isinstance(self._store, RedisStore) and not self._store.shared:
-                raise ConnectionError("usage store unreachable")
             verdict = await self._spendbook.reserve(
                 self._store,
                 user=turn.user,
@@ -987,6 +983,7 @@ class Filter:
                 charge=estimate,
                 check=lambda day, month: check_limits(limits, day, month),
             )
+            self._check_shared()
         except Exception as exc:
             await self._store_failed(exc, settings)
             return False
@@ -1051,9 +1048,18 @@ class Filter:
             ConnectionError: the Redis store did not answer (its in-process fallback is no total).
         """
         spend = await self._spendbook.spend(self._store, user_id, self._now().date())
+        self._check_shared()
+        return spend
+
+    def _check_shared(self) -> None:
+        """ConnectionError when the Redis store answered from its in-process fallback: that is
+        no user's total, so what limits read or charged there does not count.
+
+        Raises:
+            ConnectionError: the Redis store is away.
+        """
         if isinstance(self._store, RedisStore) and not self._store.shared:
             raise ConnectionError("usage store unreachable")
-        return spend
 
     async def _spend_or_none(self, user_id: str, settings: Settings) -> tuple[Spend, Spend] | None:
         """The spend to check; None lets the turn go (fail-open); fail-closed refuses it."""
@@ -1071,13 +1077,13 @@ class Filter:
             raise TurnRefused(STORE_DOWN_TEXT) from None
         filter_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
 
-    async def _record_spend(self, user_id: object, cost_usd: Decimal | None, tokens: int) -> None:
+    async def _record_spend(self, user_id: object, charge: Charge) -> None:
         """Add a reply to its user's spend totals (what limits read); never costs the reply."""
         if not isinstance(user_id, str) or not user_id:
             return
         try:
             await self._spendbook.record(
-                self._store, user=user_id, day=self._now().date(), cost_usd=cost_usd, tokens=tokens
+                self._store, user=user_id, day=self._now().date(), cost_usd=charge.cost_usd, tokens=charge.tokens
             )
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
@@ -1201,10 +1207,11 @@ class Filter:
         except Exception as exc:
             filter_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
+            charge = Charge.of(billed, cost.cost_usd)
             if started is not None and started.charged is not None:
-                await self._settle(started, Charge(cost.cost_usd, spent_tokens(billed)))
+                await self._settle(started, charge)
             else:
-                await self._record_spend(user_id, cost.cost_usd, spent_tokens(billed))
+                await self._record_spend(user_id, charge)
 
     async def _learn(
         self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str

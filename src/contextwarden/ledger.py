@@ -105,11 +105,15 @@ def picodollars_to_usd(amount: int) -> Decimal:
     return (Decimal(amount) / PICODOLLARS_PER_USD).normalize() if amount else Decimal(0)
 
 
+def _key_ids(user: str, model: str) -> tuple[str, str]:
+    """A user and model id as keys hold them: cut to MAX_KEY_ID_CHARS (a model id in the outlet
+    body is the client's) and percent-encoded (model ids hold ':' and '/')."""
+    return quote(user[:MAX_KEY_ID_CHARS], safe=""), quote(model[:MAX_KEY_ID_CHARS], safe="")
+
+
 def _ledger_key(day: date, user: str, model: str) -> str:
-    """`ledger:YYYY-MM-DD:<user>:<model>`, ids percent-encoded (model ids hold ':' and '/') and
-    cut to MAX_KEY_ID_CHARS (a model id in the outlet body is the client's)."""
-    user, model = user[:MAX_KEY_ID_CHARS], model[:MAX_KEY_ID_CHARS]
-    return f"{LEDGER_KEY_PREFIX}{day.isoformat()}:{quote(user, safe='')}:{quote(model, safe='')}"
+    """`ledger:YYYY-MM-DD:<user>:<model>`, ids as `_key_ids` writes them."""
+    return f"{LEDGER_KEY_PREFIX}{day.isoformat()}:" + ":".join(_key_ids(user, model))
 
 
 def _ledger_key_parts(key: str) -> tuple[date, str, str] | None:
@@ -253,7 +257,7 @@ async def record_reply(
     await store.incr(key, fields, ttl=ttl, once=f"ledger:{uuid.uuid4().hex}")
     await store.incr(
         _month_key(day),
-        _month_fields(day, key, fields),
+        _month_fields(day, _key_ids(user or "-", model or "-"), fields),
         ttl=max(ttl, MONTH_TTL_SECONDS),
         once=f"ledger-month:{uuid.uuid4().hex}",
     )
@@ -264,9 +268,9 @@ def _month_key(day: date) -> str:
     return f"{MONTH_KEY_PREFIX}{day:%Y-%m}"
 
 
-def _month_fields(day: date, key: str, fields: dict[str, int]) -> dict[str, int]:
-    """A reply's figures under `u:<user>:`, `m:<model>:` and `d:<DD>:` (ids as in its ledger key)."""
-    _, user, model = key[len(LEDGER_KEY_PREFIX) :].split(":")
+def _month_fields(day: date, ids: tuple[str, str], fields: dict[str, int]) -> dict[str, int]:
+    """A reply's figures under `u:<user>:`, `m:<model>:` and `d:<DD>:` (ids as `_key_ids` writes them)."""
+    user, model = ids
     out = {}
     for group in (f"u:{user}", f"m:{model}", f"d:{day.day:02d}"):
         out.update({f"{group}:{name}": fields[name] for name in MONTH_FIELDS if fields[name]})

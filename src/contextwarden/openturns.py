@@ -16,12 +16,13 @@ bare outlet may be forged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date
 from functools import reduce
 from typing import Any
 
+from .conversation import Message, message_text
 from .pricing import ModelPrice
 from .spendbook import Charge
 from .usage import Usage
@@ -72,7 +73,7 @@ class OpenTurn:
     @property
     def estimate(self) -> Charge:
         """The charge when the turn starts: its prompt as counted plus the reply's allowance."""
-        return Charge.of(Usage(self.prompt_tokens, self.reply_tokens), self.price)
+        return Charge.priced(Usage(self.prompt_tokens, self.reply_tokens), self.price)
 
     def used(self) -> tuple[Usage, Charge]:
         """What the turn used as far as this worker saw, and its charge: the provider calls'
@@ -82,10 +83,10 @@ class OpenTurn:
                 sum(u.prompt_tokens or 0 for u in self.stream_usage),
                 sum(u.completion_tokens or 0 for u in self.stream_usage),
             )
-            return usage, reduce(Charge.plus, (Charge.of(u, self.price) for u in self.stream_usage))
+            return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in self.stream_usage))
         reply = -(-self.streamed // CHARS_PER_TOKEN) if self.streamed else self.reply_tokens
         usage = Usage(self.prompt_tokens, reply)
-        return usage, Charge.of(usage, self.price)
+        return usage, Charge.priced(usage, self.price)
 
 
 def streamed_chars(event: Any) -> int:
@@ -119,16 +120,9 @@ def reply_allowance(body: Mapping[str, Any], default: int) -> int:
     return default
 
 
-def rough_tokens(messages: Any) -> int:
+def rough_tokens(messages: Sequence[Message]) -> int:
     """A prompt's tokens from its characters (`CHARS_PER_TOKEN`), for a turn no trim counted."""
-    total = 0
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
-    return -(-total // CHARS_PER_TOKEN)
+    return -(-sum(len(message_text(m)) for m in messages) // CHARS_PER_TOKEN)
 
 
 class OpenTurns:
@@ -137,9 +131,6 @@ class OpenTurns:
     def __init__(self) -> None:
         self._turns: OrderedDict[str, OpenTurn] = OrderedDict()
         self._next_sweep = 0.0
-
-    def __len__(self) -> int:
-        return len(self._turns)
 
     def start(self, turn: OpenTurn) -> None:
         """Register a turn (the oldest is forgotten when full)."""

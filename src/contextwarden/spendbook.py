@@ -47,10 +47,14 @@ class Charge:
     tokens: int
 
     @classmethod
-    def of(cls, usage: Usage, price: ModelPrice | None) -> Charge:
+    def of(cls, usage: Usage, cost_usd: Decimal | None) -> Charge:
+        """A reply's charge: its cost, and its prompt + completion tokens (what token limits count)."""
+        return cls(cost_usd, (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
+
+    @classmethod
+    def priced(cls, usage: Usage, price: ModelPrice | None) -> Charge:
         """What a reply with this usage costs at this price (unknown price: tokens only)."""
-        tokens = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
-        return cls(compute_cost(usage, price).cost_usd, tokens)
+        return cls.of(usage, compute_cost(usage, price).cost_usd)
 
     def plus(self, other: Charge) -> Charge:
         """Both charges (the dollars unknown when either's are)."""
