@@ -105,15 +105,17 @@ class SpendBook:
         as far as any other worker can tell (retried while another write came in between)."""
         key = _spend_key(month_start(day), user)
         fields = _fields(day, charge.amounts(), 1)
+        name = f"reserve:{uuid.uuid4().hex}"  # a try sent again (no answer) is applied once
         for _ in range(RESERVE_TRIES):
             counters = await store.counters(key)
             verdict = check(_spend(counters, f"d{day.day:02d}:"), _spend(counters))
             if not verdict.allowed:
                 return verdict
-            if await store.incr_if(key, fields, ttl=SPEND_TTL_SECONDS, guard=("rev", counters.get("rev", 0))):
+            guard = ("rev", counters.get("rev", 0))
+            if await store.incr_if(key, fields, ttl=SPEND_TTL_SECONDS, guard=guard, once=name):
                 return verdict
         spend_log.info("contextwarden: spend key busy; turn charged without a fresh check")
-        await store.incr(key, fields, ttl=SPEND_TTL_SECONDS)
+        await store.incr(key, fields, ttl=SPEND_TTL_SECONDS, once=name)
         return verdict
 
     async def settle(self, store: Store, *, user: str, day: date, charged: Charge, real: Charge) -> None:

@@ -27,10 +27,12 @@ store_log = logging.getLogger("contextwarden")
 KEY_PREFIX = "contextwarden:"
 DEFAULT_MEMORY_KEYS = 20_000
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds to connect; a Redis that is away must not slow every chat down
-# An answer may be late without Redis being away: a busy machine (or this worker's own loop,
-# busy with other users) reads it late. Answers wait this many times the connect timeout (a
-# Redis that is away refuses the connect at once, or lets it time out).
+# An answer may be late without Redis being away: a busy machine reads it late. Answers wait
+# this many times the connect timeout (a Redis that is away refuses the connect at once, or
+# lets it time out), and a command that timed out is sent once more: every write is named or
+# idempotent, so a repeat changes nothing. A refused connect or a second timeout is an outage.
 REDIS_READ_TIMEOUT_FACTOR = 4
+REDIS_ATTEMPTS = 2
 REDIS_RETRY_SECONDS = 30.0
 # Only these mean Redis is away (an outage: fall back, hold named increments). Any other
 # RedisError is an answer, e.g. a ResponseError for a counter that would overflow: it reaches
@@ -79,10 +81,12 @@ class Store:
         """
         raise NotImplementedError
 
-    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
         """`incr` only while the counter `guard[0]` still holds `guard[1]` (absent = 0): a
         read-check-write that another worker's write in between turns into a retry. True when
-        it was applied."""
+        it was applied (a repeat of a named one that was: True, adding nothing)."""
         raise NotImplementedError
 
     async def counters(self, key: str) -> dict[str, int]:
@@ -147,19 +151,29 @@ class MemoryStore(Store):
         self._data.pop(key, None)
 
     async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
-        if once is not None:
-            if once in self._done:
-                return
-            self._done[once] = None
-            if len(self._done) > self.max_keys:
-                self._done.popitem(last=False)
-        self._add(key, fields, ttl)
+        if once is None or self._first(once):
+            self._add(key, fields, ttl)
 
-    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
+        if once is not None and once in self._done:
+            return True
         current = self._live(key)
         if (current.get(guard[0], 0) if isinstance(current, dict) else 0) != guard[1]:
             return False
+        if once is not None:
+            self._first(once)
         self._add(key, fields, ttl)
+        return True
+
+    def _first(self, once: str) -> bool:
+        """Mark the named increment applied; False when it already was."""
+        if once in self._done:
+            return False
+        self._done[once] = None
+        if len(self._done) > self.max_keys:
+            self._done.popitem(last=False)
         return True
 
     def _add(self, key: str, fields: Mapping[str, int], ttl: int) -> None:
@@ -197,8 +211,8 @@ class RedisStore(Store):
         """A store on the Redis at `url`.
 
         Args:
-            timeout: seconds a connect may take (an answer: `REDIS_READ_TIMEOUT_FACTOR` times it) before
-                Redis counts as away.
+            timeout: seconds a connect may take before Redis counts as away; an answer may take
+                `REDIS_READ_TIMEOUT_FACTOR` times it, `REDIS_ATTEMPTS` times in a row.
             fallback: where calls go while Redis is away (default: a new `MemoryStore`).
             client: the client commands are sent with (default: `redis_client(url, timeout)`);
                 given, `url` and `timeout` are not read. Tests wrap one to watch or fail commands.
@@ -240,7 +254,7 @@ class RedisStore(Store):
         if not self._usable():
             return False, None
         try:
-            result = await getattr(self, "_redis_" + name)(*args, **kwargs)
+            result = await self._command(name, *args, **kwargs)
         except _REDIS_ERRORS as exc:
             self._failed(exc)
             return False, None
@@ -248,6 +262,17 @@ class RedisStore(Store):
         if self._pending and not self._replaying:
             await self._replay()
         return True, result
+
+    async def _command(self, name: str, *args, **kwargs) -> Any:
+        """`_redis_<name>`; one that timed out is sent once more (`REDIS_ATTEMPTS`), so a single
+        late answer is not an outage."""
+        command = getattr(self, "_redis_" + name)
+        for _ in range(REDIS_ATTEMPTS - 1):
+            try:
+                return await command(*args, **kwargs)
+            except aioredis.TimeoutError:
+                pass
+        return await command(*args, **kwargs)
 
     async def _call(self, name: str, *args, **kwargs):
         ok, result = await self._try_redis(name, *args, **kwargs)
@@ -265,7 +290,7 @@ class RedisStore(Store):
             while self._pending:
                 held = self._pending[0]
                 try:
-                    await self._redis_incr(held[0], held[1], ttl=held[2], once=held[3], bucket=held[4])
+                    await self._command("incr", held[0], held[1], ttl=held[2], once=held[3], bucket=held[4])
                 except _REDIS_ERRORS as exc:
                     self._failed(exc)
                     return
@@ -300,8 +325,12 @@ class RedisStore(Store):
         if not done:
             self._pending.append((key, dict(fields), ttl, once, bucket))
 
-    async def incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
-        return await self._call("incr_if", key, fields, ttl=ttl, guard=guard)
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
+        bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
+        ok, applied = await self._try_redis("incr_if", key, fields, ttl=ttl, guard=guard, once=once, bucket=bucket)
+        return applied if ok else await self.fallback.incr_if(key, fields, ttl=ttl, guard=guard, once=once)
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
@@ -332,8 +361,11 @@ class RedisStore(Store):
         keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
         await self._eval_incr(keys, fields, ttl, once or "", ("", 0))
 
-    async def _redis_incr_if(self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int]) -> bool:
-        return await self._eval_incr([KEY_PREFIX + key], fields, ttl, "", guard) != 0
+    async def _redis_incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None, bucket: str
+    ) -> bool:
+        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
+        return await self._eval_incr(keys, fields, ttl, once or "", guard) != 0
 
     async def _eval_incr(
         self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, guard: tuple[str, int]
