@@ -11,9 +11,9 @@ from typing import Any
 from contextwarden.conversation import (
     RECALL_LABEL,
     SUMMARY_ACK_MESSAGE,
+    is_recall_message,
     message_text,
     read_conversation,
-    recall_parts,
     tool_call_ids,
 )
 from contextwarden.selection import mandatory_indices
@@ -136,12 +136,17 @@ def same_role_pairs(chat: list[dict[str, Any]], sent: list[dict[str, Any]], at: 
     return pairs
 
 
+def recall_positions(messages: list[dict]) -> list[int]:
+    """Where the recall blocks are in a trim's output (a test knows its chat holds no lookalike)."""
+    return [i for i, m in enumerate(messages) if is_recall_message(m)]
+
+
 def assert_same_trim(a: TrimResult, b: TrimResult) -> None:
     """Two trims of one chat chose alike: the same messages (each kept one the very same dict),
     counts and decision."""
     assert a.messages == b.messages
     sent = sorted(a.kept + a.shortened)
-    added = set(recall_parts(a.messages))
+    added = set(a.added)
     plain = [
         (x, y) for k, (x, y) in enumerate(zip(a.messages, b.messages, strict=True)) if k not in added
     ]  # blocks aside

@@ -6,12 +6,14 @@ import logging
 
 import pytest
 
-from contextwarden import Filter
-from contextwarden.conversation import SUMMARY_ACK, is_recall_message, recall_message
+from contextwarden import Filter, trim_messages
+from contextwarden.conversation import RECALL_LABEL, SUMMARY_ACK, is_recall_message, recall_message
 from contextwarden.filter import model_context_length
+from contextwarden.summarize import SUMMARY_LABEL
 
 from chats import check_contract, frozen
-from helpers import Events, body_of, chat_of, make_filter, usage_records
+from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
+from turns import run_turn
 
 
 async def test_inlet_and_request_trim_once_and_agree(counter):
@@ -33,6 +35,23 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
         first["messages"], "gpt-4o"
     )
+
+
+@pytest.mark.parametrize("label", [RECALL_LABEL, SUMMARY_LABEL])
+async def test_a_question_that_reads_like_the_filters_own_message_is_the_users(counter, label):
+    """Found by fuzzing: a latest question starting with the recall block's or the summary
+    note's label was dropped (or moved after the system prompt with a `Noted.`), and the chat
+    sent ended with an assistant message. The filter knows its own messages by what the
+    turn's note recorded, not by their text."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=100)
+    chat = chat_of(30)
+    await run_turn(f, chat, chat_id="lookalike")
+    chat = grow(chat, 31)
+    chat[-1] = {"role": "user", "content": f"{label}\nWhat did question 3 say?"}
+    run = await run_turn(f, chat, chat_id="lookalike")
+    for sent in (run.after_inlet["messages"], run.after_request["messages"]):
+        assert sent[-1] is chat[-1]
+        assert sum(m is chat[-1] for m in sent) == 1 and len(sent) < len(chat)
 
 
 async def test_short_chat_passes_unchanged(counter):
@@ -57,7 +76,6 @@ async def test_budget_from_model_context_length(counter):
 
 
 def _result_of(counter, body, out):
-    from contextwarden import trim_messages
 
     return trim_messages(
         body["messages"], max_tokens=body["metadata"]["contextwarden"]["budget"], model="gpt-4o", token_counter=counter

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.budget import fixed_cost
-from contextwarden.conversation import read_conversation, recall_parts
+from contextwarden.conversation import read_conversation
 from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.ledger import read_ledger, usd_to_picodollars
 from contextwarden.selection import mandatory_indices
@@ -752,7 +752,7 @@ def test_contract_holds_on_the_recall_path(counter, data, chat, budget, model, t
                 "a second pass changed the prompt"
             )
         event("recalled" if result.recalled else "no recall")
-        added = set(recall_parts(result.messages))
+        added = set(result.added)
         origin = iter(sorted(result.kept + result.shortened))
         at = [None if k in added else next(origin) for k in range(len(result.messages))]
         if same_role_pairs(chat, result.messages, at):  # the selection's own (check_contract: never the blocks')
@@ -835,7 +835,7 @@ def test_contract_holds_with_large_old_messages_and_tool_results(counter, data, 
         if not result.over_budget:
             second = trim_messages(copy.deepcopy(result.messages), **options)
             assert frozen(second.messages) == frozen(result.messages)
-        added = set(recall_parts(result.messages))
+        added = set(result.added)
         plain = dict(
             zip(
                 sorted(result.kept + result.shortened),

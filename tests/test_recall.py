@@ -15,13 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
-from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message, recall_positions
+from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message
 from contextwarden.recall_index import RECALL_CONTEXT_TERMS, recall_scores
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 from contextwarden.selection import Recall, choose_recall, recall_candidates
 from contextwarden.trim import _Pools
 
-from chats import check_contract
+from chats import check_contract, recall_positions
 
 MODEL = "gpt-4o"
 BUDGET = 600
@@ -98,7 +98,7 @@ def test_nothing_relevant_means_no_block(counter):
     later = trim(later_chat, first.decision, token_counter=counter)
     assert later.reused and not later.recalled
     assert later.stable_prefix == len(later.messages)
-    assert not recall_positions(later.messages)
+    assert not later.added and not any(map(is_recall_message, later.messages))
 
 
 @pytest.mark.parametrize("options", [{"recall_share": 0}, {"strategy": "recent"}])
@@ -115,15 +115,27 @@ def test_trimming_the_result_again_adds_no_second_block(counter):
     later_chat = next_turn(chat, "What is my locker code?")
     later = trim(later_chat, first.decision, token_counter=counter)
     assert later.recalled
-    again = trim(copy.deepcopy(later.messages), first.decision, token_counter=counter)
-    assert again.messages == later.messages and not again.changed
+    again = trim(copy.deepcopy(later.messages), first.decision, token_counter=counter, added=later.added)
+    assert again.messages == later.messages and not again.changed and again.added == later.added
     # Grown past the budget on a second pass (say RAG text added), the old block is replaced, not doubled.
     grown = copy.deepcopy(later.messages)
     grown[-1]["content"] += " Context: " + "deltas form where rivers meet the sea. " * 25
-    redone = trim(grown, first.decision, token_counter=counter)
+    redone = trim(grown, first.decision, token_counter=counter, added=later.added)
     check_contract(grown, redone, counter, MODEL)
     assert len(recall_positions(redone.messages)) <= 1
     assert recall_positions(grown)[0] in redone.dropped
+
+
+def test_a_question_that_reads_like_a_recall_block_is_the_users(counter):
+    """Only what the earlier pass recorded (`added`) is taken for its block: a user's latest
+    question that starts with the label is kept, last, as the question."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    lookalike = {"role": "user", "content": f"{RECALL_LABEL}\n\nWhat is my locker code?"}
+    later_chat = [*chat, {"role": "assistant", "content": "Rivers flow."}, lookalike]
+    later = trim(later_chat, first.decision, token_counter=counter)
+    check_contract(later_chat, later, counter, MODEL)
+    assert later.messages[-1] is lookalike and len(later_chat) - 1 in later.kept
 
 
 def test_a_selection_without_room_for_the_recall_is_redone(counter):
@@ -210,9 +222,11 @@ def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
         {"role": "user", "content": "q"},
     ]
     scores = [1.0, 9.0, 0.0, 5.0, 5.0, 5.0, 0.0]
-    # the tool message has no text, the system one is not recallable, a recall block never again
+    # the tool message has no text, the system one is not recallable; a message that reads like
+    # a recall block is a user's (an earlier pass's own block is taken out before: `added`)
     candidates = recall_candidates(chat, scores)
-    assert candidates == [0, 1]
+    assert candidates == [0, 1, 5]
+    candidates = candidates[:2]
     costs = {0: 5, 1: 60}
     # message 1 is worth most per square-root token (9 / 60 ** 0.5 > 1 / 5 ** 0.5)
     assert choose_recall(candidates, {6}, scores, costs, room=64) == [1]

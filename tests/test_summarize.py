@@ -35,6 +35,7 @@ from chats import frozen
 from helpers import Events, body_of, chat_of, make_filter
 
 URL = "http://llm.test/v1"
+ANY_POSITION = range(10_000)  # find_summary by the note's text alone (the filter passes what its note recorded)
 KEY = "sk-test-SECRET-0123456789"
 SUMMARY = "The user asked ten questions about lorem ipsum; the answers were dolor sit."
 CONFIG = SummaryConfig(base_url=URL, model="mini", api_key=KEY, timeout=2.0, max_tokens=120)
@@ -204,7 +205,7 @@ async def test_summarize_trim_fits_the_budget_and_covers_what_it_dropped(llm, co
     assert done.messages[0] is chat[0] and done.messages[1] is done.note
     assert done.note == {"role": "user", "content": f"{SUMMARY_LABEL}\n{SUMMARY}"}
     assert done.messages[2] == {"role": "assistant", "content": SUMMARY_ACK}  # the first kept one is a user's
-    assert done.messages[3:] == done.result.messages[1:] and find_summary(done.messages) == (1, True)
+    assert done.messages[3:] == done.result.messages[1:] and find_summary(done.messages, ANY_POSITION) == (1, True)
     assert_alternates(done.messages)
     transcript = json.loads(llm.calls.last.request.content)["messages"][1]["content"]
     assert transcript.count("\n") + 1 == len(done.result.dropped)
@@ -292,12 +293,14 @@ async def test_a_legacy_system_note_is_recognized_and_moved_out_of_the_system_pr
     legacy = {"role": "system", "content": f"{LEGACY_SUMMARY_LABEL}\nold summary"}
     chat = chat_of(20)
     chat.insert(1, legacy)
-    assert find_summary(chat) == (1, True)
+    assert find_summary(chat, ANY_POSITION) == (1, True)
     out = await f.request(body_of(chat), __user__={"id": "u1"})
     sent = out["messages"]
     assert route.call_count == 0
     assert sent[0] is chat[0] and [m["role"] for m in sent].count("system") == 1
-    assert sent[1] == {"role": "user", "content": f"{SUMMARY_LABEL}\nold summary"} and find_summary(sent) == (1, True)
+    assert sent[1] == {"role": "user", "content": f"{SUMMARY_LABEL}\nold summary"} and find_summary(
+        sent, ANY_POSITION
+    ) == (1, True)
     assert [m for m in sent if LEGACY_SUMMARY_LABEL in str(m["content"]) or SUMMARY_LABEL in str(m["content"])] == [
         sent[1]
     ]
@@ -318,10 +321,10 @@ def test_the_note_goes_where_the_dropped_messages_were_and_keeps_the_roles_valid
     assert insert_summary([system, call, result, user], note) == [system, note, call, result, user]
     assert insert_summary([user], note) == [note, ack, user]
     for messages in ([system, note, ack, user, answer], [system, note, answer, user], [note, ack, user]):
-        at, present = find_summary(messages)
+        at, present = find_summary(messages, ANY_POSITION)
         assert present and messages[at] is note
-    assert find_summary([system, user, ack]) == (None, False)
-    assert find_summary([system, {"role": "assistant", "content": note["content"]}]) == (None, False)
+    assert find_summary([system, user, ack], ANY_POSITION) == (None, False)
+    assert find_summary([system, {"role": "assistant", "content": note["content"]}], ANY_POSITION) == (None, False)
 
 
 async def test_filter_respects_a_merged_summary(llm, counter):
@@ -330,7 +333,11 @@ async def test_filter_respects_a_merged_summary(llm, counter):
     # an older version's note, merged into the system prompt as Open WebUI merges system messages
     chat = chat_of(20, system=f"You are helpful.\n{LEGACY_SUMMARY_LABEL}\nold summary")
     out = await f.request(body_of(chat), __user__={"id": "u1"})
-    assert route.call_count == 0 and find_summary(out["messages"]) == (None, True) and out["messages"][0] is chat[0]
+    assert (
+        route.call_count == 0
+        and find_summary(out["messages"], ANY_POSITION) == (None, True)
+        and out["messages"][0] is chat[0]
+    )
     assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
 
 
@@ -338,11 +345,11 @@ async def test_nosum_flag_and_failures_trim_without_a_summary(llm, counter, capl
     route = llm.post(f"{URL}/chat/completions").mock(side_effect=[httpx.Response(503)])
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
     nosum = await f.inlet(body_of(chat_of(20, last="What now? !nosum")), __user__={"id": "u1"})
-    assert route.call_count == 0 and find_summary(nosum["messages"]) == (None, False)
+    assert route.call_count == 0 and find_summary(nosum["messages"], ANY_POSITION) == (None, False)
     assert nosum["messages"][-1]["content"] == "What now?"
     events = Events()
     failed = await f.request(body_of(chat_of(20)), __user__={"id": "u1"}, __event_emitter__=events)
-    assert route.call_count == 1 and find_summary(failed["messages"]) == (None, False)
+    assert route.call_count == 1 and find_summary(failed["messages"], ANY_POSITION) == (None, False)
     assert counter.count_messages(failed["messages"], "gpt-4o") <= 1_500
     assert "summarized" not in events.statuses[-1]
     no_secret(caplog, events)
@@ -388,7 +395,7 @@ async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_withou
     out = await f.inlet(body_of(chat), __user__={"id": "u1"}, __event_emitter__=events)
     assert route.call_count == 0, [str(c.request.url) for c in route.calls]
     assert len(out["messages"]) < len(chat) and counter.count_messages(out["messages"], "gpt-4o") <= 1_500
-    assert find_summary(out["messages"]) == (None, False)
+    assert find_summary(out["messages"], ANY_POSITION) == (None, False)
     [named] = [s for s in events.statuses if valve in s]
     assert kind in named and "summaries are off" in named and value not in named
     assert not any("internal error" in s for s in events.statuses)
@@ -470,7 +477,7 @@ async def test_random_chats_get_a_valid_note_and_a_second_pass_keeps_it(llm, cou
     chat = random_chat(random.Random(seed), 60)
     out = await f.request(body_of(chat), __user__={"id": "u1"})
     sent = out["messages"]
-    at, present = find_summary(sent)
+    at, present = find_summary(sent, ANY_POSITION)
     if at is None:  # no room for a note beside the mandatory part: a plain trim
         assert not present and counter.count_messages(sent, "gpt-4o") <= 900
         return

@@ -30,8 +30,6 @@ __all__ = [
     "recall_message",
     "recall_quotes",
     "is_recall_message",
-    "recall_positions",
-    "recall_parts",
     "SUMMARY_ACK",
     "SUMMARY_ACK_MESSAGE",
     "is_acknowledgement",
@@ -270,14 +268,10 @@ def recall_quotes(messages: Sequence[Message], indices: Sequence[int]) -> list[s
 
 
 def is_recall_message(message: Message) -> bool:
-    """True for a message `recall_message` wrote (a user message starting with `RECALL_LABEL`)."""
+    """True for a user message that starts with `RECALL_LABEL`: what `recall_message` writes, or
+    a user's text that reads like it (`summarize.own_messages` tells them apart)."""
     content = message.get("content")
     return message.get("role") == "user" and type(content) is str and content.startswith(RECALL_LABEL)
-
-
-def recall_positions(messages: Sequence[Message]) -> list[int]:
-    """Indices of the recall messages in a list (an earlier pass of this turn added them)."""
-    return [i for i, m in enumerate(messages) if m.get("role") == "user" and is_recall_message(m)]
 
 
 def is_acknowledgement(message: Message) -> bool:
@@ -285,14 +279,3 @@ def is_acknowledgement(message: Message) -> bool:
     return (
         message.get("role") == "assistant" and message.get("content") == SUMMARY_ACK and not message.get("tool_calls")
     )
-
-
-def recall_parts(messages: Sequence[Message]) -> list[int]:
-    """Indices of the recall blocks in a list and of the acknowledgement right after each: all
-    that an earlier pass of this turn added for the recall, ascending."""
-    parts = []
-    for i in recall_positions(messages):
-        parts.append(i)
-        if i + 1 < len(messages) and is_acknowledgement(messages[i + 1]):
-            parts.append(i + 1)
-    return parts

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .cache_hints import min_cacheable_tokens
-from .conversation import Conversation, Message, read_conversation, recall_parts
+from .conversation import Conversation, Message, read_conversation
 from .pricing import ModelPrice
 from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
@@ -348,7 +348,7 @@ def _excerpts_cost(result: TrimResult, counter: TokenCounter, model: str | None)
     """What the excerpts sent cost (the sent copies, not the messages they were cut from)."""
     if not result.excerpted:
         return 0
-    added = set(recall_parts(result.messages))  # recall blocks and their acknowledgements
+    added = set(result.added)  # recall blocks and their acknowledgements
     plain = [m for k, m in enumerate(result.messages) if k not in added]
     sent_at = dict(zip(sorted(result.kept + result.shortened), plain, strict=True))
     return sum(counter.count_message(sent_at[i], model) for i in result.excerpted)

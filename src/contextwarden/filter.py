@@ -66,7 +66,15 @@ from .savings import Savings, carried_savings
 from .spendbook import Charge, SpendBook
 from .status import pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
-from .summarize import SUMMARY_ACK_MESSAGE, find_summary, insert_summary, summarize_trim, summary_tokens, take_summary
+from .summarize import (
+    SUMMARY_ACK_MESSAGE,
+    find_summary,
+    insert_summary,
+    own_messages,
+    summarize_trim,
+    summary_tokens,
+    take_summary,
+)
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
 from .usage import Cost, Usage, compute_cost, read_count, read_usage
@@ -598,7 +606,16 @@ class Filter:
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
         choice = await self._choose(
-            turn.read.messages, turn.flags, state, chooser, turn.budget, turn.model_id, stored, embedder, off=turn.off
+            turn.read.messages,
+            turn.flags,
+            state,
+            chooser,
+            turn.budget,
+            turn.model_id,
+            stored,
+            embedder,
+            off=turn.off,
+            own=turn.note.added,
         )
         fixed = turn.budget.fixed
         choice = choice.plus_fixed(fixed.tokens, fixed.label, turn.budget.fixed_over, turn.budget.total)
@@ -670,6 +687,7 @@ class Filter:
             cost_saved_usd=money.savings.cost_saved_usd,
             cache=money.cache,
             flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
+            added=() if shadow else choice.own,
         )
         turn.write(note)
         return note
@@ -724,14 +742,16 @@ class Filter:
         embedder: OpenWebUIEmbedder | None = None,
         *,
         off: bool = False,
+        own: tuple[str, ...] = (),
     ) -> TurnChoice:
         """Trim `messages` (flags already removed) into what `prompt` leaves for messages, as the
-        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop)."""
+        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop;
+        `own`: what earlier passes of this turn added, as their note recorded it)."""
         counter = self._counter
         budget = prompt.messages
         if flags.full:
             return await self._untrimmed(messages, budget, model_id, off)
-        at, merged = find_summary(messages)
+        at, merged = find_summary(messages, own_messages(messages, own))
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
         pinned = _pinned(base, state)
 
@@ -745,6 +765,7 @@ class Filter:
             "low_watermark": settings.low_watermark,
             "growth_turns": settings.growth_turns,
             "shorten": not prompt.fixed_over,  # no cut makes it fit: send the question whole
+            "added": own_messages(base, own),  # an earlier pass's recall blocks
         }
 
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:

@@ -16,6 +16,7 @@ outlet input is the client's, so every reader bounds what it accepts.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
@@ -24,7 +25,7 @@ from .cache_hints import carried_prefix
 from .conversation import Message
 from .flags import Flags
 from .pricing import read_decimal
-from .selection import TrimDecision
+from .selection import TrimDecision, message_fingerprint
 from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import read_count
 
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) has this shape
+MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
 USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 MAX_RECORD_USD = Decimal(10**9)  # larger amounts in a record are not believed
@@ -129,6 +131,7 @@ class TurnChoice:
     fixed_tokens: int = 0  # tool definitions and response format, in every count above
     fixed_label: str = ""  # what they are ("tool definitions", ...)
     fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
+    own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
 
     def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
         """This choice with the request's fixed part (billed with every prompt) in its counts,
@@ -165,7 +168,19 @@ class TurnChoice:
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
             pins_shortened=PINS_SHORTENED_NOTE in result.notes,
+            own=added_fingerprints(result, messages),
         )
+
+
+def added_fingerprints(result: TrimResult, messages: Sequence[Message]) -> tuple[str, ...]:
+    """Fingerprints of what the filter added to `messages` (the trim's output, maybe with a
+    summary note put in): its recall blocks and that note, so that a later pass of the turn
+    knows them by what was recorded, not by their text (`summarize.own_messages`)."""
+    blocks = [result.messages[i] for i in result.added if result.messages[i].get("role") == "user"]
+    if len(messages) != len(result.messages):
+        trimmed = {id(m) for m in result.messages}
+        blocks += [m for m in messages if id(m) not in trimmed and m.get("role") == "user"]
+    return tuple(message_fingerprint(m) for m in blocks[:MAX_ADDED])
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +192,10 @@ class TurnNote:
     `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
     left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
     (`sent_messages`, `shortened`, `excerpted`); `cache_marked` (the prompt-cache breakpoints this turn placed,
-    to take off before trimming again). `removed`/`messages_before` are the tokens an earlier
-    pass removed and the untrimmed chat's message count (see `savings.carried_savings`).
+    to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
+    note this pass added: how a later pass knows them, see `summarize.own_messages`).
+    `removed`/`messages_before` are the tokens an earlier pass removed and the untrimmed chat's
+    message count (see `savings.carried_savings`).
 
     Example:
         >>> note = TurnNote(mode="enforce", estimated_prompt_tokens=640, cost_saved_usd=Decimal("0.0021"))
@@ -208,6 +225,7 @@ class TurnNote:
     excerpted: int | None = None
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
+    added: tuple[str, ...] = ()
     version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
 
     @property
@@ -248,6 +266,8 @@ class TurnNote:
             out.update(sent_messages=self.sent_messages, shortened=self.shortened, excerpted=self.excerpted)
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
+        if self.added:
+            out["added"] = list(self.added)
         return out
 
     @classmethod
@@ -286,6 +306,7 @@ class TurnNote:
             excerpted=_count(raw.get("excerpted")),
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
+            added=_fingerprints(raw.get("added")),
         )
 
     def to_json(self) -> str:
@@ -298,6 +319,13 @@ class TurnNote:
             return cls.from_dict(json.loads(text))
         except ValueError:
             return cls()
+
+
+def _fingerprints(value: object) -> tuple[str, ...]:
+    """`added` as an earlier pass wrote it: at most `MAX_ADDED` fingerprints (else none)."""
+    if not isinstance(value, list) or len(value) > MAX_ADDED:
+        return ()
+    return tuple(v for v in value if isinstance(v, str) and len(v) == 16)
 
 
 def _flags_of_turn(value: dict) -> Flags:

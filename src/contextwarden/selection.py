@@ -27,7 +27,6 @@ from .conversation import (
     SYSTEM_ROLES,
     Conversation,
     Message,
-    is_recall_message,
     message_text,
     read_conversation,
     system_positions,
@@ -813,14 +812,13 @@ def recall_candidates(
     messages: Sequence[Message], scores: Sequence[float], texts: Sequence[str] | None = None
 ) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
-    are relevant to the question (score above 0), never a recall block of an earlier pass.
-    `texts`: each message's `message_text`, when the caller has them."""
+    are relevant to the question (score above 0); an earlier pass's recall block was taken out
+    before (`trim_messages`' `added`). `texts`: each message's `message_text`, when the caller has them."""
     return [
         i
         for i, score in enumerate(scores)
         if score > 0
         and messages[i].get("role") in RECALLABLE_ROLES
-        and not is_recall_message(messages[i])
         and (texts[i] if texts is not None else message_text(messages[i]))
     ]
 

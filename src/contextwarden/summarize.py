@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -26,9 +26,11 @@ from .conversation import (
     SYSTEM_ROLES,
     Message,
     is_acknowledgement,
+    is_recall_message,
     message_text,
     system_positions,
 )
+from .selection import message_fingerprint
 from .store import Store
 from .tokens import TokenCounter
 from .trim import TrimResult
@@ -43,6 +45,7 @@ __all__ = [
     "summarize_messages",
     "summarize_trim",
     "summary_note",
+    "own_messages",
     "find_summary",
     "take_summary",
     "insert_summary",
@@ -113,12 +116,38 @@ def _is_legacy_note(message: Message) -> bool:
     return message.get("role") in SYSTEM_ROLES and type(content) is str and content.startswith(LEGACY_SUMMARY_LABEL)
 
 
-def find_summary(messages: Sequence[Message]) -> tuple[int | None, bool]:
-    """Where contextwarden's own note is: the index of a standalone note (today's user note, or
-    an older version's system note), and whether the chat holds one at all (also merged into a
-    system message: Open WebUI merges system messages after `request`)."""
+def own_messages(messages: Sequence[Message], fingerprints: Collection[str]) -> list[int]:
+    """Positions of what an earlier pass of this turn added (its summary note and recall blocks,
+    each with the acknowledgement right after it), as that pass's note recorded them: by
+    `message_fingerprint`. A user's message that merely starts like one is the user's.
+
+    Example:
+        >>> from contextwarden.conversation import recall_message
+        >>> block = recall_message([{"role": "user", "content": "Miso"}], [0])
+        >>> lookalike = {"role": "user", "content": block["content"] + "?"}
+        >>> chat = [block, dict(SUMMARY_ACK_MESSAGE), lookalike]
+        >>> own_messages(chat, {message_fingerprint(block)})
+        [0, 1]
+    """
+    if not fingerprints:
+        return []
+    own: list[int] = []
     for index, message in enumerate(messages):
-        if _is_note(message):
+        labelled = is_recall_message(message) or _is_note(message)  # only these can be: hash no other
+        if labelled and message_fingerprint(message) in fingerprints:
+            own.append(index)
+            if index + 1 < len(messages) and is_acknowledgement(messages[index + 1]):
+                own.append(index + 1)
+    return own
+
+
+def find_summary(messages: Sequence[Message], own: Collection[int] = ()) -> tuple[int | None, bool]:
+    """Where contextwarden's own note is: the index of a standalone note (today's user note at
+    one of the `own` positions, see `own_messages`; or an older version's system note), and
+    whether the chat holds one at all (also merged into a system message: Open WebUI merges
+    system messages after `request`)."""
+    for index in sorted(own):
+        if 0 <= index < len(messages) and _is_note(messages[index]):
             return index, True
     present = False
     for index in system_positions(messages):

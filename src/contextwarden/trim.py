@@ -21,7 +21,6 @@ from .conversation import (
     message_text,
     read_conversation,
     recall_message,
-    recall_parts,
     recall_quotes,
     system_positions,
 )
@@ -144,6 +143,9 @@ class TrimResult:
     `excerpted` holds the shortened indices that are earlier messages too large for what was
     left, sent as excerpts for the latest question (see `excerpt.py`); the next turn sends
     them again, byte for byte, while it keeps the selection.
+
+    `added` holds the positions in `messages` of what the trim added (recall blocks, each with
+    its acknowledgement): a later pass over these messages passes them as `added=`.
     """
 
     messages: list[Message]
@@ -161,6 +163,7 @@ class TrimResult:
     recalled: tuple[int, ...] = ()
     stable_prefix: int = -1
     excerpted: tuple[int, ...] = ()
+    added: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
@@ -189,6 +192,7 @@ def trim_messages(
     embed: Embed | None = None,
     recall_share: float = DEFAULT_RECALL_SHARE,
     shorten: bool = True,
+    added: Collection[int] = (),
 ) -> TrimResult:
     """Fit `messages` into `max_tokens`, keeping what a valid, useful prompt needs.
 
@@ -244,12 +248,14 @@ def trim_messages(
             budget counts both). The prefix before the block stays the previous turn's, so provider caches
             still hit, while the question still gets what it needs. The previous selection is
             given up (a cache miss) only when it no longer fits beside the block it needs; a
-            new one then fills its target less this share. A recall block in the input (an
-            earlier pass of the same turn) is kept while the chat fits, else replaced.
-            0: no recall.
+            new one then fills its target less this share. 0: no recall.
         shorten: False sends mandatory content that is over budget whole (`over_budget`)
             instead of cutting it, e.g. when tool definitions alone fill the window and no
             cut could make the prompt fit.
+        added: when `messages` is an earlier trim's output (a later pass of the same turn),
+            that result's `added`: its recall blocks, kept while the chat fits, else replaced.
+            Nothing is taken for the trim's own by its text: a user's message that starts like
+            a recall block is the user's.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -292,7 +298,7 @@ def trim_messages(
         ['assistant', 'user', 'assistant', 'user']
     """
     options = TrimOptions(
-        strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten
+        strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten, added
     )
     _check_options(max_tokens, options)
     if not all(map(isinstance, messages, repeat(dict))):
@@ -338,7 +344,7 @@ def carry_previous(
     if previous is None or not _carries(chosen) or not all(map(isinstance, messages, repeat(dict))):
         return None
     room = _recall_room(max_tokens, chosen)
-    if room and (recall_parts(messages) or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
+    if room and (chosen.added or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
         return None
     counter = token_counter or default_counter()
     pools = _Pools(messages, counter, model, previous.seen, chosen.embed)
@@ -372,6 +378,7 @@ class TrimOptions:
     embed: Embed | None = None
     recall_share: float = DEFAULT_RECALL_SHARE
     shorten: bool = True
+    added: Collection[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,16 +402,16 @@ def _trim(
     else a selection (`_select`)."""
     previous = options.previous
     room = _recall_room(max_tokens, options)
-    if room:
-        earlier = recall_parts(messages)
-        if earlier and not _fits_whole(messages, max_tokens, counter, model):
-            # shorten=True as before this was split into steps (the recursive call did not pass it on)
-            rest = replace(
-                options,
-                pinned=[p - sum(e < p for e in earlier) for p in options.pinned if p not in earlier],
-                shorten=True,
-            )
-            return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
+    earlier = sorted(i for i in set(options.added) if type(i) is int and 0 <= i < len(messages))
+    if room and earlier and not _fits_whole(messages, max_tokens, counter, model):
+        # shorten=True as before this was split into steps (the recursive call did not pass it on)
+        rest = replace(
+            options,
+            pinned=[p - sum(e < p for e in earlier) for p in options.pinned if p not in earlier],
+            shorten=True,
+            added=(),
+        )
+        return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
     pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, options.embed)
     if previous is not None and _carries(options):
         extended = _extend_previous(messages, previous, max_tokens, counter, model, options, room, pools)
@@ -415,7 +422,8 @@ def _trim(
     chat = _Counted(messages, conversation, costs, mode, scheme, TOKENS_PER_REPLY + sum(costs), pools)
     if chat.before <= max_tokens and not chat.conversation.orphans:
         everything = tuple(range(len(messages)))
-        return TrimResult(list(messages), everything, (), (), chat.before, chat.before, max_tokens, mode)
+        result = TrimResult(list(messages), everything, (), (), chat.before, chat.before, max_tokens, mode)
+        return replace(result, added=tuple(earlier) if room else ())
     return _select(chat, max_tokens, model, counter, options, room)
 
 
@@ -571,7 +579,7 @@ def _result(
     )
     system = set(conversation.system_indices)
     at = tuple(i for i in order if i not in system)
-    sent, stable = _with_blocks(sent, order, blocks, conversation.question)
+    sent, stable, added = _with_blocks(sent, order, blocks, conversation.question)
     after += sum(b.tokens for b in blocks)
     decision = TrimDecision(
         max_tokens=max_tokens,
@@ -599,6 +607,7 @@ def _result(
         recalled=_recalled(blocks),
         stable_prefix=stable,
         excerpted=tuple(sorted(excerpts)),
+        added=added,
     )
 
 
@@ -718,7 +727,7 @@ def _block_tokens(messages: Sequence[Message], indices: Sequence[int], counter: 
 
 def _with_blocks(
     sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None
-) -> tuple[list[Message], int]:
+) -> tuple[list[Message], int, tuple[int, ...]]:
     """`sent` (the messages at `order`) with each block, then an assistant `SUMMARY_ACK`, right
     before its anchor, and how many leading messages the next turn sends again: all but this
     question's block and what follows.
@@ -729,20 +738,23 @@ def _with_blocks(
     (Gemma's, Mistral's in vLLM or llama.cpp) reject. Before the block is then what came before
     the question: an assistant answer in a chat that alternates (or the system prompt, or the
     start), so user, assistant, user holds; the same constant as the summary note's, so a block
-    costs the same few tokens and the next turn sends it again byte for byte."""
+    costs the same few tokens and the next turn sends it again byte for byte. Last, where the
+    blocks and their acknowledgements are in what is returned (`TrimResult.added`)."""
     if not blocks:
-        return sent, -1  # TrimResult works it out
+        return sent, -1, ()  # TrimResult works the prefix out
     by_anchor = {b.anchor: b.message for b in blocks}
     out: list[Message] = []
+    added: list[int] = []
     stable = -1
     for index, message in zip(order, sent, strict=True):
         block = by_anchor.get(index)
         if block is not None:
             if index == question:
                 stable = len(out)
+            added += (len(out), len(out) + 1)
             out += (block, dict(SUMMARY_ACK_MESSAGE))
         out.append(message)
-    return out, stable if stable >= 0 else len(out)
+    return out, stable if stable >= 0 else len(out), tuple(added)
 
 
 def _recall_record(blocks: Sequence[_Block], fingerprints: Sequence[str]) -> tuple[Recall, ...]:
@@ -981,7 +993,7 @@ def _extend_previous(
     if blocks is None:
         return None
     sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
-    sent, stable = _with_blocks(sent, order, blocks, question if room else None)
+    sent, stable, added = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
     at = tuple(i for i in order if i not in system)
     decision = TrimDecision(
@@ -998,7 +1010,7 @@ def _extend_previous(
         excerpts=previous.excerpts,
     )
     result = _reused_result(
-        sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, stable, excerpts
+        sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
     )
     return replace(result, notes=tuple(pools.notes))
 
@@ -1053,10 +1065,11 @@ def _reused_result(
     mode: CountMode,
     decision: TrimDecision,
     blocks: list[_Block],
-    stable: int,
+    placed: tuple[int, tuple[int, ...]],
     excerpts: Collection[int] = (),
 ) -> TrimResult:
-    """The result of a turn that sent the previous selection again (its `excerpts` as well), plus what is new."""
+    """The result of a turn that sent the previous selection again (its `excerpts` as well), plus
+    what is new; `placed`: `_with_blocks`' stable prefix and where its blocks went."""
     shortened = tuple(sorted(excerpts))
     return TrimResult(
         messages=sent,
@@ -1071,7 +1084,8 @@ def _reused_result(
         decision=decision,
         reused=True,
         recalled=_recalled(blocks),
-        stable_prefix=stable,
+        stable_prefix=placed[0],
+        added=placed[1],
     )
 
 
