@@ -207,7 +207,9 @@ def test_status_line_and_explain_say_excerpted(counter):
     chat = pasted_chat(counter)
     result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)
     line = status_line(TurnChoice.of(result, result.messages), Flags())
-    assert "· 1 excerpted" in line and "shortened" not in line
+    ((sent, total),) = result.passages
+    assert 0 < sent < total == len(split_chunks(chat[1]["content"]))
+    assert f"· document excerpted: {sent} of {total} passages" in line and "shortened" not in line
     explanation = explain_trim(chat, result, model=MODEL, token_counter=counter)
     row = explanation.messages[1]
     assert row.action == "excerpted" and "most relevant to the question" in row.reasons[0]
@@ -217,8 +219,8 @@ def test_status_line_and_explain_say_excerpted(counter):
 
 async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(counter, unique):
     """The filter's own flow, stored decision and both passes (inlet, then request on what inlet
-    sent): the question's prompt holds the fact, the status line says `1 excerpted` (the last
-    one, which Open WebUI shows, too), and the line after the reply says `trimmed, 1 excerpted`."""
+    sent): the question's prompt holds the fact, the status line says `document excerpted: N of
+    M passages` (the last one, which Open WebUI shows, too), and so does the line after the reply."""
     from contextwarden.filter import trim_summary
 
     from helpers import Events, make_filter
@@ -239,11 +241,13 @@ async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(coun
     sent, metadata = await both_passes(chat, events)
     assert FACT in sent["messages"][1]["content"]
     assert counter.count_messages(sent["messages"], MODEL) <= 4_000
-    assert "· 1 excerpted" in events.statuses[0] and "· 1 excerpted" in events.statuses[-1], events.statuses
     note = next(v for v in metadata.values() if isinstance(v, dict) and "line" in v)
-    assert note["excerpted"] == 1
+    sent_passages, total = note["passages"]
+    assert note["excerpted"] == 1 and 0 < sent_passages < total == len(split_chunks(chat[1]["content"]))
+    words = f"document excerpted: {sent_passages} of {total} passages"
+    assert f"· {words}" in events.statuses[0] and f"· {words}" in events.statuses[-1], events.statuses
     note = {**note, "savings": {**(note.get("savings") or {}), "messages_before": 4}}
-    assert trim_summary(note) == " · trimmed, 1 excerpted"
+    assert trim_summary(note) == f" · trimmed, {words}"
 
 
 def test_an_embedder_finds_the_passage_words_do_not(counter):

@@ -53,11 +53,13 @@ _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
 
 @dataclass(frozen=True, slots=True)
 class Excerpt:
-    """An excerpted copy of one message: the copy, what it costs, the chunk numbers it keeps."""
+    """An excerpted copy of one message: the copy, what it costs, the chunk numbers it keeps and
+    how many chunks (passages) the whole text has."""
 
     message: Message
     tokens: int
     chunks: tuple[int, ...]
+    total: int = 0
 
 
 def split_chunks(text: str) -> list[str]:
@@ -190,15 +192,15 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     slot = _text_slot(message)
     if slot is None:
         return None
+    chunks, _ = _chunked(slot[0])
     if not kept:  # a placeholder: the mark for the whole text (as `excerpt_text` makes it, without chunking)
         text = CUT_MARK.format(n=f"{counter.count_text(slot[0], model):,}") if slot[0] else ""
     else:
-        chunks, _ = _chunked(slot[0])
         if any(not 0 <= k < len(chunks) for k in kept):
             return None
         text, _ = excerpt_text(chunks, kept, counter, model)
     copy = _with_text(message, text, slot[1])
-    return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)))
+    return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)), len(chunks))
 
 
 def excerpt_message(
@@ -231,7 +233,7 @@ def excerpt_message(
         copy = _with_text(message, text, slot[1])
         tokens = counter.count_message(copy, model)
         if tokens <= room:
-            return Excerpt(copy, tokens, tuple(chosen))
+            return Excerpt(copy, tokens, tuple(chosen), len(chunks))
         if not chosen:
             return None
         # Joined pieces and marks counted more than apart: let the least relevant chunk go.

@@ -64,7 +64,7 @@ from .pricing import Resolution, resolve_model
 from .records import CacheView, TurnChoice, TurnNote, UsageRecord
 from .savings import Savings, carried_savings
 from .spendbook import Charge, SpendBook
-from .status import pending_line, shadow_status_line, status_line, usage_status
+from .status import excerpt_words, pending_line, shadow_status_line, status_line, usage_status
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import (
     SUMMARY_ACK_MESSAGE,
@@ -290,12 +290,14 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with."""
     earlier, excerpts = (n if n is not None and n <= messages_before else 0 for n in (note.shortened, note.excerpted))
+    passages = choice.passages if choice.excerpted >= excerpts else (note.passages or (0, 0))
     return replace(
         choice,
         count_before=messages_before,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
         excerpted=max(choice.excerpted, excerpts),
+        passages=passages,
     )
 
 
@@ -312,9 +314,8 @@ def trim_summary(note: TurnNote | dict) -> str:
         if before != after
         else " · trimmed"
     )
-    return (
-        text + (f", {shortened:,} shortened" if shortened else "") + (f", {excerpted:,} excerpted" if excerpted else "")
-    )
+    cut = excerpt_words(excerpted, note.passages or (0, 0)) if excerpted else ""
+    return text + (f", {shortened:,} shortened" if shortened else "") + (f", {cut}" if cut else "")
 
 
 @dataclass(slots=True)
@@ -712,7 +713,13 @@ class Filter:
             note = replace(note, line=line, pending_line=None)
         if not isinstance(turn.metadata, dict):
             return note
-        note = replace(note, sent_messages=len(done.messages), shortened=done.shortened, excerpted=done.excerpted)
+        note = replace(
+            note,
+            sent_messages=len(done.messages),
+            shortened=done.shortened,
+            excerpted=done.excerpted,
+            passages=done.passages if done.excerpted else None,
+        )
         turn.write(note)
         return note
 

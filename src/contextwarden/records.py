@@ -122,6 +122,7 @@ class TurnChoice:
     dropped: int = 0
     shortened: int = 0
     excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
+    passages: tuple[int, int] = (0, 0)  # of those: passages sent, passages in all
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
@@ -164,6 +165,7 @@ class TurnChoice:
             dropped=len(result.dropped),
             shortened=len(result.shortened) - len(result.excerpted),
             excerpted=len(result.excerpted),
+            passages=(sum(p[0] for p in result.passages), sum(p[1] for p in result.passages)),
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
@@ -223,6 +225,7 @@ class TurnNote:
     sent_messages: int | None = None
     shortened: int | None = None
     excerpted: int | None = None
+    passages: tuple[int, int] | None = None
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
@@ -264,6 +267,8 @@ class TurnNote:
             out["pending_line"] = self.pending_line
         if self.sent_messages is not None:
             out.update(sent_messages=self.sent_messages, shortened=self.shortened, excerpted=self.excerpted)
+            if self.passages is not None:
+                out["passages"] = list(self.passages)
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
         if self.added:
@@ -304,6 +309,7 @@ class TurnNote:
             sent_messages=_count(raw.get("sent_messages")),
             shortened=_count(raw.get("shortened")),
             excerpted=_count(raw.get("excerpted")),
+            passages=_passage_counts(raw.get("passages")),
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
@@ -319,6 +325,14 @@ class TurnNote:
             return cls.from_dict(json.loads(text))
         except ValueError:
             return cls()
+
+
+def _passage_counts(value: object) -> tuple[int, int] | None:
+    """`passages` as an earlier pass wrote it: (sent, in all), each a count (else none)."""
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    sent, total = (_count(v) for v in value)
+    return (sent, total) if sent is not None and total is not None and sent <= total else None
 
 
 def _fingerprints(value: object) -> tuple[str, ...]:

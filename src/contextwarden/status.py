@@ -120,6 +120,18 @@ def pending_line(note: dict) -> str | None:
     return None
 
 
+def excerpt_words(documents: int, passages: tuple[int, int]) -> str:
+    """What a user reads when long messages went out cut: the model did not see all of them.
+
+    Example:
+        >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
+        ('document excerpted: 3 of 24 passages', '2 documents excerpted: 7 of 41 passages')
+    """
+    what = "document excerpted" if documents == 1 else f"{documents} documents excerpted"
+    sent, total = passages
+    return f"{what}: {sent:,} of {total:,} passages" if total else what
+
+
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     """The notes both lines share: summary, shortened, over budget, estimate, flags."""
     line = ""
@@ -132,7 +144,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
     if choice.excerpted:
-        line += f" · {choice.excerpted} excerpted"
+        line += " · " + excerpt_words(choice.excerpted, choice.passages)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:

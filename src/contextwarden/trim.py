@@ -7,7 +7,7 @@ shortening of mandatory content that alone is over the budget.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import filterfalse, repeat
 from operator import add, mul
@@ -145,7 +145,9 @@ class TrimResult:
     them again, byte for byte, while it keeps the selection.
 
     `added` holds the positions in `messages` of what the trim added (recall blocks, each with
-    its acknowledgement): a later pass over these messages passes them as `added=`.
+    its acknowledgement): a later pass over these messages passes them as `added=`. `passages`
+    says, for each excerpted message in order, how many of its passages (chunks) were sent of
+    how many it has: what a user is told (`document excerpted: 3 of 24 passages`).
     """
 
     messages: list[Message]
@@ -164,6 +166,7 @@ class TrimResult:
     stable_prefix: int = -1
     excerpted: tuple[int, ...] = ()
     added: tuple[int, ...] = ()
+    passages: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
@@ -608,7 +611,13 @@ def _result(
         stable_prefix=stable,
         excerpted=tuple(sorted(excerpts)),
         added=added,
+        passages=_passages(excerpts),
     )
+
+
+def _passages(excerpts: Mapping[int, Excerpt]) -> tuple[tuple[int, int], ...]:
+    """(passages sent, passages in all) of each excerpt, in the messages' order."""
+    return tuple((len(e.chunks), e.total) for _, e in sorted(excerpts.items()))
 
 
 def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:
@@ -1066,10 +1075,11 @@ def _reused_result(
     decision: TrimDecision,
     blocks: list[_Block],
     placed: tuple[int, tuple[int, ...]],
-    excerpts: Collection[int] = (),
+    excerpts: Mapping[int, Excerpt] | None = None,
 ) -> TrimResult:
     """The result of a turn that sent the previous selection again (its `excerpts` as well), plus
     what is new; `placed`: `_with_blocks`' stable prefix and where its blocks went."""
+    excerpts = excerpts or {}
     shortened = tuple(sorted(excerpts))
     return TrimResult(
         messages=sent,
@@ -1086,6 +1096,7 @@ def _reused_result(
         recalled=_recalled(blocks),
         stable_prefix=placed[0],
         added=placed[1],
+        passages=_passages(excerpts),
     )
 
 
