@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, split_chunks
+from contextwarden.relevance import wants_whole
 from contextwarden.tokens import TokenCounter
 
 from chats import check_contract
@@ -265,3 +267,32 @@ def test_an_embedder_finds_the_passage_words_do_not(counter):
     check_contract(chat, semantic, counter, MODEL)
     assert FACT not in sent_text(lexical)
     assert semantic.excerpted == (1,) and FACT in semantic.messages[1]["content"]
+
+
+@pytest.mark.parametrize(
+    "question", ["Summarize the document.", "Give me a one-line summary of the whole document", "Overview?"]
+)
+def test_a_question_about_the_whole_document_fills_the_budget_with_all_of_it_in_order(counter, question):
+    """Issue 27 item 2: a summary question gets as much of the document as fits, spread over it
+    and in order, even when the previous selection (made for a detail) would still fit."""
+    chat = pasted_chat(counter)
+    first = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)
+    assert first.excerpted == (1,) and first.tokens_after < 0.75 * 4_000  # the detail's passages only
+    chat += [{"role": "assistant", "content": "Aisle 42."}, {"role": "user", "content": question}]
+    for previous in (None, first.decision):
+        result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter, previous=previous)
+        check_contract(chat, result, counter, MODEL)
+        assert not result.reused and result.excerpted == (1,) and result.tokens_after >= 0.85 * 4_000
+        ((sent, total),) = result.passages
+        chunks = split_chunks(chat[1]["content"])
+        kept = [k for k, c in enumerate(chunks) if c.strip() and c in result.messages[1]["content"]]
+        assert kept[0] == 0 and kept[-1] >= total - 2 and sent == len(kept)  # from its start to its end
+        gaps = [b - a for a, b in pairwise(kept)]
+        assert max(gaps) <= 3  # spread evenly, not one stretch of it
+
+
+def test_a_detail_question_keeps_the_excerpt_for_its_passage(counter):
+    """The spread is for whole-document questions only: a detail question still gets its passage."""
+    assert not wants_whole(QUESTION) and wants_whole("Compare the two reports.")
+    result = trim_messages(pasted_chat(counter), max_tokens=4_000, model=MODEL, token_counter=counter)
+    assert FACT in sent_text(result)

@@ -36,6 +36,7 @@ __all__ = [
     "excerpt_turns",
     "fresh_share",
     "pointed_words",
+    "spread_scores",
 ]
 
 CUT_MARK = "[… {n} tokens cut by contextwarden …]"
@@ -138,6 +139,24 @@ def chunk_scores(chunks: Sequence[str], question: str, embed: Embed | None = Non
     return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS, similarity=similarity)[:-1]
 
 
+def spread_scores(count: int) -> list[float]:
+    """Scores under which the best chunks that fit are spread evenly over a text: the first and
+    the last, the middle, the quarters, the eighths... (what a question about the whole text
+    needs when not all of it fits: every part of it, in order, rather than its best passages).
+
+    Example:
+        >>> spread_scores(5)  # chunks 0 and 4 first, then 2 (the middle), then 1 and 3
+        [5.0, 2.0, 3.0, 1.0, 4.0]
+    """
+    ranked: dict[int, int] = {}
+    parts = 1
+    while len(ranked) < count:
+        for i in range(parts + 1):
+            ranked.setdefault(i * (count - 1) // parts, len(ranked))
+        parts *= 2
+    return [float(count - ranked[k]) for k in range(count)]
+
+
 def excerpt_text(
     chunks: Sequence[str], kept: Sequence[int], counter: TokenCounter, model: str | None
 ) -> tuple[str, int]:
@@ -204,12 +223,20 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
 
 
 def excerpt_message(
-    message: Message, question: str, room: int, counter: TokenCounter, model: str | None, embed: Embed | None = None
+    message: Message,
+    question: str,
+    room: int,
+    counter: TokenCounter,
+    model: str | None,
+    embed: Embed | None = None,
+    *,
+    whole: bool = False,
 ) -> Excerpt | None:
     """The copy of `message` within `room` tokens (overhead included) that keeps its chunks
     most relevant to `question` (score above 0), in order, the rest marked as cut; with no
     relevant chunk, or none that fits, a placeholder (only the mark). None when even that
-    does not fit or the message has no text to cut.
+    does not fit or the message has no text to cut. `whole`: the question is about the text
+    as a whole (`relevance.wants_whole`): chunks spread evenly over it (`spread_scores`).
 
     Example:
         >>> from contextwarden.tokens import TokenCounter
@@ -224,7 +251,7 @@ def excerpt_message(
     if slot is None:
         return None
     chunks = split_chunks(slot[0])
-    scores = chunk_scores(chunks, question, embed)
+    scores = spread_scores(len(chunks)) if whole else chunk_scores(chunks, question, embed)
     chosen = _choose(
         chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
     )
@@ -315,6 +342,7 @@ def excerpt_turns(
     *,
     scores: Sequence[float] | None = None,
     embed: Embed | None = None,
+    whole: bool = False,
 ) -> tuple[set[int], dict[int, Excerpt]]:
     """Earlier turns the selection left out (`keep` holds none of them) that hold a message of
     `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
@@ -322,7 +350,9 @@ def excerpt_turns(
     A turn goes whole or not at all (a question with its answer, a tool call with its result);
     a turn whose excerpts keep no relevant chunk goes only to collapse a tool result. `scores`
     (one per message, as the selection used them) rank the turns; by default `score_messages`.
-    `embed` (optional) scores the chunks semantically as well."""
+    `embed` (optional) scores the chunks semantically as well. `whole` (a question about the
+    documents as a whole): every such turn, the newest first, gets a share of `room` by its
+    size and its chunks spread evenly."""
     question = conversation.question
     if question is None or room <= 0 or not conversation.current:
         return set(), {}
@@ -343,11 +373,17 @@ def excerpt_turns(
     text = message_text(messages[question])
     added: set[int] = set()
     excerpts: dict[int, Excerpt] = {}
-    ranked = sorted(candidates, key=lambda c: (-sum(scores[i] for i in c[0]), -c[0][0]))
-    for indices, large in ranked[:MAX_EXCERPT_TRIES]:
-        if sum(scores[i] for i in indices) <= 0 or room < MIN_EXCERPT_ROOM:
+    if whole:
+        ranked = sorted(candidates, key=lambda c: -c[0][0])[:MAX_EXCERPT_TRIES]
+    else:
+        ranked = sorted(candidates, key=lambda c: (-sum(scores[i] for i in c[0]), -c[0][0]))[:MAX_EXCERPT_TRIES]
+    for n, (indices, large) in enumerate(ranked):
+        if (not whole and sum(scores[i] for i in indices) <= 0) or room < MIN_EXCERPT_ROOM:
             break
-        got = _excerpt_turn(messages, indices, large, scores, text, room, costs, counter, model, embed)
+        share = room * sum(costs[i] for i in indices) // sum(costs[i] for c in ranked[n:] for i in c[0])
+        got = _excerpt_turn(
+            messages, indices, large, scores, text, share if whole else room, costs, counter, model, embed, whole
+        )
         if got is None:
             continue
         added.update(indices)
@@ -378,6 +414,7 @@ def _excerpt_turn(
     counter: TokenCounter,
     model: str | None,
     embed: Embed | None = None,
+    whole: bool = False,
 ) -> dict[int, Excerpt] | None:
     """The excerpts of one turn's `large` messages within `room` less its other messages: the
     most relevant message first, each leaving the room for the others' placeholders. None when
@@ -392,7 +429,7 @@ def _excerpt_turn(
     out: dict[int, Excerpt] = {}
     for i in sorted(large, key=lambda i: (-scores[i], i)):
         reserve -= placeholders[i].tokens  # type: ignore[union-attr]
-        cut = excerpt_message(messages[i], question, left - reserve, counter, model, embed)
+        cut = excerpt_message(messages[i], question, left - reserve, counter, model, embed, whole=whole)
         if cut is None:
             return None
         out[i] = cut

@@ -51,11 +51,23 @@ __all__ = [
     "words_terms",
     "read_ahead",
     "score_messages",
+    "wants_whole",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
 ]
 
 RECALL_CONTEXT_TERMS = 4  # a question of at most this many terms also draws on the turns before it (both scorers)
+
+# A question about a document as a whole (a summary, an overview, a comparison): no passage is
+# more relevant than another, and it needs as much of the text as fits (`wants_whole`).
+_WHOLE_QUESTION = re.compile(
+    r"\b(?:summar(?:y|ies|i[sz]\w*)|overview|overall|gist|tl;?dr|outline|recap|"
+    r"main (?:points?|ideas?|themes?|arguments?|findings?)|key (?:points?|takeaways?|ideas?|findings?)|"
+    r"(?:whole|entire|full|complete) (?:document|text|article|paper|file|report|page|thing|piece)|"
+    r"what(?:'s| is| was) (?:this|the|that) (?:document|text|article|paper|file|report|page) about|"
+    r"compar(?:e|es|ing|ison)|contrast)\b",
+    re.IGNORECASE,
+)
 
 # Han, Hiragana, Katakana, Hangul: scripts written without spaces between words.
 _CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
@@ -443,6 +455,17 @@ def _fuse(lexical: Sequence[float], similarity: Sequence[float], skip: set[int],
         top * (keep * bm25 + (lift * max(0.0, cosine - median) if i not in skip else 0.0))
         for i, (bm25, cosine) in enumerate(zip(lexical, similarity, strict=True))
     ]
+
+
+def wants_whole(question: str) -> bool:
+    """True for a question about a document as a whole (a summary, an overview, "the whole
+    document", a comparison), which needs as much of it as fits rather than its best passages.
+
+    Example:
+        >>> wants_whole("Give me a one-line summary of the whole document"), wants_whole("What was the cat's name?")
+        (True, False)
+    """
+    return _WHOLE_QUESTION.search(question[:2_000]) is not None
 
 
 def score_messages(

@@ -26,7 +26,7 @@ from .conversation import (
 )
 from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
 from .recall_index import indexed, recall_scores
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages, wants_whole
 from .selection import (
     DEFAULT_KEEP_LAST_TURNS,
     DEFAULT_STRATEGY,
@@ -86,6 +86,11 @@ MAX_RECALL_SHARE = 0.5
 RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
+# A question about the documents as a whole (a summary, an overview) in a chat that holds one (an
+# earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
+# part leaves for the large old messages, before the rest is chosen.
+WHOLE_DOCUMENT_SHARE = 0.75
+WHOLE_DOCUMENT_MIN_TOKENS = 1_000
 _RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
 SHORTENED_MARK = CUT_MARK
 PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
@@ -344,7 +349,7 @@ def carry_previous(
     chosen = TrimOptions(**options)
     _check_options(max_tokens, chosen)
     previous = chosen.previous
-    if previous is None or not _carries(chosen) or not all(map(isinstance, messages, repeat(dict))):
+    if previous is None or not all(map(isinstance, messages, repeat(dict))) or not _carries(chosen, messages):
         return None
     room = _recall_room(max_tokens, chosen)
     if room and (chosen.added or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
@@ -354,10 +359,14 @@ def carry_previous(
     return _extend_previous(messages, previous, max_tokens, counter, model, chosen, room, pools)
 
 
-def _carries(options: TrimOptions) -> bool:
+def _carries(options: TrimOptions, messages: Sequence[Message]) -> bool:
     """The previous decision may carry into this turn (the shortcut is worth trying): it saw
-    messages, and no pin asks for a new selection."""
-    return options.previous is not None and options.previous.seen != 0 and not options.pinned
+    messages, no pin asks for a new selection, and the question is not about the documents as
+    a whole (which gets the budget filled: `_wants_whole`)."""
+    if options.previous is None or options.previous.seen == 0 or options.pinned:
+        return False
+    latest = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    return not (options.strategy == "relevance" and latest is not None and wants_whole(message_text(latest)))
 
 
 def _recall_room(max_tokens: int, options: TrimOptions) -> int:
@@ -416,7 +425,7 @@ def _trim(
         )
         return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
     pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, options.embed)
-    if previous is not None and _carries(options):
+    if previous is not None and _carries(options, messages):
         extended = _extend_previous(messages, previous, max_tokens, counter, model, options, room, pools)
         if extended is not None:
             return extended
@@ -445,14 +454,17 @@ def _select(
     keep: set[int] | None = None
     blocks: list[_Block] = []
     excerpts: dict[int, Excerpt] = {}
-    if options.previous is not None and mandatory_cost <= max_tokens:
+    whole = _wants_whole(chat, options)
+    if whole:  # the whole budget for the documents as a whole, not the recall of passages
+        options, room = replace(options, low_watermark=1.0, growth_turns=0), 0
+    if options.previous is not None and mandatory_cost <= max_tokens and not whole:
         keep, blocks, excerpts = _reused(
             chat, options, pinned, fingerprints, set(mandatory), max_tokens, counter, model, room
         )
     reused = keep is not None
     if keep is None:
         keep, blocks, excerpts = _new_selection(
-            chat, options, pinned, notes, mandatory_cost, max_tokens, counter, model, room
+            chat, options, pinned, notes, mandatory_cost, max_tokens, counter, model, room, whole
         )
     # A shortened copy of a message the selection let go (a pinned reply whose turn has no
     # question may not lead the history) is not sent: it is dropped, not shortened.
@@ -525,9 +537,12 @@ def _new_selection(
     counter: TokenCounter,
     model: str | None,
     room: int,
+    whole: bool = False,
 ) -> tuple[set[int], list[_Block], dict[int, Excerpt]]:
     """A new selection up to its target (watermark and growth room), less the recall room; large
-    old messages excerpted into what it left; the recall block of what the question needs."""
+    old messages excerpted into what it left; the recall block of what the question needs.
+    `whole` (a question about the documents as a whole): `WHOLE_DOCUMENT_SHARE` of what the
+    mandatory part leaves goes to the large old messages first, their chunks spread evenly."""
     conversation, costs, question = chat.conversation, chat.costs, chat.conversation.question
     # Estimated counts already err high (1.1-2x): leaving room to grow as well would
     # starve the prompt, so a selection made on them fills the budget.
@@ -535,10 +550,11 @@ def _new_selection(
     target = selection_target(conversation, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
     semantic = options.embed is not None and options.strategy == "relevance"
     scores = _semantic_scores(conversation, options.embed, notes) if semantic and options.embed is not None else None
+    reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     keep = choose_indices(
         conversation,
         costs,
-        target - room,
+        target - room - reserve,
         strategy=options.strategy,
         keep_last_turns=options.keep_last_turns,
         pinned=pinned,
@@ -549,7 +565,7 @@ def _new_selection(
     if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
         spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
         added, excerpts = excerpt_turns(
-            conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed
+            conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
         keep.update(added)
     if not (room and question is not None):
@@ -618,6 +634,18 @@ def _result(
 def _passages(excerpts: Mapping[int, Excerpt]) -> tuple[tuple[int, int], ...]:
     """(passages sent, passages in all) of each excerpt, in the messages' order."""
     return tuple((len(e.chunks), e.total) for _, e in sorted(excerpts.items()))
+
+
+def _wants_whole(chat: _Counted, options: TrimOptions) -> bool:
+    """The latest question is about the documents as a whole (`relevance.wants_whole`) and the
+    chat holds one before it (a chat of short messages keeps its selection: "summarise
+    everything" there is served by the recall, and the prompt cache keeps hitting)."""
+    conversation, question = chat.conversation, chat.conversation.question
+    if options.strategy != "relevance" or not options.shorten or question is None:
+        return False
+    system = set(conversation.system_indices)
+    documents = any(c >= WHOLE_DOCUMENT_MIN_TOKENS for i, c in enumerate(chat.costs[:question]) if i not in system)
+    return documents and wants_whole(message_text(chat.messages[question]))
 
 
 def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:
