@@ -296,3 +296,27 @@ def test_a_detail_question_keeps_the_excerpt_for_its_passage(counter):
     assert not wants_whole(QUESTION) and wants_whole("Compare the two reports.")
     result = trim_messages(pasted_chat(counter), max_tokens=4_000, model=MODEL, token_counter=counter)
     assert FACT in sent_text(result)
+
+
+async def test_open_webuis_embedder_scores_the_passages_it_embedded_ahead(counter):
+    """Issue 27 item 3: the filter's embedder (Open WebUI's, lookup-only in the trim) is asked
+    for the passages of long messages too, ahead of the turn; the excerpt then weighs meaning."""
+    from contextwarden.embedder import OpenWebUIEmbedder
+    from contextwarden.excerpt import passage_texts
+
+    asked: list[str] = []
+
+    async def function(texts, prefix=None, user=None):  # Open WebUI's embedding function
+        asked.extend(texts)
+        return [[1.0, 0.0] if any(w in t for w in ("turbine", "rotor", "report")) else [0.0, 1.0] for t in texts]
+
+    chat = pasted_chat(counter)
+    chat[-1] = {"role": "user", "content": "Where do we keep the replacement rotor parts?"}
+    embedder = OpenWebUIEmbedder(function)
+    options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter, "embed": embedder}
+    assert FACT not in sent_text(trim_messages(chat, **options))  # nothing embedded yet: lexical
+    await embedder.prefetch(chat, timeout=5, max_texts=1_000)
+    assert set(passage_texts(chat)) <= set(asked)
+    semantic = trim_messages(chat, **options)
+    check_contract(chat, semantic, counter, MODEL)
+    assert semantic.excerpted == (1,) and FACT in semantic.messages[1]["content"]

@@ -25,6 +25,7 @@ from typing import Any
 
 from .caches import MAX_EMBEDDERS, register
 from .conversation import Message
+from .excerpt import passage_texts
 from .semantic import VECTORS, embed_texts
 
 __all__ = [
@@ -125,7 +126,7 @@ class OpenWebUIEmbedder:
         loop = asyncio.get_running_loop()
         if loop.time() < self._rest_until:
             raise EmbedderResting(f"resting {self._rest_until - loop.time():.0f} s more after a failed call")
-        todo = VECTORS.missing(embed_texts(messages), self)[: self.batch(max_texts)]
+        todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return None
         task = self._running = asyncio.ensure_future(self._fetch(todo))
