@@ -358,7 +358,17 @@ def fresh_share(
     message: Message, kept: Sequence[int], question: str, tokens: int, counter: TokenCounter, model: str | None
 ) -> float:
     """The relevance to `question` (its `pointed_words`) that chunks `kept` hold, as a share of what
-    a fresh excerpt of `tokens` would hold (1.0 when nothing is relevant: the needs have not changed)."""
+    a fresh excerpt of `tokens` would hold (1.0 when nothing is relevant: the needs have not
+    changed); 0.0 when they miss the passage that matches best (found in the browser: a summary's
+    excerpt of 49 of 93 passages held 0.58 of the relevance, all but the one passage the next
+    question needed).
+
+    Example:
+        >>> from contextwarden.tokens import TokenCounter
+        >>> doc = {"role": "user", "content": "\\n\\n".join(f"Part {n}. " + "Filler text. " * 40 for n in range(6))}
+        >>> fresh_share(doc, [0, 1, 2], "What does part 4 say?", 400, TokenCounter(), None)
+        0.0
+    """
     slot = _text_slot(message)
     if slot is None:
         return 1.0
@@ -368,7 +378,11 @@ def fresh_share(
     best = sum(scores[k] for k in fresh)
     if best <= 0:
         return 1.0
-    return sum(scores[k] for k in kept if 0 <= k < len(scores)) / best
+    kept = [k for k in kept if 0 <= k < len(scores)]
+    top = max(scores)
+    if not any(scores[k] == top for k in kept):
+        return 0.0
+    return sum(scores[k] for k in kept) / best
 
 
 def excerpt_turns(
