@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import re
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,11 +104,9 @@ def test_version_flag(capsys):
     assert capsys.readouterr().out.strip() == f"contextwarden {contextwarden.__version__}"
 
 
-def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
-    """The command's own message only: no library warning leaks through logging's last resort."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again: nothing listens there
+def _usage_error(port: int) -> str:
+    """The stderr of `contextwarden usage` pointed at a local port (a process of its own, so a
+    hang at its exit shows as a timeout); asserts it failed with one line and no traceback."""
     run = subprocess.run(
         [sys.executable, "-m", "contextwarden.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
         cwd=ROOT,
@@ -111,8 +114,65 @@ def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
         text=True,
         timeout=60,
     )
-    assert run.returncode == 2
+    assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith("contextwarden usage:")
+    assert "Traceback" not in run.stderr and f"127.0.0.1:{port}" in run.stderr
+    return run.stderr
+
+
+def test_usage_against_a_dead_redis_prints_one_line(tmp_path):
+    """The command's own message only: no library warning leaks through logging's last resort."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    assert "connection refused" in _usage_error(port).lower()
+
+
+class _NotRedis(socketserver.BaseRequestHandler):
+    """Reads what the client sends and answers what a web server (or worse) would."""
+
+    answer = b""
+
+    def handle(self) -> None:
+        self.request.recv(65_536)
+        self.request.sendall(self.answer)
+
+
+class _WebServer(_NotRedis):
+    answer = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _Garbage(_NotRedis):
+    answer = b"\x00\xffgarbage\r\n"
+
+
+NOT_REDIS = {  # the server, and what the one line says of it
+    "http/1.1": (_WebServer, "is not Redis (it answered Protocol Error: b'HTTP/1.1 400 Bad Request')"),
+    "garbage": (_Garbage, "is not Redis (it answered Protocol Error:"),
+    "python http.server": (http.server.BaseHTTPRequestHandler, "gave no Redis answer"),  # HTML, no status line
+}
+
+
+@pytest.fixture(params=list(NOT_REDIS))
+def not_redis(request) -> Iterator[tuple[int, str]]:
+    """A local server that is not Redis: its port, and what the command should say of it."""
+    handler, said = NOT_REDIS[request.param]
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield server.server_address[1], said
+        server.shutdown()
+        thread.join()
+
+
+def test_usage_against_a_server_that_is_not_redis_prints_one_line(not_redis):
+    """A 70-line traceback (redis' InvalidResponse) before, and at times a hang at exit."""
+    port, said = not_redis
+    err = _usage_error(port)
+    assert f"127.0.0.1:{port} {said}" in err and "redis_url valve" in err
+    if "HTTP/1.1" in said:  # the README quotes this one, on port 8080
+        assert err.replace(str(port), "8080") in (ROOT / "README.md").read_text("utf-8")
 
 
 def test_trim_refuses_a_chat_over_the_size_limit_and_says_how_to_lift_it(tmp_path, capsys):
@@ -141,3 +201,18 @@ def test_a_long_trim_shows_its_time_on_a_terminal_only(tmp_path, monkeypatch):
         with cli._progress("trimming 3 messages"):
             time.sleep(0.7)
         assert ("contextwarden: trimming 3 messages… " in stream.getvalue()) is shown
+
+
+def test_usage_against_a_silent_server_says_how_long_it_waited(monkeypatch, capsys):
+    """A server that takes the connection and never answers: named, with the wait, in one line."""
+    import contextwarden.cli as cli
+
+    monkeypatch.setattr(cli, "USAGE_REDIS_TIMEOUT", 0.1)  # an answer may take 4 times it
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        assert main(["usage", "--redis-url", f"redis://127.0.0.1:{port}/0"]) == 2
+    err = capsys.readouterr().err
+    said = rf"contextwarden usage: Redis at 127.0.0.1:{port} did not answer \(gave up after \d+ s\)\n"
+    assert re.fullmatch(said, err)

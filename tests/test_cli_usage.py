@@ -231,11 +231,19 @@ def test_without_redis_url_explains_and_fails(capsys):
 
 def test_unreachable_or_bad_redis_fails(capsys):
     code, _, err = run(capsys, "--redis-url", "redis://127.0.0.1:1/0")
-    assert code == 2 and "did not answer" in err
+    assert code == 2 and "Redis at 127.0.0.1:1 did not answer: connection refused" in err
     code, _, err = run(capsys, "--redis-url", "http://localhost")
     assert code == 2 and "redis_url must start with redis://" in err
     with pytest.raises(SystemExit):
         main(["usage", "--redis-url", "redis://x", "--since", "yesterday"])
+
+
+def test_a_refused_login_is_one_line_without_the_password(redis_url, capsys):
+    """Redis answers, but not to this user: said so (it was "did not answer" before), password hidden."""
+    host_port = redis_url.removeprefix("redis://").split("/")[0]
+    code, _, err = run(capsys, "--redis-url", f"redis://nobody:pw-s3cret@{host_port}/0")
+    assert code == 2 and err.count("\n") == 1
+    assert f"Redis at {host_port} refused the command" in err and "pw-" not in err
 
 
 def test_html_tables_scroll_on_narrow_screens(seeded, capsys, tmp_path):

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -15,6 +16,9 @@ from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
 
 from . import __version__
 from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
@@ -28,7 +32,7 @@ from .report import render_csv, render_html, render_json, render_table
 from .savings import SAVINGS_ASSUMPTION
 from .selection import STRATEGIES, TrimDecision
 from .status import savings_status
-from .store import RedisStore, open_store
+from .store import RedisStore, open_store, redis_client
 from .tokens import TokenCounter
 from .trim import TrimOptions, TrimResult, trim_messages
 
@@ -289,6 +293,8 @@ def _cmd_encodings(args: argparse.Namespace) -> int:
 
 
 USAGE_REDIS_TIMEOUT = 5.0  # seconds; the command may wait longer than a chat would
+MAX_DETAIL_CHARS = 120  # of a Redis error quoted in the command's one-line message
+WHICH_REDIS = "give --redis-url the Redis of the filter's redis_url valve"
 NO_REDIS_HELP = (
     "contextwarden usage: give --redis-url (the filter's redis_url valve).\n"
     "Without Redis the filter keeps its totals in memory inside each Open WebUI worker, where\n"
@@ -297,17 +303,69 @@ NO_REDIS_HELP = (
 
 
 async def _usage_entries(url: str, since: date | None, until: date | None) -> list[LedgerEntry]:
-    """Every ledger entry between two days, read from Redis (raises ConnectionError when down)."""
+    """Every ledger entry between two days, read from Redis.
+
+    Raises:
+        ConnectionError: Redis cannot be read (one line naming the server and why).
+    """
     if not isinstance(open_store(url), RedisStore):  # checks the URL's scheme
         raise ConfigError("--redis-url is empty", valve="redis_url")
-    store = RedisStore(url, timeout=USAGE_REDIS_TIMEOUT)
+    client = redis_client(url, timeout=USAGE_REDIS_TIMEOUT)
+    store, started = RedisStore(url, client=client), time.monotonic()
     try:
+        await client.ping()  # first, so what answers is named before the store's fallback hides it
         entries = await read_ledger(store, since=since, until=until)
-        if not store.shared:  # the store fell back to in-process: Redis did not answer
-            raise ConnectionError(f"Redis at the given --redis-url did not answer within {USAGE_REDIS_TIMEOUT:g}s")
-        return entries
+    except (aioredis.RedisError, OSError) as exc:  # OSError: timeouts too
+        raise ConnectionError(_redis_problem(url, exc, time.monotonic() - started)) from None
     finally:
-        await store.aclose()
+        with contextlib.suppress(aioredis.RedisError, OSError):  # its pool too: none left for exit
+            await client.aclose(close_connection_pool=True)
+    if not store.shared:  # the store fell back to in-process: Redis stopped answering
+        raise ConnectionError(_silent(url, time.monotonic() - started))
+    return entries
+
+
+def _server(url: str) -> str:
+    """Where a Redis URL points, without its password: `host:port`, or the socket's path."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+
+
+def _silent(url: str, waited: float) -> str:
+    return f"Redis at {_server(url)} did not answer (gave up after {waited:.0f} s)"
+
+
+def _redis_problem(url: str, exc: BaseException, waited: float) -> str:
+    """One line for why Redis at `url` could not be read: nothing listens, something that is not
+    Redis answers, Redis refuses us, or it stays silent. Never the password."""
+    where = _server(url)
+    detail = " ".join(str(exc).split())[:MAX_DETAIL_CHARS]
+    if password := urlsplit(url).password:
+        detail = detail.replace(password, "***")
+    if isinstance(exc, aioredis.InvalidResponse):  # an HTTP server, say: its answer is not RESP
+        return f"the server at {where} is not Redis (it answered {detail}); {WHICH_REDIS}"
+    if isinstance(exc, aioredis.AuthenticationError | aioredis.ResponseError):
+        return f"Redis at {where} refused the command ({detail}); check the user and password in --redis-url"
+    if isinstance(exc, aioredis.TimeoutError | TimeoutError):
+        return _silent(url, waited)
+    if reason := _os_reason(exc):
+        return f"Redis at {where} did not answer: {reason}; {WHICH_REDIS}"
+    return f"the server at {where} gave no Redis answer ({detail}); {WHICH_REDIS}"
+
+
+def _os_reason(exc: BaseException) -> str:
+    """The system's reason (`connection refused`) for a failed connect, from the error redis wraps."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a cause chain is short; bounded all the same
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and (seen.errno or seen.strerror):
+            # asyncio's strerror is `Connect call failed (...)`: the errno's own text says why
+            return (os.strerror(seen.errno) if seen.errno and seen.errno > 0 else str(seen.strerror)).lower()
+        seen = seen.__cause__ or seen.__context__
+    return ""
 
 
 def _cmd_usage(args: argparse.Namespace) -> int:
