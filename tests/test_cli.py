@@ -216,3 +216,12 @@ def test_usage_against_a_silent_server_says_how_long_it_waited(monkeypatch, caps
     err = capsys.readouterr().err
     said = rf"contextwarden usage: Redis at 127.0.0.1:{port} did not answer \(gave up after \d+ s\)\n"
     assert re.fullmatch(said, err)
+
+
+def test_usage_refuses_since_after_until(capsys):
+    """`--since` after `--until` read no day and said nothing of it; refused before Redis is dialled."""
+    code = main(["usage", "--redis-url", "redis://never-dialled:1/0", "--since", "2026-12-05", "--until", "2026-12-01"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "contextwarden usage: --since 2026-12-05 is after --until 2026-12-01: no day is in between\n"
+    )

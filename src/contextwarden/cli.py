@@ -372,6 +372,12 @@ def _cmd_usage(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print(NO_REDIS_HELP, file=sys.stderr)
         return 2
+    if args.since and args.until and args.since > args.until:
+        print(
+            f"contextwarden usage: --since {args.since} is after --until {args.until}: no day is in between",
+            file=sys.stderr,
+        )
+        return 2
     try:
         entries = asyncio.run(_usage_entries(args.redis_url, args.since, args.until))
     except (ConfigError, ConnectionError) as exc:
