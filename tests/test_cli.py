@@ -82,7 +82,9 @@ def test_trim_names_the_file_and_the_line_of_invalid_json(tmp_path, capsys):
 def test_trim_refuses_a_file_without_messages(tmp_path, capsys):
     assert 'no "messages" list' in _trim_error(tmp_path, capsys, '{"foo": 1}')
     assert "a list of messages" in _trim_error(tmp_path, capsys, "null")
-    assert "message 1 is not an object" in _trim_error(tmp_path, capsys, '[{"role": "user", "content": "hi"}, 3]')
+    assert "message 1 is a number, not an object" in _trim_error(
+        tmp_path, capsys, '[{"role": "user", "content": "hi"}, 3]'
+    )
 
 
 def test_trim_names_the_option_that_is_wrong(tmp_path, capsys):
@@ -216,6 +218,73 @@ def test_usage_against_a_silent_server_says_how_long_it_waited(monkeypatch, caps
     err = capsys.readouterr().err
     said = rf"contextwarden usage: Redis at 127.0.0.1:{port} did not answer \(gave up after \d+ s\)\n"
     assert re.fullmatch(said, err)
+
+
+# -- what `trim` and `usage` say of input they cannot use (issue 31) ----------------------------
+
+BODY = {
+    "model": "gpt-4o",
+    "stream": True,
+    "temperature": 0.2,
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a fjord?"}],
+}
+
+
+def test_trim_takes_a_request_body_from_a_file_or_given_as_the_argument(tmp_path, capsys):
+    """A request body (model, stream, ...) gives its messages; the JSON itself in place of a path
+    said `[Errno 2] No such file or directory: '{"model": ...'`."""
+    path = tmp_path / "body.json"
+    path.write_text(json.dumps(BODY))
+    for chat in (str(path), json.dumps(BODY)):
+        assert main(["trim", chat, "--max-tokens", "2000", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["model"] == "gpt-4o" and data["messages"] == BODY["messages"]
+
+
+def test_trim_says_what_it_expected_of_a_string(tmp_path, capsys):
+    """A chat encoded twice (a JSON string holding JSON), messages as a string, or a path that is
+    not there: named, with what was expected."""
+    expected = 'expected a list of messages or a request body {"messages": [...]}'
+    err = _trim_error(tmp_path, capsys, json.dumps(json.dumps(BODY)))
+    assert (
+        err == f"contextwarden: {tmp_path / 'chat.json'}: a JSON string, not a chat (JSON encoded twice?); {expected}\n"
+    )
+    err = _trim_error(tmp_path, capsys, json.dumps({**BODY, "messages": json.dumps(BODY["messages"])}))
+    assert f'chat.json: "messages" is a string, not a list; {expected}' in err
+    assert main(["trim", "no-such-chat.json", "--max-tokens", "2000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("contextwarden: no-such-chat.json: no such file (") and "- for stdin" in err
+
+
+def test_previous_that_is_not_a_decision_is_named(tmp_path, capsys):
+    """It said `unknown decision format None` (or `not a TrimDecision: list`), naming nothing."""
+    for name, text in (("prices.json", '{"models": {}}'), ("list.json", "[1, 2]"), ("text.json", "hello")):
+        path = tmp_path / name
+        path.write_text(text)
+        err = _trim_error(tmp_path, capsys, None, "--previous", str(path))
+        assert err.startswith(
+            f"contextwarden: --previous {path}: not a decision written by `contextwarden trim --json`"
+        )
+        assert err.count("\n") == 1
+
+
+def test_previous_of_a_trim_that_cut_nothing_is_no_decision(tmp_path, capsys):
+    """`trim --json` of a chat that fit has `"decision": null`: the next turn has nothing to reuse."""
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "100000", "--json"]) == 0
+    path = tmp_path / "turn1.json"
+    path.write_text(capsys.readouterr().out)
+    assert json.loads(path.read_text())["decision"] is None
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "1200", "--previous", str(path)]) == 0
+
+
+def test_a_binary_file_is_named(tmp_path, capsys):
+    """A decoding error said `'utf-8' codec can't decode byte 0x89 in position 0`, naming no file."""
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    assert main(["trim", str(image), "--max-tokens", "2000"]) == 2
+    assert capsys.readouterr().err.startswith(f"contextwarden: {image}: not UTF-8 text (byte 0x89 at offset 0)")
+    err = _trim_error(tmp_path, capsys, None, "--previous", str(image))
+    assert err.startswith(f"contextwarden: --previous {image}: not UTF-8 text (byte 0x89 at offset 0)")
 
 
 def test_usage_refuses_since_after_until(capsys):

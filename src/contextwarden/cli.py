@@ -47,11 +47,40 @@ DEFAULT_MAX_INPUT_MB = 8.0  # a trim takes about 6 s a MB of made-up words here:
 PROGRESS_AFTER_SECONDS = 1.0  # a trim that runs longer shows its time on stderr (a terminal only)
 
 
+CHAT_SHAPES = 'expected a list of messages or a request body {"messages": [...]}'
+
+
+def _read_text(path: str, name: str, missing: str = "no such file") -> str:
+    """A file's text, decoded as UTF-8; InputError naming the file (as `name`) when it is
+    missing (saying `missing`) or not text."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{name}: {missing}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{name}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start:,}); JSON was expected"
+        ) from None
+
+
+def _chat_text(path: str) -> tuple[str, str]:
+    """The chat's JSON text and how to name it: stdin (`-`), a file, or the argument itself when
+    it is JSON rather than a path (a request body pasted in place of its file)."""
+    if path == "-":
+        try:
+            return sys.stdin.read(), "stdin"
+        except UnicodeDecodeError:
+            raise InputError("stdin: not UTF-8 text; JSON was expected") from None
+    if path.lstrip().startswith(("{", "[")) and not Path(path).exists():
+        return path, "the chat argument"
+    return _read_text(path, path, "no such file (give a chat JSON file, - for stdin, or the JSON itself)"), path
+
+
 def _load_chat(path: str, max_mb: float = 0.0) -> tuple[list[dict[str, Any]], str | None]:
-    """Messages (and a model id, when given) from a JSON file: a list or `{"messages": [...]}`;
-    refused past `max_mb` megabytes (0: no limit), before it is parsed."""
-    name = "stdin" if path == "-" else path
-    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    """Messages (and a model id, when given) from chat JSON: a list or a request body
+    `{"model": ..., "messages": [...], ...}`; refused past `max_mb` megabytes (0: no limit),
+    before it is parsed."""
+    text, name = _chat_text(path)
     size_mb = len(text.encode("utf-8", "surrogatepass")) / 1e6 if max_mb else 0.0
     if max_mb and size_mb > max_mb:
         raise InputError(
@@ -62,17 +91,37 @@ def _load_chat(path: str, max_mb: float = 0.0) -> tuple[list[dict[str, Any]], st
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{name}: not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    return _messages_of(data, name)
+
+
+def _messages_of(data: object, name: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The messages and model of parsed chat JSON; InputError saying what `name` holds instead."""
     model = None
     if isinstance(data, dict):
-        if not isinstance(data.get("messages"), list):
-            raise InputError(f'{name}: no "messages" list (expected a list of messages or {{"messages": [...]}})')
-        data, model = data["messages"], data.get("model")
+        body, data = data, data.get("messages")
+        if isinstance(data, str):
+            raise InputError(f'{name}: "messages" is a string, not a list; {CHAT_SHAPES}')
+        if not isinstance(data, list):
+            raise InputError(f'{name}: no "messages" list; {CHAT_SHAPES}')
+        model = body.get("model")
+    if isinstance(data, str):
+        raise InputError(f"{name}: a JSON string, not a chat (JSON encoded twice?); {CHAT_SHAPES}")
     if not isinstance(data, list):
-        raise InputError(f'{name}: expected a list of messages or {{"messages": [...]}}, found {type(data).__name__}')
+        raise InputError(f"{name}: {_json_kind(data)}, not a chat; {CHAT_SHAPES}")
     for index, message in enumerate(data):
         if not isinstance(message, dict):
-            raise InputError(f"{name}: message {index} is not an object")
+            raise InputError(f"{name}: message {index} is {_json_kind(message)}, not an object")
     return data, model if isinstance(model, str) else None
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words: `a number`, `null`, `an array`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = ((str, "a string"), ((int, float), "a number"), (list, "an array"), (dict, "an object"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), type(value).__name__)
 
 
 def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]) -> int:
@@ -154,13 +203,24 @@ def _print_explanation(explanation: Explanation) -> None:
 
 
 def _read_previous(path: str | None) -> TrimDecision | None:
-    """A decision from a file: its own JSON, or `trim --json` output holding one."""
+    """A decision from a file: its own JSON, or `trim --json` output holding one (None there:
+    that trim cut nothing, so there is nothing to reuse); InputError naming the file when it is
+    neither."""
     if not path:
         return None
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    if isinstance(data, dict) and isinstance(data.get("decision"), dict):
-        data = data["decision"]
-    return TrimDecision.from_json(json.dumps(data))
+    name = f"--previous {path}"
+    text = _read_text(path, name)
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict) and "decision" in data and "messages" in data:  # `trim --json` output
+            data = data["decision"]
+            if data is None:
+                return None
+        return TrimDecision.from_dict(data)
+    except ValueError:  # not JSON, or not a decision
+        raise InputError(
+            f'{name}: not a decision written by `contextwarden trim --json` (give that output, or its "decision")'
+        ) from None
 
 
 @contextlib.contextmanager
@@ -410,7 +470,11 @@ def _since_date(text: str) -> date:
 def _add_trim_command(commands: Any) -> None:
     """`contextwarden trim`: its input and output options, then those of `trim_messages`."""
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
-    trim.add_argument("chat", help='chat JSON: a list of messages or {"model": ..., "messages": [...]}; - for stdin')
+    trim.add_argument(
+        "chat",
+        help='chat JSON file: a list of messages or a request body {"model": ..., "messages": [...]}; '
+        "- for stdin; or the JSON itself",
+    )
     trim.add_argument("--max-tokens", type=int, required=True, help="prompt budget in tokens")
     trim.add_argument("--model", help="model id (picks the encoding); default: the file's model")
     trim.add_argument("--json", action="store_true", help="machine-readable output")
