@@ -19,19 +19,22 @@ import redis.asyncio as aioredis
 
 import contextwarden.filter as filter_module
 import contextwarden.openturns as openturns_module
+from contextwarden.adminview import usage_markdown
 from contextwarden.cache_stats import CacheStats, load_cache_stats
 from contextwarden.calibration import load_calibration
 from contextwarden.errors import ConfigError, TurnRefused
-from contextwarden.ledger import read_ledger, record_reply
+from contextwarden.ledger import MonthTotals, read_ledger, record_reply
 from contextwarden.limits import (
     STORE_DOWN_TEXT,
     Limits,
     Spend,
+    Verdict,
     check_limits,
     limits_for,
     next_reset,
     parse_overrides,
     refusal_text,
+    spend_text,
 )
 from contextwarden.records import TurnNote
 from contextwarden.spendbook import SpendBook
@@ -537,7 +540,8 @@ async def test_admin_usage_command_answers_without_the_model(counter, store_valv
     assert "Today: ≥$1.75 · 3 replies." in text
     assert f"| {ann} | 2 | 501,000 | 1.75 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
     assert "1 replies had no known price: dollar limits could not count them (token limits did)." in text
-    assert "overrides for 0 roles, 1 group, 0 users" in text and "background calls" in text
+    assert "Limits for everyone: $2.00 a day," in text and "overrides for 1 group." in text
+    assert "background calls" in text
     assert "9.0000" not in text
 
 
@@ -573,6 +577,42 @@ async def test_usage_inside_a_longer_message_is_just_text(counter):
     assert (await f.inlet(body, __user__=who, __metadata__=body["metadata"]))["messages"][-1][
         "content"
     ] == "what does !usage do?"
+
+
+LIMIT_LINES = [  # (the valves' limits, the overrides, what the admin's report says of them)
+    (Limits(daily_usd=D("0.05")), "", "Limits for everyone: $0.05 a day, no monthly dollar limit, no token limits."),
+    (
+        Limits(daily_usd=D(2), monthly_usd=D("40.5"), monthly_tokens=5_000_000),
+        '{"groups": {"g": {"daily_usd": 5}}}',
+        "Limits for everyone: $2.00 a day, $40.50 a month, no daily token limit, 5,000,000 tokens a month; "
+        "overrides for 1 group.",
+    ),
+    (
+        Limits(daily_tokens=100_000),
+        '{"roles": {"user": {}, "pending": {}}, "users": {"u1": {"daily_usd": 1}}}',
+        "Limits for everyone: no dollar limits, 100,000 tokens a day, no monthly token limit; "
+        "overrides for 2 roles, 1 user.",
+    ),
+    (Limits(), '{"users": {"u1": {"daily_usd": 1}}}', "Limits for everyone: none; overrides for 1 user."),
+]
+
+
+@pytest.mark.parametrize(("base", "overrides", "said"), LIMIT_LINES)
+def test_the_admin_report_says_which_limits_are_dollars_and_which_tokens(base, overrides, said):
+    """It said `daily $0.05, monthly none, daily none, monthly none`: which were tokens?"""
+    now = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    text = usage_markdown(MonthTotals([], [], []), now, parse_overrides(overrides, base), shared=True)
+    assert f"- {said}\n" in text
+
+
+@pytest.mark.parametrize(
+    ("share", "said"),
+    [("0.85", "85%"), ("1.25", "125%"), ("11.8", "1,180%"), ("99.99", "9,999%"), ("100.5", "over 9,999%")],
+)
+def test_a_share_of_a_limit_is_shown_as_it_is(share, said):
+    """A user at 1,180% of a limit was shown `999%`."""
+    verdict = Verdict(False, "daily_usd", D(0), D(1), warn_kind="daily_usd", warn_share=D(share))
+    assert spend_text(Limits(daily_usd=D(1)), Spend(), verdict, False) == f"{said} of your daily limit"
 
 
 # -- groups outside Open WebUI -------------------------------------------------------------

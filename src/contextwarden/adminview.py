@@ -18,7 +18,17 @@ from typing import Any
 
 from .conversation import Message, message_text
 from .ledger import LedgerRow, MonthTotals, read_month
-from .limits import KINDS, LimitRules, Limits, Spend, amount_text, check_limits, month_start, spend_text
+from .limits import (
+    KINDS,
+    LimitKind,
+    LimitRules,
+    Limits,
+    Spend,
+    amount_text,
+    check_limits,
+    month_start,
+    spend_text,
+)
 from .money import format_usd, usd
 from .store import Store
 
@@ -117,17 +127,32 @@ def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
 
 
 def _limits_line(rules: LimitRules) -> str:
-    def money(value: Decimal | int | None, unit: str) -> str:
-        return "none" if not value else (f"${value:,}" if unit == "$" else f"{value:,} tokens")
+    """The valves' limits in words, dollars apart from tokens, and how many overrides there are.
 
+    Example:
+        >>> _limits_line(LimitRules(Limits(daily_usd=Decimal("0.05"))))
+        'Limits for everyone: $0.05 a day, no monthly dollar limit, no token limits.'
+    """
     base = rules.base
-    line = (
-        f"Limits for everyone: daily {money(base.cap('daily_usd'), '$')}, monthly "
-        f"{money(base.cap('monthly_usd'), '$')}, "
-        f"daily {money(base.cap('daily_tokens'), 't')}, monthly {money(base.cap('monthly_tokens'), 't')}"
-    )
+    parts = [
+        _pair(base, "daily_usd", "monthly_usd", "dollar"),
+        _pair(base, "daily_tokens", "monthly_tokens", "token"),
+    ]
+    said = ", ".join(p for p in parts if p) if base.any else "none"
     counts = [(len(rules.roles or {}), "role"), (len(rules.groups or {}), "group"), (len(rules.users or {}), "user")]
-    return line + "; overrides for " + ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts) + "."
+    overrides = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n]
+    return f"Limits for everyone: {said}" + ("; overrides for " + ", ".join(overrides) if overrides else "") + "."
+
+
+def _pair(limits: Limits, daily: LimitKind, monthly: LimitKind, unit: str) -> str:
+    """`$2.00 a day, no monthly dollar limit`, or `no dollar limits` when neither is set."""
+    caps = [(limits.cap(daily), daily, "day"), (limits.cap(monthly), monthly, "month")]
+    if all(cap is None for cap, _, _ in caps):
+        return f"no {unit} limits"
+    return ", ".join(
+        f"no {kind.split('_')[0]} {unit} limit" if cap is None else f"{amount_text(kind, cap)} a {period}"
+        for cap, kind, period in caps
+    )
 
 
 def usage_markdown(month: MonthTotals, now: datetime, rules: LimitRules, *, shared: bool) -> str:

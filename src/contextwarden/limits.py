@@ -34,12 +34,14 @@ __all__ = [
     "refusal_text",
     "spend_text",
     "amount_text",
+    "share_text",
     "WARN_FRACTION",
     "STORE_DOWN_TEXT",
     "LimitKind",
 ]
 
 WARN_FRACTION = Decimal("0.8")  # the status line warns from here
+MAX_SHOWN_PERCENT = 9_999  # of a limit; past it the line says `over 9,999%`
 MAX_OVERRIDES_CHARS = 65_536  # also bounds the entries: at most about 9,000
 MAX_LIMIT_USD = Decimal(1_000_000_000)
 MAX_LIMIT_TOKENS = 10**15
@@ -315,9 +317,20 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
             line += " (some replies unpriced)"
         parts.append(line)
     if verdict.warn_kind is not None:
-        share = int(min(verdict.warn_share, Decimal("9.99")) * 100)
         parts.append(
-            f"{share}% of your {verdict.warn_kind.split('_')[0]} limit"
+            f"{share_text(verdict.warn_share)} of your {verdict.warn_kind.split('_')[0]} limit"
             + ("" if verdict.warn_kind.endswith("usd") else " (tokens)")
         )
     return " · ".join(parts)
+
+
+def share_text(share: Decimal) -> str:
+    """A share of a limit as people read it: `86%`, `1,180%` (one expensive reply can pass a
+    limit many times over), `over 9,999%` past that (a forged reply: the number says nothing more).
+
+    Example:
+        >>> share_text(Decimal("0.86")), share_text(Decimal("11.8")), share_text(Decimal(250))
+        ('86%', '1,180%', 'over 9,999%')
+    """
+    percent = int(share * 100)
+    return f"over {MAX_SHOWN_PERCENT:,}%" if percent > MAX_SHOWN_PERCENT else f"{percent:,}%"
