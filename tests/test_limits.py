@@ -615,6 +615,97 @@ def test_a_share_of_a_limit_is_shown_as_it_is(share, said):
     assert spend_text(Limits(daily_usd=D(1)), Spend(), verdict, False) == f"{said} of your daily limit"
 
 
+class OpenWebUIUsers:
+    """`open_webui.models.users.Users` as Open WebUI 0.12.4 has it: `get_user_by_id` is async and
+    gives a model with `.name` and `.email` (None for an id it does not know)."""
+
+    def __init__(self, people: dict[str, str]) -> None:
+        self.people, self.asked = people, []
+
+    async def get_user_by_id(self, user_id: str):
+        self.asked.append(user_id)
+        name = self.people.get(user_id)
+        return None if name is None else types.SimpleNamespace(id=user_id, name=name, email=f"{user_id}@example.com")
+
+
+async def admin_report(f) -> str:
+    body, who = turn("admin-1", role="admin", text="!usage")
+    with pytest.raises(TurnRefused) as answer:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    return str(answer.value)
+
+
+async def test_the_admin_report_names_users_as_open_webui_does(counter, unique, monkeypatch, caplog):
+    """Users were listed by id only; now by their Open WebUI name (read through its `Users`
+    model), the id where none can be read, and never an email."""
+    ann, bob, gone = f"ann-{unique}", f"bob-{unique}", f"gone-{unique}"
+    users = OpenWebUIUsers({ann: "Ann Lee", bob: "Bob | <b>*Ops*</b>\nteam"})
+    monkeypatch.setitem(sys.modules, "open_webui.models.users", types.SimpleNamespace(Users=users))
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    for user, usd in ((ann, "0.5"), (bob, "0.25"), (gone, "0.125")):
+        await spent(f, user, usd, date(2026, 12, 1))
+    with caplog.at_level(logging.INFO, logger="contextwarden"):
+        text = await admin_report(f)
+    assert "| user | replies | tokens | cost USD |" in text
+    assert "| Ann Lee | 1 | 1,000 | 0.50 |" in text
+    assert "| Bob \\| \\<b\\>\\*Ops\\*\\</b\\> team | 1 |" in text  # markup shown as text, one line
+    assert f"| {gone} | 1 |" in text  # a user Open WebUI no longer knows: the id
+    assert sorted(users.asked) == sorted([ann, bob, gone])
+    assert "example.com" not in text + caplog.text
+
+
+async def test_users_with_one_name_are_told_apart_by_their_id(counter, unique, monkeypatch):
+    ann1, ann2 = f"a1-{unique}", f"a2-{unique}"
+    users = OpenWebUIUsers({ann1: "Ann", ann2: "Ann"})
+    monkeypatch.setitem(sys.modules, "open_webui.models.users", types.SimpleNamespace(Users=users))
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    await spent(f, ann1, "0.5", date(2026, 12, 1))
+    await spent(f, ann2, "0.25", date(2026, 12, 1))
+    text = await admin_report(f)
+    assert f"| Ann ({ann1}) | 1 |" in text and f"| Ann ({ann2}) | 1 |" in text
+
+
+async def test_names_read_slowly_or_not_at_all_leave_the_ids(counter, unique, monkeypatch, caplog):
+    """An older Open WebUI's synchronous `get_user_by_id` runs off the event loop, and the report
+    waits for names at most `USER_NAMES_TIMEOUT_SECONDS`; a failing one leaves the ids, logged once."""
+    import contextwarden.adminview as adminview
+
+    monkeypatch.setattr(adminview, "USER_NAMES_TIMEOUT_SECONDS", 0.2)
+    threads, release = [], threading.Event()
+
+    class SlowUsers:
+        def get_user_by_id(self, user_id):
+            threads.append(threading.current_thread())
+            release.wait(5)
+            return types.SimpleNamespace(name="Late")
+
+    class BrokenUsers:
+        def get_user_by_id(self, user_id):
+            raise RuntimeError("database is locked")
+
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    ids = [f"u{n}-{unique}" for n in range(3)]
+    for user in ids:
+        await spent(f, user, "0.5", date(2026, 12, 1))
+    for users in (SlowUsers(), BrokenUsers()):
+        monkeypatch.setitem(sys.modules, "open_webui.models.users", types.SimpleNamespace(Users=users))
+        caplog.clear()
+        started = asyncio.get_running_loop().time()
+        text = await admin_report(f)
+        assert asyncio.get_running_loop().time() - started < 2
+        assert all(f"| {user} | 1 |" in text for user in ids) and "Late" not in text
+        assert caplog.text.count("user names not read") == 1
+    release.set()
+    assert threads and threading.main_thread() not in threads
+
+
+async def test_the_admin_report_outside_open_webui_shows_ids(counter, unique, monkeypatch):
+    monkeypatch.delitem(sys.modules, "open_webui.models.users", raising=False)
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    await spent(f, f"ann-{unique}", "0.5", date(2026, 12, 1))
+    assert f"| ann-{unique} | 1 |" in await admin_report(f)
+
+
 # -- groups outside Open WebUI -------------------------------------------------------------
 
 

@@ -11,7 +11,12 @@ admin's the month key of the ledger, a user's their spend key.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+import inspect
+import logging
+import re
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -51,6 +56,16 @@ BACKGROUND_NOTE = (
     "context compaction summaries) pass through no filter."
 )
 ReplyEmitter = Callable[[dict[str, Any]], Awaitable[Any]]
+UserLookup = Callable[[str], Awaitable[object] | object]
+
+admin_log = logging.getLogger("contextwarden")
+
+OPEN_WEBUI_USERS = "open_webui.models.users"
+# The report waits this long for the names of the users it lists (at most MAX_USER_ROWS
+# look-ups, one database read each); whatever is not read by then shows as its id.
+USER_NAMES_TIMEOUT_SECONDS = 2.0
+MAX_NAME_CHARS = 64
+_MARKUP = re.compile(r"([\\`*_\[\]<>|~])")  # what could start markup in a Markdown table cell
 
 
 def cost_cell(counters: dict[str, int], amount: Decimal, *, dollar: bool = False) -> str:
@@ -113,11 +128,12 @@ def without_usage_exchanges(messages: Sequence[Message]) -> list[Message] | None
     return [m for at, m in enumerate(messages) if at not in drop] if drop else None
 
 
-def _table(rows: Sequence[LedgerRow], heading: str, limit: int) -> list[str]:
+def _table(rows: Sequence[LedgerRow], heading: str, limit: int, names: Mapping[str, str] | None = None) -> list[str]:
+    """A Markdown table of the first `limit` rows, each named by `names` (already escaped) or by its key."""
     lines = [f"| {heading} | replies | tokens | cost USD |", "|---|--:|--:|--:|"]
     for row in rows[:limit]:
         tokens = row.counters.get("prompt_tokens", 0) + row.counters.get("completion_tokens", 0)
-        name = row.key.replace("|", "\\|")
+        name = (names or {}).get(row.key) or row.key.replace("|", "\\|")
         lines.append(
             f"| {name} | {row.counters.get('requests', 0):,} | {tokens:,} | {cost_cell(row.counters, row.cost_usd)} |"
         )
@@ -155,8 +171,11 @@ def _pair(limits: Limits, daily: LimitKind, monthly: LimitKind, unit: str) -> st
     )
 
 
-def usage_markdown(month: MonthTotals, now: datetime, rules: LimitRules, *, shared: bool) -> str:
-    """The admin's report of this month (UTC) from its totals: today, the month, by user, by model, notes."""
+def usage_markdown(
+    month: MonthTotals, now: datetime, rules: LimitRules, *, shared: bool, names: Mapping[str, str] | None = None
+) -> str:
+    """The admin's report of this month (UTC) from its totals: today, the month, by user (named
+    by `names`, user id to the text shown; else by id), by model, notes."""
     today = now.date()
     total = month.days
     day_rows = [r for r in total if r.key == today.isoformat()]
@@ -175,7 +194,7 @@ def usage_markdown(month: MonthTotals, now: datetime, rules: LimitRules, *, shar
     if not total:
         lines.append("No usage recorded this month.")
     else:
-        lines += _table(month.users, "user id", MAX_USER_ROWS) + [""]
+        lines += _table(month.users, "user", MAX_USER_ROWS, names) + [""]
         lines += _table(month.models, "model", MAX_MODEL_ROWS) + [""]
     notes = []
     if all_month["unpriced"]:
@@ -228,7 +247,9 @@ async def usage_answer(
     """The `!usage` answer; in a browser chat written into the reply, returning a short notice.
     `spend` reads the user's (today's, this month's) spend (see `SpendBook.spend`)."""
     if admin:
-        text = usage_markdown(await read_month(store, month_start(now.date())), now, rules, shared=store.shared)
+        month = await read_month(store, month_start(now.date()))
+        names = await user_names([row.key for row in month.users[:MAX_USER_ROWS]], _open_webui_user_lookup())
+        text = usage_markdown(month, now, rules, shared=store.shared, names=names)
     else:
         text = own_usage_text(limits, *await spend())
     if chat and emit is not None:
@@ -238,3 +259,73 @@ async def usage_answer(
         except Exception:  # no chat to write into: the notice carries the answer
             pass
     return text
+
+
+def _open_webui_user_lookup() -> UserLookup | None:
+    """`Users.get_user_by_id` of the running Open WebUI (async in 0.12), None when it is not there."""
+    module = sys.modules.get(OPEN_WEBUI_USERS)  # Open WebUI imports its models at start-up
+    users = getattr(module, "Users", None) if module is not None else None
+    return getattr(users, "get_user_by_id", None)
+
+
+async def user_names(user_ids: Sequence[str], lookup: UserLookup | None) -> dict[str, str]:
+    """What the admin's report shows for these user ids: each one's Open WebUI name, escaped for
+    a table cell (with its id when two share a name). Ids whose name cannot be read (unknown to
+    Open WebUI, an error, none within `USER_NAMES_TIMEOUT_SECONDS`) are left out: the report
+    shows the id. Only names are read: an email is never shown or logged."""
+    found: dict[str, str] = {}
+    errors: list[str] = []
+    if lookup is None or not user_ids:
+        return found
+
+    async def read_all() -> None:
+        for user_id in user_ids:
+            try:
+                name = _cell_text(getattr(await _looked_up(lookup, user_id), "name", None))
+            except Exception as exc:  # this user shows as the id; the others are still read
+                errors.append(type(exc).__name__)
+                continue
+            if name:
+                found[user_id] = name
+
+    try:
+        await asyncio.wait_for(read_all(), USER_NAMES_TIMEOUT_SECONDS)
+    except TimeoutError:
+        errors.append(f"none within {USER_NAMES_TIMEOUT_SECONDS:g} s")
+    if errors:
+        admin_log.warning(
+            "contextwarden: user names not read (%s); %d of %d users shown by id",
+            errors[-1],
+            len(user_ids) - len(found),
+            len(user_ids),
+        )
+    return _told_apart(found)
+
+
+async def _looked_up(lookup: UserLookup, user_id: str) -> object:
+    """One user through Open WebUI's model: awaited when async, else off the event loop (older
+    versions read the database synchronously)."""
+    if inspect.iscoroutinefunction(lookup):
+        return await lookup(user_id)
+    result = await asyncio.to_thread(lookup, user_id)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _cell_text(name: object) -> str:
+    """A user's name as one table cell's text: one line, at most MAX_NAME_CHARS, markup escaped
+    (a name is the user's own: `<b>` or `|` in it must read as text)."""
+    if not isinstance(name, str):
+        return ""
+    flat = " ".join(name.split())
+    if len(flat) > MAX_NAME_CHARS:
+        flat = flat[: MAX_NAME_CHARS - 1] + "…"
+    return _MARKUP.sub(r"\\\1", flat)
+
+
+def _told_apart(names: dict[str, str]) -> dict[str, str]:
+    """Names more than one user has get the user's id after them (`Ann (<id>)`): the admin can
+    tell them apart, and the id is what `limit_overrides` names a user by."""
+    seen: dict[str, int] = {}
+    for name in names.values():
+        seen[name] = seen.get(name, 0) + 1
+    return {user_id: name if seen[name] == 1 else f"{name} ({_cell_text(user_id)})" for user_id, name in names.items()}

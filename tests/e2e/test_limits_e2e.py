@@ -88,7 +88,8 @@ def test_usage_command_answers_admins_without_the_model(open_webui, backend, lim
     answer = chat(open_webui, MODEL, [{"role": "user", "content": "!usage"}], expect=None)
     assert answer["status_code"] == 400 and len(backend.requests) == calls
     report = answer["body"]["detail"]
-    assert report.startswith("### contextwarden usage · ") and f"| {user['id']} | 1 | " in report
+    assert report.startswith("### contextwarden usage · ") and f"| {user['name']} | 1 | " in report
+    assert user["id"] not in report and user["email"] not in report  # named as Open WebUI names them
     assert "background calls" in report
     own = chat(open_webui, MODEL, [{"role": "user", "content": "!usage"}], token=user["token"], expect=None)
     assert own["status_code"] == 400 and len(backend.requests) == calls
