@@ -164,3 +164,17 @@ def test_contract_on_random_chats(counter, seed):
         again = trim_messages(result.messages, max_tokens=budget, model=MODEL, token_counter=counter)
         assert not again.changed
     assert frozen(chat) == before
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"model": "gpt-4o", "messages": []}, "messages is a dict, not a list of messages (pass body['messages'])"),
+        ('[{"role": "user", "content": "hi"}]', "messages is a str, not a list of messages (decode the JSON first)"),
+    ],
+)
+def test_a_request_body_or_json_text_is_named_for_what_it_is(given, says):
+    """Issue 31: a body or a JSON string said `messages[0] is str, not a dict`."""
+    with pytest.raises(TypeError) as info:
+        trim_messages(given, max_tokens=100)
+    assert str(info.value) == says

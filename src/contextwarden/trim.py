@@ -309,6 +309,9 @@ def trim_messages(
         strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten, added
     )
     _check_options(max_tokens, options)
+    if isinstance(messages, (dict, str, bytes)):
+        hint = "pass body['messages']" if isinstance(messages, dict) else "decode the JSON first"
+        raise TypeError(f"messages is a {type(messages).__name__}, not a list of messages ({hint})")
     if not all(map(isinstance, messages, repeat(dict))):
         index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
@@ -563,7 +566,9 @@ def _new_selection(
     )
     excerpts: dict[int, Excerpt] = {}
     if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
-        spare = target - room - sum(costs[i] for i in keep)  # what the selection left: large old messages cut to it
+        # What the selection left, the recall's room included: large old messages cut to it (a
+        # document's passages are what the question needs; the recall then takes what is left)
+        spare = target - sum(costs[i] for i in keep)
         added, excerpts = excerpt_turns(
             conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
