@@ -52,6 +52,20 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
                         None,
                     )
                 )
+        for kind, label in (
+            ("whole", "whose question reads as one about the documents as a whole (never carried)"),
+            ("other", "whose question does not"),
+        ):
+            part = s200.get("next_by_question", {}).get(kind)
+            if part:
+                rows.append(
+                    (
+                        f"info: next turns {label}",
+                        f"{part['turns']} of {s200['reps']} turns ({part['reused']} sent the previous selection "
+                        f"again), median {part['median_ms']:.2f} ms",
+                        None,
+                    )
+                )
         rows.append(
             (
                 "info: outlet before it (logs usage, counts the reply the next turn sends back)",
@@ -154,7 +168,7 @@ def write_report(result: dict[str, Any]) -> str:
         f"model `{result['model']}` (o200k_base, exact).",
         f"Machine: {m['nproc']} cores (`nproc`), {m['cpu']}, Python {m['python']}, tiktoken {m['tiktoken']}, "
         f"lethes {m['lethes']}, pydantic {m['pydantic']}; {m['platform']}.",
-        f"Tree: {m['branch']} @ {m['commit']}, open_webui_filter.py sha256 {m['bundle_sha256']}"
+        f"Tree: {m['branch']} @ {m['commit']}, {m.get('bundle', 'open_webui_filter.py')} sha256 {m['bundle_sha256']}"
         f"{' (uncommitted changes)' if m['bundle_uncommitted_changes'] else ''}. "
         f"Load average {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end (shared machine); "
         f"{m['seconds']:,} s.",

