@@ -50,6 +50,9 @@ PASSAGE_MAX_CHARS = 40_000  # ... each at most this long (~10k tokens): the firs
 # A carried excerpt is sent again while its chunks hold at least this share of the relevance a
 # fresh excerpt of the same size would hold for the new question (as the recall block's rule).
 EXCERPT_KEEP_SHARE = 0.5
+# ... and while one of its chunks scores at least this share of the best chunk's (a passage that
+# clearly matches best is never left out; near-ties, common in chats of made-up words, carry).
+BEST_PASSAGE_SHARE = 0.75
 POINTED_SHARE = 0.25  # a question word held by more of the chunks than this says nothing of what it needs
 _CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
 _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
@@ -359,9 +362,9 @@ def fresh_share(
 ) -> float:
     """The relevance to `question` (its `pointed_words`) that chunks `kept` hold, as a share of what
     a fresh excerpt of `tokens` would hold (1.0 when nothing is relevant: the needs have not
-    changed); 0.0 when they miss the passage that matches best (found in the browser: a summary's
-    excerpt of 49 of 93 passages held 0.58 of the relevance, all but the one passage the next
-    question needed).
+    changed); 0.0 when none of them comes near the passage that matches best (`BEST_PASSAGE_SHARE`;
+    found in the browser: a summary's excerpt of 49 of 93 passages held 0.58 of the relevance,
+    all but the one passage the next question needed, scored 11.5 against 6.2 for the next).
 
     Example:
         >>> from contextwarden.tokens import TokenCounter
@@ -379,8 +382,7 @@ def fresh_share(
     if best <= 0:
         return 1.0
     kept = [k for k in kept if 0 <= k < len(scores)]
-    top = max(scores)
-    if not any(scores[k] == top for k in kept):
+    if max((scores[k] for k in kept), default=0.0) < BEST_PASSAGE_SHARE * max(scores):
         return 0.0
     return sum(scores[k] for k in kept) / best
 

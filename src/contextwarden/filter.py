@@ -605,6 +605,8 @@ class Filter:
         # real one to begin with); enforce never sees a decision that was not sent.
         stored = (state.shadow_decision or state.decision) if shadow else state.decision
         chooser = replace(settings, summary=None) if shadow else settings  # no paid summary nobody sees
+        if turn.note.decided:  # a later pass: the turn's wait for the embedder was the first pass's
+            chooser = replace(chooser, embed_timeout_seconds=0.0)
         embedder = embedder_of(request) if settings.semantic_relevance and settings.strategy == "relevance" else None
         choice = await self._choose(
             turn.read.messages,
@@ -862,7 +864,10 @@ class Filter:
         """Fetch this chat's missing vectors from Open WebUI's embedder, within the turn's limits.
 
         True when the embedder answered (the trim may use it); a failure is logged once a kind
-        and the turn's relevance stays lexical."""
+        and the turn's relevance stays lexical. With no time left (`embed_timeout_seconds` 0: a
+        later pass of a turn whose first pass waited) what is missing is only asked for."""
+        if settings.embed_timeout_seconds <= 0:
+            return not embedder.ahead(messages, max_texts=settings.embed_max_texts)
         try:
             await embedder.prefetch(
                 messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts

@@ -90,7 +90,10 @@ MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the n
 # earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
 # part leaves for the large old messages, before the rest is chosen.
 WHOLE_DOCUMENT_SHARE = 0.75
-WHOLE_DOCUMENT_MIN_TOKENS = 1_000
+WHOLE_DOCUMENT_MIN_TOKENS = 2_000
+# The next turn's shortcut checks for such a message by its length: a token is at least 3 characters
+# in the texts this holds for (bench/speed.py's chats of ~500-token turns use "summary" freely).
+WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
 _RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
 SHORTENED_MARK = CUT_MARK
 PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
@@ -369,7 +372,9 @@ def _carries(options: TrimOptions, messages: Sequence[Message]) -> bool:
     if options.previous is None or options.previous.seen == 0 or options.pinned:
         return False
     latest = next((m for m in reversed(messages) if m.get("role") == "user"), None)
-    return not (options.strategy == "relevance" and latest is not None and wants_whole(message_text(latest)))
+    if options.strategy != "relevance" or latest is None or not wants_whole(message_text(latest)):
+        return True
+    return not any(len(message_text(m)) >= WHOLE_DOCUMENT_MIN_CHARS for m in messages if m is not latest)
 
 
 def _recall_room(max_tokens: int, options: TrimOptions) -> int:
