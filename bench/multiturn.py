@@ -1,10 +1,12 @@
 """A chat that goes on: what each turn sends for its question, and what a prompt cache can serve.
 
 Data: LoCoMo (Maharana et al., ACL 2024, snap-research/locomo, CC BY-NC 4.0), the dev half read
-from `../shared/bench/locomo-dev/locomo_dev.json` (see bench/quality.py; never copied here).
-Each conversation becomes one chat (as in bench/quality.py, after a system prompt); then its
-answerable questions (categories 1-4, with evidence) are asked in order in that ONE chat, each
-followed by its gold answer. Per budget (1k, 2k, 4k, 8k) and method, every turn records:
+from `../shared/bench/locomo-dev/locomo_dev.json`, or with `--set realtalk` REALTALK's dev half
+(chats 1-5, `../shared/bench/realtalk-dev/realtalk_dev.json`), or any LoCoMo-format file given as
+DATA (see bench/quality.py; never copied here). Each conversation becomes one chat (as in
+bench/quality.py, after a system prompt); then its answerable questions (categories 1-4, with
+evidence) are asked in order in that ONE chat, each followed by its gold answer. Per budget
+(1k, 2k, 4k, 8k) and method, every turn records:
 
 - evidence sent: every evidence message's text is present verbatim in what is sent;
 - cacheable: the sent tokens that repeat the previous turn's sent prompt from its start
@@ -20,14 +22,18 @@ followed by its gold answer. Per budget (1k, 2k, 4k, 8k) and method, every turn 
 
 Methods: `carried` (the decision passed on exactly as the filter does: through JSON, kept when a
 turn has none), `carried, no recall` (the same with `recall_share=0`: before issue 14),
-`fresh` (no previous decision: a new selection every turn) and `everything` (no trim).
+`fresh` (no previous decision: a new selection every turn), `everything` (no trim), and the
+baselines of bench/quality.py made afresh every turn over the whole chat so far (earlier
+questions and answers included): `BM25`, `dense` (MiniLM cosine alone) and `hybrid` (BM25 +
+MiniLM, reciprocal-rank fused), each sending the system prompt, the messages it keeps in their
+order and the question. With the embedder (MiniLM by default, as bench/quality.py gets it;
+`--embed-model none` for the lexical rows only) `carried + embedder` and `fresh + embedder` pass
+it as `embed=`: new selections and the recall fuse the cosine in.
 Tokens are counted with o200k_base (gpt-4o) for all models.
 
-    PYTHONPATH=src python bench/multiturn.py [path/to/locomo_dev.json] [--quick] [--recall-share X]
+    PYTHONPATH=src python bench/multiturn.py [--set locomo|realtalk] [DATA] [--quick] [--recall-share X]
 
-With `--embed-model PATH` (a sentence-transformers folder, run under Open WebUI's python, see
-bench/quality.py) every trim gets `embed=`: new selections and the recall fuse the cosine in;
-results go to `multiturn-<model folder name>.{md,json}`.
+Results: bench/results/multiturn.{md,json} (LoCoMo), multiturn-realtalk.{md,json}.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import re
 import statistics
 import sys
 import time
+from collections import Counter
 from decimal import Decimal
 from pathlib import Path
 
@@ -54,7 +61,26 @@ from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
 from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import ANSWERABLE, DEFAULT_DATA, conversation_chat, sentence_embedder  # noqa: E402
+from quality import (  # noqa: E402
+    ANSWERABLE,
+    DENSE,
+    HYBRID,
+    SETS,
+    _plain_terms,
+    add_set_arguments,
+    bm25_scores,
+    conversation_chat,
+    cosine_table,
+    cpu_model,
+    data_set,
+    embed_model_arg,
+    fill_by_rank,
+    rank,
+    results_name,
+    rrf_order,
+    sentence_embedder,
+    source_id,
+)
 
 MODEL = "gpt-4o"
 BUDGETS = (1_000, 2_000, 4_000, 8_000)
@@ -64,7 +90,19 @@ SYSTEM = {
     "role": "system",
     "content": "You are a helpful assistant. Answer briefly and kindly, using the conversation.",
 }
-METHODS = ("carried", "carried, no recall", "fresh", "everything")
+LEXICAL = ("carried", "carried, no recall", "fresh", "BM25", "everything")
+WITH_EMBEDDER = (
+    "carried",
+    "carried + embedder",
+    "carried, no recall",
+    "fresh",
+    "fresh + embedder",
+    "BM25",
+    DENSE,
+    HYBRID,
+    "everything",
+)
+BASELINE_METHODS = ("BM25", DENSE, HYBRID)
 TUNE = (0, 1)  # conversations the recall rules were looked at on; the others are reported apart
 
 
@@ -96,6 +134,39 @@ def common_prefix(a: list[dict], b: list[dict]) -> int:
     return n
 
 
+class Baselines:
+    """The baselines' rankings of a chat's history before each question (best first, indices into
+    the chat without its system prompt), made once and kept for every budget."""
+
+    def __init__(self, embed=None) -> None:
+        self.embed = embed
+        self.terms: dict[str, Counter] = {}
+        self.vectors: dict[str, object] = {}
+        self.orders: dict[tuple[int, int], dict[str, list[int]]] = {}
+
+    def vector_rows(self, texts: list[str]):
+        import numpy as np
+
+        missing = [t for t in dict.fromkeys(texts) if t not in self.vectors]
+        if missing:
+            self.vectors.update(zip(missing, cosine_table(self.embed, missing), strict=True))
+        return np.stack([self.vectors[t] for t in texts])
+
+    def order(self, key: int, chat: list[dict], method: str) -> list[int]:
+        if (key, len(chat)) not in self.orders:
+            history = [_text(m) for m in chat[1:-1]]
+            for text in history:
+                if text not in self.terms:
+                    self.terms[text] = Counter(_plain_terms(text))
+            bm25 = bm25_scores([self.terms[t] for t in history], _plain_terms(_text(chat[-1])))
+            orders = {"BM25": rank(bm25)}
+            if self.embed is not None:
+                cosines = (self.vector_rows(history) @ self.vector_rows([_text(chat[-1])])[0]).tolist()
+                orders |= {DENSE: rank(cosines), HYBRID: rrf_order(bm25, cosines)}
+            self.orders[(key, len(chat))] = orders
+        return self.orders[(key, len(chat))][method]
+
+
 def run_chat(
     history: list[dict],
     asked: list[tuple[str, str, list[int]]],
@@ -104,6 +175,7 @@ def run_chat(
     counter: TokenCounter,
     recall_share: float,
     embed=None,
+    baselines: Baselines | None = None,
 ) -> list[dict]:
     """Every turn of one chat under one method: what it sent and how that compares to the turn before."""
     chat = [SYSTEM] + history
@@ -115,6 +187,13 @@ def run_chat(
         chat.append({"role": "user", "content": question})
         if method == "everything":
             sent, changed, reused = list(chat), False, False
+        elif method in BASELINE_METHODS:
+            assert baselines is not None
+            costs = [counter.count_message(m, MODEL) for m in chat[1:-1]]
+            room = budget - TOKENS_PER_REPLY - sum(counter.count_message(chat[i], MODEL) for i in (0, -1))
+            kept = fill_by_rank(baselines.order(id(history), chat, method), costs, room)
+            sent = [chat[0], *(chat[1 + i] for i in sorted(kept)), chat[-1]]
+            changed, reused = len(kept) < len(costs), False
         else:
             previous = TrimDecision.from_json(stored) if stored and method.startswith("carried") else None
             share = 0.0 if method == "carried, no recall" else recall_share
@@ -125,7 +204,7 @@ def run_chat(
                 token_counter=counter,
                 previous=previous,
                 recall_share=share,
-                embed=embed,
+                embed=embed if method.endswith("+ embedder") else None,
             )
             if result.decision is not None:  # the filter keeps the stored decision when a turn makes none
                 stored = result.decision.to_json()
@@ -193,6 +272,8 @@ def summarize(turns: list[dict], budget: int, priced: dict) -> dict:
 
 
 def run(path: Path, quick: bool, recall_share: float, embed_model: str | None = None) -> dict:
+    """Every budget and method over every chat of `path`: summaries of all chats, of chats 1-2
+    (`tuned`) and of the rest (`held`)."""
     counter = TokenCounter(block=True)
     assert counter.wait_ready(MODEL)
     samples = json.loads(path.read_text())
@@ -206,12 +287,15 @@ def run(path: Path, quick: bool, recall_share: float, embed_model: str | None = 
     if embed_model:
         texts = {SYSTEM["content"]}
         texts |= {text for _, _, asked in chats for question, answer, _ in asked for text in (question, answer)}
-        embed = sentence_embedder(embed_model, [history for _, history, _ in chats], sorted(texts))
+        whole = texts | {m["content"] for _, history, _ in chats for m in history}
+        embed = sentence_embedder(embed_model, [history for _, history, _ in chats], sorted(texts), sorted(whole))
+    baselines = Baselines(embed)
     results: dict = {}
     for budget in BUDGETS:
-        for method in METHODS:
+        for method in WITH_EMBEDDER if embed is not None else LEXICAL:
             per_chat = {
-                k: run_chat(history, asked, budget, method, counter, recall_share, embed) for k, history, asked in chats
+                k: run_chat(history, asked, budget, method, counter, recall_share, embed, baselines)
+                for k, history, asked in chats
             }
             every = [t for k in per_chat for t in per_chat[k]]
             results[f"{budget}|{method}"] = {
@@ -224,22 +308,34 @@ def run(path: Path, quick: bool, recall_share: float, embed_model: str | None = 
 
 
 def markdown(results: dict, meta: dict) -> str:
+    data = SETS[meta.get("set", "locomo")]
+    title = meta.get("title", data.title)
+    locomo = title == SETS["locomo"].title
     lines = [
-        "# A chat that goes on: evidence sent and prompt cache (LoCoMo dev half)",
+        f"# A chat that goes on: evidence sent and prompt cache ({title.replace(' (', ', ').rstrip(')')})"
+        if not locomo
+        else "# A chat that goes on: evidence sent and prompt cache (LoCoMo dev half)",
         "",
-        "Generated by `bench/multiturn.py`. Data: LoCoMo by Maharana et al., ACL 2024, snap-research/locomo,",
-        "CC BY-NC 4.0 (non-commercial); these numbers are under the same terms.",
+        f"Generated by `bench/multiturn.py`. {data.credit[0]}",
+        *data.credit[1:],
         "",
         f"- {meta['machine']}, Python {meta['python']}, contextwarden {meta['version']}; load average "
         f"{meta['load_start']} at start, {meta['load_end']} at end; {meta['seconds']:.0f} s",
+        *([f"- source: {meta['source']}"] if meta.get("source") else []),
         f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, "
         "each in its "
         f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}; "
         f"counts o200k_base + 4 per message",
         *(
-            [f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into selections and the recall"]
+            [
+                f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into the `+ embedder` rows' "
+                "selections and recall",
+                f"- BM25, {DENSE} and {HYBRID}: bench/quality.py's baselines, a new selection every turn over the "
+                "chat so far (single messages, best first while they fit), sent as system prompt, kept messages in "
+                "order, question",
+            ]
             if meta.get("embedder")
-            else []
+            else ["- BM25: bench/quality.py's baseline, a new selection every turn over the chat so far"]
         ),
         "",
         "## Evidence sent, cacheable share, re-selections, fill",
@@ -268,9 +364,31 @@ def markdown(results: dict, meta: dict) -> str:
         )
     lines += [
         "",
-        "## Tuned on conversations 1-2, held out 3-5 (evidence sent / cacheable share)",
+        "## Carried against fresh at every budget (issue 28: carried >= 0.9 x fresh)",
         "",
-        "| budget | method | conversations 1-2 | conversations 3-5 |",
+        "| budget | rows | evidence carried / fresh | cacheable share, carried |",
+        "|---:|---|---:|---:|",
+    ]
+    for budget in BUDGETS:
+        for suffix in ("", " + embedder"):
+            if f"{budget}|carried{suffix}" not in results:
+                continue
+            carried, fresh = results[f"{budget}|carried{suffix}"]["all"], results[f"{budget}|fresh{suffix}"]["all"]
+            ratio = carried["evidence_sent"] / fresh["evidence_sent"]
+            lines.append(
+                f"| {budget:,} | carried{suffix} / fresh{suffix} | {carried['evidence_sent']:.3f} / "
+                f"{fresh['evidence_sent']:.3f} = {ratio:.2f}{'' if ratio >= 0.9 else ' **below 0.9**'} | "
+                f"{carried['cacheable_share']:.1%} |"
+            )
+    lines += [
+        "",
+        "## Tuned on conversations 1-2, held out 3-5 (evidence sent / cacheable share)"
+        if locomo
+        else "## Conversations 1-2 and 3- apart (evidence sent / cacheable share)",
+        "",
+        "| budget | method | conversations 1-2 | conversations 3-5 |"
+        if locomo
+        else "| budget | method | conversations 1-2 | conversations 3- |",
         "|---:|---|---:|---:|",
     ]
     for key, row in results.items():
@@ -301,29 +419,23 @@ def markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA))
+    add_set_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="every third question, no files written")
     parser.add_argument("--recall-share", type=float, default=DEFAULT_RECALL_SHARE)
-    parser.add_argument("--embed-model", help="a sentence-transformers model folder (e.g. all-MiniLM-L6-v2)")
     parser.add_argument(
         "--remake", action="store_true", help="re-make the recall block every turn (earlier blocks not sent again)"
     )
     args = parser.parse_args()
+    embed_model = embed_model_arg(args.embed_model)
     if args.remake:
         trim_module._CARRY_RECALLS = False
     seed_tiktoken_cache()
+    data, path = data_set(args.set, args.data)
     load_start = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
-    results = run(Path(args.data), args.quick, args.recall_share, args.embed_model)
+    results = run(path, args.quick, args.recall_share, embed_model)
     any_row = next(iter(results.values()))["all"]
     meta = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}",
@@ -332,18 +444,23 @@ def main() -> None:
         "load_start": load_start,
         "load_end": round(os.getloadavg()[0], 2),
         "seconds": time.perf_counter() - started,
-        "conversations": len(json.loads(Path(args.data).read_text())),
+        "conversations": len(json.loads(path.read_text())),
         "turns": any_row["turns"],
         "recall_share": args.recall_share,
         "quick": args.quick,
         "remake": args.remake,
-        "embedder": Path(args.embed_model).name if args.embed_model else None,
+        "embedder": Path(embed_model).name if embed_model else None,
+        "set": args.set,
+        "title": data.title,
+        "data": path.name,
+        "source": source_id(),
     }
     text = markdown(results, meta)
     print(text)
     if not args.quick:
-        out = ROOT / "bench" / "results"
-        name = f"multiturn-{meta['embedder']}" if meta["embedder"] else "multiturn"
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = results_name("multiturn", args.set)
         (out / f"{name}.md").write_text(text)
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
 

