@@ -571,9 +571,11 @@ def _new_selection(
     )
     excerpts: dict[int, Excerpt] = {}
     if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
-        # What the selection left, the recall's room included: large old messages cut to it (a
-        # document's passages are what the question needs; the recall then takes what is left)
-        spare = target - sum(costs[i] for i in keep)
+        # What the selection left: large old messages cut to it. With a document in the chat the
+        # recall's room too (its passages are what the question needs; the recall, which quotes
+        # whole messages, takes what is left); without one the recall keeps its room (chats of
+        # long merged turns, REALTALK's, lost evidence when their excerpts took it).
+        spare = target - sum(costs[i] for i in keep) - (0 if _holds_document(chat, keep) else room)
         added, excerpts = excerpt_turns(
             conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
@@ -644,6 +646,12 @@ def _result(
 def _passages(excerpts: Mapping[int, Excerpt]) -> tuple[tuple[int, int], ...]:
     """(passages sent, passages in all) of each excerpt, in the messages' order."""
     return tuple((len(e.chunks), e.total) for _, e in sorted(excerpts.items()))
+
+
+def _holds_document(chat: _Counted, keep: Collection[int]) -> bool:
+    """A message the selection left out is a document (`WHOLE_DOCUMENT_MIN_TOKENS` or more)."""
+    system = set(chat.conversation.system_indices)
+    return any(c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in keep and i not in system for i, c in enumerate(chat.costs))
 
 
 def _wants_whole(chat: _Counted, options: TrimOptions) -> bool:
