@@ -62,6 +62,7 @@ from contextwarden.semantic import VECTORS, similarities  # noqa: E402
 from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
 
 from quality import (  # noqa: E402
+    ABLATIONS,
     ANSWERABLE,
     BUDGETS,
     MODEL,
@@ -252,16 +253,7 @@ LADDER: dict[str, Callable[[Case, int], set[int]]] = {
     "7 ... latest turn first = contextwarden": lambda c, b: choose_indices(c.conversation, c.costs, b),
 }
 
-BM25_ONLY = R(
-    W,
-    context_weight=0.0,
-    pair_share=0.0,
-    pair_back=0.0,
-    neighbour_share=0.0,
-    header_share=0.0,
-    recency=0.0,
-    turn_share=0.0,
-)
+BM25_ONLY = ABLATIONS["BM25 only (our tokens)"]
 
 
 SIGNALS = {
