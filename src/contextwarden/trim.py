@@ -648,22 +648,28 @@ def _passages(excerpts: Mapping[int, Excerpt]) -> tuple[tuple[int, int], ...]:
     return tuple((len(e.chunks), e.total) for _, e in sorted(excerpts.items()))
 
 
-def _holds_document(chat: _Counted, keep: Collection[int]) -> bool:
-    """A message the selection left out is a document (`WHOLE_DOCUMENT_MIN_TOKENS` or more)."""
+def _documents(chat: _Counted) -> list[int]:
+    """The chat's documents: messages before the latest question (no system prompt) of
+    `WHOLE_DOCUMENT_MIN_TOKENS` or more."""
+    question = chat.conversation.question
     system = set(chat.conversation.system_indices)
-    return any(c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in keep and i not in system for i, c in enumerate(chat.costs))
+    before = chat.costs if question is None else chat.costs[:question]
+    return [i for i, c in enumerate(before) if c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in system]
+
+
+def _holds_document(chat: _Counted, keep: Collection[int]) -> bool:
+    """A message the selection left out is a document (`_documents`)."""
+    return any(i not in keep for i in _documents(chat))
 
 
 def _wants_whole(chat: _Counted, options: TrimOptions) -> bool:
     """The latest question is about the documents as a whole (`relevance.wants_whole`) and the
     chat holds one before it (a chat of short messages keeps its selection: "summarise
     everything" there is served by the recall, and the prompt cache keeps hitting)."""
-    conversation, question = chat.conversation, chat.conversation.question
+    question = chat.conversation.question
     if options.strategy != "relevance" or not options.shorten or question is None:
         return False
-    system = set(conversation.system_indices)
-    documents = any(c >= WHOLE_DOCUMENT_MIN_TOKENS for i, c in enumerate(chat.costs[:question]) if i not in system)
-    return documents and wants_whole(message_text(chat.messages[question]))
+    return bool(_documents(chat)) and wants_whole(message_text(chat.messages[question]))
 
 
 def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:
