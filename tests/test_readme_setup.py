@@ -1,0 +1,49 @@
+"""What a new user reads before running anything: the test command's prerequisites beside it,
+one place for how long a run takes, and install lines that work (issue 31)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text("utf-8")
+CI_RUN = (ROOT / ".ci" / "run").read_text("utf-8")
+TEST_DOCS = ["README.md", "tests/README.md", "tests/e2e/README.md", "CONTRIBUTING.md"]
+
+
+def section(title: str) -> str:
+    """The README's `## title` section, up to the next `## `."""
+    start = README.index(f"\n## {title}")
+    return README[start : README.index("\n## ", start + 1)]
+
+
+def test_the_prerequisites_beside_the_test_command_are_what_ci_installs():
+    """The browser tests were skipped silently without chromium: the README said nothing of it
+    near the command. Every package `.ci/run` installs is named in *Try it*, with what `CI` does."""
+    installed = re.findall(r"packages\+=\(([\w-]+)\)", CI_RUN)
+    assert {"redis-server", "chromium", "chromium-driver"} <= set(installed)
+    try_it = section("Try it")
+    assert ".venv/bin/python -m pytest\n" in try_it
+    missing = [p for p in installed if f"`{p}`" not in try_it]
+    assert not missing, missing
+    assert "skipped" in try_it and "**`CI`**" in try_it and "nothing is skipped" in try_it
+    assert 'export CI="${CI:-1}"' in CI_RUN  # what the README says .ci/run does
+
+
+# A whole run's time, or the Open WebUI venv's: "279 s warm", "took 414 s", "3.5-10 minutes".
+RUN_TIME = re.compile(r"\d+ s warm|took \d[\d,]* s\b|\d+(?:\.\d+)? ?(?:[–-] ?\d+(?:\.\d+)? ?)?min(?:utes)?\b")
+
+
+def test_how_long_a_run_takes_is_said_in_one_place():
+    """The docs quoted 414 s here, 279 s there, and 3.5-10 minutes or 27 minutes on a busy
+    machine: the time is said once, in `.ci/run`'s header with the load, and pointed at."""
+    header = CI_RUN.split("\nset -")[0]
+    assert re.search(r"Measured \([^)]*load [^)]*\): \d+ s warm", header), header
+    for doc in TEST_DOCS:
+        text = (ROOT / doc).read_text("utf-8")
+        if doc == "README.md":  # the rest of the README speaks of back-offs and limits in minutes
+            text = section("Try it") + README[: README.index("\n## ")] + section("Tests and development")
+        said = [m[0] for m in RUN_TIME.finditer(text) if "doubling" not in text[max(0, m.start() - 40) : m.start()]]
+        assert not said, (doc, said)
+    assert "header of [`.ci/run`](.ci/run)" in section("Try it")
