@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from dataclasses import dataclass
 from decimal import Decimal
+from types import FrameType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .caches import VALVE_RANGE_MEMO_SIZE, register
 from .embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT
@@ -23,6 +25,7 @@ from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, MAX_OVERRIDES_CHARS, LimitR
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs, read_decimal
 from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy
+from .store import open_store
 from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
@@ -141,8 +144,40 @@ USER_TITLES = {
 
 
 def _titled(titles: dict[str, str]) -> ConfigDict:
-    """A model config giving each field its title from `titles` (one place for the form's words)."""
-    return ConfigDict(field_title_generator=lambda name, _info: titles.get(name, name.replace("_", " ").capitalize()))
+    """A model config giving each field its title from `titles` (one place for the form's words).
+    A validation error quotes no input: Open WebUI logs it, and the input holds the secrets."""
+    return ConfigDict(
+        field_title_generator=lambda name, _info: titles.get(name, name.replace("_", " ").capitalize()),
+        hide_input_in_errors=True,
+    )
+
+
+# Open WebUI's endpoint that stores the admin's valves (0.12.4: routers/functions.py). It builds
+# `Valves(**form)` and answers HTTP 400, storing nothing, when that raises. Everywhere else the
+# stored values are built the same way (before every hook; when the code is updated) and a raise
+# would fail every chat or refuse the update, so bad values are refused only there (DESIGN.md).
+SAVE_ENDPOINT = ("open_webui.routers.functions", "update_function_valves_by_id")
+
+
+def built_by_save_endpoint(frame: FrameType | None) -> bool:
+    """Whether the `Valves` whose validator `frame` called was built by Open WebUI's save endpoint
+    itself: the first frame from there that is not pydantic's is that function (a `Valves()`
+    built inside the check, or anywhere else, is not)."""
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("pydantic"):
+        frame = frame.f_back
+    return frame is not None and (frame.f_globals.get("__name__"), frame.f_code.co_name) == SAVE_ENDPOINT
+
+
+def save_problems(valves: Valves) -> list[ConfigError]:
+    """What the filter would report of these valves on every turn (bad JSON, unknown names, a
+    reserve over the window, a summary endpoint it cannot call, a redis_url that is no Redis
+    URL): each names its valve; checked without any I/O."""
+    problems = read_settings(valves)[1]
+    try:
+        open_store(valves.redis_url)  # parses the URL; connects to nothing
+    except ConfigError as exc:
+        problems.append(exc)
+    return problems
 
 
 class Valves(BaseModel):
@@ -378,6 +413,14 @@ class Valves(BaseModel):
     priority: int = _int_field(
         "priority", 0, "Filter order: lower runs first. Keep contextwarden after filters that add content."
     )
+
+    @model_validator(mode="after")
+    def _refuse_bad_values_at_save(self) -> Valves:
+        """A save with a value the filter could not use answers HTTP 400 and stores nothing;
+        anywhere else (values already stored) the filter reports them and goes on."""
+        if built_by_save_endpoint(sys._getframe(1)) and (problems := save_problems(self)):
+            raise ValueError("contextwarden: " + "; ".join(str(p) for p in problems))
+        return self
 
 
 class UserValves(BaseModel):

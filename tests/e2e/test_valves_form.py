@@ -5,7 +5,8 @@ value is out of range.
 Finding (0.12.4): the save fails with HTTP 400 and `detail` is a fixed text,
 `[ERROR: Error updating function valves]` (user valves: `... function user valves`); pydantic's
 message, which names the field, goes only to the server log. So the form's description is where
-an admin reads the range: every bounded valve ends its description with it.
+an admin reads the range: every bounded valve ends its description with it. A value the filter
+cannot use (bad JSON, ...) is refused the same way at save, and only there (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import BUILT_FILE
-from owui import OpenWebUI, installed_function
+from owui import OpenWebUI, chat, installed_function, set_valves, update_function_source, wait_for_log
 
 pytestmark = pytest.mark.e2e
 
@@ -96,3 +97,53 @@ def test_an_out_of_range_save_is_refused_without_naming_the_field(open_webui, fo
     assert body["detail"] == detail and name not in body["detail"]
     assert open_webui.api("GET", f"/api/v1/functions/id/{form}/{kind}") == before  # nothing stored
     assert name in open_webui.log_text(mark)  # only the server log has pydantic's message
+
+
+def test_a_value_the_filter_cannot_use_is_refused_at_save_and_the_log_keeps_no_secret(open_webui, form):
+    """Invalid JSON in model_aliases saved with "Valves updated successfully" (issue 31): the
+    Valves' validator refuses it when Open WebUI's save endpoint builds them (HTTP 400, nothing
+    stored); the server log names the valve and quotes none of the values (a key was among them)."""
+    before = open_webui.api("GET", f"/api/v1/functions/id/{form}/valves")
+    mark = open_webui.log_mark()
+    bad = {"model_aliases": '{"my-gpt": "openai/gpt-4o",}', "summary_api_key": "sk-never-in-the-log-31"}
+    status, body = _post(open_webui, f"/api/v1/functions/id/{form}/valves/update", bad)
+    assert (status, body["detail"]) == (400, "[ERROR: Error updating function valves]")
+    assert open_webui.api("GET", f"/api/v1/functions/id/{form}/valves") == before  # nothing stored
+    log = open_webui.log_text(mark)
+    assert "contextwarden: model_aliases is not valid JSON" in log and "sk-never-in-the-log-31" not in log
+    good = {"model_aliases": '{"my-gpt": "openai/gpt-4o"}'}
+    status, body = _post(open_webui, f"/api/v1/functions/id/{form}/valves/update", good)
+    assert status == 200 and body["model_aliases"] == good["model_aliases"]
+    _post(open_webui, f"/api/v1/functions/id/{form}/valves/update", before or {})  # as it was
+
+
+# An earlier filter whose Valves took any text: what an install upgraded to this one stored.
+EARLIER = """
+from pydantic import BaseModel
+
+
+class Filter:
+    class Valves(BaseModel):
+        model_aliases: str = ""
+
+    def __init__(self):
+        self.valves = self.Valves()
+
+    def inlet(self, body: dict) -> dict:
+        return body
+"""
+
+
+def test_bad_values_stored_before_still_let_the_code_update_and_every_chat_run(open_webui, backend):
+    """Open WebUI builds `Valves(**stored)` when the code is updated (a raise refuses the update)
+    and before every hook (a raise fails the chat): values stored before the check existed are
+    read leniently there, and the filter names the valve in the log instead."""
+    bad = '{"my-gpt": "openai/gpt-4o",}'
+    with installed_function(open_webui, "contextwarden_upgrade", EARLIER, name="contextwarden upgrade"):
+        assert set_valves(open_webui, "contextwarden_upgrade", {"model_aliases": bad}) == {"model_aliases": bad}
+        update_function_source(open_webui, "contextwarden_upgrade", BUILT_FILE.read_text("utf-8"))
+        mark = open_webui.log_mark()
+        reply = chat(open_webui, "gpt-4o", [{"role": "user", "content": "What is a fjord?"}])
+        assert reply["choices"][0]["message"]["content"]
+        assert "is not valid JSON" in wait_for_log(open_webui, "(valve model_aliases)", since=mark)
+        assert open_webui.api("GET", "/api/v1/functions/id/contextwarden_upgrade/valves") == {"model_aliases": bad}
