@@ -107,6 +107,11 @@ async def send(f: Filter, chat: list[dict], user_id: str, chat_id: str, *, event
 
 
 async def shown(f: Filter, chat: list[dict], user_id: str, chat_id: str, events: Any) -> dict:
-    """A turn's first pass whose line is shown: `request`, as in Open WebUI 0.12 (inlet's waits for it)."""
+    """A turn's `request` pass, then its outlet (with a short reply), which shows the turn's one
+    status line: returns what `request` sent."""
     body = _chat_body(chat, user_id, chat_id)
-    return await f.request(body, __user__={"id": user_id}, __metadata__=body["metadata"], __event_emitter__=events)
+    hooks = {"__user__": {"id": user_id}, "__metadata__": body["metadata"], "__event_emitter__": events}
+    sent = await f.request(body, **hooks)
+    reply = {"role": "assistant", "content": "Noted, thanks."}
+    await f.outlet({"model": body["model"], "messages": [*sent["messages"], reply], "chat_id": chat_id}, **hooks)
+    return sent

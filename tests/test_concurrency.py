@@ -114,13 +114,14 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         if u % 7 == 0:
             assert run.events.items == []
         else:
-            # one context line a turn (the request pass changes nothing, so it says nothing), then usage
-            assert len(run.events.statuses) == 2 and all(e["data"]["done"] is True for e in run.events.items)
-            context = run.events.statuses[0]
+            # one line a turn, after the reply: what its own trim did, then its own usage
+            assert len(run.events.statuses) == 1 and all(e["data"]["done"] is True for e in run.events.items)
+            line = run.events.statuses[0]
             if len(sent) < len(chat):  # what its own trim did
-                assert context.startswith(f"Context {len(chat):,} → {len(sent):,} message"), context
+                assert line.startswith(f"Sent {len(sent):,} of {len(chat):,} messages · "), line
             else:  # its own budget
-                assert context.endswith(f"(fits {user_budget(u):,})"), context
+                assert line.startswith("Whole chat sent · "), line
+                assert note["line"].endswith(f"(fits {user_budget(u):,})"), note["line"]  # the admin's detail
         record = by_chat[chat_id]
         assert record["user_id"] == user_id[u]
         assert record["estimated_prompt_tokens"] == note["estimated_prompt_tokens"]

@@ -211,7 +211,7 @@ def test_status_line_and_explain_say_excerpted(counter):
     line = status_line(TurnChoice.of(result, result.messages), Flags())
     ((sent, total),) = result.passages
     assert 0 < sent < total == len(split_chunks(chat[1]["content"]))
-    assert f"· document excerpted: {sent} of {total} passages" in line and "shortened" not in line
+    assert f", document excerpted: {sent} of {total} passages" in line and "shortened" not in line
     explanation = explain_trim(chat, result, model=MODEL, token_counter=counter)
     row = explanation.messages[1]
     assert row.action == "excerpted" and "most relevant to the question" in row.reasons[0]
@@ -221,10 +221,8 @@ def test_status_line_and_explain_say_excerpted(counter):
 
 async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(counter, unique):
     """The filter's own flow, stored decision and both passes (inlet, then request on what inlet
-    sent): the question's prompt holds the fact, the status line says `document excerpted: N of
-    M passages` (the last one, which Open WebUI shows, too), and so does the line after the reply."""
-    from contextwarden.filter import trim_summary
-
+    sent): the question's prompt holds the fact, and the turn's one line, after the reply, says
+    `document excerpted: N of M passages`."""
     from helpers import Events, make_filter
 
     f = make_filter(counter, max_context_tokens=4_000, reserve_output_tokens=0)
@@ -247,9 +245,12 @@ async def test_through_the_filter_the_fact_goes_and_the_lines_say_excerpted(coun
     sent_passages, total = note["passages"]
     assert note["excerpted"] == 1 and 0 < sent_passages < total == len(split_chunks(chat[1]["content"]))
     words = f"document excerpted: {sent_passages} of {total} passages"
-    assert f"· {words}" in events.statuses[0] and f"· {words}" in events.statuses[-1], events.statuses
-    note = {**note, "savings": {**(note.get("savings") or {}), "messages_before": 4}}
-    assert trim_summary(note) == f" · trimmed, {words}"
+    assert events.statuses == [] and note["pending_line"].endswith(f", {words}"), note  # shown after the reply
+    reply = {"role": "assistant", "content": "Aisle 42."}
+    outlet = {"model": MODEL, "messages": [*sent["messages"], reply]}
+    await f.outlet(outlet, __user__={"id": user}, __metadata__=metadata, __event_emitter__=events)
+    [line] = events.statuses
+    assert line.startswith(note["pending_line"] + " · ") and f", {words} · " in line, line
 
 
 def test_an_embedder_finds_the_passage_words_do_not(counter):

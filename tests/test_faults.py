@@ -122,8 +122,8 @@ async def test_encodings_unavailable_estimates_within_budget(counter, monkeypatc
         assert len(sent) < len(chat)
         assert f.counter.count_messages(sent, MODEL) <= 1_000
         assert counter.count_messages(sent, MODEL) <= 1_000  # the estimate errs high: exact fits too
-        assert "estimated (tokenizer not loaded)" in run.events.statuses[0]
-        assert run.events.statuses[-1].startswith("~")  # no usage reported: an estimate, marked
+        assert "estimated (tokenizer not loaded)" in run.metadata["contextwarden"]["line"]  # the admin's detail
+        assert run.events.statuses[-1].startswith(f"Sent {len(sent)} of {len(chat)} messages · ~")  # usage estimated
     assert len(warnings_about(caplog, "tiktoken encoding o200k_base unavailable")) == 1
     lines = usage_lines(caplog.records)
     assert len(lines) == 20 and all(line["estimated"] for line in lines)
@@ -142,7 +142,7 @@ async def test_encodings_failing_oddly_still_estimate(error, monkeypatch):
     )  # fail in the calling thread: the error reaches our code
     run = await run_turn(f, chat_of(20))
     assert f.counter.count_messages(run.after_request["messages"], MODEL) <= 800
-    assert "estimated" in run.events.statuses[0]
+    assert "estimated" in run.metadata["contextwarden"]["line"]
 
 
 async def test_encodings_slow_to_load_do_not_block_and_then_count_exactly(counter, monkeypatch):
@@ -157,12 +157,12 @@ async def test_encodings_slow_to_load_do_not_block_and_then_count_exactly(counte
     f = offline_filter(max_context_tokens=1_500, reserve_output_tokens=500)
     while_loading = await run_turn(f, chat_of(30))
     assert not gate.is_set()  # the turn finished while the encoding was still loading
-    assert "estimated (tokenizer not loaded)" in while_loading.events.statuses[0]
+    assert "estimated (tokenizer not loaded)" in while_loading.metadata["contextwarden"]["line"]
     assert f.counter.count_messages(while_loading.after_request["messages"], MODEL) <= 1_000
     gate.set()
     assert f.counter.wait_ready(MODEL)
     loaded = await run_turn(f, chat_of(30))
-    assert "estimated" not in loaded.events.statuses[0]
+    assert "estimated" not in loaded.metadata["contextwarden"]["line"]
     assert counter.count_messages(loaded.after_request["messages"], MODEL) <= 1_000
 
 

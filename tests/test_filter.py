@@ -29,9 +29,9 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
         a is b for a, b in zip(second["messages"], first["messages"], strict=True)
     )
     assert frozen(chat) == before and body["messages"] is chat
-    assert events.statuses[0].startswith(f"Context {len(chat)} → {len(first['messages'])} messages · ")
-    assert len(events.statuses) == 1  # one line a turn, said once by the request pass
-    assert all(e["data"]["done"] is True for e in events.items)
+    assert events.statuses == []  # one line a turn, after the reply: nothing before it
+    words = body["metadata"]["contextwarden"]["pending_line"]  # what the outlet will show
+    assert words == f"Sent {len(first['messages'])} of {len(chat)} messages", words
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
         first["messages"], "gpt-4o"
     )
@@ -175,7 +175,7 @@ async def test_outlet_logs_one_real_usage_line(counter, caplog):
         "v": 1,  # records.USAGE_RECORD_VERSION
     }
     assert "ann@example.com" not in caplog.text and "lorem" not in caplog.text
-    assert events.statuses == ["321 tokens in · 12 out · $0.0009"]
+    assert events.statuses == ["Whole chat sent · 321 tokens in · 12 out · $0.0009"]
 
 
 async def test_outlet_usage_in_info_and_estimates(counter, caplog):

@@ -160,7 +160,7 @@ async def test_pin_keeps_a_message_on_later_turns(counter, store_valves, trims, 
     events = Events()
     first = await shown(f, chat, user_id, chat_id, events)
     assert first["messages"][-1]["content"] == "My locker code is 4711."
-    assert events.statuses[-1].endswith(" · flags !pin")
+    assert " · flags !pin · " in events.statuses[-1], events.statuses
     pinned_text = chat[-1]["content"]
     for i in range(25):  # many turns later, far beyond the budget, the pinned message is still sent
         chat = grow(chat, 10 + i)
@@ -193,7 +193,8 @@ async def test_flags_hold_for_every_pass_of_a_turn(counter, trims, unique):
     second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
     assert [o["max_tokens"] for o, _ in trims] == [700, 700] and [o["keep_last_turns"] for o, _ in trims] == [2, 2]
     assert second["messages"] == first["messages"]
-    assert all(s.endswith(" · flags !budget=700 !keep=2") for s in events.statuses)
+    assert events.statuses == []  # shown after the reply
+    assert first["metadata"]["contextwarden"]["pending_line"].endswith(" · flags !budget=700 !keep=2")
     assert counter.count_messages(second["messages"], MODEL) <= 700
 
 
@@ -210,7 +211,7 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
     events = Events()
     out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
     assert len(out["messages"]) < len(chat) and out["messages"][-1]["content"] == "Everything! !full"
-    assert events.statuses[-1].endswith(" · not enabled: !full")
+    assert " · not enabled: !full · " in events.statuses[-1], events.statuses
     f.valves = f.Valves(max_context_tokens=1_000, reserve_output_tokens=0, allowed_user_flags="full")
     events = Events()
     out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
@@ -218,7 +219,7 @@ async def test_full_flag_only_when_enabled(counter, trims, unique):
     assert out["messages"][:-1] == chat[:-1] and all(
         a is b for a, b in zip(out["messages"][:-1], chat[:-1], strict=True)
     )
-    assert "not trimmed: !full" in events.statuses[-1] and events.statuses[-1].endswith(" · flags !full")
+    assert events.statuses[-1].startswith("Whole chat sent · flags !full · "), events.statuses
     assert len(trims) == 1  # !full skipped trim_messages
 
 

@@ -494,11 +494,12 @@ async def test_status_line_shows_spend_and_the_limit(counter, store_valves, uniq
     user = {"id": f"u-{unique}", "role": "user"}
     await spent(f, user["id"], "0.4", datetime.now(UTC).date())
     run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
-    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020 · today $0.42 of $2.00"
+    assert run.events.statuses[-1] == "Whole chat sent · 8,000 tokens in · 0 out · $0.020 · today $0.42 of $2.00"
     await spent(f, user["id"], "1.3", datetime.now(UTC).date())
     run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
     assert (
-        run.events.statuses[-1] == "4,000 tokens in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
+        run.events.statuses[-1]
+        == "Whole chat sent · 4,000 tokens in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
     )
 
 
@@ -506,17 +507,17 @@ async def test_spend_hidden_by_the_user_valve_and_off_without_a_limit(counter, u
     f = await limited(counter, {"daily_limit_usd": 2}, datetime.now(UTC))
     hidden = {"id": f"u-{unique}", "role": "user", "valves": f.UserValves(show_spend=False)}
     run = await run_turn(f, CHAT, user=hidden, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0}))
-    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020"
+    assert run.events.statuses[-1] == "Whole chat sent · 8,000 tokens in · 0 out · $0.020"
     g = await limited(counter, {}, datetime.now(UTC))  # no limit: not shown unless the admin asks
     run = await run_turn(
         g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 8_000, "completion_tokens": 0})
     )
-    assert run.events.statuses[-1] == "8,000 tokens in · 0 out · $0.020"
+    assert run.events.statuses[-1] == "Whole chat sent · 8,000 tokens in · 0 out · $0.020"
     g.valves = g.Valves(show_spend=True)
     run = await run_turn(
         g, CHAT, user={"id": "u2"}, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0})
     )
-    assert run.events.statuses[-1] == "4,000 tokens in · 0 out · $0.010 · today $0.03"
+    assert run.events.statuses[-1] == "Whole chat sent · 4,000 tokens in · 0 out · $0.010 · today $0.03"
 
 
 # -- !usage ------------------------------------------------------------------------------------

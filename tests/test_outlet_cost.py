@@ -176,7 +176,9 @@ async def test_estimated_usage_is_priced_and_marked(counter, logs):
     expected = counted * D("0.0000025") + completion * D("0.00001")
     assert D(record["cost_usd"]) == expected and record["cost_source"] == "price_table"
     assert record["usage_shape"] == "estimate"
-    assert statuses == [f"~{counted:,} tokens in · ~{completion:,} out · ~${format_usd(expected)} · {ESTIMATE_KEY}"]
+    assert statuses == [
+        f"Whole chat sent · ~{counted:,} tokens in · ~{completion:,} out · ~${format_usd(expected)} · {ESTIMATE_KEY}"
+    ]
 
 
 async def test_workspace_model_priced_as_its_base(counter, logs):
@@ -284,12 +286,13 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
     every later turn fits it, and the status line says the factor is in use."""
     model = "anthropic/claude-sonnet-4.5"
     f = cost_filter(counter, max_context_tokens=2_500, reserve_output_tokens=500, low_watermark=1.0)
-    budget, reals, events = 2_000, [], Events()
+    budget, reals, details = 2_000, [], []
     for turn in range(5):
         body = body_of(chat_of(30 + turn), model=model)
         metadata = body["metadata"]
-        out = await f.inlet(body, __metadata__=metadata, __event_emitter__=events)
-        out = await f.request(out, __metadata__=metadata, __event_emitter__=events)
+        out = await f.inlet(body, __metadata__=metadata)
+        out = await f.request(out, __metadata__=metadata)
+        details.append(metadata["contextwarden"]["line"])  # the admin's detail, logged after the reply
         counted = counter.count_messages(out["messages"], model)
         assert metadata["contextwarden"]["estimated_prompt_tokens"] == counted
         real = math.ceil(counted * 1.25)  # what the provider reports for what we sent
@@ -301,8 +304,8 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
     # and the budget is still used: a new selection leaves room for a later turn's recall block
     # (trim.recall_room), so about 80% of it here, where nothing is worth recalling
     assert all(real > 0.75 * budget for real in reals[1:]), reals
-    assert "· calibrated ×1.25" in events.statuses[-1]
-    assert "calibrated" not in events.statuses[0]
+    assert "· calibrated ×1.25" in details[-1]
+    assert "calibrated" not in details[0]
     assert (await load_calibration(f.store, model)).factor >= 1.25
 
 

@@ -112,11 +112,11 @@ async def test_the_status_lines_and_the_arithmetic_are_the_filters(counter, capl
     # the lines above a reply: each quote is the start of what the filter shows
     said = [line for line in README.split("\n") if line.startswith("status: Shadow: would send ")]
     assert said and all(shadow[0].startswith(line.removeprefix("status: ")) for line in said), (said, shadow)
-    context = _quotes(rf"Context {len(EXAMPLE)} → ")
-    assert context and all(enforce[0].startswith(q) for q in context), (context, enforce)
-    trimmed = re.search(r"trimmed \d+ → \d+ messages", enforce[-1])
-    after = _quotes(r"[\d,]+ tokens in .*trimmed \d+ →")
-    assert trimmed and after and all(trimmed[0] in q for q in after), (after, enforce)
+    [line] = enforce  # one line a turn, after the reply
+    context = _quotes(rf"Sent \d+ of {len(EXAMPLE)} messages")
+    assert context and all(line.startswith(q) for q in context), (context, enforce)
+    detail = _quotes(rf"Context {len(EXAMPLE)} → ")  # the admin's, logged
+    assert detail and all(note["line"].startswith(q) for q in detail), (detail, note["line"])
     # the hand arithmetic: removed tokens, the cached previous prompt, what the trim saves
     removed, previous, sent = note["tokens_saved"], note["cache"]["untrimmed"], note["estimated_prompt_tokens"]
     before = sent + removed

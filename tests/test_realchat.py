@@ -5,6 +5,7 @@ told. Each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -89,7 +90,8 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
         sent = (await shown(f, chat, user_id, chat_id, events))["messages"]
         assert any(m["content"] == text for m in sent), f"pin dropped on turn {i}"
         assert counter.count_messages(sent, MODEL) <= PIN_BUDGET
-    assert "→" in events.statuses[-1]  # the chat was being trimmed all along
+    said = re.match(rf"Sent (\d+) of {len(chat)} messages · ", events.statuses[-1])  # trimmed all along
+    assert said and int(said[1]) <= len(sent) < len(chat), events.statuses  # the chat's own (no recall quotes)
 
 
 # --- item 1: tool definitions and response formats are counted ---------------------------------
@@ -188,7 +190,8 @@ async def test_browser_body_with_tools_fits_the_window(counter):
     assert out["tools"] is BROWSER_TOOLS
     note = b["metadata"]["contextwarden"]
     assert note["estimated_prompt_tokens"] == sent + tools_cost
-    assert f"incl. {tools_cost:,} for tool definitions" in events.statuses[-1]
+    assert f"incl. {tools_cost:,} for tool definitions" in note["line"]  # the admin's detail, logged
+    assert note["pending_line"] == f"Sent {len(out['messages'])} of {len(chat)} messages"  # the user's words
 
 
 async def test_short_chat_with_tools_says_honestly_what_fits(counter):
@@ -200,7 +203,9 @@ async def test_short_chat_with_tools_says_honestly_what_fits(counter):
     await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
     tools_cost = fixed_cost({"tools": BROWSER_TOOLS}, counter, MODEL).tools
     total = counter.count_messages(chat, MODEL) + tools_cost
-    assert events.statuses[-1].startswith(f"Context 1 message · {total:,} tokens (fits 7,500)")
+    note = b["metadata"]["contextwarden"]
+    assert note["line"].startswith(f"Context 1 message · {total:,} tokens (fits 7,500)")
+    assert note["pending_line"] == "Whole chat sent"
 
 
 async def test_definitions_alone_over_the_window_are_said_plainly(counter):
@@ -212,8 +217,11 @@ async def test_definitions_alone_over_the_window_are_said_plainly(counter):
     events = Events()
     out = await f.request(b, __user__={"id": "u1"}, __metadata__=b["metadata"], __event_emitter__=events)
     assert out["messages"] == [chat[0], chat[-1]]
-    line = events.statuses[-1]
-    assert "for tool definitions (alone over the budget" in line and "fits" not in line and "still over budget" in line
+    note = b["metadata"]["contextwarden"]
+    detail = note["line"]  # the admin's
+    assert "for tool definitions (alone over the budget" in detail and "fits" not in detail
+    assert "still over budget" in detail
+    assert note["pending_line"] == f"Sent 2 of {len(chat)} messages · tool definitions fill the window"
 
 
 # --- item 5: a fresh worker's first request ---------------------------------------------------

@@ -297,14 +297,12 @@ def test_cached_prefixes_of_a_reused_selection_stop_before_the_newest_reply(coun
 
 
 def test_shadow_line_says_when_trimming_would_cost_more():
-    from contextwarden.flags import Flags
-    from contextwarden.records import TurnChoice
-    from contextwarden.status import shadow_status_line
-
-    choice = TurnChoice([{}] * 38, 142, 26_000, 8_000, 8_000, "exact")
-    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("-0.01875")), True).endswith(
-        "26,000 → 8,000 tokens · untrimmed about $0.019 cheaper (prompt cache)"
+    # the shadow turn's line: what enforce would send (words), then the reply's usage and what
+    # the trim would have saved, or that the untrimmed chat was cheaper
+    used, cost = Usage(26_000, 5), Cost(D("0.065"), "price_table")
+    assert usage_status(used, False, cost, True, Savings(26_000, 8_000, D("-0.01875")), True).endswith(
+        " · $0.065 · untrimmed about $0.019 cheaper (prompt cache)"
     )
-    assert shadow_status_line(choice, Flags(), Savings(26_000, 8_000, D("0.0054")), True).endswith(
-        "tokens, saving about $0.0054"
+    assert usage_status(used, False, cost, True, Savings(26_000, 8_000, D("0.0054")), True).endswith(
+        " · $0.065 · would save about $0.0054 vs untrimmed"
     )

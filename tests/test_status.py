@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -10,16 +12,16 @@ import pytest
 from contextwarden.flags import Flags
 from contextwarden.records import TurnChoice
 from contextwarden.savings import Savings
-from contextwarden.status import shadow_status_line, status_line
+from contextwarden.status import detail_line, shadow_status_line, status_line
 
 from helpers import Events, make_filter
-from turns import run_turn
+from turns import reply_of, run_turn
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 
 
 def lines(choice: TurnChoice) -> list[str]:
-    return [status_line(choice, Flags()), shadow_status_line(choice, Flags(), Savings(0, 0, None), True)]
+    return [status_line(choice, Flags()), shadow_status_line(choice, Flags())]
 
 
 @pytest.mark.parametrize(("tokens", "over"), [(900, True), (900, False), (400, True)])
@@ -27,12 +29,15 @@ def test_an_untouched_chat_over_its_budget_never_fits(tokens, over):
     # Before: "Context 3 messages · 900 tokens (fits 500) · still over budget".
     choice = TurnChoice([{}] * 3, 3, tokens, tokens, 500, "exact", over_budget=over)
     for line in lines(choice):
-        assert "fits" not in line and "(budget 500)" in line and line.endswith("· still over budget"), line
+        assert "fits" not in line and line.endswith(" · still over budget"), line
+    detail = detail_line(choice, Flags())
+    assert "fits" not in detail and "(budget 500)" in detail and detail.endswith("· still over budget"), detail
 
 
 def test_an_untouched_chat_within_its_budget_fits():
-    for line in lines(TurnChoice([{}] * 3, 3, 400, 400, 500, "exact")):
-        assert "(fits 500)" in line and "over budget" not in line, line
+    choice = TurnChoice([{}] * 3, 3, 400, 400, 500, "exact")
+    assert lines(choice) == ["Whole chat sent", "Shadow: would send the whole chat"]
+    assert "(fits 500)" in detail_line(choice, Flags())
 
 
 async def test_a_mandatory_part_over_the_budget_is_told_once(counter):
@@ -40,13 +45,11 @@ async def test_a_mandatory_part_over_the_budget_is_told_once(counter):
     f = make_filter(counter, max_context_tokens=100, reserve_output_tokens=0)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     run = await run_turn(f, [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
-    context = [s for s in run.events.statuses if s.startswith("Context")]
-    assert len(context) == 1  # one line a turn: the request pass changes nothing, so it says nothing
-    for line in context:
-        assert line.count("over budget") == 1 and "fits" not in line, line
+    [line] = run.events.statuses  # one line a turn, after the reply
+    assert line.count("over budget") == 1 and "fits" not in line, line
 
 
-# -- what is left showing after a reply (issue 17 items 1, 2, 5) -------------------------------
+# -- one plain line a turn, after the reply (issue 31; issue 30: each status costs a save) --------
 
 
 def long_chat(turns: int = 12) -> list[dict]:
@@ -59,21 +62,25 @@ def long_chat(turns: int = 12) -> list[dict]:
     return chat + [{"role": "user", "content": "And now?"}]
 
 
-async def test_one_context_line_a_turn_and_the_last_line_says_what_the_trim_did(counter):
+USAGE_PART = re.compile(r"[\d,]+ tokens in · [\d,]+ out · \$[\d.]+( · saved about \$[\d.]+ vs untrimmed)?$")
+
+
+async def test_one_line_a_turn_after_the_reply_says_what_was_left_out_and_the_cost(counter):
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
     chat = long_chat()
-    run = await run_turn(f, chat)
-    sent = run.after_request["messages"]
+    run = await run_turn(f, chat, reply=reply_of(usage={"prompt_tokens": 700, "completion_tokens": 9}))
+    sent = [m for m in run.after_request["messages"] if any(m is c for c in chat)]  # not the recall quotes
     assert len(sent) < len(chat)
-    statuses = run.events.statuses
-    assert len(statuses) == 2  # the turn's one context line (said by the request pass), then usage
-    assert statuses[0].startswith(f"Context {len(chat)} → {len(sent)} messages · ")
-    assert statuses[-1].endswith(f" · trimmed {len(chat)} → {len(sent)} messages"), statuses[-1]
+    [line] = run.events.statuses  # before: a context line at request, then a usage line at outlet
+    context, usage = line.split(" · ", 1)
+    assert context == f"Sent {len(sent)} of {len(chat)} messages", line
+    assert USAGE_PART.match(usage) and usage.startswith("700 tokens in · 9 out · $"), line
+    for admin_words in ("→", "fits", "budget", "tool definitions", "Context"):
+        assert admin_words not in line, line
 
 
-async def test_the_turn_has_one_context_line_from_the_request_pass_with_its_tools(counter):
-    # Open WebUI 0.12 calls inlet before it adds the tool definitions and request after: the
-    # inlet's line would be contradicted by the request's; only the request pass speaks.
+async def test_nothing_is_shown_before_the_reply(counter):
+    # An emit in inlet or request delays the reply (Open WebUI saves each status into the chat).
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
     tools = BUILTIN_TOOLS[:4]
     metadata = {"chat_id": "tools", "user_id": "u1", "message_id": "m1"}
@@ -81,11 +88,27 @@ async def test_the_turn_has_one_context_line_from_the_request_pass_with_its_tool
     events = Events()
     body = {"model": "gpt-4o", "messages": long_chat(), "stream": True, "metadata": metadata}
     first = await f.inlet(body, __event_emitter__=events, **hooks)
-    assert not [s for s in events.statuses if s.startswith("Context")]  # the inlet's line waits
-    await f.request({**first, "tools": tools}, __event_emitter__=events, **hooks)
-    context = [s for s in events.statuses if s.startswith("Context")]
-    assert len(context) == 1 and " for tool definitions" in context[0], context
-    assert context[0].startswith(f"Context {len(long_chat())} → "), context
+    sent = await f.request({**first, "tools": tools}, __event_emitter__=events, **hooks)
+    assert events.statuses == []
+    note = metadata["contextwarden"]
+    own = sum(any(m is c for c in body["messages"]) for m in sent["messages"])  # not the recall quotes
+    assert note["pending_line"] == f"Sent {own} of {len(long_chat())} messages"
+    assert " for tool definitions" in note["line"] and note["line"].startswith(f"Context {len(long_chat())} → ")
+    reply = {"role": "assistant", "content": "The answer."}
+    await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply]}, __event_emitter__=events, **hooks)
+    assert len(events.statuses) == 1 and events.statuses[0].startswith(note["pending_line"] + " · ")
+
+
+async def test_the_words_are_stable_from_turn_to_turn(counter):
+    # Before: the "before" token count jumped between turns of one chat (10,823; 3,299; 3,329;
+    # 10,899): the line now says messages, which only grow by the turn's two.
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
+    chat, said = long_chat(), []
+    for turn in range(4):
+        run = await run_turn(f, chat, chat_id="stable")
+        said.append(re.match(r"Sent (\d+) of (\d+) messages · ", run.events.statuses[0]))
+        chat = [*chat, {"role": "assistant", "content": f"Reply {turn}."}, {"role": "user", "content": f"More {turn}?"}]
+    assert all(said) and [int(m[2]) for m in said] == [len(long_chat()) + 2 * t for t in range(4)], said
 
 
 async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(counter):
@@ -99,17 +122,38 @@ async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": document}], "metadata": metadata}
     first = await f.inlet(body, __event_emitter__=events, **hooks)
     await f.request({**first, "tools": BUILTIN_TOOLS[:1]}, __event_emitter__=events, **hooks)
-    [line] = [s for s in events.statuses if s.startswith("Context")]
+    note = metadata["contextwarden"]
+    assert note["pending_line"] == "Sent 1 message, shortened to fit", note
+    detail = note["line"]
     pasted = counter.count_messages(body["messages"], "gpt-4o")
-    assert line.startswith("Context 1 message · ") and " → " in line and " · 1 shortened" in line, line
-    before = int(line.split(" · ")[1].split(" → ")[0].replace(",", ""))
-    assert before >= pasted, (line, pasted)
-    assert metadata["contextwarden"]["tokens_saved"] > 0
+    assert detail.startswith("Context 1 message · ") and " → " in detail and " · 1 shortened" in detail, detail
+    before = int(detail.split(" · ")[1].split(" → ")[0].replace(",", ""))
+    assert before >= pasted, (detail, pasted)
+    assert note["tokens_saved"] > 0
 
 
-async def test_without_a_request_pass_the_outlet_shows_the_inlets_line_once(counter):
-    # An Open WebUI without the request hook: the inlet's line is shown after the reply,
-    # once, before the usage line (which stays last and says what the trim did).
+async def test_a_cut_a_later_pass_dropped_is_not_told(counter):
+    # The browser test's second turn: the inlet (no tools yet) excerpts the pasted document; the
+    # request pass, with 30 tool definitions filling the window, drops that excerpt. Before, the
+    # line said "Sent 1 of 3 messages, document excerpted: 6 of 19 passages".
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
+    document = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
+    chat = [
+        {"role": "user", "content": document},
+        {"role": "assistant", "content": "Hello from the fake backend."},
+        {"role": "user", "content": "What did the document say about quartz?"},
+    ]
+    metadata = {"chat_id": "dropped-cut", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    first = await f.inlet({"model": "gpt-4o", "messages": chat, "metadata": metadata}, **hooks)
+    assert metadata["contextwarden"]["excerpted"] == 1  # the inlet sent an excerpt
+    sent = await f.request({**first, "tools": BUILTIN_TOOLS[:30]}, **hooks)
+    assert sent["messages"] == [chat[-1]]
+    assert metadata["contextwarden"]["pending_line"] == "Sent 1 of 3 messages · tool definitions fill the window"
+
+
+async def test_without_a_request_pass_the_outlet_shows_the_inlets_words(counter):
+    # An Open WebUI without the request hook: the inlet's words, after the reply, in its one line.
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
     chat = long_chat()
     metadata = {"chat_id": "old", "user_id": "u1", "message_id": "m1"}
@@ -118,32 +162,31 @@ async def test_without_a_request_pass_the_outlet_shows_the_inlets_line_once(coun
     sent = await f.inlet({"model": "gpt-4o", "messages": chat, "metadata": metadata}, __event_emitter__=events, **hooks)
     reply = {"role": "assistant", "content": "The answer."}
     await f.outlet({"model": "gpt-4o", "messages": sent["messages"] + [reply]}, __event_emitter__=events, **hooks)
-    statuses = events.statuses
-    assert len(statuses) == 2 and statuses[0].startswith(f"Context {len(chat)} → "), statuses
-    assert statuses[1].endswith(f" · trimmed {len(chat)} → {len(sent['messages'])} messages"), statuses
-
-
-async def test_a_request_pass_that_changes_nothing_shows_the_inlets_line_once(counter):
-    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
-    run = await run_turn(f, long_chat())
-    context = [s for s in run.events.statuses if s.startswith("Context")]
-    assert len(context) == 1 and run.events.statuses[0] == context[0], run.events.statuses
+    [line] = events.statuses
+    assert line.startswith(f"Sent {len(sent['messages'])} of {len(chat)} messages · "), line
 
 
 async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counter):
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
     chat = long_chat()
-    events_hooks = {"__user__": {"id": "u1"}}
     body = {"model": "gpt-4o", "messages": chat, "metadata": {"chat_id": "rag", "user_id": "u1"}}
-    from helpers import Events
-
-    events = Events()
-    first = await f.inlet(body, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": body["metadata"]}
+    first = await f.inlet(body, **hooks)
     rag = {"role": "user", "content": "Context from your documents: " + "harbour facts " * 60}
     grown = {**first, "messages": first["messages"][:-1] + [rag, first["messages"][-1]]}
-    await f.request(grown, __metadata__=body["metadata"], __event_emitter__=events, **events_hooks)
-    context = [s for s in events.statuses if s.startswith("Context")]
-    assert len(context) == 1 and context[0].startswith(f"Context {len(chat)} → "), context
+    await f.request(grown, **hooks)
+    note = body["metadata"]["contextwarden"]
+    assert re.fullmatch(rf"Sent \d+ of {len(chat)} messages", note["pending_line"]), note["pending_line"]
+    assert note["line"].startswith(f"Context {len(chat)} → "), note["line"]
+
+
+async def test_status_off_shows_nothing_and_the_detail_is_still_logged(counter, caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300, show_status=False)
+    run = await run_turn(f, long_chat())
+    assert run.events.statuses == []
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("contextwarden: Context ")]
+    assert logged == [f"contextwarden: {run.metadata['contextwarden']['line']}"] and " → " in logged[0], logged
 
 
 @pytest.mark.parametrize("count", [1, 3])
@@ -151,31 +194,22 @@ def test_a_count_that_did_not_change_is_said_once(count):
     # Before: "Context 1 → 1 message · 2,153 → 834 tokens · 1 shortened".
     choice = TurnChoice([{}] * count, count, 2_153, 834, 1_200, "exact", shortened=1)
     said = f"{count} message" + ("s" if count > 1 else "")
-    assert status_line(choice, Flags()) == f"Context {said} · 2,153 → 834 tokens · 1 shortened"
-    shadow = shadow_status_line(choice, Flags(), Savings(0, 0, None), True)
-    assert shadow == f"Shadow: would send {said} · 2,153 → 834 tokens · 1 shortened"
-    assert "→ 1 message" not in status_line(choice, Flags())
+    assert detail_line(choice, Flags()) == f"Context {said} · 2,153 → 834 tokens · 1 shortened"
+    cut = "shortened to fit" if count == 1 else "1 shortened to fit"
+    assert status_line(choice, Flags()) == f"Sent {said}, {cut}"
+    assert shadow_status_line(choice, Flags()) == f"Shadow: would send {said}, {cut}"
 
 
 def test_one_message_is_singular():
-    assert status_line(TurnChoice([{}], 1, 40, 40, 500, "exact"), Flags()).startswith("Context 1 message · 40 tokens")
-    assert status_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()).startswith("Context 3 → 1 message · ")
+    assert detail_line(TurnChoice([{}], 1, 40, 40, 500, "exact"), Flags()).startswith("Context 1 message · 40 tokens")
+    assert detail_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()).startswith("Context 3 → 1 message · ")
+    assert status_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()) == "Sent 1 of 3 messages"
 
 
-@pytest.mark.parametrize(
-    "note",
-    [
-        {"savings": {"messages_before": 10**30}, "sent_messages": 1},
-        {"savings": {"messages_before": "9"}, "sent_messages": 1},
-        {"savings": {"messages_before": 3}, "sent_messages": 9},
-        {"savings": [], "sent_messages": True},
-        {},
-    ],
-)
-def test_the_trim_summary_ignores_a_note_it_did_not_write(note):
-    from contextwarden.filter import trim_summary
-
-    assert trim_summary(note) == ""
+def test_the_chats_own_messages_are_counted_not_the_filters():
+    # a recall block and its acknowledgement went out with 3 of the chat's 9 messages
+    choice = TurnChoice([{}] * 5, 9, 9_000, 3_000, 4_000, "exact")
+    assert status_line(choice, Flags(), sent=3) == "Sent 3 of 9 messages"
 
 
 async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users(counter):
@@ -218,9 +252,8 @@ def test_savings_say_about_in_words_never_minus_tilde():
     # Before: "saved ~$0.0054" on the usage line and "(−~$0.00054)" on the shadow line.
     saving = Savings(26_000, 8_000, D("0.00054"))
     assert savings_status(saving, False) == " · saved about $0.0005 vs untrimmed"
-    shadow = shadow_status_line(TurnChoice([{}] * 2, 9, 26_000, 8_000, 8_000, "exact"), Flags(), saving, True)
-    assert shadow == "Shadow: would send 2 of 9 messages · 26,000 → 8,000 tokens, saving about $0.0005"
-    for text in (savings_status(saving, True), shadow):
+    assert savings_status(saving, True) == " · would save about $0.0005 vs untrimmed"
+    for text in (savings_status(saving, True), savings_status(saving, False)):
         assert "~" not in text and "−" not in text and "(+" not in text
 
 
@@ -241,10 +274,14 @@ def test_one_money_rule_for_every_line(amount, shown):
 
 
 @pytest.mark.parametrize(
-    "value", [None, 3, "", "usage forged", "Context 1 message\nforged", "Context " + "x" * 2_000, ["Context 1"]]
+    "value",
+    [None, 3, "", "usage forged", "Sent 1 message\nforged", "Sent " + "x" * 2_000, ["Sent 1"], "Context 3 messages"],
 )
-def test_a_waiting_line_the_filter_did_not_write_is_not_shown(value):
-    from contextwarden.status import PENDING_KEY, pending_line
+def test_words_the_filter_did_not_write_are_not_shown(value):
+    from contextwarden.status import DETAIL_KEY, PENDING_KEY, pending_detail, pending_line
 
     assert pending_line({PENDING_KEY: value}) is None
-    assert pending_line({PENDING_KEY: "Context 3 messages · 90 tokens (fits 500)"}) is not None
+    assert pending_line({PENDING_KEY: "Sent 3 of 9 messages"}) == "Sent 3 of 9 messages"
+    assert pending_line({PENDING_KEY: "Whole chat sent"}) is not None
+    assert pending_detail({DETAIL_KEY: value if value != "Context 3 messages" else "Sent 3"}) is None
+    assert pending_detail({DETAIL_KEY: "Context 3 messages · 90 tokens (fits 500)"}) is not None

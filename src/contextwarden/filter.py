@@ -62,9 +62,17 @@ from .openturns import OpenTurn, OpenTurns, reply_allowance, rough_tokens, strea
 from .price_sources import PriceSources
 from .pricing import Resolution, resolve_model
 from .records import CacheView, TurnChoice, TurnNote, UsageRecord
-from .savings import Savings, carried_savings
+from .savings import Savings, carried_savings, carries_a_cut
 from .spendbook import Charge, SpendBook
-from .status import excerpt_words, pending_line, shadow_status_line, status_line, usage_status
+from .status import (
+    detail_line,
+    pending_detail,
+    pending_line,
+    shadow_status_line,
+    status_line,
+    turn_line,
+    usage_status,
+)
 from .store import MemoryStore, RedisStore, Store, open_store
 from .summarize import (
     SUMMARY_ACK_MESSAGE,
@@ -77,7 +85,7 @@ from .summarize import (
 )
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
 from .trim import TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
-from .usage import Cost, Usage, compute_cost, read_count, read_usage
+from .usage import Cost, Usage, compute_cost, read_usage
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
 
@@ -288,8 +296,11 @@ def _pinned(messages: list[Message], state: ChatState) -> list[int]:
 
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
-    pass already trimmed, so its line counts from the chat the turn began with."""
+    pass already trimmed, so its line counts from the chat the turn began with; an earlier
+    pass's cuts count while a cut copy is still sent (this pass may have dropped it)."""
     earlier, excerpts = (n if n is not None and n <= messages_before else 0 for n in (note.shortened, note.excerpted))
+    if (earlier or excerpts) and not carries_a_cut(choice.messages):
+        earlier = excerpts = 0
     passages = choice.passages if choice.excerpted >= excerpts else (note.passages or (0, 0))
     return replace(
         choice,
@@ -301,21 +312,10 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     )
 
 
-def trim_summary(note: TurnNote | dict) -> str:
-    """` · trimmed 9 → 1 messages` for the usage line after a reply (the line left showing), from
-    the turn note; "" when nothing was cut or the note is not this filter's (outlet input is hostile)."""
-    note = note if isinstance(note, TurnNote) else TurnNote.from_dict(note)
-    before = read_count(note.messages_before) if note.messages_before is not None else None
-    after, shortened, excerpted = note.sent_messages, note.shortened, note.excerpted
-    if before is None or after is None or after > before or (before == after and not shortened and not excerpted):
-        return ""
-    text = (
-        f" · trimmed {before:,} → {after:,} {'message' if after == 1 else 'messages'}"
-        if before != after
-        else " · trimmed"
-    )
-    cut = excerpt_words(excerpted, note.passages or (0, 0)) if excerpted else ""
-    return text + (f", {shortened:,} shortened" if shortened else "") + (f", {cut}" if cut else "")
+def _chat_messages_sent(choice: TurnChoice) -> int:
+    """How many of the chat's own messages a choice sends: its messages less what the filter
+    added (recall quotes, a summary note, their acknowledgements)."""
+    return len(choice.messages) - len(own_messages(choice.messages, choice.own))
 
 
 @dataclass(slots=True)
@@ -535,7 +535,7 @@ class Filter:
         choice = await self._decide(turn, request)
         money = await self._turn_money(turn, choice, model)
         note = await self._noted(turn, choice, money)
-        note = await self._show_turn(turn, choice, money, note, emit, hook)
+        note = self._leave_line(turn, choice, money, note, hook)
         if turn.shadow:
             return body
         out = choice.messages
@@ -695,28 +695,23 @@ class Filter:
         turn.write(note)
         return note
 
-    async def _show_turn(
-        self, turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNote, emit: Emitter | None, hook: str
-    ) -> TurnNote:
-        """The turn's status line, shown once a turn (a later pass that changes nothing says nothing)."""
-        settings = turn.settings
-        if not settings.show_status:
-            return note
-        shadow, flags, calibration = turn.shadow, turn.flags, turn.calibration
-        done = choice if shadow else _turn_so_far(choice, money.messages_before, money.removed, note)
-        line = (
-            shadow_status_line(choice, flags, money.savings, settings.show_cost) if shadow else status_line(done, flags)
-        )
-        line += f" · calibrated ×{calibration.effect:.2f}" if calibration.active else ""
-        if hook == "inlet" and isinstance(turn.metadata, dict):
-            note = replace(note, pending_line=line)  # one line a turn: the request pass (tools added) or else outlet
-        elif line != note.line:  # a later pass that changes nothing says nothing
-            await self._emit(emit, line)
-            note = replace(note, line=line, pending_line=None)
+    def _leave_line(self, turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNote, hook: str) -> TurnNote:
+        """Leave the turn's words so far in its note, for the outlet's one line after the reply
+        (a status costs Open WebUI a save into the chat, so one shown before the reply delays
+        it; and it cannot be edited): the plain words (the last pass's win), and the admin's
+        detail, logged."""
         if not isinstance(turn.metadata, dict):
             return note
+        flags, calibration = turn.flags, turn.calibration
+        done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note)
+        sent = _chat_messages_sent(done)
+        plain = shadow_status_line(done, flags, sent) if turn.shadow else status_line(done, flags, sent)
+        detail = detail_line(done, flags) + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else "")
+        filter_log.debug("contextwarden: %s pass: %s", hook, detail)
         note = replace(
             note,
+            line=detail,
+            pending_line=plain if turn.settings.show_status else None,
             sent_messages=len(done.messages),
             shortened=done.shortened,
             excerpted=done.excerpted,
@@ -1191,13 +1186,14 @@ class Filter:
         reply = body["messages"][-1]
         if reply.get("role") == "assistant":  # sent back next turn: counted and read now, off that turn's path
             await compute(off, read_reply, reply, self._counter, model_id, terms=settings.strategy == "relevance")
+        noted = note.to_dict()
+        if (detail := pending_detail(noted)) is not None:
+            filter_log.info("contextwarden: %s", detail)
         spent = await self._spend_status(settings, user, note, shown=emit is not None)
-        if settings.show_status:
-            if (waiting := pending_line(note.to_dict())) is not None:  # no request pass came (older Open WebUI)
-                await self._emit(emit, waiting)
-            trimmed = trim_summary(note) if mode == "enforce" else ""
-            shown = usage_status(billed, estimated, cost, settings.show_cost, savings, mode == "shadow") + trimmed
-            await self._emit(emit, " · ".join(filter(None, (shown, spent))))
+        if settings.show_status:  # the turn's one line: what the model saw, what the reply cost
+            shadow = mode == "shadow"  # what a trim saves is the admin's (log, report), but shadow's point
+            used = usage_status(billed, estimated, cost, settings.show_cost, savings if shadow else None, shadow)
+            await self._emit(emit, turn_line(pending_line(noted), used, spent))
 
     def _reply_usage(self, reply: dict) -> Usage | None:
         """The usage the backend reported on the reply; what it said that cannot be true is warned about."""

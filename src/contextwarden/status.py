@@ -1,5 +1,6 @@
-"""The status lines above a reply: what a turn sent (or, in shadow mode, would have sent) and
-what the reply cost. Pure formatting of numbers the filter computed; no message text.
+"""The status line above a reply, one a turn: what the model saw (or, in shadow mode, would have
+seen), what the reply used and cost; and the admin's detail of each pass, for the log. Pure
+formatting of numbers the filter computed; no message text.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from .savings import Savings
 from .usage import Cost, Usage
 
 __all__ = [
+    "DETAIL_KEY",
     "ESTIMATE_KEY",
     "PENDING_KEY",
+    "detail_line",
+    "excerpt_words",
+    "pending_detail",
     "pending_line",
     "status_line",
     "shadow_status_line",
+    "turn_line",
     "usage_status",
     "savings_status",
 ]
@@ -83,8 +89,73 @@ def _fits(choice: TurnChoice) -> str:
     return f"{'fits' if fits else 'budget'} {choice.budget:,}"
 
 
-def status_line(choice: TurnChoice, flags: Flags) -> str:
-    """`Context 142 → 38 messages · 96,210 → 7,950 tokens`, or `(fits N)` when nothing was cut."""
+def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
+    """What the model saw, as a person reads it at a glance and the same way every turn: `Whole
+    chat sent`, or `Sent 5 of 9 messages`, and what went out cut. `sent` counts the chat's own
+    messages sent (default: all in `choice`; the filter leaves out its recall quotes and summary
+    note). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
+    logged); the reply's real tokens and cost follow on the same line (`turn_line`).
+
+    Example:
+        >>> status_line(TurnChoice([{}] * 5, 9, 10_899, 3_278, 4_000, "exact"), Flags())
+        'Sent 5 of 9 messages'
+        >>> status_line(TurnChoice([{}] * 3, 3, 5_648, 3_229, 4_000, "exact", excerpted=1, passages=(3, 24)), Flags())
+        'Sent 3 messages, document excerpted: 3 of 24 passages'
+        >>> status_line(TurnChoice([{}] * 4, 4, 900, 900, 4_000, "exact"), Flags())
+        'Whole chat sent'
+    """
+    return _context_words(choice, flags, sent, shadow=False)
+
+
+def shadow_status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
+    """`status_line` for shadow mode, where the chat went out whole: what enforce would have sent.
+
+    Example:
+        >>> shadow_status_line(TurnChoice([{}] * 38, 142, 96_210, 7_950, 8_000, "exact"), Flags())
+        'Shadow: would send 38 of 142 messages'
+    """
+    return _context_words(choice, flags, sent, shadow=True)
+
+
+def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow: bool) -> str:
+    before = choice.count_before
+    sent = len(choice.messages) if sent is None else min(max(sent, 0), len(choice.messages))
+    cuts = _cut_words(choice, sent)
+    if choice.full or (sent >= before and not cuts):
+        head = "would send the whole chat" if shadow else "Whole chat sent"
+    elif sent < before:
+        head = f"{'would send' if shadow else 'Sent'} {sent:,} of {_messages(before)}"
+    else:
+        head = f"{'would send' if shadow else 'Sent'} {_messages(sent)}"
+    line = ("Shadow: " if shadow else "") + head + "".join(f", {cut}" for cut in cuts)
+    if choice.fixed_over and not choice.full:
+        line += f" · {choice.fixed_label or 'tool definitions'} fill the window"
+    elif (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
+        line += " · still over budget"
+    if flags.used:
+        line += " · flags " + " ".join(flags.used)
+    if flags.refused:
+        line += " · not enabled: " + " ".join(flags.refused)
+    return line
+
+
+def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
+    """What went out cut, in words: excerpted documents, shortened messages, a summary."""
+    if choice.full:
+        return []
+    cuts = [excerpt_words(choice.excerpted, choice.passages)] if choice.excerpted else []
+    if choice.shortened:
+        cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
+    if choice.pins_shortened:
+        cuts.append("pinned messages shortened to fit")
+    if choice.summarized:
+        cuts.append("earlier messages summarized")
+    return cuts
+
+
+def detail_line(choice: TurnChoice, flags: Flags) -> str:
+    """The admin's account of a pass, for the log: `Context 142 → 38 messages · 96,210 → 7,950
+    tokens · incl. 3,214 for tool definitions`, or `(fits N)` when nothing was cut."""
     after = len(choice.messages)
     if choice.full:
         line = (
@@ -103,19 +174,41 @@ def _messages(count: int) -> str:
     return f"{count:,} message" if count == 1 else f"{count:,} messages"
 
 
-# The turn note's key for the inlet's context line, not yet shown: Open WebUI 0.12 calls
-# `request` after `inlet`, with the tool definitions and RAG added, and that pass's line is the
-# turn's; a status cannot be edited, so the inlet says nothing and the first pass after it does.
+def turn_line(context: str | None, usage: str, spend: str = "") -> str:
+    """The turn's one status line, shown after the reply: what the model saw, what the reply
+    used and cost, the user's spend (each part only when there is one).
+
+    Example:
+        >>> turn_line("Sent 5 of 9 messages", "3,278 tokens in · 56 out · $0.0087")
+        'Sent 5 of 9 messages · 3,278 tokens in · 56 out · $0.0087'
+    """
+    return " · ".join(part for part in (context, usage, spend) if part)
+
+
+# The turn note's keys for the words each pass leaves for the outlet: `PENDING_KEY` the plain
+# words (`status_line`), `DETAIL_KEY` the admin's (`detail_line`, logged). A status costs Open
+# WebUI a save into the chat and cannot be edited: the outlet shows one line a turn, after the
+# reply, with what the last pass decided.
 PENDING_KEY = "pending_line"
-_LINE_STARTS = ("Context ", "Shadow: ")
+DETAIL_KEY = "line"
+_LINE_STARTS = ("Whole chat sent", "Sent ", "Shadow: ")
+_DETAIL_STARTS = ("Context ",)
 
 
 def pending_line(note: dict) -> str | None:
-    """The inlet's context line that no later pass showed (an Open WebUI without the request
-    hook), for the outlet to show once; None when there is none or it is not this filter's
-    (outlet input can be user-controlled)."""
-    line = note.get(PENDING_KEY)
-    if isinstance(line, str) and line.startswith(_LINE_STARTS) and len(line) <= 1_000 and "\n" not in line:
+    """The plain words the turn's last pass left for the outlet; None when there are none or
+    they are not this filter's (outlet input can be user-controlled)."""
+    return _noted_line(note, PENDING_KEY, _LINE_STARTS)
+
+
+def pending_detail(note: dict) -> str | None:
+    """The admin's words the turn's last pass left for the outlet to log (as `pending_line` checks them)."""
+    return _noted_line(note, DETAIL_KEY, _DETAIL_STARTS)
+
+
+def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
+    line = note.get(key)
+    if isinstance(line, str) and line.startswith(starts) and len(line) <= 1_000 and "\n" not in line:
         return line
     return None
 
@@ -133,7 +226,7 @@ def excerpt_words(documents: int, passages: tuple[int, int]) -> str:
 
 
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
-    """The notes both lines share: summary, shortened, over budget, estimate, flags."""
+    """The admin's notes on a pass: the fixed part, summary, cuts, over budget, estimate, flags."""
     line = ""
     if choice.fixed_tokens:
         line += f" · incl. {choice.fixed_tokens:,} for {choice.fixed_label}"
@@ -156,33 +249,3 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if flags.refused:
         line += " · not enabled: " + " ".join(flags.refused)
     return line
-
-
-def shadow_status_line(choice: TurnChoice, flags: Flags, savings: Savings, show_cost: bool) -> str:
-    """`Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens, saving about $0.22`: what
-    enforce mode would have done; the chat itself went out unchanged. Money is an estimate ("about").
-
-    Example:
-        >>> shadow_status_line(TurnChoice([{}] * 38, 142, 96_210, 7_950, 8_000, "exact"), Flags(),
-        ...     Savings(96_210, 7_950, Decimal("0.2206")), True)
-        'Shadow: would send 38 of 142 messages · 96,210 → 7,950 tokens, saving about $0.22'
-    """
-    after = len(choice.messages)
-    if choice.full:
-        line = (
-            f"Shadow: !full, would send all {after:,} messages · {choice.tokens_after:,} tokens (budget "
-            f"{choice.budget:,})"
-        )
-    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
-        counts = f"{after:,} of {choice.count_before:,} messages" if choice.count_before != after else _messages(after)
-        line = f"Shadow: would send {counts} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
-        if show_cost and savings.cost_saved_usd:
-            amount = savings.cost_saved_usd
-            line += (
-                f", saving about {usd(amount)}"
-                if amount > 0
-                else f" · untrimmed about {usd(-amount)} cheaper (prompt cache)"
-            )
-    else:
-        line = f"Shadow: would send all {after:,} messages · {choice.tokens_after:,} tokens ({_fits(choice)})"
-    return line + _status_extras(choice, flags)
