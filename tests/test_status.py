@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from contextwarden.budget import fixed_cost
 from contextwarden.flags import Flags
 from contextwarden.records import TurnChoice
 from contextwarden.savings import Savings
@@ -187,6 +188,64 @@ async def test_status_off_shows_nothing_and_the_detail_is_still_logged(counter, 
     assert run.events.statuses == []
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("contextwarden: Context ")]
     assert logged == [f"contextwarden: {run.metadata['contextwarden']['line']}"] and " → " in logged[0], logged
+
+
+# -- a window Open WebUI's tool definitions fill: the admin is told once ------------------------
+
+
+async def test_a_window_the_tool_definitions_fill_is_told_to_admins_once(counter, caplog):
+    # Open WebUI 0.12.4 adds its built-in tool definitions to every browser chat: a 3,000 window
+    # cannot hold them (issue 31). Before, every turn said it in the collapsed history only.
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=3_000, reserve_output_tokens=300)
+    tools = BUILTIN_TOOLS[:30]
+    tokens = fixed_cost({"tools": tools}, counter, "gpt-4o").tools
+    assert tokens > 2_700
+
+    async def turn(user: dict, chat_id: str) -> tuple[list[str], list[str]]:
+        metadata = {"chat_id": chat_id, "user_id": user["id"], "message_id": "m1"}
+        hooks = {"__user__": user, "__metadata__": metadata}
+        events = Events()
+        first = await f.inlet({"model": "gpt-4o", "messages": long_chat(), "metadata": metadata}, **hooks)
+        sent = await f.request({**first, "tools": tools}, __event_emitter__=events, **hooks)
+        assert events.statuses == []
+        reply = {"role": "assistant", "content": "The answer."}
+        await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply]}, __event_emitter__=events, **hooks)
+        notices = [e["data"]["content"] for e in events.items if e["type"] == "notification"]
+        assert all(e["data"]["type"] == "warning" for e in events.items if e["type"] == "notification")
+        return events.statuses, notices
+
+    user, told = await turn({"id": "u1", "role": "user"}, "a")
+    assert (
+        not told
+        and len(user) == 1
+        and user[0].startswith(f"Sent 2 of {len(long_chat())} messages · tool definitions fill the window · ")
+    )
+    admin, told = await turn({"id": "a1", "role": "admin"}, "b")
+    assert len(admin) == 1 and admin[0].startswith("Sent 2 of "), admin  # the turn's one line
+    [notice] = told  # a notification: shown whole, at once, not saved into the chat
+    assert notice.startswith("contextwarden: gpt-4o's window is too small for its tools: 3,000 tokens, 300 kept")
+    assert f"the 30 tool definitions Open WebUI adds to each chat take {tokens:,}" in notice
+    assert "only the system prompt and the latest message" in notice and "Builtin Tools" in notice
+    need = int(re.search(r"max_context_tokens to ([\d,]+) or more", notice)[1].replace(",", ""))
+    assert need >= tokens + 300 + 1_000
+    again, told = await turn({"id": "a1", "role": "admin"}, "c")
+    assert not told and len(again) == 1 and again[0].startswith("Sent 2 of "), again  # told once
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "too small for its tools" in r.getMessage()]
+    assert len(warned) == 1  # logged once a process
+
+
+async def test_a_window_with_room_for_the_chat_is_not_told(counter, caplog):
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=300)
+    metadata = {"chat_id": "roomy", "user_id": "a1"}
+    hooks = {"__user__": {"id": "a1", "role": "admin"}, "__metadata__": metadata}
+    events = Events()
+    body = {"model": "gpt-4o", "messages": long_chat(), "tools": BUILTIN_TOOLS[:30], "metadata": metadata}
+    sent = await f.request(body, **hooks)
+    reply = {"role": "assistant", "content": "The answer."}
+    await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply]}, __event_emitter__=events, **hooks)
+    assert len(events.items) == 1 and "too small" not in caplog.text  # one status, no notice
 
 
 @pytest.mark.parametrize("count", [1, 3])

@@ -69,6 +69,7 @@ from .status import (
     pending_detail,
     pending_line,
     shadow_status_line,
+    small_window_text,
     status_line,
     turn_line,
     usage_status,
@@ -96,6 +97,9 @@ filter_log = logging.getLogger("contextwarden")
 Emitter = Callable[[dict[str, Any]], Awaitable[Any]]
 METADATA_KEY = "contextwarden"
 MAX_REPORTED_PROBLEMS = 64
+# The tool definitions Open WebUI adds to every browser chat (30, 3,214 tokens for a user; 3,923
+# for an admin) leaving less than this of the window for the chat: the admin is told once.
+SMALL_WINDOW_ROOM = 1_000
 # What a hook lets through: the rest, BaseExceptions included (tiktoken's pyo3 PanicException
 # is one), fails open. Cancellation and shutdown are not errors of the filter's.
 NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
@@ -334,6 +338,7 @@ class _Turn:
     budget: PromptBudget
     off: bool  # count and trim off the event loop
     key: str | None  # the chat's state key; None for API callers
+    window: int | None = None  # the model's context window, as Open WebUI or the price book knows it
 
     @property
     def shadow(self) -> bool:
@@ -389,6 +394,7 @@ class Filter:
         self._store_url = ""
         self._store_problem: ConfigError | None = None
         self._reported: set[str] = set()
+        self._window_told: dict[str, str | None] = {}  # model id -> its small-window notice, None once shown
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = (prices or PriceSources)(lambda: self._store)
         self._open = OpenTurns()
@@ -536,6 +542,7 @@ class Filter:
         money = await self._turn_money(turn, choice, model)
         note = await self._noted(turn, choice, money)
         note = self._leave_line(turn, choice, money, note, hook)
+        self._check_window(turn)
         if turn.shadow:
             return body
         out = choice.messages
@@ -595,6 +602,7 @@ class Filter:
             budget,
             off,
             chat_state_key(*_ids(body, user, metadata)),
+            window,
         )
 
     async def _decide(self, turn: _Turn, request: Any) -> TurnChoice:
@@ -719,6 +727,30 @@ class Filter:
         )
         turn.write(note)
         return note
+
+    def _check_window(self, turn: _Turn) -> None:
+        """A window the tool definitions (nearly) fill on their own: the admin is told once a model
+        a process, in the log and, after their next reply from that model, in their chat."""
+        fixed, settings = turn.budget.fixed, turn.settings
+        if not fixed.tools or turn.model_id in self._window_told:
+            return
+        window = settings.window(turn.window)
+        room = settings.window_budget(turn.window)  # the window less what is kept for the reply
+        if room - fixed.tokens >= SMALL_WINDOW_ROOM:
+            return
+        tools = turn.body.get("tools")
+        text = small_window_text(
+            turn.model_id,
+            len(tools) if isinstance(tools, list) else 0,
+            fixed.tokens,
+            window,
+            window - room,
+            over=room - fixed.tokens < MIN_BUDGET_TOKENS,
+            need=-(-(fixed.tokens + window - room + SMALL_WINDOW_ROOM * 4) // 1_000) * 1_000,
+        )
+        if len(self._window_told) < MAX_REPORTED_PROBLEMS:
+            self._window_told[turn.model_id] = text
+            self._warn_once(f"contextwarden: {text}")
 
     def _with_breakpoints(
         self, messages: list[Message], choice: TurnChoice, minimum: int, model_id: str
@@ -1194,6 +1226,19 @@ class Filter:
             shadow = mode == "shadow"  # what a trim saves is the admin's (log, report), but shadow's point
             used = usage_status(billed, estimated, cost, settings.show_cost, savings if shadow else None, shadow)
             await self._emit(emit, turn_line(pending_line(noted), used, spent))
+        await self._tell_window(model_id, user, emit)
+
+    async def _tell_window(self, model_id: str, user: dict | None, emit: Emitter | None) -> None:
+        """Show an admin the model's small-window notice (`_check_window`), once, after the reply:
+        a notification (Open WebUI shows it whole, at once, and does not save it into the chat)."""
+        text = self._window_told.get(model_id)
+        if text is None or emit is None or (user or {}).get("role") != "admin":
+            return
+        self._window_told[model_id] = None
+        try:
+            await emit({"type": "notification", "data": {"type": "warning", "content": f"contextwarden: {text}"}})
+        except Exception as exc:  # a broken emitter must not cost the chat
+            filter_log.debug("contextwarden: notice not shown (%s)", type(exc).__name__)
 
     def _reply_usage(self, reply: dict) -> Usage | None:
         """The usage the backend reported on the reply; what it said that cannot be true is warned about."""

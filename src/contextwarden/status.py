@@ -23,6 +23,7 @@ __all__ = [
     "pending_line",
     "status_line",
     "shadow_status_line",
+    "small_window_text",
     "turn_line",
     "usage_status",
     "savings_status",
@@ -249,3 +250,30 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if flags.refused:
         line += " · not enabled: " + " ".join(flags.refused)
     return line
+
+
+def small_window_text(model: str, tools: int, tokens: int, window: int, reserved: int, *, over: bool, need: int) -> str:
+    """The admin's notice of a window that Open WebUI's tool definitions (nearly) fill on their
+    own: the numbers, what it does to every chat, and the two fixes (`need`: a window to raise
+    it to). Numbers and the model id only.
+
+    Example:
+        >>> print(small_window_text("gpt-4o", 30, 3_214, 3_000, 300, over=True, need=8_000))
+        gpt-4o's window is too small for its tools: 3,000 tokens, 300 kept for the reply, and the \
+30 tool definitions Open WebUI adds to each chat take 3,214: every turn sends only the system prompt \
+and the latest message. Raise max_context_tokens to 8,000 or more, or turn off Builtin Tools in this \
+model's capabilities (Admin Panel > Settings > Models).
+    """
+    left = window - reserved - tokens
+    effect = (
+        "every turn sends only the system prompt and the latest message"
+        if over
+        else f"{left:,} tokens are left for the chat itself"
+    )
+    definitions = f"the {tools:,} tool definitions" if tools else "the tool definitions"
+    return (
+        f"{model[:100]}'s window is too small for its tools: {window:,} tokens, {reserved:,} kept for the "
+        f"reply, and {definitions} Open WebUI adds to each chat take {tokens:,}: {effect}. Raise "
+        f"max_context_tokens to {need:,} or more, or turn off Builtin Tools in this model's capabilities "
+        "(Admin Panel > Settings > Models)."
+    )
