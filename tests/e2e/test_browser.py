@@ -1,7 +1,8 @@
 """What a person sees: the built filter in a real Open WebUI 0.12.4, used from its chat page in a
-headless Chromium (``browser.py``). A pasted document and a question in one chat: the filter
-drops the document from the second turn, and the status line shown above each reply is the
-filter's usage line carrying the fake backend's numbers.
+headless Chromium (``browser.py``). A pasted document and a question in one chat whose window
+Open WebUI's own tool definitions fill: the filter drops the document from the second turn, and
+each reply has one status line, the filter's, shown after the reply: what the model saw in
+plain words, then the fake backend's token counts and the price.
 
 Needs Debian's ``chromium`` + ``chromium-driver`` and ``selenium`` (the dev extra): without them
 the test is skipped with the reason, except under ``CI``, where it fails (``.ci/run`` installs
@@ -14,10 +15,12 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from contextwarden.conversation import RECALL_LABEL, SUMMARY_ACK
 from contextwarden.money import format_usd
 from contextwarden.pricing import PriceBook, resolve_model
 from contextwarden.usage import Usage, compute_cost
@@ -35,9 +38,11 @@ MODEL = "gpt-4o"  # priced in the bundled table, so the line carries a cost
 WINDOW, RESERVE = 1_500, 300  # a 1,200-token budget: the ~2,600-token document cannot stay
 DOCUMENT = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
 QUESTION = "What did the document say about quartz?"
-USAGE_LINE = re.compile(r"(?P<prompt>[\d,]+) tokens in · (?P<completion>[\d,]+) out · \$(?P<usd>[\d.]+)")
-TRIM = re.compile(r"\b3 → (?P<after>\d+) messages?\b")  # the second turn: document, reply, question
-SAME_COUNT = re.compile(r"\b(\d[\d,]*) → \1 messages?\b")  # "1 → 1 message": a count said twice
+USAGE_LINE = re.compile(r"(?:^| · )(?P<prompt>[\d,]+) tokens in · (?P<completion>[\d,]+) out · \$(?P<usd>[\d.]+)")
+# the turn's words, then its usage: "Sent 1 of 3 messages · tool definitions fill the window · 3,229 tokens in ..."
+WORDS = re.compile(r"^(?:Whole chat sent|Sent \d+(?: of \d+)? messages?)[^·]*(?: · [a-z][^·]*)*? · [\d,]+ tokens in")
+ADMIN_WORDS = ("→", "(fits", "(budget", "incl.", "Context", "calibrated")  # the admin's detail goes to the log
+SCREENSHOTS = Path(__file__).parent / "screenshots"  # the committed pictures of the final lines
 TASKS_OFF = {"ENABLE_TITLE_GENERATION": False, "ENABLE_TAGS_GENERATION": False, "ENABLE_FOLLOW_UP_GENERATION": False}
 
 
@@ -66,8 +71,8 @@ def quiet_tasks(open_webui: OpenWebUI) -> Iterator[None]:
 
 
 def usage_numbers(line: str | None) -> tuple[int, int, str] | None:
-    """``(prompt, completion, dollars)`` of a ``1,234 tokens in · 56 out · $0.0031`` line, else None."""
-    match = USAGE_LINE.match(line or "")
+    """``(prompt, completion, dollars)`` of the ``1,234 tokens in · 56 out · $0.0031`` in a line, else None."""
+    match = USAGE_LINE.search(line or "")
     if not match:
         return None
     return int(match["prompt"].replace(",", "")), int(match["completion"].replace(",", "")), match["usd"]
@@ -82,13 +87,34 @@ def expected_usage(body: dict[str, Any], reply: str) -> tuple[int, int, str]:
     return prompt, completion, format_usd(cost)
 
 
+def keep_screenshot(page: Any, reply_index: int, name: str, tmp_path: Path) -> Path:
+    """A picture of one reply (its status line and text, as a person sees them at 1,280 px) to
+    ``tmp_path``, and, with ``$CONTEXTWARDEN_SCREENSHOTS`` set, to ``tests/e2e/screenshots`` too."""
+    reply = page.find_elements("css selector", ".chat-assistant")[reply_index]
+    page.execute_script("arguments[0].scrollIntoView({block: 'center'});", reply)
+    shot = tmp_path / name
+    reply.screenshot(str(shot))
+    if os.environ.get("CONTEXTWARDEN_SCREENSHOTS"):
+        SCREENSHOTS.mkdir(exist_ok=True)
+        (SCREENSHOTS / name).write_bytes(shot.read_bytes())
+    return shot
+
+
+def assert_one_plain_line(reply: Reply) -> None:
+    """A reply's status history (expanded) is one line, the filter's: plain words, then the usage."""
+    assert reply.lines == [reply.shown], reply.lines  # one status a turn, no second usage line
+    line = reply.shown or ""
+    assert WORDS.match(line), line
+    assert not [word for word in ADMIN_WORDS if word in line], line
+
+
 def test_status_line_after_a_trimmed_reply(
-    chromium: tuple[str, str], open_webui: OpenWebUI, backend: FakeBackend, quiet_tasks: None, tmp_path: Any
+    chromium: tuple[str, str], open_webui: OpenWebUI, backend: FakeBackend, quiet_tasks: None, tmp_path: Path
 ) -> None:
-    """Paste a document, ask about it: the page shows each reply with the filter's usage line
-    (the backend's counts and the table's price); the second prompt no longer holds the
-    document, and the expanded status history says so (3 → 1 messages), in one context line a
-    turn: the request pass's, which counts the tool definitions the inlet never sees."""
+    """Paste a document, ask about it, in a 1,500-token window that Open WebUI's 3,214 tokens of
+    tool definitions fill: each reply shows one line, after it, saying what the model saw
+    (``Sent 1 of 3 messages · tool definitions fill the window``) and what the reply used (the
+    backend's counts and the table's price); the second prompt no longer holds the document."""
     user = add_user(open_webui, "Browser user", f"browser-{uuid.uuid4().hex[:8]}@example.com")
     valves = {**base_valves(), "max_context_tokens": WINDOW, "reserve_output_tokens": RESERVE}
 
@@ -102,9 +128,9 @@ def test_status_line_after_a_trimmed_reply(
         wait_for_replies(page, 1, finished)
         send(page, QUESTION)
         replies = wait_for_replies(page, 2, finished)
+        keep_screenshot(page, 1, "small-window.png", tmp_path)
         histories = [expand_status(page, index) for index in range(2)]
         page.save_screenshot(str(tmp_path / "browser-status.png"))
-    history = histories[1]
     print(f"\nstatus lines shown: {[r.shown for r in replies]}\nexpanded: {[h.lines for h in histories]}")
 
     assert len(backend.requests) == 2, [body["messages"][-1].get("content", "")[:60] for body in backend.requests]
@@ -113,10 +139,67 @@ def test_status_line_after_a_trimmed_reply(
     assert all(DOCUMENT[:40] not in str(message.get("content")) for message in second), "document still sent"
     for reply, sent in zip(replies, backend.requests, strict=True):
         assert usage_numbers(reply.shown) == expected_usage(sent, backend.default_reply), reply
-    assert history.lines[-1] == history.shown == replies[1].shown, "the line shown is not the reply's last status"
-    trims = [match for line in history.lines if (match := TRIM.search(line))]
-    assert trims and int(trims[0]["after"]) == len(second), history.lines
-    for turn in histories:  # one context line a turn: the request pass's, tool definitions counted
-        context = [line for line in turn.lines if line.startswith("Context ")]
-        assert len(context) == 1, turn.lines
-        assert " for tool definitions" in context[0] and not SAME_COUNT.search(context[0]), context
+    for history in histories:
+        assert_one_plain_line(history)
+        assert " · tool definitions fill the window · " in (history.shown or ""), history.shown
+    assert (histories[0].shown or "").startswith("Sent 1 message, shortened to fit · "), histories[0].shown
+    assert (histories[1].shown or "").startswith(f"Sent {len(second)} of 3 messages · "), histories[1].shown
+
+
+def test_the_admins_usage_report_names_users(
+    chromium: tuple[str, str], open_webui: OpenWebUI, backend: FakeBackend, quiet_tasks: None, tmp_path: Path
+) -> None:
+    """``!usage`` typed by an admin in the chat page: the report written into the reply names the
+    user who chatted as Open WebUI names them, never by id or email (issue 31)."""
+    from selenium.webdriver.common.keys import Keys
+
+    from owui import chat
+
+    name = f"Report Reader {uuid.uuid4().hex[:6]}"
+    user = add_user(open_webui, name, f"report-{uuid.uuid4().hex[:8]}@example.com")
+    valves = {**base_valves(), "max_context_tokens": 8_000}
+    source = BUILT_FILE.read_text("utf-8")
+    with installed_function(open_webui, FID, source, valves, name=FID), chat_page(*chromium, tmp_path) as page:
+        chat(open_webui, MODEL, [{"role": "user", "content": "Hello there."}], token=user["token"])  # a reply to report
+        calls = len(backend.requests)
+        open_chat(page, open_webui.base_url, open_webui.token, MODEL)
+        page.find_element("css selector", "body").send_keys(Keys.ESCAPE)  # an admin's "What's New" dialog
+        send(page, "!usage")
+        [report] = wait_for_replies(page, 1, lambda reply: "contextwarden usage" in reply.text)
+        keep_screenshot(page, 0, "admin-usage-report.png", tmp_path)
+    print(f"\nreport: {report.text[:600]}")
+    assert len(backend.requests) == calls  # the model was not called
+    assert name in report.text, report.text
+    assert user["id"] not in report.text and user["email"] not in report.text
+
+
+def test_a_trimmed_chat_says_how_many_messages_went(
+    chromium: tuple[str, str], open_webui: OpenWebUI, backend: FakeBackend, quiet_tasks: None, tmp_path: Path
+) -> None:
+    """Four long messages in a 5,000 window (3,214 tokens of it Open WebUI's tool definitions):
+    the last reply's one line says how many of the chat's messages the model saw."""
+    user = add_user(open_webui, "Trimmed chat", f"trimmed-{uuid.uuid4().hex[:8]}@example.com")
+    valves = {**base_valves(), "max_context_tokens": 5_000, "reserve_output_tokens": RESERVE}
+    notes = [
+        " ".join(f"Note {turn}.{n}: the {word} crew logged signal {n}." for n in range(60))
+        for turn, word in enumerate(("harbor", "quartz", "willow", "lantern"))
+    ]
+
+    def finished(reply: Reply) -> bool:
+        return reply.text == backend.default_reply and usage_numbers(reply.shown) is not None
+
+    source = BUILT_FILE.read_text("utf-8")
+    with installed_function(open_webui, FID, source, valves, name=FID), chat_page(*chromium, tmp_path) as page:
+        open_chat(page, open_webui.base_url, user["token"], MODEL)
+        for count, note in enumerate(notes, start=1):
+            send(page, note, paste=True)
+            replies = wait_for_replies(page, count, finished)
+        keep_screenshot(page, len(notes) - 1, "trimmed-chat.png", tmp_path)
+        last = expand_status(page, len(notes) - 1)
+    print(f"\nstatus lines shown: {[r.shown for r in replies]}")
+    assert_one_plain_line(last)
+    sent = backend.requests[-1]["messages"]
+    said = re.match(rf"Sent (\d+) of {2 * len(notes) - 1} messages · ", last.shown or "")
+    assert said, last.shown
+    own = [m for m in sent if m.get("content") != SUMMARY_ACK and not str(m.get("content")).startswith(RECALL_LABEL)]
+    assert int(said[1]) == len(own) < 2 * len(notes) - 1, (last.shown, [m["role"] for m in sent])

@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 import pytest
-from test_browser import chromium, quiet_tasks, usage_numbers  # noqa: F401 - fixtures
+from test_browser import assert_one_plain_line, chromium, keep_screenshot, quiet_tasks, usage_numbers  # noqa: F401
 
 from contextwarden.budget import fixed_cost
 from contextwarden.tokens import TokenCounter
@@ -209,6 +209,7 @@ def test_summary_then_a_detail_of_a_pasted_document(
         send(page, QUESTION)
         replies = wait_for_replies(page, 3, finished)
         page.save_screenshot(str(shot))  # what the user sees: each reply's last status line
+        keep_screenshot(page, 2, "excerpted-document.png", tmp_path)
         histories = [expand_status(page, index) for index in range(3)]
         page.save_screenshot(str(expanded))
     print(f"\nscreenshots: {shot}, {expanded}; requests: {tmp_path / 'requests.json'}")
@@ -243,4 +244,6 @@ def test_summary_then_a_detail_of_a_pasted_document(
 
     # (3) the page says the document went out cut, on the summary's reply and on the last one
     for reply in replies[1:]:
-        assert reply.shown and "document excerpted:" in reply.shown and "passages" in reply.shown, reply.shown
+        assert reply.shown and ", document excerpted: " in reply.shown and "passages · " in reply.shown, reply.shown
+    for history in histories:  # one plain line a turn, after the reply
+        assert_one_plain_line(history)
