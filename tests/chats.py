@@ -16,6 +16,7 @@ from contextwarden.conversation import (
     read_conversation,
     tool_call_ids,
 )
+from contextwarden.excerpt import split_chunks
 from contextwarden.selection import mandatory_indices
 from contextwarden.tokens import TokenCounter
 from contextwarden.trim import TrimResult
@@ -69,8 +70,16 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
     plain = [m for k, m in enumerate(sent) if k not in added]
     if blocks:
         quoted = "".join(sent[k]["content"] for k in blocks)
-        assert result.recalled and set(result.recalled) <= set(result.dropped)
-        assert all(message_text(chat[i]) in quoted for i in result.recalled)
+        assert result.recalled and set(result.recalled) <= set(result.dropped) | set(result.excerpted)
+        by_passages = dict(result.recalled_passages)
+        assert set(by_passages) <= set(result.recalled)
+        for i in result.recalled:  # whole, or each passage verbatim (`excerpt.split_chunks`)
+            assert i in by_passages or i in result.dropped
+            if i not in by_passages:
+                assert message_text(chat[i]) in quoted
+                continue
+            chunks = split_chunks(message_text(chat[i]))
+            assert all(chunks[k] in quoted for k in by_passages[i])
         for k in blocks:
             assert k + 2 < len(sent) and k + 1 in new and sent[k + 1] == SUMMARY_ACK_MESSAGE
             assert sent[k + 2].get("role") == "user" and k + 2 not in blocks

@@ -9,6 +9,7 @@ from itertools import pairwise
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
+from contextwarden.conversation import RECALL_LABEL
 from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, split_chunks
 from contextwarden.relevance import wants_whole
 from contextwarden.tokens import TokenCounter
@@ -130,10 +131,11 @@ def test_a_turn_that_keeps_its_excerpts_reads_only_what_is_new(counter):
     )
 
 
-def test_a_question_about_another_part_gets_a_new_excerpt(counter):
+def test_a_question_about_another_part_recalls_that_passage(counter):
+    """The excerpt goes again byte for byte (the prompt cache keeps hitting up to the question);
+    the passage the new question needs is quoted in this turn's recall block, marked."""
     chat = pasted_chat(counter)
     options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter}
-    second = trim_messages(chat, **options)
     other = "The harbour inspection moved the glacier survey to the violin hall on Friday."
     doc = chat[1]["content"]
     chat[1] = {**chat[1], "content": doc[:200] + " " + other + " " + doc[200:]}
@@ -145,7 +147,16 @@ def test_a_question_about_another_part_gets_a_new_excerpt(counter):
     ]
     third = trim_messages(chat, previous=second.decision, **options)
     check_contract(chat, third, counter, MODEL)
-    assert third.excerpted == (1,) and other in third.messages[1]["content"]
+    assert third.reused and third.excerpted == (1,) and third.messages[: len(second.messages)] == second.messages
+    block = third.messages[third.stable_prefix]["content"]
+    assert block.startswith(RECALL_LABEL) and other in block and "tokens cut by contextwarden" in block
+    assert [i for i, _ in third.recalled_passages] == [1] and third.recalled == (1,)
+    ((sent, total),) = third.passages
+    assert sent == len(second.decision.excerpts[0][1]) + len(third.recalled_passages[0][1]) and total > sent
+    again = TrimDecision.from_json(third.decision.to_json())  # the block is sent again next turn as it was
+    chat += [{"role": "assistant", "content": "The violin hall."}, {"role": "user", "content": "Thanks!"}]
+    fourth = trim_messages(chat, previous=again, **options)
+    assert fourth.reused and fourth.messages[: third.stable_prefix + 3] == third.messages[: third.stable_prefix + 3]
 
 
 def tool_chat(counter: TokenCounter, question: str) -> list[dict]:
@@ -321,3 +332,24 @@ async def test_open_webuis_embedder_scores_the_passages_it_embedded_ahead(counte
     semantic = trim_messages(chat, **options)
     check_contract(chat, semantic, counter, MODEL)
     assert semantic.excerpted == (1,) and FACT in semantic.messages[1]["content"]
+
+
+def test_a_collapsed_tool_result_gives_the_passage_a_later_question_needs(counter):
+    """A tool result the selection collapsed to its cut mark (the question then was about
+    something else) is too large to quote: the next question's recall block quotes its passage,
+    and the prompt up to the question is the previous one."""
+    chat = tool_chat(counter, "Thanks. Which dessert goes with a pear tart, by the way?")
+    options = {"max_tokens": 1_500, "model": MODEL, "token_counter": counter}
+    first = trim_messages(chat, **options)
+    assert first.excerpted == (3,) and first.passages[0][0] == 0  # the call and its result, the text cut
+    chat += [
+        {"role": "assistant", "content": "Vanilla ice cream goes well with a pear tart."},
+        {"role": "user", "content": "Which valve on the north pump failed its pressure test?"},
+    ]
+    second = trim_messages(chat, previous=first.decision, **options)
+    check_contract(chat, second, counter, MODEL)
+    assert second.reused and second.messages[: len(first.messages)] == first.messages
+    assert [i for i, _ in second.recalled_passages] == [3] and second.excerpted == (3,)
+    block = second.messages[second.stable_prefix]["content"]
+    assert "Valve P7 on the north pump failed its pressure test." in block
+    assert block.startswith(RECALL_LABEL + "\n\ntool: [… ") and counter.count_text(block, MODEL) < 700

@@ -7,7 +7,7 @@ everything up to the next user message. Nothing here copies or changes a message
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import repeat
@@ -239,9 +239,12 @@ def read_conversation(messages: Sequence[Message]) -> Conversation:
     )
 
 
-def recall_message(messages: Sequence[Message], indices: Sequence[int]) -> Message:
+def recall_message(
+    messages: Sequence[Message], indices: Sequence[int], texts: Mapping[int, str] | None = None
+) -> Message:
     """The user-role message that quotes `messages[i]` for each of `indices` (in that order),
-    verbatim, under `RECALL_LABEL`: each as its role, a colon and its text (`message_text`).
+    verbatim, under `RECALL_LABEL`: each as its role, a colon and its text (`message_text`, or
+    `texts[i]` when given: the passages quoted of a long message, `excerpt.passage_quote`).
     A user message, never a system one: Open WebUI merges system messages into the system
     prompt, which would rewrite the cached prefix every turn.
 
@@ -249,10 +252,12 @@ def recall_message(messages: Sequence[Message], indices: Sequence[int]) -> Messa
         >>> recall_message([{"role": "user", "content": "My cat is Miso."}], [0])["content"].splitlines()[-1]
         'user: My cat is Miso.'
     """
-    return {"role": "user", "content": "".join(recall_quotes(messages, indices))}
+    return {"role": "user", "content": "".join(recall_quotes(messages, indices, texts))}
 
 
-def recall_quotes(messages: Sequence[Message], indices: Sequence[int]) -> list[str]:
+def recall_quotes(
+    messages: Sequence[Message], indices: Sequence[int], texts: Mapping[int, str] | None = None
+) -> list[str]:
     """The text of `recall_message` in parts: the label, then each quoted message (every part
     but the last ends with the blank line between them), so that its count can be made of the
     parts' (see `TokenCounter.count_joined`).
@@ -261,7 +266,8 @@ def recall_quotes(messages: Sequence[Message], indices: Sequence[int]) -> list[s
         >>> recall_quotes([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [0, 1])[1:]
         ['user: a\\n\\n', 'assistant: b']
     """
-    quotes = [f"{messages[i].get('role')}: {message_text(messages[i])}\n\n" for i in indices]
+    texts = texts or {}
+    quotes = [f"{messages[i].get('role')}: {texts.get(i) or message_text(messages[i])}\n\n" for i in indices]
     if quotes:
         quotes[-1] = quotes[-1][:-2]
     return [f"{RECALL_LABEL}\n\n", *quotes]

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 
-from .caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, QUESTION_MEMO_SIZE, register
+from .caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, POINTED_MEMO_SIZE, QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, score_messages, words_terms
 from .semantic import VECTORS, Embed, embed_pieces, similarities
@@ -38,6 +38,9 @@ __all__ = [
     "pointed_words",
     "spread_scores",
     "passage_texts",
+    "passage_quote",
+    "recall_passages",
+    "cuttable",
 ]
 
 CUT_MARK = "[… {n} tokens cut by contextwarden …]"
@@ -53,6 +56,8 @@ EXCERPT_KEEP_SHARE = 0.5
 # ... and while one of its chunks scores at least this share of the best chunk's (a passage that
 # clearly matches best is never left out; near-ties, common in chats of made-up words, carry).
 BEST_PASSAGE_SHARE = 0.75
+# A recall block quotes the passages of a long message that score at least this share of its best.
+RECALL_PASSAGE_SHARE = 0.5
 POINTED_SHARE = 0.25  # a question word held by more of the chunks than this says nothing of what it needs
 _CHUNK_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, context_messages=0, recency=0.0, pair_share=0.0, pair_back=0.0)
 _SPLIT_AT = (". ", "? ", "! ", "; ", ", ", " ")
@@ -357,6 +362,24 @@ def _question_words(question: str) -> tuple[tuple[tuple[str, tuple[str, ...]], .
 register("excerpt._question_words", _question_words.cache_clear)
 
 
+def _pointed_scores(text: str, question: str) -> tuple[tuple[str, ...], list[float]]:
+    """The chunks of `text` and their `chunk_scores` for the question's `pointed_words`: what
+    a carried excerpt is judged by and a recall block quotes passages by (one turn asks both,
+    and its second pass again: the last few are kept, texts of `CHUNK_CACHE_MAX_CHARS` at most)."""
+    if len(text) > CHUNK_CACHE_MAX_CHARS:
+        return _scored(text, question)
+    return _cached_scored(text, question)
+
+
+def _scored(text: str, question: str) -> tuple[tuple[str, ...], list[float]]:
+    chunks, held = _chunked(text)
+    return chunks, chunk_scores(chunks, _pointed(held, question))
+
+
+_cached_scored = functools.lru_cache(maxsize=POINTED_MEMO_SIZE)(_scored)
+register("excerpt._cached_scored", _cached_scored.cache_clear)
+
+
 def fresh_share(
     message: Message, kept: Sequence[int], question: str, tokens: int, counter: TokenCounter, model: str | None
 ) -> float:
@@ -375,8 +398,7 @@ def fresh_share(
     slot = _text_slot(message)
     if slot is None:
         return 1.0
-    chunks, held = _chunked(slot[0])
-    scores = chunk_scores(chunks, _pointed(held, question))
+    chunks, scores = _pointed_scores(slot[0], question)
     fresh = _choose(chunks, scores, tokens, counter, model)
     best = sum(scores[k] for k in fresh)
     if best <= 0:
@@ -385,6 +407,55 @@ def fresh_share(
     if max((scores[k] for k in kept), default=0.0) < BEST_PASSAGE_SHARE * max(scores):
         return 0.0
     return sum(scores[k] for k in kept) / best
+
+
+def passage_quote(message: Message, chunks: Sequence[int], counter: TokenCounter, model: str | None) -> str | None:
+    """What a recall block quotes of `message`'s passages `chunks`: those chunks in their order,
+    each stretch between them marked as cut (as in an excerpt), the same bytes every turn; None
+    when the message has no text to cut or a chunk number is not one of its chunks.
+
+    Example:
+        >>> from contextwarden.tokens import TokenCounter
+        >>> doc = {"role": "user", "content": "\\n\\n".join(f"Part {n}. " + "Filler text. " * 40 for n in range(3))}
+        >>> quote = passage_quote(doc, [1], TokenCounter(), None)
+        >>> quote.startswith("[… ") and "Part 1." in quote and "Part 2." not in quote
+        True
+    """
+    slot = _text_slot(message)
+    if slot is None:
+        return None
+    pieces, _ = _chunked(slot[0])
+    if not chunks or any(not 0 <= k < len(pieces) for k in chunks):
+        return None
+    return excerpt_text(pieces, sorted(chunks), counter, model)[0]
+
+
+def recall_passages(
+    message: Message,
+    question: str,
+    room: int,
+    sent: Collection[int],
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[int, ...]:
+    """The passages of `message` a recall block quotes for `question`: chunks not `sent` already
+    (in its excerpt or an earlier block) scoring at least `RECALL_PASSAGE_SHARE` of its best for
+    the question's `pointed_words` (the scores `fresh_share` judges a carried excerpt by), best
+    first while they fit `room` tokens with their marks; ascending.
+
+    Example:
+        >>> from contextwarden.tokens import TokenCounter
+        >>> doc = {"role": "user", "content": "\\n\\n".join(f"Part {n}. " + "Filler text. " * 40 for n in range(6))}
+        >>> recall_passages(doc, "What does part 4 say?", 400, (), TokenCounter(), None)
+        (4,)
+    """
+    slot = _text_slot(message)
+    if slot is None:
+        return ()
+    chunks, scores = _pointed_scores(slot[0], question)
+    floor = RECALL_PASSAGE_SHARE * max(scores, default=0.0)
+    wanted = [s if s >= floor and k not in sent else 0.0 for k, s in enumerate(scores)]
+    return tuple(_choose(chunks, wanted, room, counter, model))
 
 
 def excerpt_turns(
@@ -417,7 +488,7 @@ def excerpt_turns(
         indices = turn.indices
         if turn.units[0].kind != "user" or not _disjoint(keep, indices):
             continue
-        large = [i for i in indices if costs[i] >= MIN_EXCERPT_TOKENS and _cuttable(messages[i])]
+        large = [i for i in indices if costs[i] >= MIN_EXCERPT_TOKENS and cuttable(messages[i])]
         if large and sum(costs[i] for i in indices if i not in large) < room:
             candidates.append((indices, large))
     if not candidates:
@@ -447,7 +518,7 @@ def excerpt_turns(
     return added, excerpts
 
 
-def _cuttable(message: Message) -> bool:
+def cuttable(message: Message) -> bool:
     """The message has a text of at least one chunk to cut."""
     slot = _text_slot(message)
     return slot is not None and len(slot[0]) >= CHUNK_CHARS

@@ -64,7 +64,8 @@ RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
 Strategy = Literal["relevance", "recent"]
 STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
 DEFAULT_STRATEGY: Strategy = "relevance"
-DECISION_FORMAT = 1
+DECISION_FORMAT = 2  # 2: a recall block may quote passages (`Recall.parts`); 1 is read as well
+_READ_FORMATS = (1, DECISION_FORMAT)
 # Value per cost ** 0.25: relevance scores are already length-normalised (BM25's b), so
 # dividing by the whole cost would penalise long messages twice. Measured in bench/quality.py
 # on both dev shapes (all evidence kept at 2k / 8k): 0.5 gave LoCoMo 0.754 / 0.858 and the
@@ -99,24 +100,44 @@ class Recall:
     was made for). The next turn sends it again, rebuilt from the same messages, while they are
     still there: the prompt then only grows at its end. `acked`: an assistant `SUMMARY_ACK` followed
     it (False in decisions written before: that block is sent again with one, so the prompt differs
-    from the previous one from that block on, once, and roles alternate from then on)."""
+    from the previous one from that block on, once, and roles alternate from then on). `parts`:
+    per quoted message, the chunk numbers (`excerpt.split_chunks`) of the passages it quotes, or
+    () for the whole message; empty when every message is quoted whole.
+
+    Example:
+        >>> r = Recall(9, (1, 4), ("a" * 16, "b" * 16), parts=((), (2, 5)))
+        >>> Recall.from_list(r.to_list()) == r, r.to_list()[4]
+        (True, [[], [2, 5]])
+    """
 
     anchor: int
     at: tuple[int, ...]
     kept: tuple[str, ...]
     acked: bool = True
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parts and not any(self.parts):
+            object.__setattr__(self, "parts", ())  # all whole: the short form
+
+    def passages(self, k: int) -> tuple[int, ...]:
+        """The chunk numbers quoted of the `k`-th quoted message; () when it goes whole."""
+        return self.parts[k] if self.parts else ()
 
     def to_list(self) -> list[object]:
-        """Its JSON form `[anchor, [positions], [fingerprints], 1]` (the 1: acknowledged)."""
-        return [self.anchor, list(self.at), list(self.kept), *([1] if self.acked else [])]
+        """Its JSON form `[anchor, [positions], [fingerprints], 1, [[chunks], ...]]` (the 1:
+        acknowledged; the chunk lists only when a message is quoted by passages)."""
+        tail = [[list(p) for p in self.parts]] if self.parts else []
+        return [self.anchor, list(self.at), list(self.kept), *([1] if self.acked or tail else []), *tail]
 
     @classmethod
     def from_list(cls, value: object) -> Recall | None:
-        """From its JSON form (see `to_list`; without the last item before the acknowledgement);
-        None when it is not one."""
+        """From its JSON form (see `to_list`; without the last items before the acknowledgement
+        and passages); None when it is not one."""
         if not (
             isinstance(value, list)
-            and (len(value) == 3 or (len(value) == 4 and value[3] == 1 and type(value[3]) is int))
+            and 3 <= len(value) <= 5
+            and (len(value) == 3 or (value[3] == 1 and type(value[3]) is int))
             and type(value[0]) is int
             and isinstance(value[1], list)
             and isinstance(value[2], list)
@@ -125,13 +146,26 @@ class Recall:
         ):
             return None
         at, kept = tuple(value[1]), tuple(value[2])
+        parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
         if not (
             all(type(i) is int and 0 <= i < value[0] for i in at)
             and all(isinstance(k, str) for k in kept)
             and all(a < b for a, b in pairwise(at))
+            and parts is not None
         ):
             return None
-        return cls(value[0], at, kept, acked=len(value) == 4)
+        return cls(value[0], at, kept, acked=len(value) >= 4, parts=parts)
+
+
+def _chunk_lists(value: object, count: int) -> tuple[tuple[int, ...], ...] | None:
+    """A recall's chunk lists from JSON: one ascending list of ints a quoted message; None when not."""
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    if not all(isinstance(p, list) and all(type(k) is int and k >= 0 for k in p) for p in value):
+        return None
+    if not all(all(a < b for a, b in pairwise(p)) for p in value):
+        return None
+    return tuple(tuple(p) for p in value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +249,7 @@ class TrimDecision:
         if not isinstance(data, dict):
             raise ValueError(f"not a TrimDecision: {type(data).__name__}")
         try:
-            if data.get("v") != DECISION_FORMAT:
+            if type(data.get("v")) is not int or data["v"] not in _READ_FORMATS:
                 raise ValueError(f"unknown decision format {data.get('v')!r}")
             kept = tuple(data["kept"])
             if not all(isinstance(k, str) for k in kept):

@@ -24,7 +24,17 @@ from .conversation import (
     recall_quotes,
     system_positions,
 )
-from .excerpt import CUT_MARK, EXCERPT_KEEP_SHARE, Excerpt, excerpt_turns, fresh_share, rebuild
+from .excerpt import (
+    CUT_MARK,
+    EXCERPT_KEEP_SHARE,
+    Excerpt,
+    cuttable,
+    excerpt_turns,
+    fresh_share,
+    passage_quote,
+    rebuild,
+    recall_passages,
+)
 from .recall_index import indexed, recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, read_ahead, score_messages, wants_whole
 from .selection import (
@@ -86,6 +96,11 @@ MAX_RECALL_SHARE = 0.5
 RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
+MAX_PASSAGE_MESSAGES = 4  # long messages a recall block looks into for passages, the most relevant first
+MIN_PASSAGE_ROOM = 64  # tokens left below which a recall block looks for no further passages
+# A message costing less is recalled whole or not at all, never by passages: a person's long
+# message is not a document (REALTALK at 1k: 0.027 less evidence sent when its passages were).
+MIN_PASSAGE_TOKENS = 1_000
 # A question about the documents as a whole (a summary, an overview) in a chat that holds one (an
 # earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
 # part leaves for the large old messages, before the rest is chosen.
@@ -141,9 +156,10 @@ class TrimResult:
     is what to pass as `previous` next turn (None when nothing was dropped); `reused` tells
     that the previous turn's selection was kept and only new messages were added.
 
-    `recalled` holds the dropped input indices whose text this turn quotes in its recall
-    block (a user message and an assistant acknowledgement right before the latest user
-    message, see `trim_messages`);
+    `recalled` holds the input indices this turn's recall blocks quote (each a user message and
+    an assistant acknowledgement right before a kept user message, see `trim_messages`): dropped
+    messages, whole or by passages, and excerpted ones by passages their excerpt left out;
+    `recalled_passages` the chunk numbers quoted of those quoted by passages;
     `stable_prefix` how many leading messages of `messages` the next turn will send again
     unchanged while its selection holds: all of them, or those before this turn's recall block
     or the first shortened copy.
@@ -175,6 +191,7 @@ class TrimResult:
     excerpted: tuple[int, ...] = ()
     added: tuple[int, ...] = ()
     passages: tuple[tuple[int, int], ...] = ()
+    recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
@@ -500,7 +517,7 @@ def _reused(
     previous = options.previous
     assert previous is not None
     conversation, question = chat.conversation, chat.conversation.question
-    excerpts = _carried_excerpts(chat.messages, previous, fingerprints, mandatory, question, counter, model)
+    excerpts = _carried_excerpts(chat.messages, previous, fingerprints, mandatory, counter, model)
     sized = _sized(chat.costs, excerpts or {})
     keep = reuse_previous(
         previous,
@@ -513,22 +530,12 @@ def _reused(
     )
     if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
         return None, [], {}  # an excerpt the next prompt cannot send again as it was: select anew
-    if keep is None or not room or question is None:  # room is 0 when there is no question
+    if keep is None or question is None:  # (room is 0 when there is no question)
         return keep, [], excerpts
     base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
+    system = conversation.system_indices
     kept_blocks = _recalls_kept(
-        chat.messages,
-        previous,
-        fingerprints,
-        keep,
-        question,
-        room,
-        base,
-        max_tokens,
-        counter,
-        model,
-        conversation.system_indices,
-        chat.pools,
+        previous, fingerprints, keep, question, room, base, max_tokens, system, chat.pools, excerpts
     )
     if kept_blocks is None:  # the selection no longer leaves room for what this question needs
         return None, [], {}
@@ -584,7 +591,8 @@ def _new_selection(
         return keep, [], excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
     pool = chat.pools.of(question, conversation.system_indices)
-    block = _new_recall(chat.messages, keep, question, min(room, left), counter, model, pool)
+    sent = {i: e.chunks for i, e in excerpts.items()}
+    block = _new_recall(chat.messages, keep, question, min(room, left), counter, model, pool, sent=sent)
     return keep, [block] if block is not None else [], excerpts
 
 
@@ -639,13 +647,21 @@ def _result(
         stable_prefix=stable,
         excerpted=tuple(sorted(excerpts)),
         added=added,
-        passages=_passages(excerpts),
+        passages=_passages(excerpts, blocks),
+        recalled_passages=_recalled_passages(blocks),
     )
 
 
-def _passages(excerpts: Mapping[int, Excerpt]) -> tuple[tuple[int, int], ...]:
-    """(passages sent, passages in all) of each excerpt, in the messages' order."""
-    return tuple((len(e.chunks), e.total) for _, e in sorted(excerpts.items()))
+def _passages(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block] = ()) -> tuple[tuple[int, int], ...]:
+    """(passages sent, passages in all) of each excerpted message, in the messages' order: its
+    excerpt's and those the recall blocks quote of it."""
+    sent = _sent_chunks(excerpts, blocks)
+    return tuple((len(sent[i]), e.total) for i, e in sorted(excerpts.items()))
+
+
+def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The chunk numbers the blocks quote of each message quoted by passages, in order."""
+    return tuple((i, tuple(sorted(c))) for i, c in sorted(_sent_chunks({}, blocks).items()))
 
 
 def _documents(chat: _Counted) -> list[int]:
@@ -684,25 +700,21 @@ def _carried_excerpts(
     previous: TrimDecision,
     fingerprints: Fingerprints,
     mandatory: Collection[int],
-    question: int | None,
     counter: TokenCounter,
     model: str | None,
 ) -> dict[int, Excerpt] | None:
     """The previous turn's excerpts rebuilt (the same bytes) while their messages are where they
-    were, unchanged and not mandatory now, and they still hold `EXCERPT_KEEP_SHARE` of what
-    this question would excerpt of them; None when one does not (the selection is made anew)."""
+    were, unchanged and not mandatory now; None when one is not (the selection is made anew).
+    Whether they still hold what the question needs, with the passages a recall block adds of
+    them, is `_excerpts_serve`'s to say."""
     at = {i: k for k, i in enumerate(previous.at)}
-    text = message_text(messages[question]) if question is not None else ""
     out: dict[int, Excerpt] = {}
     for i, chunks in previous.excerpts:
         k = at.get(i)
         if k is None or i >= len(messages) or i in mandatory or fingerprints[i] != previous.kept[k]:
             return None
         excerpt = rebuild(messages[i], chunks, counter, model)
-        if (
-            excerpt is None
-            or fresh_share(messages[i], chunks, text, excerpt.tokens, counter, model) < EXCERPT_KEEP_SHARE
-        ):
+        if excerpt is None:
             return None
         out[i] = excerpt
     return out
@@ -711,16 +723,21 @@ def _carried_excerpts(
 @dataclass(frozen=True, slots=True)
 class _Block:
     """A recall block: the kept message it goes right before, the input indices it quotes, the
-    message itself, and what it costs with the acknowledgement sent after it (`_with_blocks`)."""
+    message itself, what it costs with the acknowledgement sent after it (`_with_blocks`), and
+    the passages it quotes of each message (`Recall.parts`: () a message quoted whole)."""
 
     anchor: int
     indices: tuple[int, ...]
     message: Message
     tokens: int
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    def chunks(self) -> dict[int, tuple[int, ...]]:
+        """The passages it quotes, by message (messages quoted whole left out)."""
+        return {i: p for i, p in zip(self.indices, self.parts, strict=True) if p} if self.parts else {}
 
 
 def _recalls_kept(
-    messages: Sequence[Message],
     previous: TrimDecision,
     fingerprints: Sequence[str],
     keep: Collection[int],
@@ -728,49 +745,90 @@ def _recalls_kept(
     room: int,
     base: int,
     max_tokens: int,
-    counter: TokenCounter,
-    model: str | None,
     system: Sequence[int],
     pools: _Pools,
+    excerpts: Mapping[int, Excerpt],
 ) -> list[_Block] | None:
-    """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`):
-    the earlier turns' blocks again, unchanged, and a new one for this question. When they do
-    not all fit, the newest earlier blocks give way first (the prompt stays the previous one up
-    to the first that goes); then the new block is cut to the room left. None when that would
-    hold less than half of the relevance the question wanted recalled (or an earlier block's
-    messages moved): the caller then makes a new selection."""
+    """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`,
+    with its `excerpts`): the earlier turns' blocks again, unchanged, and a new one for this
+    question. When they do not all fit, the newest earlier blocks give way first (the prompt
+    stays the previous one up to the first that goes); then the new block is cut to the room
+    left. None when that would hold less than half of the relevance the question wanted
+    recalled, an excerpt and the passages recalled of it miss what the question needs
+    (`_excerpts_serve`), or an earlier block's messages moved: the caller then selects anew.
+    With no `room` (no recall) no blocks, while the excerpts serve the question. (The chat, its
+    counter and model: the `pools`'.)"""
+    messages, counter, model = pools.messages, pools.counter, pools.model
+    if not room:
+        return [] if _excerpts_serve(messages, excerpts, (), question, counter, model) else None
     carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
     if carried is None:
         return None
     blocks = []
     for recall in carried[: MAX_RECALL_BLOCKS - 1]:
-        message = recall_message(messages, recall.at)
-        blocks.append(_Block(recall.anchor, recall.at, message, _block_tokens(messages, recall.at, counter, model)))
+        parts = {i: p for k, i in enumerate(recall.at) if (p := recall.passages(k))}
+        block = _block(messages, recall.anchor, recall.at, parts, counter, model)
+        if block is None:
+            return None
+        blocks.append(block)
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
     pool = pools.of(question, system)
     while True:
         used = set(keep).union(*(b.indices for b in blocks))
         left = max_tokens - base - sum(b.tokens for b in blocks)
-        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left)
+        sent = _sent_chunks(excerpts, blocks)
+        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left, sent=sent)
         wanted = blocks + [block] if block is not None else blocks
         if base + sum(b.tokens for b in wanted) <= max_tokens:
-            return wanted
+            return wanted if _excerpts_serve(messages, excerpts, wanted, question, counter, model) else None
         if not blocks:
             break
         blocks.pop()
     # What still fits beside the selection: enough while it holds half of what the question
     # would have recalled (its relevance); else the selection misses too much, and goes.
-    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool)
+    sent = _sent_chunks(excerpts, ())
+    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool, sent=sent)
     scores = pool.scores
     # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
     if (
         fitting is not None
         and block is not None
         and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
+        and _excerpts_serve(messages, excerpts, [fitting], question, counter, model)
     ):
         return [fitting]
     return None
+
+
+def _sent_chunks(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block]) -> dict[int, set[int]]:
+    """The chunks of each long message the prompt holds: its excerpt's and those blocks quote."""
+    sent: dict[int, set[int]] = {i: set(e.chunks) for i, e in excerpts.items()}
+    for block in blocks:
+        for i, chunks in block.chunks().items():
+            sent.setdefault(i, set()).update(chunks)
+    return sent
+
+
+def _excerpts_serve(
+    messages: Sequence[Message],
+    excerpts: Mapping[int, Excerpt],
+    blocks: Sequence[_Block],
+    question: int | None,
+    counter: TokenCounter,
+    model: str | None,
+) -> bool:
+    """Each carried excerpt, with the passages the blocks recall of it, still holds
+    `EXCERPT_KEEP_SHARE` of what a fresh excerpt of its size would hold for this question
+    (`excerpt.fresh_share`): else what the question needs of it is not sent."""
+    if not excerpts:
+        return True
+    text = message_text(messages[question]) if question is not None else ""
+    sent = _sent_chunks(excerpts, blocks)
+    return all(
+        fresh_share(messages[i], sorted(sent[i]), text, e.tokens, counter, model) >= EXCERPT_KEEP_SHARE
+        for i, e in excerpts.items()
+    )
 
 
 def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question: int) -> bool:
@@ -779,10 +837,17 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
     return question in at and previous.kept[at.index(question)] == fingerprints[question]
 
 
-def _block_tokens(messages: Sequence[Message], indices: Sequence[int], counter: TokenCounter, model: str | None) -> int:
-    """What the recall block quoting `indices` costs sent, with the acknowledgement after it
-    (`count_message` of both): its text counted from its quotes, each counted once a chat."""
-    text = counter.count_joined(recall_quotes(messages, indices), model)
+def _block_tokens(
+    messages: Sequence[Message],
+    indices: Sequence[int],
+    counter: TokenCounter,
+    model: str | None,
+    texts: Mapping[int, str] | None = None,
+) -> int:
+    """What the recall block quoting `indices` (`texts`: the passages quoted of some) costs sent,
+    with the acknowledgement after it (`count_message` of both): its text counted from its
+    quotes, each counted once a chat."""
+    text = counter.count_joined(recall_quotes(messages, indices, texts), model)
     return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
 
 
@@ -820,9 +885,46 @@ def _with_blocks(
 
 def _recall_record(blocks: Sequence[_Block], fingerprints: Sequence[str]) -> tuple[Recall, ...]:
     return tuple(
-        Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices))
+        Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices), parts=b.parts)
         for b in sorted(blocks, key=lambda b: b.anchor)
     )
+
+
+def _quote_texts(
+    messages: Sequence[Message],
+    parts: Mapping[int, Sequence[int]],
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, str] | None:
+    """The text a block quotes of each message quoted by passages (`parts`, by message); None
+    when one cannot be quoted so (its text changed: the block cannot be sent again as it was)."""
+    texts = {}
+    for i, chunks in parts.items():
+        text = passage_quote(messages[i], chunks, counter, model)
+        if text is None:
+            return None
+        texts[i] = text
+    return texts
+
+
+def _block(
+    messages: Sequence[Message],
+    anchor: int,
+    indices: Sequence[int],
+    parts: Mapping[int, Sequence[int]],
+    counter: TokenCounter,
+    model: str | None,
+    tokens: int | None = None,
+) -> _Block | None:
+    """The block quoting `indices` (the passages `parts` of some) before `anchor`, counted
+    exactly unless `tokens` is given; None when a passage cannot be quoted (`_quote_texts`)."""
+    texts = _quote_texts(messages, parts, counter, model)
+    if texts is None:
+        return None
+    if tokens is None:
+        tokens = _block_tokens(messages, indices, counter, model, texts)
+    record = tuple(tuple(parts.get(i, ())) for i in indices)
+    return _Block(anchor, tuple(indices), recall_message(messages, indices, texts), tokens, record)
 
 
 def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
@@ -926,27 +1028,70 @@ def _new_recall(
     model: str | None,
     pool: _Pool,
     fits_in: int | None = None,
+    sent: Mapping[int, Collection[int]] | None = None,
 ) -> _Block | None:
-    """The recall block for this turn: the messages not sent otherwise (`keep`) most relevant
-    to `question` (by `recall_scores`) that fit `room` tokens once quoted (block, label and the
-    acknowledgement after it included); None when nothing is relevant. A block clearly over
-    `fits_in` is not counted exactly (that would encode its text for nothing): its `tokens` are
-    then the estimate."""
+    """The recall block for this turn: first the passages the question needs of long messages
+    that do not go whole (`_recall_parts`), then the messages not sent otherwise (`keep`) most
+    relevant to `question` (by `recall_scores`), while they fit `room` tokens once quoted
+    (block, label and the acknowledgement after it included); None when nothing is relevant.
+    `sent`: the chunks of long messages the prompt already holds (their excerpts, earlier
+    blocks). A block clearly over `fits_in` is not counted exactly (that would encode its text
+    for nothing): its `tokens` are then the estimate."""
     frame = _block_tokens(messages, (), counter, model)  # the label, overheads, acknowledgement
     if room <= frame:
         return None
     scores, costs = pool.scores, pool.costs
-    chosen = choose_recall(pool.candidates, keep, scores, costs, room - frame, ordered=True)
-    estimate = frame + sum(costs[i] for i in chosen)
+    parts, spent = _recall_parts(messages, keep, question, room - frame, pool, sent or {}, counter, model)
+    taken = set(keep).union(parts)
+    chosen = sorted([*parts, *choose_recall(pool.candidates, taken, scores, costs, room - frame - spent, ordered=True)])
+    estimate = frame + spent + sum(costs[i] for i in chosen if i not in parts)
     if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
-        return _Block(question, tuple(chosen), recall_message(messages, chosen), estimate)
+        return _block(messages, question, chosen, parts, counter, model, tokens=estimate)
     while chosen:
-        tokens = _block_tokens(messages, chosen, counter, model)
-        if tokens <= room:
-            return _Block(question, tuple(chosen), recall_message(messages, chosen), tokens)
+        block = _block(messages, question, chosen, parts, counter, model)
+        if block is None:
+            return None
+        if block.tokens <= room:
+            return block
         # Quoting joined the texts into more tokens than they count apart: let the least worth go.
         chosen.remove(min(chosen, key=lambda i: (scores[i] / max(costs[i], 1) ** 0.5, i)))
     return None
+
+
+def _recall_parts(
+    messages: Sequence[Message],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    pool: _Pool,
+    sent: Mapping[int, Collection[int]],
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[dict[int, tuple[int, ...]], int]:
+    """The passages a recall block quotes (by message) and what they cost: of the long messages
+    the prompt holds only in part (`sent`) or not at all and cannot quote whole in `room`, the
+    most relevant first, each in what the ones before left (`excerpt.recall_passages`: only
+    passages near its best; measured on bench/docchat.py, half the room a message held 0.011
+    fewer answers at 4k and 0.006 fewer at 8k)."""
+    question_text = message_text(messages[question])
+    parts: dict[int, tuple[int, ...]] = {}
+    spent = 0
+    tried = 0
+    for i in pool.candidates:
+        cost = pool.costs[i]
+        if tried == MAX_PASSAGE_MESSAGES or room - spent < MIN_PASSAGE_ROOM:
+            break
+        if cost < MIN_PASSAGE_TOKENS or not (i in sent or (i not in keep and cost > room)):
+            continue
+        if not cuttable(messages[i]):
+            continue
+        tried += 1
+        chunks = recall_passages(messages[i], question_text, room - spent, sent.get(i, ()), counter, model)
+        quote = passage_quote(messages[i], chunks, counter, model) if chunks else None
+        if quote is not None:
+            parts[i] = chunks
+            spent += counter.count_text(quote, model) + TOKENS_PER_MESSAGE
+    return parts, spent
 
 
 def _fits_whole(messages: Sequence[Message], max_tokens: int, counter: TokenCounter, model: str | None) -> bool:
@@ -974,6 +1119,7 @@ def _without(
         dropped=tuple(sorted([*map(back, inner.dropped), *blocks])),
         shortened=tuple(map(back, inner.shortened)),
         recalled=tuple(map(back, inner.recalled)),
+        recalled_passages=tuple((back(i), c) for i, c in inner.recalled_passages),
         excerpted=tuple(map(back, inner.excerpted)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
     )
@@ -1040,17 +1186,13 @@ def _extend_previous(
         return None
     order = sorted(keep)
     question = next(i for i in reversed(order) if messages[i].get("role") == "user")
-    excerpts = _extended_excerpts(messages, previous, fingerprints, keep, question, counter, model)
+    excerpts = _extended_excerpts(messages, previous, fingerprints, keep, counter, model)
     if excerpts is None:
         return None
     new_cost, before, after = _extended_sizes(messages, previous, order, system, excerpts, counter, model)
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
-    blocks: list[_Block] | None = []
-    if room:
-        blocks = _recalls_kept(
-            messages, previous, fingerprints, keep, question, room, after, max_tokens, counter, model, system, pools
-        )
+    blocks = _recalls_kept(previous, fingerprints, keep, question, room, after, max_tokens, system, pools, excerpts)
     if blocks is None:
         return None
     sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
@@ -1100,7 +1242,6 @@ def _extended_excerpts(
     previous: TrimDecision,
     fingerprints: Fingerprints,
     keep: set[int],
-    question: int,
     counter: TokenCounter,
     model: str | None,
 ) -> dict[int, Excerpt] | None:
@@ -1112,7 +1253,7 @@ def _extended_excerpts(
     start = window_start(previous, messages)
     if start is None or any(i >= start or i not in keep for i, _ in previous.excerpts):
         return None
-    return _carried_excerpts(messages, previous, fingerprints, (), question, counter, model)
+    return _carried_excerpts(messages, previous, fingerprints, (), counter, model)
 
 
 def _reused_result(
@@ -1148,7 +1289,8 @@ def _reused_result(
         recalled=_recalled(blocks),
         stable_prefix=placed[0],
         added=placed[1],
-        passages=_passages(excerpts),
+        passages=_passages(excerpts, blocks),
+        recalled_passages=_recalled_passages(blocks),
     )
 
 
