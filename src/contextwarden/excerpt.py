@@ -208,7 +208,9 @@ def excerpt_text(
     chunks: Sequence[str], kept: Sequence[int], counter: TokenCounter, model: str | None
 ) -> tuple[str, int]:
     """The kept chunks in their order, each stretch left out as one `CUT_MARK` line naming its
-    tokens; and the tokens cut in all."""
+    tokens (its chunks' counts added: each chunk is counted once a chat, where counting the
+    stretch joined would encode most of a long text again for every new cut); and the tokens
+    cut in all."""
     out: list[str] = []
     cut_total = 0
     wanted = set(kept)
@@ -221,7 +223,7 @@ def excerpt_text(
         stop = k
         while stop < len(chunks) and stop not in wanted:
             stop += 1
-        cut = counter.count_text("".join(chunks[k:stop]), model)
+        cut = sum(counter.count_text(c, model) for c in chunks[k:stop])
         cut_total += cut
         lead = "\n" if out and not out[-1].endswith("\n") else ""
         out.append(lead + CUT_MARK.format(n=f"{cut:,}") + ("\n" if stop < len(chunks) else ""))
@@ -437,25 +439,27 @@ def recall_passages(
     sent: Collection[int],
     counter: TokenCounter,
     model: str | None,
-) -> tuple[int, ...]:
+) -> tuple[tuple[int, ...], int]:
     """The passages of `message` a recall block quotes for `question`: chunks not `sent` already
     (in its excerpt or an earlier block) scoring at least `RECALL_PASSAGE_SHARE` of its best for
     the question's `pointed_words` (the scores `fresh_share` judges a carried excerpt by), best
-    first while they fit `room` tokens with their marks; ascending.
+    first while they fit `room` tokens with their marks; ascending, and what they cost so.
 
     Example:
         >>> from contextwarden.tokens import TokenCounter
         >>> doc = {"role": "user", "content": "\\n\\n".join(f"Part {n}. " + "Filler text. " * 40 for n in range(6))}
-        >>> recall_passages(doc, "What does part 4 say?", 400, (), TokenCounter(), None)
+        >>> recall_passages(doc, "What does part 4 say?", 400, (), TokenCounter(), None)[0]
         (4,)
     """
     slot = _text_slot(message)
     if slot is None:
-        return ()
+        return (), 0
     chunks, scores = _pointed_scores(slot[0], question)
     floor = RECALL_PASSAGE_SHARE * max(scores, default=0.0)
     wanted = [s if s >= floor and k not in sent else 0.0 for k, s in enumerate(scores)]
-    return tuple(_choose(chunks, wanted, room, counter, model))
+    chosen = _choose(chunks, wanted, room, counter, model)
+    mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
+    return tuple(chosen), sum(counter.count_text(chunks[k], model) + mark for k in chosen) + mark
 
 
 def excerpt_turns(

@@ -96,7 +96,8 @@ MAX_RECALL_SHARE = 0.5
 RECALL_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
-MAX_PASSAGE_MESSAGES = 4  # long messages a recall block looks into for passages, the most relevant first
+MAX_PASSAGE_MESSAGES = 4  # long messages a recall block looks into for passages, the most relevant first,
+MAX_DROPPED_PASSAGE_MESSAGES = 1  # ... of them not in the prompt at all (each is scored anew every turn)
 MIN_PASSAGE_ROOM = 64  # tokens left below which a recall block looks for no further passages
 # A message costing less is recalled whole or not at all, never by passages: a person's long
 # message is not a document (REALTALK at 1k: 0.027 less evidence sent when its passages were).
@@ -1076,21 +1077,21 @@ def _recall_parts(
     question_text = message_text(messages[question])
     parts: dict[int, tuple[int, ...]] = {}
     spent = 0
-    tried = 0
+    tried = [0, 0]  # long messages looked into: in part in the prompt, not in it
     for i in pool.candidates:
         cost = pool.costs[i]
-        if tried == MAX_PASSAGE_MESSAGES or room - spent < MIN_PASSAGE_ROOM:
+        if tried[0] == MAX_PASSAGE_MESSAGES or room - spent < MIN_PASSAGE_ROOM:
             break
         if cost < MIN_PASSAGE_TOKENS or not (i in sent or (i not in keep and cost > room)):
             continue
-        if not cuttable(messages[i]):
+        if (i not in sent and tried[1] == MAX_DROPPED_PASSAGE_MESSAGES) or not cuttable(messages[i]):
             continue
-        tried += 1
-        chunks = recall_passages(messages[i], question_text, room - spent, sent.get(i, ()), counter, model)
-        quote = passage_quote(messages[i], chunks, counter, model) if chunks else None
-        if quote is not None:
+        tried[0] += 1
+        tried[1] += i not in sent
+        chunks, cost = recall_passages(messages[i], question_text, room - spent, sent.get(i, ()), counter, model)
+        if chunks:  # (its cost as `_choose` counts it: the block is counted exactly once made)
             parts[i] = chunks
-            spent += counter.count_text(quote, model) + TOKENS_PER_MESSAGE
+            spent += cost + TOKENS_PER_MESSAGE
     return parts, spent
 
 
