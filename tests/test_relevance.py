@@ -124,6 +124,27 @@ def test_context_turns_help_a_short_follow_up():
     assert best(context, range(4)) == 0
 
 
+def test_a_long_message_before_a_short_question_does_not_outweigh_it():
+    """A person's several messages in one (REALTALK) before a short question: its many terms,
+    each at the context's weight, outweighed the question's own (-0.03 to -0.045 of all
+    evidence kept there); spread over `context_span` terms, the question's own match wins."""
+    chatter = " ".join(
+        f"{w}s" for w in "harbour lantern copper meadow orchard granite summit canvas pilgrim saddle".split()
+    )
+    filler = " ".join(f"word{k}" for k in range(50))
+    chat = [
+        msg("user", "My violin is in the attic."),
+        msg("assistant", f"{chatter} all over town."),
+        msg("user", "Sure."),
+        msg("assistant", f"{chatter} {filler}"),
+        msg("user", "Where is the violin?"),
+    ]
+    weights = dataclasses.replace(OFF, context_weight=0.25)
+    assert best(score_messages(chat, question=4, weights=weights), range(3)) == 0
+    unbounded = dataclasses.replace(weights, context_span=10**6)  # as before: every context term in full
+    assert best(score_messages(chat, question=4, weights=unbounded), range(3)) == 1
+
+
 def test_recency_breaks_ties_toward_newer_and_excluded_score_zero():
     chat = [
         msg("system", "be nice"),

@@ -104,13 +104,15 @@ class RelevanceWeights:
     """How the signals are mixed; the defaults are what `bench/quality.py` measured best.
 
     `context_weight` weighs the `context_messages` messages before the question against the
-    question itself (1.0). `pair_share` is the share of a user message's score its reply
-    inherits (and `pair_back` the share a question gets from its reply); `neighbour_share` the
+    question itself (1.0), in full while they hold at most `context_span` distinct terms and in
+    proportion beyond (a long message's many terms would outweigh a short question's own).
+    `pair_share` is the share of a user message's score its reply inherits (and `pair_back`
+    the share a question gets from its reply); `neighbour_share` the
     share of the best adjacent message's score; `header_share` the share of the best score in
     the `header_reach` messages after a short date-carrying message; `recency` a bonus rising
     linearly to this share of the top score for the newest message. `semantic_share` is the
     embedder's share of the base signal when similarities are given. `turn_share` is used
-    where whole turns are chosen (`selection.choose_indices`): a turn also gets this share of
+    by the selection (`selection.choose_indices`): each message of a turn also gets this share of
     the best message score in an adjacent turn, in full while the two turns average at most
     `turn_reach` tokens and in proportion beyond (a long turn carries its own context).
     """
@@ -119,6 +121,7 @@ class RelevanceWeights:
     b: float = 0.75
     context_messages: int = 2
     context_weight: float = 0.25
+    context_span: int = 12
     pair_share: float = 0.3
     pair_back: float = 0.15
     neighbour_share: float = 0.25
@@ -395,6 +398,13 @@ def _query_weights(stats: Sequence[_TermStats], question: int, weights: Relevanc
     distinct = stats[question].distinct
     context_weight = weights.context_weight / max(1, distinct) if distinct <= RECALL_CONTEXT_TERMS else 0.0
     start = max(0, question - weights.context_messages) if context_weight else question
+    # A long message before the question (a person's several messages in one, an LLM's answer)
+    # holds many terms: shared in full, they would outweigh the question's own few. REALTALK
+    # (bench/knobs.py): the two messages before it, 24-130 terms, cost -0.03 to -0.045 of all
+    # evidence kept at every budget; LoCoMo's (6-21 terms) about nothing either way.
+    span = sum(stats[i].distinct for i in range(start, question))
+    if span > weights.context_span:
+        context_weight *= weights.context_span / span
     for index in range(start, question):
         query.update(dict.fromkeys(stats[index].once, context_weight))
         query.update(dict.fromkeys(stats[index].more, context_weight))
