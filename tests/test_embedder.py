@@ -9,7 +9,7 @@ import pytest
 
 import contextwarden.embedder as embedder_module
 from contextwarden import trim_messages
-from contextwarden.embedder import EmbedderResting, OpenWebUIEmbedder, embedder_of
+from contextwarden.embedder import TURN_EMBED_TEXTS, EmbedderResting, OpenWebUIEmbedder, embedder_of
 from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
 
 from embedders import chat_about_a_cat, topic_embed
@@ -143,37 +143,64 @@ def cat_body() -> dict:
     }
 
 
-async def inlet_with(counter, function, **valves) -> dict:
+async def next_turn_with(counter, function, monkeypatch, wait: float = 0.1, **valves) -> tuple[list, dict]:
+    """A chat as Open WebUI runs it: a first turn (a chat this process has not seen), its reply
+    through the outlet (which starts embedding the chat), `wait` seconds, then the next turn.
+    The `embed` each trim was given (None: by words), and the next turn's body."""
+    import contextwarden.filter as filter_module
     from contextwarden import Filter
 
+    embeds: list = []
+    real = filter_module.trim_messages
+    monkeypatch.setattr(filter_module, "trim_messages", lambda *a, **k: embeds.append(k["embed"]) or real(*a, **k))
     f = Filter(counter=counter)
-    f.valves = f.Valves(max_context_tokens=1_174, reserve_output_tokens=1_024, low_watermark=1.0, **valves)
-    body = cat_body()
-    return await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __request__=request_with(function))
+    f.valves = f.Valves(
+        max_context_tokens=1_174, reserve_output_tokens=1_024, openrouter_pricing=False, low_watermark=1.0, **valves
+    )
+    request = request_with(function)
+
+    async def turn(messages: list[dict]) -> dict:
+        body = {**cat_body(), "messages": messages, "metadata": {"chat_id": "cat", "user_id": "u1"}}
+        return await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __request__=request)
+
+    chat = chat_about_a_cat()
+    await turn(chat)
+    chat.append({"role": "assistant", "content": "I cannot tell, sorry."})
+    await f.outlet({"model": "gpt-4o", "messages": chat}, __user__={"id": "u1"}, __request__=request)
+    await asyncio.sleep(wait)
+    later = await turn([*chat, {"role": "user", "content": "Think again: what was my feline called?"}])
+    return embeds, later
 
 
 def sends_the_cat(body: dict) -> bool:
     return any("named Miso" in str(m.get("content")) for m in body["messages"])
 
 
-async def test_the_filter_uses_open_webuis_embedder(counter):
+async def test_the_filter_uses_open_webuis_embedder(counter, monkeypatch):
+    """Issue 30: the first turn of a chat this process has not seen asks the embedder nothing
+    and is trimmed by words (a 64-text call on a CPU embedder ran through the reply: +1.25 s in
+    the browser); the outlet embeds the chat after the reply; the next turn asks only for its
+    own question and weighs meaning."""
     function = FakeEmbeddingFunction()
     # the turn's wait (0.1 s by default) is for this test's loaded machine a race: 5 s here
-    assert sends_the_cat(await inlet_with(counter, function, embed_timeout_seconds=5))
-    assert function.calls  # asked once for the chat's messages, newest first
-    assert not sends_the_cat(await inlet_with(counter, None))  # no embedder loaded: word matching
+    embeds, later = await next_turn_with(counter, function, monkeypatch, embed_timeout_seconds=5)
+    assert embeds[0] is None and embeds[-1] is not None and sends_the_cat(later)
+    asked, *after = function.calls  # the outlet's call, the whole chat newest first; then the question's
+    assert any("Miso" in text for text in asked) and after and all(len(c) <= TURN_EMBED_TEXTS for c in after)
+    embeds, _ = await next_turn_with(counter, None, monkeypatch)
+    assert embeds == [None, None]  # no embedder loaded: word matching
 
 
-async def test_the_embedder_valve_turns_it_off(counter):
+async def test_the_embedder_valve_turns_it_off(counter, monkeypatch):
     function = FakeEmbeddingFunction()
-    assert not sends_the_cat(await inlet_with(counter, function, semantic_relevance=False))
-    assert function.calls == []
+    embeds, _ = await next_turn_with(counter, function, monkeypatch, semantic_relevance=False)
+    assert embeds == [None, None] and function.calls == []
 
 
-async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, caplog):
-    function = FakeEmbeddingFunction(delay=5)
-    body = await inlet_with(counter, function, embed_timeout_seconds=0.05)
-    assert not sends_the_cat(body) and len(body["messages"]) < len(chat_about_a_cat())
+async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, caplog, monkeypatch):
+    function = FakeEmbeddingFunction(delay=5)  # the outlet's call is still running at the next turn
+    embeds, _ = await next_turn_with(counter, function, monkeypatch, wait=0.01, embed_timeout_seconds=0.05)
+    assert embeds == [None, None]
     warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
     assert warnings == ["contextwarden: embedder: not ready in time; relevance is lexical this turn"]
 
@@ -257,6 +284,9 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
         {"role": "assistant", "content": "More rain, I think."},
         {"role": "user", "content": "What was my feline called?"},
     ]
+    request = request_with(function)  # the reply went through the outlet, which embedded the chat
+    await f.outlet({"model": "gpt-4o", "messages": later[:-1]}, __user__={"id": "u1"}, __request__=request)
+    await asyncio.sleep(0.1)
     import contextwarden.filter as filter_module
 
     trims = []

@@ -7,13 +7,14 @@ embeds what is not cached yet (`semantic.embed_texts`: every message newest firs
 in its pieces; then the one-liners together with the one before them), at most `max_texts`
 texts, into the process's `VECTORS`, waiting `timeout` seconds at most (0.1 by default): the
 call itself runs on in the background (bounded by `EMBED_CALL_SECONDS`) and its vectors land
-whenever it ends. After each reply the filter starts the next call at once (`ahead`), so the
-next turn finds its chat embedded. The trim then only looks vectors up: when some messages' are
-still missing (a long chat seen for the first time, a slow or failing embedder), that turn's
-relevance is lexical and later turns fill in the rest. A call that fails or outlives
-`EMBED_CALL_SECONDS` makes the embedder rest (`BACKOFF_FIRST_SECONDS`, doubling up to
-`BACKOFF_MAX_SECONDS`), as the summary endpoint does: no turn waits for it meanwhile. Vectors
-are normalised off the event loop.
+whenever it ends. On the user's path a turn asks only for its own newest texts
+(`TURN_EMBED_TEXTS`); after each reply the filter starts the call for the rest of the chat
+(`ahead`, up to `max_texts`), so the next turn finds its chat embedded. The trim then only
+looks vectors up: when some messages' are still missing (a long chat seen for the first time,
+a slow or failing embedder), that turn's relevance is lexical and later turns fill in the rest.
+A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
+(`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
+no turn waits for it meanwhile. Vectors are normalised off the event loop.
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ __all__ = [
     "embedder_of",
     "DEFAULT_EMBED_TIMEOUT",
     "DEFAULT_EMBED_TEXTS",
+    "TURN_EMBED_TEXTS",
 ]
 
 DEFAULT_EMBED_TIMEOUT = 0.1  # seconds a turn waits for the embedder, at most (the call goes on)
 EMBED_CALL_SECONDS = 30.0  # one call to the embedder, at most, in the background
 BACKOFF_FIRST_SECONDS = 30.0  # after a failed call no turn asks for vectors this long...
 BACKOFF_MAX_SECONDS = 600.0  # ...doubling after each further failure up to this
-DEFAULT_EMBED_TEXTS = 64  # texts embedded per turn, at most (newest first)
+DEFAULT_EMBED_TEXTS = 64  # texts embedded per call after a reply, at most (newest first)
+# Texts a turn asks for on the user's path, newest first: its question (a long one in pieces).
+# The history is embedded after replies: a 64-text call on a CPU embedder took 10-12 s at load 6
+# on 2 cores and ran through the reply beside Open WebUI (bench/browser_reply.py, +1.25 s).
+TURN_EMBED_TEXTS = 4
 MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
 register("embedder._adapters", _adapters.clear)
@@ -99,10 +105,13 @@ class OpenWebUIEmbedder:
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time.
-            self._batch = max(MIN_EMBED_BATCH, asked // 2)
+            # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time
+            # (a turn's own few texts say nothing of the batch the history's calls can take).
+            if max_texts > MIN_EMBED_BATCH:
+                self._batch = max(MIN_EMBED_BATCH, asked // 2)
             raise
-        self._batch = min(max_texts, 2 * done) if self._batch else None
+        if self._batch and max_texts > MIN_EMBED_BATCH:
+            self._batch = min(max_texts, 2 * done)
         return done
 
     def ahead(self, messages: Sequence[Message], *, max_texts: int) -> bool:

@@ -44,7 +44,7 @@ from .caches import SETTINGS_MEMO_SIZE
 from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message
-from .embedder import EmbedderResting, OpenWebUIEmbedder, embedder_of
+from .embedder import TURN_EMBED_TEXTS, EmbedderResting, OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError, TurnRefused
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .ledger import record_reply
@@ -838,7 +838,9 @@ class Filter:
     ) -> TrimResult:
         """`retrim(budget)`, with the embedder's vectors when there is one: a new selection weighs
         meaning, and so does the recall of a turn that keeps the previous selection. A chat
-        trimmed before is embedded first and trimmed once; another only once it drops messages.
+        trimmed before asks for its question's vector first (its history was embedded after the
+        replies) and is trimmed once; a chat this process sees for the first time is trimmed by
+        words, and embedded after the reply (the outlet's `ahead`), never on the user's path.
         A next turn this process can carry (`carry`) is trimmed on the loop: its cost is what is
         new, less than the hop to the thread would cost."""
         ready = embedder is not None and previous is not None and await self._embed_ahead(embedder, base, settings)
@@ -848,11 +850,7 @@ class Filter:
             if carried is not None:
                 return carried
         result: TrimResult = await compute(off, retrim, budget, embed)
-        if embedder is None or previous is not None or not result.dropped:
-            return result
-        if not await self._embed_ahead(embedder, base, settings):
-            return result
-        return await compute(off, retrim, budget, embedder)
+        return result
 
     async def _summarized(
         self,
@@ -888,17 +886,17 @@ class Filter:
         return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
 
     async def _embed_ahead(self, embedder: OpenWebUIEmbedder, messages: list[Message], settings: Settings) -> bool:
-        """Fetch this chat's missing vectors from Open WebUI's embedder, within the turn's limits.
+        """Fetch the turn's missing vectors (its newest texts, `TURN_EMBED_TEXTS`) from Open
+        WebUI's embedder, within the turn's wait.
 
         True when the embedder answered (the trim may use it); a failure is logged once a kind
         and the turn's relevance stays lexical. With no time left (`embed_timeout_seconds` 0: a
         later pass of a turn whose first pass waited) what is missing is only asked for."""
+        texts = min(settings.embed_max_texts, TURN_EMBED_TEXTS)
         if settings.embed_timeout_seconds <= 0:
-            return not embedder.ahead(messages, max_texts=settings.embed_max_texts)
+            return not embedder.ahead(messages, max_texts=texts)
         try:
-            await embedder.prefetch(
-                messages, timeout=settings.embed_timeout_seconds, max_texts=settings.embed_max_texts
-            )
+            await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=texts)
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
             reason = "embedder: " + (
                 "not ready in time"
