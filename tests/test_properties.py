@@ -708,6 +708,10 @@ def report_over_budget():
     texts=st.lists(st.one_of(short_text, sized_text()), min_size=1, max_size=6),
     allowed=st.sets(st.sampled_from(FLAG_NAMES)),
 )
+# Found by this test: removing every flag moved a fence, so the fingerprint fell back to the text
+# as written, which differs by the flags a partial strip had already removed.
+@example(texts=["!budget=100 !keep=2 ```\n ```\n !budget=100 !keep=2 ```\n ```\n "], allowed={"budget"})
+@example(texts=["!+pin !-pin ```\n !+pin !-pin ```\n !+pin !-pin ```\n !+pin !-pin ```\n "], allowed={"+pin"})
 def test_flags_never_break_and_pins_survive_stripping(texts, allowed):
     """Any text (hostile fragments included): flags are read without error or mutation, nothing
     but flag text is removed, and a message's pin fingerprint is the same stripped or not."""

@@ -369,11 +369,29 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
 
 
 def pin_fingerprint(message: Message) -> str:
-    """A short hash naming a message by its text with every well-formed flag removed.
+    """A short hash naming a message by its words, less every word that is a well-formed flag.
 
     Stable whether or not the flags were stripped and whichever flags are allowed, so a pin
-    made on one turn finds its message on later turns.
+    made on one turn finds its message on later turns: stripping removes only flag words and
+    whitespace, so the words left are the same. Not `_strip` with every flag allowed: that
+    leaves a text as written when removing its flags would move code (a flag before a fence),
+    and what it left then depended on which flags an earlier strip had taken out.
+
+    Example:
+        >>> text = "!budget=100 !keep=2 ```\\n ```\\n !budget=100 !keep=2 ```\\n ```"
+        >>> sent = read_flags([{"role": "user", "content": text}], allowed={"budget"}).messages[0]
+        >>> sent["content"][:8], pin_fingerprint(sent) == pin_fingerprint({"role": "user", "content": text})
+        ('!keep=2 ', True)
     """
-    text = " ".join(_strip(message_text(message), FLAG_NAMES)[0].split())
-    data = f"{message.get('role')}\0{text}".encode("utf-8", "surrogatepass")
+    text = message_text(message)
+    words = text.split()
+    if _may_hold_flags(text):
+        words = [w for w in words if not _flag_word(w)]
+    data = f"{message.get('role')}\0{' '.join(words)}".encode("utf-8", "surrogatepass")
     return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def _flag_word(word: str) -> bool:
+    """Whether one whitespace-delimited word is a well-formed flag (in code or not)."""
+    match = _FLAG_TOKEN.fullmatch(word) if word.startswith("!") else None
+    return match is not None and _valid(match.group(1))
