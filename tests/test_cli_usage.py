@@ -80,8 +80,8 @@ def test_table_by_model(seeded, capsys):
     assert next(line for line in lines if line.startswith("llama3.1:8b")).split()[4] == "0"  # priced at 0: free
     assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.016", "1", "0"]
     assert lines[len(table) :] == [
-        "1 replies had no known price: their tokens are counted, their cost is not (≥, unknown)",
-        "1 replies were estimated (the backend sent no usage)",
+        "1 reply had no known price: its tokens are counted, its cost is not (≥, unknown)",
+        "1 reply was estimated (the backend sent no usage)",
     ]
     assert "shadow" not in lines[0] and "estimates" not in out  # no savings recorded: no note, no shadow columns
 

@@ -540,7 +540,7 @@ async def test_admin_usage_command_answers_without_the_model(counter, store_valv
     assert text.startswith("### contextwarden usage · 2026-12 (UTC, to 2026-12-01 09:30)")
     assert "Today: ≥$1.75 · 3 replies." in text
     assert f"| {ann} | 2 | 501,000 | 1.75 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
-    assert "1 replies had no known price: dollar limits could not count them (token limits did)." in text
+    assert "1 reply had no known price: dollar limits could not count it (token limits did)." in text
     assert "Limits for everyone: $2.00 a day," in text and "overrides for 1 group." in text
     assert "background calls" in text
     assert "9.0000" not in text

@@ -44,6 +44,7 @@ __all__ = [
     "usage_answer",
     "usage_markdown",
     "cost_cell",
+    "replies_text",
 ]
 
 USAGE_COMMAND = "!usage"
@@ -83,6 +84,16 @@ def cost_cell(counters: dict[str, int], amount: Decimal, *, dollar: bool = False
         return "unknown"
     text = usd(amount) if dollar else format_usd(amount)
     return f"≥{text}" if unpriced else text
+
+
+def replies_text(count: int) -> str:
+    """A count of replies as it reads in a sentence.
+
+    Example:
+        >>> replies_text(1), replies_text(1_200)
+        ('1 reply', '1,200 replies')
+    """
+    return f"{count:,} {'reply' if count == 1 else 'replies'}"
 
 
 def is_usage_command(messages: Sequence[Message]) -> bool:
@@ -186,9 +197,11 @@ def usage_markdown(
     lines = [f"### contextwarden usage · {today:%Y-%m} (UTC, to {now:%Y-%m-%d %H:%M})", ""]
     if day_rows:
         d = day_rows[0]
-        lines.append(f"Today: {cost_cell(d.counters, d.cost_usd, dollar=True)} · {d.counters['requests']:,} replies.")
+        lines.append(
+            f"Today: {cost_cell(d.counters, d.cost_usd, dollar=True)} · {replies_text(d.counters['requests'])}."
+        )
     lines += [
-        f"This month: {cost_cell(all_month, month_usd, dollar=True)} · {all_month['requests']:,} replies.",
+        f"This month: {cost_cell(all_month, month_usd, dollar=True)} · {replies_text(all_month['requests'])}.",
         "",
     ]
     if not total:
@@ -197,13 +210,15 @@ def usage_markdown(
         lines += _table(month.users, "user", MAX_USER_ROWS, names) + [""]
         lines += _table(month.models, "model", MAX_MODEL_ROWS) + [""]
     notes = []
-    if all_month["unpriced"]:
+    if unpriced := all_month["unpriced"]:
+        them = "it" if unpriced == 1 else "them"
         notes.append(
-            f"{all_month['unpriced']:,} replies had no known price: dollar limits could not count them (token limits "
-            "did)."
+            f"{replies_text(unpriced)} had no known price: dollar limits could not count {them} (token limits did)."
         )
-    if all_month["estimated"]:
-        notes.append(f"{all_month['estimated']:,} replies were estimated (the backend sent no usage).")
+    if estimated := all_month["estimated"]:
+        notes.append(
+            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated (the backend sent no usage)."
+        )
     if rules.active:
         notes.append(_limits_line(rules))
     if not shared:
@@ -229,7 +244,7 @@ def own_usage_text(limits: Limits, day: Spend, month: Spend) -> str:
             spent = (day if kind.startswith("daily") else month).tokens
             parts.append(f"{kind.split('_')[0]} tokens {spent:,} of {limits.cap(kind):,}")
     if month.unpriced:
-        parts.append(f"{month.unpriced:,} replies without a known price (not in the dollars)")
+        parts.append(f"{replies_text(month.unpriced)} without a known price (not in the dollars)")
     return " · ".join(parts) + "."
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import date
 from decimal import ROUND_CEILING, Decimal
 
-from .adminview import cost_cell
+from .adminview import cost_cell, replies_text
 from .ledger import LEDGER_FIELDS, LEDGER_MONEY_FIELDS, LedgerEntry, LedgerRow, ledger_totals, picodollars_to_usd
 from .money import format_usd, usd
 from .savings import SAVINGS_ASSUMPTION
@@ -119,13 +119,15 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
 
     rule = "  ".join("-" * w for w in widths)
     lines = [line(header), rule, *(line(b) for b in body), rule, line(footer)]
-    if total.counters["unpriced"]:
+    if unpriced := total.counters["unpriced"]:
+        their = "its" if unpriced == 1 else "their"
         lines.append(
-            f"{total.counters['unpriced']:,} replies had no known price: their tokens are counted, their cost is not "
-            "(≥, unknown)"
+            f"{replies_text(unpriced)} had no known price: {their} tokens are counted, {their} cost is not (≥, unknown)"
         )
-    if total.counters["estimated"]:
-        lines.append(f"{total.counters['estimated']:,} replies were estimated (the backend sent no usage)")
+    if estimated := total.counters["estimated"]:
+        lines.append(
+            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated (the backend sent no usage)"
+        )
     if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
         lines.append(f"~ {SAVINGS_ASSUMPTION}")
     return "\n".join(lines)
