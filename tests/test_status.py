@@ -344,3 +344,44 @@ def test_words_the_filter_did_not_write_are_not_shown(value):
     assert pending_line({PENDING_KEY: "Whole chat sent"}) is not None
     assert pending_detail({DETAIL_KEY: value if value != "Context 3 messages" else "Sent 3"}) is None
     assert pending_detail({DETAIL_KEY: "Context 3 messages · 90 tokens (fits 500)"}) is not None
+
+
+# -- a long message cut down to its cut mark --------------------------------------------------
+
+SENSOR_ROWS = "\n".join(f"row {n}: station {n % 7} reading {n * 13 % 101} units, status nominal" for n in range(200))
+TOOL_CHAT = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Fetch the sensor table."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "sensors", "arguments": "{}"}}],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": SENSOR_ROWS},
+    {"role": "assistant", "content": "Here is the table summary: 200 rows."},
+    {"role": "user", "content": "Write me a haiku about autumn leaves please."},
+]
+
+
+def test_a_document_with_no_passage_sent_is_said_to_be_left_out():
+    # Before: "Sent 6 messages, document excerpted: 0 of 19 passages", which reads as if the
+    # model saw some of it.
+    left_out = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(0, 19))
+    assert lines(left_out) == ["Sent 6 messages, document left out", "Shadow: would send 6 messages, document left out"]
+    assert detail_line(left_out, Flags()).endswith(" · document left out")
+    both = TurnChoice([{}] * 5, 9, 9_000, 400, 400, "exact", excerpted=2, passages=(0, 7))
+    assert status_line(both, Flags()) == "Sent 5 of 9 messages, 2 documents left out"
+    some = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(1, 19))
+    assert status_line(some, Flags()) == "Sent 6 messages, document excerpted: 1 of 19 passages"
+
+
+async def test_a_tool_result_cut_to_its_mark_is_told_left_out_after_the_reply(counter):
+    # An old tool result too large for what the question left: its tool call stays answered by
+    # a copy holding only the cut mark, through both passes (the request pass sees that copy).
+    f = make_filter(counter, max_context_tokens=500, reserve_output_tokens=0)
+    run = await run_turn(f, TOOL_CHAT, reply=reply_of(usage={"prompt_tokens": 300, "completion_tokens": 9}))
+    note = run.metadata["contextwarden"]
+    assert note["excerpted"] == 1 and note["passages"][0] == 0 < note["passages"][1], note
+    [line] = run.events.statuses
+    assert line.startswith("Sent 6 messages, document left out · 300 tokens in · "), line
+    assert "passages" not in line

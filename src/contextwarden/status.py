@@ -216,13 +216,19 @@ def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
 
 def excerpt_words(documents: int, passages: tuple[int, int]) -> str:
     """What a user reads when long messages went out cut: the model did not see all of them.
+    When none of their passages went (each is only its cut mark: too large for the room left),
+    the model saw none of it: `document left out`, not `0 of 2 passages`.
 
     Example:
         >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
         ('document excerpted: 3 of 24 passages', '2 documents excerpted: 7 of 41 passages')
+        >>> excerpt_words(1, (0, 2)), excerpt_words(2, (0, 41))
+        ('document left out', '2 documents left out')
     """
-    what = "document excerpted" if documents == 1 else f"{documents} documents excerpted"
     sent, total = passages
+    if total and not sent:
+        return "document left out" if documents == 1 else f"{documents:,} documents left out"
+    what = "document excerpted" if documents == 1 else f"{documents:,} documents excerpted"
     return f"{what}: {sent:,} of {total:,} passages" if total else what
 
 
