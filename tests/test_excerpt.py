@@ -10,7 +10,7 @@ import pytest
 
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL
-from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, split_chunks
+from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, rebuild, split_chunks
 from contextwarden.relevance import wants_whole
 from contextwarden.tokens import TokenCounter
 
@@ -353,3 +353,13 @@ def test_a_collapsed_tool_result_gives_the_passage_a_later_question_needs(counte
     block = second.messages[second.stable_prefix]["content"]
     assert "Valve P7 on the north pump failed its pressure test." in block
     assert block.startswith(RECALL_LABEL + "\n\ntool: [… ") and counter.count_text(block, MODEL) < 700
+
+
+def test_a_placeholder_is_rebuilt_byte_for_byte(counter):
+    """An excerpt that keeps no passage (only its cut mark) goes again next turn as it was made:
+    the mark's count is its chunks' counts added, as for any other stretch (found by the
+    property test: a rebuilt placeholder counted the text joined, 257 against 259 tokens)."""
+    message = {"role": "tool", "tool_call_id": "call_1", "content": "river ünïcode émoji " * 200}  # one line
+    made = excerpt_message(message, "What is the capital of Peru?", 40, counter, MODEL)
+    assert made is not None and made.chunks == ()
+    assert rebuild(message, (), counter, MODEL) == made

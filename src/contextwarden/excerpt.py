@@ -261,12 +261,9 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     if slot is None:
         return None
     chunks, _ = _chunked(slot[0])
-    if not kept:  # a placeholder: the mark for the whole text (as `excerpt_text` makes it, without chunking)
-        text = CUT_MARK.format(n=f"{counter.count_text(slot[0], model):,}") if slot[0] else ""
-    else:
-        if any(not 0 <= k < len(chunks) for k in kept):
-            return None
-        text, _ = excerpt_text(chunks, kept, counter, model)
+    if any(not 0 <= k < len(chunks) for k in kept):
+        return None
+    text, _ = excerpt_text(chunks, kept, counter, model)  # none kept: a placeholder, the one mark
     copy = _with_text(message, text, slot[1])
     return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)), len(chunks))
 
