@@ -108,6 +108,14 @@ def _chunked(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
     return _cached_chunk_terms(text)
 
 
+def _chunks_only(text: str) -> tuple[str, ...]:
+    """`split_chunks(text)`, from `_chunked`'s cache when it keeps the text; a longer one is cut
+    without its search terms (a quote or a rebuilt excerpt needs none, and they cost 2x the cut)."""
+    if len(text) > CHUNK_CACHE_MAX_CHARS:
+        return tuple(split_chunks(text))
+    return _cached_chunk_terms(text)[0]
+
+
 def _chunk_terms(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
     chunks = tuple(split_chunks(text))
     return chunks, tuple(held_terms(c) for c in chunks)
@@ -260,7 +268,7 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     slot = _text_slot(message)
     if slot is None:
         return None
-    chunks, _ = _chunked(slot[0])
+    chunks = _chunks_only(slot[0])
     if any(not 0 <= k < len(chunks) for k in kept):
         return None
     text, _ = excerpt_text(chunks, kept, counter, model)  # none kept: a placeholder, the one mark
@@ -423,7 +431,7 @@ def passage_quote(message: Message, chunks: Sequence[int], counter: TokenCounter
     slot = _text_slot(message)
     if slot is None:
         return None
-    pieces, _ = _chunked(slot[0])
+    pieces = _chunks_only(slot[0])
     if not chunks or any(not 0 <= k < len(pieces) for k in chunks):
         return None
     return excerpt_text(pieces, sorted(chunks), counter, model)[0]
