@@ -133,11 +133,13 @@ def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow
         line += f" · {choice.fixed_label or 'tool definitions'} fill the window"
     elif (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
         line += " · still over budget"
-    if flags.used:
-        line += " · flags " + " ".join(flags.used)
-    if flags.refused:
-        line += " · not enabled: " + " ".join(flags.refused)
-    return line
+    return line + _flag_words(flags)
+
+
+def _flag_words(flags: Flags) -> str:
+    """What the turn's flags did, for the end of a status line ("" when it had none)."""
+    used = " · flags " + " ".join(flags.used) if flags.used else ""
+    return used + (" · not enabled: " + " ".join(flags.refused) if flags.refused else "")
 
 
 def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
@@ -251,11 +253,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · still over budget"
     if choice.count_mode == "estimate":
         line += " · estimated (tokenizer not loaded)"
-    if flags.used:
-        line += " · flags " + " ".join(flags.used)
-    if flags.refused:
-        line += " · not enabled: " + " ".join(flags.refused)
-    return line
+    return line + _flag_words(flags)
 
 
 def small_window_text(model: str, tools: int, tokens: int, window: int, reserved: int, *, over: bool, need: int) -> str:
