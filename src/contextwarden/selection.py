@@ -804,11 +804,19 @@ def history_chars(messages: Sequence[Message], system: Sequence[int] | None = No
         2
     """
     try:
-        total = sum(map(len, filter(None, map(dict.get, messages, repeat("content")))))
+        total = sum(map(_content_chars, map(dict.get, messages, repeat("content"))))
         system = system_positions(messages) if system is None else system
-        return total - sum(len(messages[i].get("content") or ()) for i in system)
+        return total - sum(_content_chars(messages[i].get("content")) for i in system)
     except TypeError:  # content that is not text, parts or None
         return -1
+
+
+def _content_chars(content: object) -> int:
+    """A content's length for `history_chars`: a text's characters; for parts, their texts'
+    characters and one for each other part (their count alone would miss an edited text part)."""
+    if isinstance(content, list):
+        return sum(len(p["text"]) if isinstance(p, dict) and type(p.get("text")) is str else 1 for p in content)
+    return len(content) if content else 0  # type: ignore[arg-type]  # (no length: TypeError, -1 above)
 
 
 def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[int]) -> list[int] | None:
