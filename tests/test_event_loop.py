@@ -113,8 +113,9 @@ async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_r
 
 
 def test_a_next_turn_with_a_big_excerpted_message_stays_in_the_thread(counter):
-    """A carried excerpt is cut into chunks again every turn, in proportion to its message: a
-    next turn whose excerpted messages hold EXCERPTS_ON_LOOP_MAX_CHARS or more is not carried on the loop."""
+    """A carried excerpt is cut into chunks again every turn, in proportion to its message, and
+    so is a dropped long message the recall may quote passages of: a next turn whose excerpted
+    or dropped long messages hold EXCERPTS_ON_LOOP_MAX_CHARS or more is not carried on the loop."""
     chat = big_chat()
     decision = filter_module.trim_messages(chat, max_tokens=1_500, model=MODEL, token_counter=counter).decision
     later = grow(chat, 100)
@@ -123,7 +124,12 @@ def test_a_next_turn_with_a_big_excerpted_message_stays_in_the_thread(counter):
     with_document = [*later[:k], {**later[k], "content": "word " * (EXCERPTS_ON_LOOP_MAX_CHARS // 5)}, *later[k + 1 :]]
     excerpted = replace(decision, excerpts=((k, (0,)),))
     assert excerpted.excerpts and not filter_module._light_next_turn(with_document, excerpted)
-    assert filter_module._light_next_turn(with_document, decision)  # not excerpted: not read again
+    assert filter_module._light_next_turn(with_document, decision)  # sent whole: not read again
+    # Dropped, it may be quoted by passages: the recall cuts and scores it for every question.
+    dropped = [i for i in range(decision.seen) if i not in decision.at and later[i].get("role") != "system"]
+    k = dropped[0]
+    with_document = [*later[:k], {**later[k], "content": "word " * (EXCERPTS_ON_LOOP_MAX_CHARS // 5)}, *later[k + 1 :]]
+    assert not filter_module._light_next_turn(with_document, decision)
 
 
 async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):

@@ -85,7 +85,7 @@ from .summarize import (
     take_summary,
 )
 from .tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter, preload_encodings
-from .trim import TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
+from .trim import MIN_PASSAGE_TOKENS, TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
 from .usage import Cost, Usage, compute_cost, read_usage
 from .usergroups import GroupReader
 from .valves import MIN_BUDGET_TOKENS, MODES, Settings, UserValves, Valves, read_settings, valves_key
@@ -134,18 +134,28 @@ NEXT_TURN_ON_LOOP_MAX_MESSAGES = 1_000
 # (~27 µs per 1,000 characters: a 350k-character document 9 ms): up to this much excerpted text
 # (~3 ms) a carried turn stays on the loop.
 EXCERPTS_ON_LOOP_MAX_CHARS = 100_000
+# A message shorter than this is never quoted by passages (trim.MIN_PASSAGE_TOKENS, 4 characters
+# a token): it costs the recall nothing more than its score.
+PASSAGE_SOURCE_CHARS = 4 * MIN_PASSAGE_TOKENS
 
 
 def _light_next_turn(messages: Sequence[Message], previous: TrimDecision) -> bool:
     """A next turn that may be carried on the loop: at most NEXT_TURN_ON_LOOP_MAX_MESSAGES
-    messages, those new since `previous` with less than OFF_LOOP_MIN_CHARS of text, and its
-    excerpted messages with less than EXCERPTS_ON_LOOP_MAX_CHARS."""
-    excerpted = [messages[at] for at, _ in previous.excerpts if 0 <= at < len(messages)]
-    return (
-        len(messages) <= NEXT_TURN_ON_LOOP_MAX_MESSAGES
-        and not heavy(messages[previous.seen :])
-        and not heavy(excerpted, EXCERPTS_ON_LOOP_MAX_CHARS)
-    )
+    messages, those new since `previous` with less than OFF_LOOP_MIN_CHARS of text, and the
+    long messages its recall may read passages of (excerpted or dropped: each is cut and scored
+    for the new question) with less than EXCERPTS_ON_LOOP_MAX_CHARS."""
+    if len(messages) > NEXT_TURN_ON_LOOP_MAX_MESSAGES or heavy(messages[previous.seen :]):
+        return False
+    whole = set(previous.at).difference(at for at, _ in previous.excerpts)
+    read = [m for i, m in enumerate(messages[: previous.seen]) if i not in whole and _passage_source(m)]
+    return not heavy(read, EXCERPTS_ON_LOOP_MAX_CHARS)
+
+
+def _passage_source(message: Message) -> bool:
+    """A message the recall may quote passages of: not a system prompt, long or in parts."""
+    content = message.get("content")
+    long = isinstance(content, list) or (isinstance(content, str) and len(content) >= PASSAGE_SOURCE_CHARS)
+    return long and message.get("role") != "system"
 
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
