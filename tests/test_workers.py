@@ -302,10 +302,11 @@ def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str,
         a.call("outlet", body=body, metadata=seen["metadata"], user_id=meta["user_id"])
     meta = {"chat_id": f"chat-{unique}-b", "user_id": f"user-{unique}", "message_id": "m1"}
     request = {"model": MODEL, "messages": long_chat(30)}
-    on_b = b.call("request", body=request, metadata=meta, user_id=meta["user_id"])  # the pass that shows the line
+    on_b = b.call("request", body=request, metadata=meta, user_id=meta["user_id"])
     fresh = alone.call("request", body=request, metadata=meta, user_id=meta["user_id"])
-    assert any("calibrated ×1.3" in line for line in on_b["status"]), on_b["status"]
-    assert not any("calibrated" in line for line in fresh["status"])
+    # The turn's note (the admin's detail, logged after the reply; no status line before it).
+    assert on_b["metadata"]["contextwarden"]["calibration"] == pytest.approx(1.3, abs=0.02), on_b["metadata"]
+    assert fresh["metadata"]["contextwarden"]["calibration"] == 1.0
     assert counter.count_messages(on_b["body"]["messages"], MODEL) <= BUDGET / 1.25
     assert counter.count_messages(fresh["body"]["messages"], MODEL) > BUDGET / 1.25
 
