@@ -306,7 +306,7 @@ def excerpt_message(
         return None
     chunks = split_chunks(slot[0])
     scores = spread_scores(len(chunks)) if whole else chunk_scores(chunks, question, embed)
-    chosen = _choose(
+    chosen, _ = _choose(
         chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
     )
     while True:
@@ -323,9 +323,10 @@ def excerpt_message(
 
 def _choose(
     chunks: Sequence[str], scores: Sequence[float], room: int, counter: TokenCounter, model: str | None
-) -> list[int]:
-    """The relevant chunks (score above 0) that fit `room` best first, ascending; each counted
-    with a mark for the stretch it may leave before it (and one mark more for the end)."""
+) -> tuple[list[int], int]:
+    """The relevant chunks (score above 0) that fit `room` best first, ascending, and what they
+    cost: each counted with a mark for the stretch it may leave before it (and one mark more
+    for the end)."""
     mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
     left = room - mark
     chosen: list[int] = []
@@ -334,7 +335,7 @@ def _choose(
         if cost <= left:
             chosen.append(k)
             left -= cost
-    return sorted(chosen)
+    return sorted(chosen), room - left
 
 
 def pointed_words(chunks: Sequence[str], question: str) -> str:
@@ -406,7 +407,7 @@ def fresh_share(
     if slot is None:
         return 1.0
     chunks, scores = _pointed_scores(slot[0], question)
-    fresh = _choose(chunks, scores, tokens, counter, model)
+    fresh, _ = _choose(chunks, scores, tokens, counter, model)
     best = sum(scores[k] for k in fresh)
     if best <= 0:
         return 1.0
@@ -462,9 +463,8 @@ def recall_passages(
     chunks, scores = _pointed_scores(slot[0], question)
     floor = RECALL_PASSAGE_SHARE * max(scores, default=0.0)
     wanted = [s if s >= floor and k not in sent else 0.0 for k, s in enumerate(scores)]
-    chosen = _choose(chunks, wanted, room, counter, model)
-    mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
-    return tuple(chosen), sum(counter.count_text(chunks[k], model) + mark for k in chosen) + mark
+    chosen, cost = _choose(chunks, wanted, room, counter, model)
+    return tuple(chosen), cost
 
 
 def excerpt_turns(

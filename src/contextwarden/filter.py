@@ -859,8 +859,7 @@ class Filter:
             carried = carry(budget, embed)
             if carried is not None:
                 return carried
-        result: TrimResult = await compute(off, retrim, budget, embed)
-        return result
+        return await compute(off, retrim, budget, embed)
 
     async def _summarized(
         self,

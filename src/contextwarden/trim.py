@@ -919,7 +919,7 @@ def _block(
 ) -> _Block | None:
     """The block quoting `indices` (the passages `parts` of some) before `anchor`, counted
     exactly unless `tokens` is given; None when a passage cannot be quoted (`_quote_texts`)."""
-    texts = _quote_texts(messages, parts, counter, model)
+    texts = _quote_texts(messages, {i: parts[i] for i in indices if i in parts}, counter, model)
     if texts is None:
         return None
     if tokens is None:
