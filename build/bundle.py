@@ -64,6 +64,7 @@ MODULES = [
     "calibration",
     "cache_stats",
     "accounting",
+    "settings",
     "valves",
     "budget",
     "filter",
