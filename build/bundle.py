@@ -67,6 +67,10 @@ MODULES = [
     "settings",
     "valves",
     "budget",
+    "offloop",
+    "hookargs",
+    "trimpass",
+    "bookkeeping",
     "filter",
 ]
 # What Open WebUI itself ships besides the standard library.
