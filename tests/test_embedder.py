@@ -9,7 +9,7 @@ import pytest
 
 import contextwarden.embedder as embedder_module
 from contextwarden import trim_messages
-from contextwarden.embedder import TURN_EMBED_TEXTS, EmbedderResting, OpenWebUIEmbedder, embedder_of
+from contextwarden.embedder import TURN_EMBED_TEXTS, EmbedderResting, EmbedderSlow, OpenWebUIEmbedder, embedder_of
 from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
 
 from embedders import chat_about_a_cat, topic_embed
@@ -83,6 +83,7 @@ async def test_a_slow_embedder_times_out_and_nothing_is_cached():
 
 async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again(monkeypatch):
     monkeypatch.setattr(embedder_module, "BACKOFF_FIRST_SECONDS", 0.0)  # a failed call rests it: not here
+    monkeypatch.setattr(embedder_module, "SLOW_RECHECK_SECONDS", 0.0)  # nor does a wait that ran out
 
     class SlowAndFailing(FakeEmbeddingFunction):
         crashing = True
@@ -106,21 +107,45 @@ async def test_after_a_timeout_a_turn_asks_for_less_then_for_more_again(monkeypa
     assert await embedder.prefetch(chat, timeout=5, max_texts=32) == 8  # and is asked for more once it answers
 
 
-async def test_a_late_answer_is_kept_and_no_second_call_starts_beside_it():
+async def test_a_late_answer_is_kept_and_no_second_call_starts_beside_it(monkeypatch):
     """The embedder's thread runs on after a turn's timeout: its vectors are kept when they land,
-    and a turn meanwhile waits for that call instead of starting another beside it (on 2 CPU
-    cores each extra call slows every user)."""
+    and a turn meanwhile neither starts another call beside it (on 2 CPU cores each extra call
+    slows every user) nor waits behind it."""
+    monkeypatch.setattr(embedder_module, "SLOW_RECHECK_SECONDS", 0.3)
     function = FakeEmbeddingFunction(delay=0.3)
     embedder = OpenWebUIEmbedder(function)
     chat = chat_about_a_cat()
-    for _ in range(2):
-        with pytest.raises(TimeoutError):
-            await embedder.prefetch(chat, timeout=0.05, max_texts=8)
+    with pytest.raises(TimeoutError):
+        await embedder.prefetch(chat, timeout=0.05, max_texts=8)
+    with pytest.raises(EmbedderSlow):  # at once: a 5 s wait would have seen it land
+        await embedder.prefetch(chat, timeout=5, max_texts=8)
     assert len(function.calls) == 1
     await asyncio.sleep(0.35)
     function.delay = 0
     assert await embedder.prefetch(chat, timeout=5, max_texts=8) == 4  # halved after the timeout
     assert set(function.calls[1]).isdisjoint(function.calls[0])  # the late vectors were kept
+
+
+async def test_after_a_wait_ran_out_turns_neither_wait_nor_call_for_a_while(monkeypatch):
+    """An embedder slower than the turn's wait (MiniLM on a loaded CPU) would make every turn wait
+    its 0.1 s in vain and run the call beside the request: after one wait runs out, turns go
+    lexical at once for `SLOW_RECHECK_SECONDS`, then one turn tries again."""
+    monkeypatch.setattr(embedder_module, "SLOW_RECHECK_SECONDS", 0.3)
+    function = FakeEmbeddingFunction(delay=0.1)
+    embedder = OpenWebUIEmbedder(function)
+    chat = chat_about_a_cat()
+    with pytest.raises(TimeoutError):
+        await embedder.prefetch(chat, timeout=0.02, max_texts=4)
+    await asyncio.sleep(0.15)  # that call has landed: no call is running
+    with pytest.raises(EmbedderSlow, match="slower than the wait"):
+        await embedder.prefetch(chat, timeout=5, max_texts=4)
+    assert len(function.calls) == 1  # no call started meanwhile
+    assert embedder.ahead(chat, max_texts=8)  # after a reply the chat is still embedded
+    await asyncio.sleep(0.3)
+    function.delay = 0.0
+    chat = [*chat, {"role": "user", "content": "And the dog?"}]
+    assert await embedder.prefetch(chat, timeout=5, max_texts=4) >= 1  # tried again: quick now
+    assert any("And the dog?" in text for text in function.calls[-1])
 
 
 async def test_a_wrong_shaped_answer_is_refused():
@@ -197,12 +222,16 @@ async def test_the_embedder_valve_turns_it_off(counter, monkeypatch):
     assert embeds == [None, None] and function.calls == []
 
 
-async def test_a_slow_embedder_costs_one_timeout_and_a_lexical_turn(counter, caplog, monkeypatch):
+async def test_a_slow_embedder_costs_one_timeout_then_no_wait(counter, caplog, monkeypatch):
     function = FakeEmbeddingFunction(delay=5)  # the outlet's call is still running at the next turn
-    embeds, _ = await next_turn_with(counter, function, monkeypatch, wait=0.01, embed_timeout_seconds=0.05)
+    embeds, later = await next_turn_with(counter, function, monkeypatch, wait=0.01, embed_timeout_seconds=0.05)
     assert embeds == [None, None]
     warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
     assert warnings == ["contextwarden: embedder: not ready in time; relevance is lexical this turn"]
+    adapter = embedder_of(request_with(function))
+    with pytest.raises(EmbedderSlow):  # the turn after it does not wait (a 5 s wait would see it land)
+        await adapter.prefetch(later["messages"], timeout=5, max_texts=4)
+    assert len(function.calls) == 1  # nor does it start a call beside the running one
 
 
 async def test_a_failing_embedder_rests_and_no_turn_waits_for_it(monkeypatch):

@@ -14,7 +14,10 @@ looks vectors up: when some messages' are still missing (a long chat seen for th
 a slow or failing embedder), that turn's relevance is lexical and later turns fill in the rest.
 A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
 (`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
-no turn waits for it meanwhile. Vectors are normalised off the event loop.
+no turn waits for it meanwhile. Once a turn's wait ran out (its own call, or one still running
+from the reply before) the embedder is slow for the turn's path: for `SLOW_RECHECK_SECONDS`
+turns neither wait nor call (each would wait in vain, and its call would take the CPU from
+the request), then one turn tries again. Vectors are normalised off the event loop.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "OpenWebUIEmbedder",
     "VectorsPending",
     "EmbedderResting",
+    "EmbedderSlow",
     "embedder_of",
     "DEFAULT_EMBED_TIMEOUT",
     "DEFAULT_EMBED_TEXTS",
@@ -49,6 +53,10 @@ DEFAULT_EMBED_TEXTS = 64  # texts embedded per call after a reply, at most (newe
 # on 2 cores and ran through the reply beside Open WebUI (bench/browser_reply.py, +1.25 s).
 TURN_EMBED_TEXTS = 4
 MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
+# After a turn's call outlived its wait, turns do not wait for (nor start) a call this long.
+# MiniLM on 2 loaded CPU cores takes over 0.1 s for one question: the wait only added its 0.1 s
+# and the call ran beside the request (bench/browser_reply.py, turn 2: inlet 136 ms, lexical 23).
+SLOW_RECHECK_SECONDS = 60.0
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
 register("embedder._adapters", _adapters.clear)
 
@@ -59,6 +67,10 @@ class VectorsPending(LookupError):
 
 class EmbedderResting(RuntimeError):
     """The embedder failed lately and is not asked again before its back-off ends."""
+
+
+class EmbedderSlow(TimeoutError):
+    """The embedder is busy or lately slower than a turn's wait: this turn neither waits nor calls."""
 
 
 class OpenWebUIEmbedder:
@@ -74,6 +86,7 @@ class OpenWebUIEmbedder:
         self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
         self._failures = 0  # calls failed in a row (their back-off doubles)
         self._rest_until = 0.0  # loop time before which no call starts
+        self._slow_until = 0.0  # loop time before which no turn waits (its last wait ran out)
 
     def batch(self, max_texts: int) -> int:
         """How many texts the next turn asks for: `max_texts`, less after timeouts."""
@@ -88,15 +101,19 @@ class OpenWebUIEmbedder:
 
         One call at a time: a call that outlives a turn's `timeout` goes on, and its vectors are
         kept when it lands (the embedder's thread runs on whether awaited or not); a later turn
-        waits for it within its own timeout rather than start another beside it.
+        waits for it within its own timeout rather than start another beside it. After a wait
+        that ran out, turns raise `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS`.
         Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if loop.time() < self._slow_until:
+            raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow_until - loop.time():.0f} s")
         running = self._running
         if running is not None and not running.done() and running.get_loop() is loop:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
+                self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
                 raise TimeoutError("the previous call is still running")
         started = self._start(messages, max_texts)
         if started is None:
@@ -105,6 +122,7 @@ class OpenWebUIEmbedder:
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
+            self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time
             # (a turn's own few texts say nothing of the batch the history's calls can take).
             if max_texts > MIN_EMBED_BATCH:

@@ -33,7 +33,7 @@ from .cache_hints import (
 from .calibration import Calibration, comparable_turn, load_calibration
 from .chatstate import ChatState, chat_state_key
 from .conversation import Message
-from .embedder import TURN_EMBED_TEXTS, EmbedderResting, OpenWebUIEmbedder, embedder_of
+from .embedder import TURN_EMBED_TEXTS, EmbedderResting, EmbedderSlow, OpenWebUIEmbedder, embedder_of
 from .errors import ConfigError
 from .flags import FlagRead, Flags, pin_fingerprint, read_flags
 from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, model_context_length
@@ -619,7 +619,9 @@ class TrimPass:
             await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=texts)
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
             reason = "embedder: " + (
-                "not ready in time"
+                "busy or slower than the wait, not waited for"
+                if isinstance(exc, EmbedderSlow)
+                else "not ready in time"
                 if isinstance(exc, TimeoutError)
                 else "resting after a failed call"
                 if isinstance(exc, EmbedderResting)
