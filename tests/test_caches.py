@@ -111,7 +111,7 @@ def cache_sizes() -> dict[str, int]:
         "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,
         "word memo": sum(len(m) + len(m.several) for m in relevance._word_memos.values()),
         "question words": excerpt._question_words.cache_info().currsize,
-        "chunks": excerpt._cached_chunk_terms.cache_info().currsize,
+        "chunks": excerpt._cached_chunk_index.cache_info().currsize,
         "encodings": tokens._encoding_for_model_id.cache_info().currsize,
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),
