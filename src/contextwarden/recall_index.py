@@ -153,7 +153,8 @@ def indexed(messages: Sequence[Message], *, seen: int, weights: RelevanceWeights
 
 def _text_keys(texts: Iterable[str]) -> list[tuple[int, int]]:
     """Each text's key: its length and string hash, as the term cache keys it."""
-    return [(len(text), hash(text)) for text in texts]
+    texts = list(texts)
+    return list(zip(map(len, texts), map(hash, texts), strict=True))
 
 
 def recall_scores(
@@ -225,7 +226,8 @@ def _scores(
     # Term by term over the messages that hold it, each message's parts then summed, all in C:
     # `math.fsum` is exact, so a message's sum is the same whichever terms it lacks.
     k1_plus = k1 + 1.0
-    norms = [k1 * (1.0 - b + b * s.length / average) for s in stats]
+    # Each message's length norm, for the messages that hold a term read (most hold none).
+    norms = {i: k1 * (1.0 - b + b * stats[i].length / average) for i in set().union(*map(postings.__getitem__, terms))}
     parts: defaultdict[int, list[float]] = defaultdict(list)
     for term in terms:
         at, tfs = postings[term], index.counts[term]

@@ -29,8 +29,8 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import mul
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, mul
 
 from .caches import (
     DEFAULT_TERM_CACHE_SIZE,
@@ -523,6 +523,9 @@ def score_messages(
     return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)
 
 
+_short_date = attrgetter("short_date")
+
+
 def _mixed(
     base: list[float], stats: Sequence[_TermStats], roles: Sequence[object], skip: set[int], weights: RelevanceWeights
 ) -> list[float]:
@@ -531,25 +534,24 @@ def _mixed(
     n = len(base)
     top = max(base, default=0.0)
     scores = list(base)
+    # Each step adds to every score in C where it can, in the same order per message as one
+    # loop a step would (the sums are then the same, bit for bit).
     if weights.pair_share or weights.pair_back:
         for i in range(1, n):
             if roles[i] == "assistant" and roles[i - 1] == "user":
                 scores[i] += weights.pair_share * base[i - 1]
                 scores[i - 1] += weights.pair_back * base[i]
-    if weights.neighbour_share:
-        for i in range(n):
-            left = base[i - 1] if i > 0 else 0.0
-            right = base[i + 1] if i + 1 < n else 0.0
-            scores[i] += weights.neighbour_share * max(left, right)
+    if weights.neighbour_share and n:
+        best = map(max, [0.0, *base[:-1]], [*base[1:], 0.0])
+        scores = list(map(add, scores, map(mul, repeat(weights.neighbour_share), best)))
     if weights.header_share:
-        for i in range(n):
-            if stats[i].short_date and i not in skip:
+        for i in compress(range(n), map(_short_date, stats)):
+            if i not in skip:
                 following = base[i + 1 : i + 1 + weights.header_reach]
                 scores[i] += weights.header_share * max(following, default=0.0)
     if weights.recency and n > 1:
         bonus = weights.recency * (top or 1.0) / (n - 1)
-        for i in range(n):
-            scores[i] += bonus * i
+        scores = list(map(add, scores, map(mul, repeat(bonus), range(n))))
     for i in skip:
         if 0 <= i < n:
             scores[i] = 0.0
