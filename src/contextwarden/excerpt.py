@@ -465,7 +465,7 @@ def _pointed_query(index: _ChunkIndex, question: str) -> set[str]:
     _, wanted, several = _question_words(question)
     holders = index.holders
     limit = max(1, int(len(index.chunks) * POINTED_SHARE))
-    query = {term for term in wanted if 0 < len(holders.get(term, ())) <= limit}
+    query = {term for term in holders.keys() & wanted if len(holders[term]) <= limit}
     for terms in several:
         if any(len(holders.get(term, ())) <= limit for term in terms):
             query.update(term for term in terms if term in holders)
