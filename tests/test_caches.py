@@ -108,6 +108,7 @@ def cache_sizes() -> dict[str, int]:
         "term stats": len(relevance._term_cache._entries) + relevance._term_cache._terms,
         "fingerprints": len(selection._fingerprint_cache),
         "vectors": len(VECTORS),
+        "frequencies": len(relevance._frequency_cache._entries),
         "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,
         "word memo": sum(len(m) + len(m.several) for m in relevance._word_memos.values()),
         "question words": excerpt._question_words.cache_info().currsize,

@@ -30,6 +30,10 @@ DEFAULT_TERM_CACHE_TERMS = 1_000_000  # relevance._term_cache: and this many (te
 TERM_MEMO_SIZE = 16_384  # relevance._word_memos: a word's term, per memo (folded, plain; replaced whole when full)
 TERM_MEMO_CHARS = 40  # relevance._word_memos: longer words are not kept (nor numbers of more than three digits)
 DEFAULT_INDEX_TERMS = 250_000  # recall_index._indexes: per chat, each term's postings; (message, term) entries
+FREQUENCY_CACHE_SIZE = (
+    8  # relevance._frequency_cache: per chat, how many messages hold each term (a new selection's BM25)
+)
+FREQUENCY_CACHE_TERMS = 50_000  # relevance._frequency_cache: and this many (chat, term) counts in all (~5 MiB)
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a message's fingerprint, by its stand-in key
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
 CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_index, _passage_pieces: a long text's chunks indexed (16 MiB at most)
