@@ -55,7 +55,7 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
 import contextwarden  # noqa: E402
 from contextwarden import TrimDecision, trim_messages  # noqa: E402
-from contextwarden import trim as trim_module  # noqa: E402
+from contextwarden import carry as carry_module  # noqa: E402
 from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
 from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
 from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
@@ -430,7 +430,7 @@ def main() -> None:
     args = parser.parse_args()
     embed_model = embed_model_arg(args.embed_model)
     if args.remake:
-        trim_module._CARRY_RECALLS = False
+        carry_module._CARRY_RECALLS = False
     seed_tiktoken_cache()
     data, path = data_set(args.set, args.data)
     load_start = round(os.getloadavg()[0], 2)

@@ -40,7 +40,7 @@ def test_the_length_check_can_fail(tmp_path):
     assert long_functions(tmp_path) == ["long.py:1 f (62 lines)"]
 
 
-# The trim options whose defaults are named once (selection.py, trim.py) and used by name
+# The trim options whose defaults are named once (selection.py, trim_types.py, recall.py) and used by name
 # everywhere else: trim_messages, TrimOptions, explain_trim, the CLI, the valves.
 TRIM_OPTION_NAMES = {"strategy", "keep_last_turns", "low_watermark", "growth_turns", "recall_share"}
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message
+from contextwarden.recall import _Pools
 from contextwarden.recall_index import RECALL_CONTEXT_TERMS, recall_scores
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 from contextwarden.selection import Recall, choose_recall, recall_candidates
-from contextwarden.trim import _Pools
 
 from chats import check_contract, recall_positions
 
@@ -421,8 +421,8 @@ def test_a_decision_from_before_the_acknowledgement_still_reads(counter):
 def test_neighbour_shares_are_those_of_the_rule_message_by_message(scores, sizes, question):
     """`_with_neighbours` (in C) gives, bit for bit, each message plus `turn_share` of its better
     neighbour's score times `neighbour_reach`, the question lending and taking nothing."""
+    from contextwarden.recall import _RECALL_WEIGHTS, _with_neighbours
     from contextwarden.selection import neighbour_reach
-    from contextwarden.trim import _RECALL_WEIGHTS, _with_neighbours
 
     texts = ["x" * (4 * s) for s in sizes[: len(scores)]]
     n = len(scores)

@@ -263,6 +263,8 @@ def test_one_message_is_singular():
     assert detail_line(TurnChoice([{}], 1, 40, 40, 500, "exact"), Flags()).startswith("Context 1 message · 40 tokens")
     assert detail_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()).startswith("Context 3 → 1 message · ")
     assert status_line(TurnChoice([{}], 3, 90, 40, 500, "exact"), Flags()) == "Sent 1 of 3 messages"
+    full = TurnChoice([{}], 1, 40, 40, 500, "exact", full=True)
+    assert detail_line(full, Flags()).startswith("Context 1 message · 40 tokens (not trimmed: !full")
 
 
 def test_the_chats_own_messages_are_counted_not_the_filters():

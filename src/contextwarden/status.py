@@ -162,7 +162,7 @@ def detail_line(choice: TurnChoice, flags: Flags) -> str:
     after = len(choice.messages)
     if choice.full:
         line = (
-            f"Context {after:,} messages · {choice.tokens_after:,} tokens (not trimmed: !full; budget "
+            f"Context {_messages(after)} · {choice.tokens_after:,} tokens (not trimmed: !full; budget "
             f"{choice.budget:,})"
         )
     elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
@@ -267,6 +267,9 @@ def small_window_text(model: str, tools: int, tokens: int, window: int, reserved
 30 tool definitions Open WebUI adds to each chat take 3,214: every turn sends only the system prompt \
 and the latest message. Raise max_context_tokens to 8,000 or more, or turn off Builtin Tools in this \
 model's capabilities (Admin Panel > Settings > Models).
+        >>> "the tool definition Open WebUI adds to each chat takes 900" in small_window_text(
+        ...     "m", 1, 900, 1_000, 300, over=True, need=2_000)
+        True
     """
     left = window - reserved - tokens
     effect = (
@@ -274,10 +277,13 @@ model's capabilities (Admin Panel > Settings > Models).
         if over
         else f"{left:,} tokens are left for the chat itself"
     )
-    definitions = f"the {tools:,} tool definitions" if tools else "the tool definitions"
+    definitions = (
+        "the tool definition" if tools == 1 else f"the {tools:,} tool definitions" if tools else "the tool definitions"
+    )
     return (
         f"{model[:100]}'s window is too small for its tools: {window:,} tokens, {reserved:,} kept for the "
-        f"reply, and {definitions} Open WebUI adds to each chat take {tokens:,}: {effect}. Raise "
+        f"reply, and {definitions} Open WebUI adds to each chat {'takes' if tools == 1 else 'take'} {tokens:,}: "
+        f"{effect}. Raise "
         f"max_context_tokens to {need:,} or more, or turn off Builtin Tools in this model's capabilities "
         "(Admin Panel > Settings > Models)."
     )

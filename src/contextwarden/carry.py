@@ -1,0 +1,358 @@
+"""Carrying the previous turn's decision: its selection sent again, byte for byte, so the
+provider's prompt cache keeps hitting, plus what is new.
+
+`_reused` is the full path's (every message read and counted); `_extend_previous` the shortcut
+that reads and counts only what is sent and what is new. Both rebuild the previous turn's
+excerpts (`_carried_excerpts`) and send its recall blocks again beside a new one for this
+question, while they fit and the excerpts still serve it (`_recalls_kept`, `_excerpts_serve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+from itertools import filterfalse
+
+from .conversation import Message, message_text, system_positions
+from .excerpt import EXCERPT_KEEP_SHARE, Excerpt, fresh_share, rebuild
+from .recall import (
+    _Block,
+    _block,
+    _new_recall,
+    _passages,
+    _Pools,
+    _recall_record,
+    _recalled,
+    _recalled_passages,
+    _sent_chunks,
+    _with_blocks,
+)
+from .selection import (
+    Fingerprints,
+    TrimDecision,
+    carried_recalls,
+    extend_previous,
+    history_chars,
+    reuse_previous,
+    window_start,
+)
+from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
+from .trim_types import TrimOptions, TrimResult, _Counted, _sized
+
+__all__ = ["RECALL_KEEP_SHARE", "MAX_RECALL_BLOCKS"]
+
+# A turn keeps the previous selection while the recall block that fits beside it holds at least
+# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py,
+# before main's cost exponent 0.25: 0.5 sends the evidence a little less often, 0.79 vs 0.83 of
+# a fresh trim's at 2k, and misses the cache on 4 turns in 100 instead of 6).
+RECALL_KEEP_SHARE = 0.5
+_CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
+MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
+
+
+def _reused(
+    chat: _Counted,
+    options: TrimOptions,
+    pinned: Collection[int],
+    fingerprints: Fingerprints,
+    mandatory: set[int],
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    room: int,
+) -> tuple[set[int] | None, list[_Block], dict[int, Excerpt]]:
+    """The previous selection again, with its excerpts and recall blocks (None when it no longer
+    fits, an excerpt cannot be sent again as it was, or it leaves no room for what this question
+    needs)."""
+    previous = options.previous
+    assert previous is not None
+    conversation, question = chat.conversation, chat.conversation.question
+    excerpts = _carried_excerpts(chat.messages, previous, fingerprints, mandatory, counter, model)
+    sized = _sized(chat.costs, excerpts or {})
+    keep = reuse_previous(
+        previous,
+        fingerprints,
+        conversation,
+        sized,
+        max_tokens - TOKENS_PER_REPLY,
+        keep_last_turns=options.keep_last_turns,
+        pinned=pinned,
+    )
+    if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
+        return None, [], {}  # an excerpt the next prompt cannot send again as it was: select anew
+    if keep is None or question is None:  # (room is 0 when there is no question)
+        return keep, [], excerpts
+    base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
+    system = conversation.system_indices
+    kept_blocks = _recalls_kept(
+        previous, fingerprints, keep, question, room, base, max_tokens, system, chat.pools, excerpts
+    )
+    if kept_blocks is None:  # the selection no longer leaves room for what this question needs
+        return None, [], {}
+    return keep, kept_blocks, excerpts
+
+
+def _carried_excerpts(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    fingerprints: Fingerprints,
+    mandatory: Collection[int],
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, Excerpt] | None:
+    """The previous turn's excerpts rebuilt (the same bytes) while their messages are where they
+    were, unchanged and not mandatory now; None when one is not (the selection is made anew).
+    Whether they still hold what the question needs, with the passages a recall block adds of
+    them, is `_excerpts_serve`'s to say."""
+    at = {i: k for k, i in enumerate(previous.at)}
+    out: dict[int, Excerpt] = {}
+    for i, chunks in previous.excerpts:
+        k = at.get(i)
+        if k is None or i >= len(messages) or i in mandatory or fingerprints[i] != previous.kept[k]:
+            return None
+        excerpt = rebuild(messages[i], chunks, counter, model)
+        if excerpt is None:
+            return None
+        out[i] = excerpt
+    return out
+
+
+def _recalls_kept(
+    previous: TrimDecision,
+    fingerprints: Sequence[str],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    base: int,
+    max_tokens: int,
+    system: Sequence[int],
+    pools: _Pools,
+    excerpts: Mapping[int, Excerpt],
+) -> list[_Block] | None:
+    """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`,
+    with its `excerpts`): the earlier turns' blocks again, unchanged, and a new one for this
+    question. When they do not all fit, the newest earlier blocks give way first (the prompt
+    stays the previous one up to the first that goes); then the new block is cut to the room
+    left. None when that would hold less than half of the relevance the question wanted
+    recalled, an excerpt and the passages recalled of it miss what the question needs
+    (`_excerpts_serve`), or an earlier block's messages moved: the caller then selects anew.
+    With no `room` (no recall) no blocks, while the excerpts serve the question. (The chat, its
+    counter and model: the `pools`'.)"""
+    messages, counter, model = pools.messages, pools.counter, pools.model
+    if not room:
+        return [] if _excerpts_serve(messages, excerpts, (), question, counter, model) else None
+    carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
+    if carried is None:
+        return None
+    blocks = []
+    for recall in carried[: MAX_RECALL_BLOCKS - 1]:
+        parts = {i: p for k, i in enumerate(recall.at) if (p := recall.passages(k))}
+        block = _block(messages, recall.anchor, recall.at, parts, counter, model)
+        if block is None:
+            return None
+        blocks.append(block)
+    if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
+        return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
+    pool = pools.of(question, system)
+    while True:
+        used = set(keep).union(*(b.indices for b in blocks))
+        left = max_tokens - base - sum(b.tokens for b in blocks)
+        sent = _sent_chunks(excerpts, blocks)
+        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left, sent=sent)
+        wanted = blocks + [block] if block is not None else blocks
+        if base + sum(b.tokens for b in wanted) <= max_tokens:
+            return wanted if _excerpts_serve(messages, excerpts, wanted, question, counter, model) else None
+        if not blocks:
+            break
+        blocks.pop()
+    # What still fits beside the selection: enough while it holds half of what the question
+    # would have recalled (its relevance); else the selection misses too much, and goes.
+    sent = _sent_chunks(excerpts, ())
+    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool, sent=sent)
+    scores = pool.scores
+    # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
+    if (
+        fitting is not None
+        and block is not None
+        and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
+        and _excerpts_serve(messages, excerpts, [fitting], question, counter, model)
+    ):
+        return [fitting]
+    return None
+
+
+def _excerpts_serve(
+    messages: Sequence[Message],
+    excerpts: Mapping[int, Excerpt],
+    blocks: Sequence[_Block],
+    question: int | None,
+    counter: TokenCounter,
+    model: str | None,
+) -> bool:
+    """Each carried excerpt, with the passages the blocks recall of it, still holds
+    `EXCERPT_KEEP_SHARE` of what a fresh excerpt of its size would hold for this question
+    (`excerpt.fresh_share`): else what the question needs of it is not sent."""
+    if not excerpts:
+        return True
+    text = message_text(messages[question]) if question is not None else ""
+    sent = _sent_chunks(excerpts, blocks)
+    return all(
+        fresh_share(messages[i], sorted(sent[i]), text, e.tokens, counter, model) >= EXCERPT_KEEP_SHARE
+        for i, e in excerpts.items()
+    )
+
+
+def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question: int) -> bool:
+    """The previous decision already kept this question (the same turn, trimmed again)."""
+    at = previous.at
+    return question in at and previous.kept[at.index(question)] == fingerprints[question]
+
+
+def _history_unchanged(
+    messages: Sequence[Message], previous: TrimDecision, scheme: str
+) -> tuple[list[int], int] | None:
+    """(system positions, history length) when the messages `previous` saw are there unchanged
+    in length and counted alike; None when the shortcut cannot tell."""
+    seen = previous.seen
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
+        return None
+    system = system_positions(messages)
+    chars = history_chars(messages, system)
+    new_chars = history_chars(messages[seen:], [i - seen for i in system if i >= seen])
+    if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
+        return None
+    return system, chars
+
+
+def _extend_previous(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    options: TrimOptions,
+    room: int,
+    pools: _Pools,
+) -> TrimResult | None:
+    """The previous turn's selection plus the new messages, reading and counting only what is
+    sent and what is new: the messages dropped before are known from the decision's `seen`
+    figures (their total length must be unchanged). None when this shortcut cannot tell (the
+    chat was edited or shortened, another encoding counts, the whole chat now fits, the
+    selection no longer fits); the full path then decides, with the same result."""
+    scheme, mode = counter.scheme(model), counter.mode(model)
+    known = _history_unchanged(messages, previous, scheme)
+    if known is None:
+        return None
+    system, chars = known
+    fingerprints = Fingerprints(messages)
+    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=options.keep_last_turns, system=system)
+    if keep is None:
+        return None
+    order = sorted(keep)
+    question = next(i for i in reversed(order) if messages[i].get("role") == "user")
+    excerpts = _extended_excerpts(messages, previous, fingerprints, keep, counter, model)
+    if excerpts is None:
+        return None
+    new_cost, before, after = _extended_sizes(messages, previous, order, system, excerpts, counter, model)
+    if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
+        return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
+    blocks = _recalls_kept(previous, fingerprints, keep, question, room, after, max_tokens, system, pools, excerpts)
+    if blocks is None:
+        return None
+    sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
+    sent, stable, added = _with_blocks(sent, order, blocks, question if room else None)
+    after += sum(b.tokens for b in blocks)
+    at = tuple(i for i in order if i not in system)
+    decision = TrimDecision(
+        max_tokens=max_tokens,
+        tokens=after,
+        strategy=options.strategy,
+        kept=tuple(fingerprints[i] for i in at),
+        at=at,
+        seen=len(messages),
+        seen_tokens=previous.seen_tokens + new_cost,
+        seen_chars=chars,
+        counted_with=scheme,
+        recalls=_recall_record(blocks, fingerprints),
+        excerpts=previous.excerpts,
+    )
+    result = _reused_result(
+        sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
+    )
+    return replace(result, notes=tuple(pools.notes))
+
+
+def _extended_sizes(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    order: list[int],
+    system: list[int],
+    excerpts: dict[int, Excerpt],
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[int, int, int]:
+    """The shortcut's counts: (the new messages', the whole chat's, what is sent), counting only
+    the kept messages (excerpts at their size) and the new ones; the rest is the decision's `seen_tokens`."""
+    count = counter.count_message
+    cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
+    new = [i for i in range(previous.seen, len(messages)) if i not in system]  # kept, but for orphans
+    new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
+    before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
+    return new_cost, before, TOKENS_PER_REPLY + sum(cost.values())
+
+
+def _extended_excerpts(
+    messages: Sequence[Message],
+    previous: TrimDecision,
+    fingerprints: Fingerprints,
+    keep: set[int],
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, Excerpt] | None:
+    """The shortcut's `_carried_excerpts`: the same, while every excerpt lies before the window
+    `extend_previous` read (the current and recent turns, which are never excerpted, lie in
+    it); None when one does not or cannot be sent again (the full path then decides)."""
+    if not previous.excerpts:
+        return {}
+    start = window_start(previous, messages)
+    if start is None or any(i >= start or i not in keep for i, _ in previous.excerpts):
+        return None
+    return _carried_excerpts(messages, previous, fingerprints, (), counter, model)
+
+
+def _reused_result(
+    sent: list[Message],
+    order: list[int],
+    keep: set[int],
+    count: int,
+    before: int,
+    after: int,
+    max_tokens: int,
+    mode: CountMode,
+    decision: TrimDecision,
+    blocks: list[_Block],
+    placed: tuple[int, tuple[int, ...]],
+    excerpts: Mapping[int, Excerpt] | None = None,
+) -> TrimResult:
+    """The result of a turn that sent the previous selection again (its `excerpts` as well), plus
+    what is new; `placed`: `_with_blocks`' stable prefix and where its blocks went."""
+    excerpts = excerpts or {}
+    shortened = tuple(sorted(excerpts))
+    return TrimResult(
+        messages=sent,
+        kept=tuple(i for i in order if i not in excerpts) if excerpts else tuple(order),
+        dropped=tuple(filterfalse(keep.__contains__, range(count))),
+        shortened=shortened,
+        excerpted=shortened,
+        tokens_before=before,
+        tokens_after=after,
+        budget=max_tokens,
+        count_mode=mode,
+        decision=decision,
+        reused=True,
+        recalled=_recalled(blocks),
+        stable_prefix=placed[0],
+        added=placed[1],
+        passages=_passages(excerpts, blocks),
+        recalled_passages=_recalled_passages(blocks),
+    )

@@ -1,0 +1,361 @@
+"""The per-turn recall block: what the latest question needs of what the prompt does not send.
+
+A block quotes, in one user message right before the question (then an assistant
+acknowledgement, so roles alternate), the passages the question needs of long messages sent in
+part or not at all, then the dropped messages most relevant to it. Here: the room a block gets
+(`recall_room`), what it chooses from (`_Pools`: scores, candidates and their costs, made once
+a trim), making a block (`_new_recall`), quoting and counting it (`_block`), placing blocks
+right before their anchors (`_with_blocks`), and what a result and a decision record of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from itertools import repeat
+from operator import add, mul
+
+from .conversation import SUMMARY_ACK_MESSAGE, Message, message_text, recall_message, recall_quotes
+from .excerpt import Excerpt, cuttable, passage_quote, recall_passages
+from .recall_index import recall_scores
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights
+from .selection import Recall, choose_recall, neighbour_reach, recall_candidates, recall_order
+from .semantic import VECTORS, Embed, similarities
+from .tokens import TOKENS_PER_MESSAGE, TOKENS_PER_ROLE, TokenCounter
+
+__all__ = [
+    "DEFAULT_RECALL_SHARE",
+    "RECALL_REFERENCE_TOKENS",
+    "MAX_RECALL_SHARE",
+    "MAX_PASSAGE_MESSAGES",
+    "MAX_DROPPED_PASSAGE_MESSAGES",
+    "MIN_PASSAGE_ROOM",
+    "MIN_PASSAGE_TOKENS",
+    "recall_room",
+]
+
+# The share of a RECALL_REFERENCE_TOKENS budget a chat that goes on keeps for its per-turn recall
+# block; other budgets keep this share times sqrt(reference / budget), at most MAX_RECALL_SHARE:
+# what a question needs recalled grows with the budget, but not in proportion (a question's
+# evidence is a few messages; bench/multiturn.py). See `recall_room`. Measured there with the
+# recall by relevance alone, carried evidence x fresh trim's / cacheable share at 2k and 8k:
+# 0.30 0.91x 69% / 0.93x 85%; 0.35 0.93x 65% / 0.94x 83%; 0.40 0.94x 62% / 0.95x 81%;
+# 0.46 0.94x 57% / 0.95x 79%: past 0.40 the cache pays for little more evidence.
+DEFAULT_RECALL_SHARE = 0.40
+RECALL_REFERENCE_TOKENS = 2_000
+MAX_RECALL_SHARE = 0.5
+MAX_PASSAGE_MESSAGES = 4  # long messages a recall block looks into for passages, the most relevant first,
+MAX_DROPPED_PASSAGE_MESSAGES = 1  # ... of them not in the prompt at all (each is scored anew every turn)
+MIN_PASSAGE_ROOM = 64  # tokens left below which a recall block looks for no further passages
+# A message costing less is recalled whole or not at all, never by passages: a person's long
+# message is not a document (REALTALK at 1k: 0.027 less evidence sent when its passages were).
+MIN_PASSAGE_TOKENS = 1_000
+_RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
+
+
+def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> int:
+    """Tokens kept for a turn's recall block: `recall_share` of the budget at 2,000 tokens,
+    scaled by sqrt(2,000 / budget) elsewhere, never more than half the budget.
+
+    Example:
+        >>> recall_room(1_000), recall_room(2_000), recall_room(8_000), recall_room(8_000, 0)
+        (500, 800, 1600, 0)
+    """
+    share = min(MAX_RECALL_SHARE, recall_share * math.sqrt(RECALL_REFERENCE_TOKENS / max_tokens))
+    return int(max_tokens * share)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """What this turn's recall chooses from: every message's score, the candidates (in
+    `recall_order`), their costs."""
+
+    scores: list[float]
+    candidates: list[int]
+    costs: dict[int, int]
+
+
+class _Pools:
+    """One trim's recall pools by question and system messages: each made once, however many
+    paths look (the fast path, then the full one). `seen`: how many leading messages the
+    previous turn read (see `recall_scores`); `embed`: the trim's embedder, whose cosine the
+    recall fuses in as a new selection does; `notes` say when it could not."""
+
+    __slots__ = ("messages", "counter", "model", "seen", "embed", "notes", "_made")
+
+    def __init__(
+        self, messages: Sequence[Message], counter: TokenCounter, model: str | None, seen: int, embed: Embed | None
+    ) -> None:
+        self.messages, self.counter, self.model, self.seen, self.embed = messages, counter, model, seen, embed
+        self.notes: list[str] = []
+        self._made: dict[tuple[int, tuple[int, ...]], _Pool] = {}
+
+    def of(self, question: int, system: Sequence[int]) -> _Pool:
+        key = (question, tuple(system))
+        pool = self._made.get(key)
+        if pool is None:
+            messages = self.messages
+            texts = list(map(message_text, messages))
+            similarity = _recall_cosines(messages, question, system, self.embed, self.notes) if self.embed else None
+            scores = recall_scores(
+                messages,
+                question=question,
+                exclude=system,
+                weights=_RECALL_WEIGHTS,
+                seen=self.seen,
+                texts=texts,
+                similarity=similarity,
+            )
+            scores = _with_neighbours(scores, texts, question, _RECALL_WEIGHTS)
+            candidates = recall_candidates(messages, scores, texts)
+            counts = self.counter.count_each([messages[i] for i in candidates], self.model)
+            costs = dict(zip(candidates, counts, strict=True))
+            pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
+        return pool
+
+
+def _with_neighbours(
+    scores: Sequence[float], texts: Sequence[str], question: int, weights: RelevanceWeights
+) -> list[float]:
+    """Each message's score plus `turn_share` of its better neighbour's, in full while the two
+    average at most `turn_reach` tokens (by length), in proportion beyond: the rule a new
+    selection applies to turns (see `selection._turn_values`), for the recall's messages."""
+    n = len(scores)
+    if n < 2:
+        return list(scores)
+    sizes = [len(text) // 4 + 1 for text in texts]
+    # What reaches between messages k and k + 1 (the same both ways): one figure a pair.
+    reach = list(map(neighbour_reach, sizes, sizes[1:], repeat(weights, n - 1)))
+    lending = list(scores)
+    if 0 <= question < n:
+        lending[question] = 0.0  # the question lends nothing (and takes nothing, below)
+    from_left = [0.0, *map(mul, lending[:-1], reach)]
+    from_right = [*map(mul, lending[1:], reach), 0.0]
+    out = list(map(add, scores, map(mul, repeat(weights.turn_share), map(max, from_left, from_right))))
+    if 0 <= question < n:
+        out[question] = scores[question]
+    return out
+
+
+def _recall_cosines(
+    messages: Sequence[Message], question: int, system: Sequence[int], embed: Embed, notes: list[str]
+) -> list[float] | None:
+    """Each message's cosine to the question for the recall; None (lexical, with a note) when
+    the embedder fails or its vectors are not there yet."""
+    try:
+        return similarities(messages, question, VECTORS, embed, skip=system)
+    except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
+        note = "some messages not embedded yet: recall is lexical"
+    except Exception as exc:  # any embedder: its failure must not cost the trim
+        note = f"embedder failed ({type(exc).__name__}): recall is lexical"
+    if note not in notes:
+        notes.append(note)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """A recall block: the kept message it goes right before, the input indices it quotes, the
+    message itself, what it costs with the acknowledgement sent after it (`_with_blocks`), and
+    the passages it quotes of each message (`Recall.parts`: () a message quoted whole)."""
+
+    anchor: int
+    indices: tuple[int, ...]
+    message: Message
+    tokens: int
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    def chunks(self) -> dict[int, tuple[int, ...]]:
+        """The passages it quotes, by message (messages quoted whole left out)."""
+        return {i: p for i, p in zip(self.indices, self.parts, strict=True) if p} if self.parts else {}
+
+
+def _new_recall(
+    messages: Sequence[Message],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    counter: TokenCounter,
+    model: str | None,
+    pool: _Pool,
+    fits_in: int | None = None,
+    sent: Mapping[int, Collection[int]] | None = None,
+) -> _Block | None:
+    """The recall block for this turn: first the passages the question needs of long messages
+    that do not go whole (`_recall_parts`), then the messages not sent otherwise (`keep`) most
+    relevant to `question` (by `recall_scores`), while they fit `room` tokens once quoted
+    (block, label and the acknowledgement after it included); None when nothing is relevant.
+    `sent`: the chunks of long messages the prompt already holds (their excerpts, earlier
+    blocks). A block clearly over `fits_in` is not counted exactly (that would encode its text
+    for nothing): its `tokens` are then the estimate."""
+    frame = _block_tokens(messages, (), counter, model)  # the label, overheads, acknowledgement
+    if room <= frame:
+        return None
+    scores, costs = pool.scores, pool.costs
+    parts, spent = _recall_parts(messages, keep, question, room - frame, pool, sent or {}, counter, model)
+    taken = set(keep).union(parts)
+    chosen = sorted([*parts, *choose_recall(pool.candidates, taken, scores, costs, room - frame - spent, ordered=True)])
+    estimate = frame + spent + sum(costs[i] for i in chosen if i not in parts)
+    if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
+        return _block(messages, question, chosen, parts, counter, model, tokens=estimate)
+    while chosen:
+        block = _block(messages, question, chosen, parts, counter, model)
+        if block is None:
+            return None
+        if block.tokens <= room:
+            return block
+        # Quoting joined the texts into more tokens than they count apart: let the least worth go.
+        chosen.remove(min(chosen, key=lambda i: (scores[i] / max(costs[i], 1) ** 0.5, i)))
+    return None
+
+
+def _recall_parts(
+    messages: Sequence[Message],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    pool: _Pool,
+    sent: Mapping[int, Collection[int]],
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[dict[int, tuple[int, ...]], int]:
+    """The passages a recall block quotes (by message) and what they cost: of the long messages
+    the prompt holds only in part (`sent`) or not at all and cannot quote whole in `room`, the
+    most relevant first, each in what the ones before left (`excerpt.recall_passages`: only
+    passages near its best; measured on bench/docchat.py, half the room a message held 0.011
+    fewer answers at 4k and 0.006 fewer at 8k)."""
+    question_text = message_text(messages[question])
+    parts: dict[int, tuple[int, ...]] = {}
+    spent = 0
+    tried = [0, 0]  # long messages looked into: in part in the prompt, not in it
+    for i in pool.candidates:
+        cost = pool.costs[i]
+        if tried[0] == MAX_PASSAGE_MESSAGES or room - spent < MIN_PASSAGE_ROOM:
+            break
+        if cost < MIN_PASSAGE_TOKENS or not (i in sent or (i not in keep and cost > room)):
+            continue
+        if (i not in sent and tried[1] == MAX_DROPPED_PASSAGE_MESSAGES) or not cuttable(messages[i]):
+            continue
+        tried[0] += 1
+        tried[1] += i not in sent
+        chunks, cost = recall_passages(messages[i], question_text, room - spent, sent.get(i, ()), counter, model)
+        if chunks:  # (its cost as `_choose` counts it: the block is counted exactly once made)
+            parts[i] = chunks
+            spent += cost + TOKENS_PER_MESSAGE
+    return parts, spent
+
+
+def _block(
+    messages: Sequence[Message],
+    anchor: int,
+    indices: Sequence[int],
+    parts: Mapping[int, Sequence[int]],
+    counter: TokenCounter,
+    model: str | None,
+    tokens: int | None = None,
+) -> _Block | None:
+    """The block quoting `indices` (the passages `parts` of some) before `anchor`, counted
+    exactly unless `tokens` is given; None when a passage cannot be quoted (`_quote_texts`)."""
+    texts = _quote_texts(messages, {i: parts[i] for i in indices if i in parts}, counter, model)
+    if texts is None:
+        return None
+    if tokens is None:
+        tokens = _block_tokens(messages, indices, counter, model, texts)
+    record = tuple(tuple(parts.get(i, ())) for i in indices)
+    return _Block(anchor, tuple(indices), recall_message(messages, indices, texts), tokens, record)
+
+
+def _quote_texts(
+    messages: Sequence[Message],
+    parts: Mapping[int, Sequence[int]],
+    counter: TokenCounter,
+    model: str | None,
+) -> dict[int, str] | None:
+    """The text a block quotes of each message quoted by passages (`parts`, by message); None
+    when one cannot be quoted so (its text changed: the block cannot be sent again as it was)."""
+    texts = {}
+    for i, chunks in parts.items():
+        text = passage_quote(messages[i], chunks, counter, model)
+        if text is None:
+            return None
+        texts[i] = text
+    return texts
+
+
+def _block_tokens(
+    messages: Sequence[Message],
+    indices: Sequence[int],
+    counter: TokenCounter,
+    model: str | None,
+    texts: Mapping[int, str] | None = None,
+) -> int:
+    """What the recall block quoting `indices` (`texts`: the passages quoted of some) costs sent,
+    with the acknowledgement after it (`count_message` of both): its text counted from its
+    quotes, each counted once a chat."""
+    text = counter.count_joined(recall_quotes(messages, indices, texts), model)
+    return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+
+
+def _with_blocks(
+    sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None
+) -> tuple[list[Message], int, tuple[int, ...]]:
+    """`sent` (the messages at `order`) with each block, then an assistant `SUMMARY_ACK`, right
+    before its anchor, and how many leading messages the next turn sends again: all but this
+    question's block and what follows.
+
+    The acknowledgement always goes with the block: the block is a user message and its anchor
+    (the question it was made for) is a user message too, so without it two user messages would
+    follow each other whatever came before, which chat templates that require roles to alternate
+    (Gemma's, Mistral's in vLLM or llama.cpp) reject. Before the block is then what came before
+    the question: an assistant answer in a chat that alternates (or the system prompt, or the
+    start), so user, assistant, user holds; the same constant as the summary note's, so a block
+    costs the same few tokens and the next turn sends it again byte for byte. Last, where the
+    blocks and their acknowledgements are in what is returned (`TrimResult.added`)."""
+    if not blocks:
+        return sent, -1, ()  # TrimResult works the prefix out
+    by_anchor = {b.anchor: b.message for b in blocks}
+    out: list[Message] = []
+    added: list[int] = []
+    stable = -1
+    for index, message in zip(order, sent, strict=True):
+        block = by_anchor.get(index)
+        if block is not None:
+            if index == question:
+                stable = len(out)
+            added += (len(out), len(out) + 1)
+            out += (block, dict(SUMMARY_ACK_MESSAGE))
+        out.append(message)
+    return out, stable if stable >= 0 else len(out), tuple(added)
+
+
+def _sent_chunks(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block]) -> dict[int, set[int]]:
+    """The chunks of each long message the prompt holds: its excerpt's and those blocks quote."""
+    sent: dict[int, set[int]] = {i: set(e.chunks) for i, e in excerpts.items()}
+    for block in blocks:
+        for i, chunks in block.chunks().items():
+            sent.setdefault(i, set()).update(chunks)
+    return sent
+
+
+def _recalled(blocks: Sequence[_Block]) -> tuple[int, ...]:
+    return tuple(sorted(set().union(*(b.indices for b in blocks)))) if blocks else ()
+
+
+def _recall_record(blocks: Sequence[_Block], fingerprints: Sequence[str]) -> tuple[Recall, ...]:
+    return tuple(
+        Recall(b.anchor, b.indices, tuple(fingerprints[i] for i in b.indices), parts=b.parts)
+        for b in sorted(blocks, key=lambda b: b.anchor)
+    )
+
+
+def _passages(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block] = ()) -> tuple[tuple[int, int], ...]:
+    """(passages sent, passages in all) of each excerpted message, in the messages' order: its
+    excerpt's and those the recall blocks quote of it."""
+    sent = _sent_chunks(excerpts, blocks)
+    return tuple((len(sent[i]), e.total) for i, e in sorted(excerpts.items()))
+
+
+def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The chunk numbers the blocks quote of each message quoted by passages, in order."""
+    return tuple((i, tuple(sorted(c))) for i, c in sorted(_sent_chunks({}, blocks).items()))

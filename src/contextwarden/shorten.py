@@ -1,0 +1,155 @@
+"""The mandatory part of a prompt, and middle-out shortening when it alone is over the budget.
+
+What must be sent whatever the budget (system messages, the current turn, pinned messages with
+their units), and, when that alone is over, copies of its largest shortenable texts cut
+middle-out with a marker: system prompts and tool results first, the latest user message last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from .conversation import Conversation, Message
+from .excerpt import CUT_MARK
+from .selection import mandatory_indices
+from .tokens import TOKENS_PER_REPLY, TokenCounter
+
+__all__ = ["SHORTENED_MARK", "PINS_SHORTENED_NOTE", "PINS_DROPPED_NOTE", "MIN_KEPT_TEXT_TOKENS"]
+
+SHORTENED_MARK = CUT_MARK
+PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
+PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
+MIN_KEPT_TEXT_TOKENS = 0
+
+
+def _mandatory_part(
+    conversation: Conversation,
+    costs: list[int],
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    pinned: Collection[int],
+    shorten: bool = True,
+) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
+    """What must be sent (system, current turn, pins), its shortened copies when it alone is
+    over budget, whether it is still over, the notes, and the pins that stay mandatory: when
+    even shortened pins cannot fit (their markers alone are over), the budget wins and they
+    are let go (kept only while they fit, like other messages)."""
+    hard = mandatory_indices(conversation)
+    mandatory = _with_pins(conversation, hard, pinned)
+    pinned = sorted(set(mandatory).difference(hard))  # with their units and questions
+    notes: list[str] = []
+    if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+        return mandatory, {}, False, notes, pinned
+    if not shorten:
+        return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned
+    replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    if over and len(mandatory) > len(hard):
+        mandatory, pinned = hard, ()
+        notes.append(PINS_DROPPED_NOTE)
+        if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
+            return mandatory, {}, False, notes, pinned
+        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    notes.append("mandatory content over budget: shortened")
+    if set(replaced) & set(pinned):
+        notes.append(PINS_SHORTENED_NOTE)
+    if over:
+        notes.append("could not shorten enough")
+    return mandatory, replaced, over, notes, pinned
+
+
+def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collection[int]) -> list[int]:
+    """The mandatory indices plus every pinned one with the rest of its unit and, for a pinned
+    reply, its turn's question (a reply is never sent without it)."""
+    if not pinned:
+        return mandatory
+    pins = set(pinned)
+    keep = set(mandatory)
+    for turn in conversation.turns:
+        units = [u for u in turn.units if pins.intersection(u.indices)]
+        if units and turn.units[0].kind == "user":
+            units.append(turn.units[0])
+        keep.update(*(u.indices for u in units))
+    return sorted(keep)
+
+
+def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:
+    """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
+    messages = conversation.messages
+    last_user = conversation.question
+    first_choice = [i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"]
+    return first_choice, last_user
+
+
+def _shorten_mandatory(
+    conversation: Conversation,
+    mandatory: list[int],
+    costs: list[int],
+    budget: int,
+    counter: TokenCounter,
+    model: str | None,
+) -> tuple[dict[int, Message], bool]:
+    """Cut the largest shortenable texts middle-out until the mandatory part fits.
+
+    Returns the shortened copies by index and whether it is still over budget.
+    """
+    messages = conversation.messages
+    current = {i: costs[i] for i in mandatory}
+    replaced: dict[int, Message] = {}
+    first_choice, last_user = _shortenable(conversation, mandatory)
+    for pool in (first_choice, [last_user] if last_user is not None else []):
+        candidates = set(pool)
+        while candidates:
+            excess = TOKENS_PER_REPLY + sum(current.values()) - budget
+            if excess <= 0:
+                return replaced, False
+            index = max(candidates, key=lambda i: (current[i], -i))
+            shorter = _shorten_message(replaced.get(index, messages[index]), excess, counter, model)
+            cost = counter.count_message(shorter, model) if shorter is not None else current[index]
+            if shorter is None or cost >= current[index]:  # (None costs current[index])
+                candidates.discard(index)
+                continue
+            replaced[index], current[index] = shorter, cost
+    return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget
+
+
+def _shorten_message(message: Message, excess: int, counter: TokenCounter, model: str | None) -> Message | None:
+    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        new_text = _cut_middle(content, excess, counter, model)
+        return None if new_text is None else {**message, "content": new_text}
+    if isinstance(content, list):
+        texts = [
+            (counter.count_text(part["text"], model), k)
+            for k, part in enumerate(content)
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        if not texts:
+            return None
+        _, k = max(texts)
+        new_text = _cut_middle(content[k]["text"], excess, counter, model)
+        if new_text is None:
+            return None
+        parts = list(content)
+        parts[k] = {**content[k], "text": new_text}
+        return {**message, "content": parts}
+    return None
+
+
+def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
+    """`text` with a middle stretch replaced by a marker, about `excess` tokens shorter."""
+    total = counter.count_text(text, model)
+    marker_cost = counter.count_text(SHORTENED_MARK.format(n=total), model) + 2
+    keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
+    while keep < total:
+        head, tail = counter.keep_ends(text, keep - keep // 3, keep // 3, model)
+        cut = SHORTENED_MARK.format(n=max(0, total - keep))
+        shorter = f"{head}\n{cut}\n{tail}" if tail else f"{head}\n{cut}"
+        # Counts of joined pieces can exceed the pieces' sum (BPE merges, estimate rounding):
+        # keep less until the whole is short enough, else a second cut would cut the marker.
+        over = counter.count_text(shorter, model) - (total - excess)
+        if over <= 0 or keep == MIN_KEPT_TEXT_TOKENS:
+            return shorter
+        keep = max(MIN_KEPT_TEXT_TOKENS, keep - over)
+    return None

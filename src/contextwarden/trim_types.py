@@ -1,0 +1,116 @@
+"""What the trim's stages hand each other: `TrimOptions` (made once a call), the chat read and
+counted once (`_Counted`), and `TrimResult`, what a trim chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from .conversation import Conversation, Message
+from .excerpt import Excerpt
+from .recall import DEFAULT_RECALL_SHARE, _Pools
+from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, Strategy, TrimDecision
+from .semantic import Embed
+from .tokens import CountMode
+
+__all__ = ["TrimOptions", "TrimResult", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
+
+DEFAULT_LOW_WATERMARK = 0.8
+DEFAULT_GROWTH_TURNS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class TrimOptions:
+    """How `trim_messages` chooses, besides the budget and the counter (each as its Args say).
+
+    Made once a call and handed from step to step, so no step retypes the options."""
+
+    strategy: Strategy = DEFAULT_STRATEGY
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
+    pinned: Collection[int] = ()
+    previous: TrimDecision | None = None
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    growth_turns: int = DEFAULT_GROWTH_TURNS
+    embed: Embed | None = None
+    recall_share: float = DEFAULT_RECALL_SHARE
+    shorten: bool = True
+    added: Collection[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TrimResult:
+    """What `trim_messages` chose.
+
+    `messages` is what to send. `kept` holds the ascending input indices sent as the very
+    same dicts; `shortened` those sent as shortened copies; `dropped` the rest. `decision`
+    is what to pass as `previous` next turn (None when nothing was dropped); `reused` tells
+    that the previous turn's selection was kept and only new messages were added.
+
+    `recalled` holds the input indices this turn's recall blocks quote (each a user message and
+    an assistant acknowledgement right before a kept user message, see `trim_messages`): dropped
+    messages, whole or by passages, and excerpted ones by passages their excerpt left out;
+    `recalled_passages` the chunk numbers quoted of those quoted by passages;
+    `stable_prefix` how many leading messages of `messages` the next turn will send again
+    unchanged while its selection holds: all of them, or those before this turn's recall block
+    or the first shortened copy.
+
+    `excerpted` holds the shortened indices that are earlier messages too large for what was
+    left, sent as excerpts for the latest question (see `excerpt.py`); the next turn sends
+    them again, byte for byte, while it keeps the selection.
+
+    `added` holds the positions in `messages` of what the trim added (recall blocks, each with
+    its acknowledgement): a later pass over these messages passes them as `added=`. `passages`
+    says, for each excerpted message in order, how many of its passages (chunks) were sent of
+    how many it has: what a user is told (`document excerpted: 3 of 24 passages`).
+    """
+
+    messages: list[Message]
+    kept: tuple[int, ...]
+    dropped: tuple[int, ...]
+    shortened: tuple[int, ...]
+    tokens_before: int
+    tokens_after: int
+    budget: int
+    count_mode: CountMode
+    over_budget: bool = False
+    notes: tuple[str, ...] = field(default=())
+    decision: TrimDecision | None = None
+    reused: bool = False
+    recalled: tuple[int, ...] = ()
+    stable_prefix: int = -1
+    excerpted: tuple[int, ...] = ()
+    added: tuple[int, ...] = ()
+    passages: tuple[tuple[int, int], ...] = ()
+    recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
+            cut = min(set(self.shortened).difference(self.excerpted), default=None)
+            stable = len(self.messages) if cut is None else sum(1 for i in (*self.kept, *self.shortened) if i < cut)
+            object.__setattr__(self, "stable_prefix", stable)
+
+    @property
+    def changed(self) -> bool:
+        """True when what is sent differs from the input."""
+        return bool(self.dropped or self.shortened)
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    """The chat read and counted once: its view, each message's tokens and the label they go with."""
+
+    messages: Sequence[Message]
+    conversation: Conversation
+    costs: list[int]
+    mode: CountMode
+    scheme: str
+    before: int  # the whole chat, reply priming included
+    pools: _Pools  # this trim's recall pools, shared with the fast path
+
+
+def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:
+    """`costs` with each excerpted message at what its excerpt costs."""
+    if not excerpts:
+        return costs
+    return [excerpts[i].tokens if i in excerpts else c for i, c in enumerate(costs)]
