@@ -69,8 +69,13 @@ MODULES = [
     "calibration",
     "cache_stats",
     "accounting",
+    "settings",
     "valves",
     "budget",
+    "offloop",
+    "hookargs",
+    "trimpass",
+    "bookkeeping",
     "filter",
 ]
 # What Open WebUI itself ships besides the standard library.

@@ -172,12 +172,12 @@ async def next_turn_with(counter, function, monkeypatch, wait: float = 0.1, **va
     """A chat as Open WebUI runs it: a first turn (a chat this process has not seen), its reply
     through the outlet (which starts embedding the chat), `wait` seconds, then the next turn.
     The `embed` each trim was given (None: by words), and the next turn's body."""
-    import contextwarden.filter as filter_module
+    import contextwarden.trimpass as trimpass_module
     from contextwarden import Filter
 
     embeds: list = []
-    real = filter_module.trim_messages
-    monkeypatch.setattr(filter_module, "trim_messages", lambda *a, **k: embeds.append(k["embed"]) or real(*a, **k))
+    real = trimpass_module.trim_messages
+    monkeypatch.setattr(trimpass_module, "trim_messages", lambda *a, **k: embeds.append(k["embed"]) or real(*a, **k))
     f = Filter(counter=counter)
     f.valves = f.Valves(
         max_context_tokens=1_174, reserve_output_tokens=1_024, openrouter_pricing=False, low_watermark=1.0, **valves
@@ -316,11 +316,11 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
     request = request_with(function)  # the reply went through the outlet, which embedded the chat
     await f.outlet({"model": "gpt-4o", "messages": later[:-1]}, __user__={"id": "u1"}, __request__=request)
     await asyncio.sleep(0.1)
-    import contextwarden.filter as filter_module
+    import contextwarden.trimpass as trimpass_module
 
     trims = []
-    real = filter_module.trim_messages
-    monkeypatch.setattr(filter_module, "trim_messages", lambda *a, **k: trims.append(k["embed"]) or real(*a, **k))
+    real = trimpass_module.trim_messages
+    monkeypatch.setattr(trimpass_module, "trim_messages", lambda *a, **k: trims.append(k["embed"]) or real(*a, **k))
     out = await turn(later)
     assert len(trims) == 1 and trims[0] is not None
     state = out["metadata"]["contextwarden"]

@@ -16,10 +16,11 @@ from dataclasses import replace
 
 import pytest
 
-import contextwarden.filter as filter_module
+import contextwarden.offloop as offloop_module
+import contextwarden.trimpass as trimpass_module
 from contextwarden import caches
 from contextwarden.chatstate import chat_state_key
-from contextwarden.filter import EXCERPTS_ON_LOOP_MAX_CHARS
+from contextwarden.offloop import EXCERPTS_ON_LOOP_MAX_CHARS
 
 from helpers import Events, chat_of, grow, make_filter
 from turns import run_turn
@@ -29,7 +30,7 @@ MODEL = "gpt-4o"
 
 def big_chat(turns: int = 60) -> list[dict]:
     chat = chat_of(turns)
-    assert filter_module.heavy(chat) and not filter_module.heavy(chat_of(3))
+    assert offloop_module.heavy(chat) and not offloop_module.heavy(chat_of(3))
     return chat
 
 
@@ -44,7 +45,7 @@ async def request(f, b: dict, events=None) -> dict:
 @pytest.fixture
 def spy_trim(monkeypatch):
     """Wraps `trim_messages`: `spy.threads` are the threads it ran in; `spy.before` runs first."""
-    real = filter_module.trim_messages
+    real = trimpass_module.trim_messages
 
     class Spy:
         threads: list[str] = []
@@ -58,7 +59,7 @@ def spy_trim(monkeypatch):
 
     spy = Spy()
     spy.threads = []
-    monkeypatch.setattr(filter_module, "trim_messages", spy)
+    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
     return spy
 
 
@@ -72,14 +73,14 @@ async def test_a_big_chat_is_trimmed_in_the_worker_thread_a_small_one_on_the_loo
 async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages(counter, monkeypatch):
     """Reading flags costs ~0.5 µs a message: a big chat's are read on the loop (a hop to the
     thread would cost more), those of a chat of more than FLAGS_ON_LOOP_MAX_MESSAGES in the thread."""
-    real = filter_module.read_flags
+    real = trimpass_module.read_flags
     threads: list[str] = []
     monkeypatch.setattr(
-        filter_module, "read_flags", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
+        trimpass_module, "read_flags", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
     )
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
     await request(f, body(big_chat()))
-    monkeypatch.setattr(filter_module, "FLAGS_ON_LOOP_MAX_MESSAGES", 10)
+    monkeypatch.setattr(offloop_module, "FLAGS_ON_LOOP_MAX_MESSAGES", 10)
     await request(f, body(big_chat(), "c2"))
     assert threads == [threading.current_thread().name, "contextwarden-cpu_0"]
 
@@ -89,7 +90,7 @@ async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_r
     hop to the thread would cost about as much). The turn before it was read here only in part,
     and after the caches are gone (as in a worker that never saw the chat), the carry declines at
     once and the trim goes to the thread."""
-    real = filter_module.carry_previous
+    real = trimpass_module.carry_previous
     carried: list[tuple[str, bool]] = []
 
     def spy_carry(messages, **options):
@@ -97,7 +98,7 @@ async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_r
         carried.append((threading.current_thread().name, result is not None))
         return result
 
-    monkeypatch.setattr(filter_module, "carry_previous", spy_carry)
+    monkeypatch.setattr(trimpass_module, "carry_previous", spy_carry)
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
     chat = big_chat()
     loop, worker = threading.current_thread().name, "contextwarden-cpu_0"
@@ -117,19 +118,19 @@ def test_a_next_turn_with_a_big_excerpted_message_stays_in_the_thread(counter):
     so is a dropped long message the recall may quote passages of: a next turn whose excerpted
     or dropped long messages hold EXCERPTS_ON_LOOP_MAX_CHARS or more is not carried on the loop."""
     chat = big_chat()
-    decision = filter_module.trim_messages(chat, max_tokens=1_500, model=MODEL, token_counter=counter).decision
+    decision = trimpass_module.trim_messages(chat, max_tokens=1_500, model=MODEL, token_counter=counter).decision
     later = grow(chat, 100)
-    assert filter_module._light_next_turn(later, decision)
+    assert offloop_module.light_next_turn(later, decision)
     k = decision.at[0]  # a kept message, made a big document that the decision excerpted
     with_document = [*later[:k], {**later[k], "content": "word " * (EXCERPTS_ON_LOOP_MAX_CHARS // 5)}, *later[k + 1 :]]
     excerpted = replace(decision, excerpts=((k, (0,)),))
-    assert excerpted.excerpts and not filter_module._light_next_turn(with_document, excerpted)
-    assert filter_module._light_next_turn(with_document, decision)  # sent whole: not read again
+    assert excerpted.excerpts and not offloop_module.light_next_turn(with_document, excerpted)
+    assert offloop_module.light_next_turn(with_document, decision)  # sent whole: not read again
     # Dropped, it may be quoted by passages: the recall cuts and scores it for every question.
     dropped = [i for i in range(decision.seen) if i not in decision.at and later[i].get("role") != "system"]
     k = dropped[0]
     with_document = [*later[:k], {**later[k], "content": "word " * (EXCERPTS_ON_LOOP_MAX_CHARS // 5)}, *later[k + 1 :]]
-    assert not filter_module._light_next_turn(with_document, decision)
+    assert not offloop_module.light_next_turn(with_document, decision)
 
 
 async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_trim):
@@ -189,8 +190,8 @@ async def test_a_request_cancelled_during_the_trim_writes_no_state(counter, spy_
 async def test_off_the_loop_the_trim_is_the_same_deterministic_and_idempotent(counter, monkeypatch):
     chat = big_chat(80)
     results = []
-    for threshold in (filter_module.OFF_LOOP_MIN_CHARS, 10**12):  # in the thread, then on the loop
-        monkeypatch.setattr(filter_module, "OFF_LOOP_MIN_CHARS", threshold)
+    for threshold in (offloop_module.OFF_LOOP_MIN_CHARS, 10**12):  # in the thread, then on the loop
+        monkeypatch.setattr(offloop_module, "OFF_LOOP_MIN_CHARS", threshold)
         f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0, openrouter_pricing=False)
         runs = [await run_turn(f, chat, chat_id=f"c{i}") for i in range(2)]
         again = await request(f, body(runs[0].after_request["messages"], "c9"))
@@ -202,10 +203,10 @@ async def test_off_the_loop_the_trim_is_the_same_deterministic_and_idempotent(co
 async def test_many_tools_a_response_format_and_many_images_are_counted_in_the_thread(counter, spy_trim, monkeypatch):
     """Open WebUI's 30 built-in tools are counted on the loop; 3,000 tool definitions or any
     response format in the thread; a chat of 10,000 image parts (little text) is trimmed there."""
-    real = filter_module.fixed_cost
+    real = trimpass_module.fixed_cost
     threads: list[str] = []
     monkeypatch.setattr(
-        filter_module, "fixed_cost", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
+        trimpass_module, "fixed_cost", lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k)
     )
     f = make_filter(counter, max_context_tokens=100_000, reserve_output_tokens=0, openrouter_pricing=False)
 

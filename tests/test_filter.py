@@ -215,12 +215,12 @@ async def test_malformed_bodies_pass_through(counter, body):
 
 
 async def test_internal_error_fails_open(counter, caplog, monkeypatch):
-    import contextwarden.filter as filter_module
+    import contextwarden.trimpass as trimpass_module
 
     def broken(*args, **kwargs):
         raise KeyError("secret message text")
 
-    monkeypatch.setattr(filter_module, "trim_messages", broken)
+    monkeypatch.setattr(trimpass_module, "trim_messages", broken)
     f = make_filter(counter)
     events = Events()
     body = body_of(chat_of(3))

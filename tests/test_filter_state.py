@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import contextwarden.filter as filter_module
+import contextwarden.trimpass as trimpass_module
 from contextwarden.chatstate import ChatState, chat_state_key
 from contextwarden.conversation import is_recall_message
 from contextwarden.store import KEY_PREFIX
@@ -30,7 +30,7 @@ def store_valves(request) -> dict:
 @pytest.fixture
 def trims(monkeypatch) -> list[tuple[dict, object]]:
     """Every `trim_messages` call the filter makes: its options and its result."""
-    real = filter_module.trim_messages
+    real = trimpass_module.trim_messages
     seen: list[tuple[dict, object]] = []
 
     def spy(messages, **options):
@@ -38,7 +38,7 @@ def trims(monkeypatch) -> list[tuple[dict, object]]:
         seen.append((options, result))
         return result
 
-    monkeypatch.setattr(filter_module, "trim_messages", spy)
+    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
     return seen
 
 
@@ -309,7 +309,7 @@ async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, st
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     key = chat_state_key(user_id, chat_id)
     other = ChatState(pins=("someone else's pin",)).to_bytes()
-    real_trim = filter_module.trim_messages
+    real_trim = trimpass_module.trim_messages
 
     def trim_while_another_pass_saves(messages, **options):
         if store_valves:  # another worker, through its own connection
@@ -321,7 +321,7 @@ async def test_a_state_changed_since_it_was_read_is_not_written_over(counter, st
             saver.join()
         return real_trim(messages, **options)
 
-    monkeypatch.setattr(filter_module, "trim_messages", trim_while_another_pass_saves)
+    monkeypatch.setattr(trimpass_module, "trim_messages", trim_while_another_pass_saves)
     await send(f, chat_of(20), user_id, chat_id)
     assert await store.get(key) == other
 

@@ -133,7 +133,7 @@ async def test_outlet_records_in_process(unique):
 
 
 async def test_ledger_failure_keeps_the_log_line_and_counts_once(caplog, monkeypatch, unique):
-    import contextwarden.filter as filter_module
+    import contextwarden.bookkeeping as bookkeeping_module
 
     calls = []
 
@@ -141,7 +141,7 @@ async def test_ledger_failure_keeps_the_log_line_and_counts_once(caplog, monkeyp
         calls.append(kwargs)
         raise ConnectionError("redis went away")
 
-    monkeypatch.setattr(filter_module, "record_reply", broken)
+    monkeypatch.setattr(bookkeeping_module, "record_reply", broken)
     caplog.set_level(logging.INFO, logger="contextwarden")
     f = _filter()
     events = Events()

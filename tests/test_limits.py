@@ -17,7 +17,7 @@ from decimal import Decimal
 import pytest
 import redis.asyncio as aioredis
 
-import contextwarden.filter as filter_module
+import contextwarden.bookkeeping as bookkeeping_module
 import contextwarden.openturns as openturns_module
 from contextwarden.adminview import usage_markdown
 from contextwarden.cache_stats import CacheStats, load_cache_stats
@@ -346,7 +346,7 @@ async def test_other_errors_in_the_limit_check_fail_open(counter, caplog, monkey
     def broken(*args, **kwargs):
         raise ZeroDivisionError
 
-    monkeypatch.setattr(filter_module, "limits_for", broken)
+    monkeypatch.setattr(bookkeeping_module, "limits_for", broken)
     assert await inlet(f, f"u-{unique}")
     assert "limits not checked (ZeroDivisionError" in caplog.text
 

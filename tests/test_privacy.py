@@ -14,8 +14,9 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-import contextwarden.filter as filter_module
+import contextwarden.bookkeeping as bookkeeping_module
 import contextwarden.store as store_module
+import contextwarden.trimpass as trimpass_module
 from contextwarden.store import KEY_PREFIX, RedisStore
 
 from helpers import Events, chat_of, make_filter
@@ -96,8 +97,8 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
                 raise KeyError(str(message))
 
             with monkeypatch.context() as patch:
-                patch.setattr(filter_module, "trim_messages", broken_trim)
-                patch.setattr(filter_module, "read_usage", broken_usage)
+                patch.setattr(trimpass_module, "trim_messages", broken_trim)
+                patch.setattr(bookkeeping_module, "read_usage", broken_usage)
                 run = await run_turn(f, secret_chat(4), user=user, chat_id="err")
                 statuses += run.events.statuses
                 assert run.after_inlet is run.sent_in

@@ -231,7 +231,7 @@ import time  # noqa: E402
 
 import tiktoken  # noqa: E402
 
-import contextwarden.filter as filter_module  # noqa: E402
+import contextwarden.trimpass as trimpass_module  # noqa: E402
 from contextwarden.filter import Filter  # noqa: E402
 from contextwarden.tokens import TokenCounter  # noqa: E402
 
@@ -298,7 +298,7 @@ async def test_still_estimating_fills_the_budget_and_never_claims_more_than_the_
         return real(name)
 
     monkeypatch.setattr(tiktoken, "get_encoding", blocked)
-    monkeypatch.setattr(filter_module, "ENCODING_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(trimpass_module, "ENCODING_WAIT_SECONDS", 0.2)
     try:
         f = cold_filter(max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, calibrate_counts=False)
         chat = big_chat(counter)

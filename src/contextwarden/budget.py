@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .calibration import Calibration, calibrated_budget
+from .settings import MIN_BUDGET_TOKENS
 from .tokens import TokenCounter
-from .valves import MIN_BUDGET_TOKENS
 
 __all__ = ["FixedCost", "PromptBudget", "fixed_cost", "prompt_budget", "render_tools", "render_response_format"]
 

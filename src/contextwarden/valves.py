@@ -1,7 +1,7 @@
-"""`Valves` (admin) and `UserValves` (per user), and the settings derived from them.
+"""`Valves` (admin) and `UserValves` (per user), and reading them into `Settings`.
 
-Valves are parsed once per call into a frozen `Settings`; problems are collected as
-`ConfigError`s naming the valve, so the filter can report them and go on.
+Valves are parsed once per call into a frozen `Settings` (`settings.py`); problems are
+collected as `ConfigError`s naming the valve, so the filter can report them and go on.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from dataclasses import dataclass
 from decimal import Decimal
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,19 +23,27 @@ from .ledger import DEFAULT_LEDGER_RETENTION_DAYS
 from .limits import MAX_LIMIT_TOKENS, MAX_LIMIT_USD, MAX_OVERRIDES_CHARS, LimitRules, Limits, parse_overrides
 from .live_prices import DEFAULT_PRICING_TTL_HOURS, MAX_PRICING_TTL_HOURS, MIN_PRICING_TTL_HOURS
 from .pricing import parse_aliases, parse_model_globs, read_decimal
-from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy
+from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES
+from .settings import DEFAULT_CONTEXT_TOKENS, DEFAULT_STATE_TTL_HOURS, MIN_BUDGET_TOKENS, MODES, Mode, Settings
 from .store import open_store
 from .summarize import SummaryConfig, endpoint_problem, key_problem
 from .trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 
-__all__ = ["Valves", "UserValves", "Settings", "read_settings", "valves_key", "DEFAULT_CONTEXT_TOKENS", "MODES", "Mode"]
+__all__ = [
+    "Valves",
+    "UserValves",
+    "Settings",
+    "read_settings",
+    "valves_key",
+    "DEFAULT_CONTEXT_TOKENS",
+    "MIN_BUDGET_TOKENS",
+    "MODES",
+    "Mode",
+]
 
 MAX_MODEL_NAMES_CHARS = MAX_OVERRIDES_CHARS  # model_aliases, free_models, connection_prefixes: 64 KB as limit_overrides
 
 MAX_EMBED_TIMEOUT_SECONDS = 30.0
-DEFAULT_CONTEXT_TOKENS = 8_192  # when neither the valve nor the model says how big the window is
-MIN_BUDGET_TOKENS = 64  # below this no prompt with a system message and a question fits
-DEFAULT_STATE_TTL_HOURS = 72
 DEFAULT_SUMMARY_TIMEOUT_SECONDS = 10.0
 DEFAULT_SUMMARY_MAX_TOKENS = 400
 MAX_SUMMARY_TIMEOUT_SECONDS = 120.0
@@ -58,8 +65,6 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 }
 
 _SECRET: dict[str, Any] = {"input": {"type": "password"}}
-Mode = Literal["enforce", "shadow", "off"]
-MODES: tuple[Mode, ...] = ("enforce", "shadow", "off")
 # A mode we cannot read fails open, like any internal error: bodies pass unchanged, usage
 # and would-be savings are still recorded, and the admin is told which valve is wrong.
 FALLBACK_MODE: Mode = "shadow"
@@ -444,71 +449,6 @@ class UserValves(BaseModel):
             "limit or the admin shows spend to everyone."
         ),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Valves checked and combined for one call."""
-
-    max_context_tokens: int
-    user_max_context_tokens: int
-    reserve_output_tokens: int
-    redis_url: str
-    model_aliases: dict[str, str]
-    show_status: bool
-    show_cost: bool = True
-    openrouter_pricing: bool = True
-    pricing_ttl_hours: float = DEFAULT_PRICING_TTL_HOURS
-    pricing_file: str = ""
-    free_models: tuple[str, ...] = ()
-    connection_prefixes: tuple[str, ...] = ()
-    request_stream_usage: bool = True
-    calibrate_counts: bool = True
-    ledger_retention_days: int = DEFAULT_LEDGER_RETENTION_DAYS
-    strategy: Strategy = DEFAULT_STRATEGY
-    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
-    low_watermark: float = DEFAULT_LOW_WATERMARK
-    growth_turns: int = DEFAULT_GROWTH_TURNS
-    state_ttl_seconds: int = DEFAULT_STATE_TTL_HOURS * 3600
-    allowed_flags: frozenset[str] = frozenset()
-    summary: SummaryConfig | None = None
-    mode: Mode = "enforce"
-    semantic_relevance: bool = True
-    embed_timeout_seconds: float = DEFAULT_EMBED_TIMEOUT
-    embed_max_texts: int = DEFAULT_EMBED_TEXTS
-    limits: LimitRules = LimitRules()
-    limit_store_failure: str = "fail-open"
-    show_spend: bool = True
-    spend_for_all: bool = False
-    prompt_cache_hints: str = "auto"
-
-    def window_budget(self, model_context: int | None) -> int:
-        """The window (valve, else the model's, else the default) less the reserve: no budget,
-        calibrated or not, goes past it. A reserve at or above the window keeps a quarter of it."""
-        window = self.window(model_context)
-        return window - (self.reserve_output_tokens if self.reserve_output_tokens < window else window // 4)
-
-    def window(self, model_context: int | None) -> int:
-        """The context window: the valve's, else the model's, else the default."""
-        return self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
-
-    def budget(self, model_context: int | None) -> int:
-        """The prompt budget: the window (valve, else the model's, else the default) less the reserve,
-        lowered by the user's own budget."""
-        budget = self.window_budget(model_context)
-        if self.user_max_context_tokens:
-            budget = min(budget, self.user_max_context_tokens)
-        return max(budget, MIN_BUDGET_TOKENS)
-
-    def reserve_problem(self, model_context: int | None) -> ConfigError | None:
-        """The problem when the reserve is not below the window `budget` uses (read_settings
-        checks it against the valve's own window; this, against the model's)."""
-        if self.reserve_output_tokens < self.window(model_context):
-            return None
-        return ConfigError(
-            "reserve_output_tokens is not below this model's context window; using 1/4 of the window",
-            valve="reserve_output_tokens",
-        )
 
 
 def _field(valves: object, name: str, default):
