@@ -227,3 +227,32 @@ def test_a_question_with_many_terms_of_its_own_does_not_draw_on_the_turns_before
     assert len(set(relevance_terms(chat[-1]["content"]))) > relevance.RECALL_CONTEXT_TERMS
     with_context = score_messages(chat, question=4, weights=dataclasses.replace(OFF, context_weight=0.5))
     assert with_context == score_messages(chat, question=4, weights=OFF)
+
+
+def test_a_chat_that_goes_on_is_scored_as_if_read_anew():
+    words = ["apple", "harbor", "violin", "maple", "copper", "lantern", "meadow", "quartz"]
+    chat = [
+        msg("user" if k % 2 == 0 else "assistant", f"{words[k % 8]} {words[(k * 3) % 8]} note {k}") for k in range(40)
+    ]
+    edited = [*chat[:10], msg("user", "harbor lantern quartz, rewritten"), *chat[11:]]
+    turns = [chat[: k + 1] for k in range(20, 40, 2)] + [chat, edited, chat[:30]]
+    kept = [score_messages(turn, question=len(turn) - 1, exclude=[0]) for turn in turns]
+    assert len(relevance._frequency_cache._entries) > 1  # the chat's counts were kept between turns
+
+    fresh = []
+    for turn in turns:
+        relevance._frequency_cache.clear()
+        fresh.append(score_messages(turn, question=len(turn) - 1, exclude=[0]))
+    assert kept == fresh
+
+
+def test_frequency_cache_is_bounded_by_chats_and_terms():
+    cache = relevance._FrequencyCache(size=2, max_terms=8)
+    stats = [relevance._term_cache.get(f"alpha{k} beta{k}", True) for k in range(5)]
+    for k in range(3):
+        cache.of([stats[k]])
+    assert len(cache._entries) == 2
+    assert cache.of(stats[:4]) == Counter({f"{w}{k}": 1 for w in ("alpha", "beta") for k in range(4)})
+    assert [len(c) for _, c in cache._entries] == [8]  # the older chats gave way, by terms
+    cache.of(stats)  # 10 terms: more than it may keep
+    assert all(len(c) <= 8 for _, c in cache._entries)

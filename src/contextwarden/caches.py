@@ -30,11 +30,15 @@ DEFAULT_TERM_CACHE_TERMS = 1_000_000  # relevance._term_cache: and this many (te
 TERM_MEMO_SIZE = 16_384  # relevance._word_memos: a word's term, per memo (folded, plain; replaced whole when full)
 TERM_MEMO_CHARS = 40  # relevance._word_memos: longer words are not kept (nor numbers of more than three digits)
 DEFAULT_INDEX_TERMS = 250_000  # recall_index._indexes: per chat, each term's postings; (message, term) entries
+FREQUENCY_CACHE_SIZE = (
+    8  # relevance._frequency_cache: per chat, how many messages hold each term (a new selection's BM25)
+)
+FREQUENCY_CACHE_TERMS = 50_000  # relevance._frequency_cache: and this many (chat, term) counts in all (~5 MiB)
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a message's fingerprint, by its stand-in key
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
-CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_terms, _passage_pieces: a long message's chunks (16 MiB at most)
+CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_index, _passage_pieces: a long text's chunks indexed (16 MiB at most)
 POINTED_MEMO_SIZE = 8  # excerpt._cached_scored: a long message's chunk scores for one question (a float a chunk)
-CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_terms: longer texts are cut anew each time
+CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_index: longer texts are cut anew each time
 VALVE_RANGE_MEMO_SIZE = 64  # valves.valve_range: a numeric valve's Field bounds, by valve name
 GLOB_MEMO_SIZE = 16  # pricing._glob_matchers: a model-name valve's globs compiled once, by its patterns
 

@@ -157,8 +157,12 @@ def _recalls_kept(
     while True:
         used = set(keep).union(*(b.indices for b in blocks))
         left = max_tokens - base - sum(b.tokens for b in blocks)
-        sent = _sent_chunks(excerpts, blocks)
-        block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left, sent=sent)
+        # Past the budget already (left < 0), no block can make it fit: the newest earlier block
+        # goes (or, with none left, `base` alone is over and nothing fits) without making one.
+        block = None
+        if left >= 0:
+            sent = _sent_chunks(excerpts, blocks)
+            block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left, sent=sent)
         wanted = blocks + [block] if block is not None else blocks
         if base + sum(b.tokens for b in wanted) <= max_tokens:
             return wanted if _excerpts_serve(messages, excerpts, wanted, question, counter, model) else None

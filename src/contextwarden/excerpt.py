@@ -11,14 +11,25 @@ same bytes (`rebuild`) while the question's needs do not change (prompt cache).
 from __future__ import annotations
 
 import functools
-from collections import Counter
-from collections.abc import Collection, Sequence
+import math
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
+from itertools import chain, repeat
+from operator import mul
 
 from .caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, POINTED_MEMO_SIZE, QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, held_terms, score_messages, words_terms
+from .relevance import (
+    DEFAULT_RELEVANCE_WEIGHTS,
+    _fuse,
+    _mixed,
+    _term_cache,
+    _TermStats,
+    held_terms,
+    score_messages,
+    words_terms,
+)
 from .semantic import VECTORS, Embed, embed_pieces, similarities
 from .tokens import TokenCounter
 
@@ -99,13 +110,36 @@ def split_chunks(text: str) -> list[str]:
     return chunks
 
 
-def _chunked(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
-    """`split_chunks(text)` and each chunk's search terms. A carried excerpt's message is cut,
-    checked and rebuilt again every turn: the last `CHUNK_CACHE_SIZE` texts of up to
+@dataclass(frozen=True, slots=True)
+class _ChunkIndex:
+    """A text's chunks (`split_chunks`), each one's term statistics (from the per-text cache, folded
+    as `held_terms` and `chunk_scores` read them), their total length, and for each term the
+    chunks that hold it, ascending: a question then reads only the chunks holding one of its
+    terms, and a term's holders are counted without reading every chunk."""
+
+    chunks: tuple[str, ...]
+    stats: tuple[_TermStats, ...]
+    holders: dict[str, tuple[int, ...]]
+    length: int
+
+
+def _index(chunks: tuple[str, ...]) -> _ChunkIndex:
+    get, fold = _term_cache.get, _CHUNK_WEIGHTS.fold_suffixes
+    stats = tuple([get(c, fold) for c in chunks])
+    holders: defaultdict[str, list[int]] = defaultdict(list)
+    for k, s in enumerate(stats):
+        for term in chain(s.once, s.more):
+            holders[term].append(k)
+    return _ChunkIndex(chunks, stats, {t: tuple(ks) for t, ks in holders.items()}, sum(s.length for s in stats))
+
+
+def _chunked(text: str) -> _ChunkIndex:
+    """`split_chunks(text)` with its `_ChunkIndex`. A carried excerpt's message is cut, checked
+    and rebuilt again every turn: the last `CHUNK_CACHE_SIZE` texts of up to
     `CHUNK_CACHE_MAX_CHARS` are kept (~10 bytes a character with their terms: 16 MiB at most)."""
     if len(text) > CHUNK_CACHE_MAX_CHARS:
-        return _chunk_terms(text)
-    return _cached_chunk_terms(text)
+        return _index(tuple(split_chunks(text)))
+    return _cached_chunk_index(text)
 
 
 def _chunks_only(text: str) -> tuple[str, ...]:
@@ -113,16 +147,15 @@ def _chunks_only(text: str) -> tuple[str, ...]:
     without its search terms (a quote or a rebuilt excerpt needs none, and they cost 2x the cut)."""
     if len(text) > CHUNK_CACHE_MAX_CHARS:
         return tuple(split_chunks(text))
-    return _cached_chunk_terms(text)[0]
+    return _cached_chunk_index(text).chunks
 
 
-def _chunk_terms(text: str) -> tuple[tuple[str, ...], tuple[frozenset[str], ...]]:
-    chunks = tuple(split_chunks(text))
-    return chunks, tuple(held_terms(c) for c in chunks)
+@functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)
+def _cached_chunk_index(text: str) -> _ChunkIndex:
+    return _index(tuple(split_chunks(text)))
 
 
-_cached_chunk_terms = functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)(_chunk_terms)
-register("excerpt._cached_chunk_terms", _cached_chunk_terms.cache_clear)
+register("excerpt._cached_chunk_index", _cached_chunk_index.cache_clear)
 
 
 def _pieces(text: str) -> list[str]:
@@ -172,7 +205,7 @@ def passage_texts(messages: Sequence[Message]) -> list[str]:
 @functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)
 def _passage_pieces(text: str) -> tuple[str, ...]:
     """The embedder's texts for the chunks of `text` (`passage_texts`)."""
-    chunks, _ = _chunked(text)
+    chunks = _chunked(text).chunks
     return tuple(chain.from_iterable(embed_pieces({"role": "user", "content": c}) for c in chunks))
 
 
@@ -183,15 +216,62 @@ def chunk_scores(chunks: Sequence[str], question: str, embed: Embed | None = Non
     """How relevant each chunk is to `question`: BM25 and friends over the chunks as the corpus
     (`score_messages` without recency, pairing or the turns before the question), with the
     embedder's cosines fused in when `embed` gives them (else, or when it fails, lexical)."""
-    pseudo = [{"role": "user", "content": c} for c in chunks]
-    pseudo.append({"role": "user", "content": question})
+    return _index_scores(_index(tuple(chunks)), question, embed)
+
+
+def _index_scores(index: _ChunkIndex, question: str, embed: Embed | None = None) -> list[float]:
+    """`chunk_scores` of the indexed chunks: the question's terms (its query) read only the
+    chunks that hold them (the others score 0 in BM25), so it costs what the question's terms
+    hold, not the text; the same scores as `score_messages`' over the chunks, bit for bit."""
+    chunks = index.chunks
     similarity = None
     if embed is not None and chunks:
+        pseudo = [{"role": "user", "content": c} for c in chunks]
+        pseudo.append({"role": "user", "content": question})
         try:
             similarity = similarities(pseudo, len(chunks), VECTORS, embed, context=False)
         except Exception:  # any embedder (the filter's looks vectors up and raises for chunks): lexical
             similarity = None
-    return score_messages(pseudo, question=len(chunks), weights=_CHUNK_WEIGHTS, similarity=similarity)[:-1]
+    asked = _term_cache.get(question, _CHUNK_WEIGHTS.fold_suffixes)
+    return _terms_scores(index, chain(asked.once, asked.more), asked, similarity)
+
+
+def _terms_scores(
+    index: _ChunkIndex,
+    query: Iterable[str],
+    asked: _TermStats,
+    similarity: Sequence[float] | None = None,
+) -> list[float]:
+    """`score_messages` of the chunks and a question (`asked`: its statistics) whose query terms
+    are `query` (each at weight 1, as `_CHUNK_WEIGHTS` reads a question alone), under
+    `_CHUNK_WEIGHTS`, less the question's own score: `relevance._bm25`'s sums over the chunks
+    holding a query term, in the same order of operations, then fused and mixed alike."""
+    weights, stats, holders = _CHUNK_WEIGHTS, index.stats, index.holders
+    n = len(stats) + 1  # the question is a message of the corpus's count, left out of its sums
+    average = index.length / n if index.length else 1.0
+    k1, b = weights.k1, weights.b
+    k1_plus = k1 + 1.0
+    idf: dict[str, float] = {}
+    reading: set[int] = set()
+    for term in query:
+        held = holders.get(term)
+        if held:
+            idf[term] = 1.0 * math.log(1.0 + (n - len(held) + 0.5) / (len(held) + 0.5))
+            reading.update(held)
+    idf_of, zeros = idf.get, repeat(0.0)
+    base = [0.0] * n
+    for k in reading:
+        s = stats[k]
+        norm = k1 * (1.0 - b + b * s.length / average)
+        score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
+        if s.more:
+            factor = {tf: tf * k1_plus / (tf + norm) for tf in set(s.more_tfs)}
+            score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
+        base[k] = score
+    skip = {n - 1}
+    if similarity is not None and len(similarity) == n:
+        base = _fuse(base, similarity, skip, weights.semantic_share)
+    return _mixed(base, [*stats, asked], ["user"] * n, skip, weights)[:-1]
 
 
 def spread_scores(count: int) -> list[float]:
@@ -304,8 +384,12 @@ def excerpt_message(
     slot = _text_slot(message)
     if slot is None:
         return None
-    chunks = split_chunks(slot[0])
-    scores = spread_scores(len(chunks)) if whole else chunk_scores(chunks, question, embed)
+    if whole:
+        chunks = _chunks_only(slot[0])
+        scores = spread_scores(len(chunks))
+    else:
+        index = _chunked(slot[0])
+        chunks, scores = index.chunks, _index_scores(index, question, embed)
     chosen, _ = _choose(
         chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
     )
@@ -351,7 +435,7 @@ def pointed_words(chunks: Sequence[str], question: str) -> str:
 
 def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
     """`pointed_words` of chunks whose terms are `held`."""
-    words, wanted = _question_words(question)
+    words, wanted, _ = _question_words(question)
     holders = Counter(chain.from_iterable(map(wanted.intersection, held)))
     limit = max(1, int(len(held) * POINTED_SHARE))
     pointed = {term for term in wanted if holders[term] <= limit}
@@ -359,15 +443,33 @@ def _pointed(held: Sequence[frozenset[str]], question: str) -> str:
 
 
 @functools.lru_cache(maxsize=QUESTION_MEMO_SIZE)
-def _question_words(question: str) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], frozenset[str]]:
-    """Each word of `question` with its search terms, and all those terms (one question is read
-    for every excerpt of a turn)."""
+def _question_words(
+    question: str,
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], frozenset[str], tuple[tuple[str, ...], ...]]:
+    """Each word of `question` with its search terms, all those terms, and the distinct terms of
+    its words of more than one term (one question is read for every excerpt of a turn)."""
     words = question.split()
     terms = words_terms(words)
-    return tuple((word, terms[word]) for word in words), frozenset().union(*terms.values())
+    several = tuple({t for t in terms.values() if len(t) > 1})
+    return tuple((word, terms[word]) for word in words), frozenset().union(*terms.values()), several
 
 
 register("excerpt._question_words", _question_words.cache_clear)
+
+
+def _pointed_query(index: _ChunkIndex, question: str) -> set[str]:
+    """The search terms of the question's `pointed_words` in the indexed chunks that some chunk
+    holds (the others weigh nothing), without joining the words and cutting them again: a
+    word's terms go when one of them is held by at most `POINTED_SHARE` of the chunks (or by
+    none), so those of a one-term word go when it is held by some but not too many."""
+    _, wanted, several = _question_words(question)
+    holders = index.holders
+    limit = max(1, int(len(index.chunks) * POINTED_SHARE))
+    query = {term for term in holders.keys() & wanted if len(holders[term]) <= limit}
+    for terms in several:
+        if any(len(holders.get(term, ())) <= limit for term in terms):
+            query.update(term for term in terms if term in holders)
+    return query
 
 
 def _pointed_scores(text: str, question: str) -> tuple[tuple[str, ...], list[float]]:
@@ -379,9 +481,13 @@ def _pointed_scores(text: str, question: str) -> tuple[tuple[str, ...], list[flo
     return _cached_scored(text, question)
 
 
+# The question's statistics where `_terms_scores` needs some: it is left out of every sum.
+_ASKED = _TermStats((), (), b"", 0, False)
+
+
 def _scored(text: str, question: str) -> tuple[tuple[str, ...], list[float]]:
-    chunks, held = _chunked(text)
-    return chunks, chunk_scores(chunks, _pointed(held, question))
+    index = _chunked(text)
+    return index.chunks, _terms_scores(index, _pointed_query(index, question), _ASKED)
 
 
 _cached_scored = functools.lru_cache(maxsize=POINTED_MEMO_SIZE)(_scored)

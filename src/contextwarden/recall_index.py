@@ -21,7 +21,7 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from operator import add, mul, truediv
+from operator import add, mul, neg, sub, truediv
 
 from .caches import DEFAULT_INDEX_TERMS, register
 from .conversation import Message, message_text
@@ -153,7 +153,8 @@ def indexed(messages: Sequence[Message], *, seen: int, weights: RelevanceWeights
 
 def _text_keys(texts: Iterable[str]) -> list[tuple[int, int]]:
     """Each text's key: its length and string hash, as the term cache keys it."""
-    return [(len(text), hash(text)) for text in texts]
+    texts = list(texts)
+    return list(zip(map(len, texts), map(hash, texts), strict=True))
 
 
 def recall_scores(
@@ -214,18 +215,21 @@ def _scores(
     average = total / n if n and total else 1.0
     k1, b = weights.k1, weights.b
     skipped = Counter(chain.from_iterable(chain(stats[i].once, stats[i].more) for i in skip))
-    idf = {}
-    for term, weight in query.items():
-        found = len(postings.get(term, ())) - skipped[term]
-        if found:
-            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+    # How many messages hold each query term, and its idf: once per distinct (weight, count),
+    # since a long question's hundreds of terms share a few (the counts made in C).
+    asked = list(query)
+    found = map(sub, map(len, map(postings.get, asked, repeat(()))), map(skipped.__getitem__, asked))
+    pairs = list(zip(query.values(), found, strict=True))
+    weighs = {(w, f): w * math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for w, f in set(pairs) if f}
+    idf = {term: weighs[pair] for term, pair in zip(asked, pairs, strict=True) if pair[1]}
     # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
     # add little to what is recalled, and each term read costs a pass over its postings.
-    terms = sorted(idf, key=lambda t: (-idf[t], t))[:RECALL_QUERY_TERMS]
+    terms = [term for _, term in sorted(zip(map(neg, idf.values()), idf, strict=True))[:RECALL_QUERY_TERMS]]
     # Term by term over the messages that hold it, each message's parts then summed, all in C:
     # `math.fsum` is exact, so a message's sum is the same whichever terms it lacks.
     k1_plus = k1 + 1.0
-    norms = [k1 * (1.0 - b + b * s.length / average) for s in stats]
+    # Each message's length norm, for the messages that hold a term read (most hold none).
+    norms = {i: k1 * (1.0 - b + b * stats[i].length / average) for i in set().union(*map(postings.__getitem__, terms))}
     parts: defaultdict[int, list[float]] = defaultdict(list)
     for term in terms:
         at, tfs = postings[term], index.counts[term]

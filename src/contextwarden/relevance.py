@@ -27,14 +27,16 @@ import re
 import sys
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import mul
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, is_, mul
 
 from .caches import (
     DEFAULT_TERM_CACHE_SIZE,
     DEFAULT_TERM_CACHE_TERMS,
+    FREQUENCY_CACHE_SIZE,
+    FREQUENCY_CACHE_TERMS,
     TERM_MEMO_CHARS,
     TERM_MEMO_SIZE,
     lru_hit,
@@ -388,6 +390,56 @@ def held_terms(text: str) -> frozenset[str]:
     return frozenset(stats.once).union(stats.more)
 
 
+class _FrequencyCache:
+    """Per chat, how many of its messages hold each term (BM25's document frequency), kept for
+    the chat's next turn: its statistics list begins with the very same objects (the per-text
+    cache hands out one per text) and only the messages after them are read. At most `size`
+    chats and `max_terms` terms over them all, least recently used out first; a list whose
+    start differs (an edited chat, statistics the term cache let go) is counted anew."""
+
+    def __init__(self, size: int, max_terms: int) -> None:
+        self.size = size
+        self.max_terms = max_terms
+        self._entries: list[tuple[list[_TermStats], Counter[str]]] = []
+        self._lock = threading.Lock()
+
+    def of(self, stats: Sequence[_TermStats]) -> Counter[str]:
+        """How many of `stats` hold each term (shared: the caller must not change it)."""
+        with self._lock:
+            found = next((e for e in reversed(self._entries) if _begins(stats, e[0])), None)
+            if found is not None:
+                self._drop(found)
+        held, counts = found if found is not None else ([], Counter[str]())
+        if len(held) < len(stats):
+            counts = counts.copy()  # a published count never changes (another thread may read it)
+            counts.update(chain.from_iterable(chain(s.once, s.more) for s in stats[len(held) :]))
+            held = list(stats)
+        if len(counts) <= self.max_terms:
+            with self._lock:
+                self._entries.append((held, counts))
+                total = sum(len(c) for _, c in self._entries)
+                while len(self._entries) > self.size or total > self.max_terms:
+                    total -= len(self._entries.pop(0)[1])
+        return counts
+
+    def _drop(self, entry: tuple[list[_TermStats], Counter[str]]) -> None:
+        self._entries[:] = [e for e in self._entries if e is not entry]
+
+    def clear(self) -> None:
+        """Forget every chat's counts."""
+        with self._lock:
+            self._entries.clear()
+
+
+def _begins(stats: Sequence[_TermStats], held: list[_TermStats]) -> bool:
+    """`stats` begins with the objects `held`."""
+    return len(held) <= len(stats) and all(map(is_, held, stats))
+
+
+_frequency_cache = _FrequencyCache(FREQUENCY_CACHE_SIZE, FREQUENCY_CACHE_TERMS)
+register("relevance._frequency_cache", _frequency_cache.clear)
+
+
 def _query_weights(stats: Sequence[_TermStats], question: int, weights: RelevanceWeights) -> dict[str, float]:
     """Query terms with their weights: the question's at 1, for a short question the context's
     at `context_weight` (shared by its term count)."""
@@ -427,12 +479,14 @@ def _bm25(
     for _, s in corpus:
         total += s.length
     average = total / n if n and total else 1.0
-    frequency = Counter(chain.from_iterable(chain(s.once, s.more) for _, s in corpus)).get
+    # The chat's counts (kept from its last turn), less those of the messages left out.
+    held = _frequency_cache.of(stats).get
+    skipped = Counter(chain.from_iterable(chain(s.once, s.more) for s in _left(stats, skip)))
     k1, b = weights.k1, weights.b
     k1_plus = k1 + 1.0
     idf: dict[str, float] = {}
     for term, weight in query.items():
-        found = frequency(term, 0)
+        found = held(term, 0) - skipped[term]
         if found:
             idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
     idf_of = idf.get
@@ -449,6 +503,11 @@ def _bm25(
             score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
         scores[index] = score
     return scores
+
+
+def _left(stats: Sequence[_TermStats], skip: set[int]) -> Iterator[_TermStats]:
+    """The statistics at the `skip` indices (those within the list)."""
+    return (stats[i] for i in skip if 0 <= i < len(stats))
 
 
 def _fuse(lexical: Sequence[float], similarity: Sequence[float], skip: set[int], share: float) -> list[float]:
@@ -523,6 +582,9 @@ def score_messages(
     return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)
 
 
+_short_date = attrgetter("short_date")
+
+
 def _mixed(
     base: list[float], stats: Sequence[_TermStats], roles: Sequence[object], skip: set[int], weights: RelevanceWeights
 ) -> list[float]:
@@ -531,25 +593,24 @@ def _mixed(
     n = len(base)
     top = max(base, default=0.0)
     scores = list(base)
+    # Each step adds to every score in C where it can, in the same order per message as one
+    # loop a step would (the sums are then the same, bit for bit).
     if weights.pair_share or weights.pair_back:
         for i in range(1, n):
             if roles[i] == "assistant" and roles[i - 1] == "user":
                 scores[i] += weights.pair_share * base[i - 1]
                 scores[i - 1] += weights.pair_back * base[i]
-    if weights.neighbour_share:
-        for i in range(n):
-            left = base[i - 1] if i > 0 else 0.0
-            right = base[i + 1] if i + 1 < n else 0.0
-            scores[i] += weights.neighbour_share * max(left, right)
+    if weights.neighbour_share and n:
+        best = map(max, [0.0, *base[:-1]], [*base[1:], 0.0])
+        scores = list(map(add, scores, map(mul, repeat(weights.neighbour_share), best)))
     if weights.header_share:
-        for i in range(n):
-            if stats[i].short_date and i not in skip:
+        for i in compress(range(n), map(_short_date, stats)):
+            if i not in skip:
                 following = base[i + 1 : i + 1 + weights.header_reach]
                 scores[i] += weights.header_share * max(following, default=0.0)
     if weights.recency and n > 1:
         bonus = weights.recency * (top or 1.0) / (n - 1)
-        for i in range(n):
-            scores[i] += bonus * i
+        scores = list(map(add, scores, map(mul, repeat(bonus), range(n))))
     for i in skip:
         if 0 <= i < n:
             scores[i] = 0.0
