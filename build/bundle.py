@@ -38,6 +38,7 @@ MODULES = [
     "semantic",
     "relevance",
     "recall_index",
+    "decision",
     "selection",
     "excerpt",
     "recall",

@@ -13,12 +13,12 @@ import contextwarden
 from contextwarden import (
     caches,
     conversation,
+    decision,
     embedder,
     excerpt,
     flags,
     recall_index,
     relevance,
-    selection,
     tokens,
     trim,
 )
@@ -72,7 +72,7 @@ def test_every_process_wide_cache_is_registered():
     for module in pkgutil.iter_modules(contextwarden.__path__):
         importlib.import_module(f"contextwarden.{module.name}")
     found = module_level_caches()
-    assert {"selection._fingerprint_cache", "relevance._term_cache", "excerpt._question_words"} <= found
+    assert {"decision._fingerprint_cache", "relevance._term_cache", "excerpt._question_words"} <= found
     assert set(caches.registered()) == found
 
 
@@ -106,7 +106,7 @@ def cache_sizes() -> dict[str, int]:
     """What each process-wide cache holds (entries, and for those bounded by terms, terms too)."""
     return {
         "term stats": len(relevance._term_cache._entries) + relevance._term_cache._terms,
-        "fingerprints": len(selection._fingerprint_cache),
+        "fingerprints": len(decision._fingerprint_cache),
         "vectors": len(VECTORS),
         "frequencies": len(relevance._frequency_cache._entries),
         "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,

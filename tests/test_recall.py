@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message
+from contextwarden.decision import Recall
 from contextwarden.recall import _Pools
 from contextwarden.recall_index import RECALL_CONTEXT_TERMS, recall_scores
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
-from contextwarden.selection import Recall, choose_recall, recall_candidates
+from contextwarden.selection import choose_recall, recall_candidates
 
 from chats import check_contract, recall_positions
 

@@ -10,9 +10,9 @@ from decimal import Decimal as D
 import pytest
 
 from contextwarden.chatstate import CHAT_STATE_VERSION, ChatState
+from contextwarden.decision import Recall, TrimDecision
 from contextwarden.flags import Flags
 from contextwarden.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
-from contextwarden.selection import Recall, TrimDecision
 
 DECISION = TrimDecision(
     max_tokens=1_000,

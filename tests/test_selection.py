@@ -10,8 +10,9 @@ import pytest
 
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.conversation import read_conversation
+from contextwarden.decision import message_fingerprint
 from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS
-from contextwarden.selection import choose_indices, message_fingerprint, reuse_previous, select_by_value
+from contextwarden.selection import choose_indices, reuse_previous, select_by_value
 from contextwarden.tokens import TokenCounter
 
 from chatgen import random_chat

@@ -14,10 +14,10 @@ __version__ = "0.1.0"
 
 import logging
 
+from .decision import TrimDecision
 from .errors import ConfigError, ContextWardenError, PricingError
 from .explain import Explanation, explain_trim
 from .filter import Filter
-from .selection import TrimDecision
 from .tokens import TokenCounter, encoding_for
 from .trim import TrimResult, trim_messages
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .conversation import Message
-from .selection import message_fingerprint
+from .decision import message_fingerprint
 from .trim import TrimResult
 
 __all__ = [

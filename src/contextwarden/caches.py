@@ -34,7 +34,7 @@ FREQUENCY_CACHE_SIZE = (
     8  # relevance._frequency_cache: per chat, how many messages hold each term (a new selection's BM25)
 )
 FREQUENCY_CACHE_TERMS = 50_000  # relevance._frequency_cache: and this many (chat, term) counts in all (~5 MiB)
-DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # selection._fingerprint_cache: a message's fingerprint, by its stand-in key
+DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # decision._fingerprint_cache: a message's fingerprint, by its stand-in key
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
 CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_index, _passage_pieces: a long text's chunks indexed (16 MiB at most)
 POINTED_MEMO_SIZE = 8  # excerpt._cached_scored: a long message's chunk scores for one question (a float a chunk)

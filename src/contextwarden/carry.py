@@ -14,6 +14,7 @@ from dataclasses import replace
 from itertools import filterfalse
 
 from .conversation import Message, message_text, system_positions
+from .decision import Fingerprints, TrimDecision
 from .excerpt import EXCERPT_KEEP_SHARE, Excerpt, fresh_share, rebuild
 from .recall import (
     _Block,
@@ -27,15 +28,7 @@ from .recall import (
     _sent_chunks,
     _with_blocks,
 )
-from .selection import (
-    Fingerprints,
-    TrimDecision,
-    carried_recalls,
-    extend_previous,
-    history_chars,
-    reuse_previous,
-    window_start,
-)
+from .selection import carried_recalls, extend_previous, history_chars, reuse_previous, window_start
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 from .trim_types import TrimOptions, TrimResult, _Counted, _sized
 

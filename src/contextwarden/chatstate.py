@@ -11,8 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field, replace
 
+from .decision import TrimDecision
 from .flags import Flags
-from .selection import TrimDecision
 
 __all__ = ["ChatState", "chat_state_key", "MAX_PINS", "CHAT_STATE_VERSION"]
 

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from . import __version__
 from .calibration import MAX_CALIBRATION, MIN_CALIBRATION
 from .conversation import Message, message_text
+from .decision import TrimDecision
 from .errors import ConfigError
 from .explain import Explanation, explain_trim
 from .ledger import LedgerEntry, ledger_totals, read_ledger
@@ -30,7 +31,7 @@ from .offline import seed_tiktoken_cache, tiktoken_cache_dir
 from .pricing import PriceBook, resolve_model
 from .report import render_csv, render_html, render_json, render_table
 from .savings import SAVINGS_ASSUMPTION
-from .selection import STRATEGIES, TrimDecision
+from .selection import STRATEGIES
 from .status import savings_status
 from .store import RedisStore, open_store, redis_client
 from .tokens import TokenCounter

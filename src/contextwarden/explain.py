@@ -14,16 +14,11 @@ from typing import Any
 
 from .cache_hints import min_cacheable_tokens
 from .conversation import Conversation, Message, read_conversation
+from .decision import message_fingerprint
 from .pricing import ModelPrice
 from .relevance import score_messages
 from .savings import SAVINGS_ASSUMPTION, Savings, cached_prefixes, estimate_savings, predicted_cache, price_caches
-from .selection import (
-    DEFAULT_COST_EXPONENT,
-    mandatory_indices,
-    message_fingerprint,
-    recent_turns,
-    turn_values,
-)
+from .selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim import TrimOptions, TrimResult, selection_target
 

@@ -17,10 +17,11 @@ from itertools import repeat
 from operator import add, mul
 
 from .conversation import SUMMARY_ACK_MESSAGE, Message, message_text, recall_message, recall_quotes
+from .decision import Recall
 from .excerpt import Excerpt, cuttable, passage_quote, recall_passages
 from .recall_index import recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights
-from .selection import Recall, choose_recall, neighbour_reach, recall_candidates, recall_order
+from .selection import choose_recall, neighbour_reach, recall_candidates, recall_order
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_MESSAGE, TOKENS_PER_ROLE, TokenCounter
 

@@ -8,7 +8,7 @@ and one reader, and the in-process one they are made from.
   between them, so a note another version wrote is read too).
 - `UsageRecord`: the `usage {json}` log line, one per reply (admins parse it).
 
-The stored chat state is `chatstate.ChatState`; the trim decision inside it `selection.TrimDecision`.
+The stored chat state is `chatstate.ChatState`; the trim decision inside it `decision.TrimDecision`.
 Money is carried as `Decimal` and written as exact decimal text (JSON has no exact decimals);
 outlet input is the client's, so every reader bounds what it accepts.
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 from .cache_hints import carried_prefix
 from .conversation import Message
+from .decision import TrimDecision, message_fingerprint
 from .flags import Flags
 from .pricing import read_decimal
-from .selection import TrimDecision, message_fingerprint
 from .trim import PINS_SHORTENED_NOTE, TrimResult
 from .usage import read_count
 

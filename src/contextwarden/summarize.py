@@ -30,7 +30,7 @@ from .conversation import (
     message_text,
     system_positions,
 )
-from .selection import message_fingerprint
+from .decision import message_fingerprint
 from .store import Store
 from .tokens import TokenCounter
 from .trim import TrimResult

@@ -18,6 +18,7 @@ from typing import Any
 from .caches import register
 from .carry import _extend_previous, _reused
 from .conversation import Message, message_text, read_conversation
+from .decision import Fingerprints, TrimDecision
 from .excerpt import Excerpt
 from .fresh import WHOLE_DOCUMENT_MIN_CHARS, _new_selection, _wants_whole, selection_target
 from .recall import (
@@ -36,15 +37,7 @@ from .recall import (
 from .recall import MIN_PASSAGE_TOKENS as MIN_PASSAGE_TOKENS  # the filter reads it here
 from .recall_index import indexed
 from .relevance import read_ahead, wants_whole
-from .selection import (
-    DEFAULT_KEEP_LAST_TURNS,
-    DEFAULT_STRATEGY,
-    STRATEGIES,
-    Fingerprints,
-    Strategy,
-    TrimDecision,
-    history_chars,
-)
+from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy, history_chars
 from .semantic import Embed
 from .shorten import PINS_DROPPED_NOTE, PINS_SHORTENED_NOTE, SHORTENED_MARK, _mandatory_part
 from .tokens import TOKENS_PER_REPLY, TokenCounter

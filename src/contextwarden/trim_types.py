@@ -8,9 +8,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .conversation import Conversation, Message
+from .decision import TrimDecision
 from .excerpt import Excerpt
 from .recall import DEFAULT_RECALL_SHARE, _Pools
-from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, Strategy, TrimDecision
+from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, Strategy
 from .semantic import Embed
 from .tokens import CountMode
 
