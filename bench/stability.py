@@ -30,9 +30,9 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
 import contextwarden  # noqa: E402
 from contextwarden import TrimDecision, trim_messages  # noqa: E402
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.tokens import TokenCounter  # noqa: E402
-from contextwarden.trim import DEFAULT_GROWTH_TURNS  # noqa: E402
+from contextwarden.core.tokens import TokenCounter  # noqa: E402
+from contextwarden.core.trim import DEFAULT_GROWTH_TURNS  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 import synth  # noqa: E402
 from quality import DEFAULT_DATA, conversation_chat  # noqa: E402

@@ -1,6 +1,8 @@
 """Build `open_webui_filter.py`, the single file an admin pastes into Open WebUI.
 
-Concatenates the modules of `src/contextwarden/` in a fixed order, each framed by banners.
+Concatenates the modules of `src/contextwarden/` part by part (the package's own, then its
+folders core, state, money, face) in a fixed order, each part under a header and each module
+framed by banners.
 Standard-library and allowed third-party imports are hoisted into one block at the top and
 stay as comments where they were, as do intra-package imports. An audit map at the top gives
 the line of the Filter class and of every place that reaches outside the process (network,
@@ -24,61 +26,67 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # In a source tree this file is build/bundle.py; in a wheel it is contextwarden/_bundle.py.
-INSTALLED = (HERE / "filter.py").exists()
+INSTALLED = (HERE / "face" / "filter.py").exists()
 PACKAGE = HERE if INSTALLED else HERE.parent / "src" / "contextwarden"
 OUTPUT = Path("open_webui_filter.py") if INSTALLED else HERE.parent / "open_webui_filter.py"
 
-# Dependency order: each module only imports modules listed before it.
+# The modules by their path under src/contextwarden/, part by part (the package's own, core,
+# state, money, face: PARTS), each part in dependency order: a module imports only modules
+# listed before it, so a part imports only the parts before it.
 MODULES = [
     "errors",
-    "money",
     "caches",
-    "conversation",
-    "tokens",
-    "semantic",
-    "relevance",
-    "recall_index",
-    "decision",
-    "selection",
-    "excerpt",
-    "recall",
-    "shorten",
-    "trim_types",
-    "carry",
-    "fresh",
-    "trim",
-    "flags",
-    "chatstate",
-    "store",
-    "price_data",
-    "pricing",
-    "live_prices",
-    "price_sources",
-    "embedder",
-    "summarize",
-    "usage",
-    "cache_hints",
-    "records",
-    "savings",
-    "status",
-    "ledger",
-    "limits",
-    "spendbook",
-    "openturns",
-    "adminview",
-    "usergroups",
-    "calibration",
-    "cache_stats",
-    "accounting",
-    "settings",
-    "valves",
-    "budget",
-    "offloop",
-    "hookargs",
-    "trimpass",
-    "bookkeeping",
-    "filter",
+    "core/conversation",
+    "core/tokens",
+    "core/semantic",
+    "core/relevance",
+    "core/recall_index",
+    "core/decision",
+    "core/selection",
+    "core/excerpt",
+    "core/recall",
+    "core/shorten",
+    "core/trim_types",
+    "core/carry",
+    "core/fresh",
+    "core/trim",
+    "core/flags",
+    "state/chatstate",
+    "state/store",
+    "money/dollars",
+    "money/price_data",
+    "money/pricing",
+    "money/live_prices",
+    "money/price_sources",
+    "money/usage",
+    "money/cache_hints",
+    "money/records",
+    "money/savings",
+    "money/ledger",
+    "money/limits",
+    "money/spendbook",
+    "money/openturns",
+    "money/calibration",
+    "money/cache_stats",
+    "money/accounting",
+    "face/embedder",
+    "face/summarize",
+    "face/status",
+    "face/adminview",
+    "face/usergroups",
+    "face/settings",
+    "face/valves",
+    "face/budget",
+    "face/offloop",
+    "face/hookargs",
+    "face/trimpass",
+    "face/bookkeeping",
+    "face/filter",
 ]
+# The parts in the file's order and the header of each; a part's title is the first line of
+# its __init__.py docstring.
+PARTS = ["", "core", "state", "money", "face"]
+SHARED_TITLE = "The package's own: the exception tree and the cache inventory every part uses."
 # What Open WebUI itself ships besides the standard library.
 ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
 
@@ -137,6 +145,33 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
+def _imported(name: str, node: ast.ImportFrom) -> str:
+    """The path (as in MODULES) a relative import in module `name` reads, e.g. `core/tokens`."""
+    package = name.split("/")[:-1]
+    if node.level - 1 > len(package):
+        return "<above the package>"
+    base = package[: len(package) - (node.level - 1)]
+    return "/".join(base + (node.module.split(".") if node.module else []))
+
+
+def _part(name: str) -> str:
+    """The part a module of MODULES belongs to ("" for the package's own)."""
+    return name.rpartition("/")[0]
+
+
+def _part_header(part: str) -> str:
+    """The banner above a part's modules: its folder and its title."""
+    if not part:
+        folder, title = "contextwarden/", SHARED_TITLE
+    else:
+        doc = ast.get_docstring(ast.parse((PACKAGE / part / "__init__.py").read_text(encoding="utf-8")))
+        if not doc:
+            raise BundleError(f"contextwarden/{part}/__init__.py has no docstring to title its part")
+        folder, title = f"contextwarden/{part}/", doc.splitlines()[0]
+    rule = "#" * 100
+    return f"{rule}\n# {folder}  {title}\n{rule}"
+
+
 def _bundle_module(
     name: str, source: str, seen: list[str], hoisted: dict[tuple[str, str], set]
 ) -> tuple[str, set[str]]:
@@ -153,8 +188,8 @@ def _bundle_module(
 
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.level:
-            target = node.module or ""
-            if node.level != 1 or target not in MODULES:
+            target = _imported(name, node)
+            if target not in MODULES:
                 raise BundleError(f"{name}.py: unsupported relative import {ast.unparse(node)!r}")
             if target not in seen:
                 raise BundleError(f"{name}.py imports {target}, which comes later in MODULES")
@@ -254,6 +289,9 @@ def _audit_map(text: str) -> list[str]:
 
 def build() -> str:
     """The bundle's full text."""
+    parts = [_part(name) for name in MODULES]
+    if any(p not in PARTS for p in parts) or parts != sorted(parts, key=PARTS.index):
+        raise BundleError("MODULES must list the parts in the order of PARTS, each part's modules together")
     sources = {name: (PACKAGE / f"{name}.py").read_text(encoding="utf-8") for name in MODULES}
     digest = hashlib.sha256("".join(sources[n] for n in MODULES).encode()).hexdigest()[:12]
     hoisted: dict[tuple[str, str], set] = {}
@@ -262,13 +300,15 @@ def build() -> str:
     seen: list[str] = []
     for name in MODULES:
         body, names = _bundle_module(name, sources[name], seen, hoisted)
+        if not seen or _part(seen[-1]) != _part(name):
+            bodies.append(_part_header(_part(name)))
         for defined in sorted(names):
             if defined in owners:
                 raise BundleError(f"name collision: {defined!r} is defined in {owners[defined]}.py and {name}.py")
             owners[defined] = name
         bodies.append(f"# ---- begin contextwarden/{name}.py ----\n\n{body}\n\n# ---- end contextwarden/{name}.py ----")
         seen.append(name)
-    if "class Filter" not in bodies[-1]:
+    if "class Filter" not in bodies[-1] or not MODULES[-1].endswith("/filter"):
         raise BundleError("the last module must define class Filter")
     for name, statement in _import_bindings(hoisted).items():
         if name in owners:

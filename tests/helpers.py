@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from contextwarden import Filter
-from contextwarden.store import Store, open_store
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.state.store import Store, open_store
 
 __all__ = [
     "BUILT_FILE",

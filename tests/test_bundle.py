@@ -34,7 +34,7 @@ def test_bundle_reads_like_source():
             imported.add(node.module.split(".")[0])
     assert imported - set(sys.stdlib_module_names) == {"pydantic", "httpx", "tiktoken", "redis"} & imported
     assert [n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Filter"] == ["Filter"]
-    assert "# ---- begin contextwarden/filter.py ----" in text
+    assert "# ---- begin contextwarden/face/filter.py ----" in text
     for marker in ("exec(", "b64decode", "zlib", "pickle", "importlib"):
         assert marker not in text
 
@@ -64,12 +64,12 @@ def _build_with_appended(tmp_path: Path, module: str, code: str) -> str:
 
 
 def test_bundle_fails_on_name_collision(tmp_path):
-    out = _build_with_appended(tmp_path, "usage", "\n\ndef read_settings():\n    pass\n")
+    out = _build_with_appended(tmp_path, "money/usage", "\n\ndef read_settings():\n    pass\n")
     assert "ERR name collision: 'read_settings'" in out
 
 
 def test_bundle_fails_when_a_name_shadows_a_hoisted_import(tmp_path):
-    out = _build_with_appended(tmp_path, "usage", "\n\ndef replace():\n    pass\n")  # dataclasses.replace
+    out = _build_with_appended(tmp_path, "money/usage", "\n\ndef replace():\n    pass\n")  # dataclasses.replace
     assert "ERR name collision: 'replace'" in out and "from dataclasses import" in out
 
 
@@ -84,7 +84,7 @@ def test_audit_map_points_at_what_it_names():
 
 
 def test_audit_map_refuses_an_unlisted_network_call(tmp_path):
-    out = _build_with_appended(tmp_path, "usage", "\n\nasync def _sneaky():\n    return httpx.AsyncClient()\n")
+    out = _build_with_appended(tmp_path, "money/usage", "\n\nasync def _sneaky():\n    return httpx.AsyncClient()\n")
     assert "ERR audit map: line" in out and "not listed in AUDIT" in out
 
 

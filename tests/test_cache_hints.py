@@ -9,7 +9,9 @@ import json
 import logging
 import random
 
-from contextwarden.cache_hints import (
+from contextwarden.core.conversation import message_text
+from contextwarden.core.trim import trim_messages
+from contextwarden.money.cache_hints import (
     CACHE_MARKER,
     MAX_BREAKPOINTS,
     breakpoint_positions,
@@ -20,8 +22,6 @@ from contextwarden.cache_hints import (
     place_breakpoints,
     remove_breakpoints,
 )
-from contextwarden.conversation import message_text
-from contextwarden.trim import trim_messages
 
 from chatgen import random_chat
 from chats import frozen
@@ -263,7 +263,7 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
 
     await turn(SONNET, reply, events)
     assert events.statuses[-1].startswith("Whole chat sent · 9,000 tokens in (8,120 cached) · 20 out · $")
-    from contextwarden.cache_stats import load_cache_stats
+    from contextwarden.money.cache_stats import load_cache_stats
 
     assert (await load_cache_stats(f.store, SONNET)).caches() is True
     for _ in range(3):
@@ -291,7 +291,7 @@ async def test_savings_follow_what_the_model_was_learned_to_do(counter, caplog):
     gpt-4.1 is expected to cache; priced uncached once three replies over the minimum had none."""
     from decimal import Decimal
 
-    from contextwarden.cache_stats import CacheStats, save_cache_stats
+    from contextwarden.money.cache_stats import CacheStats, save_cache_stats
 
     model = "openai/gpt-4.1"  # $2.00/M input, $0.50/M cached
 

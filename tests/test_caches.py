@@ -10,20 +10,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import contextwarden
-from contextwarden import (
-    caches,
-    conversation,
-    decision,
-    embedder,
-    excerpt,
-    flags,
-    recall_index,
-    relevance,
-    tokens,
-    trim,
-)
-from contextwarden.semantic import VECTORS
-from contextwarden.trim import trim_messages
+from contextwarden import caches
+from contextwarden.core import conversation, decision, excerpt, flags, recall_index, relevance, tokens, trim
+from contextwarden.core.semantic import VECTORS
+from contextwarden.core.trim import trim_messages
+from contextwarden.face import embedder
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -44,7 +35,7 @@ def module_level_caches(root: Path = SRC) -> set[str]:
     module-level name that says it is a cache or memo, or holds an `OrderedDict`, a `...Cache` or a
     `TokenCounter` (its counts)."""
     found = set()
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         for node in ast.parse(path.read_text(), str(path)).body:
             if isinstance(node, ast.FunctionDef):
                 decorators = [d.func if isinstance(d, ast.Call) else d for d in node.decorator_list]
@@ -69,8 +60,8 @@ def module_level_caches(root: Path = SRC) -> set[str]:
 
 
 def test_every_process_wide_cache_is_registered():
-    for module in pkgutil.iter_modules(contextwarden.__path__):
-        importlib.import_module(f"contextwarden.{module.name}")
+    for module in pkgutil.walk_packages(contextwarden.__path__, "contextwarden."):
+        importlib.import_module(module.name)
     found = module_level_caches()
     assert {"decision._fingerprint_cache", "relevance._term_cache", "excerpt._question_words"} <= found
     assert set(caches.registered()) == found
@@ -82,7 +73,7 @@ def test_each_bound_is_defined_in_caches_only():
     assert {"DEFAULT_TERM_CACHE_SIZE", "DEFAULT_COUNT_CACHE_SIZE", "QUESTION_MEMO_SIZE"} <= bounds
     elsewhere = {
         f"{path.stem}.{t.id}"
-        for path in SRC.glob("*.py")
+        for path in SRC.rglob("*.py")
         if path.stem != "caches"
         for n in ast.parse(path.read_text()).body
         if isinstance(n, (ast.Assign, ast.AnnAssign))
@@ -90,7 +81,7 @@ def test_each_bound_is_defined_in_caches_only():
         if isinstance(t, ast.Name) and t.id in bounds
     }
     assert elsewhere == set()
-    unused = {b for b in bounds if not any(b in p.read_text() for p in SRC.glob("*.py") if p.stem != "caches")}
+    unused = {b for b in bounds if not any(b in p.read_text() for p in SRC.rglob("*.py") if p.stem != "caches")}
     assert unused == set()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from contextwarden.cli import main
+from contextwarden.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "long_chat.json"
@@ -58,7 +58,7 @@ def test_trim_rejects_bad_input(tmp_path, capsys):
 
 def test_build_check_via_command():
     run = subprocess.run(
-        [sys.executable, "-m", "contextwarden.cli", "build", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "contextwarden.tools.cli", "build", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
     assert "up to date" in run.stdout
@@ -110,7 +110,7 @@ def _usage_error(port: int) -> str:
     """The stderr of `contextwarden usage` pointed at a local port (a process of its own, so a
     hang at its exit shows as a timeout); asserts it failed with one line and no traceback."""
     run = subprocess.run(
-        [sys.executable, "-m", "contextwarden.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
+        [sys.executable, "-m", "contextwarden.tools.cli", "usage", "--redis-url", f"redis://127.0.0.1:{port}/0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -191,7 +191,7 @@ def test_a_long_trim_shows_its_time_on_a_terminal_only(tmp_path, monkeypatch):
     import io
     import time
 
-    import contextwarden.cli as cli
+    import contextwarden.tools.cli as cli
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -207,7 +207,7 @@ def test_a_long_trim_shows_its_time_on_a_terminal_only(tmp_path, monkeypatch):
 
 def test_usage_against_a_silent_server_says_how_long_it_waited(monkeypatch, capsys):
     """A server that takes the connection and never answers: named, with the wait, in one line."""
-    import contextwarden.cli as cli
+    import contextwarden.tools.cli as cli
 
     monkeypatch.setattr(cli, "USAGE_REDIS_TIMEOUT", 0.1)  # an answer may take 4 times it
     with socket.socket() as silent:

@@ -14,9 +14,9 @@ from decimal import Decimal
 
 import pytest
 
-from contextwarden.cli import main
-from contextwarden.ledger import record_reply
-from contextwarden.store import open_store
+from contextwarden.money.ledger import record_reply
+from contextwarden.state.store import open_store
+from contextwarden.tools.cli import main
 
 D = Decimal
 pytestmark = pytest.mark.redis

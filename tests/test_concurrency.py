@@ -17,8 +17,8 @@ from decimal import Decimal
 import pytest
 
 from contextwarden import trim_messages
-from contextwarden.ledger import ledger_totals, read_ledger, usd_to_picodollars
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.money.ledger import ledger_totals, read_ledger, usd_to_picodollars
 
 from chats import check_contract
 from helpers import make_filter

@@ -10,7 +10,7 @@ import pytest
 
 import contextwarden
 
-MODULES = ["contextwarden", *sorted(m.name for m in pkgutil.iter_modules(contextwarden.__path__, "contextwarden."))]
+MODULES = ["contextwarden", *sorted(m.name for m in pkgutil.walk_packages(contextwarden.__path__, "contextwarden."))]
 
 
 @pytest.mark.parametrize("name", MODULES)

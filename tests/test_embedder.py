@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import contextwarden.embedder as embedder_module
+import contextwarden.face.embedder as embedder_module
 from contextwarden import trim_messages
-from contextwarden.embedder import TURN_EMBED_TEXTS, EmbedderResting, EmbedderSlow, OpenWebUIEmbedder, embedder_of
-from contextwarden.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
+from contextwarden.core.semantic import PIECE_CHARS, VECTORS, embed_pieces, embed_texts, similarities
+from contextwarden.face.embedder import TURN_EMBED_TEXTS, EmbedderResting, EmbedderSlow, OpenWebUIEmbedder, embedder_of
 
 from embedders import chat_about_a_cat, topic_embed
 
@@ -172,7 +172,7 @@ async def next_turn_with(counter, function, monkeypatch, wait: float = 0.1, **va
     """A chat as Open WebUI runs it: a first turn (a chat this process has not seen), its reply
     through the outlet (which starts embedding the chat), `wait` seconds, then the next turn.
     The `embed` each trim was given (None: by words), and the next turn's body."""
-    import contextwarden.trimpass as trimpass_module
+    import contextwarden.face.trimpass as trimpass_module
     from contextwarden import Filter
 
     embeds: list = []
@@ -292,7 +292,7 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
     which shares no word with "feline", is the one quoted. A chat trimmed before is embedded
     first and trimmed once (not lexically, then again with the vectors)."""
     from contextwarden import Filter
-    from contextwarden.conversation import is_recall_message
+    from contextwarden.core.conversation import is_recall_message
 
     function = FakeEmbeddingFunction()
     f = Filter(counter=counter)
@@ -316,7 +316,7 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
     request = request_with(function)  # the reply went through the outlet, which embedded the chat
     await f.outlet({"model": "gpt-4o", "messages": later[:-1]}, __user__={"id": "u1"}, __request__=request)
     await asyncio.sleep(0.1)
-    import contextwarden.trimpass as trimpass_module
+    import contextwarden.face.trimpass as trimpass_module
 
     trims = []
     real = trimpass_module.trim_messages

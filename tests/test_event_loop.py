@@ -16,11 +16,11 @@ from dataclasses import replace
 
 import pytest
 
-import contextwarden.offloop as offloop_module
-import contextwarden.trimpass as trimpass_module
+import contextwarden.face.offloop as offloop_module
+import contextwarden.face.trimpass as trimpass_module
 from contextwarden import caches
-from contextwarden.chatstate import chat_state_key
-from contextwarden.offloop import EXCERPTS_ON_LOOP_MAX_CHARS
+from contextwarden.face.offloop import EXCERPTS_ON_LOOP_MAX_CHARS
+from contextwarden.state.chatstate import chat_state_key
 
 from helpers import Events, chat_of, grow, make_filter
 from turns import run_turn

@@ -9,10 +9,10 @@ from itertools import pairwise
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.conversation import RECALL_LABEL
-from contextwarden.excerpt import CHUNK_CHARS, excerpt_message, rebuild, split_chunks
-from contextwarden.relevance import wants_whole
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.conversation import RECALL_LABEL
+from contextwarden.core.excerpt import CHUNK_CHARS, excerpt_message, rebuild, split_chunks
+from contextwarden.core.relevance import wants_whole
+from contextwarden.core.tokens import TokenCounter
 
 from chats import check_contract
 
@@ -212,10 +212,10 @@ def test_excerpt_message_never_exceeds_its_room(counter):
 
 
 def test_status_line_and_explain_say_excerpted(counter):
-    from contextwarden.explain import explain_trim
-    from contextwarden.flags import Flags
-    from contextwarden.records import TurnChoice
-    from contextwarden.status import status_line
+    from contextwarden.core.flags import Flags
+    from contextwarden.face.status import status_line
+    from contextwarden.money.records import TurnChoice
+    from contextwarden.tools.explain import explain_trim
 
     chat = pasted_chat(counter)
     result = trim_messages(chat, max_tokens=4_000, model=MODEL, token_counter=counter)
@@ -313,8 +313,8 @@ def test_a_detail_question_keeps_the_excerpt_for_its_passage(counter):
 async def test_open_webuis_embedder_scores_the_passages_it_embedded_ahead(counter):
     """Issue 27 item 3: the filter's embedder (Open WebUI's, lookup-only in the trim) is asked
     for the passages of long messages too, ahead of the turn; the excerpt then weighs meaning."""
-    from contextwarden.embedder import OpenWebUIEmbedder
-    from contextwarden.excerpt import passage_texts
+    from contextwarden.core.excerpt import passage_texts
+    from contextwarden.face.embedder import OpenWebUIEmbedder
 
     asked: list[str] = []
 

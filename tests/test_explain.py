@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from contextwarden.cli import main
-from contextwarden.explain import explain_trim
-from contextwarden.trim import trim_messages
+from contextwarden.core.trim import trim_messages
+from contextwarden.tools.cli import main
+from contextwarden.tools.explain import explain_trim
 
 MODEL = "gpt-4o"
 
@@ -144,9 +144,9 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
 
 
 def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
-    from contextwarden.conversation import read_conversation
-    from contextwarden.relevance import score_messages
-    from contextwarden.selection import DEFAULT_COST_EXPONENT, turn_values
+    from contextwarden.core.conversation import read_conversation
+    from contextwarden.core.relevance import score_messages
+    from contextwarden.core.selection import DEFAULT_COST_EXPONENT, turn_values
 
     chat = crafted()
     result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0)

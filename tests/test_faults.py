@@ -21,16 +21,17 @@ import pytest
 import respx
 import tiktoken
 
-import contextwarden.store as store_module
-from contextwarden import Filter, price_sources
-from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.conversation import is_recall_message, message_text
-from contextwarden.ledger import read_ledger
-from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
-from contextwarden.store import RedisStore, redis_client
-from contextwarden.tokens import TokenCounter
-from contextwarden.trim import TrimResult
-from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT, read_count
+import contextwarden.state.store as store_module
+from contextwarden import Filter
+from contextwarden.core.conversation import is_recall_message, message_text
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.core.trim import TrimResult
+from contextwarden.money import price_sources
+from contextwarden.money.ledger import read_ledger
+from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
+from contextwarden.money.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT, read_count
+from contextwarden.state.chatstate import ChatState, chat_state_key
+from contextwarden.state.store import RedisStore, redis_client
 
 from chats import check_contract, frozen
 from helpers import Events, chat_of, make_filter

@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from contextwarden import Filter, trim_messages
-from contextwarden.conversation import RECALL_LABEL, SUMMARY_ACK, is_recall_message, recall_message
-from contextwarden.filter import model_context_length
-from contextwarden.summarize import SUMMARY_LABEL
+from contextwarden.core.conversation import RECALL_LABEL, SUMMARY_ACK, is_recall_message, recall_message
+from contextwarden.face.filter import model_context_length
+from contextwarden.face.summarize import SUMMARY_LABEL
 
 from chats import check_contract, frozen
 from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
@@ -215,7 +215,7 @@ async def test_malformed_bodies_pass_through(counter, body):
 
 
 async def test_internal_error_fails_open(counter, caplog, monkeypatch):
-    import contextwarden.trimpass as trimpass_module
+    import contextwarden.face.trimpass as trimpass_module
 
     def broken(*args, **kwargs):
         raise KeyError("secret message text")
@@ -288,7 +288,7 @@ async def test_window_falls_back_to_the_price_table(counter):
 
 
 async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_question():
-    from contextwarden.tokens import TokenCounter
+    from contextwarden.core.tokens import TokenCounter
 
     class Spy:
         """An encoding that records which texts it was asked to encode."""

@@ -11,10 +11,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import contextwarden.trimpass as trimpass_module
-from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.conversation import is_recall_message
-from contextwarden.store import KEY_PREFIX
+import contextwarden.face.trimpass as trimpass_module
+from contextwarden.core.conversation import is_recall_message
+from contextwarden.state.chatstate import ChatState, chat_state_key
+from contextwarden.state.store import KEY_PREFIX
 
 from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
 

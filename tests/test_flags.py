@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.flags import (
+from contextwarden.core.flags import (
     DEFAULT_ALLOWED_FLAGS,
     FLAG_NAMES,
     MAX_FLAG_SCAN_CHARS,
@@ -19,7 +18,8 @@ from contextwarden.flags import (
     pin_fingerprint,
     read_flags,
 )
-from contextwarden.valves import Valves, read_settings
+from contextwarden.face.valves import Valves, read_settings
+from contextwarden.state.chatstate import ChatState, chat_state_key
 
 from chats import frozen
 

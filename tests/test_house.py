@@ -22,7 +22,7 @@ def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def long_functions(root: Path = SRC, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     """`file:line name (n lines)` for every function or method over `limit` code lines."""
     found = []
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > limit:
                 found.append(f"{path.name}:{node.lineno} {node.name} ({_code_lines(node)} lines)")
@@ -49,7 +49,7 @@ def retyped_defaults(root: Path = SRC) -> list[str]:
     """`file:line name` for every parameter, class field or `default=` keyword giving a trim
     option a literal default instead of its `DEFAULT_...` constant."""
     found = []
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             pairs: list[tuple[str, ast.expr | None]] = []
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

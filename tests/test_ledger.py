@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextwarden import Filter
-from contextwarden.ledger import (
+from contextwarden.money.ledger import (
     LEDGER_FIELDS,
     ledger_totals,
     picodollars_to_usd,
@@ -22,7 +22,7 @@ from contextwarden.ledger import (
     record_reply,
     usd_to_picodollars,
 )
-from contextwarden.store import KEY_PREFIX, MemoryStore, open_store
+from contextwarden.state.store import KEY_PREFIX, MemoryStore, open_store
 
 from helpers import Events, usage_records
 
@@ -133,7 +133,7 @@ async def test_outlet_records_in_process(unique):
 
 
 async def test_ledger_failure_keeps_the_log_line_and_counts_once(caplog, monkeypatch, unique):
-    import contextwarden.bookkeeping as bookkeeping_module
+    import contextwarden.face.bookkeeping as bookkeeping_module
 
     calls = []
 

@@ -17,14 +17,16 @@ from decimal import Decimal
 import pytest
 import redis.asyncio as aioredis
 
-import contextwarden.bookkeeping as bookkeeping_module
-import contextwarden.openturns as openturns_module
-from contextwarden.adminview import usage_markdown
-from contextwarden.cache_stats import CacheStats, load_cache_stats
-from contextwarden.calibration import load_calibration
+import contextwarden.face.bookkeeping as bookkeeping_module
+import contextwarden.money.openturns as openturns_module
 from contextwarden.errors import ConfigError, TurnRefused
-from contextwarden.ledger import MonthTotals, read_ledger, record_reply
-from contextwarden.limits import (
+from contextwarden.face.adminview import usage_markdown
+from contextwarden.face.usergroups import GroupReader
+from contextwarden.face.valves import read_settings
+from contextwarden.money.cache_stats import CacheStats, load_cache_stats
+from contextwarden.money.calibration import load_calibration
+from contextwarden.money.ledger import MonthTotals, read_ledger, record_reply
+from contextwarden.money.limits import (
     STORE_DOWN_TEXT,
     Limits,
     Spend,
@@ -36,10 +38,8 @@ from contextwarden.limits import (
     refusal_text,
     spend_text,
 )
-from contextwarden.records import TurnNote
-from contextwarden.spendbook import SpendBook
-from contextwarden.usergroups import GroupReader
-from contextwarden.valves import read_settings
+from contextwarden.money.records import TurnNote
+from contextwarden.money.spendbook import SpendBook
 
 from helpers import Events, make_filter, store_of
 from turns import free_port, reply_of, run_turn
@@ -669,7 +669,7 @@ async def test_users_with_one_name_are_told_apart_by_their_id(counter, unique, m
 async def test_names_read_slowly_or_not_at_all_leave_the_ids(counter, unique, monkeypatch, caplog):
     """An older Open WebUI's synchronous `get_user_by_id` runs off the event loop, and the report
     waits for names at most `USER_NAMES_TIMEOUT_SECONDS`; a failing one leaves the ids, logged once."""
-    import contextwarden.adminview as adminview
+    import contextwarden.face.adminview as adminview
 
     monkeypatch.setattr(adminview, "USER_NAMES_TIMEOUT_SECONDS", 0.2)
     threads, release = [], threading.Event()

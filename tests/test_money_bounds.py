@@ -16,24 +16,23 @@ import redis.asyncio as aioredis
 import respx
 
 from contextwarden.errors import PricingError
-from contextwarden.ledger import read_ledger, record_reply, usd_to_picodollars
-from contextwarden.live_prices import (
+from contextwarden.face.status import usage_status
+from contextwarden.money.dollars import format_usd
+from contextwarden.money.ledger import read_ledger, record_reply, usd_to_picodollars
+from contextwarden.money.live_prices import (
     DEFAULT_OPENROUTER_URL,
     MIN_PRICING_TTL_HOURS,
     LivePrices,
     fetch_openrouter_prices,
 )
-from contextwarden.money import format_usd
-from contextwarden.price_sources import PriceSources
-from contextwarden.pricing import (
+from contextwarden.money.price_sources import PriceSources
+from contextwarden.money.pricing import (
     FREE_PRICE,
     MAX_PRICE_FILE_BYTES,
     ModelPrice,
     PriceBook,
 )
-from contextwarden.status import usage_status
-from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore
-from contextwarden.usage import (
+from contextwarden.money.usage import (
     MAX_REPLY_COST_USD,
     MAX_TOKEN_COUNT,
     Cost,
@@ -41,6 +40,7 @@ from contextwarden.usage import (
     compute_cost,
     read_usage,
 )
+from contextwarden.state.store import KEY_PREFIX, MemoryStore, RedisStore
 
 from helpers import Events, make_filter, usage_records
 

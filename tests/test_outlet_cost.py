@@ -16,7 +16,9 @@ import httpx
 import pytest
 import respx
 
-from contextwarden.calibration import (
+from contextwarden.face.filter import wants_stream_usage
+from contextwarden.face.status import ESTIMATE_KEY
+from contextwarden.money.calibration import (
     MAX_EFFECT,
     MIN_EFFECT,
     Calibration,
@@ -25,12 +27,10 @@ from contextwarden.calibration import (
     save_calibration,
     update_calibration,
 )
-from contextwarden.filter import wants_stream_usage
-from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
-from contextwarden.money import format_usd
-from contextwarden.price_sources import PriceSources
-from contextwarden.pricing import ModelPrice, PriceBook
-from contextwarden.status import ESTIMATE_KEY
+from contextwarden.money.dollars import format_usd
+from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
+from contextwarden.money.price_sources import PriceSources
+from contextwarden.money.pricing import ModelPrice, PriceBook
 
 from helpers import Events, body_of, chat_of, make_filter, usage_records
 from shared_paths import load_fixture

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.excerpt import split_chunks
-from contextwarden.tokens import TokenCounter
-from contextwarden.trim import TrimResult, carry_previous
+from contextwarden.core.excerpt import split_chunks
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.core.trim import TrimResult, carry_previous
 
 from chats import assert_same_trim, check_contract, frozen
 

@@ -9,14 +9,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from contextwarden.bookkeeping import Bookkeeping
-from contextwarden.chatstate import chat_state_key
 from contextwarden.errors import ConfigError, TurnRefused
-from contextwarden.pricing import PriceBook, Resolution, resolve_model
-from contextwarden.settings import Settings
-from contextwarden.store import MemoryStore
-from contextwarden.trimpass import TrimPass
-from contextwarden.valves import Valves, read_settings
+from contextwarden.face.bookkeeping import Bookkeeping
+from contextwarden.face.settings import Settings
+from contextwarden.face.trimpass import TrimPass
+from contextwarden.face.valves import Valves, read_settings
+from contextwarden.money.pricing import PriceBook, Resolution, resolve_model
+from contextwarden.state.chatstate import chat_state_key
+from contextwarden.state.store import MemoryStore
 
 from helpers import body_of, chat_of, usage_records
 

@@ -13,8 +13,8 @@ import pytest
 import respx
 
 from contextwarden.errors import ConfigError, PricingError
-from contextwarden.live_prices import DEFAULT_OPENROUTER_URL, LivePrices, fetch_openrouter_prices
-from contextwarden.pricing import (
+from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices, fetch_openrouter_prices
+from contextwarden.money.pricing import (
     FREE_PRICE,
     ModelPrice,
     PriceBook,
@@ -301,7 +301,7 @@ def test_many_glob_aliases_are_compiled_once_and_keep_fnmatch_order(book, monkey
     (4 s a request at 34,000): the matcher is compiled once per valve value."""
     import fnmatch
 
-    import contextwarden.pricing as pricing
+    import contextwarden.money.pricing as pricing
 
     aliases = {f"team-{i}-*": "openai/gpt-4o" for i in range(34_000)}
     aliases |= {"team-7-exact": "anthropic/claude-sonnet-4.5", "team-[7]-?x": "openai/gpt-4o-mini"}

@@ -14,10 +14,10 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-import contextwarden.bookkeeping as bookkeeping_module
-import contextwarden.store as store_module
-import contextwarden.trimpass as trimpass_module
-from contextwarden.store import KEY_PREFIX, RedisStore
+import contextwarden.face.bookkeeping as bookkeeping_module
+import contextwarden.face.trimpass as trimpass_module
+import contextwarden.state.store as store_module
+from contextwarden.state.store import KEY_PREFIX, RedisStore
 
 from helpers import Events, chat_of, make_filter
 from turns import OwnRedis, all_logs, rendered, reply_of, run_turn, usage_lines
@@ -160,7 +160,7 @@ async def test_a_full_run_logs_no_text_email_or_key(counter, caplog, monkeypatch
 )
 def test_a_bad_redis_url_is_named_without_echoing_it(url):
     from contextwarden.errors import ConfigError
-    from contextwarden.store import open_store
+    from contextwarden.state.store import open_store
 
     with pytest.raises(ConfigError) as info:
         open_store(url)

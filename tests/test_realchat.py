@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from contextwarden.flags import Flags
-from contextwarden.records import TurnChoice
-from contextwarden.status import status_line
-from contextwarden.trim import trim_messages
+from contextwarden.core.flags import Flags
+from contextwarden.core.trim import trim_messages
+from contextwarden.face.status import status_line
+from contextwarden.money.records import TurnChoice
 
 from chats import check_contract
 from helpers import Events, body_of, make_filter, send, shown
@@ -99,8 +99,8 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from contextwarden.budget import FixedCost, fixed_cost, prompt_budget, render_tools  # noqa: E402
-from contextwarden.calibration import Calibration  # noqa: E402
+from contextwarden.face.budget import FixedCost, fixed_cost, prompt_budget, render_tools  # noqa: E402
+from contextwarden.money.calibration import Calibration  # noqa: E402
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
 BROWSER_TOOLS = BUILTIN_TOOLS[:36]
@@ -231,9 +231,9 @@ import time  # noqa: E402
 
 import tiktoken  # noqa: E402
 
-import contextwarden.trimpass as trimpass_module  # noqa: E402
-from contextwarden.filter import Filter  # noqa: E402
-from contextwarden.tokens import TokenCounter  # noqa: E402
+import contextwarden.face.trimpass as trimpass_module  # noqa: E402
+from contextwarden.core.tokens import TokenCounter  # noqa: E402
+from contextwarden.face.filter import Filter  # noqa: E402
 
 
 def cold_filter(**valves) -> Filter:
@@ -336,7 +336,7 @@ def test_count_mode_is_taken_with_the_counts(counter):
 
 # --- item 6: the fill is told ------------------------------------------------------------------
 
-from contextwarden.explain import explain_trim  # noqa: E402
+from contextwarden.tools.explain import explain_trim  # noqa: E402
 
 
 def test_explain_shows_the_fill_and_why(counter):
@@ -360,7 +360,7 @@ def test_explain_shows_the_fill_and_why(counter):
 
 
 def test_cli_explain_prints_the_fill(tmp_path, capsys):
-    from contextwarden.cli import main
+    from contextwarden.tools.cli import main
 
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(long_history(20)))
@@ -396,7 +396,7 @@ async def test_savings_carried_from_an_estimated_pass_stay_below_the_chat(counte
 
 # --- item 3: whole turns and the latest answer -------------------------------------------------
 
-from contextwarden.conversation import read_conversation  # noqa: E402
+from contextwarden.core.conversation import read_conversation  # noqa: E402
 
 
 def long_answer_chat(counter) -> list[dict]:

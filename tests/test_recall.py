@@ -15,12 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
-from contextwarden.conversation import RECALL_LABEL, is_recall_message, recall_message
-from contextwarden.decision import Recall
-from contextwarden.recall import _Pools
-from contextwarden.recall_index import RECALL_CONTEXT_TERMS, recall_scores
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
-from contextwarden.selection import choose_recall, recall_candidates
+from contextwarden.core.conversation import RECALL_LABEL, is_recall_message, recall_message
+from contextwarden.core.decision import Recall
+from contextwarden.core.recall import _Pools
+from contextwarden.core.recall_index import RECALL_CONTEXT_TERMS, recall_scores
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
+from contextwarden.core.selection import choose_recall, recall_candidates
 
 from chats import check_contract, recall_positions
 
@@ -370,7 +370,7 @@ def test_the_recall_block_is_followed_by_the_acknowledgement(counter):
     """Each block (the new one and the earlier ones sent again) is a user message followed by an
     assistant SUMMARY_ACK, then the question it was made for: roles alternate, the budget counts
     the acknowledgement, and the previous prompt is the prefix of the next, byte for byte."""
-    from contextwarden.summarize import SUMMARY_ACK
+    from contextwarden.face.summarize import SUMMARY_ACK
 
     chat = river_chat()
     result = trim(chat, token_counter=counter)
@@ -422,8 +422,8 @@ def test_a_decision_from_before_the_acknowledgement_still_reads(counter):
 def test_neighbour_shares_are_those_of_the_rule_message_by_message(scores, sizes, question):
     """`_with_neighbours` (in C) gives, bit for bit, each message plus `turn_share` of its better
     neighbour's score times `neighbour_reach`, the question lending and taking nothing."""
-    from contextwarden.recall import _RECALL_WEIGHTS, _with_neighbours
-    from contextwarden.selection import neighbour_reach
+    from contextwarden.core.recall import _RECALL_WEIGHTS, _with_neighbours
+    from contextwarden.core.selection import neighbour_reach
 
     texts = ["x" * (4 * s) for s in sizes[: len(scores)]]
     n = len(scores)

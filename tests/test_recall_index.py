@@ -11,10 +11,10 @@ from operator import add, contains, mul, truediv
 
 import pytest
 
-from contextwarden import recall_index
-from contextwarden.conversation import message_text
-from contextwarden.recall_index import RECALL_CONTEXT_TERMS, RECALL_QUERY_TERMS, _IndexCache, recall_scores
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, _mixed, _query_weights, _term_cache
+from contextwarden.core import recall_index
+from contextwarden.core.conversation import message_text
+from contextwarden.core.recall_index import RECALL_CONTEXT_TERMS, RECALL_QUERY_TERMS, _IndexCache, recall_scores
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, _mixed, _query_weights, _term_cache
 
 WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)
 
@@ -130,9 +130,9 @@ def test_indexes_stay_within_their_bound(monkeypatch):
 def test_a_reply_read_ahead_leaves_the_next_turn_only_its_question(monkeypatch):
     """Open WebUI's outlet sees the reply before the next turn sends it back: `read_reply` counts
     it and cuts its terms then, so the next turn's trim cuts only the new question's."""
-    from contextwarden.relevance import _term_stats
-    from contextwarden.tokens import TokenCounter
-    from contextwarden.trim import read_reply
+    from contextwarden.core.relevance import _term_stats
+    from contextwarden.core.tokens import TokenCounter
+    from contextwarden.core.trim import read_reply
 
     rng = random.Random(5)
     chats = list(growing_chat(rng, 12))
@@ -145,7 +145,7 @@ def test_a_reply_read_ahead_leaves_the_next_turn_only_its_question(monkeypatch):
     read_reply(reply, counter, "gpt-4o")
     cut: list[str] = []
     monkeypatch.setattr(
-        "contextwarden.relevance._term_stats", lambda text, fold: cut.append(text) or _term_stats(text, fold)
+        "contextwarden.core.relevance._term_stats", lambda text, fold: cut.append(text) or _term_stats(text, fold)
     )
     recall_scores(after, question=len(after) - 1, exclude=[0], weights=WEIGHTS, seen=len(before))
     assert cut == [after[-1]["content"]]

@@ -9,10 +9,10 @@ from decimal import Decimal as D
 
 import pytest
 
-from contextwarden.chatstate import CHAT_STATE_VERSION, ChatState
-from contextwarden.decision import Recall, TrimDecision
-from contextwarden.flags import Flags
-from contextwarden.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
+from contextwarden.core.decision import Recall, TrimDecision
+from contextwarden.core.flags import Flags
+from contextwarden.money.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
+from contextwarden.state.chatstate import CHAT_STATE_VERSION, ChatState
 
 DECISION = TrimDecision(
     max_tokens=1_000,

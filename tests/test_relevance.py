@@ -8,8 +8,8 @@ from collections import Counter
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from contextwarden import relevance
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
+from contextwarden.core import relevance
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
 
 OFF = dataclasses.replace(
     DEFAULT_RELEVANCE_WEIGHTS,

@@ -7,10 +7,10 @@ from decimal import Decimal
 
 import pytest
 
-from contextwarden.adminview import own_usage_text, usage_markdown
-from contextwarden.ledger import LEDGER_FIELDS, LedgerRow, MonthTotals
-from contextwarden.limits import LimitRules, Limits, Spend
-from contextwarden.report import render_table
+from contextwarden.face.adminview import own_usage_text, usage_markdown
+from contextwarden.money.ledger import LEDGER_FIELDS, LedgerRow, MonthTotals
+from contextwarden.money.limits import LimitRules, Limits, Spend
+from contextwarden.tools.report import render_table
 
 NOW = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
 

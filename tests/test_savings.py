@@ -8,11 +8,11 @@ from decimal import Decimal
 
 import pytest
 
-from contextwarden.ledger import ledger_totals, read_ledger, record_reply
-from contextwarden.pricing import ModelPrice, PriceTier
-from contextwarden.savings import Savings, carried_savings, estimate_savings
-from contextwarden.store import MemoryStore, open_store
-from contextwarden.trim import SHORTENED_MARK
+from contextwarden.core.trim import SHORTENED_MARK
+from contextwarden.money.ledger import ledger_totals, read_ledger, record_reply
+from contextwarden.money.pricing import ModelPrice, PriceTier
+from contextwarden.money.savings import Savings, carried_savings, estimate_savings
+from contextwarden.state.store import MemoryStore, open_store
 
 D = Decimal
 GPT4O = ModelPrice(D("0.0000025"), D("0.00001"))
@@ -107,11 +107,11 @@ async def test_ledger_totals_savings_apart_from_shadow_savings(store, unique):
 
 # ---- cache-aware savings: hand arithmetic at bundled prices ------------------------------------
 
-from contextwarden.cache_stats import CacheStats, update_cache_stats  # noqa: E402
-from contextwarden.pricing import PriceBook  # noqa: E402
-from contextwarden.savings import PromptCache, predicted_cache, price_caches, reply_savings  # noqa: E402
-from contextwarden.status import savings_status, usage_status  # noqa: E402
-from contextwarden.usage import Cost, Usage  # noqa: E402
+from contextwarden.face.status import savings_status, usage_status  # noqa: E402
+from contextwarden.money.cache_stats import CacheStats, update_cache_stats  # noqa: E402
+from contextwarden.money.pricing import PriceBook  # noqa: E402
+from contextwarden.money.savings import PromptCache, predicted_cache, price_caches, reply_savings  # noqa: E402
+from contextwarden.money.usage import Cost, Usage  # noqa: E402
 
 BUNDLED = PriceBook.from_bundled().prices
 SONNET = BUNDLED["anthropic/claude-sonnet-4.5"]  # $3.00 in, $0.30 cache read, $3.75 cache write per M
@@ -231,8 +231,8 @@ def test_explain_prices_the_cache_by_hand(counter):
     import json as _json
     from pathlib import Path
 
-    from contextwarden.explain import explain_trim
-    from contextwarden.trim import trim_messages
+    from contextwarden.core.trim import trim_messages
+    from contextwarden.tools.explain import explain_trim
 
     data = _json.loads((Path(__file__).parents[1] / "examples" / "long_chat.json").read_text())
     chat = data["messages"]
@@ -272,7 +272,7 @@ async def test_negative_savings_reach_the_ledger(store, unique):
 
 
 def test_cached_prefixes_of_a_reused_selection_stop_before_the_newest_reply(counter):
-    from contextwarden.savings import cached_prefixes
+    from contextwarden.money.savings import cached_prefixes
 
     def each(part):
         return counter.count_each(part, "gpt-4o")

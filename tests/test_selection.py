@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.conversation import read_conversation
-from contextwarden.decision import message_fingerprint
-from contextwarden.relevance import DEFAULT_RELEVANCE_WEIGHTS
-from contextwarden.selection import choose_indices, reuse_previous, select_by_value
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.conversation import read_conversation
+from contextwarden.core.decision import message_fingerprint
+from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS
+from contextwarden.core.selection import choose_indices, reuse_previous, select_by_value
+from contextwarden.core.tokens import TokenCounter
 
 from chatgen import random_chat
 from chats import assert_same_trim, check_contract, frozen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contextwarden import trim_messages
-from contextwarden.semantic import (
+from contextwarden.core.semantic import (
     CONTEXT_SHARE,
     EMBED_CHARS,
     PIECE_CHARS,

@@ -12,11 +12,11 @@ from decimal import Decimal
 
 import pytest
 
-from contextwarden.accounting import learn_calibration
-from contextwarden.chatstate import ChatState, chat_state_key
-from contextwarden.ledger import ledger_totals, read_ledger
-from contextwarden.pricing import PriceBook
-from contextwarden.savings import PromptCache, estimate_savings
+from contextwarden.money.accounting import learn_calibration
+from contextwarden.money.ledger import ledger_totals, read_ledger
+from contextwarden.money.pricing import PriceBook
+from contextwarden.money.savings import PromptCache, estimate_savings
+from contextwarden.state.chatstate import ChatState, chat_state_key
 
 from chats import frozen
 from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
@@ -33,7 +33,7 @@ def previous_prompt(chat: list[dict], total: int) -> int:
 
 
 def counter_of():
-    from contextwarden.tokens import TokenCounter
+    from contextwarden.core.tokens import TokenCounter
 
     return TokenCounter(block=True)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from contextwarden.budget import fixed_cost
-from contextwarden.flags import Flags
-from contextwarden.records import TurnChoice
-from contextwarden.savings import Savings
-from contextwarden.status import detail_line, shadow_status_line, status_line
+from contextwarden.core.flags import Flags
+from contextwarden.face.budget import fixed_cost
+from contextwarden.face.status import detail_line, shadow_status_line, status_line
+from contextwarden.money.records import TurnChoice
+from contextwarden.money.savings import Savings
 
 from helpers import Events, make_filter
 from turns import reply_of, run_turn
@@ -287,9 +287,9 @@ async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users
 
 from decimal import Decimal as D  # noqa: E402
 
-from contextwarden.money import usd  # noqa: E402
-from contextwarden.status import ESTIMATE_KEY, savings_status, usage_status  # noqa: E402
-from contextwarden.usage import Cost, Usage  # noqa: E402
+from contextwarden.face.status import ESTIMATE_KEY, savings_status, usage_status  # noqa: E402
+from contextwarden.money.dollars import usd  # noqa: E402
+from contextwarden.money.usage import Cost, Usage  # noqa: E402
 
 PRICED = Cost(D("0.0073"), "price_table")
 
@@ -339,7 +339,7 @@ def test_one_money_rule_for_every_line(amount, shown):
     [None, 3, "", "usage forged", "Sent 1 message\nforged", "Sent " + "x" * 2_000, ["Sent 1"], "Context 3 messages"],
 )
 def test_words_the_filter_did_not_write_are_not_shown(value):
-    from contextwarden.status import DETAIL_KEY, PENDING_KEY, pending_detail, pending_line
+    from contextwarden.face.status import DETAIL_KEY, PENDING_KEY, pending_detail, pending_line
 
     assert pending_line({PENDING_KEY: value}) is None
     assert pending_line({PENDING_KEY: "Sent 3 of 9 messages"}) == "Sent 3 of 9 messages"

@@ -8,9 +8,9 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from contextwarden import store as store_module
 from contextwarden.errors import ConfigError
-from contextwarden.store import KEY_PREFIX, MemoryStore, RedisStore, open_store, redis_client
+from contextwarden.state import store as store_module
+from contextwarden.state.store import KEY_PREFIX, MemoryStore, RedisStore, open_store, redis_client
 
 STEADY_TIMEOUT = 10.0  # seconds: long enough for 200 queued commands on a loaded 2-core runner
 

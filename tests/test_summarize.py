@@ -14,10 +14,9 @@ import respx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import contextwarden.summarize as summarize_module
+import contextwarden.face.summarize as summarize_module
 from contextwarden import trim_messages
-from contextwarden.store import MemoryStore
-from contextwarden.summarize import (
+from contextwarden.face.summarize import (
     LEGACY_SUMMARY_LABEL,
     SUMMARY_ACK,
     SUMMARY_LABEL,
@@ -29,6 +28,7 @@ from contextwarden.summarize import (
     summarize_trim,
     summary_note,
 )
+from contextwarden.state.store import MemoryStore
 
 from chatgen import random_chat
 from chats import frozen
@@ -136,7 +136,7 @@ async def test_cache_hit_makes_no_second_call(llm):
 
 
 async def test_cache_is_shared_through_redis(llm, redis_url, unique):
-    from contextwarden.store import RedisStore
+    from contextwarden.state.store import RedisStore
 
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
     llm.route(host="127.0.0.1").pass_through()

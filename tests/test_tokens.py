@@ -12,8 +12,8 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import contextwarden.tokens as tokens_module
-from contextwarden.tokens import TokenCounter, encoding_for, estimate_tokens
+import contextwarden.core.tokens as tokens_module
+from contextwarden.core.tokens import TokenCounter, encoding_for, estimate_tokens
 
 from chatgen import WORDS
 

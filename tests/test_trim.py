@@ -7,7 +7,7 @@ import random
 import pytest
 
 from contextwarden import trim_messages
-from contextwarden.trim import SHORTENED_MARK
+from contextwarden.core.trim import SHORTENED_MARK
 
 from chatgen import random_chat
 from chats import check_contract, frozen

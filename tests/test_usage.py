@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contextwarden.pricing import FREE_PRICE, ModelPrice, PriceBook, PriceTier
-from contextwarden.usage import Cost, Usage, compute_cost, normalize_usage, read_usage
+from contextwarden.money.pricing import FREE_PRICE, ModelPrice, PriceBook, PriceTier
+from contextwarden.money.usage import Cost, Usage, compute_cost, normalize_usage, read_usage
 
 D = Decimal
 

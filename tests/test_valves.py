@@ -7,7 +7,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from contextwarden.valves import INT_RANGES, MIN_BUDGET_TOKENS, UserValves, Valves, read_settings
+from contextwarden.face.valves import INT_RANGES, MIN_BUDGET_TOKENS, UserValves, Valves, read_settings
 
 from helpers import chat_of, make_filter
 from turns import run_turn
@@ -163,7 +163,7 @@ async def test_bad_valve_values_are_never_echoed_into_status_lines(counter, capl
 
 def test_every_valve_has_a_real_title_and_the_two_budgets_are_named_apart():
     """Open WebUI's form shows the schema titles; without them it shows "Redis Url"."""
-    from contextwarden.valves import TITLES, USER_TITLES, UserValves, Valves
+    from contextwarden.face.valves import TITLES, USER_TITLES, UserValves, Valves
 
     for model, titles in ((Valves, TITLES), (UserValves, USER_TITLES)):
         assert set(titles) == set(model.model_fields)  # one title each, none for a gone field

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from contextwarden.valves import Valves, save_problems
+from contextwarden.face.valves import Valves, save_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 # Measured in Open WebUI 0.12.4's browser chats (tests/e2e/README.md): its 30 built-in tools'

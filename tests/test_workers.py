@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import redis
 
-from contextwarden.conversation import is_recall_message
-from contextwarden.pricing import PriceBook, resolve_model
-from contextwarden.tokens import TokenCounter
-from contextwarden.usage import Usage, compute_cost
+from contextwarden.core.conversation import is_recall_message
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.money.pricing import PriceBook, resolve_model
+from contextwarden.money.usage import Usage, compute_cost
 
 from helpers import BUILT_FILE
 

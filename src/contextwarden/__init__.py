@@ -14,12 +14,12 @@ __version__ = "0.1.0"
 
 import logging
 
-from .decision import TrimDecision
+from .core.decision import TrimDecision
+from .core.tokens import TokenCounter, encoding_for
+from .core.trim import TrimResult, trim_messages
 from .errors import ConfigError, ContextWardenError, PricingError
-from .explain import Explanation, explain_trim
-from .filter import Filter
-from .tokens import TokenCounter, encoding_for
-from .trim import TrimResult, trim_messages
+from .face.filter import Filter
+from .tools.explain import Explanation, explain_trim
 
 # A library logs through its own logger and lets the application choose handlers: without one,
 # warnings would reach stderr through logging's last resort (e.g. in the command line).

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from contextwarden.conversation import RECALL_LABEL, SUMMARY_ACK
-from contextwarden.money import format_usd
-from contextwarden.pricing import PriceBook, resolve_model
-from contextwarden.usage import Usage, compute_cost
+from contextwarden.core.conversation import RECALL_LABEL, SUMMARY_ACK
+from contextwarden.money.dollars import format_usd
+from contextwarden.money.pricing import PriceBook, resolve_model
+from contextwarden.money.usage import Usage, compute_cost
 
 from browser import Reply, chat_page, expand_status, find_browser, open_chat, send, wait_for_replies
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens

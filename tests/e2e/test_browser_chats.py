@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from contextwarden.budget import fixed_cost
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.face.budget import fixed_cost
 
 from fake_backend import FakeBackend, expected_prompt_tokens, tool_definition_tokens
 from helpers import BUILT_FILE

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from test_browser import assert_one_plain_line, chromium, keep_screenshot, quiet_tasks, usage_numbers  # noqa: F401
 
-from contextwarden.budget import fixed_cost
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.face.budget import fixed_cost
 
 from browser import Reply, chat_page, expand_status, open_chat, send, wait_for_replies
 from fake_backend import FakeBackend, message_text

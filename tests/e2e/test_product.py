@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from contextwarden.conversation import RECALL_LABEL, is_acknowledgement
-from contextwarden.pricing import PriceBook, resolve_model
-from contextwarden.tokens import TokenCounter
-from contextwarden.usage import Usage, compute_cost
+from contextwarden.core.conversation import RECALL_LABEL, is_acknowledgement
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.money.pricing import PriceBook, resolve_model
+from contextwarden.money.usage import Usage, compute_cost
 
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
 from helpers import BUILT_FILE

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
 
 from fake_backend import FakeBackend
 from owui import OpenWebUI, chat, set_valves

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from contextwarden.summarize import SUMMARY_ACK, SUMMARY_LABEL, SUMMARY_PROMPT
-from contextwarden.tokens import TokenCounter
+from contextwarden.core.tokens import TokenCounter
+from contextwarden.face.summarize import SUMMARY_ACK, SUMMARY_LABEL, SUMMARY_PROMPT
 
 from fake_backend import FakeBackend
 from owui import OpenWebUI, chat, set_valves

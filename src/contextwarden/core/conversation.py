@@ -1,0 +1,287 @@
+"""Reading an OpenAI / Open WebUI message list into units and turns.
+
+A *unit* is what must be kept or dropped whole: one message, or an assistant message with
+`tool_calls` together with the `tool` messages answering it. A *turn* is a user message with
+everything up to the next user message. Nothing here copies or changes a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import repeat
+from typing import Any, Literal
+
+from ..caches import UNIT_MEMO_SIZE, register
+
+__all__ = [
+    "Message",
+    "UnitKind",
+    "Unit",
+    "Turn",
+    "Conversation",
+    "read_conversation",
+    "message_text",
+    "image_count",
+    "tool_call_ids",
+    "system_positions",
+    "RECALL_LABEL",
+    "recall_message",
+    "recall_quotes",
+    "is_recall_message",
+    "SUMMARY_ACK",
+    "SUMMARY_ACK_MESSAGE",
+    "is_acknowledgement",
+]
+
+Message = dict[str, Any]
+"""One chat message in OpenAI format (Open WebUI adds keys such as `id`, `info`)."""
+
+UnitKind = Literal["system", "user", "assistant", "tool_group", "orphan_tool", "other"]
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+# The assistant's short turn after a user-role note contextwarden adds (the summary note, a recall
+# block) when a user message follows it: roles alternate, as strict chat templates require.
+SUMMARY_ACK = "Noted."
+SUMMARY_ACK_MESSAGE: Message = {"role": "assistant", "content": SUMMARY_ACK}  # a template: copied, never sent
+RECALL_LABEL = "[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):"
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Message indices `start..stop-1` that are kept or dropped together."""
+
+    start: int
+    stop: int
+    kind: UnitKind
+
+    @property
+    def indices(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A user message and what followed it, as units (the first turn may lack the user)."""
+
+    units: tuple[Unit, ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for unit in self.units for i in unit.indices]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """An indexed view of a message list: system units, turns, and the current turn.
+
+    `current` is the index of the turn holding the last user message (everything after it is
+    the turn in progress, e.g. a tool loop); `None` when there is no user message.
+    """
+
+    messages: Sequence[Message]
+    system: tuple[Unit, ...]
+    turns: tuple[Turn, ...]
+    current: int | None
+    orphans: tuple[Unit, ...]
+
+    @property
+    def system_indices(self) -> list[int]:
+        """Indices of the system (and developer) messages."""
+        return [i for unit in self.system for i in unit.indices]
+
+    @property
+    def orphan_indices(self) -> list[int]:
+        """Indices of tool messages and calls that are never sent (see `read_conversation`)."""
+        return [i for unit in self.orphans for i in unit.indices]
+
+    @property
+    def question(self) -> int | None:
+        """Index of the latest user message (the current turn's first); None without one."""
+        return None if self.current is None else self.turns[self.current].units[0].start
+
+
+def message_text(message: Message) -> str:
+    """The text a message carries: string content, the text parts of a list, tool-call arguments.
+
+    Example:
+        >>> message_text({"role": "user", "content": [{"type": "text", "text": "hi"}]})
+        'hi'
+    """
+    content = message.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "\n".join(
+            part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    else:
+        text = ""
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                text += "\n" + str(function.get("name") or "") + str(function.get("arguments") or "")
+    return text
+
+
+def image_count(message: Message) -> int:
+    """How many image parts a message's content holds."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for part in content if isinstance(part, dict) and part.get("type") in ("image_url", "image"))
+
+
+def tool_call_ids(message: Message) -> list[str]:
+    """The ids of an assistant message's `tool_calls` (empty when it has none)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    return [str(call.get("id")) for call in calls if isinstance(call, dict)]
+
+
+def system_positions(messages: Sequence[Message]) -> list[int]:
+    """Indices of the system (and developer) messages, without reading the chat's structure.
+
+    Example:
+        >>> system_positions([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+        [0]
+    """
+    roles = list(map(dict.get, messages, repeat("role")))
+    found: list[int] = []
+    for role in SYSTEM_ROLES:  # list.count and list.index run in C; a chat has few system messages
+        at = -1
+        for _ in range(roles.count(role)):
+            at = roles.index(role, at + 1)
+            found.append(at)
+    return sorted(found)
+
+
+def _role(message: Message) -> str:
+    role = message.get("role")
+    return role if isinstance(role, str) else ""
+
+
+_UNIT_KIND_BY_ROLE: dict[str, UnitKind] = {
+    **{role: "system" for role in SYSTEM_ROLES},
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "orphan_tool",  # a `tool` message not taken by the tool group before it
+}
+
+
+@lru_cache(maxsize=UNIT_MEMO_SIZE)
+def _unit(start: int, stop: int, kind: UnitKind) -> Unit:
+    """The unit for these values, built once: units are immutable values, and a frozen
+    dataclass costs about 4x a cache lookup to construct (a chat is re-read every turn)."""
+    return Unit(start, stop, kind)
+
+
+register("conversation._unit", _unit.cache_clear)
+
+
+def _split_units(messages: Sequence[Message]) -> list[Unit]:
+    """Cut the list into units; a tool group takes the `tool` replies that answer its calls."""
+    units: list[Unit] = []
+    kinds = _UNIT_KIND_BY_ROLE
+    i, n = 0, len(messages)
+    unit = _unit
+    while i < n:
+        message = messages[i]
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls") and (ids := tool_call_ids(message)):
+            pending = set(ids)
+            j = i + 1
+            while j < n and _role(messages[j]) == "tool" and pending:
+                pending.discard(str(messages[j].get("tool_call_id")))
+                j += 1
+            # A group whose calls are not all answered is invalid for every provider.
+            units.append(unit(i, j, "orphan_tool" if pending else "tool_group"))
+            i = j
+            continue
+        units.append(unit(i, i + 1, kinds.get(role, "other") if type(role) is str else "other"))
+        i += 1
+    return units
+
+
+def read_conversation(messages: Sequence[Message]) -> Conversation:
+    """Index a message list into system units, turns and the current turn.
+
+    Orphan tool messages and unanswered tool calls are set apart: sending them would make the
+    provider reject the request, so they are never part of a turn.
+    """
+    system: list[Unit] = []
+    orphans: list[Unit] = []
+    turns: list[list[Unit]] = []
+    for unit in _split_units(messages):
+        if unit.kind == "system":
+            system.append(unit)
+        elif unit.kind == "orphan_tool":
+            orphans.append(unit)
+        elif unit.kind == "user" or not turns:
+            turns.append([unit])
+        else:
+            turns[-1].append(unit)
+    current = None
+    for t in range(len(turns) - 1, -1, -1):
+        if turns[t][0].kind == "user":
+            current = t
+            break
+    return Conversation(
+        messages=messages,
+        system=tuple(system),
+        turns=tuple(Turn(tuple(units)) for units in turns),
+        current=current,
+        orphans=tuple(orphans),
+    )
+
+
+def recall_message(
+    messages: Sequence[Message], indices: Sequence[int], texts: Mapping[int, str] | None = None
+) -> Message:
+    """The user-role message that quotes `messages[i]` for each of `indices` (in that order),
+    verbatim, under `RECALL_LABEL`: each as its role, a colon and its text (`message_text`, or
+    `texts[i]` when given: the passages quoted of a long message, `excerpt.passage_quote`).
+    A user message, never a system one: Open WebUI merges system messages into the system
+    prompt, which would rewrite the cached prefix every turn.
+
+    Example:
+        >>> recall_message([{"role": "user", "content": "My cat is Miso."}], [0])["content"].splitlines()[-1]
+        'user: My cat is Miso.'
+    """
+    return {"role": "user", "content": "".join(recall_quotes(messages, indices, texts))}
+
+
+def recall_quotes(
+    messages: Sequence[Message], indices: Sequence[int], texts: Mapping[int, str] | None = None
+) -> list[str]:
+    """The text of `recall_message` in parts: the label, then each quoted message (every part
+    but the last ends with the blank line between them), so that its count can be made of the
+    parts' (see `TokenCounter.count_joined`).
+
+    Example:
+        >>> recall_quotes([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], [0, 1])[1:]
+        ['user: a\\n\\n', 'assistant: b']
+    """
+    texts = texts or {}
+    quotes = [f"{messages[i].get('role')}: {texts.get(i) or message_text(messages[i])}\n\n" for i in indices]
+    if quotes:
+        quotes[-1] = quotes[-1][:-2]
+    return [f"{RECALL_LABEL}\n\n", *quotes]
+
+
+def is_recall_message(message: Message) -> bool:
+    """True for a user message that starts with `RECALL_LABEL`: what `recall_message` writes, or
+    a user's text that reads like it (`summarize.own_messages` tells them apart)."""
+    content = message.get("content")
+    return message.get("role") == "user" and type(content) is str and content.startswith(RECALL_LABEL)
+
+
+def is_acknowledgement(message: Message) -> bool:
+    """True for an assistant `SUMMARY_ACK` without tool calls (what follows an added note)."""
+    return (
+        message.get("role") == "assistant" and message.get("content") == SUMMARY_ACK and not message.get("tool_calls")
+    )

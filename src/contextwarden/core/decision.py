@@ -1,0 +1,331 @@
+"""What a turn decided to send, as a record the next turn can read: `TrimDecision` (the kept
+messages' fingerprints, the recall blocks as `Recall`, the excerpts' chunk numbers; versioned
+JSON, never text) and the fingerprints themselves (`message_fingerprint`, `Fingerprints`).
+Fingerprints are cached per process (`DEFAULT_FINGERPRINT_CACHE_SIZE` = 20,000 messages, LRU,
+under 3 MiB), keyed by a cheap stand-in for the content; the fingerprint itself is BLAKE2b
+over canonical JSON, the same in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+from ..caches import DEFAULT_FINGERPRINT_CACHE_SIZE, lru_hit, register
+from .conversation import Message
+
+__all__ = ["TrimDecision", "Recall", "message_fingerprint", "Fingerprints", "DECISION_FORMAT"]
+
+DECISION_FORMAT = 2  # 2: a recall block may quote passages (`Recall.parts`); 1 is read as well
+_READ_FORMATS = (1, DECISION_FORMAT)
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+_fingerprint_lock = threading.Lock()
+_fingerprint_cache: OrderedDict[int, str] = OrderedDict()  # ~125 bytes an entry: under 3 MiB when full
+
+
+def _clear_fingerprints() -> None:
+    with _fingerprint_lock:
+        _fingerprint_cache.clear()
+
+
+register("decision._fingerprint_cache", _clear_fingerprints)
+
+
+@dataclass(frozen=True, slots=True)
+class Recall:
+    """One recall block a turn sent: quoting the messages at input positions `at` (with
+    fingerprints `kept`), right before the kept message at position `anchor` (the question it
+    was made for). The next turn sends it again, rebuilt from the same messages, while they are
+    still there: the prompt then only grows at its end. `acked`: an assistant `SUMMARY_ACK` followed
+    it (False in decisions written before: that block is sent again with one, so the prompt differs
+    from the previous one from that block on, once, and roles alternate from then on). `parts`:
+    per quoted message, the chunk numbers (`excerpt.split_chunks`) of the passages it quotes, or
+    () for the whole message; empty when every message is quoted whole.
+
+    Example:
+        >>> r = Recall(9, (1, 4), ("a" * 16, "b" * 16), parts=((), (2, 5)))
+        >>> Recall.from_list(r.to_list()) == r, r.to_list()[4]
+        (True, [[], [2, 5]])
+    """
+
+    anchor: int
+    at: tuple[int, ...]
+    kept: tuple[str, ...]
+    acked: bool = True
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.parts and not any(self.parts):
+            object.__setattr__(self, "parts", ())  # all whole: the short form
+
+    def passages(self, k: int) -> tuple[int, ...]:
+        """The chunk numbers quoted of the `k`-th quoted message; () when it goes whole."""
+        return self.parts[k] if self.parts else ()
+
+    def to_list(self) -> list[object]:
+        """Its JSON form `[anchor, [positions], [fingerprints], 1, [[chunks], ...]]` (the 1:
+        acknowledged; the chunk lists only when a message is quoted by passages)."""
+        tail = [[list(p) for p in self.parts]] if self.parts else []
+        return [self.anchor, list(self.at), list(self.kept), *([1] if self.acked or tail else []), *tail]
+
+    @classmethod
+    def from_list(cls, value: object) -> Recall | None:
+        """From its JSON form (see `to_list`; without the last items before the acknowledgement
+        and passages); None when it is not one."""
+        if not (
+            isinstance(value, list)
+            and 3 <= len(value) <= 5
+            and (len(value) == 3 or (value[3] == 1 and type(value[3]) is int))
+            and type(value[0]) is int
+            and isinstance(value[1], list)
+            and isinstance(value[2], list)
+            and len(value[1]) == len(value[2])
+            and value[1]
+        ):
+            return None
+        at, kept = tuple(value[1]), tuple(value[2])
+        parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
+        if not (
+            all(type(i) is int and 0 <= i < value[0] for i in at)
+            and all(isinstance(k, str) for k in kept)
+            and all(a < b for a, b in pairwise(at))
+            and parts is not None
+        ):
+            return None
+        return cls(value[0], at, kept, acked=len(value) >= 4, parts=parts)
+
+
+def _chunk_lists(value: object, count: int) -> tuple[tuple[int, ...], ...] | None:
+    """A recall's chunk lists from JSON: one ascending list of ints a quoted message; None when not."""
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    if not all(isinstance(p, list) and all(type(k) is int and k >= 0 for k in p) for p in value):
+        return None
+    if not all(all(a < b for a, b in pairwise(p)) for p in value):
+        return None
+    return tuple(tuple(p) for p in value)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimDecision:
+    """What one trim kept, for the next turn of the same chat: fingerprints, no text.
+
+    `kept` holds the fingerprints (see `message_fingerprint`) of the kept non-system messages
+    in order, and `at` their positions in the list it was made for (so the next turn checks
+    those positions first instead of fingerprinting the whole chat); `tokens` what was sent;
+    `max_tokens` the budget it was made for. `seen` is the length of that list, `seen_tokens`
+    what its non-system messages cost as counted with `counted_with` (an encoding's name, or
+    "estimate"), and `seen_chars` their `history_chars`: with these the next turn knows the
+    whole chat's size without reading the messages it dropped again.
+
+    Example:
+        >>> d = TrimDecision(max_tokens=1000, tokens=640, strategy="relevance", kept=("a1b2c3d4e5f60718",))
+        >>> TrimDecision.from_json(d.to_json()) == d
+        True
+    """
+
+    max_tokens: int
+    tokens: int
+    strategy: str
+    kept: tuple[str, ...]
+    at: tuple[int, ...] = ()
+    seen: int = 0
+    seen_tokens: int = 0
+    seen_chars: int = -1
+    counted_with: str = ""
+    recalls: tuple[Recall, ...] = ()
+    excerpts: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (position, chunk numbers) of excerpted messages
+
+    def __post_init__(self) -> None:
+        """Positions that cannot be right (not one ascending int per kept message) are dropped,
+        and the size figures with them: they only ever cost the fast path. So are recall blocks
+        not anchored at a kept message."""
+        at = self.at
+        if at and (
+            len(at) != len(self.kept)
+            or not all(type(i) is int and i >= 0 for i in at)
+            or any(a >= b for a, b in pairwise(at))
+        ):
+            object.__setattr__(self, "at", ())
+        if not self.at and self.seen:
+            object.__setattr__(self, "seen", 0)
+        if self.recalls and not all(r.anchor in self.at for r in self.recalls):
+            object.__setattr__(self, "recalls", ())
+        if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
+            object.__setattr__(self, "excerpts", ())
+
+    def to_dict(self) -> dict:
+        """This decision as JSON values (what the filter stores per chat, inside `ChatState`)."""
+        return {
+            "v": DECISION_FORMAT,
+            "max_tokens": self.max_tokens,
+            "tokens": self.tokens,
+            "strategy": self.strategy,
+            "kept": list(self.kept),
+            "at": list(self.at),
+            "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
+            "recalls": [r.to_list() for r in self.recalls],
+            "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
+        }
+
+    def to_json(self) -> str:
+        """A compact JSON text of this decision."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TrimDecision:
+        """Read a decision written by `to_json`; ValueError when it is not one."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: object) -> TrimDecision:
+        """Read a decision written by `to_dict`; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError(f"not a TrimDecision: {type(data).__name__}")
+        try:
+            if type(data.get("v")) is not int or data["v"] not in _READ_FORMATS:
+                raise ValueError(f"unknown decision format {data.get('v')!r}")
+            kept = tuple(data["kept"])
+            if not all(isinstance(k, str) for k in kept):
+                raise ValueError("kept must be strings")
+            at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
+            seen = data.get("seen")  # absent in decisions written before the chat's size was kept
+            if not (
+                isinstance(seen, list)
+                and len(seen) == 4
+                and all(type(x) is int for x in seen[:3])
+                and isinstance(seen[3], str)
+            ):
+                seen = [0, 0, -1, ""]
+            recalls = tuple(Recall.from_list(r) for r in data.get("recalls") or ())  # absent before issue 14
+            return cls(
+                int(data["max_tokens"]),
+                int(data["tokens"]),
+                str(data["strategy"]),
+                kept,
+                at,
+                seen[0],
+                seen[1],
+                seen[2],
+                seen[3],
+                recalls=tuple(r for r in recalls if r is not None),
+                excerpts=_excerpt_records(data.get("excerpts")),  # absent before excerpts
+            )
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+
+
+def _excerpt_records(value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Excerpt records from their JSON form `[[position, [chunk, ...]], ...]`; () when not that."""
+    if not isinstance(value, list) or not all(isinstance(e, list) and len(e) == 2 for e in value):
+        return ()
+    if not all(type(e[0]) is int and isinstance(e[1], list) and all(type(k) is int for k in e[1]) for e in value):
+        return ()
+    return tuple((e[0], tuple(e[1])) for e in value)
+
+
+def _excerpt_record_ok(record: object, at: tuple[int, ...]) -> bool:
+    """An excerpt record names a kept position and ascending chunk numbers."""
+    if not (isinstance(record, tuple) and len(record) == 2 and record[0] in at and isinstance(record[1], tuple)):
+        return False
+    chunks = record[1]
+    return all(type(k) is int and k >= 0 for k in chunks) and all(a < b for a, b in pairwise(chunks))
+
+
+def message_fingerprint(message: Message) -> str:
+    """8 bytes of blake2b over the message's canonical JSON, in hex: equal means byte-equal.
+
+    Example:
+        >>> message_fingerprint({"role": "user", "content": "hi"})
+        'a9a3fe7c2ddc12d3'
+    """
+    key = _fingerprint_key(message)
+    if key is not None:
+        cached = lru_hit(_fingerprint_cache, key)
+        if cached is not None:
+            return cached
+    canonical = _CANONICAL_JSON.encode(message)
+    fingerprint = hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    if key is not None:
+        with _fingerprint_lock:
+            _fingerprint_cache[key] = fingerprint
+            if len(_fingerprint_cache) > DEFAULT_FINGERPRINT_CACHE_SIZE:
+                _fingerprint_cache.popitem(last=False)
+    return fingerprint
+
+
+def _fingerprint_key(message: Message) -> int | None:
+    """A cheap stand-in for a message's canonical JSON, in this process only: a message of strings
+    only as the hash of its items (CPython keeps each string's hash, so this runs in C); else
+    each string as its length and string hash (see `TokenCounter._count`), other JSON scalars
+    as their repr, dicts and lists as tagged tuples (a dict in its key order: the same items in
+    another order are just a cache miss). None for anything else (hashed in full)."""
+    if all(type(value) is str for value in message.values()):  # most messages: hashed in C
+        return hash(("s", *message.items()))
+    try:
+        return hash(_key_of(message, 0))
+    except _NoKey:
+        return None
+
+
+class _NoKey(Exception):
+    """A value `_key_of` does not describe (the message is fingerprinted in full)."""
+
+
+def _key_of(value: Any, depth: int) -> object:
+    kind = type(value)
+    if kind is str:
+        return (len(value), hash(value))
+    if kind is dict and depth < 8:
+        return (
+            "d",
+            *((name, _key_of(item, depth + 1)) if type(name) is str else _no_key() for name, item in value.items()),
+        )
+    if kind is list and depth < 8:
+        return ("l", *(_key_of(item, depth + 1) for item in value))
+    if value is None or kind is bool or kind is int or kind is float:
+        return repr(value)
+    return _no_key()
+
+
+def _no_key() -> object:
+    raise _NoKey
+
+
+class Fingerprints(Sequence[str]):
+    """`message_fingerprint` of each message, computed when first asked for.
+
+    Example:
+        >>> prints = Fingerprints([{"role": "user", "content": "hi"}])
+        >>> prints[0] == message_fingerprint({"role": "user", "content": "hi"}), len(prints)
+        (True, 1)
+    """
+
+    __slots__ = ("_messages", "_done")
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self._messages = messages
+        self._done: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        done = self._done.get(index)
+        if done is None:
+            done = self._done[index] = message_fingerprint(self._messages[index])
+        return done

@@ -1,0 +1,154 @@
+"""A new selection: the tokens it fills (`selection_target`: watermark and growth room), relevance
+with the embedder's cosines when there is one, a question about the documents as a whole, large
+old messages excerpted into what the selection left, and the recall block the question needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from .conversation import Conversation, message_text
+from .excerpt import Excerpt, excerpt_turns
+from .recall import _Block, _new_recall
+from .relevance import score_messages, wants_whole
+from .selection import choose_indices
+from .semantic import VECTORS, Embed, similarities
+from .tokens import TOKENS_PER_REPLY, TokenCounter
+from .trim_types import DEFAULT_GROWTH_TURNS, TrimOptions, _Counted, _sized
+
+__all__ = ["WHOLE_DOCUMENT_SHARE", "WHOLE_DOCUMENT_MIN_TOKENS", "WHOLE_DOCUMENT_MIN_CHARS", "selection_target"]
+
+# A question about the documents as a whole (a summary, an overview) in a chat that holds one (an
+# earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
+# part leaves for the large old messages, before the rest is chosen.
+WHOLE_DOCUMENT_SHARE = 0.75
+WHOLE_DOCUMENT_MIN_TOKENS = 2_000
+# The next turn's shortcut checks for such a message by its length: a token is at least 3 characters
+# in the texts this holds for (bench/speed.py's chats of ~500-token turns use "summary" freely).
+WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
+
+
+def selection_target(
+    conversation: Conversation,
+    costs: Sequence[int],
+    max_tokens: int,
+    low_watermark: float,
+    growth_turns: int = DEFAULT_GROWTH_TURNS,
+) -> int:
+    """The tokens a new selection fills: `low_watermark` of the budget and, below 1.0, at most
+    the budget less room for `growth_turns` turns like the last one (what came since the
+    previous user message: its replies and this turn), never less than half the budget.
+
+    Example:
+        >>> from contextwarden.core.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}]
+        >>> selection_target(read_conversation(chat), [100, 900, 100], 10_000, 0.8)
+        8000
+        >>> selection_target(read_conversation(chat), [100, 900, 100], 4_000, 0.8)
+        2000
+    """
+    target = int(max_tokens * low_watermark)
+    current = conversation.current
+    if low_watermark >= 1.0 or growth_turns <= 0 or not current:
+        return target
+    since = conversation.turns[current - 1].units[0].stop
+    growth = sum(costs[since:])
+    return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
+
+
+def _new_selection(
+    chat: _Counted,
+    options: TrimOptions,
+    pinned: Collection[int],
+    notes: list[str],
+    mandatory_cost: int,
+    max_tokens: int,
+    counter: TokenCounter,
+    model: str | None,
+    room: int,
+    whole: bool = False,
+) -> tuple[set[int], list[_Block], dict[int, Excerpt]]:
+    """A new selection up to its target (watermark and growth room), less the recall room; large
+    old messages excerpted into what it left; the recall block of what the question needs.
+    `whole` (a question about the documents as a whole): `WHOLE_DOCUMENT_SHARE` of what the
+    mandatory part leaves goes to the large old messages first, their chunks spread evenly."""
+    conversation, costs, question = chat.conversation, chat.costs, chat.conversation.question
+    # Estimated counts already err high (1.1-2x): leaving room to grow as well would
+    # starve the prompt, so a selection made on them fills the budget.
+    watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
+    target = selection_target(conversation, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
+    semantic = options.embed is not None and options.strategy == "relevance"
+    scores = _semantic_scores(conversation, options.embed, notes) if semantic and options.embed is not None else None
+    reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
+    keep = choose_indices(
+        conversation,
+        costs,
+        target - room - reserve,
+        strategy=options.strategy,
+        keep_last_turns=options.keep_last_turns,
+        pinned=pinned,
+        scores=scores,
+        room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
+    )
+    excerpts: dict[int, Excerpt] = {}
+    if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
+        # What the selection left: large old messages cut to it. With a document in the chat the
+        # recall's room too (its passages are what the question needs; the recall, which quotes
+        # whole messages, takes what is left); without one the recall keeps its room (chats of
+        # long merged turns, REALTALK's, lost evidence when their excerpts took it).
+        spare = target - sum(costs[i] for i in keep) - (0 if _holds_document(chat, keep) else room)
+        added, excerpts = excerpt_turns(
+            conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
+        )
+        keep.update(added)
+    if not (room and question is not None):
+        return keep, [], excerpts
+    left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
+    pool = chat.pools.of(question, conversation.system_indices)
+    sent = {i: e.chunks for i, e in excerpts.items()}
+    block = _new_recall(chat.messages, keep, question, min(room, left), counter, model, pool, sent=sent)
+    return keep, [block] if block is not None else [], excerpts
+
+
+def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str]) -> list[float] | None:
+    """Relevance with the embedder's similarities fused in; None (lexical) when it fails."""
+    question = conversation.question
+    if question is None:
+        return None
+    excluded = conversation.system_indices + conversation.orphan_indices
+    try:
+        similarity = similarities(conversation.messages, question, VECTORS, embed, skip=excluded)
+    except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
+        notes.append("some messages not embedded yet: relevance is lexical")
+        return None
+    except Exception as exc:  # any embedder: its failure must not cost the trim
+        notes.append(f"embedder failed ({type(exc).__name__}): relevance is lexical")
+        return None
+    if similarity is None:
+        return None
+    return score_messages(conversation.messages, question=question, exclude=excluded, similarity=similarity)
+
+
+def _documents(chat: _Counted) -> list[int]:
+    """The chat's documents: messages before the latest question (no system prompt) of
+    `WHOLE_DOCUMENT_MIN_TOKENS` or more."""
+    question = chat.conversation.question
+    system = set(chat.conversation.system_indices)
+    before = chat.costs if question is None else chat.costs[:question]
+    return [i for i, c in enumerate(before) if c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in system]
+
+
+def _holds_document(chat: _Counted, keep: Collection[int]) -> bool:
+    """A message the selection left out is a document (`_documents`)."""
+    return any(i not in keep for i in _documents(chat))
+
+
+def _wants_whole(chat: _Counted, options: TrimOptions) -> bool:
+    """The latest question is about the documents as a whole (`relevance.wants_whole`) and the
+    chat holds one before it (a chat of short messages keeps its selection: "summarise
+    everything" there is served by the recall, and the prompt cache keeps hitting)."""
+    question = chat.conversation.question
+    if options.strategy != "relevance" or not options.shorten or question is None:
+        return False
+    return bool(_documents(chat)) and wants_whole(message_text(chat.messages[question]))

@@ -1,0 +1,603 @@
+"""Choosing what to keep under a budget, and keeping that choice stable between turns.
+
+The hard part (system messages, the current turn) and pinned units are always kept; then the
+last `keep_last_turns` turns while they fit; then either the newest turns (`recent`) or the
+units worth most per token (`relevance`). A unit is kept or dropped whole: one message, or an
+assistant `tool_calls` message with its `tool` replies. A `TrimDecision` (decision.py) records
+what was kept, so the next turn can send the same prefix again (`reuse_previous`,
+`extend_previous`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Literal
+
+from .conversation import (
+    SYSTEM_ROLES,
+    Conversation,
+    Message,
+    message_text,
+    read_conversation,
+    system_positions,
+)
+from .decision import Recall, TrimDecision
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+
+__all__ = [
+    "neighbour_reach",
+    "DEFAULT_KEEP_LAST_TURNS",
+    "Strategy",
+    "STRATEGIES",
+    "DEFAULT_STRATEGY",
+    "select_recent",
+    "select_by_value",
+    "choose_indices",
+    "turn_values",
+    "reuse_previous",
+    "extend_previous",
+    "history_chars",
+    "window_start",
+    "mandatory_indices",
+    "recent_turns",
+    "choose_recall",
+    "recall_order",
+    "recall_candidates",
+    "carried_recalls",
+    "RECALLABLE_ROLES",
+]
+
+RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
+Strategy = Literal["relevance", "recent"]
+STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
+DEFAULT_STRATEGY: Strategy = "relevance"
+# Value per cost ** 0.25: relevance scores are already length-normalised (BM25's b), so
+# dividing by the whole cost would penalise long messages twice. Measured in bench/quality.py
+# on both dev shapes (all evidence kept at 2k / 8k): 0.5 gave LoCoMo 0.754 / 0.858 and the
+# reshaped set 0.695 / 0.847; 0.25 gives 0.761 / 0.858 and 0.707 / 0.851; 0 loses on
+# LoCoMo at 8k (0.854).
+DEFAULT_COST_EXPONENT = 0.25
+# A recall block takes the dropped messages most relevant to the question first, whatever their
+# length (value per cost ** 0): it has little room, and what a question needs is a few messages.
+# bench/multiturn.py, carried evidence / fresh trim's at 2k and 8k, conversations 1-2 | 3-5:
+# 0.25 (the selection's) 0.875 / 0.927 | 0.876 / 0.915; 0 0.923 / 0.942 | 0.926 / 0.936;
+# 0.5 worse (0.840 / 0.932 | 0.780 / 0.911). On the reshaped chats (bench/quality.py) at 2k:
+# 0.80x -> 0.94x.
+RECALL_COST_EXPONENT = 0.0
+DEFAULT_KEEP_LAST_TURNS = 1  # the current turn: the latest question and what answers it
+
+
+def select_recent(costs: Sequence[int], budget: int) -> list[int]:
+    """Indices of the newest candidates that fit in `budget`, in ascending order.
+
+    Candidates are taken newest first and the walk stops at the first that does not fit, so
+    what is kept is one unbroken stretch ending at the newest candidate.
+
+    Example:
+        >>> select_recent([50, 10, 20, 30], budget=55)
+        [2, 3]
+    """
+    kept: list[int] = []
+    left = budget
+    for index in range(len(costs) - 1, -1, -1):
+        if costs[index] > left:
+            break
+        left -= costs[index]
+        kept.append(index)
+    kept.reverse()
+    return kept
+
+
+def select_by_value(
+    costs: Sequence[int], values: Sequence[float], budget: int, *, cost_exponent: float = DEFAULT_COST_EXPONENT
+) -> list[int]:
+    """Candidates worth most in total within `budget`, in ascending order (0-1 knapsack, greedy).
+
+    Greedy by value per `cost ** cost_exponent` (ties: newer first), skipping what does not
+    fit; then a repair
+    pass: when the single most valuable candidate that fits is worth more than the greedy
+    pick, start from it instead (this bounds the loss at half the optimum).
+
+    Example:
+        >>> select_by_value([10, 10, 30], [1.0, 5.0, 9.0], budget=40)
+        [1, 2]
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-values[i] / max(costs[i], 1) ** cost_exponent, -i))
+
+    def fill(start: list[int], left: int) -> list[int]:
+        taken = list(start)
+        for i in order:
+            if i not in start and costs[i] <= left and values[i] > 0:
+                taken.append(i)
+                left -= costs[i]
+        return taken
+
+    greedy = fill([], budget)
+    fitting = [i for i in range(len(costs)) if costs[i] <= budget]
+    if fitting:
+        best = max(fitting, key=lambda i: (values[i], i))
+        if values[best] > sum(values[i] for i in greedy):
+            greedy = fill([best], budget - costs[best])
+    return sorted(greedy)
+
+
+def mandatory_indices(conversation: Conversation) -> list[int]:
+    """What is always sent: system messages and the current turn (the last user message on)."""
+    mandatory = conversation.system_indices
+    turns = conversation.turns
+    current = conversation.current if conversation.current is not None else len(turns) - 1
+    for turn in turns[current:] if turns else ():
+        mandatory.extend(turn.indices)
+    return sorted(mandatory)
+
+
+def _history_start_ok(conversation: Conversation, keep: Collection[int]) -> bool:
+    """The kept history does not begin with an assistant or tool message unless the input did."""
+    return _starts_well(conversation.messages, keep)
+
+
+def _starts_well(messages: Sequence[Message], keep: Collection[int]) -> bool:
+    first_in = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
+    first = next((i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES), None)
+    return first is None or first == first_in or messages[first].get("role") not in ("assistant", "tool")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The hard indices, the optional units (oldest first), and each unit's turn number."""
+
+    hard: frozenset[int]
+    units: tuple[range, ...]
+    unit_turn: tuple[int, ...]
+    turn_user: tuple[int | None, ...]
+
+
+def _plan(conversation: Conversation) -> _Plan:
+    hard = frozenset(mandatory_indices(conversation))
+    units: list[range] = []
+    unit_turn: list[int] = []
+    turn_user: list[int | None] = []
+    for t, turn in enumerate(conversation.turns):
+        first = turn.units[0]
+        turn_user.append(first.start if first.kind == "user" else None)
+        for unit in turn.units:
+            if unit.start not in hard:
+                units.append(range(unit.start, unit.stop))
+                unit_turn.append(t)
+    return _Plan(hard, tuple(units), tuple(unit_turn), tuple(turn_user))
+
+
+def _pinned_units(plan: _Plan, pinned: Collection[int]) -> list[int]:
+    """The optional units holding a pinned index (pins are mandatory: kept whatever they cost)."""
+    pins = set(pinned)
+    return [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
+
+
+def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
+    """Units to add before any other, in order: pinned ones, then the last turns newest first."""
+    order = _pinned_units(plan, pinned)
+    recent = recent_turns(conversation, keep_last_turns)
+    order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent and u not in order]
+    return order
+
+
+def recent_turns(conversation: Conversation, keep_last_turns: int) -> set[int]:
+    """The turns before the current one that `keep_last_turns` keeps first (it counts the current one)."""
+    current = conversation.current if conversation.current is not None else len(conversation.turns)
+    return set(range(current - max(0, keep_last_turns - 1), current))
+
+
+def _pick_turns(
+    conversation: Conversation,
+    plan: _Plan,
+    groups: dict[int, list[int]],
+    unit_cost: Sequence[int],
+    open_turns: list[int],
+    group_cost: list[int],
+    left: int,
+    strategy: Strategy,
+    weights: RelevanceWeights,
+    scores: Sequence[float] | None,
+) -> list[int]:
+    """The strategy's pick among the turns still open (positions in `open_turns`) within `left`."""
+    if strategy == "recent":
+        return select_recent(group_cost, max(0, left))
+    if not (open_turns and left > 0 and conversation.question is not None):
+        return []
+    if scores is None:
+        excluded = conversation.system_indices + conversation.orphan_indices
+        scores = score_messages(
+            conversation.messages, question=conversation.question, exclude=excluded, weights=weights
+        )
+    latest = (conversation.current - 1) if conversation.current else None
+    values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
+    return select_by_value(group_cost, [values[t] for t in open_turns], left)
+
+
+def choose_indices(
+    conversation: Conversation,
+    costs: Sequence[int],
+    budget: int,
+    *,
+    strategy: Strategy = DEFAULT_STRATEGY,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
+    pinned: Collection[int] = (),
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    scores: Sequence[float] | None = None,
+    room: int | None = None,
+) -> set[int]:
+    """The message indices to send: hard part, pins, preferred turns, then the strategy's pick.
+
+    Earlier turns go whole (a question with all its replies) or not at all, so a kept question
+    has its answer and no reply is sent without its question. Pinned units are mandatory; the
+    rest of a pinned turn, the latest turn (the answer just before the current question) and
+    the last `keep_last_turns` turns come next, newest first, each while it fits. The latest
+    turn may use `room` (default `budget`): the whole budget when `budget` is a watermark.
+    `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
+
+    `budget` covers the messages (reply priming is the caller's); the hard part and the pinned
+    units are returned even when they alone are over. The result never begins its history with
+    an assistant or tool message unless the input did: such a unit gets its turn's user
+    message, or is let go.
+
+    Example:
+        >>> from contextwarden.core.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+        ...         {"role": "user", "content": "z"}]
+        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 10, strategy="recent"))
+        [2]
+        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 15, strategy="recent"))
+        [0, 1, 2]
+    """
+    plan = _plan(conversation)
+    keep = set(plan.hard)
+    left = budget - sum(costs[i] for i in keep)
+    unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
+    groups = _turn_groups(plan)
+    must = _pinned_units(plan, pinned)
+    taken: set[int] = set(must)
+    left -= sum(unit_cost[u] for u in must)
+    latest = (conversation.current - 1) if conversation.current else None
+    extra = max(0, (room if room is not None else budget) - budget)
+    for t in _preferred_turns(plan, conversation, keep_last_turns, must, latest):
+        rest = [u for u in groups[t] if u not in taken]
+        cost = sum(unit_cost[u] for u in rest)
+        if cost <= left + (extra if t == latest else 0):
+            taken.update(rest)
+            left -= cost
+    open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
+    group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
+    chosen = _pick_turns(conversation, plan, groups, unit_cost, open_turns, group_cost, left, strategy, weights, scores)
+    for k in chosen:
+        taken.update(groups[open_turns[k]])
+        left -= group_cost[k]
+    for u in taken:
+        keep.update(plan.units[u])
+    return _repair_history_start(conversation, plan, keep, costs, left)
+
+
+def turn_values(
+    conversation: Conversation,
+    costs: Sequence[int],
+    scores: Sequence[float],
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+) -> dict[int, float]:
+    """What each earlier turn is worth to the relevance strategy (by turn number), as
+    `choose_indices` weighs it before dividing by its cost ** `DEFAULT_COST_EXPONENT`."""
+    plan = _plan(conversation)
+    unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
+    latest = (conversation.current - 1) if conversation.current else None
+    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, latest)
+
+
+def neighbour_reach(own: int, theirs: int, weights: RelevanceWeights) -> float:
+    """How much of a neighbour's share reaches: all of it while the two (turns, or the recall's
+    messages) average at most `weights.turn_reach` tokens, in proportion beyond."""
+    return min(1.0, 2 * weights.turn_reach / max(1, own + theirs))
+
+
+def _turn_values(
+    plan: _Plan,
+    groups: dict[int, list[int]],
+    unit_cost: Sequence[int],
+    scores: Sequence[float],
+    weights: RelevanceWeights,
+    latest: int | None,
+) -> dict[int, float]:
+    """Each turn's worth when kept whole: its messages' scores plus `weights.turn_share` of the
+    best message score in an adjacent turn, in full while the two turns average at most
+    `turn_reach` tokens, in proportion beyond (what was said next to a match often completes
+    it; a long turn already holds its own context). Only what the neighbour's best holds above
+    the chat's median turn counts: next to a turn as ordinary as most, nothing is completed
+    (near-alike filler turns would otherwise all gain and pass a real match).
+    bench/quality.py: +0.02-0.03 kept at 2k.
+    The `latest` turn (kept first anyway) shares nothing: a short question's query is built from
+    it, so its score is its own words matching themselves."""
+    own = {t: [scores[i] for u in us for i in plan.units[u]] for t, us in groups.items()}
+    cost = {t: sum(unit_cost[u] for u in us) for t, us in groups.items()}
+    best = {t: max(values, default=0.0) for t, values in own.items() if t != latest}
+    typical = statistics.median(best.values()) if best else 0.0
+    values = {}
+    for t, mine in own.items():
+        near = [
+            max(0.0, best[j] - typical) * neighbour_reach(cost[t], cost[j], weights)
+            for j in (t - 1, t + 1)
+            if j in best
+        ]
+        values[t] = sum(mine) + weights.turn_share * max(near, default=0.0)
+    return values
+
+
+def _turn_groups(plan: _Plan) -> dict[int, list[int]]:
+    """The optional units of each turn, by turn number: what goes whole or not at all."""
+    groups: dict[int, list[int]] = {}
+    for u, t in enumerate(plan.unit_turn):
+        groups.setdefault(t, []).append(u)
+    return groups
+
+
+def _preferred_turns(
+    plan: _Plan, conversation: Conversation, keep_last_turns: int, must: list[int], latest: int | None
+) -> list[int]:
+    """Turns to add whole before the strategy picks, in order: pinned ones (their rest), the
+    latest one, then the last `keep_last_turns` turns newest first."""
+    order = list(dict.fromkeys(plan.unit_turn[u] for u in must))
+    recent = sorted(
+        recent_turns(conversation, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True
+    )
+    present = set(plan.unit_turn)
+    return order + [t for t in recent if t in present and t not in order]
+
+
+def _repair_history_start(
+    conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int
+) -> set[int]:
+    """Give a leading assistant/tool unit its turn's user message, or drop it, until valid."""
+    messages = conversation.messages
+    unit_of = {unit[0]: u for u, unit in enumerate(plan.units)}
+    while not _history_start_ok(conversation, keep):
+        first = next(i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES)
+        if first not in unit_of:  # cannot happen: the hard part starts with a user message
+            break
+        unit = plan.units[unit_of[first]]
+        user = plan.turn_user[plan.unit_turn[unit_of[first]]]
+        if user is not None and user not in keep and costs[user] <= left:
+            keep.add(user)
+            left -= costs[user]
+        else:
+            keep.difference_update(unit)
+            left += sum(costs[i] for i in unit)
+    return keep
+
+
+def reuse_previous(
+    previous: TrimDecision,
+    fingerprints: Sequence[str],
+    conversation: Conversation,
+    costs: Sequence[int],
+    budget: int,
+    *,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
+    pinned: Collection[int] = (),
+) -> set[int] | None:
+    """The previous selection plus everything after it, if that is still valid and fits.
+
+    The previous kept messages must all be found, in order, among the non-system messages;
+    then what is sent is: system messages, those messages, every message after the last of
+    them, the hard part, pinned units and the last `keep_last_turns` turns — whole units only, no orphans. None
+    when a kept message is gone, the history would start wrongly, or it does not fit `budget`.
+
+    Example:
+        >>> from contextwarden.core.conversation import read_conversation
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...         {"role": "user", "content": "e"}]
+        >>> from contextwarden.core.decision import message_fingerprint
+        >>> prints = [message_fingerprint(m) for m in chat]
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]))
+        >>> sorted(reuse_previous(before, prints, read_conversation(chat), [5] * 5, 100))
+        [0, 2, 3, 4]
+    """
+    matched = _find_kept(previous, fingerprints, set(conversation.system_indices))
+    if matched is None:
+        return None
+    keep = _grown(conversation, matched, keep_last_turns, pinned)
+    if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
+        return None
+    return keep
+
+
+def _grown(conversation: Conversation, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
+    """`matched` plus everything after the last of it, the hard part, pinned units and the
+    last `keep_last_turns` turns, as whole units without orphans."""
+    after = matched[-1] + 1 if matched else 0
+    plan = _plan(conversation)
+    keep = set(plan.hard) | set(matched) | set(range(after, len(conversation.messages)))
+    for u in _preferred(plan, conversation, keep_last_turns, pinned):
+        keep.update(plan.units[u])
+    keep.difference_update(conversation.orphan_indices)
+    for turn in conversation.turns:
+        for unit in turn.units:
+            if unit.stop - unit.start > 1 and keep.intersection(unit.indices):
+                keep.update(unit.indices)
+    return keep
+
+
+def extend_previous(
+    previous: TrimDecision,
+    messages: Sequence[Message],
+    fingerprints: Sequence[str],
+    *,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
+    system: Sequence[int] | None = None,
+) -> set[int] | None:
+    """`reuse_previous` without reading the whole chat: the indices it would keep (budget not
+    checked), from the previous kept messages at their recorded positions and the messages
+    after the last of them; None when that is not enough to know.
+
+    The chat is read only from the last kept message that starts a unit; what comes before
+    it is either kept (found by fingerprint) or was dropped and stays dropped. System
+    messages are kept wherever they are. None when a kept message is not at its recorded
+    place, the window holds no user message, or a turn `keep_last_turns` keeps begins before it.
+    `system` gives the system messages' indices when the caller has them.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...         {"role": "user", "content": "e"}]
+        >>> from contextwarden.core.decision import message_fingerprint
+        >>> prints = [message_fingerprint(m) for m in chat]
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]), at=(0, 2))
+        >>> sorted(extend_previous(before, chat, prints))
+        [0, 2, 3, 4]
+    """
+    at = previous.at
+    if not _kept_in_place(previous, fingerprints):
+        return None
+    start = window_start(previous, messages)
+    if start is None:
+        return None
+    window = read_conversation(messages[start:])
+    if window.current is None:
+        return None
+    turns = window.turns
+    if any(t < 0 or turns[t].units[0].kind != "user" for t in recent_turns(window, keep_last_turns)):
+        return None  # a turn kept as recent starts before the window
+    grown = _grown(window, [i - start for i in at if i >= start], keep_last_turns, ())
+    keep = set(system_positions(messages) if system is None else system)
+    keep.update(i for i in at if i < start)
+    keep.update(start + i for i in grown)
+    return keep if _starts_well(messages, keep) else None
+
+
+def window_start(previous: TrimDecision, messages: Sequence[Message]) -> int | None:
+    """Where `extend_previous` starts reading: the last kept message that starts a unit (not a
+    tool result); None when no kept message does."""
+    return next((i for i in reversed(previous.at) if i < len(messages) and messages[i].get("role") != "tool"), None)
+
+
+def history_chars(messages: Sequence[Message], system: Sequence[int] | None = None) -> int:
+    """Total length of the content of the non-system messages: a cheap check (no pass in
+    Python over the texts) that no message was edited; -1 for content without a length.
+    `system` gives the system messages' indices when the caller has them.
+
+    Example:
+        >>> history_chars([{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"}])
+        2
+    """
+    try:
+        total = sum(map(_content_chars, map(dict.get, messages, repeat("content"))))
+        system = system_positions(messages) if system is None else system
+        return total - sum(_content_chars(messages[i].get("content")) for i in system)
+    except TypeError:  # content that is not text, parts or None
+        return -1
+
+
+def _content_chars(content: object) -> int:
+    """A content's length for `history_chars`: a text's characters; for parts, their texts'
+    characters and one for each other part (their count alone would miss an edited text part)."""
+    if isinstance(content, list):
+        return sum(len(p["text"]) if isinstance(p, dict) and type(p.get("text")) is str else 1 for p in content)
+    return len(content) if content else 0  # type: ignore[arg-type]  # (no length: TypeError, -1 above)
+
+
+def _find_kept(previous: TrimDecision, fingerprints: Sequence[str], system: set[int]) -> list[int] | None:
+    """Where the previous turn's kept messages are now, in order; None when one is gone.
+
+    First at the positions the decision recorded (a chat only grows at its end, so they are
+    usually still right, and only the kept messages are fingerprinted); else the first
+    in-order match among all non-system messages.
+    """
+    wanted = previous.kept
+    if system.isdisjoint(previous.at) and _kept_in_place(previous, fingerprints):
+        return list(previous.at)
+    matched: list[int] = []
+    k = 0
+    for index in range(len(fingerprints)):
+        if k == len(wanted):
+            break
+        if index not in system and fingerprints[index] == wanted[k]:
+            matched.append(index)
+            k += 1
+    return matched if k == len(wanted) else None
+
+
+def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
+    """The previous turn's kept messages are all still at the positions it recorded."""
+    at = previous.at
+    return (
+        bool(at)
+        and at[-1] < len(fingerprints)
+        and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept, strict=True))
+    )
+
+
+def recall_candidates(
+    messages: Sequence[Message], scores: Sequence[float], texts: Sequence[str] | None = None
+) -> list[int]:
+    """The messages a recall block may quote: user, assistant and tool messages with text that
+    are relevant to the question (score above 0); an earlier pass's recall block was taken out
+    before (`trim_messages`' `added`). `texts`: each message's `message_text`, when the caller has them."""
+    return [
+        i
+        for i, score in enumerate(scores)
+        if score > 0
+        and messages[i].get("role") in RECALLABLE_ROLES
+        and (texts[i] if texts is not None else message_text(messages[i]))
+    ]
+
+
+def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:
+    """`candidates` by what they are worth to a recall block: score per cost ** `RECALL_COST_EXPONENT`,
+    the most first (ties: the newer first)."""
+    if not RECALL_COST_EXPONENT:
+        return sorted(candidates, key=lambda i: (-scores[i], -i))
+    return sorted(candidates, key=lambda i: (-scores[i] / max(costs[i], 1) ** RECALL_COST_EXPONENT, -i))
+
+
+def choose_recall(
+    candidates: Sequence[int],
+    keep: Collection[int],
+    scores: Sequence[float],
+    costs: Mapping[int, int],
+    room: int,
+    *,
+    ordered: bool = False,
+) -> list[int]:
+    """The `candidates` (see `recall_candidates`) not in `keep` to quote in this turn's recall
+    block, ascending: the most relevant first (`scores`; see `recall_order`), greedily while
+    they fit `room` (`costs`). `ordered`: the candidates are already in `recall_order` (a turn sorts them once).
+
+    Example:
+        >>> choose_recall([0, 1, 2], {2}, [0.5, 2.0, 1.0], {0: 10, 1: 10, 2: 10}, room=15)
+        [1]
+    """
+    if room <= 0:
+        return []
+    order = candidates if ordered else recall_order(candidates, scores, costs)
+    chosen: list[int] = []
+    for i in order:
+        if i not in keep and costs[i] <= room:
+            chosen.append(i)
+            room -= costs[i]
+    return sorted(chosen)
+
+
+def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int]) -> list[Recall] | None:
+    """The previous turn's recall blocks to send again: each whose quoted messages are all still
+    at their recorded places and whose anchor is kept (None when one is not: the prompt could
+    not stay append-only, so the caller selects anew). A block anchored at the latest message
+    of the previous turn's own question is one this question gets anew, and is left out by
+    the caller."""
+    n = len(fingerprints)
+    for recall in previous.recalls:
+        if (
+            recall.anchor not in keep
+            or recall.at[-1] >= n
+            or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept, strict=True))
+        ):
+            return None
+    return list(previous.recalls)

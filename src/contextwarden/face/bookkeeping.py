@@ -1,0 +1,442 @@
+"""The bookkeeping path: a turn's money around its reply, apart from the Open WebUI face.
+
+Before the reply: `!usage` answered, a user over a limit refused (`before_turn`), the turn
+started in this worker and its estimate charged (`start_turn`). While it streams: what the
+reply carries counted, each provider call's usage settled (`stream_event`). After it
+(`reply`): the usage billed (the backend's, estimated where it said nothing), priced, logged
+as one `usage {json}` line, added to the ledger and the spend totals (the turn's charge
+settled), and what it teaches learned (calibration, cache stats); `reply_line` is the turn's
+one status line. The filter passes the counter, the store, the clock, the settings and the
+price resolution in; a test can drive it without Open WebUI.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from ..core.tokens import TokenCounter
+from ..errors import TurnRefused
+from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
+from ..money.ledger import record_reply
+from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
+from ..money.openturns import OpenTurn, OpenTurns, reply_allowance, rough_tokens, streamed_chars
+from ..money.pricing import Resolution
+from ..money.records import TurnNote, UsageRecord
+from ..money.savings import Savings
+from ..money.spendbook import Charge, SpendBook
+from ..money.usage import Cost, Usage, compute_cost, read_usage
+from ..state.store import RedisStore, Store
+from .adminview import is_usage_command, usage_answer
+from .hookargs import METADATA_KEY, Emitter, base_model_id, is_chat_body
+from .offloop import compute, heavy
+from .settings import MODES, Settings
+from .status import pending_detail, pending_line, turn_line, usage_status
+from .usergroups import GroupReader
+
+__all__ = ["Bookkeeping", "BookedReply"]
+
+books_log = logging.getLogger("contextwarden")
+
+
+@dataclass(frozen=True, slots=True)
+class BookedReply:
+    """A reply as the bookkeeping billed it: what the turn's status line reads."""
+
+    model_id: str
+    note: TurnNote  # what the turn's passes noted
+    mode: str  # the mode the turn ran in
+    billed: Usage
+    estimated: bool
+    cost: Cost
+    savings: Savings | None
+    off: bool  # the chat is big enough that work on it goes off the event loop
+
+
+async def _store_failed(exc: Exception, settings: Settings) -> None:
+    """The spend could not be read: fail-closed refuses the turn (`TurnRefused`), fail-open logs it."""
+    if settings.limit_store_failure == "fail-closed":
+        books_log.warning("contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__)
+        raise TurnRefused(STORE_DOWN_TEXT) from None
+    books_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
+
+
+class Bookkeeping:
+    """The bookkeeping path of one filter: limits, the turns it started, usage, spend, the ledger."""
+
+    def __init__(
+        self,
+        *,
+        counter: TokenCounter,
+        store: Callable[[], Store],
+        now: Callable[[], datetime],
+        settings: Callable[[dict | None], Awaitable[Settings]],
+        resolve: Callable[[Settings, str, Emitter | None], Awaitable[Resolution]],
+        warn_once: Callable[[str], None],
+    ) -> None:
+        """`store` returns the filter's current store (it follows the `redis_url` valve), `now`
+        the time (days and months of limits and the ledger follow it), `settings` a user's
+        settings (valve problems told as the filter tells them), `resolve` the price book's model
+        for an id, `warn_once` logs a warning once a process."""
+        self._counter = counter
+        self._store_of = store
+        self._now = now
+        self._settings = settings
+        self._resolve = resolve
+        self._warn_once = warn_once
+        self._open = OpenTurns()
+        self._spendbook = SpendBook()
+        self._groups = GroupReader()
+
+    @property
+    def _store(self) -> Store:
+        return self._store_of()
+
+    async def stream_event(self, metadata: dict | None, event: Any) -> None:
+        """One streamed chunk: counted, and its usage settled, when its turn started here."""
+        note = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+        turn = self._open.find(note.get("turn") if isinstance(note, dict) else None)
+        if turn is not None:
+            await self._watch(turn, event)
+
+    async def reply(
+        self,
+        body: dict,
+        user: dict | None,
+        metadata: dict | None,
+        model: dict | None,
+        settings: Settings,
+        emit: Emitter | None,
+    ) -> BookedReply:
+        """After a reply: bill its usage, log one `usage {json}` line, add it to the ledger and the
+        spend totals (its turn's charge settled), and learn from it (`emit`: price problems)."""
+        metadata = metadata if isinstance(metadata, dict) else {}
+        note = TurnNote.from_dict(metadata.get(METADATA_KEY))
+        started = self._open.finish(note.turn_id)  # None: a bare outlet (another worker's, or forged)
+        model_id = base_model_id(body, model)
+        resolution = await self._resolve(settings, model_id, emit)
+        usage = self._reply_usage(body["messages"][-1])
+        off = heavy(body["messages"])
+        billed, estimated = await compute(
+            off, billed_usage, self._counter, usage, note.estimated_prompt_tokens, body["messages"], model_id
+        )
+        cost = compute_cost(billed, resolution.price)
+        mode = note.mode if note.mode in MODES else settings.mode
+        tokens_saved = note.tokens_saved if mode != "off" else None
+        savings = await reply_savings_of(self._store, billed, note, str(mode), tokens_saved, resolution, model_id)
+        record = usage_record(
+            model_id=model_id,
+            resolution=resolution,
+            user_id=(user or {}).get("id"),
+            chat_id=body.get("chat_id") or metadata.get("chat_id") or None,
+            billed=billed,
+            estimated=estimated,
+            estimated_prompt=note.estimated_prompt_tokens,
+            cost=cost,
+            mode=str(mode),
+            tokens_saved=tokens_saved,
+            savings=savings,
+        )
+        books_log.info("usage %s", record.to_json())
+        await self._book(
+            settings, (user or {}).get("id"), resolution.model_id or model_id, billed, estimated, cost, record, started
+        )
+        if started is not None:  # only a turn this worker started teaches (a bare outlet may be forged)
+            await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
+        return BookedReply(model_id, note, str(mode), billed, estimated, cost, savings, off)
+
+    async def reply_line(self, settings: Settings, user: dict | None, booked: BookedReply, shown: bool) -> str | None:
+        """The turn's one status line after its reply: what the model saw (the passes' words), what
+        the reply used and cost, the user's spend (`shown`: there is a chat to show it in); None
+        when status lines are off. The passes' detail goes to the log."""
+        noted = booked.note.to_dict()
+        if (detail := pending_detail(noted)) is not None:
+            books_log.info("contextwarden: %s", detail)
+        spent = await self._spend_status(settings, user, booked.note, shown=shown)
+        if not settings.show_status:
+            return None
+        shadow = booked.mode == "shadow"  # what a trim saves is the admin's (log, report), but shadow's point
+        savings = booked.savings if shadow else None
+        used = usage_status(booked.billed, booked.estimated, booked.cost, settings.show_cost, savings, shadow)
+        return turn_line(pending_line(noted), used, spent)
+
+    async def before_turn(self, body: Any, user: dict | None, metadata: dict | None, emit: Emitter | None) -> None:
+        """Answer `!usage`, or refuse a turn over the user's limits (raises `TurnRefused`); a turn
+        let through while the user is near a limit is held until its outlet."""
+        if not is_chat_body(body) or not isinstance(user, dict):
+            return
+        metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
+        if isinstance(metadata, dict) and metadata.get("task"):
+            return
+        settings = await self._settings(user)  # problems are shown once, by the trim
+        user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
+        if is_usage_command(body["messages"]):
+            limits = await self._user_limits(settings, user_id, role)
+            raise TurnRefused(
+                await usage_answer(
+                    self._store,
+                    now=self._now(),
+                    admin=role == "admin",
+                    limits=limits,
+                    rules=settings.limits,
+                    emit=emit,
+                    chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
+                    spend=functools.partial(self._spendbook.spend, self._store, user_id or "-", self._now().date()),
+                )
+            )
+        limits = await self._user_limits(settings, user_id, role)
+        if not limits.any:
+            return
+        spend = await self._spend_or_none(user_id, settings)
+        if spend is None:
+            return
+        self._refuse_over(check_limits(limits, *spend))
+
+    def _refuse_over(self, verdict: Verdict) -> Verdict:
+        """Raise `TurnRefused` (the limit, the spend, the reset) when the verdict is a refusal."""
+        if not verdict.allowed:
+            books_log.info("contextwarden: turn refused (%s limit reached)", verdict.kind)
+            raise TurnRefused(refusal_text(verdict, self._now()))
+        return verdict
+
+    async def start_turn(self, body: Any, user: dict | None, metadata: dict | None, model: dict | None) -> None:
+        """Start the turn in this worker (`OpenTurns`, its id in the note) and, for a user with a
+        limit, charge its estimate: the prompt as counted plus the reply's allowance, at the
+        model's price. Refuses it (`TurnRefused`) when a turn that started meanwhile took the
+        rest of the limit."""
+        if not is_chat_body(body):
+            return
+        metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
+        if not isinstance(metadata, dict):
+            metadata = {}  # no note can reach an outlet: the turn is still charged (an outlet adds it whole)
+        if metadata.get("task") or is_usage_command(body["messages"]):
+            return
+        await self._settle_ended()
+        user = user if isinstance(user, dict) else {}
+        settings = await self._settings(user)
+        user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
+        limits = await self._user_limits(settings, user_id, role)
+        if settings.mode == "off" and not limits.any:
+            return  # off sends the body exactly as it came, its metadata included
+        note = TurnNote.from_dict(metadata.get(METADATA_KEY))
+        model_id = base_model_id(body, model)
+        resolution = await self._resolve(settings, model_id, None)
+        turn = OpenTurn(
+            turn_id=uuid.uuid4().hex,
+            user=user_id,
+            day=self._now().date(),
+            model=resolution.model_id or model_id,
+            price=resolution.price,
+            prompt_tokens=note.estimated_prompt_tokens or rough_tokens(body["messages"]),
+            reply_tokens=reply_allowance(body, settings.reserve_output_tokens),
+            charged=None,
+            started=time.monotonic(),
+        )
+        if limits.any:
+            if await self._reserve(turn, turn.estimate, limits, settings):
+                turn.charged = turn.estimate
+        self._open.start(turn)
+        metadata[METADATA_KEY] = replace(note, turn_id=turn.turn_id).to_dict()
+
+    async def _reserve(self, turn: OpenTurn, estimate: Charge, limits: Limits, settings: Settings) -> bool:
+        """Check and charge in one step (`SpendBook.reserve`); False when the store failed and
+        the valve lets the turn go uncharged (fail-open)."""
+        try:
+            verdict = await self._spendbook.reserve(
+                self._store,
+                user=turn.user,
+                day=turn.day,
+                charge=estimate,
+                check=lambda day, month: check_limits(limits, day, month),
+            )
+            self._check_shared()
+        except Exception as exc:
+            await _store_failed(exc, settings)
+            return False
+        self._refuse_over(verdict)
+        return True
+
+    async def _watch(self, turn: OpenTurn, event: Any) -> None:
+        """One streamed chunk of a started turn: its text counted, its usage settled."""
+        turn.last_seen = time.monotonic()
+        turn.streamed += streamed_chars(event)
+        raw = event.get("usage") if isinstance(event, dict) else None
+        usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
+        if usage is not None:
+            turn.stream_usage.append(usage)
+            await self._settle(turn, turn.used()[1])
+
+    async def _settle(self, turn: OpenTurn, real: Charge) -> None:
+        """Replace what a turn was charged by `real` (nothing for a turn that took no charge)."""
+        if turn.charged is None or turn.charged == real:
+            return
+        try:
+            await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=turn.charged, real=real)
+        except Exception as exc:
+            books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
+            return
+        turn.charged = real
+
+    async def _settle_ended(self) -> None:
+        """Turns that ended without an outlet (`OpenTurns.due`): a stopped stream settled at its
+        prompt estimate plus what it streamed, one that showed nothing kept at its estimate;
+        each added to the ledger as an estimated reply."""
+        for turn in self._open.due(time.monotonic()):
+            used, charge = turn.used()
+            await self._settle(turn, charge)
+            books_log.info("contextwarden: a turn ended without an outlet; settled at what this worker saw")
+            try:
+                await record_reply(
+                    self._store,
+                    user=turn.user,
+                    model=turn.model,
+                    prompt_tokens=used.prompt_tokens,
+                    completion_tokens=used.completion_tokens,
+                    cost_usd=charge.cost_usd,
+                    estimated=not turn.stream_usage,
+                    day=turn.day,
+                )
+            except Exception as exc:
+                books_log.warning("contextwarden: ended turn not added to the usage ledger (%s)", type(exc).__name__)
+
+    async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
+        """The limits of one user (none without an id, or when no limit is set anywhere)."""
+        rules = settings.limits
+        if not user_id or not rules.active:
+            return Limits()
+        groups = await self._groups.groups(user_id) if rules.needs_groups else frozenset()
+        return limits_for(rules, role=role, groups=groups, user_id=user_id)
+
+    async def _spend(self, user_id: str) -> tuple[Spend, Spend]:
+        """(today's, this month's) spend of a user, from the spend totals (`spendbook.py`).
+
+        Raises:
+            ConnectionError: the Redis store did not answer (its in-process fallback is no total).
+        """
+        spend = await self._spendbook.spend(self._store, user_id, self._now().date())
+        self._check_shared()
+        return spend
+
+    def _check_shared(self) -> None:
+        """ConnectionError when the Redis store answered from its in-process fallback: that is
+        no user's total, so what limits read or charged there does not count.
+
+        Raises:
+            ConnectionError: the Redis store is away.
+        """
+        if isinstance(self._store, RedisStore) and not self._store.shared:
+            raise ConnectionError("usage store unreachable")
+
+    async def _spend_or_none(self, user_id: str, settings: Settings) -> tuple[Spend, Spend] | None:
+        """The spend to check; None lets the turn go (fail-open); fail-closed refuses it."""
+        try:
+            return await self._spend(user_id)
+        except Exception as exc:
+            await _store_failed(exc, settings)
+            return None
+
+    async def _record_spend(self, user_id: object, charge: Charge) -> None:
+        """Add a reply to its user's spend totals (what limits read); never costs the reply."""
+        if not isinstance(user_id, str) or not user_id:
+            return
+        try:
+            await self._spendbook.record(
+                self._store, user=user_id, day=self._now().date(), cost_usd=charge.cost_usd, tokens=charge.tokens
+            )
+        except Exception as exc:
+            books_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
+
+    async def _spend_status(self, settings: Settings, user: dict | None, note: TurnNote, shown: bool) -> str:
+        """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
+        user_id, role = str((user or {}).get("id") or ""), str((user or {}).get("role") or "")
+        if not user_id or not settings.show_status or not shown:
+            return ""
+        limits = await self._user_limits(settings, user_id, role)
+        if not settings.show_spend or not (limits.any or settings.spend_for_all):
+            return ""
+        try:
+            day, month = await self._spend(user_id)
+        except Exception as exc:
+            books_log.debug("contextwarden: spend not read (%s)", type(exc).__name__)
+            return ""
+        return spend_text(limits, day, check_limits(limits, day, month), settings.show_spend)
+
+    def _reply_usage(self, reply: dict) -> Usage | None:
+        """The usage the backend reported on the reply; what it said that cannot be true is warned about."""
+        rejected: list[str] = []
+        usage = read_usage(reply, rejected)
+        if rejected:
+            self._warn_once(f"contextwarden: reply usage not believed ({', '.join(rejected[:6])}); estimated instead")
+        return usage
+
+    async def _book(
+        self,
+        settings: Settings,
+        user_id: Any,  # the client's: record_reply and the spend totals check it
+        model_key: str,
+        billed: Usage,
+        estimated: bool,
+        cost: Cost,
+        record: UsageRecord,
+        started: OpenTurn | None,
+    ) -> None:
+        """The reply into the usage ledger, then the spend totals (its turn's charge settled, or
+        the reply added whole): after the log line, once (never retried, so never counted twice)."""
+        try:
+            await record_reply(
+                self._store,
+                user=user_id,
+                model=model_key,
+                prompt_tokens=billed.prompt_tokens,
+                completion_tokens=billed.completion_tokens,
+                cached_tokens=billed.cached_tokens,
+                reasoning_tokens=billed.reasoning_tokens,
+                cost_usd=cost.cost_usd,
+                estimated=estimated,
+                retention_days=settings.ledger_retention_days,
+                day=self._now().date(),
+                tokens_saved=record.tokens_saved or 0,
+                cost_saved_usd=record.cost_saved_usd,
+                shadow=record.mode == "shadow",
+            )
+        except Exception as exc:
+            books_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
+        else:
+            charge = Charge.of(billed, cost.cost_usd)
+            if started is not None and started.charged is not None:
+                await self._settle(started, charge)
+            else:
+                await self._record_spend(user_id, charge)
+
+    async def _learn(
+        self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str
+    ) -> None:
+        """What a reply with real usage teaches: the count calibration (a comparable, exactly
+        counted prompt) and whether the model's cache serves anything."""
+        if (
+            settings.calibrate_counts
+            and not estimated
+            and usage is not None
+            and not usage.calls_summed
+            and note.estimated_prompt_tokens is not None
+            and note.count_mode == "exact"
+            and note.comparable
+        ):
+            try:
+                await self._learn_calibration(model_key, note.estimated_prompt_tokens, usage.prompt_tokens)
+            except Exception as exc:
+                books_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
+        if not estimated:
+            try:
+                await learn_caching(self._store, model_key, billed)
+            except Exception as exc:
+                books_log.debug("contextwarden: cache stats not updated (%s)", type(exc).__name__)
+
+    async def _learn_calibration(self, model_key: str, counted: int, real: int | None) -> None:
+        await learn_calibration(self._store, model_key, counted, real)

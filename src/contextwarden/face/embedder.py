@@ -1,0 +1,198 @@
+"""Open WebUI's own embedder as the trim's `embed`: vectors fetched ahead, bounded, never waited on.
+
+Open WebUI loads an embedding model for RAG and a filter reaches it as
+`__request__.app.state.EMBEDDING_FUNCTION`: `await fn(texts, prefix=None, user=None)`, a list
+of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
+embeds what is not cached yet (`semantic.embed_texts`: every message newest first, a long one
+in its pieces; then the one-liners together with the one before them), at most `max_texts`
+texts, into the process's `VECTORS`, waiting `timeout` seconds at most (0.1 by default): the
+call itself runs on in the background (bounded by `EMBED_CALL_SECONDS`) and its vectors land
+whenever it ends. On the user's path a turn asks only for its own newest texts
+(`TURN_EMBED_TEXTS`); after each reply the filter starts the call for the rest of the chat
+(`ahead`, up to `max_texts`), so the next turn finds its chat embedded. The trim then only
+looks vectors up: when some messages' are still missing (a long chat seen for the first time,
+a slow or failing embedder), that turn's relevance is lexical and later turns fill in the rest.
+A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
+(`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
+no turn waits for it meanwhile. Once a turn's wait ran out (its own call, or one still running
+from the reply before) the embedder is slow for the turn's path: for `SLOW_RECHECK_SECONDS`
+turns neither wait nor call (each would wait in vain, and its call would take the CPU from
+the request), then one turn tries again. Vectors are normalised off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ..caches import MAX_EMBEDDERS, register
+from ..core.conversation import Message
+from ..core.excerpt import passage_texts
+from ..core.semantic import VECTORS, embed_texts
+
+__all__ = [
+    "OpenWebUIEmbedder",
+    "VectorsPending",
+    "EmbedderResting",
+    "EmbedderSlow",
+    "embedder_of",
+    "DEFAULT_EMBED_TIMEOUT",
+    "DEFAULT_EMBED_TEXTS",
+    "TURN_EMBED_TEXTS",
+]
+
+DEFAULT_EMBED_TIMEOUT = 0.1  # seconds a turn waits for the embedder, at most (the call goes on)
+EMBED_CALL_SECONDS = 30.0  # one call to the embedder, at most, in the background
+BACKOFF_FIRST_SECONDS = 30.0  # after a failed call no turn asks for vectors this long...
+BACKOFF_MAX_SECONDS = 600.0  # ...doubling after each further failure up to this
+DEFAULT_EMBED_TEXTS = 64  # texts embedded per call after a reply, at most (newest first)
+# Texts a turn asks for on the user's path, newest first: its question (a long one in pieces).
+# The history is embedded after replies: a 64-text call on a CPU embedder took 10-12 s at load 6
+# on 2 cores and ran through the reply beside Open WebUI (bench/browser_reply.py, +1.25 s).
+TURN_EMBED_TEXTS = 4
+MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
+# After a turn's call outlived its wait, turns do not wait for (nor start) a call this long.
+# MiniLM on 2 loaded CPU cores takes over 0.1 s for one question: the wait only added its 0.1 s
+# and the call ran beside the request (bench/browser_reply.py, turn 2: inlet 136 ms, lexical 23).
+SLOW_RECHECK_SECONDS = 60.0
+_adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
+register("embedder._adapters", _adapters.clear)
+
+
+class VectorsPending(LookupError):
+    """Some messages have no vector yet: this turn's relevance is lexical."""
+
+
+class EmbedderResting(RuntimeError):
+    """The embedder failed lately and is not asked again before its back-off ends."""
+
+
+class EmbedderSlow(TimeoutError):
+    """The embedder is busy or lately slower than a turn's wait: this turn neither waits nor calls."""
+
+
+class OpenWebUIEmbedder:
+    """One of Open WebUI's embedding functions, seen by the trim as an `embed` that only looks up.
+
+    One instance per function (see `embedder_of`), so its vectors keep their key space in
+    `VECTORS` from turn to turn and a new model's vectors never mix with an old one's.
+    """
+
+    def __init__(self, function: Any) -> None:
+        self._function = function
+        self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
+        self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
+        self._failures = 0  # calls failed in a row (their back-off doubles)
+        self._rest_until = 0.0  # loop time before which no call starts
+        self._slow_until = 0.0  # loop time before which no turn waits (its last wait ran out)
+
+    def batch(self, max_texts: int) -> int:
+        """How many texts the next turn asks for: `max_texts`, less after timeouts."""
+        return max(1, min(max_texts, self._batch or max_texts))
+
+    def __call__(self, texts: list[str]) -> list[list[float]]:
+        """Called by the trim only for texts without a vector: they were not fetched in time."""
+        raise VectorsPending(f"{len(texts)} messages not embedded yet")
+
+    async def prefetch(self, messages: Sequence[Message], *, timeout: float, max_texts: int) -> int:
+        """Embed up to `max_texts` uncached messages, newest first, within `timeout`; how many.
+
+        One call at a time: a call that outlives a turn's `timeout` goes on, and its vectors are
+        kept when it lands (the embedder's thread runs on whether awaited or not); a later turn
+        waits for it within its own timeout rather than start another beside it. After a wait
+        that ran out, turns raise `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS`.
+        Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if loop.time() < self._slow_until:
+            raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow_until - loop.time():.0f} s")
+        running = self._running
+        if running is not None and not running.done() and running.get_loop() is loop:
+            await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
+            if not running.done() or loop.time() >= deadline:
+                self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
+                raise TimeoutError("the previous call is still running")
+        started = self._start(messages, max_texts)
+        if started is None:
+            return 0
+        task, asked = started
+        try:
+            done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
+            # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time
+            # (a turn's own few texts say nothing of the batch the history's calls can take).
+            if max_texts > MIN_EMBED_BATCH:
+                self._batch = max(MIN_EMBED_BATCH, asked // 2)
+            raise
+        if self._batch and max_texts > MIN_EMBED_BATCH:
+            self._batch = min(max_texts, 2 * done)
+        return done
+
+    def ahead(self, messages: Sequence[Message], *, max_texts: int) -> bool:
+        """Start embedding a chat's uncached messages now, without waiting (after a reply, so the
+        next turn finds them); True when a call started. Never raises."""
+        running = self._running
+        if running is not None and not running.done():
+            return False
+        try:
+            return self._start(messages, max_texts) is not None
+        except Exception:  # resting, or the texts could not be read: the next turn tries again
+            return False
+
+    def _start(self, messages: Sequence[Message], max_texts: int) -> tuple[asyncio.Task[int], int] | None:
+        """The call for up to `max_texts` uncached texts, newest first, and how many it asks for
+        (None: nothing to embed).
+
+        Raises:
+            EmbedderResting: a call failed lately; none starts before its back-off ends.
+        """
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._rest_until:
+            raise EmbedderResting(f"resting {self._rest_until - loop.time():.0f} s more after a failed call")
+        todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
+        if not todo:
+            return None
+        task = self._running = asyncio.ensure_future(self._fetch(todo))
+        task.add_done_callback(_retrieve)
+        return task, len(todo)
+
+    async def _fetch(self, todo: list[str]) -> int:
+        """One call to the embedding function (at most EMBED_CALL_SECONDS); its vectors go into
+        `VECTORS`, however late, normalised off the event loop. A failure starts a back-off."""
+        try:
+            vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), EMBED_CALL_SECONDS)
+            if not isinstance(vectors, list):
+                raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
+            await asyncio.to_thread(VECTORS.put, todo, vectors, self)
+        except Exception:
+            self._failures += 1
+            rest = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (self._failures - 1))
+            self._rest_until = asyncio.get_running_loop().time() + rest
+            raise
+        self._failures = 0
+        return len(todo)
+
+
+def _retrieve(task: asyncio.Task[int]) -> None:
+    """Read a finished call's outcome, so a failure nobody awaited is not reported as lost
+    (the turn that waited for it has logged it already, or its timeout)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def embedder_of(request: Any) -> OpenWebUIEmbedder | None:
+    """The adapter for the embedder Open WebUI has loaded (`request.app.state`), or None."""
+    state = getattr(getattr(request, "app", None), "state", None)
+    function = getattr(state, "EMBEDDING_FUNCTION", None)
+    if function is None or not callable(function):
+        return None
+    adapter = _adapters.get(function)
+    if adapter is None:
+        adapter = _adapters[function] = OpenWebUIEmbedder(function)
+        while len(_adapters) > MAX_EMBEDDERS:
+            _adapters.popitem(last=False)
+    return adapter

@@ -1,0 +1,110 @@
+"""Where a hook's work runs: on the event loop, or in the process's one contextwarden thread.
+
+A hook that counts, scores or trims a big chat on the loop stalls every other user's request
+for as long (bench/loopstall.py); a small one costs less than the hop to the thread. The
+thresholds here say which is which, measured (the numbers beside each), and `compute` runs
+the work where they say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..core.conversation import Message
+from ..core.trim import MIN_PASSAGE_TOKENS, TrimDecision
+
+__all__ = ["compute", "heavy", "heavy_extras", "flags_off_loop", "light_next_turn", "OFF_LOOP_MIN_CHARS"]
+
+# Chats with less text than this are counted and trimmed on the event loop: a cold trim of
+# them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
+# and each hop to the thread costs the loop a GIL hand-over (up to sys.getswitchinterval()).
+OFF_LOOP_MIN_CHARS = 25_000
+PART_WEIGHT_CHARS = 1_000  # what a non-text part (an image) weighs toward OFF_LOOP_MIN_CHARS
+TOOLS_ON_LOOP_MAX = 64  # tool definitions rendered and counted on the loop (Open WebUI's built-in: 30)
+_cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
+# Reading the flags costs ~0.5 µs a message whatever their length (0.1 ms for 200 messages, 0.9 ms
+# for 2,000 at load 4): up to this many it runs on the loop, where the hop to the thread would
+# cost more (0.4 ms idle, 2-3 ms at load 4, the thread waiting for a core).
+FLAGS_ON_LOOP_MAX_MESSAGES = 2_000
+# A next turn that carries the previous selection reads only what is new, but still passes over
+# every message a few times (~10 µs each): up to this many it runs on the loop (at most ~10 ms),
+# where the hop to the thread costs about what the turn does. When it cannot be carried (a new
+# selection, a worker that never read the chat), the trim goes to the thread as before.
+NEXT_TURN_ON_LOOP_MAX_MESSAGES = 1_000
+# A carried excerpt is checked against each new question, its message cut into chunks again
+# (~27 µs per 1,000 characters: a 350k-character document 9 ms): up to this much excerpted text
+# (~3 ms) a carried turn stays on the loop.
+EXCERPTS_ON_LOOP_MAX_CHARS = 100_000
+# A message shorter than this is never quoted by passages (trim.MIN_PASSAGE_TOKENS, 4 characters
+# a token): it costs the recall nothing more than its score.
+PASSAGE_SOURCE_CHARS = 4 * MIN_PASSAGE_TOKENS
+
+
+def light_next_turn(messages: Sequence[Message], previous: TrimDecision) -> bool:
+    """A next turn that may be carried on the loop: at most NEXT_TURN_ON_LOOP_MAX_MESSAGES
+    messages, those new since `previous` with less than OFF_LOOP_MIN_CHARS of text, and the
+    long messages its recall may read passages of (excerpted or dropped: each is cut and scored
+    for the new question) with less than EXCERPTS_ON_LOOP_MAX_CHARS."""
+    if len(messages) > NEXT_TURN_ON_LOOP_MAX_MESSAGES or heavy(messages[previous.seen :]):
+        return False
+    whole = set(previous.at).difference(at for at, _ in previous.excerpts)
+    read = [m for i, m in enumerate(messages[: previous.seen]) if i not in whole and _passage_source(m)]
+    return not heavy(read, EXCERPTS_ON_LOOP_MAX_CHARS)
+
+
+def _passage_source(message: Message) -> bool:
+    """A message the recall may quote passages of: not a system prompt, long or in parts."""
+    content = message.get("content")
+    long = isinstance(content, list) or (isinstance(content, str) and len(content) >= PASSAGE_SOURCE_CHARS)
+    return long and message.get("role") != "system"
+
+
+def flags_off_loop(off: bool, messages: Sequence[Message]) -> bool:
+    """Whether a pass whose trim runs off the loop (`off`) reads its flags there too: only a chat
+    of more than FLAGS_ON_LOOP_MAX_MESSAGES messages."""
+    return off and len(messages) > FLAGS_ON_LOOP_MAX_MESSAGES
+
+
+def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
+    """True when the messages hold `limit` characters of text or more (stops counting there);
+    a part that is not text (an image) counts as PART_WEIGHT_CHARS: walking it costs the same."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                size += len(text) if isinstance(text, str) else PART_WEIGHT_CHARS
+                if size >= limit:
+                    return True
+        if size >= limit:
+            return True
+    return False
+
+
+def heavy_extras(body: dict[str, Any]) -> bool:
+    """True when a request's tool definitions or response format are worth counting off the loop
+    (3,000 tool definitions stalled it 120-180 ms; a 2 MB response format 280-310 ms)."""
+    tools = body.get("tools")
+    return (isinstance(tools, list) and len(tools) > TOOLS_ON_LOOP_MAX) or isinstance(body.get("response_format"), dict)
+
+
+async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`: with `off`, in the process's one contextwarden thread, so the event
+    loop serves other users while a hook counts, scores or trims a big chat (tiktoken releases
+    the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`). One thread runs
+    the calls one at a time, so the shared caches never see two trims at once. What `fn` raises
+    is raised here; if the awaiting request is cancelled, the call runs to its end unseen."""
+    if not off:
+        return fn(*args, **kwargs)
+    global _cpu_worker
+    if _cpu_worker is None or _cpu_worker[0] != os.getpid():
+        _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
+    return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))

@@ -1,0 +1,289 @@
+"""The status line above a reply, one a turn: what the model saw (or, in shadow mode, would have
+seen), what the reply used and cost; and the admin's detail of each pass, for the log. Pure
+formatting of numbers the filter computed; no message text.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal  # noqa: F401  (the doctests use it)
+
+from ..core.flags import Flags
+from ..money.dollars import usd
+from ..money.records import TurnChoice
+from ..money.savings import Savings
+from ..money.usage import Cost, Usage
+
+__all__ = [
+    "DETAIL_KEY",
+    "ESTIMATE_KEY",
+    "PENDING_KEY",
+    "detail_line",
+    "excerpt_words",
+    "pending_detail",
+    "pending_line",
+    "status_line",
+    "shadow_status_line",
+    "small_window_text",
+    "turn_line",
+    "usage_status",
+    "savings_status",
+]
+
+
+def _count_text(count: object, mark: str = "") -> str:
+    """A token count with thousands separators; "?" for anything but a plausible count."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 10**15:
+        return "?"
+    return f"{mark}{count:,}"
+
+
+# Said once, at the end of a usage line whose numbers carry `~`, so nobody has to guess.
+ESTIMATE_KEY = "~ = estimated, no usage from the provider"
+
+
+def usage_status(
+    usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False
+) -> str:
+    """`1,234 tokens in (980 cached) · 456 out · $0.0031 · saved about $0.0054 vs untrimmed`;
+    counted here when the provider sent no usage: `~` marks those numbers and the line says so
+    last (`ESTIMATE_KEY`). No $ when the price is unknown; savings as `savings_status` words them.
+
+    Example:
+        >>> usage_status(Usage(2_974, 7), True, Cost(Decimal("0.0075"), "price_table"), True)
+        '~2,974 tokens in · ~7 out · ~$0.0075 · ~ = estimated, no usage from the provider'
+    """
+    mark = "~" if estimated else ""
+
+    line = f"{_count_text(usage.prompt_tokens, mark)} tokens in"
+    if usage.cached_tokens:
+        line += f" ({_count_text(usage.cached_tokens)} cached)"
+    line += f" · {_count_text(usage.completion_tokens, mark)} out"
+    if show_cost and cost.cost_usd is not None:
+        line += f" · {mark}{usd(cost.cost_usd)}"
+    if show_cost and savings is not None:
+        line += savings_status(savings, shadow)
+    return line + (f" · {ESTIMATE_KEY}" if estimated else "")
+
+
+def savings_status(savings: Savings, shadow: bool) -> str:
+    """` · saved about $0.0054 vs untrimmed` (shadow: `would save`), or, when the untrimmed chat
+    would have cost less (its prompt cache outweighs what the trim removed),
+    ` · untrimmed about $0.019 cheaper (prompt cache)`; "" when nothing was trimmed or the price
+    is unknown. A saving is always an estimate (of a chat never sent): "about" says so in words.
+
+    Example:
+        >>> savings_status(Savings(26_000, 8_000, Decimal("-0.01875")), False)
+        ' · untrimmed about $0.019 cheaper (prompt cache)'
+    """
+    amount = savings.cost_saved_usd
+    if amount is None or amount == 0 or savings.tokens_saved <= 0:
+        return ""
+    if amount > 0:
+        return f" · {'would save' if shadow else 'saved'} about {usd(amount)} vs untrimmed"
+    return f" · untrimmed about {usd(-amount)} cheaper (prompt cache)"
+
+
+def _fits(choice: TurnChoice) -> str:
+    """`fits 8,000` for a chat sent whole within its budget; `budget 8,000` when even that is over
+    (the extras then say `still over budget`): never both."""
+    fits = not choice.over_budget and choice.tokens_after <= choice.budget
+    return f"{'fits' if fits else 'budget'} {choice.budget:,}"
+
+
+def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
+    """What the model saw, as a person reads it at a glance and the same way every turn: `Whole
+    chat sent`, or `Sent 5 of 9 messages`, and what went out cut. `sent` counts the chat's own
+    messages sent (default: all in `choice`; the filter leaves out its recall quotes and summary
+    note). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
+    logged); the reply's real tokens and cost follow on the same line (`turn_line`).
+
+    Example:
+        >>> status_line(TurnChoice([{}] * 5, 9, 10_899, 3_278, 4_000, "exact"), Flags())
+        'Sent 5 of 9 messages'
+        >>> status_line(TurnChoice([{}] * 3, 3, 5_648, 3_229, 4_000, "exact", excerpted=1, passages=(3, 24)), Flags())
+        'Sent 3 messages, document excerpted: 3 of 24 passages'
+        >>> status_line(TurnChoice([{}] * 4, 4, 900, 900, 4_000, "exact"), Flags())
+        'Whole chat sent'
+    """
+    return _context_words(choice, flags, sent, shadow=False)
+
+
+def shadow_status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
+    """`status_line` for shadow mode, where the chat went out whole: what enforce would have sent.
+
+    Example:
+        >>> shadow_status_line(TurnChoice([{}] * 38, 142, 96_210, 7_950, 8_000, "exact"), Flags())
+        'Shadow: would send 38 of 142 messages'
+    """
+    return _context_words(choice, flags, sent, shadow=True)
+
+
+def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow: bool) -> str:
+    before = choice.count_before
+    sent = len(choice.messages) if sent is None else min(max(sent, 0), len(choice.messages))
+    cuts = _cut_words(choice, sent)
+    if choice.full or (sent >= before and not cuts):
+        head = "would send the whole chat" if shadow else "Whole chat sent"
+    elif sent < before:
+        head = f"{'would send' if shadow else 'Sent'} {sent:,} of {_messages(before)}"
+    else:
+        head = f"{'would send' if shadow else 'Sent'} {_messages(sent)}"
+    line = ("Shadow: " if shadow else "") + head + "".join(f", {cut}" for cut in cuts)
+    if choice.fixed_over and not choice.full:
+        line += f" · {choice.fixed_label or 'tool definitions'} fill the window"
+    elif (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
+        line += " · still over budget"
+    return line + _flag_words(flags)
+
+
+def _flag_words(flags: Flags) -> str:
+    """What the turn's flags did, for the end of a status line ("" when it had none)."""
+    used = " · flags " + " ".join(flags.used) if flags.used else ""
+    return used + (" · not enabled: " + " ".join(flags.refused) if flags.refused else "")
+
+
+def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
+    """What went out cut, in words: excerpted documents, shortened messages, a summary."""
+    if choice.full:
+        return []
+    cuts = [excerpt_words(choice.excerpted, choice.passages)] if choice.excerpted else []
+    if choice.shortened:
+        cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
+    if choice.pins_shortened:
+        cuts.append("pinned messages shortened to fit")
+    if choice.summarized:
+        cuts.append("earlier messages summarized")
+    return cuts
+
+
+def detail_line(choice: TurnChoice, flags: Flags) -> str:
+    """The admin's account of a pass, for the log: `Context 142 → 38 messages · 96,210 → 7,950
+    tokens · incl. 3,214 for tool definitions`, or `(fits N)` when nothing was cut."""
+    after = len(choice.messages)
+    if choice.full:
+        line = (
+            f"Context {_messages(after)} · {choice.tokens_after:,} tokens (not trimmed: !full; budget "
+            f"{choice.budget:,})"
+        )
+    elif choice.count_before != after or choice.tokens_before != choice.tokens_after:
+        counts = f"{choice.count_before:,} → {_messages(after)}" if choice.count_before != after else _messages(after)
+        line = f"Context {counts} · {choice.tokens_before:,} → {choice.tokens_after:,} tokens"
+    else:
+        line = f"Context {_messages(after)} · {choice.tokens_after:,} tokens ({_fits(choice)})"
+    return line + _status_extras(choice, flags)
+
+
+def _messages(count: int) -> str:
+    return f"{count:,} message" if count == 1 else f"{count:,} messages"
+
+
+def turn_line(context: str | None, usage: str, spend: str = "") -> str:
+    """The turn's one status line, shown after the reply: what the model saw, what the reply
+    used and cost, the user's spend (each part only when there is one).
+
+    Example:
+        >>> turn_line("Sent 5 of 9 messages", "3,278 tokens in · 56 out · $0.0087")
+        'Sent 5 of 9 messages · 3,278 tokens in · 56 out · $0.0087'
+    """
+    return " · ".join(part for part in (context, usage, spend) if part)
+
+
+# The turn note's keys for the words each pass leaves for the outlet: `PENDING_KEY` the plain
+# words (`status_line`), `DETAIL_KEY` the admin's (`detail_line`, logged). A status costs Open
+# WebUI a save into the chat and cannot be edited: the outlet shows one line a turn, after the
+# reply, with what the last pass decided.
+PENDING_KEY = "pending_line"
+DETAIL_KEY = "line"
+_LINE_STARTS = ("Whole chat sent", "Sent ", "Shadow: ")
+_DETAIL_STARTS = ("Context ",)
+
+
+def pending_line(note: dict) -> str | None:
+    """The plain words the turn's last pass left for the outlet; None when there are none or
+    they are not this filter's (outlet input can be user-controlled)."""
+    return _noted_line(note, PENDING_KEY, _LINE_STARTS)
+
+
+def pending_detail(note: dict) -> str | None:
+    """The admin's words the turn's last pass left for the outlet to log (as `pending_line` checks them)."""
+    return _noted_line(note, DETAIL_KEY, _DETAIL_STARTS)
+
+
+def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
+    line = note.get(key)
+    if isinstance(line, str) and line.startswith(starts) and len(line) <= 1_000 and "\n" not in line:
+        return line
+    return None
+
+
+def excerpt_words(documents: int, passages: tuple[int, int]) -> str:
+    """What a user reads when long messages went out cut: the model did not see all of them.
+    When none of their passages went (each is only its cut mark: too large for the room left),
+    the model saw none of it: `document left out`, not `0 of 2 passages`.
+
+    Example:
+        >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
+        ('document excerpted: 3 of 24 passages', '2 documents excerpted: 7 of 41 passages')
+        >>> excerpt_words(1, (0, 2)), excerpt_words(2, (0, 41))
+        ('document left out', '2 documents left out')
+    """
+    sent, total = passages
+    if total and not sent:
+        return "document left out" if documents == 1 else f"{documents:,} documents left out"
+    what = "document excerpted" if documents == 1 else f"{documents:,} documents excerpted"
+    return f"{what}: {sent:,} of {total:,} passages" if total else what
+
+
+def _status_extras(choice: TurnChoice, flags: Flags) -> str:
+    """The admin's notes on a pass: the fixed part, summary, cuts, over budget, estimate, flags."""
+    line = ""
+    if choice.fixed_tokens:
+        line += f" · incl. {choice.fixed_tokens:,} for {choice.fixed_label}"
+        if choice.fixed_over:
+            line += " (alone over the budget: only the system prompt and this turn sent)"
+    if choice.summarized:
+        line += " · earlier messages summarized"
+    if choice.shortened:
+        line += f" · {choice.shortened} shortened"
+    if choice.excerpted:
+        line += " · " + excerpt_words(choice.excerpted, choice.passages)
+    if choice.pins_shortened:
+        line += " · pinned messages shortened to fit"
+    if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
+        line += " · still over budget"
+    if choice.count_mode == "estimate":
+        line += " · estimated (tokenizer not loaded)"
+    return line + _flag_words(flags)
+
+
+def small_window_text(model: str, tools: int, tokens: int, window: int, reserved: int, *, over: bool, need: int) -> str:
+    """The admin's notice of a window that Open WebUI's tool definitions (nearly) fill on their
+    own: the numbers, what it does to every chat, and the two fixes (`need`: a window to raise
+    it to). Numbers and the model id only.
+
+    Example:
+        >>> print(small_window_text("gpt-4o", 30, 3_214, 3_000, 300, over=True, need=8_000))
+        gpt-4o's window is too small for its tools: 3,000 tokens, 300 kept for the reply, and the \
+30 tool definitions Open WebUI adds to each chat take 3,214: every turn sends only the system prompt \
+and the latest message. Raise max_context_tokens to 8,000 or more, or turn off Builtin Tools in this \
+model's capabilities (Admin Panel > Settings > Models).
+        >>> "the tool definition Open WebUI adds to each chat takes 900" in small_window_text(
+        ...     "m", 1, 900, 1_000, 300, over=True, need=2_000)
+        True
+    """
+    left = window - reserved - tokens
+    effect = (
+        "every turn sends only the system prompt and the latest message"
+        if over
+        else f"{left:,} tokens are left for the chat itself"
+    )
+    definitions = (
+        "the tool definition" if tools == 1 else f"the {tools:,} tool definitions" if tools else "the tool definitions"
+    )
+    return (
+        f"{model[:100]}'s window is too small for its tools: {window:,} tokens, {reserved:,} kept for the "
+        f"reply, and {definitions} Open WebUI adds to each chat {'takes' if tools == 1 else 'take'} {tokens:,}: "
+        f"{effect}. Raise "
+        f"max_context_tokens to {need:,} or more, or turn off Builtin Tools in this model's capabilities "
+        "(Admin Panel > Settings > Models)."
+    )

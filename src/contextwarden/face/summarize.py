@@ -1,0 +1,394 @@
+"""Optional summaries of what a trim dropped: one bounded, cached call to an OpenAI-compatible API.
+
+The summary goes in as a labelled user-role note where the dropped history was: right after
+the system prompt(s), before the first message kept (see `insert_summary` for why there and
+why not a system message). It is counted against the budget: the chat is trimmed again with
+room for it, and when it still does not fit, or the call fails or times out, the trim goes on
+without it. The API key never reaches a log line, a status or an exception message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from ..core.conversation import (
+    SUMMARY_ACK,
+    SUMMARY_ACK_MESSAGE,
+    SYSTEM_ROLES,
+    Message,
+    is_acknowledgement,
+    is_recall_message,
+    message_text,
+    system_positions,
+)
+from ..core.decision import message_fingerprint
+from ..core.tokens import TokenCounter
+from ..core.trim import TrimResult
+from ..state.store import Store
+
+__all__ = [
+    "SUMMARY_LABEL",
+    "SUMMARY_ACK",
+    "SUMMARY_ACK_MESSAGE",
+    "LEGACY_SUMMARY_LABEL",
+    "SummaryConfig",
+    "Summarized",
+    "summarize_messages",
+    "summarize_trim",
+    "summary_note",
+    "own_messages",
+    "find_summary",
+    "take_summary",
+    "insert_summary",
+    "summary_tokens",
+    "endpoint_problem",
+    "key_problem",
+]
+
+summarize_log = logging.getLogger("contextwarden")
+
+SUMMARY_LABEL = "[contextwarden] Summary of earlier messages in this chat (no longer sent in full):"
+LEGACY_SUMMARY_LABEL = "Summary of earlier conversation (by contextwarden):"  # earlier versions' system note
+DEFAULT_SUMMARY_INPUT_CHARS = 24_000  # what one call may send, newest dropped messages first
+DEFAULT_SUMMARY_MESSAGE_CHARS = 4_000  # one message's share of it (middle cut)
+SUMMARY_CHARS_PER_TOKEN = 8  # the reply is cut to max_tokens * this many characters at most
+SUMMARY_RETRY_SECONDS = 60  # after a failure, the same content is not tried again this long
+# After an endpoint fails, no trim asks it again for 15 s, doubling with each failure in a row
+# up to 10 minutes (per endpoint, per process): a dead endpoint does not make every new trim
+# wait for the whole timeout.
+SUMMARY_BACKOFF_SECONDS = (15.0, 600.0)
+MAX_BACKOFF_ENDPOINTS = 64
+MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
+SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
+SUMMARY_PROMPT = (
+    "Below is the earlier part of a conversation that no longer fits in the model's context. "
+    "Summarize it for the assistant who continues the conversation: the facts, names, numbers, "
+    "decisions, preferences and open questions it holds, briefly, in the conversation's language. "
+    "Reply with the summary only."
+)
+_CACHED, _FAILED = b"ok:", b"failed"
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryConfig:
+    """Where and how to summarize; `ttl` is how long a summary stays cached (seconds)."""
+
+    base_url: str
+    model: str
+    api_key: str = field(default="", repr=False)
+    timeout: float = 10.0
+    max_tokens: int = 400
+    ttl: int = 72 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Summarized:
+    """A trim with its summary: `result` dropped exactly what `note` covers; `messages` is
+    `result.messages` with the note (and its acknowledgement) inserted, costing `tokens` in all."""
+
+    result: TrimResult
+    note: Message
+    messages: list[Message]
+    tokens: int
+
+
+def summary_note(text: str) -> Message:
+    """The user-role note that carries a summary (never a system one: see `insert_summary`)."""
+    return {"role": "user", "content": f"{SUMMARY_LABEL}\n{text}"}
+
+
+def _is_note(message: Message) -> bool:
+    content = message.get("content")
+    return message.get("role") == "user" and type(content) is str and content.startswith(SUMMARY_LABEL)
+
+
+def _is_legacy_note(message: Message) -> bool:
+    content = message.get("content")
+    return message.get("role") in SYSTEM_ROLES and type(content) is str and content.startswith(LEGACY_SUMMARY_LABEL)
+
+
+def own_messages(messages: Sequence[Message], fingerprints: Collection[str]) -> list[int]:
+    """Positions of what an earlier pass of this turn added (its summary note and recall blocks,
+    each with the acknowledgement right after it), as that pass's note recorded them: by
+    `message_fingerprint`. A user's message that merely starts like one is the user's.
+
+    Example:
+        >>> from contextwarden.core.conversation import recall_message
+        >>> block = recall_message([{"role": "user", "content": "Miso"}], [0])
+        >>> lookalike = {"role": "user", "content": block["content"] + "?"}
+        >>> chat = [block, dict(SUMMARY_ACK_MESSAGE), lookalike]
+        >>> own_messages(chat, {message_fingerprint(block)})
+        [0, 1]
+    """
+    if not fingerprints:
+        return []
+    own: list[int] = []
+    for index, message in enumerate(messages):
+        labelled = is_recall_message(message) or _is_note(message)  # only these can be: hash no other
+        if labelled and message_fingerprint(message) in fingerprints:
+            own.append(index)
+            if index + 1 < len(messages) and is_acknowledgement(messages[index + 1]):
+                own.append(index + 1)
+    return own
+
+
+def find_summary(messages: Sequence[Message], own: Collection[int] = ()) -> tuple[int | None, bool]:
+    """Where contextwarden's own note is: the index of a standalone note (today's user note at
+    one of the `own` positions, see `own_messages`; or an older version's system note), and
+    whether the chat holds one at all (also merged into a system message: Open WebUI merges
+    system messages after `request`)."""
+    for index in sorted(own):
+        if 0 <= index < len(messages) and _is_note(messages[index]):
+            return index, True
+    present = False
+    for index in system_positions(messages):
+        message = messages[index]
+        if _is_legacy_note(message):
+            return index, True
+        present = present or LEGACY_SUMMARY_LABEL in message_text(message)
+    return None, present
+
+
+def take_summary(messages: Sequence[Message], at: int) -> tuple[list[Message], Message, Message | None]:
+    """`messages` without the note at `at` and the acknowledgement after it; that note as today's
+    user note (an older version's system note keeps its text and leaves the system part); the
+    acknowledgement found, to be sent again as the same dict."""
+    note = messages[at]
+    ack = messages[at + 1] if at + 1 < len(messages) and is_acknowledgement(messages[at + 1]) else None
+    if _is_legacy_note(note):
+        note = summary_note(note["content"][len(LEGACY_SUMMARY_LABEL) :].lstrip("\n"))
+    return [*messages[:at], *messages[at + (1 if ack is None else 2) :]], note, ack
+
+
+def _note_position(messages: Sequence[Message]) -> int:
+    """Where `insert_summary` puts the note: after the leading system message(s)."""
+    at = 0
+    while at < len(messages) and messages[at].get("role") in SYSTEM_ROLES:
+        at += 1
+    return at
+
+
+def insert_summary(messages: Sequence[Message], note: Message, ack: Message | None = None) -> list[Message]:
+    """`messages` with `note` where the dropped history was: before the first non-system message,
+    followed by an assistant `SUMMARY_ACK` (`ack`, or a new one) when that message is a user's.
+
+    Why there, and as a user message: Open WebUI merges every system message into the system
+    prompt after `request`, so a system note would rewrite the prompt's first message and the
+    provider's cache would miss from its first token. Before the first kept message, the note
+    is part of the stable prefix: the next turn sends the same selection, hence the same
+    (cached) summary, at the same place, and only a new selection, a cache miss anyway, changes
+    it. The ack keeps user and assistant turns alternating and the history starting with a user
+    message, as some providers and chat templates require; a tool-call group is never split,
+    since the note goes before it whole.
+    """
+    at = _note_position(messages)
+    added = [note]
+    if at < len(messages) and messages[at].get("role") == "user":
+        added.append(ack if ack is not None else dict(SUMMARY_ACK_MESSAGE))
+    return [*messages[:at], *added, *messages[at:]]
+
+
+def _transcript(messages: Sequence[Message]) -> str:
+    """The dropped messages as `role: text` lines, bounded: each message cut in the middle,
+    and the newest messages kept when all of them are too long."""
+    lines: list[str] = []
+    room = DEFAULT_SUMMARY_INPUT_CHARS
+    for message in reversed(messages):
+        text = " ".join(message_text(message).split())
+        if not text:
+            continue
+        if len(text) > DEFAULT_SUMMARY_MESSAGE_CHARS:
+            half = DEFAULT_SUMMARY_MESSAGE_CHARS // 2
+            text = f"{text[:half]} […] {text[-half:]}"
+        line = f"{message.get('role')}: {text}"
+        if len(line) > room:
+            break
+        lines.append(line)
+        room -= len(line) + 1
+    return "\n".join(reversed(lines))
+
+
+def _cache_key(config: SummaryConfig, transcript: str) -> str:
+    data = json.dumps([SUMMARY_PROMPT_VERSION, config.model, config.max_tokens, transcript])
+    return "summary:" + hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+def endpoint_problem(base_url: str) -> str | None:
+    """What is wrong with a summary endpoint URL (None when it can be called); never the URL itself."""
+    if not base_url.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    if any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in base_url):
+        return "holds a space, a control or a non-ASCII character"
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port  # raises when out of range
+        httpx.URL(base_url)
+    except (ValueError, httpx.InvalidURL):
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "is not a valid URL (check the host, and the port: 1 to 65535)"
+    return None
+
+
+def key_problem(api_key: str) -> str | None:
+    """What is wrong with an API key as an HTTP header value (None when fine); never the key itself."""
+    if all("!" <= ch <= "~" for ch in api_key):
+        return None
+    return (
+        "holds a character an HTTP header cannot carry (a space, a zero-width or other non-ASCII or control character)"
+    )
+
+
+@dataclass(slots=True)
+class _Backoff:
+    failures: int = 0
+    until: float = 0.0
+
+
+_backoff: dict[str, _Backoff] = {}  # by endpoint, shared by every trim of the process
+
+
+def _backing_off(endpoint: str) -> bool:
+    state = _backoff.get(endpoint)
+    return state is not None and time.monotonic() < state.until
+
+
+def _endpoint_failed(endpoint: str) -> float:
+    """Note a failure of the endpoint; how long it is now skipped (seconds)."""
+    if endpoint not in _backoff and len(_backoff) >= MAX_BACKOFF_ENDPOINTS:
+        _backoff.clear()
+    state = _backoff.setdefault(endpoint, _Backoff())
+    state.failures += 1
+    first, longest = SUMMARY_BACKOFF_SECONDS
+    delay = min(longest, first * 2 ** min(state.failures - 1, 32))
+    state.until = time.monotonic() + delay
+    return delay
+
+
+class _SummaryFailed(Exception):
+    """The endpoint answered, but not with a summary (the message names only the kind)."""
+
+
+async def _ask(config: SummaryConfig, transcript: str) -> str:
+    """One chat completion; raises on any failure (callers log its kind, never its text)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    payload = {
+        "model": config.model,
+        "messages": [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}],
+        "max_tokens": config.max_tokens,
+        "temperature": 0,
+        "stream": False,
+    }
+    async with httpx.AsyncClient(timeout=config.timeout) as client:
+        url = config.base_url.rstrip("/") + "/chat/completions"
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                raise _SummaryFailed(f"HTTP {response.status_code}")
+            if int(response.headers.get("content-length") or 0) > MAX_SUMMARY_REPLY_BYTES:
+                raise _SummaryFailed("reply too large")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_SUMMARY_REPLY_BYTES:
+                    raise _SummaryFailed("reply too large")
+    try:
+        text = json.loads(body)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _SummaryFailed("unreadable reply") from None
+    if not isinstance(text, str) or not text.strip():
+        raise _SummaryFailed("empty reply")
+    return text.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
+
+
+async def summarize_messages(messages: Sequence[Message], *, config: SummaryConfig, store: Store) -> str | None:
+    """A summary of `messages`, from the store's cache or one call; None on any failure.
+
+    Cached under a hash of exactly what is sent (and the model, size and prompt version), so
+    workers sharing a Redis store share summaries. Never waits longer than `config.timeout`;
+    a failure is logged as one warning naming its kind and is not retried for a minute.
+
+    Args:
+        messages: the messages to condense (what a trim dropped).
+        config: endpoint, model, key, timeout, output size, cache lifetime.
+        store: where summaries are cached.
+
+    Example:
+        >>> config = SummaryConfig("http://llm/v1", "gpt-4o-mini")
+        >>> text = await summarize_messages(dropped, config=config, store=store)  # doctest: +SKIP
+    """
+    transcript = _transcript(messages)
+    if not transcript:
+        return None
+    key = _cache_key(config, transcript)
+    cached = await store.get(key)
+    if cached is not None:
+        return cached[len(_CACHED) :].decode() if cached.startswith(_CACHED) else None
+    if _backing_off(config.base_url):
+        summarize_log.debug("contextwarden: summary endpoint failed recently; trimmed without a summary")
+        return None
+    try:
+        text = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+    except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
+        reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
+        _endpoint_failed(config.base_url)
+        summarize_log.warning("contextwarden: summary skipped (%s); trimmed without one", reason)
+        await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
+        return None
+    _backoff.pop(config.base_url, None)
+    await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
+    return text
+
+
+async def summarize_trim(
+    messages: Sequence[Message],
+    first: TrimResult,
+    *,
+    retrim: Callable[[int], TrimResult],
+    config: SummaryConfig,
+    store: Store,
+    counter: TokenCounter,
+    model: str | None,
+) -> Summarized | None:
+    """Make room for a summary of what a trim drops, and write it; None to go on without one.
+
+    `first` is the trim at the full budget; `retrim(n)` trims the same chat to `n` tokens.
+    The chat is trimmed again with room for the note, the messages that trim drops are
+    summarized, and the note is cut to `config.max_tokens` by the filter's counter. The
+    result fits `first.budget`, or None is returned and `first` stands.
+    """
+    note_cost = counter.count_message(summary_note(""), model) + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+    reserve = config.max_tokens + note_cost
+    if not first.dropped or first.budget - reserve <= 0:
+        return None
+    second = retrim(first.budget - reserve)
+    if second.over_budget or not second.dropped:
+        return None
+    text = await summarize_messages([messages[i] for i in second.dropped], config=config, store=store)
+    if text is None:
+        return None
+    head, _ = counter.keep_ends(text, config.max_tokens, 0, model)
+    note = summary_note(head)
+    sent = insert_summary(second.messages, note)
+    tokens = second.tokens_after + summary_tokens(sent, second.messages, counter, model)
+    if tokens > first.budget:
+        return None
+    return Summarized(second, note, sent, tokens)
+
+
+def summary_tokens(
+    sent: Sequence[Message], trimmed: Sequence[Message], counter: TokenCounter, model: str | None
+) -> int:
+    """What the note (and its acknowledgement) that `insert_summary` added to `trimmed` cost."""
+    at = _note_position(trimmed)
+    return sum(counter.count_message(m, model) for m in sent[at : at + len(sent) - len(trimmed)])

@@ -1,0 +1,172 @@
+"""The turns this worker started and has not yet seen end: what each was charged, what its
+stream showed, and when one that gets no outlet counts as ended.
+
+Open WebUI runs outlet in the worker that ran inlet, but not always (a stopped stream, a reply
+of tool calls only, a backend error): a turn's charge is taken when it starts, so one without an
+outlet is already counted. What this module decides is when such a turn is over and what it
+then cost: a stream that went quiet (`STREAM_IDLE_SECONDS`: stopped, or its client went away)
+is settled at what its provider calls reported, else its prompt estimate plus what it
+streamed; a turn that showed nothing keeps its estimate once `RESERVATION_SECONDS` have
+passed. Either is then added to the usage ledger (estimated when nothing was reported). An
+ended turn is kept a while longer (`KEEP_SECONDS`) so a late outlet still settles it at what
+it really cost. Only a turn found here teaches anything (calibration, cache statistics): a
+bare outlet may be forged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+from functools import reduce
+from typing import Any
+
+from ..core.conversation import Message, message_text
+from .pricing import ModelPrice
+from .spendbook import Charge
+from .usage import Usage
+
+__all__ = [
+    "OpenTurn",
+    "OpenTurns",
+    "streamed_chars",
+    "reply_allowance",
+    "rough_tokens",
+    "STREAM_IDLE_SECONDS",
+    "RESERVATION_SECONDS",
+]
+
+STREAM_IDLE_SECONDS = 120.0  # a stream silent this long was stopped (or its client went away)
+RESERVATION_SECONDS = 1_800.0  # a turn that showed nothing is settled at its estimate after this
+KEEP_SECONDS = 7_200.0  # an ended turn is still found by a late outlet this long
+MAX_OPEN_TURNS = 100_000  # per worker; the oldest go first
+SWEEP_EVERY_SECONDS = 1.0
+CHARS_PER_TOKEN = 4  # what a stopped stream's text counts (its exact count is not worth keeping the text)
+MAX_REPLY_ALLOWANCE = 1_000_000  # tokens: a request's max_tokens above this is charged as this
+
+
+@dataclass(slots=True)
+class OpenTurn:
+    """One started turn: who, the price and the prompt estimate it was charged at, and what
+    its stream showed so far. `charged` is what the spend totals hold for it now (None: the
+    user has no limit, and the reply is added whole when it ends)."""
+
+    turn_id: str
+    user: str
+    day: date
+    model: str
+    price: ModelPrice | None
+    prompt_tokens: int
+    reply_tokens: int  # the reply's allowance in the estimate
+    charged: Charge | None
+    started: float
+    last_seen: float = 0.0
+    streamed: int = 0  # characters of text the stream carried
+    stream_usage: list[Usage] = field(default_factory=list)  # one per provider call that reported
+    ended: bool = False
+
+    @property
+    def quiet_since(self) -> float:
+        return self.last_seen or self.started
+
+    @property
+    def estimate(self) -> Charge:
+        """The charge when the turn starts: its prompt as counted plus the reply's allowance."""
+        return Charge.priced(Usage(self.prompt_tokens, self.reply_tokens), self.price)
+
+    def used(self) -> tuple[Usage, Charge]:
+        """What the turn used as far as this worker saw, and its charge: the provider calls'
+        usage when the stream reported it, else the prompt plus what streamed, else the estimate."""
+        if self.stream_usage:
+            usage = Usage(
+                sum(u.prompt_tokens or 0 for u in self.stream_usage),
+                sum(u.completion_tokens or 0 for u in self.stream_usage),
+            )
+            return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in self.stream_usage))
+        reply = -(-self.streamed // CHARS_PER_TOKEN) if self.streamed else self.reply_tokens
+        usage = Usage(self.prompt_tokens, reply)
+        return usage, Charge.priced(usage, self.price)
+
+
+def streamed_chars(event: Any) -> int:
+    """Characters of reply text (content, reasoning, tool-call arguments) in one streamed chunk."""
+    choices = event.get("choices") if isinstance(event, Mapping) else None
+    if not isinstance(choices, list):
+        return 0
+    total = 0
+    for choice in choices[:8]:
+        delta = choice.get("delta") if isinstance(choice, Mapping) else None
+        if not isinstance(delta, Mapping):
+            continue
+        for name in ("content", "reasoning_content", "reasoning"):
+            if isinstance(text := delta.get(name), str):
+                total += len(text)
+        calls = delta.get("tool_calls")
+        for call in calls[:8] if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if isinstance(function, Mapping) and isinstance(arguments := function.get("arguments"), str):
+                total += len(arguments)
+    return total
+
+
+def reply_allowance(body: Mapping[str, Any], default: int) -> int:
+    """The reply's tokens a turn is charged for at its start: the request's own `max_tokens`
+    (or `max_completion_tokens`) when it sets one, else `default` (the `reserve_output_tokens` valve)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value:
+            return min(value, MAX_REPLY_ALLOWANCE)
+    return default
+
+
+def rough_tokens(messages: Sequence[Message]) -> int:
+    """A prompt's tokens from its characters (`CHARS_PER_TOKEN`), for a turn no trim counted."""
+    return -(-sum(len(message_text(m)) for m in messages) // CHARS_PER_TOKEN)
+
+
+class OpenTurns:
+    """The turns of one worker from start to end (bounded, in start order)."""
+
+    def __init__(self) -> None:
+        self._turns: OrderedDict[str, OpenTurn] = OrderedDict()
+        self._next_sweep = 0.0
+
+    def start(self, turn: OpenTurn) -> None:
+        """Register a turn (the oldest is forgotten when full)."""
+        while len(self._turns) >= MAX_OPEN_TURNS:
+            self._forget(next(iter(self._turns)))
+        self._turns[turn.turn_id] = turn
+
+    def find(self, turn_id: object) -> OpenTurn | None:
+        return self._turns.get(turn_id) if isinstance(turn_id, str) else None
+
+    def finish(self, turn_id: object) -> OpenTurn | None:
+        """The turn an outlet ends (removed), or None: not started here, or already finished."""
+        turn = self.find(turn_id)
+        if turn is not None:
+            self._forget(turn.turn_id)
+        return turn
+
+    def due(self, now: float) -> list[OpenTurn]:
+        """Turns that just ended without an outlet (marked ended, kept for a late one); turns
+        ended long ago are forgotten. Looks at most once a second."""
+        if now < self._next_sweep:
+            return []
+        self._next_sweep = now + SWEEP_EVERY_SECONDS
+        ended, old = [], []
+        for turn in self._turns.values():
+            if turn.ended:
+                if now - turn.quiet_since > KEEP_SECONDS:
+                    old.append(turn.turn_id)
+            elif (turn.last_seen and now - turn.last_seen > STREAM_IDLE_SECONDS) or (
+                now - turn.started > RESERVATION_SECONDS
+            ):
+                turn.ended = True
+                ended.append(turn)
+        for turn_id in old:
+            self._forget(turn_id)
+        return ended
+
+    def _forget(self, turn_id: str) -> None:
+        self._turns.pop(turn_id, None)

@@ -1,0 +1,438 @@
+"""The records a turn carries: those that cross a boundary, each a typed dataclass with a version
+and one reader, and the in-process one they are made from.
+
+- `TurnChoice`: what one pass decided to send, with the numbers the status line, the note and
+  the accounting read (in this process only: never stored, so it has no version).
+- `TurnNote`: what `inlet`/`request` leave in `__metadata__["contextwarden"]` for later passes
+  of the same turn and for `outlet` (the same dict object; Open WebUI may re-exec this module
+  between them, so a note another version wrote is read too).
+- `UsageRecord`: the `usage {json}` log line, one per reply (admins parse it).
+
+The stored chat state is `chatstate.ChatState`; the trim decision inside it `decision.TrimDecision`.
+Money is carried as `Decimal` and written as exact decimal text (JSON has no exact decimals);
+outlet input is the client's, so every reader bounds what it accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from typing import Any
+
+from ..core.conversation import Message
+from ..core.decision import TrimDecision, message_fingerprint
+from ..core.flags import Flags
+from ..core.trim import PINS_SHORTENED_NOTE, TrimResult
+from .cache_hints import carried_prefix
+from .pricing import read_decimal
+from .usage import read_count
+
+__all__ = [
+    "NOTE_VERSION",
+    "USAGE_RECORD_VERSION",
+    "CacheView",
+    "TurnChoice",
+    "TurnNote",
+    "UsageRecord",
+    "usd_text",
+    "read_usd",
+    "log_value",
+]
+
+NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) has this shape
+MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
+USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
+MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
+MAX_RECORD_USD = Decimal(10**9)  # larger amounts in a record are not believed
+
+
+def usd_text(amount: Decimal | None) -> str | None:
+    """An exact decimal string for a log line or note (None, and anything not plausible, is None)."""
+    if amount is None or not amount.is_finite() or not -30 <= amount.adjusted() <= 30:
+        return None
+    return format(amount.normalize(), "f")
+
+
+def read_usd(raw: object) -> Decimal | None:
+    """An amount of USD written by `usd_text` (or a number), signed, bounded; else None."""
+    if isinstance(raw, str) and raw.startswith("-"):
+        value = read_decimal(raw[1:], ceiling=MAX_RECORD_USD)
+        return None if value is None else -value
+    return read_decimal(raw, ceiling=MAX_RECORD_USD)
+
+
+def log_value(value: object) -> object:
+    """An id or note for a usage line: text clipped to MAX_LOG_TEXT, numbers only when small."""
+    if isinstance(value, str):
+        return value[:MAX_LOG_TEXT]
+    if isinstance(value, (int, float)) and abs(value) < 10**18:
+        return value
+    return None if value is None else type(value).__name__
+
+
+def _count(raw: object) -> int | None:
+    """A token or message count from a note (ints only, as the filter writes them), else None."""
+    return read_count(raw) if isinstance(raw, int) else None
+
+
+def _text(raw: object) -> str | None:
+    """A short text from a record (clipped as the log line clips it), else None."""
+    return raw[:MAX_LOG_TEXT] if isinstance(raw, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What the provider's cache would serve this turn (provider tokens), noted by the first pass:
+    the untrimmed chat's previous prompt, the sent prompt's reused prefix, whether the model
+    caches at all, and its minimum cacheable prompt."""
+
+    untrimmed: int = 0
+    trimmed: int = 0
+    caches: bool = False
+    minimum: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"untrimmed": self.untrimmed, "trimmed": self.trimmed, "caches": self.caches, "minimum": self.minimum}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> CacheView | None:
+        """The view written by `to_dict`; None for anything else (a note is client input in outlet)."""
+        if not (
+            isinstance(raw, dict)
+            and isinstance(raw.get("caches"), bool)
+            and all(type(raw.get(k)) is int and raw[k] >= 0 for k in ("untrimmed", "trimmed", "minimum"))
+        ):
+            return None
+        return cls(raw["untrimmed"], raw["trimmed"], raw["caches"], raw["minimum"])
+
+
+@dataclass(frozen=True, slots=True)
+class TurnChoice:
+    """What one pass decided to send, with the numbers the status line and outlet need."""
+
+    messages: list[Message]
+    count_before: int
+    tokens_before: int
+    tokens_after: int
+    budget: int
+    count_mode: str
+    decision: TrimDecision | None = None
+    dropped: int = 0
+    shortened: int = 0
+    excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
+    passages: tuple[int, int] = (0, 0)  # of those: passages sent, passages in all
+    over_budget: bool = False
+    summarized: bool = False
+    full: bool = False
+    reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
+    carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
+    pins_shortened: bool = False  # pinned messages alone were over the budget and were cut middle-out
+    fixed_tokens: int = 0  # tool definitions and response format, in every count above
+    fixed_label: str = ""  # what they are ("tool definitions", ...)
+    fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
+    own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
+
+    def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
+        """This choice with the request's fixed part (billed with every prompt) in its counts,
+        and the whole prompt's budget `total` when that part alone is over it."""
+        if not tokens:
+            return self
+        return replace(
+            self,
+            tokens_before=self.tokens_before + tokens,
+            tokens_after=self.tokens_after + tokens,
+            budget=total if over else self.budget + tokens,
+            fixed_tokens=tokens,
+            fixed_label=label,
+            fixed_over=over,
+            over_budget=self.over_budget or over,
+        )
+
+    @classmethod
+    def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
+        """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
+        count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
+        return cls(
+            messages=messages,
+            count_before=count,
+            tokens_before=result.tokens_before + extra_tokens,
+            tokens_after=result.tokens_after + extra_tokens,
+            budget=result.budget + extra_tokens,
+            count_mode=result.count_mode,
+            decision=result.decision,
+            dropped=len(result.dropped),
+            shortened=len(result.shortened) - len(result.excerpted),
+            excerpted=len(result.excerpted),
+            passages=(sum(p[0] for p in result.passages), sum(p[1] for p in result.passages)),
+            over_budget=result.over_budget,
+            reused=result.reused,
+            carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
+            pins_shortened=PINS_SHORTENED_NOTE in result.notes,
+            own=added_fingerprints(result, messages),
+        )
+
+
+def added_fingerprints(result: TrimResult, messages: Sequence[Message]) -> tuple[str, ...]:
+    """Fingerprints of what the filter added to `messages` (the trim's output, maybe with a
+    summary note put in): its recall blocks and that note, so that a later pass of the turn
+    knows them by what was recorded, not by their text (`summarize.own_messages`)."""
+    blocks = [result.messages[i] for i in result.added if result.messages[i].get("role") == "user"]
+    if len(messages) != len(result.messages):
+        trimmed = {id(m) for m in result.messages}
+        blocks += [m for m in messages if id(m) not in trimmed and m.get("role") == "user"]
+    return tuple(message_fingerprint(m) for m in blocks[:MAX_ADDED])
+
+
+@dataclass(frozen=True, slots=True)
+class TurnNote:
+    """One turn's note, from the request hooks to later passes and to outlet.
+
+    Written in groups, each present only once its pass set it: `turn_id` (inlet started the
+    turn in this worker: `openturns.OpenTurns` knows it); the trim's figures (`mode` ... `cache`, all set together);
+    `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
+    left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
+    (`sent_messages`, `shortened`, `excerpted`); `cache_marked` (the prompt-cache breakpoints this turn placed,
+    to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
+    note this pass added: how a later pass knows them, see `summarize.own_messages`).
+    `removed`/`messages_before` are the tokens an earlier pass removed and the untrimmed chat's
+    message count (see `savings.carried_savings`).
+
+    Example:
+        >>> note = TurnNote(mode="enforce", estimated_prompt_tokens=640, cost_saved_usd=Decimal("0.0021"))
+        >>> TurnNote.from_dict(note.to_dict()) == note
+        True
+    """
+
+    turn_id: str | None = None
+    mode: str | None = None
+    estimated_prompt_tokens: int | None = None
+    count_mode: str | None = None
+    budget: int | None = None
+    dropped: int | None = None
+    reused: bool = False
+    decided: bool = False
+    calibration: float | None = None
+    comparable: bool = False
+    removed: int | None = None
+    messages_before: int | None = None
+    tokens_saved: int | None = None
+    cost_saved_usd: Decimal | None = None
+    cache: CacheView | None = None
+    flags: Flags | None = None
+    line: str | None = None
+    sent_messages: int | None = None
+    shortened: int | None = None
+    excerpted: int | None = None
+    passages: tuple[int, int] | None = None
+    pending_line: str | None = None
+    cache_marked: dict[str, Any] | None = None
+    added: tuple[str, ...] = ()
+    version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
+
+    @property
+    def carried(self) -> dict[str, int]:
+        """The earlier pass's savings figures as `savings.carried_savings` reads them."""
+        return {
+            k: v for k, v in (("removed", self.removed), ("messages_before", self.messages_before)) if v is not None
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The note as `__metadata__` holds it (JSON values only)."""
+        out: dict[str, Any] = {"v": self.version}
+        if self.turn_id is not None:
+            out["turn"] = self.turn_id
+        if self.mode is not None:
+            out.update(
+                mode=self.mode,
+                estimated_prompt_tokens=self.estimated_prompt_tokens,
+                count_mode=self.count_mode,
+                budget=self.budget,
+                dropped=self.dropped,
+                reused=self.reused,
+                decided=self.decided,
+                calibration=self.calibration,
+                comparable=self.comparable,
+                savings=self.carried,
+                tokens_saved=self.tokens_saved,
+                cost_saved_usd=usd_text(self.cost_saved_usd),
+                cache=None if self.cache is None else self.cache.to_dict(),
+            )
+        if self.flags is not None:
+            out["flags"] = self.flags.to_dict()
+        if self.line is not None:
+            out["line"] = self.line
+        if self.pending_line is not None:
+            out["pending_line"] = self.pending_line
+        if self.sent_messages is not None:
+            out.update(sent_messages=self.sent_messages, shortened=self.shortened, excerpted=self.excerpted)
+            if self.passages is not None:
+                out["passages"] = list(self.passages)
+        if self.cache_marked is not None:
+            out["cache_marked"] = self.cache_marked
+        if self.added:
+            out["added"] = list(self.added)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: object) -> TurnNote:
+        """The note in `raw`: what this version and earlier ones wrote; every field bounded (outlet
+        input is the client's), anything unreadable left at its default, an unknown version empty."""
+        if not isinstance(raw, dict) or raw.get("v", NOTE_VERSION) != NOTE_VERSION:
+            return cls()
+        carried = raw.get("savings")
+        savings: dict[str, Any] = carried if isinstance(carried, dict) else {}
+        flags = raw.get("flags")
+        line = raw.get("line")
+        turn_id = raw.get("turn")
+        mode, count_mode = raw.get("mode"), raw.get("count_mode")
+        calibration = raw.get("calibration")
+        return cls(
+            turn_id=turn_id if isinstance(turn_id, str) and len(turn_id) <= 64 else None,
+            mode=mode if isinstance(mode, str) else None,
+            estimated_prompt_tokens=_count(raw.get("estimated_prompt_tokens")),
+            count_mode=count_mode if isinstance(count_mode, str) else None,
+            budget=_count(raw.get("budget")),
+            dropped=_count(raw.get("dropped")),
+            reused=raw.get("reused") is True,
+            decided=bool(raw.get("decided")),
+            calibration=calibration if isinstance(calibration, float) else None,
+            comparable=raw.get("comparable") is True,
+            removed=savings.get("removed") if isinstance(savings.get("removed"), int) else None,
+            messages_before=savings.get("messages_before") if isinstance(savings.get("messages_before"), int) else None,
+            tokens_saved=_count(raw.get("tokens_saved")),
+            cost_saved_usd=read_usd(raw.get("cost_saved_usd")),
+            cache=CacheView.from_dict(raw.get("cache")),
+            flags=_flags_of_turn(flags) if isinstance(flags, dict) else None,
+            line=line if isinstance(line, str) else None,
+            sent_messages=_count(raw.get("sent_messages")),
+            shortened=_count(raw.get("shortened")),
+            excerpted=_count(raw.get("excerpted")),
+            passages=_passage_counts(raw.get("passages")),
+            pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
+            cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
+            added=_fingerprints(raw.get("added")),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TurnNote:
+        """The note in a JSON text (an empty note when it is not JSON)."""
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError:
+            return cls()
+
+
+def _passage_counts(value: object) -> tuple[int, int] | None:
+    """`passages` as an earlier pass wrote it: (sent, in all), each a count (else none)."""
+    if not isinstance(value, list) or len(value) != 2:
+        return None
+    sent, total = (_count(v) for v in value)
+    return (sent, total) if sent is not None and total is not None and sent <= total else None
+
+
+def _fingerprints(value: object) -> tuple[str, ...]:
+    """`added` as an earlier pass wrote it: at most `MAX_ADDED` fingerprints (else none)."""
+    if not isinstance(value, list) or len(value) > MAX_ADDED:
+        return ()
+    return tuple(v for v in value if isinstance(v, str) and len(v) == 16)
+
+
+def _flags_of_turn(value: dict) -> Flags:
+    """The flags an earlier pass of this turn left in the note (none when unreadable)."""
+    try:
+        return Flags.from_dict(value)
+    except (KeyError, TypeError, ValueError):
+        return Flags()
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One reply's `usage {json}` line: who, which model, the billed counts, cost and savings.
+
+    Ids and notes are clipped (`log_value`), money is exact decimal text, `null` means unknown.
+
+    Example:
+        >>> r = UsageRecord(model="gpt-4o", prompt_tokens=321, completion_tokens=12, cost_usd=Decimal("0.0009225"))
+        >>> UsageRecord.from_json(r.to_json()) == r
+        True
+    """
+
+    model: object = None
+    resolved_model: object = None
+    user_id: object = None
+    chat_id: object = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    estimated: bool = False
+    estimated_prompt_tokens: int | None = None
+    usage_shape: str | None = None
+    cost_usd: Decimal | None = None
+    cost_source: str | None = None
+    cost_note: object = None
+    mode: str | None = None
+    tokens_saved: int | None = None
+    cost_saved_usd: Decimal | None = None
+    version: int = field(default=USAGE_RECORD_VERSION, init=False)  # the format this line is written in
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": log_value(self.model),
+            "resolved_model": log_value(self.resolved_model),
+            "user_id": log_value(self.user_id),
+            "chat_id": log_value(self.chat_id),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "estimated": self.estimated,
+            "estimated_prompt_tokens": self.estimated_prompt_tokens,
+            "usage_shape": self.usage_shape,
+            "cost_usd": usd_text(self.cost_usd),
+            "cost_source": self.cost_source,
+            "cost_note": log_value(self.cost_note),
+            "mode": self.mode,
+            "tokens_saved": self.tokens_saved,
+            "cost_saved_usd": usd_text(self.cost_saved_usd),
+            "v": self.version,
+        }
+
+    def to_json(self) -> str:
+        """The JSON after `usage ` in the log line (compact, keys in a fixed order)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> UsageRecord:
+        """A record from a line's JSON, this version's or an earlier one's (no "v"); ValueError
+        when it is not one."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a usage record: {type(exc).__name__}") from exc
+        if not isinstance(data, dict) or data.get("v", USAGE_RECORD_VERSION) != USAGE_RECORD_VERSION:
+            raise ValueError("not a usage record of this version")
+        return cls(
+            model=log_value(data.get("model")),
+            resolved_model=log_value(data.get("resolved_model")),
+            user_id=log_value(data.get("user_id")),
+            chat_id=log_value(data.get("chat_id")),
+            prompt_tokens=_count(data.get("prompt_tokens")),
+            completion_tokens=_count(data.get("completion_tokens")),
+            cached_tokens=_count(data.get("cached_tokens")),
+            reasoning_tokens=_count(data.get("reasoning_tokens")),
+            estimated=data.get("estimated") is True,
+            estimated_prompt_tokens=_count(data.get("estimated_prompt_tokens")),
+            usage_shape=_text(data.get("usage_shape")),
+            cost_usd=read_usd(data.get("cost_usd")),
+            cost_source=_text(data.get("cost_source")),
+            cost_note=log_value(data.get("cost_note")),
+            mode=_text(data.get("mode")),
+            tokens_saved=_count(data.get("tokens_saved")),
+            cost_saved_usd=read_usd(data.get("cost_saved_usd")),
+        )

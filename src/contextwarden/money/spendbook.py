@@ -1,0 +1,135 @@
+"""Each user's spend per month and day, in one counter key per user and month: what limits read.
+
+`spend:<YYYY-MM>:<user>` holds the month's `cost_picousd`, `tokens`, `unpriced` and `requests`,
+the same under `dNN:` for its day, and `rev`, which every change moves on. A limit check is one
+read of it. A turn is charged when it starts (`reserve`: its estimate, written only while the
+key still holds what the check read, so turns started side by side in any worker see each
+other) and settled when its reply ends (`settle`: what it really cost replaces the estimate).
+A reply of a turn that took no charge is added whole (`record`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from decimal import Decimal
+from urllib.parse import quote
+
+from ..state.store import Store
+from .ledger import picodollars_to_usd, usd_to_picodollars
+from .limits import Spend, Verdict, month_start
+from .pricing import ModelPrice
+from .usage import MAX_REPLY_COST_USD, Usage, compute_cost
+
+__all__ = ["SpendBook", "Charge", "SPEND_TTL_SECONDS"]
+
+spend_log = logging.getLogger("contextwarden")
+
+SPEND_TTL_SECONDS = 40 * 86_400  # a month's key outlives the month
+MAX_REPLY_TOKENS = 10**10
+RESERVE_TRIES = 8  # a check-and-charge that another worker's write keeps beating charges anyway after this
+FIELDS = ("cost_picousd", "tokens", "unpriced", "requests")
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a turn adds to its user's spend: dollars (None: no known price) and tokens.
+
+    Example:
+        >>> Charge(Decimal("0.0125"), 5_000).amounts()
+        (12500000000, 5000, 0)
+    """
+
+    cost_usd: Decimal | None
+    tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage, cost_usd: Decimal | None) -> Charge:
+        """A reply's charge: its cost, and its prompt + completion tokens (what token limits count)."""
+        return cls(cost_usd, (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
+
+    @classmethod
+    def priced(cls, usage: Usage, price: ModelPrice | None) -> Charge:
+        """What a reply with this usage costs at this price (unknown price: tokens only)."""
+        return cls.of(usage, compute_cost(usage, price).cost_usd)
+
+    def plus(self, other: Charge) -> Charge:
+        """Both charges (the dollars unknown when either's are)."""
+        cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
+        return Charge(cost, self.tokens + other.tokens)
+
+    def amounts(self) -> tuple[int, int, int]:
+        """(picodollars, tokens, unpriced), each bounded: outlet input is hostile, and one
+        reply counts at most MAX_REPLY_COST_USD and MAX_REPLY_TOKENS."""
+        cost = self.cost_usd
+        known = cost is not None and cost.is_finite()
+        pico = usd_to_picodollars(min(max(cost, Decimal(0)), MAX_REPLY_COST_USD)) if cost is not None and known else 0
+        return pico, min(max(self.tokens, 0), MAX_REPLY_TOKENS), int(cost is None)
+
+
+def _spend_key(month: date, user: str) -> str:
+    return f"spend:{month:%Y-%m}:{quote(user or '-', safe='')}"
+
+
+def _fields(day: date, amounts: tuple[int, int, int], requests: int) -> dict[str, int]:
+    """The month's and the day's fields for these amounts, and `rev` moved on."""
+    values = dict(zip(FIELDS, (*amounts, requests), strict=True))
+    fields = {**values, **{f"d{day.day:02d}:{name}": amount for name, amount in values.items()}}
+    return {name: amount for name, amount in fields.items() if amount} | {"rev": 1}
+
+
+def _spend(counters: dict[str, int], prefix: str = "") -> Spend:
+    return Spend(
+        picodollars_to_usd(max(counters.get(prefix + "cost_picousd", 0), 0)),
+        counters.get(prefix + "tokens", 0),
+        counters.get(prefix + "requests", 0),
+        counters.get(prefix + "unpriced", 0),
+    )
+
+
+class SpendBook:
+    """Reads (today's, this month's) spend of a user and writes charges, settlements and replies."""
+
+    async def spend(self, store: Store, user: str, today: date) -> tuple[Spend, Spend]:
+        """(today's, this month's) spend: one read."""
+        counters = await store.counters(_spend_key(month_start(today), user))
+        return _spend(counters, f"d{today.day:02d}:"), _spend(counters)
+
+    async def reserve(
+        self, store: Store, *, user: str, day: date, charge: Charge, check: Callable[[Spend, Spend], Verdict]
+    ) -> Verdict:
+        """Check the user's spend and, when the turn may start, charge its estimate, in one step
+        as far as any other worker can tell (retried while another write came in between)."""
+        key = _spend_key(month_start(day), user)
+        fields = _fields(day, charge.amounts(), 1)
+        name = f"reserve:{uuid.uuid4().hex}"  # a try sent again (no answer) is applied once
+        for _ in range(RESERVE_TRIES):
+            counters = await store.counters(key)
+            verdict = check(_spend(counters, f"d{day.day:02d}:"), _spend(counters))
+            if not verdict.allowed:
+                return verdict
+            guard = ("rev", counters.get("rev", 0))
+            if await store.incr_if(key, fields, ttl=SPEND_TTL_SECONDS, guard=guard, once=name):
+                return verdict
+        spend_log.info("contextwarden: spend key busy; turn charged without a fresh check")
+        await store.incr(key, fields, ttl=SPEND_TTL_SECONDS, once=name)
+        return verdict
+
+    async def settle(self, store: Store, *, user: str, day: date, charged: Charge, real: Charge) -> None:
+        """Replace a turn's charge by what its reply really cost (added once, even when retried)."""
+        was, now = charged.amounts(), real.amounts()
+        delta = (now[0] - was[0], now[1] - was[1], now[2] - was[2])
+        if any(delta):
+            await self._add(store, user, day, _fields(day, delta, 0))
+
+    async def record(self, store: Store, *, user: str, day: date, cost_usd: Decimal | None, tokens: int) -> None:
+        """Add one reply that took no charge to its user's month and day totals."""
+        await self._add(store, user, day, _fields(day, Charge(cost_usd, tokens).amounts(), 1))
+
+    @staticmethod
+    async def _add(store: Store, user: str, day: date, fields: dict[str, int]) -> None:
+        key = _spend_key(month_start(day), user)
+        await store.incr(key, fields, ttl=SPEND_TTL_SECONDS, once=f"spend:{uuid.uuid4().hex}")

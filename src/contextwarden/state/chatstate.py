@@ -1,0 +1,117 @@
+"""What the filter remembers about one chat between turns: the last trim decision and the pins.
+
+Pure: the filter reads and writes the bytes through the store. The key hashes the user id
+with the chat id, so one user's state can never be read for another user's chat, and no id
+appears in a Redis key name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+
+from ..core.decision import TrimDecision
+from ..core.flags import Flags
+
+__all__ = ["ChatState", "chat_state_key", "MAX_PINS", "CHAT_STATE_VERSION"]
+
+MAX_PINS = 256  # pinned messages remembered per chat; the oldest pins go first
+# 2: decisions as JSON objects. 1: each decision as its own JSON text inside the JSON (still read).
+CHAT_STATE_VERSION = 2
+READ_VERSIONS = (1, 2)
+CHAT_KEY_VERSION = 1  # the key's shape (not the value's): a new value version still finds old state
+
+
+@dataclass(frozen=True, slots=True)
+class ChatState:
+    """One chat's state.
+
+    `decision` is the last `TrimDecision` really sent; `shadow_decision` the last one shadow
+    mode computed but did not send, kept apart so shadow turns simulate enforce's prefix reuse
+    without ever passing an unsent choice to enforce; `pins` are `pin_fingerprint`s of pinned
+    messages, oldest first; `pin_mode` is on between `!+pin` and `!-pin`. A decision that cannot
+    be read (another version's) is None: it is simply not reused.
+
+    Example:
+        >>> state = ChatState(pins=("a1b2c3d4e5f60718",), pin_mode=True)
+        >>> ChatState.from_bytes(state.to_bytes()) == state
+        True
+    """
+
+    decision: TrimDecision | None = None
+    pins: tuple[str, ...] = ()
+    pin_mode: bool = False
+    shadow_decision: TrimDecision | None = None
+    version: int = field(default=CHAT_STATE_VERSION, init=False)  # the format this state is written in
+
+    def to_bytes(self) -> bytes:
+        """The state as the store keeps it (compact JSON, this version)."""
+        return self.to_json().encode()
+
+    def to_json(self) -> str:
+        data = {
+            "v": self.version,
+            "decision": None if self.decision is None else self.decision.to_dict(),
+            "pins": list(self.pins),
+            "pin_mode": self.pin_mode,
+        }
+        if self.shadow_decision is not None:
+            data["shadow_decision"] = self.shadow_decision.to_dict()
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | None) -> ChatState:
+        """The state stored as `raw`; an empty state for None or anything this version cannot read."""
+        return cls.parse(raw) or cls()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ChatState | None:
+        """The state in a JSON text of version 1 or 2; None for anything else."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("v") not in READ_VERSIONS:
+                return None
+            pins = tuple(p for p in data["pins"] if isinstance(p, str))[-MAX_PINS:]
+            return cls(
+                _decision(data["decision"]),
+                pins,
+                data["pin_mode"] is True,
+                _decision(data.get("shadow_decision")),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> ChatState | None:
+        """The state stored as `raw` (empty for None); None for bytes this version cannot read,
+        which a caller must not write over (a newer version's state, or damaged: it expires)."""
+        return cls() if raw is None else cls.from_json(raw)
+
+    def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
+        """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode
+        (the last one written wins), then the message is pinned when `!pin` or pin mode says so."""
+        pin_mode = self.pin_mode if flags.sticky_pin is None else flags.sticky_pin
+        pins = self.pins
+        if latest_fingerprint is not None and (flags.pin or pin_mode) and latest_fingerprint not in pins:
+            pins = (pins + (latest_fingerprint,))[-MAX_PINS:]
+        return replace(self, pins=pins, pin_mode=pin_mode)
+
+
+def chat_state_key(user_id: str, chat_id: str) -> str | None:
+    """The store key for one user's chat; None when either id is missing (API callers)."""
+    if not user_id or not chat_id:
+        return None
+    digest = hashlib.blake2b(f"{user_id}\0{chat_id}".encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"chat:v{CHAT_KEY_VERSION}:{digest}"
+
+
+def _decision(raw: object) -> TrimDecision | None:
+    """A stored decision: a JSON object (version 2) or its JSON text (version 1); None when absent
+    or unreadable (a decision written by another version is simply not reused)."""
+    if raw is None:
+        return None
+    try:
+        return TrimDecision.from_json(raw) if isinstance(raw, str) else TrimDecision.from_dict(raw)
+    except ValueError:
+        return None

@@ -1,0 +1,496 @@
+"""Shared state as bytes and counters: in-process by default, Redis when configured.
+
+The store knows no chats or prices; callers give it keys. Every key lives under one prefix
+and expires. A Redis store that cannot reach its server falls back to an in-process store
+(with one warning) and goes back to Redis once it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import hashlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from ..errors import ConfigError
+
+__all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "redis_client", "KEY_PREFIX"]
+
+store_log = logging.getLogger("contextwarden")
+
+KEY_PREFIX = "contextwarden:"
+DEFAULT_MEMORY_KEYS = 20_000
+DEFAULT_REDIS_TIMEOUT = 0.5  # seconds to connect; a Redis that is away must not slow every chat down
+# An answer may be late without Redis being away: a busy machine reads it late. Answers wait
+# this many times the connect timeout (a Redis that is away refuses the connect at once, or
+# lets it time out), and a command that timed out is sent once more: every write is named or
+# idempotent, so a repeat changes nothing. A refused connect or a second timeout is an outage.
+REDIS_READ_TIMEOUT_FACTOR = 4
+REDIS_ATTEMPTS = 2
+REDIS_RETRY_SECONDS = 30.0
+# Only these mean Redis is away (an outage: fall back, hold named increments). Any other
+# RedisError is an answer, e.g. a ResponseError for a counter that would overflow: it reaches
+# the caller, and the worker keeps using Redis.
+_REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, asyncio.TimeoutError)
+REDIS_PENDING_LIMIT = 10_000  # named increments a worker holds while Redis is away
+ONCE_MARKER_SECONDS = 86_400  # how long Redis remembers that a named increment was applied
+# The markers of named increments live as fields of one hash an hour (`once:<YYYYMMDDHH>`):
+# a reply adds a field, not a key, so at most 25 marker keys exist at a time.
+ONCE_BUCKET_FORMAT = "%Y%m%d%H"
+REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
+# Waiting for a free pooled connection measures a busy event loop, not Redis: each holder's
+# command is already bounded by the socket timeouts. Give up only after this long: at load 10-14
+# on 2 cores, 300 simultaneous turns waited over 10 s and the worker left Redis ("No connection
+# available" is a ConnectionError, an outage); the wait ends as soon as a holder is done.
+REDIS_POOL_WAIT_SECONDS = 60.0
+
+
+class Store:
+    """Bytes by key and integer counters by key and field, each key with a time to live."""
+
+    async def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        raise NotImplementedError
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        """Set only when absent (a lock); True when this call set it."""
+        raise NotImplementedError
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        """Set only while the key still holds `expected` (None: absent); True when this call set it.
+
+        A read-modify-write that read nothing real (a failed read, or a fallback's empty answer
+        while the shared copy was away) then cannot write over what it did not read.
+        """
+        raise NotImplementedError
+
+    async def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        """Add to integer fields of a counter key atomically, refreshing its expiry.
+
+        `once` names this increment: a second call with the same name adds nothing, so an
+        increment whose outcome is unknown (a timeout) can be sent again safely.
+        """
+        raise NotImplementedError
+
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
+        """`incr` only while the counter `guard[0]` still holds `guard[1]` (absent = 0): a
+        read-check-write that another worker's write in between turns into a retry. True when
+        it was applied (a repeat of a named one that was: True, adding nothing)."""
+        raise NotImplementedError
+
+    async def counters(self, key: str) -> dict[str, int]:
+        """The integer fields of a counter key ({} when absent). A field or key that is not a
+        counter (damaged by hand or by another program) is removed, with one warning."""
+        raise NotImplementedError
+
+    async def keys(self, pattern: str) -> list[str]:
+        """Keys (without the prefix) matching a glob pattern."""
+        raise NotImplementedError
+
+    @property
+    def shared(self) -> bool:
+        """True when other workers see the same state."""
+        return False
+
+
+class MemoryStore(Store):
+    """An in-process store: the default, and the test double. Bounded to `max_keys` (LRU)."""
+
+    def __init__(self, *, max_keys: int = DEFAULT_MEMORY_KEYS) -> None:
+        self.max_keys = max_keys
+        self._data: OrderedDict[str, tuple[float, bytes | dict[str, int]]] = OrderedDict()
+        self._done: OrderedDict[str, None] = OrderedDict()  # names of `once` increments applied
+
+    def _live(self, key: str) -> bytes | dict[str, int] | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            del self._data[key]
+            return None
+        self._data.move_to_end(key)
+        return entry[1]
+
+    def _put(self, key: str, value: bytes | dict[str, int], ttl: int) -> None:
+        self._data[key] = (time.monotonic() + ttl, value)
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_keys:
+            self._data.popitem(last=False)
+
+    async def get(self, key: str) -> bytes | None:
+        value = self._live(key)
+        return value if isinstance(value, bytes) else None
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        self._put(key, value, ttl)
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        if self._live(key) is not None:
+            return False
+        self._put(key, value, ttl)
+        return True
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        if self._live(key) != expected:
+            return False
+        self._put(key, value, ttl)
+        return True
+
+    async def delete(self, key: str) -> None:
+        self._data.pop(key, None)
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        if once is None or self._first(once):
+            self._add(key, fields, ttl)
+
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
+        if once is not None and once in self._done:
+            return True
+        current = self._live(key)
+        if (current.get(guard[0], 0) if isinstance(current, dict) else 0) != guard[1]:
+            return False
+        if once is not None:
+            self._first(once)
+        self._add(key, fields, ttl)
+        return True
+
+    def _first(self, once: str) -> bool:
+        """Mark the named increment applied; False when it already was."""
+        if once in self._done:
+            return False
+        self._done[once] = None
+        if len(self._done) > self.max_keys:
+            self._done.popitem(last=False)
+        return True
+
+    def _add(self, key: str, fields: Mapping[str, int], ttl: int) -> None:
+        current = self._live(key)
+        totals = dict(current) if isinstance(current, dict) else {}
+        for name, amount in fields.items():
+            totals[name] = totals.get(name, 0) + int(amount)
+        self._put(key, totals, ttl)
+
+    async def counters(self, key: str) -> dict[str, int]:
+        value = self._live(key)
+        return dict(value) if isinstance(value, dict) else {}
+
+    async def keys(self, pattern: str) -> list[str]:
+        return sorted(k for k in list(self._data) if fnmatch.fnmatchcase(k, pattern) and self._live(k) is not None)
+
+
+class RedisStore(Store):
+    """A Redis store under `KEY_PREFIX`, with short timeouts and an in-process fallback.
+
+    While Redis does not answer, calls go to the fallback store, with one warning per outage.
+    Named increments (`incr(..., once=...)`, the ledger's) are not: a timed-out one may have
+    been applied, so they wait in this worker (up to `REDIS_PENDING_LIMIT`) and are sent again,
+    harmlessly, once Redis answers; nothing is counted twice or lost while the worker lives.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_REDIS_TIMEOUT,
+        fallback: Store | None = None,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        """A store on the Redis at `url`.
+
+        Args:
+            timeout: seconds a connect may take before Redis counts as away; an answer may take
+                `REDIS_READ_TIMEOUT_FACTOR` times it, `REDIS_ATTEMPTS` times in a row.
+            fallback: where calls go while Redis is away (default: a new `MemoryStore`).
+            client: the client commands are sent with (default: `redis_client(url, timeout)`);
+                given, `url` and `timeout` are not read. Tests wrap one to watch or fail commands.
+
+        Raises:
+            ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+        """
+        self._redis = client if client is not None else redis_client(url, timeout)
+        self.fallback = fallback or MemoryStore()
+        self._down_since: float | None = None
+        # (key, fields, ttl, name, marker bucket): a replay marks the bucket of the first try.
+        self._pending: deque[tuple[str, dict[str, int], int, str, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
+        self._replaying = False
+
+    @property
+    def shared(self) -> bool:
+        return self._down_since is None
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """The names of the named increments waiting for Redis to answer again, oldest first."""
+        return tuple(held[3] for held in self._pending)
+
+    def _usable(self) -> bool:
+        return self._down_since is None or time.monotonic() - self._down_since > REDIS_RETRY_SECONDS
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._down_since is None:
+            store_log.warning("contextwarden: Redis unavailable (%s); using in-process state", type(exc).__name__)
+        self._down_since = time.monotonic()
+
+    def _recovered(self) -> None:
+        if self._down_since is not None:
+            store_log.warning("contextwarden: Redis reachable again; shared state resumed")
+            self._down_since = None
+
+    async def _try_redis(self, name: str, *args, **kwargs) -> tuple[bool, Any]:
+        """Run `_redis_<name>` when Redis is usable: `(True, result)`, or `(False, None)`."""
+        if not self._usable():
+            return False, None
+        try:
+            result = await self._command(name, *args, **kwargs)
+        except _REDIS_ERRORS as exc:
+            self._failed(exc)
+            return False, None
+        self._recovered()
+        if self._pending and not self._replaying:
+            await self._replay()
+        return True, result
+
+    async def _command(self, name: str, *args, **kwargs) -> Any:
+        """`_redis_<name>`; one that timed out is sent once more (`REDIS_ATTEMPTS`), so a single
+        late answer is not an outage."""
+        command = getattr(self, "_redis_" + name)
+        for _ in range(REDIS_ATTEMPTS - 1):
+            try:
+                return await command(*args, **kwargs)
+            except aioredis.TimeoutError:
+                pass
+        return await command(*args, **kwargs)
+
+    async def _call(self, name: str, *args, **kwargs):
+        ok, result = await self._try_redis(name, *args, **kwargs)
+        return result if ok else await getattr(self.fallback, name)(*args, **kwargs)
+
+    async def _replay(self) -> None:
+        """Send the named increments held during an outage (each applies at most once).
+
+        Single-flight: one caller replays while the others go on, and a held increment is
+        removed only by the caller that sent it. Nothing raised here reaches the caller, whose
+        own command has already succeeded.
+        """
+        self._replaying = True
+        try:
+            while self._pending:
+                held = self._pending[0]
+                try:
+                    await self._command("incr", held[0], held[1], ttl=held[2], once=held[3], bucket=held[4])
+                except _REDIS_ERRORS as exc:
+                    self._failed(exc)
+                    return
+                except Exception as exc:  # refused for good: sending it again cannot help
+                    store_log.warning("contextwarden: held usage increment dropped (%s)", type(exc).__name__)
+                if self._pending and self._pending[0] is held:  # a full deque may have dropped it meanwhile
+                    self._pending.popleft()
+        finally:
+            self._replaying = False
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call("get", key)
+
+    async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        await self._call("set", key, value, ttl=ttl)
+
+    async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        return await self._call("add", key, value, ttl=ttl)
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        return await self._call("swap", key, expected, value, ttl=ttl)
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete", key)
+
+    async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
+        if once is None:
+            await self._call("incr", key, fields, ttl=ttl)
+            return
+        bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
+        done, _ = await self._try_redis("incr", key, fields, ttl=ttl, once=once, bucket=bucket)
+        if not done:
+            self._pending.append((key, dict(fields), ttl, once, bucket))
+
+    async def incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
+    ) -> bool:
+        bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
+        ok, applied = await self._try_redis("incr_if", key, fields, ttl=ttl, guard=guard, once=once, bucket=bucket)
+        return applied if ok else await self.fallback.incr_if(key, fields, ttl=ttl, guard=guard, once=once)
+
+    async def counters(self, key: str) -> dict[str, int]:
+        return await self._call("counters", key)
+
+    async def keys(self, pattern: str) -> list[str]:
+        return await self._call("keys", pattern)
+
+    async def _redis_get(self, key: str) -> bytes | None:
+        # redis types every reply as bytes | str; this client never sets decode_responses.
+        return await self._redis.get(KEY_PREFIX + key)  # type: ignore[return-value]
+
+    async def _redis_set(self, key: str, value: bytes, *, ttl: int) -> None:
+        await self._redis.set(KEY_PREFIX + key, value, ex=ttl)
+
+    async def _redis_add(self, key: str, value: bytes, *, ttl: int) -> bool:
+        return bool(await self._redis.set(KEY_PREFIX + key, value, ex=ttl, nx=True))
+
+    async def _redis_swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
+        digest = "" if expected is None else hashlib.sha1(expected).hexdigest()
+        return bool(await self._redis.eval(_SWAP_SCRIPT, 1, KEY_PREFIX + key, digest, value, ttl))
+
+    async def _redis_delete(self, key: str) -> None:
+        await self._redis.delete(KEY_PREFIX + key)
+
+    async def _redis_incr(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None, bucket: str = ""
+    ) -> None:
+        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
+        await self._eval_incr(keys, fields, ttl, once or "", ("", 0))
+
+    async def _redis_incr_if(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None, bucket: str
+    ) -> bool:
+        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
+        return await self._eval_incr(keys, fields, ttl, once or "", guard) != 0
+
+    async def _eval_incr(
+        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, guard: tuple[str, int]
+    ) -> int:
+        flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
+        answer = await self._redis.eval(
+            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, guard[0], guard[1], *flat
+        )
+        if answer == 2:
+            _warn_repaired(keys[0])
+        return int(answer)
+
+    async def _redis_counters(self, key: str) -> dict[str, int]:
+        try:
+            raw = await self._redis.hgetall(KEY_PREFIX + key)
+        except aioredis.ResponseError:  # WRONGTYPE: not a counter key
+            await self._redis.delete(KEY_PREFIX + key)
+            _warn_repaired(KEY_PREFIX + key)
+            return {}
+        counters, damaged = {}, []
+        for name, value in raw.items():
+            try:
+                counters[name.decode() if isinstance(name, bytes) else name] = int(value)
+            except ValueError:
+                damaged.append(name)
+        if damaged:
+            await self._redis.hdel(KEY_PREFIX + key, *damaged)
+            _warn_repaired(KEY_PREFIX + key)
+        return counters
+
+    async def _redis_keys(self, pattern: str) -> list[str]:
+        found = [
+            k.decode()[len(KEY_PREFIX) :] async for k in self._redis.scan_iter(match=KEY_PREFIX + pattern, count=500)
+        ]
+        return sorted(found)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def _warn_repaired(key: str) -> None:
+    store_log.warning("contextwarden: %s was not a counter (damaged); its bad part removed", key)
+
+
+# One atomic, all-or-nothing step. ARGV: ttl, marker ttl, the increment's name ("" = none; its
+# marker is a field of the hash KEYS[2]), a guard field ("" = none) and the value it must hold,
+# then field / amount pairs. Nothing when the marker says this increment was applied (1) or the
+# guard field holds another value (0); else every field is checked first (staying within +-9e18,
+# below the 2^63 where HINCRBY fails) and only then are all added, the expiry refreshed and the
+# marker set. A refused increment writes nothing (Redis does not undo a half-run script). A
+# damaged key (not a hash) or field (not an integer) is replaced, answering 2 so it is logged.
+_INCR_SCRIPT = """
+if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return 1 end
+local answer = 1
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]); answer = 2 end
+if ARGV[4] ~= '' and tonumber(redis.call('HGET', KEYS[1], ARGV[4]) or '0') ~= tonumber(ARGV[5]) then return 0 end
+local bad = {}
+for i = 6, #ARGV, 2 do
+  local current = redis.call('HGET', KEYS[1], ARGV[i]) or '0'
+  if not string.match(current, '^-?%d+$') then bad[i] = true; current = '0' end
+  if not string.match(ARGV[i + 1], '^-?%d+$') or math.abs(tonumber(current) + tonumber(ARGV[i + 1])) > 9e18 then
+    return redis.error_reply('ERR contextwarden: counter ' .. ARGV[i] .. ' would leave the integer range')
+  end
+end
+for i = 6, #ARGV, 2 do
+  if bad[i] then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]); answer = 2
+  else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[3], '1')
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+return answer
+"""
+
+
+# Sets the key only while it holds the value whose SHA-1 is ARGV[1] ("" = absent): one atomic step.
+_SWAP_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  if redis.sha1hex(current) ~= ARGV[1] then return 0 end
+elseif ARGV[1] ~= '' then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+
+
+def redis_client(url: str, timeout: float = DEFAULT_REDIS_TIMEOUT) -> aioredis.Redis:
+    """The client a `RedisStore` sends with: pooled (`REDIS_MAX_CONNECTIONS`), a connect bounded
+    by `timeout` seconds and each answer by `REDIS_READ_TIMEOUT_FACTOR` times that.
+
+    Raises:
+        ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+    """
+    try:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REDIS_MAX_CONNECTIONS,
+            timeout=max(timeout, REDIS_POOL_WAIT_SECONDS),
+            socket_timeout=timeout * REDIS_READ_TIMEOUT_FACTOR,
+            socket_connect_timeout=timeout,
+        )
+    except ValueError:
+        # Not the parser's message: it quotes parts of the URL, password included (a password
+        # with "/" or "#" ends the host part early and is read as the port).
+        raise ConfigError(
+            "redis_url is not a valid Redis URL (check host:port, and %-encode / # ? @ : in the password)",
+            valve="redis_url",
+        ) from None
+    return aioredis.Redis(connection_pool=pool)
+
+
+def open_store(redis_url: str) -> Store:
+    """A `RedisStore` for a URL, or a `MemoryStore` when the URL is empty.
+
+    Raises:
+        ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
+    """
+    url = redis_url.strip()
+    if not url:
+        return MemoryStore()
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("redis_url must start with redis://, rediss:// or unix://", valve="redis_url")
+    return RedisStore(url)
