@@ -15,6 +15,13 @@ from contextwarden.face.embedder import TURN_EMBED_TEXTS, EmbedderResting, Embed
 from embedders import chat_about_a_cat, topic_embed
 
 
+@pytest.fixture(autouse=True)
+def ahead_at_once(monkeypatch):
+    """The call after a reply starts at once here (in Open WebUI a second later, see
+    `test_after_a_reply_the_call_waits_for_the_page`)."""
+    monkeypatch.setattr(embedder_module, "AHEAD_DELAY_SECONDS", 0.0)
+
+
 def request_with(function) -> SimpleNamespace:
     """What a filter gets as `__request__`: the embedder sits on `app.state`."""
     return SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(EMBEDDING_FUNCTION=function)))
@@ -146,6 +153,39 @@ async def test_after_a_wait_ran_out_turns_neither_wait_nor_call_for_a_while(monk
     chat = [*chat, {"role": "user", "content": "And the dog?"}]
     assert await embedder.prefetch(chat, timeout=5, max_texts=4) >= 1  # tried again: quick now
     assert any("And the dog?" in text for text in function.calls[-1])
+
+
+async def test_after_a_reply_the_call_waits_for_the_page(monkeypatch):
+    """The outlet runs while Open WebUI still sends the status line and the page finishes the
+    reply: the call after it starts `AHEAD_DELAY_SECONDS` later, not beside them."""
+    monkeypatch.setattr(embedder_module, "AHEAD_DELAY_SECONDS", 0.2)
+    function = FakeEmbeddingFunction()
+    embedder = OpenWebUIEmbedder(function)
+    assert embedder.ahead(chat_about_a_cat(), max_texts=8)
+    await asyncio.sleep(0.05)
+    assert function.calls == []
+    await asyncio.sleep(0.3)
+    assert len(function.calls) == 1
+
+
+async def test_a_slow_pause_doubles_while_each_try_runs_out(monkeypatch):
+    monkeypatch.setattr(embedder_module, "SLOW_RECHECK_SECONDS", 0.1)
+    monkeypatch.setattr(embedder_module, "SLOW_RECHECK_MAX_SECONDS", 0.3)
+    function = FakeEmbeddingFunction(delay=0.05)
+    embedder = OpenWebUIEmbedder(function)
+    loop = asyncio.get_running_loop()
+    pauses = []
+    for turn in range(4):
+        chat = [*chat_about_a_cat(), {"role": "user", "content": f"Question {turn}?"}]
+        with pytest.raises(TimeoutError):
+            await embedder.prefetch(chat, timeout=0.01, max_texts=4)
+        pauses.append(round(embedder._slow_until - loop.time(), 1))
+        await asyncio.sleep(embedder._slow_until - loop.time() + 0.06)  # past it, and the call landed
+    assert pauses == [0.1, 0.2, 0.3, 0.3]
+    function.delay = 0.0
+    chat = [*chat_about_a_cat(), {"role": "user", "content": "Quick now?"}]
+    assert await embedder.prefetch(chat, timeout=5, max_texts=4) >= 1
+    assert embedder._slow_streak == 0  # answered in time: the next slow wait pauses 0.1 s again
 
 
 async def test_a_wrong_shaped_answer_is_refused():

@@ -16,6 +16,7 @@ A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
 (`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
 no turn waits for it meanwhile. Once a turn's wait ran out (its own call, or one still running
 from the reply before) the embedder is slow for the turn's path: for `SLOW_RECHECK_SECONDS`
+(doubling while each new try runs out too, up to `SLOW_RECHECK_MAX_SECONDS`)
 turns neither wait nor call (each would wait in vain, and its call would take the CPU from
 the request), then one turn tries again. Vectors are normalised off the event loop.
 """
@@ -57,6 +58,11 @@ MIN_EMBED_BATCH = 4  # after timeouts a turn still asks for this many
 # MiniLM on 2 loaded CPU cores takes over 0.1 s for one question: the wait only added its 0.1 s
 # and the call ran beside the request (bench/browser_reply.py, turn 2: inlet 136 ms, lexical 23).
 SLOW_RECHECK_SECONDS = 60.0
+SLOW_RECHECK_MAX_SECONDS = 1_800.0  # ...doubling while each try runs out again (one try a half hour)
+# The call after a reply starts this long after the outlet: Open WebUI is still sending the
+# status line and the page is finishing the reply; a CPU embedder beside them slowed both
+# (bench/browser_reply.py at 3302b65: outlet 74 ms semantic, 29 ms lexical).
+AHEAD_DELAY_SECONDS = 1.0
 _adapters: OrderedDict[object, OpenWebUIEmbedder] = OrderedDict()
 register("embedder._adapters", _adapters.clear)
 
@@ -87,6 +93,7 @@ class OpenWebUIEmbedder:
         self._failures = 0  # calls failed in a row (their back-off doubles)
         self._rest_until = 0.0  # loop time before which no call starts
         self._slow_until = 0.0  # loop time before which no turn waits (its last wait ran out)
+        self._slow_streak = 0  # turns' waits run out in a row (their pause doubles)
 
     def batch(self, max_texts: int) -> int:
         """How many texts the next turn asks for: `max_texts`, less after timeouts."""
@@ -102,7 +109,7 @@ class OpenWebUIEmbedder:
         One call at a time: a call that outlives a turn's `timeout` goes on, and its vectors are
         kept when it lands (the embedder's thread runs on whether awaited or not); a later turn
         waits for it within its own timeout rather than start another beside it. After a wait
-        that ran out, turns raise `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS`.
+        that ran out, turns raise `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS` (doubling).
         Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
         """
         loop = asyncio.get_running_loop()
@@ -113,7 +120,7 @@ class OpenWebUIEmbedder:
         if running is not None and not running.done() and running.get_loop() is loop:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
-                self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
+                self._slow_down(loop.time())
                 raise TimeoutError("the previous call is still running")
         started = self._start(messages, max_texts)
         if started is None:
@@ -122,7 +129,7 @@ class OpenWebUIEmbedder:
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            self._slow_until = loop.time() + SLOW_RECHECK_SECONDS
+            self._slow_down(loop.time())
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time
             # (a turn's own few texts say nothing of the batch the history's calls can take).
             if max_texts > MIN_EMBED_BATCH:
@@ -130,22 +137,34 @@ class OpenWebUIEmbedder:
             raise
         if self._batch and max_texts > MIN_EMBED_BATCH:
             self._batch = min(max_texts, 2 * done)
+        self._slow_streak = 0
         return done
 
-    def ahead(self, messages: Sequence[Message], *, max_texts: int) -> bool:
-        """Start embedding a chat's uncached messages now, without waiting (after a reply, so the
-        next turn finds them); True when a call started. Never raises."""
+    def _slow_down(self, now: float) -> None:
+        """A turn's wait ran out: no turn waits for `SLOW_RECHECK_SECONDS`, doubled for each
+        wait in a row that ran out, up to `SLOW_RECHECK_MAX_SECONDS`."""
+        self._slow_streak += 1
+        pause = min(SLOW_RECHECK_MAX_SECONDS, SLOW_RECHECK_SECONDS * 2 ** (self._slow_streak - 1))
+        self._slow_until = now + pause
+
+    def ahead(self, messages: Sequence[Message], *, max_texts: int, delay: float | None = None) -> bool:
+        """Start embedding a chat's uncached messages, without waiting (after a reply, so the
+        next turn finds them), `delay` seconds from now (default `AHEAD_DELAY_SECONDS`); True
+        when a call was set to start. Never raises."""
         running = self._running
         if running is not None and not running.done():
             return False
         try:
-            return self._start(messages, max_texts) is not None
+            wait = AHEAD_DELAY_SECONDS if delay is None else delay
+            return self._start(messages, max_texts, wait) is not None
         except Exception:  # resting, or the texts could not be read: the next turn tries again
             return False
 
-    def _start(self, messages: Sequence[Message], max_texts: int) -> tuple[asyncio.Task[int], int] | None:
+    def _start(
+        self, messages: Sequence[Message], max_texts: int, delay: float = 0.0
+    ) -> tuple[asyncio.Task[int], int] | None:
         """The call for up to `max_texts` uncached texts, newest first, and how many it asks for
-        (None: nothing to embed).
+        (None: nothing to embed), made after `delay` seconds.
 
         Raises:
             EmbedderResting: a call failed lately; none starts before its back-off ends.
@@ -156,13 +175,16 @@ class OpenWebUIEmbedder:
         todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return None
-        task = self._running = asyncio.ensure_future(self._fetch(todo))
+        task = self._running = asyncio.ensure_future(self._fetch(todo, delay))
         task.add_done_callback(_retrieve)
         return task, len(todo)
 
-    async def _fetch(self, todo: list[str]) -> int:
-        """One call to the embedding function (at most EMBED_CALL_SECONDS); its vectors go into
-        `VECTORS`, however late, normalised off the event loop. A failure starts a back-off."""
+    async def _fetch(self, todo: list[str], delay: float = 0.0) -> int:
+        """One call to the embedding function (at most EMBED_CALL_SECONDS) after `delay` seconds;
+        its vectors go into `VECTORS`, however late, normalised off the event loop. A failure
+        starts a back-off."""
+        if delay > 0:
+            await asyncio.sleep(delay)
         try:
             vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), EMBED_CALL_SECONDS)
             if not isinstance(vectors, list):

@@ -614,7 +614,7 @@ class TrimPass:
         later pass of a turn whose first pass waited) what is missing is only asked for."""
         texts = min(settings.embed_max_texts, TURN_EMBED_TEXTS)
         if settings.embed_timeout_seconds <= 0:
-            return not embedder.ahead(messages, max_texts=texts)
+            return not embedder.ahead(messages, max_texts=texts, delay=0.0)
         try:
             await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=texts)
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
