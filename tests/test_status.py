@@ -373,6 +373,28 @@ def test_a_document_with_no_passage_sent_is_said_to_be_left_out():
     assert detail_line(left_out, Flags()).endswith(" · document left out")
     both = TurnChoice([{}] * 5, 9, 9_000, 400, 400, "exact", excerpted=2, passages=(0, 7))
     assert status_line(both, Flags()) == "Sent 5 of 9 messages, 2 documents left out"
+
+
+def test_one_document_excerpted_and_one_left_out_are_told_apart():
+    """Two long messages cut, one of them only to its mark: the line says which, not "2 documents
+    excerpted: 1 of 9 passages" (the passages of the one the model saw)."""
+    from contextwarden.core.trim_types import TrimResult
+
+    result = TrimResult(
+        [{}] * 5,
+        (0, 3, 4),
+        (5, 6, 7, 8),
+        (1, 2),
+        9_000,
+        400,
+        400,
+        "exact",
+        excerpted=(1, 2),
+        passages=((0, 12), (1, 9)),
+    )
+    choice = TurnChoice.of(result, result.messages)
+    assert (choice.excerpted, choice.passages, choice.left_out) == (2, (1, 9), 1)
+    assert status_line(choice, Flags()) == "Sent 5 of 9 messages, document excerpted: 1 of 9 passages, 1 left out"
     some = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(1, 19))
     assert status_line(some, Flags()) == "Sent 6 messages, document excerpted: 1 of 19 passages"
 
@@ -383,7 +405,7 @@ async def test_a_tool_result_cut_to_its_mark_is_told_left_out_after_the_reply(co
     f = make_filter(counter, max_context_tokens=500, reserve_output_tokens=0)
     run = await run_turn(f, TOOL_CHAT, reply=reply_of(usage={"prompt_tokens": 300, "completion_tokens": 9}))
     note = run.metadata["contextwarden"]
-    assert note["excerpted"] == 1 and note["passages"][0] == 0 < note["passages"][1], note
+    assert note["excerpted"] == 1 and note["left_out"] == 1 and note["passages"] == [0, 0], note
     [line] = run.events.statuses
     assert line.startswith("Sent 6 messages, document left out · 300 tokens in · "), line
     assert "passages" not in line

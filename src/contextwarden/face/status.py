@@ -146,7 +146,7 @@ def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
     """What went out cut, in words: excerpted documents, shortened messages, a summary."""
     if choice.full:
         return []
-    cuts = [excerpt_words(choice.excerpted, choice.passages)] if choice.excerpted else []
+    cuts = [excerpt_words(choice.excerpted, choice.passages, choice.left_out)] if choice.excerpted else []
     if choice.shortened:
         cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
     if choice.pins_shortened:
@@ -216,22 +216,27 @@ def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
     return None
 
 
-def excerpt_words(documents: int, passages: tuple[int, int]) -> str:
+def excerpt_words(documents: int, passages: tuple[int, int], left_out: int = 0) -> str:
     """What a user reads when long messages went out cut: the model did not see all of them.
-    When none of their passages went (each is only its cut mark: too large for the room left),
-    the model saw none of it: `document left out`, not `0 of 2 passages`.
+    `passages` counts those sent in part (sent, in all); `left_out` those none of whose
+    passages went (each only its cut mark: too large for the room left), which the model did
+    not see at all: `left out`, not `0 of 2 passages`.
 
     Example:
         >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
         ('document excerpted: 3 of 24 passages', '2 documents excerpted: 7 of 41 passages')
-        >>> excerpt_words(1, (0, 2)), excerpt_words(2, (0, 41))
+        >>> excerpt_words(1, (0, 0), 1), excerpt_words(2, (0, 0), 2)
         ('document left out', '2 documents left out')
+        >>> excerpt_words(2, (1, 9), 1)
+        'document excerpted: 1 of 9 passages, 1 left out'
     """
     sent, total = passages
-    if total and not sent:
+    excerpted = documents - left_out
+    if excerpted <= 0 or (total and not sent):  # (a note written before `left_out`: one summed pair)
         return "document left out" if documents == 1 else f"{documents:,} documents left out"
-    what = "document excerpted" if documents == 1 else f"{documents:,} documents excerpted"
-    return f"{what}: {sent:,} of {total:,} passages" if total else what
+    what = "document excerpted" if excerpted == 1 else f"{excerpted:,} documents excerpted"
+    words = f"{what}: {sent:,} of {total:,} passages" if total else what
+    return words + (f", {left_out:,} left out" if left_out else "")
 
 
 def _status_extras(choice: TurnChoice, flags: Flags) -> str:
@@ -246,7 +251,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
     if choice.excerpted:
-        line += " · " + excerpt_words(choice.excerpted, choice.passages)
+        line += " · " + excerpt_words(choice.excerpted, choice.passages, choice.left_out)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:

@@ -102,7 +102,9 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     earlier, excerpts = (n if n is not None and n <= messages_before else 0 for n in (note.shortened, note.excerpted))
     if (earlier or excerpts) and not carries_a_cut(choice.messages):
         earlier = excerpts = 0
-    passages = choice.passages if choice.excerpted >= excerpts else (note.passages or (0, 0))
+    noted = choice.excerpted < excerpts  # the earlier pass excerpted them: its counts stand
+    passages = (note.passages or (0, 0)) if noted else choice.passages
+    left_out = min(note.left_out or 0, excerpts) if noted else choice.left_out
     return replace(
         choice,
         count_before=messages_before,
@@ -110,6 +112,7 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         shortened=max(choice.shortened, earlier),
         excerpted=max(choice.excerpted, excerpts),
         passages=passages,
+        left_out=left_out,
     )
 
 
@@ -210,6 +213,7 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
         shortened=done.shortened,
         excerpted=done.excerpted,
         passages=done.passages if done.excerpted else None,
+        left_out=done.left_out if done.excerpted else None,
     )
     turn.write(note)
     return note

@@ -122,7 +122,8 @@ class TurnChoice:
     dropped: int = 0
     shortened: int = 0
     excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
-    passages: tuple[int, int] = (0, 0)  # of those: passages sent, passages in all
+    passages: tuple[int, int] = (0, 0)  # of those sent in part: passages sent, passages in all
+    left_out: int = 0  # of the excerpted: those only their cut mark went of (too large for the room left)
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
@@ -154,6 +155,7 @@ class TurnChoice:
     def of(cls, result: TrimResult, messages: list[Message], *, extra: int = 0, extra_tokens: int = 0) -> TurnChoice:
         """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
         count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
+        cut = [p for p in result.passages if p[0] or not p[1]]  # some passages went (or it has no count)
         return cls(
             messages=messages,
             count_before=count,
@@ -165,7 +167,8 @@ class TurnChoice:
             dropped=len(result.dropped),
             shortened=len(result.shortened) - len(result.excerpted),
             excerpted=len(result.excerpted),
-            passages=(sum(p[0] for p in result.passages), sum(p[1] for p in result.passages)),
+            passages=(sum(p[0] for p in cut), sum(p[1] for p in cut)),
+            left_out=len(result.passages) - len(cut),
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
@@ -226,6 +229,7 @@ class TurnNote:
     shortened: int | None = None
     excerpted: int | None = None
     passages: tuple[int, int] | None = None
+    left_out: int | None = None
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
@@ -269,6 +273,8 @@ class TurnNote:
             out.update(sent_messages=self.sent_messages, shortened=self.shortened, excerpted=self.excerpted)
             if self.passages is not None:
                 out["passages"] = list(self.passages)
+            if self.left_out:
+                out["left_out"] = self.left_out
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
         if self.added:
@@ -310,6 +316,7 @@ class TurnNote:
             shortened=_count(raw.get("shortened")),
             excerpted=_count(raw.get("excerpted")),
             passages=_passage_counts(raw.get("passages")),
+            left_out=_count(raw.get("left_out")),
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
