@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -395,6 +396,10 @@ def test_one_document_excerpted_and_one_left_out_are_told_apart():
     choice = TurnChoice.of(result, result.messages)
     assert (choice.excerpted, choice.passages, choice.left_out) == (2, (1, 9), 1)
     assert status_line(choice, Flags()) == "Sent 5 of 9 messages, document excerpted: 1 of 9 passages, 1 left out"
+    tools = replace(result, tool_results=(2,))  # one of them a tool result: neither word fits both
+    assert status_line(TurnChoice.of(tools, tools.messages), Flags()).endswith(
+        ", long message excerpted: 1 of 9 passages, 1 left out"
+    )
     some = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(1, 19))
     assert status_line(some, Flags()) == "Sent 6 messages, document excerpted: 1 of 19 passages"
 
@@ -406,6 +411,7 @@ async def test_a_tool_result_cut_to_its_mark_is_told_left_out_after_the_reply(co
     run = await run_turn(f, TOOL_CHAT, reply=reply_of(usage={"prompt_tokens": 300, "completion_tokens": 9}))
     note = run.metadata["contextwarden"]
     assert note["excerpted"] == 1 and note["left_out"] == 1 and note["passages"] == [0, 0], note
+    assert note["excerpt_kind"] == "tool result"
     [line] = run.events.statuses
-    assert line.startswith("Sent 6 messages, document left out · 300 tokens in · "), line
+    assert line.startswith("Sent 6 messages, tool result left out · 300 tokens in · "), line
     assert "passages" not in line

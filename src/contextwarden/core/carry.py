@@ -26,6 +26,7 @@ from .recall import (
     _recalled,
     _recalled_passages,
     _sent_chunks,
+    _tool_results,
     _with_blocks,
 )
 from .selection import carried_recalls, extend_previous, history_chars, reuse_previous, window_start
@@ -352,4 +353,5 @@ def _reused_result(
         added=placed[1],
         passages=_passages(excerpts, blocks),
         recalled_passages=_recalled_passages(blocks),
+        tool_results=_tool_results(excerpts),
     )

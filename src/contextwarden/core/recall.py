@@ -357,6 +357,11 @@ def _passages(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block] = ()) ->
     return tuple((len(sent[i]), e.total) for i, e in sorted(excerpts.items()))
 
 
+def _tool_results(excerpts: Mapping[int, Excerpt]) -> tuple[int, ...]:
+    """The excerpted messages that are tool results (a user is told `tool result`, not `document`)."""
+    return tuple(i for i, e in sorted(excerpts.items()) if e.message.get("role") == "tool")
+
+
 def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The chunk numbers the blocks quote of each message quoted by passages, in order."""
     return tuple((i, tuple(sorted(c))) for i, c in sorted(_sent_chunks({}, blocks).items()))

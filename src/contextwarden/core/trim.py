@@ -31,6 +31,7 @@ from .recall import (
     _recall_record,
     _recalled,
     _recalled_passages,
+    _tool_results,
     _with_blocks,
     recall_room,
 )
@@ -409,6 +410,7 @@ def _result(
         added=added,
         passages=_passages(excerpts, blocks),
         recalled_passages=_recalled_passages(blocks),
+        tool_results=_tool_results(excerpts),
     )
 
 
@@ -439,6 +441,7 @@ def _without(
         recalled=tuple(map(back, inner.recalled)),
         recalled_passages=tuple((back(i), c) for i, c in inner.recalled_passages),
         excerpted=tuple(map(back, inner.excerpted)),
+        tool_results=tuple(map(back, inner.tool_results)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
     )
 

@@ -63,7 +63,8 @@ class TrimResult:
     `added` holds the positions in `messages` of what the trim added (recall blocks, each with
     its acknowledgement): a later pass over these messages passes them as `added=`. `passages`
     says, for each excerpted message in order, how many of its passages (chunks) were sent of
-    how many it has: what a user is told (`document excerpted: 3 of 24 passages`).
+    how many it has: what a user is told (`document excerpted: 3 of 24 passages`);
+    `tool_results` which excerpted messages are tool results (told as such, not documents).
     """
 
     messages: list[Message]
@@ -84,6 +85,7 @@ class TrimResult:
     added: tuple[int, ...] = ()
     passages: tuple[tuple[int, int], ...] = ()
     recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    tool_results: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)

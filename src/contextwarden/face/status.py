@@ -146,7 +146,11 @@ def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
     """What went out cut, in words: excerpted documents, shortened messages, a summary."""
     if choice.full:
         return []
-    cuts = [excerpt_words(choice.excerpted, choice.passages, choice.left_out)] if choice.excerpted else []
+    cuts = (
+        [excerpt_words(choice.excerpted, choice.passages, choice.left_out, choice.excerpt_kind)]
+        if choice.excerpted
+        else []
+    )
     if choice.shortened:
         cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
     if choice.pins_shortened:
@@ -216,11 +220,11 @@ def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
     return None
 
 
-def excerpt_words(documents: int, passages: tuple[int, int], left_out: int = 0) -> str:
+def excerpt_words(documents: int, passages: tuple[int, int], left_out: int = 0, kind: str = "document") -> str:
     """What a user reads when long messages went out cut: the model did not see all of them.
     `passages` counts those sent in part (sent, in all); `left_out` those none of whose
     passages went (each only its cut mark: too large for the room left), which the model did
-    not see at all: `left out`, not `0 of 2 passages`.
+    not see at all: `left out`, not `0 of 2 passages`. `kind` names them (`records.EXCERPT_KINDS`).
 
     Example:
         >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
@@ -229,12 +233,14 @@ def excerpt_words(documents: int, passages: tuple[int, int], left_out: int = 0) 
         ('document left out', '2 documents left out')
         >>> excerpt_words(2, (1, 9), 1)
         'document excerpted: 1 of 9 passages, 1 left out'
+        >>> excerpt_words(1, (2, 6), 0, "tool result"), excerpt_words(2, (0, 0), 2, "long message")
+        ('tool result excerpted: 2 of 6 passages', '2 long messages left out')
     """
     sent, total = passages
     excerpted = documents - left_out
     if excerpted <= 0 or (total and not sent):  # (a note written before `left_out`: one summed pair)
-        return "document left out" if documents == 1 else f"{documents:,} documents left out"
-    what = "document excerpted" if excerpted == 1 else f"{excerpted:,} documents excerpted"
+        return f"{kind} left out" if documents == 1 else f"{documents:,} {kind}s left out"
+    what = f"{kind} excerpted" if excerpted == 1 else f"{excerpted:,} {kind}s excerpted"
     words = f"{what}: {sent:,} of {total:,} passages" if total else what
     return words + (f", {left_out:,} left out" if left_out else "")
 
@@ -251,7 +257,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
     if choice.excerpted:
-        line += " · " + excerpt_words(choice.excerpted, choice.passages, choice.left_out)
+        line += " · " + excerpt_words(choice.excerpted, choice.passages, choice.left_out, choice.excerpt_kind)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:

@@ -105,6 +105,7 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     noted = choice.excerpted < excerpts  # the earlier pass excerpted them: its counts stand
     passages = (note.passages or (0, 0)) if noted else choice.passages
     left_out = min(note.left_out or 0, excerpts) if noted else choice.left_out
+    kind = (note.excerpt_kind or "document") if noted else choice.excerpt_kind
     return replace(
         choice,
         count_before=messages_before,
@@ -113,6 +114,7 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         excerpted=max(choice.excerpted, excerpts),
         passages=passages,
         left_out=left_out,
+        excerpt_kind=kind,
     )
 
 
@@ -214,6 +216,7 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
         excerpted=done.excerpted,
         passages=done.passages if done.excerpted else None,
         left_out=done.left_out if done.excerpted else None,
+        excerpt_kind=done.excerpt_kind if done.excerpted else None,
     )
     turn.write(note)
     return note

@@ -33,6 +33,8 @@ __all__ = [
     "NOTE_VERSION",
     "USAGE_RECORD_VERSION",
     "CacheView",
+    "EXCERPT_KINDS",
+    "excerpt_kind",
     "TurnChoice",
     "TurnNote",
     "UsageRecord",
@@ -124,6 +126,7 @@ class TurnChoice:
     excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
     passages: tuple[int, int] = (0, 0)  # of those sent in part: passages sent, passages in all
     left_out: int = 0  # of the excerpted: those only their cut mark went of (too large for the room left)
+    excerpt_kind: str = "document"  # what the excerpted are, in a user's words (see `EXCERPT_KINDS`)
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
@@ -169,12 +172,30 @@ class TurnChoice:
             excerpted=len(result.excerpted),
             passages=(sum(p[0] for p in cut), sum(p[1] for p in cut)),
             left_out=len(result.passages) - len(cut),
+            excerpt_kind=excerpt_kind(len(result.excerpted), len(result.tool_results)),
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
             pins_shortened=PINS_SHORTENED_NOTE in result.notes,
             own=added_fingerprints(result, messages),
         )
+
+
+# What excerpted long messages are called in the status line: pasted documents, tool results
+# (a web search's, a file's), or both in one turn.
+EXCERPT_KINDS = ("document", "tool result", "long message")
+
+
+def excerpt_kind(excerpted: int, tool_results: int) -> str:
+    """The word for `excerpted` long messages of which `tool_results` are tool results.
+
+    Example:
+        >>> excerpt_kind(2, 0), excerpt_kind(1, 1), excerpt_kind(2, 1)
+        ('document', 'tool result', 'long message')
+    """
+    return (
+        "tool result" if tool_results and tool_results >= excerpted else "long message" if tool_results else "document"
+    )
 
 
 def added_fingerprints(result: TrimResult, messages: Sequence[Message]) -> tuple[str, ...]:
@@ -230,6 +251,7 @@ class TurnNote:
     excerpted: int | None = None
     passages: tuple[int, int] | None = None
     left_out: int | None = None
+    excerpt_kind: str | None = None
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
@@ -275,6 +297,8 @@ class TurnNote:
                 out["passages"] = list(self.passages)
             if self.left_out:
                 out["left_out"] = self.left_out
+            if self.excerpt_kind is not None:
+                out["excerpt_kind"] = self.excerpt_kind
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
         if self.added:
@@ -317,6 +341,7 @@ class TurnNote:
             excerpted=_count(raw.get("excerpted")),
             passages=_passage_counts(raw.get("passages")),
             left_out=_count(raw.get("left_out")),
+            excerpt_kind=raw["excerpt_kind"] if raw.get("excerpt_kind") in EXCERPT_KINDS else None,
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
