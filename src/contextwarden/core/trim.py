@@ -35,7 +35,6 @@ from .recall import (
     _with_blocks,
     recall_room,
 )
-from .recall import MIN_PASSAGE_TOKENS as MIN_PASSAGE_TOKENS  # the filter reads it here
 from .recall_index import indexed
 from .relevance import read_ahead, wants_whole
 from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy, history_chars

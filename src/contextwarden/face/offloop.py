@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..core.conversation import Message
-from ..core.trim import MIN_PASSAGE_TOKENS, TrimDecision
+from ..core.decision import TrimDecision
+from ..core.recall import MIN_PASSAGE_TOKENS
 
 __all__ = ["compute", "heavy", "heavy_extras", "flags_off_loop", "light_next_turn", "OFF_LOOP_MIN_CHARS"]
 
@@ -40,7 +41,7 @@ NEXT_TURN_ON_LOOP_MAX_MESSAGES = 1_000
 # (~27 µs per 1,000 characters: a 350k-character document 9 ms): up to this much excerpted text
 # (~3 ms) a carried turn stays on the loop.
 EXCERPTS_ON_LOOP_MAX_CHARS = 100_000
-# A message shorter than this is never quoted by passages (trim.MIN_PASSAGE_TOKENS, 4 characters
+# A message shorter than this is never quoted by passages (recall.MIN_PASSAGE_TOKENS, 4 characters
 # a token): it costs the recall nothing more than its score.
 PASSAGE_SOURCE_CHARS = 4 * MIN_PASSAGE_TOKENS
 

@@ -22,9 +22,10 @@ from enum import Enum
 from typing import Any, Final
 
 from ..core.conversation import Message
+from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, pin_fingerprint, read_flags
 from ..core.tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter
-from ..core.trim import TrimDecision, TrimResult, carry_previous, read_reply, trim_messages
+from ..core.trim import TrimResult, carry_previous, read_reply, trim_messages
 from ..errors import ConfigError
 from ..money.accounting import cache_view, trim_savings
 from ..money.cache_hints import (
