@@ -36,6 +36,7 @@ OUTPUT = Path("open_webui_filter.py") if INSTALLED else HERE.parent / "open_webu
 MODULES = [
     "errors",
     "caches",
+    "backoff",
     "core/conversation",
     "core/tokens",
     "core/semantic",

@@ -179,13 +179,13 @@ async def test_a_slow_pause_doubles_while_each_try_runs_out(monkeypatch):
         chat = [*chat_about_a_cat(), {"role": "user", "content": f"Question {turn}?"}]
         with pytest.raises(TimeoutError):
             await embedder.prefetch(chat, timeout=0.01, max_texts=4)
-        pauses.append(round(embedder._slow_until - loop.time(), 1))
-        await asyncio.sleep(embedder._slow_until - loop.time() + 0.06)  # past it, and the call landed
+        pauses.append(round(embedder._slow.until - loop.time(), 1))
+        await asyncio.sleep(embedder._slow.until - loop.time() + 0.06)  # past it, and the call landed
     assert pauses == [0.1, 0.2, 0.3, 0.3]
     function.delay = 0.0
     chat = [*chat_about_a_cat(), {"role": "user", "content": "Quick now?"}]
     assert await embedder.prefetch(chat, timeout=5, max_texts=4) >= 1
-    assert embedder._slow_streak == 0  # answered in time: the next slow wait pauses 0.1 s again
+    assert embedder._slow.failures == 0  # answered in time: the next slow wait pauses 0.1 s again
 
 
 async def test_a_wrong_shaped_answer_is_refused():
@@ -305,7 +305,7 @@ async def test_a_failing_embedder_rests_and_no_turn_waits_for_it(monkeypatch):
     await asyncio.sleep(0.2)
     function.failing = False
     assert await embedder.prefetch(chat, timeout=1, max_texts=8) == 8
-    assert embedder._failures == 0
+    assert embedder._rest.failures == 0
 
 
 async def test_after_a_reply_the_chat_is_embedded_ahead_of_the_next_turn(counter):

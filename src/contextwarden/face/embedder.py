@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from ..backoff import Backoff
 from ..caches import MAX_EMBEDDERS, register
 from ..core.conversation import Message
 from ..core.excerpt import passage_texts
@@ -90,10 +91,8 @@ class OpenWebUIEmbedder:
         self._function = function
         self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
         self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
-        self._failures = 0  # calls failed in a row (their back-off doubles)
-        self._rest_until = 0.0  # loop time before which no call starts
-        self._slow_until = 0.0  # loop time before which no turn waits (its last wait ran out)
-        self._slow_streak = 0  # turns' waits run out in a row (their pause doubles)
+        self._rest = Backoff()  # after failed calls (loop time): no call starts
+        self._slow = Backoff()  # after turns' waits ran out (loop time): no turn waits
 
     def batch(self, max_texts: int) -> int:
         """How many texts the next turn asks for: `max_texts`, less after timeouts."""
@@ -114,13 +113,13 @@ class OpenWebUIEmbedder:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if loop.time() < self._slow_until:
-            raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow_until - loop.time():.0f} s")
+        if self._slow.resting(loop.time()):
+            raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow.until - loop.time():.0f} s")
         running = self._running
         if running is not None and not running.done() and running.get_loop() is loop:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
-                self._slow_down(loop.time())
+                self._slow.failed(loop.time(), SLOW_RECHECK_SECONDS, SLOW_RECHECK_MAX_SECONDS)
                 raise TimeoutError("the previous call is still running")
         started = self._start(messages, max_texts)
         if started is None:
@@ -129,7 +128,7 @@ class OpenWebUIEmbedder:
         try:
             done = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
-            self._slow_down(loop.time())
+            self._slow.failed(loop.time(), SLOW_RECHECK_SECONDS, SLOW_RECHECK_MAX_SECONDS)
             # A slow embedder (CPU, batch size 1) must still make progress: ask for less next time
             # (a turn's own few texts say nothing of the batch the history's calls can take).
             if max_texts > MIN_EMBED_BATCH:
@@ -137,15 +136,8 @@ class OpenWebUIEmbedder:
             raise
         if self._batch and max_texts > MIN_EMBED_BATCH:
             self._batch = min(max_texts, 2 * done)
-        self._slow_streak = 0
+        self._slow.succeeded()
         return done
-
-    def _slow_down(self, now: float) -> None:
-        """A turn's wait ran out: no turn waits for `SLOW_RECHECK_SECONDS`, doubled for each
-        wait in a row that ran out, up to `SLOW_RECHECK_MAX_SECONDS`."""
-        self._slow_streak += 1
-        pause = min(SLOW_RECHECK_MAX_SECONDS, SLOW_RECHECK_SECONDS * 2 ** (self._slow_streak - 1))
-        self._slow_until = now + pause
 
     def ahead(self, messages: Sequence[Message], *, max_texts: int, delay: float | None = None) -> bool:
         """Start embedding a chat's uncached messages, without waiting (after a reply, so the
@@ -170,8 +162,8 @@ class OpenWebUIEmbedder:
             EmbedderResting: a call failed lately; none starts before its back-off ends.
         """
         loop = asyncio.get_running_loop()
-        if loop.time() < self._rest_until:
-            raise EmbedderResting(f"resting {self._rest_until - loop.time():.0f} s more after a failed call")
+        if self._rest.resting(loop.time()):
+            raise EmbedderResting(f"resting {self._rest.until - loop.time():.0f} s more after a failed call")
         todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return None
@@ -191,11 +183,9 @@ class OpenWebUIEmbedder:
                 raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
             await asyncio.to_thread(VECTORS.put, todo, vectors, self)
         except Exception:
-            self._failures += 1
-            rest = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (self._failures - 1))
-            self._rest_until = asyncio.get_running_loop().time() + rest
+            self._rest.failed(asyncio.get_running_loop().time(), BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
             raise
-        self._failures = 0
+        self._rest.succeeded()
         return len(todo)
 
 

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ..backoff import Backoff
 from ..core.conversation import (
     SUMMARY_ACK,
     SUMMARY_ACK_MESSAGE,
@@ -250,30 +251,19 @@ def key_problem(api_key: str) -> str | None:
     )
 
 
-@dataclass(slots=True)
-class _Backoff:
-    failures: int = 0
-    until: float = 0.0
-
-
-_backoff: dict[str, _Backoff] = {}  # by endpoint, shared by every trim of the process
+_backoff: dict[str, Backoff] = {}  # by endpoint, shared by every trim of the process
 
 
 def _backing_off(endpoint: str) -> bool:
     state = _backoff.get(endpoint)
-    return state is not None and time.monotonic() < state.until
+    return state is not None and state.resting(time.monotonic())
 
 
 def _endpoint_failed(endpoint: str) -> float:
     """Note a failure of the endpoint; how long it is now skipped (seconds)."""
     if endpoint not in _backoff and len(_backoff) >= MAX_BACKOFF_ENDPOINTS:
         _backoff.clear()
-    state = _backoff.setdefault(endpoint, _Backoff())
-    state.failures += 1
-    first, longest = SUMMARY_BACKOFF_SECONDS
-    delay = min(longest, first * 2 ** min(state.failures - 1, 32))
-    state.until = time.monotonic() + delay
-    return delay
+    return _backoff.setdefault(endpoint, Backoff()).failed(time.monotonic(), *SUMMARY_BACKOFF_SECONDS)
 
 
 class _SummaryFailed(Exception):
