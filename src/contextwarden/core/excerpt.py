@@ -11,18 +11,18 @@ same bytes (`rebuild`) while the question's needs do not change (prompt cache).
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain, repeat
-from operator import mul
+from itertools import chain
 
 from ..caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, POINTED_MEMO_SIZE, QUESTION_MEMO_SIZE, register
 from .conversation import Conversation, Message, message_text
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
+    _bm25_idf,
     _fuse,
+    _message_bm25,
     _mixed,
     _term_cache,
     _TermStats,
@@ -249,25 +249,16 @@ def _terms_scores(
     weights, stats, holders = _CHUNK_WEIGHTS, index.stats, index.holders
     n = len(stats) + 1  # the question is a message of the corpus's count, left out of its sums
     average = index.length / n if index.length else 1.0
-    k1, b = weights.k1, weights.b
-    k1_plus = k1 + 1.0
     idf: dict[str, float] = {}
     reading: set[int] = set()
     for term in query:
         held = holders.get(term)
         if held:
-            idf[term] = 1.0 * math.log(1.0 + (n - len(held) + 0.5) / (len(held) + 0.5))
+            idf[term] = _bm25_idf(n, len(held))
             reading.update(held)
-    idf_of, zeros = idf.get, repeat(0.0)
     base = [0.0] * n
     for k in reading:
-        s = stats[k]
-        norm = k1 * (1.0 - b + b * s.length / average)
-        score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
-        if s.more:
-            factor = {tf: tf * k1_plus / (tf + norm) for tf in set(s.more_tfs)}
-            score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
-        base[k] = score
+        base[k] = _message_bm25(stats[k], idf.get, average, weights)
     skip = {n - 1}
     if similarity is not None and len(similarity) == n:
         base = _fuse(base, similarity, skip, weights.semantic_share)

@@ -29,6 +29,7 @@ from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
     RECALL_CONTEXT_TERMS,
     RelevanceWeights,
+    _bm25_idf,
     _fuse,
     _mixed,
     _query_weights,
@@ -220,7 +221,7 @@ def _scores(
     asked = list(query)
     found = map(sub, map(len, map(postings.get, asked, repeat(()))), map(skipped.__getitem__, asked))
     pairs = list(zip(query.values(), found, strict=True))
-    weighs = {(w, f): w * math.log(1.0 + (n - f + 0.5) / (f + 0.5)) for w, f in set(pairs) if f}
+    weighs = {(w, f): _bm25_idf(n, f, w) for w, f in set(pairs) if f}
     idf = {term: weighs[pair] for term, pair in zip(asked, pairs, strict=True) if pair[1]}
     # The RECALL_QUERY_TERMS terms that weigh most (the rarest): a long question's common words
     # add little to what is recalled, and each term read costs a pass over its postings.

@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, mul
@@ -482,27 +482,40 @@ def _bm25(
     # The chat's counts (kept from its last turn), less those of the messages left out.
     held = _frequency_cache.of(stats).get
     skipped = Counter(chain.from_iterable(chain(s.once, s.more) for s in _left(stats, skip)))
-    k1, b = weights.k1, weights.b
-    k1_plus = k1 + 1.0
     idf: dict[str, float] = {}
     for term, weight in query.items():
         found = held(term, 0) - skipped[term]
         if found:
-            idf[term] = weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+            idf[term] = _bm25_idf(n, found, weight)
     idf_of = idf.get
-    zeros = repeat(0.0)
     scores = [0.0] * n
     for index, s in corpus:
-        norm = k1 * (1.0 - b + b * s.length / average)
-        # Each term held once adds idf * (k1 + 1) / (1 + norm): one product for all of them.
-        score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
-        if s.more:
-            # A term held tf times adds idf * tf (k1 + 1) / (tf + norm): the factor once per
-            # distinct count, the products and their sum in C.
-            factor = {tf: tf * k1_plus / (tf + norm) for tf in set(s.more_tfs)}
-            score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
-        scores[index] = score
+        scores[index] = _message_bm25(s, idf_of, average, weights)
     return scores
+
+
+def _bm25_idf(n: int, found: int, weight: float = 1.0) -> float:
+    """A query term's BM25 idf in a corpus of `n` texts, `found` of which hold it, times `weight`."""
+    return weight * math.log(1.0 + (n - found + 0.5) / (found + 0.5))
+
+
+def _message_bm25(
+    s: _TermStats, idf_of: Callable[[str, float], float], average: float, weights: RelevanceWeights
+) -> float:
+    """One text's BM25 (statistics `s`) given each query term's idf (`idf_of(term, 0.0)`) and
+    the corpus's average length. The sums are `math.fsum`: exact whatever the terms' order."""
+    k1, b = weights.k1, weights.b
+    k1_plus = k1 + 1.0
+    zeros = repeat(0.0)
+    norm = k1 * (1.0 - b + b * s.length / average)
+    # Each term held once adds idf * (k1 + 1) / (1 + norm): one product for all of them.
+    score = math.fsum(map(idf_of, s.once, zeros)) * k1_plus / (1.0 + norm)
+    if s.more:
+        # A term held tf times adds idf * tf (k1 + 1) / (tf + norm): the factor once per
+        # distinct count, the products and their sum in C.
+        factor = {tf: tf * k1_plus / (tf + norm) for tf in set(s.more_tfs)}
+        score += math.fsum(map(mul, map(idf_of, s.more, zeros), map(factor.__getitem__, s.more_tfs)))
+    return score
 
 
 def _left(stats: Sequence[_TermStats], skip: set[int]) -> Iterator[_TermStats]:
