@@ -43,6 +43,7 @@ MODULES = [
     "core/relevance",
     "core/recall_index",
     "core/decision",
+    "core/chatview",
     "core/selection",
     "core/excerpt",
     "core/recall",

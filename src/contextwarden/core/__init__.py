@@ -1,6 +1,6 @@
 """The core: trimming a chat to a budget, pure (a chat and options in, a choice out).
 
-Modules: carry, conversation, decision, excerpt, flags, fresh, recall, recall_index, relevance,
+Modules: carry, chatview, conversation, decision, excerpt, flags, fresh, recall, recall_index, relevance,
 selection, semantic, shorten, tokens, trim, trim_types.
 It imports only itself and the package's `errors` and `caches`: nothing of Open WebUI,
 of storage or of pricing (earlier decisions for a chat are passed in as values).

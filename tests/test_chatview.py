@@ -1,0 +1,59 @@
+"""`ChatView`: one read of a chat, the same as reading the raw list, and lazy."""
+
+from __future__ import annotations
+
+import random
+
+from contextwarden.core.chatview import ChatView
+from contextwarden.core.conversation import message_text, read_conversation, system_positions
+from contextwarden.core.decision import message_fingerprint
+
+from chatgen import random_chat
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "42"},
+    {"role": "developer", "content": "More rules."},
+    {"content": "no role"},
+    {"role": "user", "content": "and now?"},
+]
+
+
+def test_view_reads_what_the_raw_list_holds():
+    for messages in [CHAT, *(random_chat(random.Random(seed), 30) for seed in range(20))]:
+        view = ChatView(messages)
+        assert view.texts == [message_text(m) for m in messages]
+        assert [view.text(i) for i in range(len(messages))] == view.texts
+        assert view.roles == [m.get("role") for m in messages]
+        assert list(view.system_positions) == system_positions(messages)
+        conversation = read_conversation(messages)
+        assert (view.turns, view.current, view.orphans, view.system) == (
+            conversation.turns,
+            conversation.current,
+            conversation.orphans,
+            conversation.system,
+        )
+        assert view.question == conversation.question
+        assert list(view.fingerprints) == [message_fingerprint(m) for m in messages]
+
+
+def test_view_reads_only_what_is_asked_and_once():
+    view = ChatView(CHAT)
+    assert view.text(6) == "and now?"
+    assert view._texts is None and view._conversation is None and view._roles is None
+    assert view.text(6) is view.text(6)
+    assert view.texts[6] is view.text(6)  # the text read first is the one kept
+    indices = view.system_indices
+    indices.append(99)  # callers extend it: a new list each time
+    assert view.system_indices == [0, 4]
+
+
+def test_window_is_the_view_of_the_tail():
+    view = ChatView(CHAT)
+    view.text(6)
+    window = view.window(4)
+    assert window.messages == CHAT[4:]
+    assert window.texts == [message_text(m) for m in CHAT[4:]]
+    assert window.question == read_conversation(CHAT[4:]).question == 2
