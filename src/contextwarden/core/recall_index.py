@@ -167,13 +167,15 @@ def recall_scores(
     seen: int = 0,
     texts: Sequence[str] | None = None,
     similarity: Sequence[float] | None = None,
+    roles: Sequence[object] | None = None,
 ) -> list[float]:
     """`score_messages`, cheaply enough for every turn of a chat that goes on: a question of more
     than `RECALL_CONTEXT_TERMS` terms is its own query (as with `context_weight` 0), and only its
     `RECALL_QUERY_TERMS` weightiest (rarest) terms are read. Up to that, the same scores (sums
     may differ in the last bit). `seen`: how many leading messages the previous turn of this
     chat read (its decision's `seen`): those are not read again when this process kept them.
-    `texts`: each message's `message_text`, when the caller has them. `similarity`: one cosine
+    `texts`, `roles`: each message's `message_text` and `role`, when the caller has them
+    (`ChatView`). `similarity`: one cosine
     per message to the question (see `semantic.similarities`), fused into the base signal as
     `score_messages` fuses it.
 
@@ -191,14 +193,15 @@ def recall_scores(
     index = _indexes.take(keys, weights.fold_suffixes, seen)
     index.extend(texts, keys)
     try:
-        return _scores(index, [m.get("role") for m in messages], question, exclude, weights, similarity)
+        roles = [m.get("role") for m in messages] if roles is None else roles
+        return _scores(index, roles, question, exclude, weights, similarity)
     finally:
         _indexes.give(index)
 
 
 def _scores(
     index: _ChatIndex,
-    roles: list[object],
+    roles: Sequence[object],
     question: int,
     exclude: Sequence[int],
     weights: RelevanceWeights,

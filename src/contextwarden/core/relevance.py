@@ -560,6 +560,8 @@ def score_messages(
     exclude: Sequence[int] = (),
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
     similarity: Sequence[float] | None = None,
+    texts: Sequence[str] | None = None,
+    roles: Sequence[object] | None = None,
 ) -> list[float]:
     """How relevant each message is to `messages[question]`, higher is better (all >= 0).
 
@@ -572,6 +574,8 @@ def score_messages(
             when given, the base signal is `1 - semantic_share` BM25 (as a share of its
             best score) plus `semantic_share` cosine (from the chat's median to its best),
             before pairing, neighbours and recency.
+        texts, roles: each message's `message_text` and `role`, when the caller read them
+            (`ChatView`); read from `messages` otherwise.
 
     Example:
         >>> chat = [{"role": "user", "content": "I adopted a cat named Miso."},
@@ -585,14 +589,14 @@ def score_messages(
     n = len(messages)
     fold = weights.fold_suffixes
     get = _term_cache.get
-    stats = [get(message_text(m), fold) for m in messages]
+    stats = [get(text, fold) for text in (map(message_text, messages) if texts is None else texts)]
     skip = set(exclude)
     skip.add(question)
     query = _query_weights(stats, question, weights)
     base = _bm25(stats, skip, query, weights) if query else [0.0] * n
     if similarity is not None and len(similarity) == n:
         base = _fuse(base, similarity, skip, weights.semantic_share)
-    return _mixed(base, stats, [m.get("role") for m in messages], skip, weights)
+    return _mixed(base, stats, [m.get("role") for m in messages] if roles is None else roles, skip, weights)
 
 
 _short_date = attrgetter("short_date")
