@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from contextwarden.core.conversation import Conversation, read_conversation  # noqa: E402
+from contextwarden.core.chatview import ChatView  # noqa: E402
 from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, relevance_terms  # noqa: E402
 from contextwarden.core.relevance import score_messages as _score_messages  # noqa: E402
 from contextwarden.core.selection import (  # noqa: E402
@@ -102,7 +102,7 @@ class Case:
             }
         self.shared = plain[key]
         self.costs = self.shared["costs"] + [counter.count_message(self.chat[-1], MODEL)]
-        self.conversation: Conversation = read_conversation(self.chat)
+        self.conversation: ChatView = ChatView(self.chat)
         self._scores: dict[object, list[float]] = {}
         self.embed = None  # set by main() when the MiniLM rows run
 

@@ -52,7 +52,7 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ROOT / ".cache" / "tiktoken"))
 import tiktoken  # noqa: E402
 
 import contextwarden  # noqa: E402
-from contextwarden.core.conversation import read_conversation  # noqa: E402
+from contextwarden.core.chatview import ChatView  # noqa: E402
 from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, score_messages  # noqa: E402
 from contextwarden.core.selection import choose_indices  # noqa: E402
 from contextwarden.core.tokens import TOKENS_PER_REPLY, TokenCounter  # noqa: E402
@@ -421,7 +421,7 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
             )
         texts, history_costs, vectors = plain_cache[id(case["chat"])]
         costs = history_costs + [counter.count_message(chat[q], MODEL)]
-        conversation = read_conversation(chat)
+        conversation = ChatView(chat)
         scores = {name: score_messages(chat, question=q, weights=w) for name, w in ABLATIONS.items()}
         bm25 = bm25_scores(texts, _plain_terms(case["question"]))
         orders = {"BM25": rank(bm25)}

@@ -8,12 +8,12 @@ import re
 from itertools import pairwise
 from typing import Any
 
+from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import (
     RECALL_LABEL,
     SUMMARY_ACK_MESSAGE,
     is_recall_message,
     message_text,
-    read_conversation,
     tool_call_ids,
 )
 from contextwarden.core.excerpt import split_chunks
@@ -25,7 +25,7 @@ from contextwarden.core.trim import TrimResult
 def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: TokenCounter, model: str | None) -> None:
     """Assert every rule of DESIGN.md's contract for one trim."""
     sent = result.messages
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     # 1. valid output: every tool_calls id answered right after; no orphan tool message.
     i = 0
     while i < len(sent):

@@ -144,7 +144,7 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
 
 
 def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
-    from contextwarden.core.conversation import read_conversation
+    from contextwarden.core.chatview import ChatView
     from contextwarden.core.relevance import score_messages
     from contextwarden.core.selection import DEFAULT_COST_EXPONENT, turn_values
 
@@ -153,7 +153,7 @@ def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
     why = reasons_of(explain_trim(chat, result, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0))
     costs = counter.count_each(chat, MODEL)
     scores = score_messages(chat, question=12, exclude=[0, 5])
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     turn = next(t for t, turn in enumerate(conversation.turns) if 3 in turn.indices)
     worth = turn_values(conversation, costs, scores)[turn]
     assert worth > scores[3] + scores[4]  # it shares in the turn next to it

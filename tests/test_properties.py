@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
-from contextwarden.core.conversation import read_conversation
+from contextwarden.core.chatview import ChatView
 from contextwarden.core.flags import FLAG_NAMES, pin_fingerprint, read_flags
 from contextwarden.core.selection import mandatory_indices
 from contextwarden.core.tokens import TokenCounter
@@ -310,7 +310,7 @@ def _least_text_cost(message: dict, counter: TokenCounter, model: str) -> int:
 
 def over_budget_reason(chat: list[dict], result, counter: TokenCounter, model: str) -> str:
     """Why the mandatory part could not be cut to the budget (for the report), or 'FIXABLE'."""
-    mandatory = mandatory_indices(read_conversation(chat))
+    mandatory = mandatory_indices(ChatView(chat))
     floor = 3 + sum(_uncuttable(chat[i], counter, model) for i in mandatory)
     images = sum(
         counter.count_message(chat[i], model) - counter.count_message({**chat[i], "content": None}, model)
@@ -645,7 +645,7 @@ def test_pins_are_sent_unless_even_shortened_they_cannot_fit(counter, data, chat
     pins = data.draw(st.lists(st.integers(0, max(0, len(chat) - 1)), max_size=4, unique=True)) if chat else []
     result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter, pinned=pins)
     check_contract(chat, result, counter, model)
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     # Pins in turns with a question (a reply of a turn without one may not lead the history;
     # orphan tool messages are never sent).
     asked = {i for turn in conversation.turns if turn.units[0].kind == "user" for i in turn.indices}
@@ -685,7 +685,7 @@ def test_the_whole_prompt_fits_with_tool_definitions(counter, chat, window, tool
     sent = counter.count_messages(out["messages"], model)
     note = body["metadata"]["contextwarden"]
     assert note["estimated_prompt_tokens"] == sent + fixed
-    mandatory = [chat[i] for i in mandatory_indices(read_conversation(chat))]
+    mandatory = [chat[i] for i in mandatory_indices(ChatView(chat))]
     if total - fixed < 64:
         assert all(any(m is s for s in out["messages"]) for m in mandatory), (
             "mandatory part cut although nothing could fit"

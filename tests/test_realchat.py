@@ -396,7 +396,7 @@ async def test_savings_carried_from_an_estimated_pass_stay_below_the_chat(counte
 
 # --- item 3: whole turns and the latest answer -------------------------------------------------
 
-from contextwarden.core.conversation import read_conversation  # noqa: E402
+from contextwarden.core.chatview import ChatView  # noqa: E402
 
 
 def long_answer_chat(counter) -> list[dict]:
@@ -414,7 +414,7 @@ def long_answer_chat(counter) -> list[dict]:
 
 def assert_whole_turns(chat: list[dict], result) -> None:
     """Every sent earlier turn is sent whole (question with its replies), or not at all."""
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     sent = set(result.kept) | set(result.shortened)
     for t, turn in enumerate(conversation.turns):
         if conversation.current is not None and t >= conversation.current:

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contextwarden import Filter, TrimDecision, trim_messages
+from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import RECALL_LABEL, is_recall_message, recall_message
 from contextwarden.core.decision import Recall
 from contextwarden.core.recall import _Pools
@@ -243,7 +244,7 @@ def test_choose_recall_takes_the_most_relevant_per_token_that_fit():
     scores = [1.0, 9.0, 0.0, 5.0, 5.0, 5.0, 0.0]
     # the tool message has no text, the system one is not recallable; a message that reads like
     # a recall block is a user's (an earlier pass's own block is taken out before: `added`)
-    candidates = recall_candidates(chat, scores)
+    candidates = recall_candidates(ChatView(chat), scores)
     assert candidates == [0, 1, 5]
     candidates = candidates[:2]
     costs = {0: 5, 1: 60}
@@ -351,7 +352,7 @@ def test_the_short_reply_next_to_a_match_ranks_before_filler(counter):
             {"role": "assistant", "content": f"Fact {n}: the shelter of a delta is silt."},
         ]
     chat.append({"role": "user", "content": "What name did my adopted shelter dog get?"})
-    pool = _Pools(chat, counter, MODEL, 0, None).of(len(chat) - 1, [0])
+    pool = _Pools(ChatView(chat), counter, MODEL, 0, None).of(len(chat) - 1, [0])
     fillers = [i for i in pool.candidates if i > 4]
     assert pool.candidates.index(3) < min(map(pool.candidates.index, fillers))
 

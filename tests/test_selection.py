@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.core.conversation import read_conversation
+from contextwarden.core.chatview import ChatView
 from contextwarden.core.decision import message_fingerprint
 from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS
 from contextwarden.core.selection import choose_indices, reuse_previous, select_by_value
@@ -199,11 +199,11 @@ def test_reuse_refused_when_a_kept_message_is_gone_or_over_budget(counter):
     assert kept_history
     edited = [dict(m) for m in chat]
     edited[kept_history[0]]["content"] = "edited by the user"
-    conversation = read_conversation(edited)
+    conversation = ChatView(edited)
     costs = [counter.count_message(m, MODEL) for m in edited]
     prints = [message_fingerprint(m) for m in edited]
     assert reuse_previous(first.decision, prints, conversation, costs, 800) is None
-    same = read_conversation(chat)
+    same = ChatView(chat)
     costs = [counter.count_message(m, MODEL) for m in chat]
     prints = [message_fingerprint(m) for m in chat]
     assert reuse_previous(first.decision, prints, same, costs, 800) == set(first.kept)
@@ -248,7 +248,7 @@ def test_choose_indices_recent_keeps_whole_turns():
         {"role": "assistant", "content": "d"},
         {"role": "user", "content": "e"},
     ]
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     assert choose_indices(conversation, [5] * 5, 15, strategy="recent") == {2, 3, 4}
     assert choose_indices(conversation, [5] * 5, 14, strategy="recent") == {4}
 
@@ -330,7 +330,7 @@ def test_reuse_checks_recorded_positions_first_and_falls_back_to_a_scan(counter)
     prints = CountingPrints(message_fingerprint(m) for m in grown)
     CountingPrints.looked = 0
     keep = reuse_previous(
-        first.decision, prints, read_conversation(grown), [counter.count_message(m, MODEL) for m in grown], 900
+        first.decision, prints, ChatView(grown), [counter.count_message(m, MODEL) for m in grown], 900
     )
     assert keep is not None and CountingPrints.looked == len(first.decision.kept)
     # A message inserted before the kept ones moves them: the positions miss, the scan finds them.
@@ -352,9 +352,9 @@ def test_reuse_keeps_the_recorded_copy_of_a_repeated_message():
     ]
     prints = [message_fingerprint(m) for m in chat]
     kept = TrimDecision(100, 20, "relevance", (prints[2], prints[3]), (2, 3))
-    assert reuse_previous(kept, prints, read_conversation(chat), [5] * 5, 100) == {2, 3, 4}
+    assert reuse_previous(kept, prints, ChatView(chat), [5] * 5, 100) == {2, 3, 4}
     # Without positions the first "ok" in the chat is taken for the kept one.
-    assert reuse_previous(replace(kept, at=()), prints, read_conversation(chat), [5] * 5, 100) == {0, 3, 4}
+    assert reuse_previous(replace(kept, at=()), prints, ChatView(chat), [5] * 5, 100) == {0, 3, 4}
 
 
 def test_decision_positions_are_optional_and_checked():
@@ -479,7 +479,7 @@ def test_a_turn_next_to_a_strong_match_shares_in_it():
     scores = [1.0, 0.0, 0.1, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0]  # turn 0 matches; turns 1 and 2 tie
     costs = [10] * 9
     budget = 7 * 10  # the question, the latest turn (3), turn 0 and one more turn
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     weights = DEFAULT_RELEVANCE_WEIGHTS
     assert choose_indices(conversation, costs, budget, scores=scores, weights=weights) == {0, 1, 2, 3, 6, 7, 8}
     alone = replace(weights, turn_share=0.0)  # without it, the tie goes to the newer turn
@@ -491,7 +491,7 @@ def test_a_long_turn_gets_less_of_its_neighbours_score():
     scores = [1.0, 0.0, 0.1, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0]
     costs = [10, 10, 500, 500, 500, 500, 10, 10, 10]  # turns 1 and 2 are long (1,000 tokens each)
     budget = 50 + 1000  # the question, the latest turn, turn 0 and one long turn
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     reach = DEFAULT_RELEVANCE_WEIGHTS.turn_reach
     near = replace(DEFAULT_RELEVANCE_WEIGHTS, turn_reach=10_000)  # as if turn 1 were short: its neighbour counts
     assert choose_indices(conversation, costs, budget, scores=scores, weights=near) == {0, 1, 2, 3, 6, 7, 8}
@@ -504,6 +504,6 @@ def test_the_latest_turn_lifts_no_neighbour():
     """A short question's query is built from the latest turn: its score must not pull in the turn before it."""
     chat = _four_turn_chat()
     scores = [0.0, 0.0, 0.2, 0.0, 0.1, 0.0, 5.0, 5.0, 0.0]  # the latest turn (3) matches itself
-    conversation = read_conversation(chat)
+    conversation = ChatView(chat)
     kept = choose_indices(conversation, [10] * 9, 5 * 10, scores=scores)  # room for one turn besides it
     assert kept == {2, 3, 6, 7, 8}  # turn 1 on its own score, not turn 2 for being next to the latest

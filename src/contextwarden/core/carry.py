@@ -13,7 +13,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import filterfalse
 
-from .conversation import Message, message_text, system_positions
+from .chatview import ChatView
+from .conversation import Message
 from .decision import Fingerprints, TrimDecision
 from .excerpt import EXCERPT_KEEP_SHARE, Excerpt, fresh_share, rebuild
 from .recall import (
@@ -60,13 +61,13 @@ def _reused(
     needs)."""
     previous = options.previous
     assert previous is not None
-    conversation, question = chat.conversation, chat.conversation.question
-    excerpts = _carried_excerpts(chat.messages, previous, fingerprints, mandatory, counter, model)
+    view, question = chat.view, chat.view.question
+    excerpts = _carried_excerpts(view, previous, fingerprints, mandatory, counter, model)
     sized = _sized(chat.costs, excerpts or {})
     keep = reuse_previous(
         previous,
         fingerprints,
-        conversation,
+        view,
         sized,
         max_tokens - TOKENS_PER_REPLY,
         keep_last_turns=options.keep_last_turns,
@@ -77,7 +78,7 @@ def _reused(
     if keep is None or question is None:  # (room is 0 when there is no question)
         return keep, [], excerpts
     base = TOKENS_PER_REPLY + sum(sized[i] for i in keep)
-    system = conversation.system_indices
+    system = view.system_indices
     kept_blocks = _recalls_kept(
         previous, fingerprints, keep, question, room, base, max_tokens, system, chat.pools, excerpts
     )
@@ -87,7 +88,7 @@ def _reused(
 
 
 def _carried_excerpts(
-    messages: Sequence[Message],
+    view: ChatView,
     previous: TrimDecision,
     fingerprints: Fingerprints,
     mandatory: Collection[int],
@@ -102,9 +103,9 @@ def _carried_excerpts(
     out: dict[int, Excerpt] = {}
     for i, chunks in previous.excerpts:
         k = at.get(i)
-        if k is None or i >= len(messages) or i in mandatory or fingerprints[i] != previous.kept[k]:
+        if k is None or i >= len(view) or i in mandatory or fingerprints[i] != previous.kept[k]:
             return None
-        excerpt = rebuild(messages[i], chunks, counter, model)
+        excerpt = rebuild(view.messages[i], chunks, counter, model)
         if excerpt is None:
             return None
         out[i] = excerpt
@@ -132,16 +133,16 @@ def _recalls_kept(
     (`_excerpts_serve`), or an earlier block's messages moved: the caller then selects anew.
     With no `room` (no recall) no blocks, while the excerpts serve the question. (The chat, its
     counter and model: the `pools`'.)"""
-    messages, counter, model = pools.messages, pools.counter, pools.model
+    view, counter, model = pools.view, pools.counter, pools.model
     if not room:
-        return [] if _excerpts_serve(messages, excerpts, (), question, counter, model) else None
+        return [] if _excerpts_serve(view, excerpts, (), question, counter, model) else None
     carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
     if carried is None:
         return None
     blocks = []
     for recall in carried[: MAX_RECALL_BLOCKS - 1]:
         parts = {i: p for k, i in enumerate(recall.at) if (p := recall.passages(k))}
-        block = _block(messages, recall.anchor, recall.at, parts, counter, model)
+        block = _block(view, recall.anchor, recall.at, parts, counter, model)
         if block is None:
             return None
         blocks.append(block)
@@ -156,31 +157,31 @@ def _recalls_kept(
         block = None
         if left >= 0:
             sent = _sent_chunks(excerpts, blocks)
-            block = _new_recall(messages, used, question, room, counter, model, pool, fits_in=left, sent=sent)
+            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=left, sent=sent)
         wanted = blocks + [block] if block is not None else blocks
         if base + sum(b.tokens for b in wanted) <= max_tokens:
-            return wanted if _excerpts_serve(messages, excerpts, wanted, question, counter, model) else None
+            return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
         if not blocks:
             break
         blocks.pop()
     # What still fits beside the selection: enough while it holds half of what the question
     # would have recalled (its relevance); else the selection misses too much, and goes.
     sent = _sent_chunks(excerpts, ())
-    fitting = _new_recall(messages, keep, question, max_tokens - base, counter, model, pool, sent=sent)
+    fitting = _new_recall(view, keep, question, max_tokens - base, counter, model, pool, sent=sent)
     scores = pool.scores
     # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
     if (
         fitting is not None
         and block is not None
         and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
-        and _excerpts_serve(messages, excerpts, [fitting], question, counter, model)
+        and _excerpts_serve(view, excerpts, [fitting], question, counter, model)
     ):
         return [fitting]
     return None
 
 
 def _excerpts_serve(
-    messages: Sequence[Message],
+    view: ChatView,
     excerpts: Mapping[int, Excerpt],
     blocks: Sequence[_Block],
     question: int | None,
@@ -192,10 +193,10 @@ def _excerpts_serve(
     (`excerpt.fresh_share`): else what the question needs of it is not sent."""
     if not excerpts:
         return True
-    text = message_text(messages[question]) if question is not None else ""
+    text = view.text(question) if question is not None else ""
     sent = _sent_chunks(excerpts, blocks)
     return all(
-        fresh_share(messages[i], sorted(sent[i]), text, e.tokens, counter, model) >= EXCERPT_KEEP_SHARE
+        fresh_share(view.messages[i], sorted(sent[i]), text, e.tokens, counter, model) >= EXCERPT_KEEP_SHARE
         for i, e in excerpts.items()
     )
 
@@ -206,15 +207,13 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
     return question in at and previous.kept[at.index(question)] == fingerprints[question]
 
 
-def _history_unchanged(
-    messages: Sequence[Message], previous: TrimDecision, scheme: str
-) -> tuple[list[int], int] | None:
+def _history_unchanged(view: ChatView, previous: TrimDecision, scheme: str) -> tuple[Sequence[int], int] | None:
     """(system positions, history length) when the messages `previous` saw are there unchanged
     in length and counted alike; None when the shortcut cannot tell."""
-    seen = previous.seen
+    seen, messages = previous.seen, view.messages
     if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
         return None
-    system = system_positions(messages)
+    system = view.system_positions
     chars = history_chars(messages, system)
     new_chars = history_chars(messages[seen:], [i - seen for i in system if i >= seen])
     if chars < 0 or new_chars < 0 or chars - new_chars != previous.seen_chars:
@@ -223,7 +222,7 @@ def _history_unchanged(
 
 
 def _extend_previous(
-    messages: Sequence[Message],
+    view: ChatView,
     previous: TrimDecision,
     max_tokens: int,
     counter: TokenCounter,
@@ -238,26 +237,26 @@ def _extend_previous(
     chat was edited or shortened, another encoding counts, the whole chat now fits, the
     selection no longer fits); the full path then decides, with the same result."""
     scheme, mode = counter.scheme(model), counter.mode(model)
-    known = _history_unchanged(messages, previous, scheme)
+    known = _history_unchanged(view, previous, scheme)
     if known is None:
         return None
     system, chars = known
-    fingerprints = Fingerprints(messages)
-    keep = extend_previous(previous, messages, fingerprints, keep_last_turns=options.keep_last_turns, system=system)
+    fingerprints = view.fingerprints
+    keep = extend_previous(previous, view, keep_last_turns=options.keep_last_turns)
     if keep is None:
         return None
     order = sorted(keep)
-    question = next(i for i in reversed(order) if messages[i].get("role") == "user")
-    excerpts = _extended_excerpts(messages, previous, fingerprints, keep, counter, model)
+    question = next(i for i in reversed(order) if view.role(i) == "user")
+    excerpts = _extended_excerpts(view, previous, fingerprints, keep, counter, model)
     if excerpts is None:
         return None
-    new_cost, before, after = _extended_sizes(messages, previous, order, system, excerpts, counter, model)
+    new_cost, before, after = _extended_sizes(view, previous, order, system, excerpts, counter, model)
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
     blocks = _recalls_kept(previous, fingerprints, keep, question, room, after, max_tokens, system, pools, excerpts)
     if blocks is None:
         return None
-    sent = [excerpts[i].message if i in excerpts else messages[i] for i in order]
+    sent = [excerpts[i].message if i in excerpts else view.messages[i] for i in order]
     sent, stable, added = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
     at = tuple(i for i in order if i not in system)
@@ -267,7 +266,7 @@ def _extend_previous(
         strategy=options.strategy,
         kept=tuple(fingerprints[i] for i in at),
         at=at,
-        seen=len(messages),
+        seen=len(view),
         seen_tokens=previous.seen_tokens + new_cost,
         seen_chars=chars,
         counted_with=scheme,
@@ -275,23 +274,23 @@ def _extend_previous(
         excerpts=previous.excerpts,
     )
     result = _reused_result(
-        sent, order, keep, len(messages), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
+        sent, order, keep, len(view), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
     )
     return replace(result, notes=tuple(pools.notes))
 
 
 def _extended_sizes(
-    messages: Sequence[Message],
+    view: ChatView,
     previous: TrimDecision,
     order: list[int],
-    system: list[int],
+    system: Sequence[int],
     excerpts: dict[int, Excerpt],
     counter: TokenCounter,
     model: str | None,
 ) -> tuple[int, int, int]:
     """The shortcut's counts: (the new messages', the whole chat's, what is sent), counting only
     the kept messages (excerpts at their size) and the new ones; the rest is the decision's `seen_tokens`."""
-    count = counter.count_message
+    count, messages = counter.count_message, view.messages
     cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
     new = [i for i in range(previous.seen, len(messages)) if i not in system]  # kept, but for orphans
     new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
@@ -300,7 +299,7 @@ def _extended_sizes(
 
 
 def _extended_excerpts(
-    messages: Sequence[Message],
+    view: ChatView,
     previous: TrimDecision,
     fingerprints: Fingerprints,
     keep: set[int],
@@ -312,10 +311,10 @@ def _extended_excerpts(
     it); None when one does not or cannot be sent again (the full path then decides)."""
     if not previous.excerpts:
         return {}
-    start = window_start(previous, messages)
+    start = window_start(previous, view)
     if start is None or any(i >= start or i not in keep for i, _ in previous.excerpts):
         return None
-    return _carried_excerpts(messages, previous, fingerprints, (), counter, model)
+    return _carried_excerpts(view, previous, fingerprints, (), counter, model)
 
 
 def _reused_result(

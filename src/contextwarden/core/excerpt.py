@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from itertools import chain
 
 from ..caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, POINTED_MEMO_SIZE, QUESTION_MEMO_SIZE, register
-from .conversation import Conversation, Message, message_text
+from .chatview import ChatView
+from .conversation import Message
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
     _bm25_idf,
@@ -565,7 +566,7 @@ def recall_passages(
 
 
 def excerpt_turns(
-    conversation: Conversation,
+    view: ChatView,
     keep: Collection[int],
     costs: Sequence[int],
     room: int,
@@ -585,12 +586,12 @@ def excerpt_turns(
     `embed` (optional) scores the chunks semantically as well. `whole` (a question about the
     documents as a whole): every such turn, the newest first, gets a share of `room` by its
     size and its chunks spread evenly."""
-    question = conversation.question
-    if question is None or room <= 0 or not conversation.current:
+    question = view.question
+    if question is None or room <= 0 or not view.current:
         return set(), {}
-    messages = conversation.messages
+    messages = view.messages
     candidates: list[tuple[list[int], list[int]]] = []
-    for turn in conversation.turns[: conversation.current]:
+    for turn in view.turns[: view.current]:
         indices = turn.indices
         if turn.units[0].kind != "user" or not _disjoint(keep, indices):
             continue
@@ -600,9 +601,9 @@ def excerpt_turns(
     if not candidates:
         return set(), {}
     if scores is None:
-        excluded = conversation.system_indices + conversation.orphan_indices
-        scores = score_messages(messages, question=question, exclude=excluded)
-    text = message_text(messages[question])
+        excluded = view.system_indices + view.orphan_indices
+        scores = score_messages(messages, question=question, exclude=excluded, texts=view.texts, roles=view.roles)
+    text = view.text(question)
     added: set[int] = set()
     excerpts: dict[int, Excerpt] = {}
     if whole:
@@ -614,7 +615,7 @@ def excerpt_turns(
             break
         share = room * sum(costs[i] for i in indices) // sum(costs[i] for c in ranked[n:] for i in c[0])
         got = _excerpt_turn(
-            messages, indices, large, scores, text, share if whole else room, costs, counter, model, embed, whole
+            view, indices, large, scores, text, share if whole else room, costs, counter, model, embed, whole
         )
         if got is None:
             continue
@@ -636,7 +637,7 @@ def _disjoint(keep: Collection[int], indices: Sequence[int]) -> bool:
 
 
 def _excerpt_turn(
-    messages: Sequence[Message],
+    view: ChatView,
     indices: Sequence[int],
     large: Sequence[int],
     scores: Sequence[float],
@@ -651,6 +652,7 @@ def _excerpt_turn(
     """The excerpts of one turn's `large` messages within `room` less its other messages: the
     most relevant message first, each leaving the room for the others' placeholders. None when
     it does not fit, or keeps nothing relevant and collapses no tool result."""
+    messages = view.messages
     left = room - sum(costs[i] for i in indices if i not in large)
     placeholders = {i: rebuild(messages[i], (), counter, model) for i in large}
     if any(p is None for p in placeholders.values()):
@@ -666,6 +668,6 @@ def _excerpt_turn(
             return None
         out[i] = cut
         left -= cut.tokens
-    if not any(e.chunks for e in out.values()) and not any(messages[i].get("role") == "tool" for i in large):
+    if not any(e.chunks for e in out.values()) and not any(view.role(i) == "tool" for i in large):
         return None
     return out

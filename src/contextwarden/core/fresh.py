@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from .conversation import Conversation, message_text
+from .chatview import ChatView
 from .excerpt import Excerpt, excerpt_turns
 from .recall import _Block, _new_recall
 from .relevance import score_messages, wants_whole
@@ -29,7 +29,7 @@ WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
 
 
 def selection_target(
-    conversation: Conversation,
+    view: ChatView,
     costs: Sequence[int],
     max_tokens: int,
     low_watermark: float,
@@ -40,19 +40,18 @@ def selection_target(
     previous user message: its replies and this turn), never less than half the budget.
 
     Example:
-        >>> from contextwarden.core.conversation import read_conversation
         >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
         ...         {"role": "user", "content": "c"}]
-        >>> selection_target(read_conversation(chat), [100, 900, 100], 10_000, 0.8)
+        >>> selection_target(ChatView(chat), [100, 900, 100], 10_000, 0.8)
         8000
-        >>> selection_target(read_conversation(chat), [100, 900, 100], 4_000, 0.8)
+        >>> selection_target(ChatView(chat), [100, 900, 100], 4_000, 0.8)
         2000
     """
     target = int(max_tokens * low_watermark)
-    current = conversation.current
+    current = view.current
     if low_watermark >= 1.0 or growth_turns <= 0 or not current:
         return target
-    since = conversation.turns[current - 1].units[0].stop
+    since = view.turns[current - 1].units[0].stop
     growth = sum(costs[since:])
     return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
 
@@ -73,16 +72,16 @@ def _new_selection(
     old messages excerpted into what it left; the recall block of what the question needs.
     `whole` (a question about the documents as a whole): `WHOLE_DOCUMENT_SHARE` of what the
     mandatory part leaves goes to the large old messages first, their chunks spread evenly."""
-    conversation, costs, question = chat.conversation, chat.costs, chat.conversation.question
+    view, costs, question = chat.view, chat.costs, chat.view.question
     # Estimated counts already err high (1.1-2x): leaving room to grow as well would
     # starve the prompt, so a selection made on them fills the budget.
     watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
-    target = selection_target(conversation, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
+    target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
     semantic = options.embed is not None and options.strategy == "relevance"
-    scores = _semantic_scores(conversation, options.embed, notes) if semantic and options.embed is not None else None
+    scores = _semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     keep = choose_indices(
-        conversation,
+        view,
         costs,
         target - room - reserve,
         strategy=options.strategy,
@@ -99,26 +98,26 @@ def _new_selection(
         # long merged turns, REALTALK's, lost evidence when their excerpts took it).
         spare = target - sum(costs[i] for i in keep) - (0 if _holds_document(chat, keep) else room)
         added, excerpts = excerpt_turns(
-            conversation, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
+            view, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
         keep.update(added)
     if not (room and question is not None):
         return keep, [], excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
-    pool = chat.pools.of(question, conversation.system_indices)
+    pool = chat.pools.of(question, view.system_indices)
     sent = {i: e.chunks for i, e in excerpts.items()}
-    block = _new_recall(chat.messages, keep, question, min(room, left), counter, model, pool, sent=sent)
+    block = _new_recall(view, keep, question, min(room, left), counter, model, pool, sent=sent)
     return keep, [block] if block is not None else [], excerpts
 
 
-def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str]) -> list[float] | None:
+def _semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[float] | None:
     """Relevance with the embedder's similarities fused in; None (lexical) when it fails."""
-    question = conversation.question
+    question = view.question
     if question is None:
         return None
-    excluded = conversation.system_indices + conversation.orphan_indices
+    excluded = view.system_indices + view.orphan_indices
     try:
-        similarity = similarities(conversation.messages, question, VECTORS, embed, skip=excluded)
+        similarity = similarities(view.messages, question, VECTORS, embed, skip=excluded)
     except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
         notes.append("some messages not embedded yet: relevance is lexical")
         return None
@@ -127,14 +126,16 @@ def _semantic_scores(conversation: Conversation, embed: Embed, notes: list[str])
         return None
     if similarity is None:
         return None
-    return score_messages(conversation.messages, question=question, exclude=excluded, similarity=similarity)
+    return score_messages(
+        view.messages, question=question, exclude=excluded, similarity=similarity, texts=view.texts, roles=view.roles
+    )
 
 
 def _documents(chat: _Counted) -> list[int]:
     """The chat's documents: messages before the latest question (no system prompt) of
     `WHOLE_DOCUMENT_MIN_TOKENS` or more."""
-    question = chat.conversation.question
-    system = set(chat.conversation.system_indices)
+    question = chat.view.question
+    system = set(chat.view.system_indices)
     before = chat.costs if question is None else chat.costs[:question]
     return [i for i, c in enumerate(before) if c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in system]
 
@@ -148,7 +149,7 @@ def _wants_whole(chat: _Counted, options: TrimOptions) -> bool:
     """The latest question is about the documents as a whole (`relevance.wants_whole`) and the
     chat holds one before it (a chat of short messages keeps its selection: "summarise
     everything" there is served by the recall, and the prompt cache keeps hitting)."""
-    question = chat.conversation.question
+    question = chat.view.question
     if options.strategy != "relevance" or not options.shorten or question is None:
         return False
-    return bool(_documents(chat)) and wants_whole(message_text(chat.messages[question]))
+    return bool(_documents(chat)) and wants_whole(chat.view.text(question))

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import add, mul
 
-from .conversation import SUMMARY_ACK_MESSAGE, Message, message_text, recall_message, recall_quotes
+from .chatview import ChatView
+from .conversation import SUMMARY_ACK_MESSAGE, Message, recall_message, recall_quotes
 from .decision import Recall
 from .excerpt import Excerpt, cuttable, passage_quote, recall_passages
 from .recall_index import recall_scores
@@ -83,12 +84,12 @@ class _Pools:
     previous turn read (see `recall_scores`); `embed`: the trim's embedder, whose cosine the
     recall fuses in as a new selection does; `notes` say when it could not."""
 
-    __slots__ = ("messages", "counter", "model", "seen", "embed", "notes", "_made")
+    __slots__ = ("view", "counter", "model", "seen", "embed", "notes", "_made")
 
     def __init__(
-        self, messages: Sequence[Message], counter: TokenCounter, model: str | None, seen: int, embed: Embed | None
+        self, view: ChatView, counter: TokenCounter, model: str | None, seen: int, embed: Embed | None
     ) -> None:
-        self.messages, self.counter, self.model, self.seen, self.embed = messages, counter, model, seen, embed
+        self.view, self.counter, self.model, self.seen, self.embed = view, counter, model, seen, embed
         self.notes: list[str] = []
         self._made: dict[tuple[int, tuple[int, ...]], _Pool] = {}
 
@@ -96,8 +97,8 @@ class _Pools:
         key = (question, tuple(system))
         pool = self._made.get(key)
         if pool is None:
-            messages = self.messages
-            texts = list(map(message_text, messages))
+            view = self.view
+            messages, texts = view.messages, view.texts
             similarity = _recall_cosines(messages, question, system, self.embed, self.notes) if self.embed else None
             scores = recall_scores(
                 messages,
@@ -107,9 +108,10 @@ class _Pools:
                 seen=self.seen,
                 texts=texts,
                 similarity=similarity,
+                roles=view.roles,
             )
             scores = _with_neighbours(scores, texts, question, _RECALL_WEIGHTS)
-            candidates = recall_candidates(messages, scores, texts)
+            candidates = recall_candidates(view, scores)
             counts = self.counter.count_each([messages[i] for i in candidates], self.model)
             costs = dict(zip(candidates, counts, strict=True))
             pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
@@ -173,7 +175,7 @@ class _Block:
 
 
 def _new_recall(
-    messages: Sequence[Message],
+    view: ChatView,
     keep: Collection[int],
     question: int,
     room: int,
@@ -190,18 +192,18 @@ def _new_recall(
     `sent`: the chunks of long messages the prompt already holds (their excerpts, earlier
     blocks). A block clearly over `fits_in` is not counted exactly (that would encode its text
     for nothing): its `tokens` are then the estimate."""
-    frame = _block_tokens(messages, (), counter, model)  # the label, overheads, acknowledgement
+    frame = _block_tokens(view, (), counter, model)  # the label, overheads, acknowledgement
     if room <= frame:
         return None
     scores, costs = pool.scores, pool.costs
-    parts, spent = _recall_parts(messages, keep, question, room - frame, pool, sent or {}, counter, model)
+    parts, spent = _recall_parts(view, keep, question, room - frame, pool, sent or {}, counter, model)
     taken = set(keep).union(parts)
     chosen = sorted([*parts, *choose_recall(pool.candidates, taken, scores, costs, room - frame - spent, ordered=True)])
     estimate = frame + spent + sum(costs[i] for i in chosen if i not in parts)
     if chosen and fits_in is not None and estimate > fits_in + len(chosen):  # joins save a token or so each at most
-        return _block(messages, question, chosen, parts, counter, model, tokens=estimate)
+        return _block(view, question, chosen, parts, counter, model, tokens=estimate)
     while chosen:
-        block = _block(messages, question, chosen, parts, counter, model)
+        block = _block(view, question, chosen, parts, counter, model)
         if block is None:
             return None
         if block.tokens <= room:
@@ -212,7 +214,7 @@ def _new_recall(
 
 
 def _recall_parts(
-    messages: Sequence[Message],
+    view: ChatView,
     keep: Collection[int],
     question: int,
     room: int,
@@ -226,7 +228,7 @@ def _recall_parts(
     most relevant first, each in what the ones before left (`excerpt.recall_passages`: only
     passages near its best; measured on bench/docchat.py, half the room a message held 0.011
     fewer answers at 4k and 0.006 fewer at 8k)."""
-    question_text = message_text(messages[question])
+    messages, question_text = view.messages, view.text(question)
     parts: dict[int, tuple[int, ...]] = {}
     spent = 0
     tried = [0, 0]  # long messages looked into: in part in the prompt, not in it
@@ -248,7 +250,7 @@ def _recall_parts(
 
 
 def _block(
-    messages: Sequence[Message],
+    view: ChatView,
     anchor: int,
     indices: Sequence[int],
     parts: Mapping[int, Sequence[int]],
@@ -258,17 +260,18 @@ def _block(
 ) -> _Block | None:
     """The block quoting `indices` (the passages `parts` of some) before `anchor`, counted
     exactly unless `tokens` is given; None when a passage cannot be quoted (`_quote_texts`)."""
-    texts = _quote_texts(messages, {i: parts[i] for i in indices if i in parts}, counter, model)
+    texts = _quote_texts(view, {i: parts[i] for i in indices if i in parts}, counter, model)
     if texts is None:
         return None
     if tokens is None:
-        tokens = _block_tokens(messages, indices, counter, model, texts)
+        tokens = _block_tokens(view, indices, counter, model, texts)
     record = tuple(tuple(parts.get(i, ())) for i in indices)
-    return _Block(anchor, tuple(indices), recall_message(messages, indices, texts), tokens, record)
+    message = recall_message(view.messages, indices, _quoted(view, indices, texts))
+    return _Block(anchor, tuple(indices), message, tokens, record)
 
 
 def _quote_texts(
-    messages: Sequence[Message],
+    view: ChatView,
     parts: Mapping[int, Sequence[int]],
     counter: TokenCounter,
     model: str | None,
@@ -277,7 +280,7 @@ def _quote_texts(
     when one cannot be quoted so (its text changed: the block cannot be sent again as it was)."""
     texts = {}
     for i, chunks in parts.items():
-        text = passage_quote(messages[i], chunks, counter, model)
+        text = passage_quote(view.messages[i], chunks, counter, model)
         if text is None:
             return None
         texts[i] = text
@@ -285,7 +288,7 @@ def _quote_texts(
 
 
 def _block_tokens(
-    messages: Sequence[Message],
+    view: ChatView,
     indices: Sequence[int],
     counter: TokenCounter,
     model: str | None,
@@ -294,8 +297,14 @@ def _block_tokens(
     """What the recall block quoting `indices` (`texts`: the passages quoted of some) costs sent,
     with the acknowledgement after it (`count_message` of both): its text counted from its
     quotes, each counted once a chat."""
-    text = counter.count_joined(recall_quotes(messages, indices, texts), model)
+    text = counter.count_joined(recall_quotes(view.messages, indices, _quoted(view, indices, texts or {})), model)
     return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + text + counter.count_message(SUMMARY_ACK_MESSAGE, model)
+
+
+def _quoted(view: ChatView, indices: Sequence[int], texts: Mapping[int, str]) -> dict[int, str]:
+    """The text a block quotes of each of `indices`: the passages `texts` holds of some, else the
+    message's text as the view read it (what `recall_quotes` would read of the message)."""
+    return {i: texts.get(i) or view.text(i) for i in indices}
 
 
 def _with_blocks(

@@ -16,14 +16,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
 
-from .conversation import (
-    SYSTEM_ROLES,
-    Conversation,
-    Message,
-    message_text,
-    read_conversation,
-    system_positions,
-)
+from .chatview import ChatView
+from .conversation import SYSTEM_ROLES, Message, system_positions
 from .decision import Recall, TrimDecision
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 
@@ -124,25 +118,22 @@ def select_by_value(
     return sorted(greedy)
 
 
-def mandatory_indices(conversation: Conversation) -> list[int]:
+def mandatory_indices(view: ChatView) -> list[int]:
     """What is always sent: system messages and the current turn (the last user message on)."""
-    mandatory = conversation.system_indices
-    turns = conversation.turns
-    current = conversation.current if conversation.current is not None else len(turns) - 1
+    mandatory = view.system_indices
+    turns = view.turns
+    current = view.current if view.current is not None else len(turns) - 1
     for turn in turns[current:] if turns else ():
         mandatory.extend(turn.indices)
     return sorted(mandatory)
 
 
-def _history_start_ok(conversation: Conversation, keep: Collection[int]) -> bool:
+def _history_start_ok(view: ChatView, keep: Collection[int]) -> bool:
     """The kept history does not begin with an assistant or tool message unless the input did."""
-    return _starts_well(conversation.messages, keep)
-
-
-def _starts_well(messages: Sequence[Message], keep: Collection[int]) -> bool:
-    first_in = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
-    first = next((i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES), None)
-    return first is None or first == first_in or messages[first].get("role") not in ("assistant", "tool")
+    role = view.role
+    first_in = next((i for i in range(len(view)) if role(i) not in SYSTEM_ROLES), None)
+    first = next((i for i in sorted(keep) if role(i) not in SYSTEM_ROLES), None)
+    return first is None or first == first_in or role(first) not in ("assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +146,12 @@ class _Plan:
     turn_user: tuple[int | None, ...]
 
 
-def _plan(conversation: Conversation) -> _Plan:
-    hard = frozenset(mandatory_indices(conversation))
+def _plan(view: ChatView) -> _Plan:
+    hard = frozenset(mandatory_indices(view))
     units: list[range] = []
     unit_turn: list[int] = []
     turn_user: list[int | None] = []
-    for t, turn in enumerate(conversation.turns):
+    for t, turn in enumerate(view.turns):
         first = turn.units[0]
         turn_user.append(first.start if first.kind == "user" else None)
         for unit in turn.units:
@@ -176,22 +167,22 @@ def _pinned_units(plan: _Plan, pinned: Collection[int]) -> list[int]:
     return [u for u, unit in enumerate(plan.units) if pins.intersection(unit)] if pins else []
 
 
-def _preferred(plan: _Plan, conversation: Conversation, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
+def _preferred(plan: _Plan, view: ChatView, keep_last_turns: int, pinned: Collection[int]) -> list[int]:
     """Units to add before any other, in order: pinned ones, then the last turns newest first."""
     order = _pinned_units(plan, pinned)
-    recent = recent_turns(conversation, keep_last_turns)
+    recent = recent_turns(view, keep_last_turns)
     order += [u for u in range(len(plan.units) - 1, -1, -1) if plan.unit_turn[u] in recent and u not in order]
     return order
 
 
-def recent_turns(conversation: Conversation, keep_last_turns: int) -> set[int]:
+def recent_turns(view: ChatView, keep_last_turns: int) -> set[int]:
     """The turns before the current one that `keep_last_turns` keeps first (it counts the current one)."""
-    current = conversation.current if conversation.current is not None else len(conversation.turns)
+    current = view.current if view.current is not None else len(view.turns)
     return set(range(current - max(0, keep_last_turns - 1), current))
 
 
 def _pick_turns(
-    conversation: Conversation,
+    view: ChatView,
     plan: _Plan,
     groups: dict[int, list[int]],
     unit_cost: Sequence[int],
@@ -205,20 +196,25 @@ def _pick_turns(
     """The strategy's pick among the turns still open (positions in `open_turns`) within `left`."""
     if strategy == "recent":
         return select_recent(group_cost, max(0, left))
-    if not (open_turns and left > 0 and conversation.question is not None):
+    if not (open_turns and left > 0 and view.question is not None):
         return []
     if scores is None:
-        excluded = conversation.system_indices + conversation.orphan_indices
+        excluded = view.system_indices + view.orphan_indices
         scores = score_messages(
-            conversation.messages, question=conversation.question, exclude=excluded, weights=weights
+            view.messages,
+            question=view.question,
+            exclude=excluded,
+            weights=weights,
+            texts=view.texts,
+            roles=view.roles,
         )
-    latest = (conversation.current - 1) if conversation.current else None
+    latest = (view.current - 1) if view.current else None
     values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
     return select_by_value(group_cost, [values[t] for t in open_turns], left)
 
 
 def choose_indices(
-    conversation: Conversation,
+    view: ChatView,
     costs: Sequence[int],
     budget: int,
     *,
@@ -244,15 +240,14 @@ def choose_indices(
     message, or is let go.
 
     Example:
-        >>> from contextwarden.core.conversation import read_conversation
         >>> chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
         ...         {"role": "user", "content": "z"}]
-        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 10, strategy="recent"))
+        >>> sorted(choose_indices(ChatView(chat), [5, 5, 5], 10, strategy="recent"))
         [2]
-        >>> sorted(choose_indices(read_conversation(chat), [5, 5, 5], 15, strategy="recent"))
+        >>> sorted(choose_indices(ChatView(chat), [5, 5, 5], 15, strategy="recent"))
         [0, 1, 2]
     """
-    plan = _plan(conversation)
+    plan = _plan(view)
     keep = set(plan.hard)
     left = budget - sum(costs[i] for i in keep)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
@@ -260,9 +255,9 @@ def choose_indices(
     must = _pinned_units(plan, pinned)
     taken: set[int] = set(must)
     left -= sum(unit_cost[u] for u in must)
-    latest = (conversation.current - 1) if conversation.current else None
+    latest = (view.current - 1) if view.current else None
     extra = max(0, (room if room is not None else budget) - budget)
-    for t in _preferred_turns(plan, conversation, keep_last_turns, must, latest):
+    for t in _preferred_turns(plan, view, keep_last_turns, must, latest):
         rest = [u for u in groups[t] if u not in taken]
         cost = sum(unit_cost[u] for u in rest)
         if cost <= left + (extra if t == latest else 0):
@@ -270,26 +265,26 @@ def choose_indices(
             left -= cost
     open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
     group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
-    chosen = _pick_turns(conversation, plan, groups, unit_cost, open_turns, group_cost, left, strategy, weights, scores)
+    chosen = _pick_turns(view, plan, groups, unit_cost, open_turns, group_cost, left, strategy, weights, scores)
     for k in chosen:
         taken.update(groups[open_turns[k]])
         left -= group_cost[k]
     for u in taken:
         keep.update(plan.units[u])
-    return _repair_history_start(conversation, plan, keep, costs, left)
+    return _repair_history_start(view, plan, keep, costs, left)
 
 
 def turn_values(
-    conversation: Conversation,
+    view: ChatView,
     costs: Sequence[int],
     scores: Sequence[float],
     weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
 ) -> dict[int, float]:
     """What each earlier turn is worth to the relevance strategy (by turn number), as
     `choose_indices` weighs it before dividing by its cost ** `DEFAULT_COST_EXPONENT`."""
-    plan = _plan(conversation)
+    plan = _plan(view)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
-    latest = (conversation.current - 1) if conversation.current else None
+    latest = (view.current - 1) if view.current else None
     return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, latest)
 
 
@@ -340,26 +335,21 @@ def _turn_groups(plan: _Plan) -> dict[int, list[int]]:
 
 
 def _preferred_turns(
-    plan: _Plan, conversation: Conversation, keep_last_turns: int, must: list[int], latest: int | None
+    plan: _Plan, view: ChatView, keep_last_turns: int, must: list[int], latest: int | None
 ) -> list[int]:
     """Turns to add whole before the strategy picks, in order: pinned ones (their rest), the
     latest one, then the last `keep_last_turns` turns newest first."""
     order = list(dict.fromkeys(plan.unit_turn[u] for u in must))
-    recent = sorted(
-        recent_turns(conversation, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True
-    )
+    recent = sorted(recent_turns(view, keep_last_turns) | ({latest} if latest is not None else set()), reverse=True)
     present = set(plan.unit_turn)
     return order + [t for t in recent if t in present and t not in order]
 
 
-def _repair_history_start(
-    conversation: Conversation, plan: _Plan, keep: set[int], costs: Sequence[int], left: int
-) -> set[int]:
+def _repair_history_start(view: ChatView, plan: _Plan, keep: set[int], costs: Sequence[int], left: int) -> set[int]:
     """Give a leading assistant/tool unit its turn's user message, or drop it, until valid."""
-    messages = conversation.messages
     unit_of = {unit[0]: u for u, unit in enumerate(plan.units)}
-    while not _history_start_ok(conversation, keep):
-        first = next(i for i in sorted(keep) if messages[i].get("role") not in SYSTEM_ROLES)
+    while not _history_start_ok(view, keep):
+        first = next(i for i in sorted(keep) if view.role(i) not in SYSTEM_ROLES)
         if first not in unit_of:  # cannot happen: the hard part starts with a user message
             break
         unit = plan.units[unit_of[first]]
@@ -376,7 +366,7 @@ def _repair_history_start(
 def reuse_previous(
     previous: TrimDecision,
     fingerprints: Sequence[str],
-    conversation: Conversation,
+    view: ChatView,
     costs: Sequence[int],
     budget: int,
     *,
@@ -391,35 +381,34 @@ def reuse_previous(
     when a kept message is gone, the history would start wrongly, or it does not fit `budget`.
 
     Example:
-        >>> from contextwarden.core.conversation import read_conversation
         >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
         ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
         ...         {"role": "user", "content": "e"}]
         >>> from contextwarden.core.decision import message_fingerprint
         >>> prints = [message_fingerprint(m) for m in chat]
         >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]))
-        >>> sorted(reuse_previous(before, prints, read_conversation(chat), [5] * 5, 100))
+        >>> sorted(reuse_previous(before, prints, ChatView(chat), [5] * 5, 100))
         [0, 2, 3, 4]
     """
-    matched = _find_kept(previous, fingerprints, set(conversation.system_indices))
+    matched = _find_kept(previous, fingerprints, set(view.system_indices))
     if matched is None:
         return None
-    keep = _grown(conversation, matched, keep_last_turns, pinned)
-    if not _history_start_ok(conversation, keep) or sum(costs[i] for i in keep) > budget:
+    keep = _grown(view, matched, keep_last_turns, pinned)
+    if not _history_start_ok(view, keep) or sum(costs[i] for i in keep) > budget:
         return None
     return keep
 
 
-def _grown(conversation: Conversation, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
+def _grown(view: ChatView, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
     """`matched` plus everything after the last of it, the hard part, pinned units and the
     last `keep_last_turns` turns, as whole units without orphans."""
     after = matched[-1] + 1 if matched else 0
-    plan = _plan(conversation)
-    keep = set(plan.hard) | set(matched) | set(range(after, len(conversation.messages)))
-    for u in _preferred(plan, conversation, keep_last_turns, pinned):
+    plan = _plan(view)
+    keep = set(plan.hard) | set(matched) | set(range(after, len(view.messages)))
+    for u in _preferred(plan, view, keep_last_turns, pinned):
         keep.update(plan.units[u])
-    keep.difference_update(conversation.orphan_indices)
-    for turn in conversation.turns:
+    keep.difference_update(view.orphan_indices)
+    for turn in view.turns:
         for unit in turn.units:
             if unit.stop - unit.start > 1 and keep.intersection(unit.indices):
                 keep.update(unit.indices)
@@ -427,12 +416,7 @@ def _grown(conversation: Conversation, matched: list[int], keep_last_turns: int,
 
 
 def extend_previous(
-    previous: TrimDecision,
-    messages: Sequence[Message],
-    fingerprints: Sequence[str],
-    *,
-    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
-    system: Sequence[int] | None = None,
+    previous: TrimDecision, view: ChatView, *, keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS
 ) -> set[int] | None:
     """`reuse_previous` without reading the whole chat: the indices it would keep (budget not
     checked), from the previous kept messages at their recorded positions and the messages
@@ -442,7 +426,6 @@ def extend_previous(
     it is either kept (found by fingerprint) or was dropped and stays dropped. System
     messages are kept wherever they are. None when a kept message is not at its recorded
     place, the window holds no user message, or a turn `keep_last_turns` keeps begins before it.
-    `system` gives the system messages' indices when the caller has them.
 
     Example:
         >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -451,38 +434,38 @@ def extend_previous(
         >>> from contextwarden.core.decision import message_fingerprint
         >>> prints = [message_fingerprint(m) for m in chat]
         >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]), at=(0, 2))
-        >>> sorted(extend_previous(before, chat, prints))
+        >>> sorted(extend_previous(before, ChatView(chat)))
         [0, 2, 3, 4]
     """
     at = previous.at
-    if not _kept_in_place(previous, fingerprints):
+    if not _kept_in_place(previous, view.fingerprints):
         return None
-    start = window_start(previous, messages)
+    start = window_start(previous, view)
     if start is None:
         return None
-    window = read_conversation(messages[start:])
+    window = view.window(start)
     if window.current is None:
         return None
     turns = window.turns
     if any(t < 0 or turns[t].units[0].kind != "user" for t in recent_turns(window, keep_last_turns)):
         return None  # a turn kept as recent starts before the window
     grown = _grown(window, [i - start for i in at if i >= start], keep_last_turns, ())
-    keep = set(system_positions(messages) if system is None else system)
+    keep = set(view.system_positions)
     keep.update(i for i in at if i < start)
     keep.update(start + i for i in grown)
-    return keep if _starts_well(messages, keep) else None
+    return keep if _history_start_ok(view, keep) else None
 
 
-def window_start(previous: TrimDecision, messages: Sequence[Message]) -> int | None:
+def window_start(previous: TrimDecision, view: ChatView) -> int | None:
     """Where `extend_previous` starts reading: the last kept message that starts a unit (not a
     tool result); None when no kept message does."""
-    return next((i for i in reversed(previous.at) if i < len(messages) and messages[i].get("role") != "tool"), None)
+    return next((i for i in reversed(previous.at) if i < len(view) and view.role(i) != "tool"), None)
 
 
 def history_chars(messages: Sequence[Message], system: Sequence[int] | None = None) -> int:
     """Total length of the content of the non-system messages: a cheap check (no pass in
     Python over the texts) that no message was edited; -1 for content without a length.
-    `system` gives the system messages' indices when the caller has them.
+    `system` gives the system messages' indices when the caller has them (`ChatView`).
 
     Example:
         >>> history_chars([{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"}])
@@ -535,19 +518,11 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
     )
 
 
-def recall_candidates(
-    messages: Sequence[Message], scores: Sequence[float], texts: Sequence[str] | None = None
-) -> list[int]:
+def recall_candidates(view: ChatView, scores: Sequence[float]) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
     are relevant to the question (score above 0); an earlier pass's recall block was taken out
-    before (`trim_messages`' `added`). `texts`: each message's `message_text`, when the caller has them."""
-    return [
-        i
-        for i, score in enumerate(scores)
-        if score > 0
-        and messages[i].get("role") in RECALLABLE_ROLES
-        and (texts[i] if texts is not None else message_text(messages[i]))
-    ]
+    before (`trim_messages`' `added`)."""
+    return [i for i, score in enumerate(scores) if score > 0 and view.role(i) in RECALLABLE_ROLES and view.text(i)]
 
 
 def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:

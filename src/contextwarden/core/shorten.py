@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .conversation import Conversation, Message
+from .chatview import ChatView
+from .conversation import Message
 from .excerpt import CUT_MARK
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -23,7 +24,7 @@ MIN_KEPT_TEXT_TOKENS = 0
 
 
 def _mandatory_part(
-    conversation: Conversation,
+    view: ChatView,
     costs: list[int],
     max_tokens: int,
     counter: TokenCounter,
@@ -35,21 +36,21 @@ def _mandatory_part(
     over budget, whether it is still over, the notes, and the pins that stay mandatory: when
     even shortened pins cannot fit (their markers alone are over), the budget wins and they
     are let go (kept only while they fit, like other messages)."""
-    hard = mandatory_indices(conversation)
-    mandatory = _with_pins(conversation, hard, pinned)
+    hard = mandatory_indices(view)
+    mandatory = _with_pins(view, hard, pinned)
     pinned = sorted(set(mandatory).difference(hard))  # with their units and questions
     notes: list[str] = []
     if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
         return mandatory, {}, False, notes, pinned
     if not shorten:
         return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned
-    replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+    replaced, over = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
     if over and len(mandatory) > len(hard):
         mandatory, pinned = hard, ()
         notes.append(PINS_DROPPED_NOTE)
         if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
             return mandatory, {}, False, notes, pinned
-        replaced, over = _shorten_mandatory(conversation, mandatory, costs, max_tokens, counter, model)
+        replaced, over = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
     notes.append("mandatory content over budget: shortened")
     if set(replaced) & set(pinned):
         notes.append(PINS_SHORTENED_NOTE)
@@ -58,14 +59,14 @@ def _mandatory_part(
     return mandatory, replaced, over, notes, pinned
 
 
-def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collection[int]) -> list[int]:
+def _with_pins(view: ChatView, mandatory: list[int], pinned: Collection[int]) -> list[int]:
     """The mandatory indices plus every pinned one with the rest of its unit and, for a pinned
     reply, its turn's question (a reply is never sent without it)."""
     if not pinned:
         return mandatory
     pins = set(pinned)
     keep = set(mandatory)
-    for turn in conversation.turns:
+    for turn in view.turns:
         units = [u for u in turn.units if pins.intersection(u.indices)]
         if units and turn.units[0].kind == "user":
             units.append(turn.units[0])
@@ -73,16 +74,15 @@ def _with_pins(conversation: Conversation, mandatory: list[int], pinned: Collect
     return sorted(keep)
 
 
-def _shortenable(conversation: Conversation, mandatory: list[int]) -> tuple[list[int], int | None]:
+def _shortenable(view: ChatView, mandatory: list[int]) -> tuple[list[int], int | None]:
     """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
-    messages = conversation.messages
-    last_user = conversation.question
-    first_choice = [i for i in mandatory if i != last_user and messages[i].get("role") != "assistant"]
+    last_user = view.question
+    first_choice = [i for i in mandatory if i != last_user and view.role(i) != "assistant"]
     return first_choice, last_user
 
 
 def _shorten_mandatory(
-    conversation: Conversation,
+    view: ChatView,
     mandatory: list[int],
     costs: list[int],
     budget: int,
@@ -93,10 +93,10 @@ def _shorten_mandatory(
 
     Returns the shortened copies by index and whether it is still over budget.
     """
-    messages = conversation.messages
+    messages = view.messages
     current = {i: costs[i] for i in mandatory}
     replaced: dict[int, Message] = {}
-    first_choice, last_user = _shortenable(conversation, mandatory)
+    first_choice, last_user = _shortenable(view, mandatory)
     for pool in (first_choice, [last_user] if last_user is not None else []):
         candidates = set(pool)
         while candidates:

@@ -17,8 +17,9 @@ from typing import Any
 
 from ..caches import register
 from .carry import _extend_previous, _reused
-from .conversation import Message, message_text, read_conversation
-from .decision import Fingerprints, TrimDecision
+from .chatview import ChatView
+from .conversation import Message, message_text
+from .decision import TrimDecision
 from .excerpt import Excerpt
 from .fresh import WHOLE_DOCUMENT_MIN_CHARS, _new_selection, _wants_whole, selection_target
 from .recall import (
@@ -222,7 +223,7 @@ def trim_messages(
     if not all(map(isinstance, messages, repeat(dict))):
         index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
-    return _trim(messages, max_tokens, model, token_counter or default_counter(), options)
+    return _trim(ChatView(messages), max_tokens, model, token_counter or default_counter(), options)
 
 
 def carry_previous(
@@ -259,26 +260,32 @@ def carry_previous(
     chosen = TrimOptions(**options)
     _check_options(max_tokens, chosen)
     previous = chosen.previous
-    if previous is None or not all(map(isinstance, messages, repeat(dict))) or not _carries(chosen, messages):
+    if previous is None or not all(map(isinstance, messages, repeat(dict))):
+        return None
+    view = ChatView(messages)
+    if not _carries(chosen, view):
         return None
     room = _recall_room(max_tokens, chosen)
     if room and (chosen.added or not indexed(messages, seen=previous.seen, weights=_RECALL_WEIGHTS)):
         return None
     counter = token_counter or default_counter()
-    pools = _Pools(messages, counter, model, previous.seen, chosen.embed)
-    return _extend_previous(messages, previous, max_tokens, counter, model, chosen, room, pools)
+    pools = _Pools(view, counter, model, previous.seen, chosen.embed)
+    return _extend_previous(view, previous, max_tokens, counter, model, chosen, room, pools)
 
 
-def _carries(options: TrimOptions, messages: Sequence[Message]) -> bool:
+def _carries(options: TrimOptions, view: ChatView) -> bool:
     """The previous decision may carry into this turn (the shortcut is worth trying): it saw
     messages, no pin asks for a new selection, and the question is not about the documents as
     a whole (which gets the budget filled: `_wants_whole`)."""
     if options.previous is None or options.previous.seen == 0 or options.pinned:
         return False
-    latest = next((m for m in reversed(messages) if m.get("role") == "user"), None)
-    if options.strategy != "relevance" or latest is None or not wants_whole(message_text(latest)):
+    latest = next((i for i in range(len(view) - 1, -1, -1) if view.role(i) == "user"), None)
+    if options.strategy != "relevance" or latest is None or not wants_whole(view.text(latest)):
         return True
-    return not any(len(message_text(m)) >= WHOLE_DOCUMENT_MIN_CHARS for m in messages if m is not latest)
+    messages, question = view.messages, view.messages[latest]
+    return not any(
+        len(view.text(i)) >= WHOLE_DOCUMENT_MIN_CHARS for i in range(len(view)) if messages[i] is not question
+    )
 
 
 def _recall_room(max_tokens: int, options: TrimOptions) -> int:
@@ -288,15 +295,15 @@ def _recall_room(max_tokens: int, options: TrimOptions) -> int:
 
 
 def _trim(
-    messages: Sequence[Message], max_tokens: int, model: str | None, counter: TokenCounter, options: TrimOptions
+    view: ChatView, max_tokens: int, model: str | None, counter: TokenCounter, options: TrimOptions
 ) -> TrimResult:
     """`trim_messages` in steps: an earlier pass's recall block taken out when the chat no longer
     fits; the previous selection extended, reading only what is new; the chat whole when it fits;
     else a selection (`_select`)."""
-    previous = options.previous
+    previous, messages = options.previous, view.messages
     room = _recall_room(max_tokens, options)
     earlier = sorted(i for i in set(options.added) if type(i) is int and 0 <= i < len(messages))
-    if room and earlier and not _fits_whole(messages, max_tokens, counter, model):
+    if room and earlier and not _fits_whole(view, max_tokens, counter, model):
         # shorten=True as before this was split into steps (the recursive call did not pass it on)
         rest = replace(
             options,
@@ -304,16 +311,19 @@ def _trim(
             shorten=True,
             added=(),
         )
-        return _without(earlier, messages, lambda m: _trim(m, max_tokens, model, counter, rest), counter, model)
-    pools = _Pools(messages, counter, model, previous.seen if previous is not None else 0, options.embed)
-    if previous is not None and _carries(options, messages):
-        extended = _extend_previous(messages, previous, max_tokens, counter, model, options, room, pools)
+
+        def inner(rest_messages: list[Message]) -> TrimResult:
+            return _trim(ChatView(rest_messages), max_tokens, model, counter, rest)
+
+        return _without(earlier, messages, inner, counter, model)
+    pools = _Pools(view, counter, model, previous.seen if previous is not None else 0, options.embed)
+    if previous is not None and _carries(options, view):
+        extended = _extend_previous(view, previous, max_tokens, counter, model, options, room, pools)
         if extended is not None:
             return extended
     costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
-    conversation = read_conversation(messages)
-    chat = _Counted(messages, conversation, costs, mode, scheme, TOKENS_PER_REPLY + sum(costs), pools)
-    if chat.before <= max_tokens and not chat.conversation.orphans:
+    chat = _Counted(view, costs, mode, scheme, TOKENS_PER_REPLY + sum(costs), pools)
+    if chat.before <= max_tokens and not view.orphans:
         everything = tuple(range(len(messages)))
         result = TrimResult(list(messages), everything, (), (), chat.before, chat.before, max_tokens, mode)
         return replace(result, added=tuple(earlier) if room else ())
@@ -326,11 +336,11 @@ def _select(
     """The mandatory part (shortened when it alone is over), then the previous selection reused
     or a new one, each with the recall block this question needs."""
     mandatory, replaced, over, notes, pinned = _mandatory_part(
-        chat.conversation, chat.costs, max_tokens, counter, model, options.pinned, options.shorten
+        chat.view, chat.costs, max_tokens, counter, model, options.pinned, options.shorten
     )
     mandatory_cost = TOKENS_PER_REPLY + sum(chat.costs[i] for i in mandatory)
-    fingerprints = Fingerprints(chat.messages)
-    if mandatory_cost > max_tokens or chat.conversation.question is None:
+    fingerprints = chat.view.fingerprints
+    if mandatory_cost > max_tokens or chat.view.question is None:
         room = 0
     keep: set[int] | None = None
     blocks: list[_Block] = []
@@ -362,7 +372,7 @@ def _result(
     blocks: list[_Block],
     replaced: dict[int, Message],
     excerpts: dict[int, Excerpt],
-    fingerprints: Fingerprints,
+    fingerprints: Sequence[str],
     max_tokens: int,
     counter: TokenCounter,
     model: str | None,
@@ -370,15 +380,16 @@ def _result(
 ) -> TrimResult:
     """What to send (kept messages, shortened copies and excerpts, recall blocks), its count, and
     the decision (the caller adds what the selection knows: reused, over budget, notes)."""
-    messages, costs, conversation = chat.messages, chat.costs, chat.conversation
+    view, costs = chat.view, chat.costs
+    messages = view.messages
     order = sorted(keep)
     sent = [replaced.get(i, messages[i]) for i in order]
     after = TOKENS_PER_REPLY + sum(
         counter.count_message(replaced[i], model) if i in replaced else costs[i] for i in order
     )
-    system = set(conversation.system_indices)
+    system = set(view.system_indices)
     at = tuple(i for i in order if i not in system)
-    sent, stable, added = _with_blocks(sent, order, blocks, conversation.question)
+    sent, stable, added = _with_blocks(sent, order, blocks, view.question)
     after += sum(b.tokens for b in blocks)
     decision = TrimDecision(
         max_tokens=max_tokens,
@@ -388,7 +399,7 @@ def _result(
         at=at,
         seen=len(messages),
         seen_tokens=sum(c for i, c in enumerate(costs) if i not in system),
-        seen_chars=history_chars(messages, conversation.system_indices),
+        seen_chars=history_chars(messages, view.system_indices),
         counted_with=chat.scheme,
         recalls=_recall_record(blocks, fingerprints),
         excerpts=tuple((i, e.chunks) for i, e in sorted(excerpts.items())),
@@ -413,10 +424,10 @@ def _result(
     )
 
 
-def _fits_whole(messages: Sequence[Message], max_tokens: int, counter: TokenCounter, model: str | None) -> bool:
+def _fits_whole(view: ChatView, max_tokens: int, counter: TokenCounter, model: str | None) -> bool:
     """The whole list fits `max_tokens` and holds nothing a trim would leave out (orphans)."""
-    fits = TOKENS_PER_REPLY + sum(counter.count_each(messages, model)) <= max_tokens
-    return fits and not read_conversation(messages).orphans
+    fits = TOKENS_PER_REPLY + sum(counter.count_each(view.messages, model)) <= max_tokens
+    return fits and not view.orphans
 
 
 def _without(

@@ -1,5 +1,5 @@
 """What the trim's stages hand each other: `TrimOptions` (made once a call), the chat read and
-counted once (`_Counted`), and `TrimResult`, what a trim chose.
+counted once (`_Counted`: its `ChatView` with the counts), and `TrimResult`, what a trim chose.
 """
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from .conversation import Conversation, Message
+from .chatview import ChatView
+from .conversation import Message
 from .decision import TrimDecision
 from .excerpt import Excerpt
 from .recall import DEFAULT_RECALL_SHARE, _Pools
@@ -103,13 +104,16 @@ class TrimResult:
 class _Counted:
     """The chat read and counted once: its view, each message's tokens and the label they go with."""
 
-    messages: Sequence[Message]
-    conversation: Conversation
+    view: ChatView
     costs: list[int]
     mode: CountMode
     scheme: str
     before: int  # the whole chat, reply priming included
     pools: _Pools  # this trim's recall pools, shared with the fast path
+
+    @property
+    def messages(self) -> Sequence[Message]:
+        return self.view.messages
 
 
 def _sized(costs: list[int], excerpts: dict[int, Excerpt]) -> list[int]:

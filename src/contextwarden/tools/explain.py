@@ -12,7 +12,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.conversation import Conversation, Message, read_conversation
+from ..core.chatview import ChatView
+from ..core.conversation import Message
 from ..core.decision import message_fingerprint
 from ..core.relevance import score_messages
 from ..core.selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
@@ -109,12 +110,12 @@ class Explanation:
         return out
 
 
-def _turn_of(conversation: Conversation) -> dict[int, int]:
-    return {i: t for t, turn in enumerate(conversation.turns) for i in turn.indices}
+def _turn_of(view: ChatView) -> dict[int, int]:
+    return {i: t for t, turn in enumerate(view.turns) for i in turn.indices}
 
 
-def _unit_of(conversation: Conversation) -> dict[int, range]:
-    units = [*conversation.system, *conversation.orphans, *(u for turn in conversation.turns for u in turn.units)]
+def _unit_of(view: ChatView) -> dict[int, range]:
+    units = [*view.system, *view.orphans, *(u for turn in view.turns for u in turn.units)]
     return {i: unit.indices for unit in units for i in unit.indices}
 
 
@@ -162,7 +163,7 @@ def explain_trim(
 class _Facts:
     """What explaining each message needs, read once from the chat and the result."""
 
-    conversation: Conversation
+    view: ChatView
     costs: list[int]
     result: TrimResult
     strategy: str
@@ -192,19 +193,21 @@ def _facts(
     summarized: Collection[int],
 ) -> _Facts:
     previous = options.previous
-    conversation = read_conversation(messages)
-    system, orphans = set(conversation.system_indices), set(conversation.orphan_indices)
-    unit_of = _unit_of(conversation)
+    view = ChatView(messages)
+    system, orphans = set(view.system_indices), set(view.orphan_indices)
+    unit_of = _unit_of(view)
     trimmed = bool(result.dropped or result.shortened)
-    question = conversation.question
+    question = view.question
     costs = token_counter.count_each(messages, model)
     scores: list[float] | None = None
     worth: dict[int, float] = {}
     if trimmed and not result.reused and question is not None and options.strategy == "relevance":
-        scores = score_messages(messages, question=question, exclude=sorted(system | orphans))
-        worth = turn_values(conversation, costs, scores)
+        scores = score_messages(
+            messages, question=question, exclude=sorted(system | orphans), texts=view.texts, roles=view.roles
+        )
+        worth = turn_values(view, costs, scores)
     return _Facts(
-        conversation=conversation,
+        view=view,
         costs=costs,
         result=result,
         strategy=options.strategy,
@@ -213,11 +216,11 @@ def _facts(
         shortened=set(result.shortened),
         covered=set(summarized),
         system=system,
-        mandatory=set(mandatory_indices(conversation)),
+        mandatory=set(mandatory_indices(view)),
         orphans=orphans,
-        turn_of=_turn_of(conversation),
+        turn_of=_turn_of(view),
         unit_of=unit_of,
-        recent=recent_turns(conversation, options.keep_last_turns),
+        recent=recent_turns(view, options.keep_last_turns),
         pins={i for p in options.pinned for i in unit_of.get(p, (p,))},
         remembered=set(previous.kept) if previous is not None and result.reused else set(),
         trimmed=trimmed,
@@ -253,15 +256,13 @@ def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
 
 def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
     """Why message `i` was sent or not: its place in the chat, pins, recency, reuse, its score."""
-    conversation, result = facts.conversation, facts.result
+    view, result = facts.view, facts.result
     if i in facts.orphans:
         return ["orphan tool message: its call is not in the chat, never sent"]
     if i in facts.system:
         return ["mandatory: system prompt"]
     if i in facts.mandatory:
-        return [
-            "mandatory: current turn" if i != conversation.question else "mandatory: current turn (latest question)"
-        ]
+        return ["mandatory: current turn" if i != view.question else "mandatory: current turn (latest question)"]
     if not facts.trimmed:
         return ["everything fits the budget"]
     reasons: list[str] = []
@@ -269,7 +270,7 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
         reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
     if facts.turn_of.get(i) in facts.recent:
         reasons.append(f"recent (keep_last_turns={facts.keep_last_turns})" + ("" if sent else ", but did not fit"))
-    elif conversation.current and facts.turn_of.get(i) == conversation.current - 1 and not result.reused:
+    elif view.current and facts.turn_of.get(i) == view.current - 1 and not result.reused:
         reasons.append(
             "the latest answer and its question, kept whenever they fit"
             + ("" if sent and i not in result.excerpted else ": did not")
@@ -291,7 +292,7 @@ def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
     """The value of message `i`'s turn as selection weighs it (scores per token^exponent)."""
     assert facts.scores is not None
     turn_of, mandatory, scores, costs = facts.turn_of, facts.mandatory, facts.scores, facts.costs
-    whole = [j for j in facts.conversation.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
+    whole = [j for j in facts.view.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
     worth = facts.worth
     total = worth[turn_of[i]] if turn_of.get(i) in worth else sum(scores[j] for j in whole)
     value = total / max(1, sum(costs[j] for j in whole)) ** DEFAULT_COST_EXPONENT
@@ -307,7 +308,7 @@ def _together(i: int, facts: _Facts) -> list[str]:
     if unit is not None and len(unit) > 1 and i not in facts.orphans:
         reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
     turn_of = facts.turn_of
-    turn = facts.conversation.turns[turn_of[i]].indices if i in turn_of and i not in facts.mandatory else []
+    turn = facts.view.turns[turn_of[i]].indices if i in turn_of and i not in facts.mandatory else []
     if facts.trimmed and len(turn) > 1:
         reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
     return reasons
@@ -327,7 +328,7 @@ def _budget_parts(
     current_tokens = sum(costs[i] for i in mandatory - system)
     available = result.budget - TOKENS_PER_REPLY - system_tokens - current_tokens
     watermark = 1.0 if result.count_mode == "estimate" else options.low_watermark  # as trim_messages does
-    whole = selection_target(facts.conversation, costs, result.budget, watermark, options.growth_turns)
+    whole = selection_target(facts.view, costs, result.budget, watermark, options.growth_turns)
     target = whole - TOKENS_PER_REPLY - system_tokens - current_tokens
     return BudgetParts(
         budget=result.budget,
