@@ -13,7 +13,7 @@ import pytest
 from contextwarden.core.flags import Flags
 from contextwarden.face.budget import fixed_cost
 from contextwarden.face.status import detail_line, shadow_status_line, status_line
-from contextwarden.money.records import TurnChoice
+from contextwarden.money.records import ExcerptCounts, TurnChoice
 from contextwarden.money.savings import Savings
 
 from helpers import Events, make_filter
@@ -369,10 +369,10 @@ TOOL_CHAT = [
 def test_a_document_with_no_passage_sent_is_said_to_be_left_out():
     # Before: "Sent 6 messages, document excerpted: 0 of 19 passages", which reads as if the
     # model saw some of it.
-    left_out = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(0, 19))
+    left_out = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpts=ExcerptCounts(1, (0, 19)))
     assert lines(left_out) == ["Sent 6 messages, document left out", "Shadow: would send 6 messages, document left out"]
     assert detail_line(left_out, Flags()).endswith(" · document left out")
-    both = TurnChoice([{}] * 5, 9, 9_000, 400, 400, "exact", excerpted=2, passages=(0, 7))
+    both = TurnChoice([{}] * 5, 9, 9_000, 400, 400, "exact", excerpts=ExcerptCounts(2, (0, 7)))
     assert status_line(both, Flags()) == "Sent 5 of 9 messages, 2 documents left out"
 
 
@@ -394,13 +394,13 @@ def test_one_document_excerpted_and_one_left_out_are_told_apart():
         passages=((0, 12), (1, 9)),
     )
     choice = TurnChoice.of(result, result.messages)
-    assert (choice.excerpted, choice.passages, choice.left_out) == (2, (1, 9), 1)
+    assert choice.excerpts == ExcerptCounts(2, (1, 9), 1, "document")
     assert status_line(choice, Flags()) == "Sent 5 of 9 messages, document excerpted: 1 of 9 passages, 1 left out"
     tools = replace(result, tool_results=(2,))  # one of them a tool result: neither word fits both
     assert status_line(TurnChoice.of(tools, tools.messages), Flags()).endswith(
         ", long message excerpted: 1 of 9 passages, 1 left out"
     )
-    some = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpted=1, passages=(1, 19))
+    some = TurnChoice([{}] * 6, 6, 3_000, 400, 400, "exact", excerpts=ExcerptCounts(1, (1, 19)))
     assert status_line(some, Flags()) == "Sent 6 messages, document excerpted: 1 of 19 passages"
 
 

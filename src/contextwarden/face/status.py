@@ -100,7 +100,9 @@ def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> st
     Example:
         >>> status_line(TurnChoice([{}] * 5, 9, 10_899, 3_278, 4_000, "exact"), Flags())
         'Sent 5 of 9 messages'
-        >>> status_line(TurnChoice([{}] * 3, 3, 5_648, 3_229, 4_000, "exact", excerpted=1, passages=(3, 24)), Flags())
+        >>> from contextwarden.money.records import ExcerptCounts
+        >>> excerpted = TurnChoice([{}] * 3, 3, 5_648, 3_229, 4_000, "exact", excerpts=ExcerptCounts(1, (3, 24)))
+        >>> status_line(excerpted, Flags())
         'Sent 3 messages, document excerpted: 3 of 24 passages'
         >>> status_line(TurnChoice([{}] * 4, 4, 900, 900, 4_000, "exact"), Flags())
         'Whole chat sent'
@@ -146,10 +148,9 @@ def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
     """What went out cut, in words: excerpted documents, shortened messages, a summary."""
     if choice.full:
         return []
+    excerpts = choice.excerpts
     cuts = (
-        [excerpt_words(choice.excerpted, choice.passages, choice.left_out, choice.excerpt_kind)]
-        if choice.excerpted
-        else []
+        [excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)] if excerpts.count else []
     )
     if choice.shortened:
         cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
@@ -256,8 +257,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
-    if choice.excerpted:
-        line += " · " + excerpt_words(choice.excerpted, choice.passages, choice.left_out, choice.excerpt_kind)
+    if (excerpts := choice.excerpts).count:
+        line += " · " + excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:

@@ -37,7 +37,7 @@ from ..money.cache_hints import (
 )
 from ..money.calibration import Calibration, comparable_turn, load_calibration
 from ..money.pricing import Resolution
-from ..money.records import CacheView, TurnChoice, TurnNote
+from ..money.records import CacheView, ExcerptCounts, TurnChoice, TurnNote
 from ..money.savings import Savings, carried_savings, carries_a_cut
 from ..state.chatstate import ChatState, chat_state_key
 from ..state.store import Store
@@ -100,22 +100,17 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with; an earlier
     pass's cuts count while a cut copy is still sent (this pass may have dropped it)."""
-    earlier, excerpts = (n if n is not None and n <= messages_before else 0 for n in (note.shortened, note.excerpted))
-    if (earlier or excerpts) and not carries_a_cut(choice.messages):
-        earlier = excerpts = 0
-    noted = choice.excerpted < excerpts  # the earlier pass excerpted them: its counts stand
-    passages = (note.passages or (0, 0)) if noted else choice.passages
-    left_out = min(note.left_out or 0, excerpts) if noted else choice.left_out
-    kind = (note.excerpt_kind or "document") if noted else choice.excerpt_kind
+    earlier = note.shortened if note.shortened is not None and note.shortened <= messages_before else 0
+    noted = note.excerpt_counts(messages_before)
+    if (earlier or noted.count) and not carries_a_cut(choice.messages):
+        earlier, noted = 0, ExcerptCounts()
     return replace(
         choice,
         count_before=messages_before,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
-        excerpted=max(choice.excerpted, excerpts),
-        passages=passages,
-        left_out=left_out,
-        excerpt_kind=kind,
+        # the earlier pass excerpted more: its counts stand
+        excerpts=noted if choice.excerpts.count < noted.count else choice.excerpts,
     )
 
 
@@ -214,11 +209,7 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
         pending_line=plain if turn.settings.show_status else None,
         sent_messages=len(done.messages),
         shortened=done.shortened,
-        excerpted=done.excerpted,
-        passages=done.passages if done.excerpted else None,
-        left_out=done.left_out if done.excerpted else None,
-        excerpt_kind=done.excerpt_kind if done.excerpted else None,
-    )
+    ).with_excerpts(done.excerpts)
     turn.write(note)
     return note
 

@@ -35,6 +35,7 @@ __all__ = [
     "CacheView",
     "EXCERPT_KINDS",
     "excerpt_kind",
+    "ExcerptCounts",
     "TurnChoice",
     "TurnNote",
     "UsageRecord",
@@ -111,6 +112,19 @@ class CacheView:
 
 
 @dataclass(frozen=True, slots=True)
+class ExcerptCounts:
+    """What a turn sent of earlier messages too large for what was left (sent as excerpts for the
+    question): how many, the passages of those sent in part (sent, in all), how many only their
+    cut mark went of (too large for the room left), and what they are in a user's words
+    (`EXCERPT_KINDS`)."""
+
+    count: int = 0
+    passages: tuple[int, int] = (0, 0)
+    left_out: int = 0
+    kind: str = "document"
+
+
+@dataclass(frozen=True, slots=True)
 class TurnChoice:
     """What one pass decided to send, with the numbers the status line and outlet need."""
 
@@ -123,10 +137,7 @@ class TurnChoice:
     decision: TrimDecision | None = None
     dropped: int = 0
     shortened: int = 0
-    excerpted: int = 0  # earlier messages too large for what was left, sent as excerpts for the question
-    passages: tuple[int, int] = (0, 0)  # of those sent in part: passages sent, passages in all
-    left_out: int = 0  # of the excerpted: those only their cut mark went of (too large for the room left)
-    excerpt_kind: str = "document"  # what the excerpted are, in a user's words (see `EXCERPT_KINDS`)
+    excerpts: ExcerptCounts = ExcerptCounts()
     over_budget: bool = False
     summarized: bool = False
     full: bool = False
@@ -169,10 +180,12 @@ class TurnChoice:
             decision=result.decision,
             dropped=len(result.dropped),
             shortened=len(result.shortened) - len(result.excerpted),
-            excerpted=len(result.excerpted),
-            passages=(sum(p[0] for p in cut), sum(p[1] for p in cut)),
-            left_out=len(result.passages) - len(cut),
-            excerpt_kind=excerpt_kind(len(result.excerpted), len(result.tool_results)),
+            excerpts=ExcerptCounts(
+                len(result.excerpted),
+                (sum(p[0] for p in cut), sum(p[1] for p in cut)),
+                len(result.passages) - len(cut),
+                excerpt_kind(len(result.excerpted), len(result.tool_results)),
+            ),
             over_budget=result.over_budget,
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
@@ -256,6 +269,30 @@ class TurnNote:
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
     version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
+
+    def excerpt_counts(self, at_most: int) -> ExcerptCounts:
+        """The excerpt figures an earlier pass noted, as `ExcerptCounts`; none excerpted when the
+        note counts more than `at_most` (the messages the turn began with: not this chat's).
+
+        Example:
+            >>> TurnNote(excerpted=2, passages=(1, 9), left_out=1).excerpt_counts(5)
+            ExcerptCounts(count=2, passages=(1, 9), left_out=1, kind='document')
+        """
+        count = self.excerpted if self.excerpted is not None and self.excerpted <= at_most else 0
+        passages, kind = self.passages or (0, 0), self.excerpt_kind or "document"
+        return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind)
+
+    def with_excerpts(self, excerpts: ExcerptCounts) -> TurnNote:
+        """This note with a pass's excerpt figures (none written when nothing was excerpted)."""
+        if not excerpts.count:
+            return replace(self, excerpted=0, passages=None, left_out=None, excerpt_kind=None)
+        return replace(
+            self,
+            excerpted=excerpts.count,
+            passages=excerpts.passages,
+            left_out=excerpts.left_out,
+            excerpt_kind=excerpts.kind,
+        )
 
     @property
     def carried(self) -> dict[str, int]:
