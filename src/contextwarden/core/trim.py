@@ -94,7 +94,7 @@ def read_reply(message: Message, counter: TokenCounter, model: str | None, *, te
 
 
 def trim_messages(
-    messages: Sequence[Message],
+    messages: Sequence[Message] | ChatView,
     *,
     max_tokens: int,
     model: str | None = None,
@@ -123,7 +123,9 @@ def trim_messages(
     Same input, same output.
 
     Args:
-        messages: OpenAI-format messages (Open WebUI's extra keys are fine).
+        messages: OpenAI-format messages (Open WebUI's extra keys are fine), or a `ChatView`
+            of them: a caller that trims the same list more than once (other budgets, the
+            next turn's shortcut first) reads it once.
         max_tokens: the prompt budget, counted with per-message overhead and images.
         model: model id, to pick the encoding (o200k_base unless GPT-4/3.5).
         token_counter: a shared `TokenCounter`; by default one that loads encodings in the
@@ -217,17 +219,19 @@ def trim_messages(
         strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten, added
     )
     _check_options(max_tokens, options)
+    view = messages if isinstance(messages, ChatView) else ChatView(messages)
+    messages = view.messages
     if isinstance(messages, (dict, str, bytes)):
         hint = "pass body['messages']" if isinstance(messages, dict) else "decode the JSON first"
         raise TypeError(f"messages is a {type(messages).__name__}, not a list of messages ({hint})")
     if not all(map(isinstance, messages, repeat(dict))):
         index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
-    return _trim(ChatView(messages), max_tokens, model, token_counter or default_counter(), options)
+    return _trim(view, max_tokens, model, token_counter or default_counter(), options)
 
 
 def carry_previous(
-    messages: Sequence[Message],
+    messages: Sequence[Message] | ChatView,
     *,
     max_tokens: int,
     model: str | None = None,
@@ -260,9 +264,10 @@ def carry_previous(
     chosen = TrimOptions(**options)
     _check_options(max_tokens, chosen)
     previous = chosen.previous
+    view = messages if isinstance(messages, ChatView) else ChatView(messages)
+    messages = view.messages
     if previous is None or not all(map(isinstance, messages, repeat(dict))):
         return None
-    view = ChatView(messages)
     if not _carries(chosen, view):
         return None
     room = _recall_room(max_tokens, chosen)

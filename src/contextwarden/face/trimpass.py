@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Final
 
+from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, pin_fingerprint, read_flags
@@ -88,12 +89,13 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
-def _pinned(messages: list[Message], state: ChatState) -> list[int]:
+def _pinned(view: ChatView, state: ChatState) -> list[int]:
     """The positions of the user messages the chat's state has pinned."""
     pins = set(state.pins)
     if not pins:
         return []
-    return [i for i, m in enumerate(messages) if m.get("role") == "user" and pin_fingerprint(m) in pins]
+    messages = view.messages
+    return [i for i in range(len(view)) if view.role(i) == "user" and pin_fingerprint(messages[i]) in pins]
 
 
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
@@ -515,7 +517,8 @@ class TrimPass:
             return await _untrimmed(counter, messages, budget, model_id, off)
         at, merged = find_summary(messages, own_messages(messages, own))
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
-        pinned = _pinned(base, state)
+        view = ChatView(base)  # read once: the pins, the next turn's shortcut and every trim of this pass
+        pinned = _pinned(view, state)
 
         options: dict[str, Any] = {
             "model": model_id,
@@ -531,10 +534,10 @@ class TrimPass:
         }
 
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
-            return trim_messages(base, max_tokens=limit, embed=embed, **options)
+            return trim_messages(view, max_tokens=limit, embed=embed, **options)
 
         def carry(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult | None:
-            return carry_previous(base, max_tokens=limit, embed=embed, **options)
+            return carry_previous(view, max_tokens=limit, embed=embed, **options)
 
         if summary is not None:  # an earlier pass (or version) summarized: keep its note, never a second one
             cost = counter.count_message(summary, model_id) + counter.count_message(SUMMARY_ACK_MESSAGE, model_id)

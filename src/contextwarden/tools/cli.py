@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 
 from .. import __version__
-from ..core.conversation import Message, message_text
+from ..core.chatview import ChatView
+from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.selection import STRATEGIES
 from ..core.tokens import TokenCounter
@@ -151,15 +152,15 @@ def _preview(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def _print_table(messages: list[dict[str, Any]], result: TrimResult, counter: TokenCounter, model: str | None) -> None:
-    kept, shortened = set(result.kept), set(result.shortened)
+def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, model: str | None) -> None:
+    messages, kept, shortened = view.messages, set(result.kept), set(result.shortened)
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<9} text")
     for index, message in enumerate(messages):
         action = "kept" if index in kept else "shortened" if index in shortened else "dropped"
         action = "excerpted" if index in result.excerpted else action
         tokens = counter.count_message(message, model)
         role = str(message.get("role", "?"))[:9]
-        print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(message_text(message), 48)}")
+        print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(view.text(index), 48)}")
     print()
     print(
         f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
@@ -264,13 +265,14 @@ def _cmd_trim(args: argparse.Namespace) -> int:
         "low_watermark": args.low_watermark,
         "growth_turns": args.growth_turns,
     }
+    view = ChatView(messages)  # read once: the trim, the explanation and the table
     with _progress(f"trimming {len(messages):,} messages"):
-        result = trim_messages(messages, max_tokens=budget, model=model, token_counter=counter, **options)
+        result = trim_messages(view, max_tokens=budget, model=model, token_counter=counter, **options)
     explanation = None
     if args.explain:
         price = resolve_model(model, PriceBook.from_bundled()).price if model else None
         explanation = explain_trim(
-            messages,
+            view,
             result,
             model=model,
             token_counter=counter,
@@ -289,7 +291,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
     elif explanation is not None:
         _print_explained(messages, result, explanation, model)
     else:
-        _print_table(messages, result, counter, model)
+        _print_table(view, result, counter, model)
     return 0
 
 

@@ -120,7 +120,7 @@ def _unit_of(view: ChatView) -> dict[int, range]:
 
 
 def explain_trim(
-    messages: Sequence[Message],
+    messages: Sequence[Message] | ChatView,
     result: TrimResult,
     *,
     model: str | None = None,
@@ -135,7 +135,7 @@ def explain_trim(
     """Explain `result`, a `trim_messages(messages, ...)` made with the same options.
 
     Args:
-        messages, model, token_counter: as given to `trim_messages`.
+        messages, model, token_counter: as given to `trim_messages` (the messages or their view).
         options: the rest of what was given to it (`strategy`, `keep_last_turns`, `pinned`,
             `previous`, ...), as they were: read into one `TrimOptions`, so their defaults are
             the trim's own and a name it does not know is a TypeError.
@@ -150,7 +150,9 @@ def explain_trim(
         ('mandatory: system prompt',)
     """
     chosen = TrimOptions(**options)
-    facts = _facts(messages, result, model, token_counter, chosen, summarized)
+    view = messages if isinstance(messages, ChatView) else ChatView(messages)
+    messages = view.messages
+    facts = _facts(view, result, model, token_counter, chosen, summarized)
     rows = tuple(_row(i, message, facts) for i, message in enumerate(messages))
     parts = _budget_parts(facts, result, chosen, window, reserve, calibration)
     if result.excerpted:  # the excerpts sent cost what their copies do, not the messages they were cut from
@@ -185,7 +187,7 @@ class _Facts:
 
 
 def _facts(
-    messages: Sequence[Message],
+    view: ChatView,
     result: TrimResult,
     model: str | None,
     token_counter: TokenCounter,
@@ -193,7 +195,7 @@ def _facts(
     summarized: Collection[int],
 ) -> _Facts:
     previous = options.previous
-    view = ChatView(messages)
+    messages = view.messages
     system, orphans = set(view.system_indices), set(view.orphan_indices)
     unit_of = _unit_of(view)
     trimmed = bool(result.dropped or result.shortened)
