@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..backoff import Backoff
+from ..core.chatview import ChatView
 from ..core.conversation import (
     SUMMARY_ACK,
     SUMMARY_ACK_MESSAGE,
@@ -29,7 +30,6 @@ from ..core.conversation import (
     is_acknowledgement,
     is_recall_message,
     message_text,
-    system_positions,
 )
 from ..core.decision import message_fingerprint
 from ..core.tokens import TokenCounter
@@ -142,20 +142,21 @@ def own_messages(messages: Sequence[Message], fingerprints: Collection[str]) -> 
     return own
 
 
-def find_summary(messages: Sequence[Message], own: Collection[int] = ()) -> tuple[int | None, bool]:
+def find_summary(messages: Sequence[Message] | ChatView, own: Collection[int] = ()) -> tuple[int | None, bool]:
     """Where contextwarden's own note is: the index of a standalone note (today's user note at
     one of the `own` positions, see `own_messages`; or an older version's system note), and
     whether the chat holds one at all (also merged into a system message: Open WebUI merges
-    system messages after `request`)."""
+    system messages after `request`). `messages` may be the pass's `ChatView` of them."""
+    view = messages if isinstance(messages, ChatView) else ChatView(messages)
+    chat = view.messages
     for index in sorted(own):
-        if 0 <= index < len(messages) and _is_note(messages[index]):
+        if 0 <= index < len(chat) and _is_note(chat[index]):
             return index, True
     present = False
-    for index in system_positions(messages):
-        message = messages[index]
-        if _is_legacy_note(message):
+    for index in view.system_positions:
+        if _is_legacy_note(chat[index]):
             return index, True
-        present = present or LEGACY_SUMMARY_LABEL in message_text(message)
+        present = present or LEGACY_SUMMARY_LABEL in view.text(index)
     return None, present
 
 

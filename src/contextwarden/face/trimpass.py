@@ -515,9 +515,11 @@ class TrimPass:
         budget = prompt.messages
         if flags.full:
             return await _untrimmed(counter, messages, budget, model_id, off)
-        at, merged = find_summary(messages, own_messages(messages, own))
+        view = ChatView(messages)  # read once: the summary note, the pins, the shortcut, every trim of this pass
+        at, merged = find_summary(view, own_messages(messages, own))
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
-        view = ChatView(base)  # read once: the pins, the next turn's shortcut and every trim of this pass
+        if at is not None:  # the chat without the note: another list, another view
+            view = ChatView(base)
         pinned = _pinned(view, state)
 
         options: dict[str, Any] = {
