@@ -7,6 +7,8 @@ import random
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import message_text, read_conversation, system_positions
 from contextwarden.core.decision import message_fingerprint
+from contextwarden.core.relevance import score_messages
+from contextwarden.core.semantic import VectorCache, similarities
 
 from chatgen import random_chat
 
@@ -57,3 +59,23 @@ def test_window_is_the_view_of_the_tail():
     assert window.messages == CHAT[4:]
     assert window.texts == [message_text(m) for m in CHAT[4:]]
     assert window.question == read_conversation(CHAT[4:]).question == 2
+
+
+def _fake_embed(texts):
+    return [[len(t) % 7 + 1.0, sum(map(ord, t[:40])) % 11 + 1.0, t.count("e") + 1.0] for t in texts]
+
+
+def test_scorers_given_the_views_texts_and_roles_score_alike():
+    for seed in range(25):
+        chat = random_chat(random.Random(seed), 40)
+        view = ChatView(chat)
+        question = view.question
+        if question is None:
+            continue
+        skip = view.system_indices + view.orphan_indices
+        read = similarities(chat, question, VectorCache(), _fake_embed, skip=skip)
+        given = similarities(chat, question, VectorCache(), _fake_embed, skip=skip, texts=view.texts, roles=view.roles)
+        assert given == read, seed
+        assert score_messages(chat, question=question, exclude=skip, texts=view.texts, roles=view.roles) == (
+            score_messages(chat, question=question, exclude=skip)
+        )

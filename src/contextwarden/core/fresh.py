@@ -117,7 +117,9 @@ def _semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[flo
         return None
     excluded = view.system_indices + view.orphan_indices
     try:
-        similarity = similarities(view.messages, question, VECTORS, embed, skip=excluded)
+        similarity = similarities(
+            view.messages, question, VECTORS, embed, skip=excluded, texts=view.texts, roles=view.roles
+        )
     except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
         notes.append("some messages not embedded yet: relevance is lexical")
         return None

@@ -99,7 +99,7 @@ class _Pools:
         if pool is None:
             view = self.view
             messages, texts = view.messages, view.texts
-            similarity = _recall_cosines(messages, question, system, self.embed, self.notes) if self.embed else None
+            similarity = _recall_cosines(view, question, system, self.embed, self.notes) if self.embed else None
             scores = recall_scores(
                 messages,
                 question=question,
@@ -142,12 +142,12 @@ def _with_neighbours(
 
 
 def _recall_cosines(
-    messages: Sequence[Message], question: int, system: Sequence[int], embed: Embed, notes: list[str]
+    view: ChatView, question: int, system: Sequence[int], embed: Embed, notes: list[str]
 ) -> list[float] | None:
     """Each message's cosine to the question for the recall; None (lexical, with a note) when
     the embedder fails or its vectors are not there yet."""
     try:
-        return similarities(messages, question, VECTORS, embed, skip=system)
+        return similarities(view.messages, question, VECTORS, embed, skip=system, texts=view.texts, roles=view.roles)
     except LookupError:  # vectors not fetched yet (the filter embeds ahead of the trim)
         note = "some messages not embedded yet: recall is lexical"
     except Exception as exc:  # any embedder: its failure must not cost the trim

@@ -73,7 +73,11 @@ def embed_pieces(message: Message) -> list[str]:
         >>> [len(p) for p in embed_pieces({"role": "user", "content": "\\n".join(["x" * 100] * 5)})]
         [201, 201, 100]
     """
-    text = message_text(message)
+    return _pieces_of(message_text(message))
+
+
+def _pieces_of(text: str) -> list[str]:
+    """`embed_pieces` of a message whose text is `text`."""
     if len(text) <= PIECE_CHARS:
         return [text]
     pieces: list[str] = []
@@ -108,7 +112,11 @@ def context_window(messages: Sequence[Message], index: int) -> str | None:
     before, message = messages[index - 1], messages[index]
     if before.get("role") not in _DIALOGUE_ROLES or message.get("role") not in _DIALOGUE_ROLES:
         return None
-    first, text = message_text(before), message_text(message)
+    return _joined(message_text(before), message_text(message))
+
+
+def _joined(first: str, text: str) -> str | None:
+    """`context_window` of two dialogue messages whose texts are `first` and `text`."""
     if len(first) > PIECE_CHARS or len(text) > PIECE_CHARS or not first.strip() or not text.strip():
         return None
     return f"{first}\n{text}"
@@ -231,6 +239,8 @@ def similarities(
     fill: bool = True,
     skip: Collection[int] = (),
     context: bool = True,
+    texts: Sequence[str] | None = None,
+    roles: Sequence[object] | None = None,
 ) -> list[float] | None:
     """Cosine of each message to `messages[question]` (0 for the question and `skip`), or None.
 
@@ -240,7 +250,8 @@ def similarities(
     vector for are embedded first (one call); with `fill=False` only cached vectors are used
     and None says a message's are missing, so the caller scores lexically (the filter embeds
     ahead, off the trim, within its time and count limits; see `embed_texts`); a missing
-    window only leaves its message scored alone.
+    window only leaves its message scored alone. `texts`, `roles`: each message's `message_text`
+    and `role`, when the caller read them (`ChatView`).
 
     Example:
         >>> cache = VectorCache()
@@ -252,13 +263,18 @@ def similarities(
         >>> [round(s, 2) for s in similarities(chat, 2, cache, fake)]  # "rain" follows "my cat"
         [1.0, 0.65, 0.0]
     """
-    pieces = {i: embed_pieces(messages[i]) for i in range(len(messages)) if i not in skip}
+    text = (lambda i: message_text(messages[i])) if texts is None else texts.__getitem__
+    role = (lambda i: messages[i].get("role")) if roles is None else roles.__getitem__
+    pieces = {i: _pieces_of(text(i)) for i in range(len(messages)) if i not in skip}
     windows: dict[int, str] = {}
     if context:
         for i in pieces:
-            window = context_window(messages, i) if i != question and i - 1 not in skip else None
-            if window is not None:
-                windows[i] = window
+            if i == question or i - 1 in skip or i < 1:
+                continue
+            if role(i - 1) in _DIALOGUE_ROLES and role(i) in _DIALOGUE_ROLES:
+                window = _joined(text(i - 1), text(i))
+                if window is not None:
+                    windows[i] = window
     texts = list(chain.from_iterable(pieces.values()))
     if fill:
         try:
