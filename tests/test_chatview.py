@@ -79,3 +79,30 @@ def test_scorers_given_the_views_texts_and_roles_score_alike():
         assert score_messages(chat, question=question, exclude=skip, texts=view.texts, roles=view.roles) == (
             score_messages(chat, question=question, exclude=skip)
         )
+
+
+def test_relevance_is_score_messages_once_a_view_and_weights():
+    from dataclasses import replace
+
+    from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS
+
+    other = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)
+    for seed in range(20):
+        messages = random_chat(random.Random(seed), 30)
+        view = ChatView(messages)
+        if view.question is None:
+            continue
+        excluded = view.system_indices + view.orphan_indices
+        for weights in (DEFAULT_RELEVANCE_WEIGHTS, other):
+            fresh = score_messages(messages, question=view.question, exclude=excluded, weights=weights)
+            first = view.relevance(weights)
+            assert first == fresh
+            first[0] = -1.0  # a caller's list is its own: the view keeps what it scored
+            assert view.relevance(weights) == fresh
+        # The same list edited in place is another chat: a new view scores it anew.
+        edited = [dict(m) for m in messages]
+        edited[0]["content"] = "something else entirely about cats"
+        again = ChatView(edited)
+        assert again.relevance() == score_messages(
+            edited, question=again.question, exclude=again.system_indices + again.orphan_indices
+        )

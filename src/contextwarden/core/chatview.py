@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from .conversation import Conversation, Message, Turn, Unit, message_text, read_conversation, system_positions
 from .decision import Fingerprints
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
 
 __all__ = ["ChatView"]
 
@@ -20,7 +21,7 @@ __all__ = ["ChatView"]
 class ChatView:
     """A message list read for one turn: the messages as given (never copied or changed) and
     what the stages read of them, each when first asked for (`text`, `texts`, `roles`,
-    `system_positions`, `conversation` and its parts, `fingerprints`).
+    `system_positions`, `conversation` and its parts, `fingerprints`, `relevance`).
 
     It does not change once built: the list it reads must not change while it is in use (a
     trim reads a list it never modifies; a new list is a new view).
@@ -31,7 +32,7 @@ class ChatView:
         ('hi', ['system', 'user'], (0,), 1)
     """
 
-    __slots__ = ("messages", "_conversation", "_texts", "_some", "_roles", "_system", "_fingerprints")
+    __slots__ = ("messages", "_conversation", "_texts", "_some", "_roles", "_system", "_fingerprints", "_relevance")
 
     def __init__(self, messages: Sequence[Message], conversation: Conversation | None = None) -> None:
         self.messages = messages
@@ -41,6 +42,7 @@ class ChatView:
         self._roles: list[object] | None = None
         self._system: tuple[int, ...] | None = None
         self._fingerprints: Fingerprints | None = None
+        self._relevance: dict[RelevanceWeights, list[float]] = {}
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -88,6 +90,27 @@ class ChatView:
         if self._fingerprints is None:
             self._fingerprints = Fingerprints(self.messages)
         return self._fingerprints
+
+    def relevance(self, weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS) -> list[float]:
+        """`score_messages` of every message to the question, the system and orphan messages
+        left out, by words alone: scored once a view and `weights` (a new selection ranks the
+        turns, then the turns to excerpt, by the same scores); a new list each time.
+
+        Example:
+            >>> view = ChatView([{"role": "user", "content": "I have a cat."}, {"role": "user", "content": "My cat?"}])
+            >>> view.relevance()[0] > 0, view.relevance() is view.relevance()
+            (True, False)
+        """
+        question = self.question
+        if question is None:
+            raise ValueError("no question to score the messages against")
+        scores = self._relevance.get(weights)
+        if scores is None:
+            excluded = self.system_indices + self.orphan_indices
+            scores = self._relevance[weights] = score_messages(
+                self.messages, question=question, exclude=excluded, weights=weights, texts=self.texts, roles=self.roles
+            )
+        return list(scores)
 
     @property
     def conversation(self) -> Conversation:

@@ -28,7 +28,6 @@ from .relevance import (
     _term_cache,
     _TermStats,
     held_terms,
-    score_messages,
     words_terms,
 )
 from .semantic import VECTORS, Embed, embed_pieces, similarities
@@ -601,8 +600,7 @@ def excerpt_turns(
     if not candidates:
         return set(), {}
     if scores is None:
-        excluded = view.system_indices + view.orphan_indices
-        scores = score_messages(messages, question=question, exclude=excluded, texts=view.texts, roles=view.roles)
+        scores = view.relevance()
     text = view.text(question)
     added: set[int] = set()
     excerpts: dict[int, Excerpt] = {}

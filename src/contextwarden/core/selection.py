@@ -19,7 +19,7 @@ from typing import Literal
 from .chatview import ChatView
 from .conversation import SYSTEM_ROLES, Message, system_positions
 from .decision import Recall, TrimDecision
-from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, score_messages
+from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights
 
 __all__ = [
     "neighbour_reach",
@@ -199,15 +199,7 @@ def _pick_turns(
     if not (open_turns and left > 0 and view.question is not None):
         return []
     if scores is None:
-        excluded = view.system_indices + view.orphan_indices
-        scores = score_messages(
-            view.messages,
-            question=view.question,
-            exclude=excluded,
-            weights=weights,
-            texts=view.texts,
-            roles=view.roles,
-        )
+        scores = view.relevance(weights)
     latest = (view.current - 1) if view.current else None
     values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
     return select_by_value(group_cost, [values[t] for t in open_turns], left)
