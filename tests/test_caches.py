@@ -103,7 +103,7 @@ def cache_sizes() -> dict[str, int]:
         "recall indexes": len(recall_index._indexes._entries) + recall_index._indexes._terms,
         "word memo": sum(len(m) + len(m.several) for m in relevance._word_memos.values()),
         "question words": excerpt._question_words.cache_info().currsize,
-        "chunks": excerpt._cached_chunk_index.cache_info().currsize,
+        "chunks": len(excerpt._cached_chunk_index),
         "encodings": tokens._encoding_for_model_id.cache_info().currsize,
         "units": conversation._unit.cache_info().currsize,
         "code spans": len(flags._outside_code_memo),
@@ -126,3 +126,25 @@ def test_clear_all_empties_every_process_wide_cache_and_changes_no_trim():
 
     assert cache_sizes() == dict.fromkeys(filled, 0)
     assert _turns(chat) == before  # a cold process trims as a warm one did
+
+
+def test_text_cache_is_bounded_by_texts_and_by_characters_and_never_stale():
+    made: list[str] = []
+
+    def index(text: str) -> tuple[str, int]:
+        made.append(text)
+        return (text.upper(), len(text))
+
+    memo = caches.TextCache(index, max_texts=3, max_chars=10)
+    assert [memo(t) for t in ("aa", "bb", "aa")] == [("AA", 2), ("BB", 2), ("AA", 2)]
+    assert made == ["aa", "bb"]  # "aa" again from the cache
+    memo("cc"), memo("dd")  # a fourth text: the least recently used ("bb") goes
+    assert len(memo) == 3 and memo.chars == 6
+    memo("bb")
+    assert made[-1] == "bb"
+    memo("x" * 9)  # over the characters: the oldest go until it fits
+    assert memo.chars <= 10 and memo("x" * 9) == ("X" * 9, 9)
+    # A text edited in place is another key: its value is made anew, never the old one's.
+    assert memo("aa!") == ("AA!", 3)
+    memo.cache_clear()
+    assert len(memo) == 0 and memo.chars == 0

@@ -13,11 +13,12 @@ endpoints' back-off (`summarize`), which change what a turn does when emptied.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["lru_hit", "register", "registered", "clear_all"]
+__all__ = ["lru_hit", "TextCache", "register", "registered", "clear_all"]
 
 # Process-wide, least recently used out first unless said otherwise.
 ENCODING_MEMO_SIZE = 1_024  # tokens._encoding_for_model_id: a model id's encoding name
@@ -36,7 +37,10 @@ FREQUENCY_CACHE_SIZE = (
 FREQUENCY_CACHE_TERMS = 50_000  # relevance._frequency_cache: and this many (chat, term) counts in all (~5 MiB)
 DEFAULT_FINGERPRINT_CACHE_SIZE = 20_000  # decision._fingerprint_cache: a message's fingerprint, by its stand-in key
 QUESTION_MEMO_SIZE = 16  # excerpt._question_words: a question's words and their search terms
-CHUNK_CACHE_SIZE = 16  # excerpt._cached_chunk_index, _passage_pieces: a long text's chunks indexed (16 MiB at most)
+CHUNK_CACHE_SIZE = 16  # excerpt._passage_pieces: a long text's embedder pieces
+# excerpt._cached_chunk_index: a long text's chunks indexed, for at most this many texts and ...
+CHUNK_INDEX_TEXTS = 256
+CHUNK_INDEX_CHARS = 1_600_000  # ... this many characters in all (~10 bytes a character with their terms: 16 MiB)
 POINTED_MEMO_SIZE = 8  # excerpt._cached_scored: a long message's chunk scores for one question (a float a chunk)
 CHUNK_CACHE_MAX_CHARS = 100_000  # excerpt._cached_chunk_index: longer texts are cut anew each time
 VALVE_RANGE_MEMO_SIZE = 64  # valves.valve_range: a numeric valve's Field bounds, by valve name
@@ -67,6 +71,46 @@ def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
         except KeyError:  # evicted by another thread in between
             pass
     return value
+
+
+class TextCache(Generic[_V]):
+    """`function(text)` for the texts most recently asked, at most `max_texts` of them and
+    `max_chars` characters in all, least recently used out first: a bound by size, so many
+    ordinary texts fit where a few large ones would (a count alone must allow for the largest).
+    The function must be pure: a value is the same whenever it is made.
+
+    Example:
+        >>> lengths = TextCache(len, max_texts=8, max_chars=5)
+        >>> lengths("abc"), lengths("de"), len(lengths), lengths("fgh"), len(lengths), lengths.chars
+        (3, 2, 2, 3, 2, 5)
+    """
+
+    def __init__(self, function: Callable[[str], _V], *, max_texts: int, max_chars: int) -> None:
+        self.function, self.max_texts, self.max_chars = function, max_texts, max_chars
+        self._entries: OrderedDict[str, _V] = OrderedDict()
+        self.chars = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __call__(self, text: str) -> _V:
+        value = lru_hit(self._entries, text)
+        if value is None:
+            value = self.function(text)
+            with self._lock:
+                if text not in self._entries:
+                    self._entries[text] = value
+                    self.chars += len(text)
+                while self._entries and (len(self._entries) > self.max_texts or self.chars > self.max_chars):
+                    self.chars -= len(self._entries.popitem(last=False)[0])
+        return value
+
+    def cache_clear(self) -> None:
+        """Forget every text."""
+        with self._lock:
+            self._entries.clear()
+            self.chars = 0
 
 
 def register(name: str, clear: Callable[[], object]) -> None:

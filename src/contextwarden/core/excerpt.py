@@ -16,7 +16,16 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 
-from ..caches import CHUNK_CACHE_MAX_CHARS, CHUNK_CACHE_SIZE, POINTED_MEMO_SIZE, QUESTION_MEMO_SIZE, register
+from ..caches import (
+    CHUNK_CACHE_MAX_CHARS,
+    CHUNK_CACHE_SIZE,
+    CHUNK_INDEX_CHARS,
+    CHUNK_INDEX_TEXTS,
+    POINTED_MEMO_SIZE,
+    QUESTION_MEMO_SIZE,
+    TextCache,
+    register,
+)
 from .chatview import ChatView
 from .conversation import Message
 from .relevance import (
@@ -135,8 +144,9 @@ def _index(chunks: tuple[str, ...]) -> _ChunkIndex:
 
 def _chunked(text: str) -> _ChunkIndex:
     """`split_chunks(text)` with its `_ChunkIndex`. A carried excerpt's message is cut, checked
-    and rebuilt again every turn: the last `CHUNK_CACHE_SIZE` texts of up to
-    `CHUNK_CACHE_MAX_CHARS` are kept (~10 bytes a character with their terms: 16 MiB at most)."""
+    and rebuilt again every turn: the texts of up to `CHUNK_CACHE_MAX_CHARS` used last are kept,
+    `CHUNK_INDEX_TEXTS` at most and `CHUNK_INDEX_CHARS` in all (~10 bytes a character with their
+    terms: 16 MiB at most; by size, so that other chats' documents do not push out a chat's few)."""
     if len(text) > CHUNK_CACHE_MAX_CHARS:
         return _index(tuple(split_chunks(text)))
     return _cached_chunk_index(text)
@@ -150,11 +160,11 @@ def _chunks_only(text: str) -> tuple[str, ...]:
     return _cached_chunk_index(text).chunks
 
 
-@functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)
-def _cached_chunk_index(text: str) -> _ChunkIndex:
+def _chunk_index(text: str) -> _ChunkIndex:
     return _index(tuple(split_chunks(text)))
 
 
+_cached_chunk_index = TextCache(_chunk_index, max_texts=CHUNK_INDEX_TEXTS, max_chars=CHUNK_INDEX_CHARS)
 register("excerpt._cached_chunk_index", _cached_chunk_index.cache_clear)
 
 
