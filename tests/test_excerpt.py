@@ -363,3 +363,41 @@ def test_a_placeholder_is_rebuilt_byte_for_byte(counter):
     made = excerpt_message(message, "What is the capital of Peru?", 40, counter, MODEL)
     assert made is not None and made.chunks == ()
     assert rebuild(message, (), counter, MODEL) == made
+
+
+def _cold(chat: list[dict], previous: TrimDecision | None, options: dict):
+    """The trim a worker that has just started makes (every process-wide cache empty, its own counter)."""
+    from contextwarden import caches
+
+    caches.clear_all()
+    return trim_messages(chat, previous=previous, **{**options, "token_counter": TokenCounter(block=True)})
+
+
+def test_warm_caches_trim_as_a_cold_process_after_edits_in_place(counter):
+    """The chunk indexes, scores and views kept between turns never stand in for a changed
+    text: a document edited in place (same length), a changed system prompt, and another
+    chat's decision handed in (a chat id reused with other content) trim as a cold process."""
+    options = {"max_tokens": 4_000, "model": MODEL, "token_counter": counter}
+    chat = pasted_chat(counter)
+    first = trim_messages(chat, **options)
+    chat += [{"role": "assistant", "content": "Aisle 42."}, {"role": "user", "content": "Which part covers the audit?"}]
+    doc = chat[1]["content"]
+    at = doc.index(" ", len(doc) // 3)
+    edited = [dict(m) for m in chat]
+    edited[1]["content"] = doc[:at] + " zzzz" + doc[at + 5 :]  # same length, other words
+    assert len(edited[1]["content"]) == len(doc) and edited[1]["content"] != doc
+    prompt = [dict(m) for m in chat]
+    prompt[0]["content"] = "You are a terse assistant."
+    other = pasted_chat(counter)[:1] + [{"role": "user", "content": document(5_000, counter, seed=3)}] + chat[2:]
+    kinds = []
+    for turn in (chat, edited, prompt, other):
+        previous = TrimDecision.from_json(first.decision.to_json())
+        warm = trim_messages(turn, previous=previous, **options)
+        kinds.append((warm.reused, bool(warm.excerpted or warm.recalled_passages)))
+        cold = _cold(turn, TrimDecision.from_json(first.decision.to_json()), options)
+        assert warm.messages == cold.messages
+        assert warm.decision.to_json() == cold.decision.to_json()
+        check_contract(turn, warm, counter, MODEL)
+    # The turn as it was and the one with another system prompt carry the excerpt (chunk caches
+    # warm); the edited document and the other chat's are selected anew.
+    assert kinds == [(True, True), (False, False), (True, True), (False, False)]
