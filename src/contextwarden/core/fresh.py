@@ -78,7 +78,7 @@ def _new_selection(
     watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
     target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
     semantic = options.embed is not None and options.strategy == "relevance"
-    scores = _semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
+    scores = semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     keep = choose_indices(
         view,
@@ -89,6 +89,7 @@ def _new_selection(
         pinned=pinned,
         scores=scores,
         room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
+        by_message=scores is not None,  # the embedder's relevance holds for single messages
     )
     excerpts: dict[int, Excerpt] = {}
     if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
@@ -110,8 +111,9 @@ def _new_selection(
     return keep, [block] if block is not None else [], excerpts
 
 
-def _semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[float] | None:
-    """Relevance with the embedder's similarities fused in; None (lexical) when it fails."""
+def semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[float] | None:
+    """Relevance with the embedder's similarities fused in; None (lexical, with a note in
+    `notes`) when it fails. A selection on these scores picks single messages."""
     question = view.question
     if question is None:
         return None

@@ -15,6 +15,7 @@ from typing import Any
 from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import message_fingerprint
+from ..core.fresh import semantic_scores
 from ..core.relevance import score_messages
 from ..core.selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
 from ..core.tokens import TOKENS_PER_REPLY, TokenCounter
@@ -184,6 +185,7 @@ class _Facts:
     trimmed: bool
     scores: list[float] | None
     worth: dict[int, float]
+    by_message: bool  # the selection picked single messages (with the embedder), not turns
 
 
 def _facts(
@@ -200,14 +202,18 @@ def _facts(
     unit_of = _unit_of(view)
     trimmed = bool(result.dropped or result.shortened)
     question = view.question
+    by_message = False
     costs = token_counter.count_each(messages, model)
     scores: list[float] | None = None
     worth: dict[int, float] = {}
     if trimmed and not result.reused and question is not None and options.strategy == "relevance":
-        scores = score_messages(
-            messages, question=question, exclude=sorted(system | orphans), texts=view.texts, roles=view.roles
-        )
-        worth = turn_values(view, costs, scores)
+        scores = semantic_scores(view, options.embed, []) if options.embed is not None else None
+        by_message = scores is not None
+        if scores is None:
+            scores = score_messages(
+                messages, question=question, exclude=sorted(system | orphans), texts=view.texts, roles=view.roles
+            )
+            worth = turn_values(view, costs, scores)
     return _Facts(
         view=view,
         costs=costs,
@@ -228,6 +234,7 @@ def _facts(
         trimmed=trimmed,
         scores=scores,
         worth=worth,
+        by_message=by_message,
     )
 
 
@@ -293,6 +300,10 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
 def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
     """The value of message `i`'s turn as selection weighs it (scores per token^exponent)."""
     assert facts.scores is not None
+    if facts.by_message:
+        return f"score: {facts.scores[i]:.3f} with the embedder, chosen by message: " + (
+            "among the most relevant that fit" if sent else "below what was kept, or did not fit"
+        )
     turn_of, mandatory, scores, costs = facts.turn_of, facts.mandatory, facts.scores, facts.costs
     whole = [j for j in facts.view.turns[turn_of[i]].indices if j not in mandatory] if i in turn_of else [i]
     worth = facts.worth
@@ -311,7 +322,7 @@ def _together(i: int, facts: _Facts) -> list[str]:
         reasons.append(f"tool pair: messages {unit.start}–{unit.stop - 1} are kept or dropped together")
     turn_of = facts.turn_of
     turn = facts.view.turns[turn_of[i]].indices if i in turn_of and i not in facts.mandatory else []
-    if facts.trimmed and len(turn) > 1:
+    if facts.trimmed and len(turn) > 1 and not facts.by_message:
         reasons.append(f"whole turn: messages {turn[0]}–{turn[-1]} are kept or dropped together")
     return reasons
 

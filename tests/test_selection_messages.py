@@ -1,0 +1,96 @@
+"""With the embedder's scores the relevance strategy picks single messages, not whole turns
+(`selection._pick_messages`): a relevant reply goes without the rest of its turn, what is sent
+never opens with a reply, and the contract holds on any chat."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from contextwarden import trim_messages
+from contextwarden.core.chatview import ChatView
+from contextwarden.core.selection import choose_indices
+from contextwarden.tools.explain import explain_trim
+
+from chatgen import random_chat
+from chats import check_contract, frozen
+
+MODEL = "gpt-4o"
+
+
+def _chat(n: int) -> list[dict]:
+    """n messages, user and assistant in turn, then the question."""
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+    return chat + [{"role": "user", "content": "question?"}]
+
+
+def test_a_relevant_reply_goes_without_the_rest_of_its_turn():
+    chat = _chat(6)  # turns (0, 1), (2, 3), latest (4, 5); the question at 6
+    scores = [0.1, 6.0, 0.1, 5.0, 0.0, 0.0, 0.0]
+    view, costs = ChatView(chat), [10] * 7
+    # hard 10 (the question) + latest turn 20: 30 of the 60 left
+    assert choose_indices(view, costs, 60, scores=scores) == {0, 1, 4, 5, 6}  # one whole turn
+    # by message: replies 1 and 3; 1 would open what is sent, so its question 0 comes in
+    # and the least relevant pick (message 2) makes room for it
+    assert choose_indices(view, costs, 60, scores=scores, by_message=True) == {0, 1, 3, 4, 5, 6}
+
+
+def test_a_reply_whose_question_does_not_fit_goes_and_its_room_is_filled_again():
+    chat = _chat(6)
+    scores = [0.1, 6.0, 0.1, 0.2, 0.0, 0.0, 0.0]
+    costs = [50, 10, 10, 10, 10, 10, 10]  # message 0, the question of reply 1, is large
+    kept = choose_indices(ChatView(chat), costs, 50, scores=scores, by_message=True)
+    assert kept == {2, 3, 4, 5, 6}  # 1 went (0 did not fit); 2 took its room, 3 no longer opens
+
+
+def test_the_embedder_picks_single_messages_in_a_trim():
+    def embed(texts: list[str]) -> list[list[float]]:
+        return [[1.0, 0.1] if "lighthouse" in t or "tower" in t else [0.1, 1.0] for t in texts]
+
+    filler = "We talked about the garden and the weather again today. " * 3
+    chat = []
+    for i in range(12):
+        chat.append({"role": "user", "content": f"{filler} part {i}"})
+        reply = "I once visited a lighthouse." if i == 3 else f"{filler} reply {i}"
+        chat.append({"role": "assistant", "content": reply})
+    chat.append({"role": "user", "content": "Which coastal tower did I mention?"})
+    result = trim_messages(chat, max_tokens=220, model=MODEL, low_watermark=1.0, embed=embed)
+    assert 7 in result.kept and 6 in result.kept  # the reply, and its question so it does not open
+    lexical = trim_messages(chat, max_tokens=220, model=MODEL, low_watermark=1.0)
+    assert 7 not in lexical.kept  # no word of the question is in it
+    reasons = explain_trim(chat, result, model=MODEL, token_counter=_counter(), low_watermark=1.0, embed=embed)
+    assert "chosen by message" in " ".join(reasons.messages[7].reasons)
+    assert not any("whole turn" in r for m in reasons.messages for r in m.reasons)
+
+
+def _counter():
+    from contextwarden.core.tokens import TokenCounter
+
+    return TokenCounter()
+
+
+def _hashed(texts: list[str]) -> list[list[float]]:
+    """Any text to a fixed unit-ish vector: an embedder for arbitrary chats."""
+    out = []
+    for t in texts:
+        digest = hashlib.sha256(t.encode()).digest()
+        out.append([b / 255 + 0.01 for b in digest[:8]])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_contract_and_determinism_hold_by_message(counter, seed):
+    rng = random.Random(5000 + seed)
+    chat = random_chat(rng, rng.choice([3, 10, 60, 250]), system_words=rng.choice([0, 20, 300]))
+    before = frozen(chat)
+    total = counter.count_messages(chat, MODEL)
+    pins = rng.sample(range(len(chat)), k=min(2, len(chat)))
+    for budget in {64, 300, 1_500, max(64, total // 3)}:
+        options = {"pinned": pins, "low_watermark": rng.choice([0.8, 1.0]), "embed": _hashed}
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
+        check_contract(chat, result, counter, MODEL)
+        same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
+        assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
+    assert frozen(chat) == before
