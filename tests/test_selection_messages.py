@@ -94,3 +94,19 @@ def test_contract_and_determinism_hold_by_message(counter, seed):
         same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
     assert frozen(chat) == before
+
+
+def test_short_replies_to_long_questions_are_kept_with_one_question_to_open_them():
+    """Many relevant short replies, each to a long question: the earliest brings its question
+    (the least relevant picks make room), the rest go alone; the work is bounded (`MAX_ROOM_SCAN`)."""
+    n = 2_000
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+    chat.append({"role": "user", "content": "q"})
+    rng = random.Random(1)
+    costs = [1_000 if i % 2 == 0 else 10 for i in range(n)] + [10]
+    scores = [0.0 if i % 2 == 0 else rng.random() + 0.01 for i in range(n)] + [0.0]
+    kept = choose_indices(ChatView(chat), costs, 8_000, scores=scores, by_message=True)
+    first = min(kept)
+    assert chat[first]["role"] == "user" and first + 1 in kept  # a question opens, with its reply
+    assert sum(1 for i in kept if i % 2) > 500  # the replies go without their questions
+    assert sum(costs[i] for i in kept) <= 8_000

@@ -61,6 +61,9 @@ DEFAULT_COST_EXPONENT = 0.25
 # 0.5 worse (0.840 / 0.932 | 0.780 / 0.911). On the reshaped chats (bench/quality.py) at 2k:
 # 0.80x -> 0.94x.
 RECALL_COST_EXPONENT = 0.0
+# The least relevant picks a reply that would open what is sent looks through for room for its
+# question (`_room_for`): bounds the work a reply on a chat of thousands of messages.
+MAX_ROOM_SCAN = 256
 DEFAULT_KEEP_LAST_TURNS = 1  # the current turn: the latest question and what answers it
 
 
@@ -220,7 +223,7 @@ def _pick_messages(
     """The open units (single messages, tool groups) most relevant first while they fit, each
     worth its best message whatever its length; then `_with_opening_question`.
     With an embedder, bench/quality.py (all evidence kept, 1k / 2k / 4k / 8k): REALTALK
-    0.405 / 0.529 / 0.677 / 0.819 by whole turns, 0.474 / 0.619 / 0.731 / 0.825 by message;
+    0.405 / 0.529 / 0.677 / 0.819 by whole turns, 0.474 / 0.619 / 0.728 / 0.828 by message;
     LoCoMo 0.722 / 0.800 / 0.866 / 0.922 and 0.733 / 0.805 / 0.872 / 0.928. Lexically it
     loses on LoCoMo (the evidence is often the reply beside the message BM25 matches)."""
     if left <= 0 or view.question is None:
@@ -251,24 +254,27 @@ def _with_opening_question(
 ) -> list[int]:
     """What is sent never opens with a reply (a unit in `replies` before the first of the
     chosen ones and of the fixed part, at `fixed`): that reply brings its turn's user message,
-    for which the least relevant picks make room if together they are worth less than it;
-    else it goes, and what it leaves is filled again by `order` with what does not open."""
+    for which the least relevant picks make room if together they are worth less than it
+    (`_room_for`); else it goes. What the replies that went leave is filled again once, by
+    `order`, with what does not open."""
     unit_at = {plan.units[u].start: u for u in value}
-    while chosen and (lead := min(chosen)) in replies and plan.units[lead].start < fixed:
+    least_first = sorted(chosen, key=lambda v: (value[v], v))
+    dropped = False
+    for lead in sorted(chosen):
+        if lead not in replies or plan.units[lead].start >= fixed:
+            break
         asked = plan.turn_user[plan.unit_turn[lead]]
         user = unit_at.get(asked) if asked is not None else None
-        victims, room = [], left
-        for v in sorted(chosen - {lead}, key=lambda v: (value[v], v)):
-            if user is None or room >= unit_cost[user]:
-                break
-            victims.append(v)
-            room += unit_cost[v]
-        if user is not None and room >= unit_cost[user] and sum(value[v] for v in victims) < value[lead]:
+        victims = _room_for(user, lead, least_first, chosen, value, unit_cost, left) if user is not None else None
+        if victims is not None and user is not None:
             chosen.difference_update(victims)
             chosen.add(user)
+            left += sum(unit_cost[v] for v in victims) - unit_cost[user]
             break
         chosen.discard(lead)
         left += unit_cost[lead]
+        dropped = True
+    if dropped:
         earliest = min(fixed, plan.units[min(chosen)].start) if chosen else fixed
         for u in order:
             start = plan.units[u].start
@@ -277,6 +283,32 @@ def _with_opening_question(
                 left -= unit_cost[u]
                 earliest = min(earliest, start)
     return sorted(chosen)
+
+
+def _room_for(
+    user: int,
+    lead: int,
+    least_first: Sequence[int],
+    chosen: Collection[int],
+    value: Mapping[int, float],
+    unit_cost: Sequence[int],
+    left: int,
+) -> list[int] | None:
+    """The least relevant chosen units (not `lead`) whose room, with `left`, fits `user`, when
+    together they are worth less than `lead`; None when there are none such among the first
+    `MAX_ROOM_SCAN` of `least_first`."""
+    need, worth, victims = unit_cost[user] - left, 0.0, []
+    for v in least_first[:MAX_ROOM_SCAN]:
+        if need <= 0:
+            break
+        if v == lead or v not in chosen:
+            continue
+        worth += value[v]
+        if worth >= value[lead]:
+            return None
+        victims.append(v)
+        need -= unit_cost[v]
+    return victims if need <= 0 else None
 
 
 def choose_indices(
