@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["lru_hit", "TextCache", "register", "registered", "clear_all"]
+__all__ = ["lru_hit", "WeighedLRU", "TextCache", "register", "registered", "clear_all"]
 
 # Process-wide, least recently used out first unless said otherwise.
 ENCODING_MEMO_SIZE = 1_024  # tokens._encoding_for_model_id: a model id's encoding name
@@ -73,11 +73,55 @@ def lru_hit(cache: OrderedDict[_K, _V], key: _K) -> _V | None:
     return value
 
 
-class TextCache(Generic[_V]):
+class WeighedLRU(Generic[_K, _V]):
+    """Values by key, least recently used out first, at most `max_entries` of them and
+    `max_weight` in all as `weigh(key, value)` counts: a bound by size, so many small entries
+    fit where a few large ones would (a count alone must allow for the largest). Read with
+    `lru_hit(cache._entries, key)`; `put` under a lock, as threads share it.
+
+    Example:
+        >>> sizes = WeighedLRU(max_entries=8, max_weight=5, weigh=lambda key, value: value)
+        >>> sizes.put("a", 3), sizes.put("b", 2), sizes.put("c", 3)
+        (3, 2, 3)
+        >>> list(sizes._entries), sizes.weight
+        (['b', 'c'], 5)
+    """
+
+    def __init__(self, *, max_entries: int, max_weight: int, weigh: Callable[[_K, _V], int]) -> None:
+        self.max_entries, self.max_weight, self.weigh = max_entries, max_weight, weigh
+        self._entries: OrderedDict[_K, _V] = OrderedDict()
+        self.weight = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: _K, value: _V) -> _V:
+        """Keep `value` under `key` (unless another thread kept one first) and return it."""
+        with self._lock:
+            entries = self._entries
+            if key not in entries:
+                entries[key] = value
+                self.weight += self.weigh(key, value)
+                while entries and (len(entries) > self.max_entries or self.weight > self.max_weight):
+                    self.weight -= self.weigh(*entries.popitem(last=False))
+        return value
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+            self.weight = 0
+
+
+def _text_length(text: str, value: object) -> int:
+    return len(text)
+
+
+class TextCache(WeighedLRU[str, _V]):
     """`function(text)` for the texts most recently asked, at most `max_texts` of them and
-    `max_chars` characters in all, least recently used out first: a bound by size, so many
-    ordinary texts fit where a few large ones would (a count alone must allow for the largest).
-    The function must be pure: a value is the same whenever it is made.
+    `max_chars` characters in all (`WeighedLRU`). The function must be pure: a value is the
+    same whenever it is made.
 
     Example:
         >>> lengths = TextCache(len, max_texts=8, max_chars=5)
@@ -86,31 +130,21 @@ class TextCache(Generic[_V]):
     """
 
     def __init__(self, function: Callable[[str], _V], *, max_texts: int, max_chars: int) -> None:
-        self.function, self.max_texts, self.max_chars = function, max_texts, max_chars
-        self._entries: OrderedDict[str, _V] = OrderedDict()
-        self.chars = 0
-        self._lock = threading.Lock()
+        super().__init__(max_entries=max_texts, max_weight=max_chars, weigh=_text_length)
+        self.function = function
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @property
+    def chars(self) -> int:
+        """The characters of the texts kept."""
+        return self.weight
 
     def __call__(self, text: str) -> _V:
         value = lru_hit(self._entries, text)
-        if value is None:
-            value = self.function(text)
-            with self._lock:
-                if text not in self._entries:
-                    self._entries[text] = value
-                    self.chars += len(text)
-                while self._entries and (len(self._entries) > self.max_texts or self.chars > self.max_chars):
-                    self.chars -= len(self._entries.popitem(last=False)[0])
-        return value
+        return self.put(text, self.function(text)) if value is None else value
 
     def cache_clear(self) -> None:
         """Forget every text."""
-        with self._lock:
-            self._entries.clear()
-            self.chars = 0
+        self.clear()
 
 
 def register(name: str, clear: Callable[[], object]) -> None:

@@ -26,7 +26,7 @@ import math
 import re
 import sys
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
@@ -39,6 +39,7 @@ from ..caches import (
     FREQUENCY_CACHE_TERMS,
     TERM_MEMO_CHARS,
     TERM_MEMO_SIZE,
+    WeighedLRU,
     lru_hit,
     register,
 )
@@ -337,7 +338,11 @@ def _term_stats(text: str, fold: bool) -> _TermStats:
     return _TermStats(once, tuple(more), more_tfs, length, short_date)
 
 
-class _TermStatsCache:
+def _distinct_terms(key: tuple[int, int, bool], stats: _TermStats) -> int:
+    return stats.distinct
+
+
+class _TermStatsCache(WeighedLRU[tuple[int, int, bool], _TermStats]):
     """Per-text term statistics, least recently used out first, bounded by messages and by terms.
 
     The key is the text's length and Python's string hash (see `TokenCounter._count`): about 5x
@@ -345,32 +350,17 @@ class _TermStatsCache:
     """
 
     def __init__(self, size: int, max_terms: int) -> None:
-        self.size = size
-        self.max_terms = max_terms
-        self._entries: OrderedDict[tuple[int, int, bool], _TermStats] = OrderedDict()
-        self._terms = 0
-        self._lock = threading.Lock()
+        super().__init__(max_entries=size, max_weight=max_terms, weigh=_distinct_terms)
+
+    @property
+    def _terms(self) -> int:
+        """The (text, term) entries kept."""
+        return self.weight
 
     def get(self, text: str, fold: bool) -> _TermStats:
         key = (len(text), hash(text), fold)
-        entries = self._entries
-        stats = lru_hit(entries, key)
-        if stats is not None:
-            return stats
-        stats = _term_stats(text, fold)
-        with self._lock:
-            if key not in entries:
-                entries[key] = stats
-                self._terms += stats.distinct
-                while entries and (len(entries) > self.size or self._terms > self.max_terms):
-                    self._terms -= entries.popitem(last=False)[1].distinct
-        return stats
-
-    def clear(self) -> None:
-        """Forget every text's statistics."""
-        with self._lock:
-            self._entries.clear()
-            self._terms = 0
+        stats = lru_hit(self._entries, key)
+        return self.put(key, _term_stats(text, fold)) if stats is None else stats
 
 
 _term_cache = _TermStatsCache(DEFAULT_TERM_CACHE_SIZE, DEFAULT_TERM_CACHE_TERMS)
