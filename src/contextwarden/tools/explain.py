@@ -16,7 +16,6 @@ from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import message_fingerprint
 from ..core.fresh import semantic_scores
-from ..core.relevance import score_messages
 from ..core.selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
 from ..core.tokens import TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimOptions, TrimResult, selection_target
@@ -210,9 +209,7 @@ def _facts(
         scores = semantic_scores(view, options.embed, []) if options.embed is not None else None
         by_message = scores is not None
         if scores is None:
-            scores = score_messages(
-                messages, question=question, exclude=sorted(system | orphans), texts=view.texts, roles=view.roles
-            )
+            scores = view.relevance()
             worth = turn_values(view, costs, scores)
     return _Facts(
         view=view,
