@@ -44,6 +44,7 @@ MODULES = [
     "core/recall_index",
     "core/decision",
     "core/chatview",
+    "core/alternation",
     "core/selection",
     "core/excerpt",
     "core/recall",

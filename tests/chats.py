@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Collection
 from itertools import pairwise
 from typing import Any
 
@@ -22,8 +23,49 @@ from contextwarden.core.tokens import TokenCounter
 from contextwarden.core.trim import TrimResult
 
 
-def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: TokenCounter, model: str | None) -> None:
-    """Assert every rule of DESIGN.md's contract for one trim."""
+def _check_alternation(chat: list[dict[str, Any]], result: TrimResult, pinned: Collection[int]) -> None:
+    """No user (or assistant) message follows one of its role in what is sent unless the chat
+    had one of them next to one of its role (a question with no reply, two in a row; orphan
+    tool calls, never sent, aside), or one is pinned (a pin goes alone when the rest of its
+    turn does not fit) or both are mandatory. What the
+    trim added (recall blocks, their acknowledgements: `result.added`) is judged by role alone."""
+    view = ChatView(chat)
+    skip = {*view.orphan_indices, *view.system_indices}
+    pins = set(pinned)
+    fixed = {*pins, *mandatory_indices(view)}
+    added = set(result.added)
+    origin = iter(sorted({*result.kept, *result.shortened}))
+    at = [None if k in added else next(origin, None) for k in range(len(result.messages))]
+    dialogue = [(m.get("role"), i) for m, i in zip(result.messages, at, strict=True)]
+    dialogue = [(r, i) for r, i in dialogue if r not in ("system", "developer")]
+    for (role, i), (other, j) in zip(dialogue, dialogue[1:], strict=False):
+        if role not in ("user", "assistant") or other != role:
+            continue
+        assert i is not None or j is not None, f"two {role} messages in a row added by the trim"
+        after = (
+            next((chat[k].get("role") for k in range(i + 1, len(chat)) if k not in skip), None)
+            if i is not None
+            else None
+        )
+        before = (
+            next((chat[k].get("role") for k in range(j - 1, -1, -1) if k not in skip), None) if j is not None else None
+        )
+        chats_own = role in (after, before)
+        if i is None or j is None:  # a recall block right after the chat's own two alike
+            assert chats_own, f"two {role} messages in a row, one added by the trim"
+            continue
+        pin = bool({i, j} & pins) or {i, j} <= fixed  # a pin goes alone when the rest of its turn does not fit
+        assert chats_own or pin, f"two {role} messages in a row that the chat did not have so"
+
+
+def check_contract(
+    chat: list[dict[str, Any]],
+    result: TrimResult,
+    counter: TokenCounter,
+    model: str | None,
+    pinned: Collection[int] = (),
+) -> None:
+    """Assert every rule of DESIGN.md's contract for one trim (`pinned`: the trim's pins)."""
     sent = result.messages
     conversation = ChatView(chat)
     # 1. valid output: every tool_calls id answered right after; no orphan tool message.
@@ -57,6 +99,8 @@ def check_contract(chat: list[dict[str, Any]], result: TrimResult, counter: Toke
         assert first_in is not None and first_in.get("role") in ("assistant", "tool"), (
             "history now starts with an assistant or tool message"
         )
+    # two user or two assistant messages in a row only where the input had them so.
+    _check_alternation(chat, result, pinned)
     # 2. hard budget, counted with the filter's own counter.
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:

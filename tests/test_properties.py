@@ -644,7 +644,7 @@ def test_pins_are_sent_unless_even_shortened_they_cannot_fit(counter, data, chat
     budget, unless even their markers cannot fit, and the contract holds either way."""
     pins = data.draw(st.lists(st.integers(0, max(0, len(chat) - 1)), max_size=4, unique=True)) if chat else []
     result = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter, pinned=pins)
-    check_contract(chat, result, counter, model)
+    check_contract(chat, result, counter, model, pinned=pins)
     conversation = ChatView(chat)
     # Pins in turns with a question (a reply of a turn without one may not lead the history;
     # orphan tool messages are never sent).

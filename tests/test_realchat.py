@@ -48,7 +48,7 @@ def test_pin_is_mandatory_under_the_low_watermark(counter):
     chat.append({"role": "user", "content": "And now? " + words(40, 300)})
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, pinned=[1])
     assert 1 in result.kept
-    check_contract(chat, result, counter, MODEL)
+    check_contract(chat, result, counter, MODEL, pinned=[1])
 
 
 def test_pins_over_the_budget_are_shortened_not_dropped(counter):
@@ -61,7 +61,7 @@ def test_pins_over_the_budget_are_shortened_not_dropped(counter):
         ]
     chat.append({"role": "user", "content": "Summarise the notes."})
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, pinned=[1, 3, 5])
-    check_contract(chat, result, counter, MODEL)
+    check_contract(chat, result, counter, MODEL, pinned=[1, 3, 5])
     assert result.tokens_after <= PIN_BUDGET and not result.over_budget
     assert set(result.shortened) & {1, 3, 5} and set(result.kept) | set(result.shortened) >= {1, 3, 5}
     assert any("pinned" in note for note in result.notes)

@@ -104,7 +104,7 @@ def test_pinned_and_last_turns_are_kept_first(counter):
     assert 3 not in plain.kept
     pinned = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, pinned=[3])
     assert {3, 4} <= set(pinned.kept)  # the pinned question with its answer: whole turns
-    check_contract(chat, pinned, counter, MODEL)
+    check_contract(chat, pinned, counter, MODEL, pinned=[3])
     last = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, keep_last_turns=3)
     assert set(range(len(chat) - 5, len(chat))) <= set(last.kept)
     check_contract(chat, last, counter, MODEL)
@@ -267,7 +267,7 @@ def test_contract_idempotence_determinism_on_random_chats(counter, seed):
             "low_watermark": rng.choice([0.6, 0.8, 1.0]),
         }
         result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
-        check_contract(chat, result, counter, MODEL)
+        check_contract(chat, result, counter, MODEL, pinned=pins)
         same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
         again = trim_messages(
@@ -284,7 +284,7 @@ def test_contract_idempotence_determinism_on_random_chats(counter, seed):
                 previous=TrimDecision.from_json(result.decision.to_json()),
                 **options,
             )
-            check_contract(grown, follow, counter, MODEL)
+            check_contract(grown, follow, counter, MODEL, pinned=pins)
     assert frozen(chat) == before
 
 

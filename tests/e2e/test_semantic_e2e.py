@@ -95,6 +95,9 @@ def test_the_filter_finds_by_meaning_with_open_webuis_embedder(open_webui: OpenW
         assert trimmed and not sent_fact(backend), "a first turn is trimmed by words"
         assert two_turns(open_webui, backend), "the embedder should have brought the kitten fact back"
         assert len(backend.last_request["messages"]) < len(weather_chat())
+        # picked by message, what is sent still alternates, as strict chat templates require
+        roles = [m["role"] for m in backend.last_request["messages"] if m["role"] != "system"]
+        assert all(a != b for a, b in zip(roles, roles[1:], strict=False)), roles
         set_valves(open_webui, FID, valves(semantic_relevance=False))
         assert not two_turns(open_webui, backend, wait=0), "word matching alone cannot find it"
 

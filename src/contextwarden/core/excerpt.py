@@ -26,6 +26,7 @@ from ..caches import (
     TextCache,
     register,
 )
+from .alternation import fits_between
 from .chatview import ChatView
 from .conversation import Message
 from .relevance import (
@@ -589,7 +590,8 @@ def excerpt_turns(
     """Earlier turns the selection left out (`keep` holds none of them) that hold a message of
     `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
     the most relevant turn first, while they fit `room`; the indices to add and the excerpts.
-    A turn goes whole or not at all (a question with its answer, a tool call with its result);
+    A turn goes whole or not at all (a question with its answer, a tool call with its result),
+    and only where roles still alternate beside it (`alternation.fits_between`);
     a turn whose excerpts keep no relevant chunk goes only to collapse a tool result. `scores`
     (one per message, as the selection used them) rank the turns; by default `score_messages`.
     `embed` (optional) scores the chunks semantically as well. `whole` (a question about the
@@ -614,6 +616,7 @@ def excerpt_turns(
     text = view.text(question)
     added: set[int] = set()
     excerpts: dict[int, Excerpt] = {}
+    sent = sorted(keep)  # (kept in order: a turn goes only where it clashes with neither neighbour)
     if whole:
         ranked = sorted(candidates, key=lambda c: -c[0][0])[:MAX_EXCERPT_TRIES]
     else:
@@ -621,6 +624,8 @@ def excerpt_turns(
     for n, (indices, large) in enumerate(ranked):
         if (not whole and sum(scores[i] for i in indices) <= 0) or room < MIN_EXCERPT_ROOM:
             break
+        if not fits_between(view, sent, indices[0], indices[-1]):
+            continue
         share = room * sum(costs[i] for i in indices) // sum(costs[i] for c in ranked[n:] for i in c[0])
         got = _excerpt_turn(
             view, indices, large, scores, text, share if whole else room, costs, counter, model, embed, whole
@@ -628,6 +633,7 @@ def excerpt_turns(
         if got is None:
             continue
         added.update(indices)
+        sent = sorted([*sent, *indices])
         excerpts.update(got)
         room -= sum(got[i].tokens if i in got else costs[i] for i in indices)
     return added, excerpts

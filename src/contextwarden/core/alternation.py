@@ -1,0 +1,239 @@
+"""Roles that alternate in the chat alternate in what is sent.
+
+Strict chat templates (Mistral's and Gemma's, as vLLM and llama.cpp apply them) reject two user
+or two assistant messages in a row. Whole turns kept in order never put two alike together, but
+single messages picked by relevance do: two kept user messages whose replies were let go. Here:
+whether two messages sent one after the other clash (`clash`), and the repair of a selection of
+single messages (`alternate`): a reply between them as a bridge, else the less relevant one goes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping, Sequence
+
+from .chatview import ChatView
+
+__all__ = ["BRIDGE_COST_EXPONENT", "MAX_BRIDGE_SCAN", "clash", "fits_between", "fill_alternating", "alternate"]
+
+_DIALOGUE = ("user", "assistant")
+# Messages looked at on each side of a gap for a bridge (or for a message of the other role):
+# bounds the work on a chat of thousands of messages.
+MAX_BRIDGE_SCAN = 64
+# A bridge is the message between worth most per cost ** this. bench/quality.py with MiniLM, all
+# evidence kept at 1k / 2k / 4k / 8k: 0.5 REALTALK 0.447 / 0.580 / 0.707 / 0.816, LoCoMo 0.726 /
+# 0.796 / 0.866 / 0.920; 1 (per token) 0.441 / 0.583 / 0.701 / 0.810 and 0.724 / 0.796 / 0.863 /
+# 0.918; the cheapest 0.444 / 0.571 / 0.686 / 0.804 and 0.720 / 0.792 / 0.859 / 0.914; the pick's
+# own partner (its reply or its question) 0.417 / 0.559 / 0.683 / 0.804 and 0.733 / 0.801 / 0.867 /
+# 0.924 (a person's merged turns are long; LoCoMo's evidence is often the partner).
+BRIDGE_COST_EXPONENT = 0.5
+
+
+def clash(view: ChatView, before: int, after: int) -> bool:
+    """Messages `before` < `after`, sent one right after the other, are both user or both
+    assistant messages while in the chat each was next to one of another role (after `before`,
+    before `after`; system messages aside): two alike that the chat itself put together (a
+    question that had no reply, two in a row) stay as they were.
+
+    Example:
+        >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...                  {"role": "user", "content": "c"}, {"role": "user", "content": "d"}])
+        >>> clash(chat, 0, 2), clash(chat, 0, 1), clash(chat, 2, 3), clash(chat, 0, 3)
+        (True, False, False, False)
+    """
+    role = view.role(before)
+    if role not in _DIALOGUE or view.role(after) != role:
+        return False
+    return _neighbour_role(view, before, 1) != role and _neighbour_role(view, after, -1) != role
+
+
+def _neighbour_role(view: ChatView, index: int, step: int) -> object:
+    """The role of the nearest message before or after `index` (`step` -1 or 1) that is not a
+    system message (None past either end, or past `MAX_BRIDGE_SCAN` system messages)."""
+    for k in range(index + step, index + step * (MAX_BRIDGE_SCAN + 1), step):
+        if not 0 <= k < len(view):
+            return None
+        if view.role(k) not in ("system", "developer"):
+            return view.role(k)
+    return None
+
+
+def fits_between(view: ChatView, sent: Sequence[int], first: int, last: int) -> bool:
+    """Messages `first`..`last` sent among `sent` (ascending, none of them in it) clash with
+    neither the message sent before them nor the one after (`clash`)."""
+    at = bisect.bisect_left(sent, first)
+    if at and clash(view, sent[at - 1], first):
+        return False
+    return at == len(sent) or not clash(view, last, sent[at])
+
+
+def _between(before: int, after: int) -> list[int]:
+    """The positions between two messages a bridge is looked for in: all of them, or the
+    nearest `MAX_BRIDGE_SCAN` on each side."""
+    if after - before - 1 <= 2 * MAX_BRIDGE_SCAN:
+        return list(range(before + 1, after))
+    return [*range(before + 1, before + 1 + MAX_BRIDGE_SCAN), *range(after - MAX_BRIDGE_SCAN, after)]
+
+
+def fill_alternating(
+    view: ChatView,
+    units: Sequence[range],
+    fixed: Collection[int],
+    order: Sequence[int],
+    value: Mapping[int, float],
+    unit_cost: Sequence[int],
+    left: int,
+) -> set[int]:
+    """The units of `order` (the most relevant first) taken while they fit `left`, each with a
+    bridge (`_bridge`, by `value`) on either side where it would clash with what is sent (the
+    `fixed` messages and the units taken before it); a unit that needs a bridge there is none
+    for is passed over.
+
+    Example:
+        >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...                  {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...                  {"role": "user", "content": "e"}])
+        >>> units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+        >>> value = {0: 1.0, 1: 0.1, 2: 2.0, 3: 0.1}
+        >>> sorted(fill_alternating(chat, units, {4}, [2, 0], value, [5, 1, 5, 9], 20))
+        [0, 1, 2, 3]
+        >>> sorted(fill_alternating(chat, units, {4}, [2, 0], value, [5, 1, 5, 9], 12))  # 2 needs 3 (9)
+        [0, 1]
+    """
+    unit_at = {units[u].start: u for u in range(len(units))}
+    out = sorted(i for i in fixed if view.role(i) not in ("system", "developer"))
+    taken: set[int] = set()
+    for u in order:
+        if u in taken or unit_cost[u] > left:
+            continue
+        span = units[u]
+        at = bisect.bisect_left(out, span.start)
+        sides = [(out[at - 1], span.start)] if at else []
+        sides += [(span.stop - 1, out[at])] if at < len(out) else []
+        bridges = []
+        for before, after in sides:
+            if clash(view, before, after):
+                bridge = _bridge(view, before, after, unit_at, units, taken, unit_cost, left, value)
+                if bridge is None:
+                    break
+                bridges.append(bridge)
+        else:
+            cost = unit_cost[u] + sum(unit_cost[b] for b in bridges)
+            if cost <= left:
+                taken.update([u, *bridges])
+                left -= cost
+                out = sorted([*out, *span, *(i for b in bridges for i in units[b])])
+    return taken
+
+
+def alternate(
+    view: ChatView,
+    units: Sequence[range],
+    fixed: Collection[int],
+    chosen: Collection[int],
+    value: Mapping[int, float],
+    unit_cost: Sequence[int],
+    left: int,
+) -> set[int]:
+    """The `chosen` units (positions in `units`) made to alternate with each other and with the
+    `fixed` messages: where two messages clash (`clash`), the most relevant single message of
+    the other role between them that fits `left` goes between as a bridge; else the less
+    relevant of the two goes (fixed ones stay). `value`: each open unit's worth.
+
+    Example:
+        >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...                  {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...                  {"role": "user", "content": "e"}])
+        >>> units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+        >>> value = {0: 1.0, 1: 0.5, 2: 2.0, 3: 0.1}
+        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 10))  # bridged by 1 and 3
+        [0, 1, 2, 3]
+        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 5))  # 2 clashes with 4: it goes
+        [0, 1]
+    """
+    unit_at = {units[u].start: u for u in range(len(units))}
+    owner = {i: u for u in chosen for i in units[u]}
+    taken = set(chosen)
+    out: list[int] = []  # what is sent so far, in order
+    for index in sorted(i for i in [*fixed, *owner] if view.role(i) not in ("system", "developer")):
+        if index in owner and owner[index] not in taken:
+            continue  # its unit went while an earlier clash was repaired
+        while out and clash(view, out[-1], index):
+            bridge = _bridge(view, out[-1], index, unit_at, units, taken, unit_cost, left, value)
+            if bridge is not None:
+                taken.add(bridge)
+                owner.update((i, bridge) for i in units[bridge])
+                left -= unit_cost[bridge]
+                out.extend(units[bridge])
+                break
+            victim = _less_worth(owner.get(out[-1]), owner.get(index), value)
+            if victim is None:
+                break  # both are fixed: the chat's pins and its latest turn are not ours to drop
+            taken.discard(victim)
+            left += unit_cost[victim]
+            while out and out[-1] in units[victim]:
+                out.pop()
+            if index in units[victim]:
+                break
+        if index not in owner or owner[index] in taken:
+            out.append(index)
+    return _refilled(view, units, taken, out, value, unit_cost, left)
+
+
+def _bridge(
+    view: ChatView,
+    before: int,
+    after: int,
+    unit_at: Mapping[int, int],
+    units: Sequence[range],
+    taken: Collection[int],
+    unit_cost: Sequence[int],
+    left: int,
+    value: Mapping[int, float],
+) -> int | None:
+    """The single message of the other role between `before` and `after` that is not sent and
+    fits `left` worth most per cost ** `BRIDGE_COST_EXPONENT` (ties: the earlier), as a unit;
+    None when there is none."""
+    other = "assistant" if view.role(before) == "user" else "user"
+    fitting = [
+        u
+        for k in _between(before, after)
+        if (u := unit_at.get(k)) is not None
+        and u not in taken
+        and len(units[u]) == 1
+        and view.role(k) == other
+        and unit_cost[u] <= left
+    ]
+    return max(
+        fitting, key=lambda u: (value.get(u, 0.0) / max(unit_cost[u], 1) ** BRIDGE_COST_EXPONENT, -u), default=None
+    )
+
+
+def _less_worth(first: int | None, second: int | None, value: Mapping[int, float]) -> int | None:
+    """Of two units (None: a fixed message), the one worth less; None when both are fixed."""
+    options = [u for u in (first, second) if u is not None]
+    return min(options, key=lambda u: (value.get(u, 0.0), u)) if options else None
+
+
+def _refilled(
+    view: ChatView,
+    units: Sequence[range],
+    taken: set[int],
+    out: list[int],
+    value: Mapping[int, float],
+    unit_cost: Sequence[int],
+    left: int,
+) -> set[int]:
+    """`taken` with what a repair freed filled again, the most relevant first, by units that
+    clash with neither neighbour and do not open what is sent."""
+    for u in sorted((u for u in value if u not in taken and value[u] > 0), key=lambda u: (-value[u], -u)):
+        if unit_cost[u] > left:
+            continue
+        span = units[u]
+        at = bisect.bisect_left(out, span.start)
+        if (not at and view.role(span.start) != "user") or not fits_between(view, out, span.start, span.stop - 1):
+            continue
+        taken.add(u)
+        left -= unit_cost[u]
+        out[at:at] = list(span)
+    return taken
