@@ -81,8 +81,9 @@ def test_the_repair_bridges_or_lets_the_less_relevant_go():
     units = [range(i, i + 1) for i in range(6)]
     value = {0: 3.0, 1: 0.1, 2: 1.0, 3: 0.1, 4: 0.2}  # the open units (5 is fixed)
     costs = [10] * 6
-    assert alternate(view, units, {5, 6}, {0, 2}, value, costs, 10) == {0, 1, 2}  # 1 bridges 0 and 2
-    assert alternate(view, units, {5, 6}, {0, 2}, value, costs, 0) == {0}  # no room: 2 (worth less) goes
+    order = sorted(value, key=lambda u: (-value[u], -u))
+    assert alternate(view, units, {5, 6}, {0, 2}, value, costs, 10, order) == {0, 1, 2}  # 1 bridges 0 and 2
+    assert alternate(view, units, {5, 6}, {0, 2}, value, costs, 0, order) == {0}  # no room: 2 (worth less) goes
 
 
 def test_a_bridge_is_looked_for_near_both_ends_of_a_long_gap():

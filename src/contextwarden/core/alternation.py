@@ -134,11 +134,13 @@ def alternate(
     value: Mapping[int, float],
     unit_cost: Sequence[int],
     left: int,
+    order: Sequence[int],
 ) -> set[int]:
     """The `chosen` units (positions in `units`) made to alternate with each other and with the
     `fixed` messages: where two messages clash (`clash`), the most relevant single message of
     the other role between them that fits `left` goes between as a bridge; else the less
-    relevant of the two goes (fixed ones stay). `value`: each open unit's worth.
+    relevant of the two goes (fixed ones stay); what that freed is filled again by `order` (the
+    open units worth anything, the most first). `value`: each open unit's worth.
 
     Example:
         >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -146,9 +148,9 @@ def alternate(
         ...                  {"role": "user", "content": "e"}])
         >>> units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
         >>> value = {0: 1.0, 1: 0.5, 2: 2.0, 3: 0.1}
-        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 10))  # bridged by 1 and 3
+        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 10, [2, 0, 1, 3]))  # bridged by 1 and 3
         [0, 1, 2, 3]
-        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 5))  # 2 clashes with 4: it goes
+        >>> sorted(alternate(chat, units, {4}, {0, 2}, value, [5] * 4, 5, [2, 0, 1, 3]))  # 2 clashes with 4: it goes
         [0, 1]
     """
     unit_at = {units[u].start: u for u in range(len(units))}
@@ -177,7 +179,7 @@ def alternate(
                 break
         if index not in owner or owner[index] in taken:
             out.append(index)
-    return _refilled(view, units, taken, out, value, unit_cost, left)
+    return _refilled(view, units, taken, out, order, unit_cost, left)
 
 
 def _bridge(
@@ -220,14 +222,14 @@ def _refilled(
     units: Sequence[range],
     taken: set[int],
     out: list[int],
-    value: Mapping[int, float],
+    order: Sequence[int],
     unit_cost: Sequence[int],
     left: int,
 ) -> set[int]:
     """`taken` with what a repair freed filled again, the most relevant first, by units that
     clash with neither neighbour and do not open what is sent."""
-    for u in sorted((u for u in value if u not in taken and value[u] > 0), key=lambda u: (-value[u], -u)):
-        if unit_cost[u] > left:
+    for u in order:
+        if u in taken or unit_cost[u] > left:
             continue
         span = units[u]
         at = bisect.bisect_left(out, span.start)

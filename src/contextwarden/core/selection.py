@@ -242,11 +242,14 @@ def _pick_messages(
     starts = [plan.units[u].start for u in taken] + [i for i in plan.hard if view.role(i) not in SYSTEM_ROLES]
     first_in = _first_in(view)
     replies = {u for u in value if view.role(plan.units[u].start) != "user" and plan.units[u].start != first_in}
+    filled = set(chosen)
     picked = _with_opening_question(
         plan, chosen, order, value, unit_cost, left, replies, min(starts, default=len(view))
     )
+    if set(picked) == filled:  # the fill already alternates
+        return picked
     left = room - sum(unit_cost[u] for u in picked)
-    return sorted(alternate(view, plan.units, fixed, picked, value, unit_cost, left))
+    return sorted(alternate(view, plan.units, fixed, picked, value, unit_cost, left, order))
 
 
 def _with_opening_question(
