@@ -100,8 +100,7 @@ def check_contract(
             "history now starts with an assistant or tool message"
         )
     # two user or two assistant messages in a row only where the input had them so.
-    if not result.reused:  # a carried selection is not re-checked yet: see DESIGN contract 1
-        _check_alternation(chat, result, pinned)
+    _check_alternation(chat, result, pinned)
     # 2. hard budget, counted with the filter's own counter.
     assert result.tokens_after == counter.count_messages(sent, model)
     if not result.over_budget:

@@ -12,6 +12,7 @@ import pytest
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.alternation import MAX_BRIDGE_SCAN, alternate, clash, fill_alternating, fits_between
 from contextwarden.core.chatview import ChatView
+from contextwarden.core.decision import message_fingerprint
 from contextwarden.core.selection import choose_indices
 
 from chats import check_contract
@@ -123,6 +124,21 @@ def test_what_is_sent_alternates_where_the_chat_does(counter, seed):
             if result.decision is not None:
                 stored = result.decision.to_json()
             turn.append({"role": "assistant", "content": f"answer {step}"})
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_carried_selection_is_made_anew_when_an_edit_puts_two_alike_together(counter, fast):
+    """The previous turn kept two questions the chat had side by side; a reply since inserted
+    between them would leave them clashing if carried: the trim selects anew (found by the
+    property suite). `fast`: the decision knows where its messages were (`extend_previous`)."""
+    before = [{"role": "user", "content": "tea"}, {"role": "user", "content": "coffee"}]
+    kept = tuple(message_fingerprint(m) for m in before)
+    previous = TrimDecision(100, 30, "relevance", kept, at=(0, 1) if fast else ())
+    reply = {"role": "assistant", "content": " ".join(WORDS * 30)}  # too long for the budget
+    edited = [before[0], reply, before[1], {"role": "user", "content": "and?"}]
+    result = trim_messages(edited, max_tokens=100, model=MODEL, token_counter=counter, previous=previous)
+    assert not result.reused and result.kept == (2, 3)  # the chat's own pair: "coffee", "and?"
+    check_contract(edited, result, counter, MODEL)
 
 
 def test_by_message_picks_alternate_on_a_long_chat_within_bounded_work():

@@ -14,7 +14,15 @@ from collections.abc import Collection, Mapping, Sequence
 
 from .chatview import ChatView
 
-__all__ = ["BRIDGE_COST_EXPONENT", "MAX_BRIDGE_SCAN", "clash", "fits_between", "fill_alternating", "alternate"]
+__all__ = [
+    "BRIDGE_COST_EXPONENT",
+    "MAX_BRIDGE_SCAN",
+    "clash",
+    "alternates",
+    "fits_between",
+    "fill_alternating",
+    "alternate",
+]
 
 _DIALOGUE = ("user", "assistant")
 # Messages looked at on each side of a gap for a bridge (or for a message of the other role):
@@ -56,6 +64,24 @@ def _neighbour_role(view: ChatView, index: int, step: int) -> object:
         if view.role(k) not in ("system", "developer"):
             return view.role(k)
     return None
+
+
+def alternates(view: ChatView, keep: Collection[int], hard: Collection[int] = (), pins: Collection[int] = ()) -> bool:
+    """No two messages of `keep`, sent in order (system messages aside), clash, but where one is
+    in `pins` or both are in `hard` (a pin goes alone when the rest of its turn does not fit; the
+    latest turn is not ours to drop): what a carried selection must still hold in an edited chat.
+
+    Example:
+        >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...                  {"role": "user", "content": "c"}])
+        >>> alternates(chat, {0, 2}), alternates(chat, {0, 1, 2}), alternates(chat, {0, 2}, pins={0})
+        (False, True, True)
+    """
+    sent = [i for i in sorted(keep) if view.role(i) not in ("system", "developer")]
+    return not any(
+        clash(view, before, after) and before not in pins and after not in pins and not {before, after} <= set(hard)
+        for before, after in zip(sent, sent[1:], strict=False)
+    )
 
 
 def fits_between(view: ChatView, sent: Sequence[int], first: int, last: int) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
 
-from .alternation import alternate, fill_alternating
+from .alternation import alternate, alternates, fill_alternating
 from .chatview import ChatView
 from .conversation import SYSTEM_ROLES, Message, system_positions
 from .decision import Recall, TrimDecision
@@ -493,17 +493,17 @@ def reuse_previous(
     The previous kept messages must all be found, in order, among the non-system messages;
     then what is sent is: system messages, those messages, every message after the last of
     them, the hard part, pinned units and the last `keep_last_turns` turns — whole units only, no orphans. None
-    when a kept message is gone, the history would start wrongly, or it does not fit `budget`.
+    when a kept message is gone, the history would start wrongly, two user or two assistant
+    messages would meet that the chat did not put together (an edited chat: `alternates`), or
+    it does not fit `budget`.
 
     Example:
-        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
-        ...         {"role": "user", "content": "e"}]
+        >>> chat = [{"role": ("user", "assistant")[k % 2], "content": c} for k, c in enumerate("abcdefg")]
         >>> from contextwarden.core.decision import message_fingerprint
         >>> prints = [message_fingerprint(m) for m in chat]
-        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]))
-        >>> sorted(reuse_previous(before, prints, ChatView(chat), [5] * 5, 100))
-        [0, 2, 3, 4]
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[3]))
+        >>> sorted(reuse_previous(before, prints, ChatView(chat), [5] * 7, 100))
+        [0, 3, 4, 5, 6]
     """
     matched = _find_kept(previous, fingerprints, set(view.system_indices))
     if matched is None:
@@ -511,7 +511,7 @@ def reuse_previous(
     keep = _grown(view, matched, keep_last_turns, pinned)
     if not _history_start_ok(view, keep) or sum(costs[i] for i in keep) > budget:
         return None
-    return keep
+    return keep if alternates(view, keep, mandatory_indices(view), pinned) else None
 
 
 def _grown(view: ChatView, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
@@ -540,17 +540,16 @@ def extend_previous(
     The chat is read only from the last kept message that starts a unit; what comes before
     it is either kept (found by fingerprint) or was dropped and stays dropped. System
     messages are kept wherever they are. None when a kept message is not at its recorded
-    place, the window holds no user message, or a turn `keep_last_turns` keeps begins before it.
+    place, the window holds no user message, a turn `keep_last_turns` keeps begins before it,
+    or roles would not alternate (`alternates`).
 
     Example:
-        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        ...         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
-        ...         {"role": "user", "content": "e"}]
+        >>> chat = [{"role": ("user", "assistant")[k % 2], "content": c} for k, c in enumerate("abcdefg")]
         >>> from contextwarden.core.decision import message_fingerprint
         >>> prints = [message_fingerprint(m) for m in chat]
-        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[2]), at=(0, 2))
+        >>> before = TrimDecision(100, 20, "relevance", (prints[0], prints[3]), at=(0, 3))
         >>> sorted(extend_previous(before, ChatView(chat)))
-        [0, 2, 3, 4]
+        [0, 3, 4, 5, 6]
     """
     at = previous.at
     if not _kept_in_place(previous, view.fingerprints):
@@ -568,7 +567,8 @@ def extend_previous(
     keep = set(view.system_positions)
     keep.update(i for i in at if i < start)
     keep.update(start + i for i in grown)
-    return keep if _history_start_ok(view, keep) else None
+    hard = [start + i for i in mandatory_indices(window)]
+    return keep if _history_start_ok(view, keep) and alternates(view, keep, hard) else None
 
 
 def window_start(previous: TrimDecision, view: ChatView) -> int | None:
