@@ -436,9 +436,11 @@ def run(path: Path, quick: bool, shape: str = "locomo", embed_model: str | None 
                     chat, max_tokens=budget, model=MODEL, token_counter=counter, low_watermark=1.0, embed=embed
                 )
                 assert not semantic.notes, semantic.notes
+            sent = {"contextwarden": set(result.kept) | set(result.recalled)}  # in place, or quoted verbatim
+            if embed is not None:
+                sent["contextwarden + embedder"] = set(semantic.kept) | set(semantic.recalled)
             picks = {
-                "contextwarden": set(result.kept),
-                **({"contextwarden + embedder": set(semantic.kept)} if embed is not None else {}),
+                **sent,
                 "most recent": recent_baseline(history_costs, room),
                 **{name: fill_by_rank(order, history_costs, room) for name, order in orders.items()},
             }

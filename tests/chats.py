@@ -27,8 +27,9 @@ def _check_alternation(chat: list[dict[str, Any]], result: TrimResult, pinned: C
     """No user (or assistant) message follows one of its role in what is sent unless the chat
     had one of them next to one of its role (a question with no reply, two in a row; orphan
     tool calls, never sent, aside), or one is pinned (a pin goes alone when the rest of its
-    turn does not fit) or both are mandatory. What the
-    trim added (recall blocks, their acknowledgements: `result.added`) is judged by role alone."""
+    turn does not fit) or both are mandatory. What the trim added (recall blocks, their
+    acknowledgements: `result.added`) is judged by role alone: a block may follow a message of
+    its role only where that message and the block's anchor could meet."""
     view = ChatView(chat)
     skip = {*view.orphan_indices, *view.system_indices}
     pins = set(pinned)
@@ -38,24 +39,24 @@ def _check_alternation(chat: list[dict[str, Any]], result: TrimResult, pinned: C
     at = [None if k in added else next(origin, None) for k in range(len(result.messages))]
     dialogue = [(m.get("role"), i) for m, i in zip(result.messages, at, strict=True)]
     dialogue = [(r, i) for r, i in dialogue if r not in ("system", "developer")]
-    for (role, i), (other, j) in zip(dialogue, dialogue[1:], strict=False):
+
+    def may_meet(role: object, i: int, j: int) -> bool:
+        after = next((chat[k].get("role") for k in range(i + 1, len(chat)) if k not in skip), None)
+        before = next((chat[k].get("role") for k in range(j - 1, -1, -1) if k not in skip), None)
+        return role in (after, before) or bool({i, j} & pins) or {i, j} <= fixed
+
+    for k, ((role, i), (other, j)) in enumerate(zip(dialogue, dialogue[1:], strict=False)):
         if role not in ("user", "assistant") or other != role:
             continue
         assert i is not None or j is not None, f"two {role} messages in a row added by the trim"
-        after = (
-            next((chat[k].get("role") for k in range(i + 1, len(chat)) if k not in skip), None)
-            if i is not None
-            else None
-        )
-        before = (
-            next((chat[k].get("role") for k in range(j - 1, -1, -1) if k not in skip), None) if j is not None else None
-        )
-        chats_own = role in (after, before)
-        if i is None or j is None:  # a recall block right after the chat's own two alike
-            assert chats_own, f"two {role} messages in a row, one added by the trim"
-            continue
-        pin = bool({i, j} & pins) or {i, j} <= fixed  # a pin goes alone when the rest of its turn does not fit
-        assert chats_own or pin, f"two {role} messages in a row that the chat did not have so"
+        if j is None:  # a block right after a kept message: where that and the block's anchor may meet
+            anchor = next(a for _, a in dialogue[k + 1 :] if a is not None)
+            assert may_meet(role, i, anchor), f"two {role} messages in a row, one added by the trim"
+        elif i is None:  # an acknowledgement before a kept assistant message: the chat's own two alike
+            before = next((chat[a].get("role") for a in range(j - 1, -1, -1) if a not in skip), None)
+            assert before == role, f"two {role} messages in a row, one added by the trim"
+        else:
+            assert may_meet(role, i, j), f"two {role} messages in a row that the chat did not have so"
 
 
 def check_contract(

@@ -11,6 +11,7 @@ import pytest
 
 from contextwarden import trim_messages
 from contextwarden.core.chatview import ChatView
+from contextwarden.core.conversation import RECALL_LABEL
 from contextwarden.core.selection import choose_indices
 from contextwarden.tools.explain import explain_trim
 
@@ -59,10 +60,12 @@ def test_the_embedder_picks_single_messages_in_a_trim():
         chat.append({"role": "assistant", "content": reply})
     chat.append({"role": "user", "content": "Which coastal tower did I mention?"})
     result = trim_messages(chat, max_tokens=220, model=MODEL, low_watermark=1.0, embed=embed)
-    assert 7 in result.kept and 6 in result.kept  # the reply, and its question so it does not open
+    # the reply, quoted at the start of what is sent: in its place it would open it
+    assert 7 in result.recalled and chat[7]["content"] in result.messages[0]["content"]
     lexical = trim_messages(chat, max_tokens=220, model=MODEL, low_watermark=1.0)
     assert 7 not in lexical.kept  # no word of the question is in it
     reasons = explain_trim(chat, result, model=MODEL, token_counter=_counter(), low_watermark=1.0, embed=embed)
+    assert reasons.messages[7].action == "recalled"
     assert "chosen by message" in " ".join(reasons.messages[7].reasons)
     assert not any("whole turn" in r for m in reasons.messages for r in m.reasons)
 
@@ -96,3 +99,58 @@ def test_contract_and_determinism_hold_by_message(counter, seed):
         same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
     assert frozen(chat) == before
+
+
+def _topic_embed(texts: list[str]) -> list[list[float]]:
+    """Lighthouse talk on one axis, everything else on the other."""
+    return [[1.0, 0.1] if "lighthouse" in t or "tower" in t else [0.1, 1.0] for t in texts]
+
+
+def _lighthouse_chat() -> list[dict]:
+    """Long user turns about nothing, two short lighthouse messages far apart: one a question's
+    reply, one a question whose reply is filler (neither fits with its partner)."""
+    filler = "We talked about the garden and the weather again today. " * 4
+    chat: list[dict] = [{"role": "system", "content": "Be brief."}]
+    for i in range(14):
+        user = "Did you see the lighthouse?" if i == 9 else f"{filler} part {i}"
+        reply = "I once climbed a lighthouse." if i == 3 else f"{filler} reply {i}"
+        chat += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return chat + [{"role": "user", "content": "Which coastal tower came up?"}]
+
+
+def test_what_would_clash_in_place_is_quoted_before_the_first_user_message_and_carried(counter):
+    chat = _lighthouse_chat()
+    options = {"model": MODEL, "token_counter": counter, "embed": _topic_embed}
+    first = trim_messages(chat, max_tokens=500, **options)
+    check_contract(chat, first, counter, MODEL)
+    assert {8, 19} <= set(first.recalled)  # the reply would open the history, the question meet another
+    start = next(k for k, m in enumerate(first.messages) if m["role"] != "system")
+    assert start in first.added and first.messages[start]["content"].startswith(RECALL_LABEL)
+    assert first.stable_prefix == len(first.messages)  # the block belongs to what the next turn sends again
+    assert first.decision is not None
+    grown = chat + [{"role": "assistant", "content": "The lighthouse."}, {"role": "user", "content": "Thanks!"}]
+    second = trim_messages(grown, max_tokens=500, previous=first.decision, **options)
+    check_contract(grown, second, counter, MODEL)
+    assert second.reused and second.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]
+
+
+def test_the_quoted_block_stays_while_the_selection_is_carried(counter):
+    """Later questions' recall blocks come and go (the newest give way first); the block the
+    selection quoted stays at the front, byte for byte, until the selection is made anew."""
+    chat = _lighthouse_chat()
+    options = {"model": MODEL, "token_counter": counter, "embed": _topic_embed}
+    result = trim_messages(chat, max_tokens=500, **options)
+    front = result.messages[:3]  # the system prompt, the quotes, the acknowledgement
+    assert front[1]["content"].startswith(RECALL_LABEL)
+    carried = 0
+    for k in range(8):
+        chat = chat + [{"role": "assistant", "content": f"Answer {k}."}]
+        chat = chat + [{"role": "user", "content": f"What about the garden, part {k + 2}?"}]
+        assert result.decision is not None
+        result = trim_messages(chat, max_tokens=500, previous=result.decision, **options)
+        check_contract(chat, result, counter, MODEL)
+        if not result.reused:
+            break
+        carried += 1
+        assert result.messages[:3] == front
+    assert carried >= 2

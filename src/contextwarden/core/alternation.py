@@ -21,6 +21,7 @@ __all__ = [
     "alternates",
     "fits_between",
     "fill_alternating",
+    "fill_quoting",
     "alternate",
 ]
 
@@ -150,6 +151,48 @@ def fill_alternating(
                 left -= cost
                 out = sorted([*out, *span, *(i for b in bridges for i in units[b])])
     return taken
+
+
+def fill_quoting(
+    view: ChatView,
+    units: Sequence[range],
+    fixed: Collection[int],
+    order: Sequence[int],
+    unit_cost: Sequence[int],
+    left: int,
+    frame: int,
+    opener: int | None = None,
+) -> tuple[set[int], list[int]]:
+    """The units of `order` (the most relevant first) taken while they fit `left`: in place where
+    they clash with nothing sent (the `fixed` messages and the units taken before) and a reply
+    would not open what is sent (unless it is `opener`, the chat's own first message), else
+    quoted in the recall block before the question (single messages only; the block's label and
+    acknowledgement cost `frame` once). Returns (units in place, units quoted in `order`).
+
+    Example:
+        >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...                  {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
+        ...                  {"role": "user", "content": "e"}])
+        >>> units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+        >>> fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 5, 5, 5], 20, 4)  # 0 meets 2, 1 opens
+        ({2}, [0, 1])
+    """
+    out = sorted(i for i in fixed if view.role(i) not in ("system", "developer"))
+    taken: set[int] = set()
+    quoted: list[int] = []
+    for u in order:
+        span, cost = units[u], unit_cost[u]
+        opens = span.start < (out[0] if out else len(view)) and span.start != opener
+        if fits_between(view, out, span.start, span.stop - 1) and not (opens and view.role(span.start) != "user"):
+            if cost <= left:
+                taken.add(u)
+                left -= cost
+                at = bisect.bisect_left(out, span.start)
+                out[at:at] = list(span)
+        elif len(span) == 1 and cost + (0 if quoted else frame) <= left:
+            left -= cost + (0 if quoted else frame)
+            quoted.append(u)
+    return taken, quoted
 
 
 def alternate(

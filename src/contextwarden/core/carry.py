@@ -127,15 +127,66 @@ def _recalls_kept(
     """The recall blocks of a turn that keeps the previous selection (`keep`, costing `base`,
     with its `excerpts`): the earlier turns' blocks again, unchanged, and a new one for this
     question. When they do not all fit, the newest earlier blocks give way first (the prompt
-    stays the previous one up to the first that goes); then the new block is cut to the room
-    left. None when that would hold less than half of the relevance the question wanted
-    recalled, an excerpt and the passages recalled of it miss what the question needs
-    (`_excerpts_serve`), or an earlier block's messages moved: the caller then selects anew.
-    With no `room` (no recall) no blocks, while the excerpts serve the question. (The chat, its
-    counter and model: the `pools`'.)"""
+    stays the previous one up to the first that goes), but for those the selection quoted
+    (`_held`: they go with it); then the new block is cut to the room left. None when that
+    would hold less than half of the relevance the question wanted recalled, an excerpt and
+    the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
+    earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
+    no blocks, while the excerpts serve the question. (The chat, its counter and model: the
+    `pools`'.)"""
     view, counter, model = pools.view, pools.counter, pools.model
     if not room:
         return [] if _excerpts_serve(view, excerpts, (), question, counter, model) else None
+    blocks = _carried_blocks(view, previous, fingerprints, keep, counter, model)
+    if blocks is None:
+        return None
+    if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
+        return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
+    count = _held(view, keep, blocks)  # the selection's own: they stay with it
+    held, blocks, keep = blocks[:count], blocks[count:], set(keep)
+    base += sum(b.tokens for b in held)
+    pool = pools.of(question, system)
+    while True:
+        used = keep.union(*(b.indices for b in [*held, *blocks]))
+        left = max_tokens - base - sum(b.tokens for b in blocks)
+        # Past the budget already (left < 0), no block can make it fit: the newest earlier block
+        # goes (or, with none left, `base` alone is over and nothing fits) without making one.
+        block = None
+        if left >= 0:
+            sent = _sent_chunks(excerpts, [*held, *blocks])
+            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=left, sent=sent)
+        wanted = [*held, *blocks] + ([block] if block is not None else [])
+        if base + sum(b.tokens for b in wanted[len(held) :]) <= max_tokens:
+            return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
+        if not blocks:
+            break
+        blocks.pop()
+    # What still fits beside the selection: enough while it holds half of what the question
+    # would have recalled (its relevance); else the selection misses too much, and goes.
+    used, sent = keep.union(*(b.indices for b in held)), _sent_chunks(excerpts, held)
+    fitting = _new_recall(view, used, question, max_tokens - base, counter, model, pool, sent=sent)
+    scores = pool.scores
+    # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
+    if (
+        fitting is not None
+        and block is not None
+        and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
+        and _excerpts_serve(view, excerpts, [*held, fitting], question, counter, model)
+    ):
+        return [*held, fitting]
+    return None
+
+
+def _carried_blocks(
+    view: ChatView,
+    previous: TrimDecision,
+    fingerprints: Sequence[str],
+    keep: Collection[int],
+    counter: TokenCounter,
+    model: str | None,
+) -> list[_Block] | None:
+    """The previous turn's recall blocks made again, byte for byte (None when one cannot be:
+    its messages moved, a passage changed)."""
     carried = carried_recalls(previous, fingerprints, keep) if _CARRY_RECALLS else []
     if carried is None:
         return None
@@ -146,38 +197,19 @@ def _recalls_kept(
         if block is None:
             return None
         blocks.append(block)
-    if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
-        return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
-    pool = pools.of(question, system)
-    while True:
-        used = set(keep).union(*(b.indices for b in blocks))
-        left = max_tokens - base - sum(b.tokens for b in blocks)
-        # Past the budget already (left < 0), no block can make it fit: the newest earlier block
-        # goes (or, with none left, `base` alone is over and nothing fits) without making one.
-        block = None
-        if left >= 0:
-            sent = _sent_chunks(excerpts, blocks)
-            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=left, sent=sent)
-        wanted = blocks + [block] if block is not None else blocks
-        if base + sum(b.tokens for b in wanted) <= max_tokens:
-            return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
-        if not blocks:
-            break
-        blocks.pop()
-    # What still fits beside the selection: enough while it holds half of what the question
-    # would have recalled (its relevance); else the selection misses too much, and goes.
-    sent = _sent_chunks(excerpts, ())
-    fitting = _new_recall(view, keep, question, max_tokens - base, counter, model, pool, sent=sent)
-    scores = pool.scores
-    # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
-    if (
-        fitting is not None
-        and block is not None
-        and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
-        and _excerpts_serve(view, excerpts, [fitting], question, counter, model)
-    ):
-        return [fitting]
-    return None
+    return blocks
+
+
+def _held(view: ChatView, keep: Collection[int], blocks: Sequence[_Block]) -> int:
+    """How many of the leading `blocks` go with the selection: those anchored at or before its
+    first user message (what a selection by message quoted rather than sent in place, before
+    what it sent: `fresh._quoted_block`). The cache holds them from the start of the history,
+    so they stay while the selection does."""
+    first = next((i for i in sorted(keep) if view.role(i) == "user"), None)
+    held = 0
+    while first is not None and held < len(blocks) and blocks[held].anchor <= first:
+        held += 1
+    return held
 
 
 def _excerpts_serve(

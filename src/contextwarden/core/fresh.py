@@ -9,9 +9,9 @@ from collections.abc import Collection, Sequence
 
 from .chatview import ChatView
 from .excerpt import Excerpt, excerpt_turns
-from .recall import _Block, _new_recall
+from .recall import _Block, _block, _block_tokens, _new_recall
 from .relevance import score_messages, wants_whole
-from .selection import choose_indices
+from .selection import choose_quoting
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim_types import DEFAULT_GROWTH_TURNS, TrimOptions, _Counted, _sized
@@ -80,7 +80,8 @@ def _new_selection(
     semantic = options.embed is not None and options.strategy == "relevance"
     scores = semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
-    keep = choose_indices(
+    frame = _block_tokens(view, (), counter, model) if scores is not None else None
+    keep, quoted = choose_quoting(
         view,
         costs,
         target - room - reserve,
@@ -90,25 +91,72 @@ def _new_selection(
         scores=scores,
         room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         by_message=scores is not None,  # the embedder's relevance holds for single messages
+        frame=frame,  # a pick that would put two of one role together is quoted in the block
     )
+    quotes = sum(costs[i] for i in quoted) + ((frame or 0) if quoted else 0)
     excerpts: dict[int, Excerpt] = {}
     if options.strategy == "relevance" and options.shorten and mandatory_cost <= max_tokens:
         # What the selection left: large old messages cut to it. With a document in the chat the
         # recall's room too (its passages are what the question needs; the recall, which quotes
         # whole messages, takes what is left); without one the recall keeps its room (chats of
         # long merged turns, REALTALK's, lost evidence when their excerpts took it).
-        spare = target - sum(costs[i] for i in keep) - (0 if _holds_document(chat, keep) else room)
+        spare = target - sum(costs[i] for i in keep) - quotes - (0 if _holds_document(chat, keep) else room)
         added, excerpts = excerpt_turns(
             view, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
         keep.update(added)
+        quoted = tuple(i for i in quoted if i not in keep)  # an excerpt's turn brought it in place
+    blocks = [b for b in [_quoted_block(view, keep, quoted, quotes, counter, model)] if b is not None]
     if not (room and question is not None):
-        return keep, [], excerpts
+        return keep, blocks, excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
+    return keep, _with_recall(chat, keep, question, blocks, excerpts, (room, left), counter, model), excerpts
+
+
+def _with_recall(
+    chat: _Counted,
+    keep: set[int],
+    question: int,
+    blocks: list[_Block],
+    excerpts: dict[int, Excerpt],
+    room: tuple[int, int],
+    counter: TokenCounter,
+    model: str | None,
+) -> list[_Block]:
+    """`blocks` (the selection's quotes) and the recall block of what the question needs: its
+    room (`room[0]`) within what is left of the budget (`room[1]`, less `blocks`); one block
+    when both go right before the question."""
+    view = chat.view
     pool = chat.pools.of(question, view.system_indices)
     sent = {i: e.chunks for i, e in excerpts.items()}
-    block = _new_recall(view, keep, question, min(room, left), counter, model, pool, sent=sent)
-    return keep, [block] if block is not None else [], excerpts
+    taken = keep.union(*(b.indices for b in blocks))
+    left = min(room[0], room[1] - sum(b.tokens for b in blocks))
+    block = _new_recall(view, taken, question, left, counter, model, pool, sent=sent)
+    if block is None:
+        return blocks
+    if blocks and blocks[0].anchor == question:  # one block a question: the quotes and the recall together
+        merged = _block(view, question, sorted([*blocks[0].indices, *block.indices]), block.chunks(), counter, model)
+        fits = merged is not None and merged.tokens <= blocks[0].tokens + block.tokens  # a frame less, always
+        return [merged] if fits and merged is not None else blocks
+    return [*blocks, block]
+
+
+def _quoted_block(
+    view: ChatView, keep: Collection[int], quoted: Sequence[int], room: int, counter: TokenCounter, model: str | None
+) -> _Block | None:
+    """The block quoting the messages a selection by message quotes rather than sends in place
+    (`selection.choose_quoting`), within the `room` it counted for them: right before the first
+    user message sent, so that it stays in the prefix the next turns send again (the question's
+    own recall block comes and goes). Quoting joins texts into a few more tokens than they count
+    apart: then the latest quoted go until it fits."""
+    anchor = next((i for i in sorted(keep) if view.role(i) == "user"), None)
+    chosen = list(quoted)
+    while chosen and anchor is not None:
+        block = _block(view, anchor, chosen, {}, counter, model)
+        if block is None or block.tokens <= room:
+            return block
+        chosen.pop()
+    return None
 
 
 def semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[float] | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
 
-from .alternation import alternate, alternates, fill_alternating
+from .alternation import alternate, alternates, fill_alternating, fill_quoting
 from .chatview import ChatView
 from .conversation import SYSTEM_ROLES, Message, system_positions
 from .decision import Recall, TrimDecision
@@ -31,6 +31,7 @@ __all__ = [
     "select_recent",
     "select_by_value",
     "choose_indices",
+    "choose_quoting",
     "turn_values",
     "reuse_previous",
     "extend_previous",
@@ -220,7 +221,8 @@ def _pick_messages(
     left: int,
     weights: RelevanceWeights,
     scores: Sequence[float] | None,
-) -> list[int]:
+    frame: int | None = None,
+) -> tuple[list[int], list[int]]:
     """The open units (single messages, tool groups) most relevant first while they fit, each
     worth its best message whatever its length, with a bridge where it would put two user or
     two assistant messages together (`alternation.fill_alternating`); then
@@ -229,14 +231,20 @@ def _pick_messages(
     0.405 / 0.529 / 0.677 / 0.819 by whole turns, 0.447 / 0.580 / 0.707 / 0.816 by message
     (0.474 / 0.619 / 0.728 / 0.828 before roles had to alternate); LoCoMo 0.722 / 0.800 /
     0.866 / 0.922 and 0.726 / 0.796 / 0.866 / 0.920 (0.733 / 0.805 / 0.872 / 0.928). Lexically
-    it loses on LoCoMo (the evidence is often the reply beside the message BM25 matches)."""
+    it loses on LoCoMo (the evidence is often the reply beside the message BM25 matches).
+    With a `frame` (what a recall block's label and acknowledgement cost) a pick that would
+    clash is quoted in the block instead of bridged (`alternation.fill_quoting`): returned
+    second, (units in place, units quoted)."""
     if left <= 0 or view.question is None:
-        return []
+        return [], []
     scores = view.relevance(weights) if scores is None else scores
     room = left
     value = {u: max(scores[i] for i in plan.units[u]) for u in range(len(plan.units)) if u not in taken}
     order = sorted((u for u in value if value[u] > 0), key=lambda u: (-value[u], -u))
     fixed = [*plan.hard, *(i for u in taken for i in plan.units[u])]
+    if frame is not None:  # what would clash or open what is sent is quoted: nothing to repair
+        chosen, quoted = fill_quoting(view, plan.units, fixed, order, unit_cost, left, frame, _first_in(view))
+        return sorted(chosen), quoted
     chosen = fill_alternating(view, plan.units, fixed, order, value, unit_cost, left)
     left -= sum(unit_cost[u] for u in chosen)
     starts = [plan.units[u].start for u in taken] + [i for i in plan.hard if view.role(i) not in SYSTEM_ROLES]
@@ -247,9 +255,9 @@ def _pick_messages(
         plan, chosen, order, value, unit_cost, left, replies, min(starts, default=len(view))
     )
     if set(picked) == filled:  # the fill already alternates
-        return picked
+        return picked, []
     left = room - sum(unit_cost[u] for u in picked)
-    return sorted(alternate(view, plan.units, fixed, picked, value, unit_cost, left, order))
+    return sorted(alternate(view, plan.units, fixed, picked, value, unit_cost, left, order)), []
 
 
 def _with_opening_question(
@@ -359,6 +367,49 @@ def choose_indices(
         >>> sorted(choose_indices(ChatView(chat), [5, 5, 5], 15, strategy="recent"))
         [0, 1, 2]
     """
+    keep, _ = choose_quoting(
+        view,
+        costs,
+        budget,
+        strategy=strategy,
+        keep_last_turns=keep_last_turns,
+        pinned=pinned,
+        weights=weights,
+        scores=scores,
+        room=room,
+        by_message=by_message,
+    )
+    return keep
+
+
+def choose_quoting(
+    view: ChatView,
+    costs: Sequence[int],
+    budget: int,
+    *,
+    strategy: Strategy = DEFAULT_STRATEGY,
+    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
+    pinned: Collection[int] = (),
+    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
+    scores: Sequence[float] | None = None,
+    room: int | None = None,
+    by_message: bool = False,
+    frame: int | None = None,
+) -> tuple[set[int], tuple[int, ...]]:
+    """`choose_indices`, and the messages to quote in the recall block before the question:
+    by message with a `frame` (what the block's label and acknowledgement cost), a pick that
+    would put two user or two assistant messages together is quoted there rather than sent in
+    place with a reply between (`alternation.fill_quoting`). Returns (indices sent in place,
+    indices quoted); what the quotes cost (`frame` once, each message at its cost) is within
+    `budget`. Without a `frame` nothing is quoted.
+
+    Example:
+        >>> chat = [{"role": "user", "content": "lamp"}, {"role": "assistant", "content": "ok"},
+        ...         {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+        ...         {"role": "user", "content": "lamp?"}]
+        >>> choose_quoting(ChatView(chat), [5, 50, 5, 5, 5], 25, scores=[1, 0, 0, 0, 0], by_message=True, frame=5)
+        ({2, 3, 4}, (0,))
+    """
     plan = _plan(view)
     keep = set(plan.hard)
     left = budget - sum(costs[i] for i in keep)
@@ -375,8 +426,11 @@ def choose_indices(
         if cost <= left + (extra if t == latest else 0):
             taken.update(rest)
             left -= cost
+    quoted: list[int] = []
     if by_message and strategy == "relevance":
-        taken.update(_pick_messages(view, plan, taken, unit_cost, left, weights, scores))
+        picked, quoted = _pick_messages(view, plan, taken, unit_cost, left, weights, scores, frame)
+        taken.update(picked)
+        left -= sum(unit_cost[u] for u in [*picked, *quoted]) + ((frame or 0) if quoted else 0)
     else:
         open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
         group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
@@ -386,7 +440,7 @@ def choose_indices(
             left -= group_cost[k]
     for u in taken:
         keep.update(plan.units[u])
-    return _repair_history_start(view, plan, keep, costs, left)
+    return _repair_history_start(view, plan, keep, costs, left), tuple(sorted(plan.units[u].start for u in quoted))
 
 
 def turn_values(

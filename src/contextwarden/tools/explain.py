@@ -40,7 +40,7 @@ class MessageReason:
     index: int
     role: str
     tokens: int
-    action: str  # kept | dropped | shortened | excerpted | summarized
+    action: str  # kept | dropped | shortened | excerpted | recalled | summarized
     reasons: tuple[str, ...]
     score: float | None = None
 
@@ -237,13 +237,16 @@ def _facts(
 
 def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
     """One message's action and reasons: why it was sent or not, then what it was sent with."""
-    sent = i in facts.kept or i in facts.shortened
+    quoted = i in facts.result.recalled and i not in facts.kept and i not in facts.shortened
+    sent = i in facts.kept or i in facts.shortened or quoted
     action = (
         "shortened" if i in facts.shortened else "kept" if sent else "summarized" if i in facts.covered else "dropped"
     )
-    action = "excerpted" if i in facts.result.excerpted else action
+    action = "excerpted" if i in facts.result.excerpted else "recalled" if quoted else action
     reasons = _why(i, message, sent, facts) + _together(i, facts)
-    if i in facts.result.excerpted:
+    if quoted:
+        reasons.insert(0, "quoted verbatim in the recall block before the question, not in its place")
+    elif i in facts.result.excerpted:
         reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
     elif i in facts.shortened:
         reasons.insert(0, "mandatory content over budget: cut middle-out")
