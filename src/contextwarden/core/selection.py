@@ -396,12 +396,12 @@ def choose_quoting(
     by_message: bool = False,
     frame: int | None = None,
 ) -> tuple[set[int], tuple[int, ...]]:
-    """`choose_indices`, and the messages to quote in the recall block before the question:
-    by message with a `frame` (what the block's label and acknowledgement cost), a pick that
-    would put two user or two assistant messages together is quoted there rather than sent in
-    place with a reply between (`alternation.fill_quoting`). Returns (indices sent in place,
-    indices quoted); what the quotes cost (`frame` once, each message at its cost) is within
-    `budget`. Without a `frame` nothing is quoted.
+    """`choose_indices`, and the messages to quote in a recall block: by message with a `frame`
+    (what a block's label and acknowledgement cost), a pick that would put two user or two
+    assistant messages together, or open the history with a reply, is quoted rather than sent
+    in place with a reply between (`alternation.fill_quoting`; `fresh._quoted_block` places the
+    block). Returns (indices sent in place, indices quoted); what the quotes cost (`frame`
+    once, each message at its cost) is within `budget`. Without a `frame` nothing is quoted.
 
     Example:
         >>> chat = [{"role": "user", "content": "lamp"}, {"role": "assistant", "content": "ok"},
