@@ -94,9 +94,8 @@ def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> st
     """What the model saw, as a person reads it at a glance and the same way every turn: `Whole
     chat sent`, or `Sent 5 of 9 messages`, and what went out cut. `sent` counts the chat's own
     messages sent (default: all in `choice`; the filter leaves out its recall blocks and summary
-    note, and counts the messages a block quotes whole). No token counts, budget or tool
-    definitions: those are the admin's (`detail_line`, logged); the reply's real tokens and cost
-    follow on the same line (`turn_line`).
+    note, and counts the messages a block quotes whole). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
+    logged); the reply's real tokens and cost follow on the same line (`turn_line`).
 
     Example:
         >>> status_line(TurnChoice([{}] * 5, 9, 10_899, 3_278, 4_000, "exact"), Flags())
