@@ -93,8 +93,8 @@ def _fits(choice: TurnChoice) -> str:
 def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
     """What the model saw, as a person reads it at a glance and the same way every turn: `Whole
     chat sent`, or `Sent 5 of 9 messages`, and what went out cut. `sent` counts the chat's own
-    messages sent (default: all in `choice`; the filter leaves out its recall blocks and summary
-    note, and counts the messages a block quotes whole). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
+    messages sent (default: all in `choice`; the filter leaves out its recall quotes and summary
+    note). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
     logged); the reply's real tokens and cost follow on the same line (`turn_line`).
 
     Example:
@@ -122,7 +122,7 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, sent: int | None = None
 
 def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow: bool) -> str:
     before = choice.count_before
-    sent = len(choice.messages) if sent is None else min(max(sent, 0), max(len(choice.messages), before))
+    sent = len(choice.messages) if sent is None else min(max(sent, 0), len(choice.messages))
     cuts = _cut_words(choice, sent)
     if choice.full or (sent >= before and not cuts):
         head = "would send the whole chat" if shadow else "Whole chat sent"
