@@ -11,7 +11,7 @@ from .chatview import ChatView
 from .excerpt import Excerpt, excerpt_turns
 from .recall import _Block, _block, _block_tokens, _new_recall
 from .relevance import score_messages, wants_whole
-from .selection import choose_quoting
+from .selection import choose_indices
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim_types import DEFAULT_GROWTH_TURNS, TrimOptions, _Counted, _sized
@@ -81,7 +81,8 @@ def _new_selection(
     scores = semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     frame = _block_tokens(view, (), counter, model) if scores is not None else None
-    keep, quoted = choose_quoting(
+    quoted: list[int] = []
+    keep = choose_indices(
         view,
         costs,
         target - room - reserve,
@@ -92,6 +93,7 @@ def _new_selection(
         room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
         by_message=scores is not None,  # the embedder's relevance holds for single messages
         frame=frame,  # a pick that would put two of one role together is quoted in the block
+        quoted=quoted,
     )
     quotes = sum(costs[i] for i in quoted) + ((frame or 0) if quoted else 0)
     excerpts: dict[int, Excerpt] = {}
@@ -105,7 +107,7 @@ def _new_selection(
             view, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
         )
         keep.update(added)
-        quoted = tuple(i for i in quoted if i not in keep)  # an excerpt's turn brought it in place
+        quoted = [i for i in quoted if i not in keep]  # an excerpt's turn brought it in place
     blocks = [b for b in [_quoted_block(view, keep, quoted, quotes, counter, model)] if b is not None]
     if not (room and question is not None):
         return keep, blocks, excerpts
@@ -145,7 +147,7 @@ def _quoted_block(
     view: ChatView, keep: Collection[int], quoted: Sequence[int], room: int, counter: TokenCounter, model: str | None
 ) -> _Block | None:
     """The block quoting the messages a selection by message quotes rather than sends in place
-    (`selection.choose_quoting`), within the `room` it counted for them: right before the first
+    (`selection.choose_indices`), within the `room` it counted for them: right before the first
     user message sent, so that it stays in the prefix the next turns send again (the question's
     own recall block comes and goes). Quoting joins texts into a few more tokens than they count
     apart: then the latest quoted go until it fits."""

@@ -31,7 +31,6 @@ __all__ = [
     "select_recent",
     "select_by_value",
     "choose_indices",
-    "choose_quoting",
     "turn_values",
     "reuse_previous",
     "extend_previous",
@@ -341,6 +340,8 @@ def choose_indices(
     scores: Sequence[float] | None = None,
     room: int | None = None,
     by_message: bool = False,
+    frame: int | None = None,
+    quoted: list[int] | None = None,
 ) -> set[int]:
     """The message indices to send: hard part, pins, preferred turns, then the strategy's pick.
 
@@ -357,7 +358,11 @@ def choose_indices(
     units are returned even when they alone are over. The result never begins its history with
     an assistant or tool message unless the input did: such a unit gets its turn's user
     message, or is let go; by message, user and assistant messages alternate where the input's
-    do (`alternation`).
+    do (`alternation`): with a `frame` (what a recall block's label and acknowledgement cost) a
+    pick that would put two of one role together, or open the history with a reply, is quoted
+    in a recall block instead (`alternation.fill_quoting`; `fresh._quoted_block` places it): its
+    index goes into `quoted` (ascending) and its cost, with `frame` once, is within `budget`;
+    without one it gets a reply from between as a bridge.
 
     Example:
         >>> chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
@@ -366,49 +371,13 @@ def choose_indices(
         [2]
         >>> sorted(choose_indices(ChatView(chat), [5, 5, 5], 15, strategy="recent"))
         [0, 1, 2]
-    """
-    keep, _ = choose_quoting(
-        view,
-        costs,
-        budget,
-        strategy=strategy,
-        keep_last_turns=keep_last_turns,
-        pinned=pinned,
-        weights=weights,
-        scores=scores,
-        room=room,
-        by_message=by_message,
-    )
-    return keep
-
-
-def choose_quoting(
-    view: ChatView,
-    costs: Sequence[int],
-    budget: int,
-    *,
-    strategy: Strategy = DEFAULT_STRATEGY,
-    keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
-    pinned: Collection[int] = (),
-    weights: RelevanceWeights = DEFAULT_RELEVANCE_WEIGHTS,
-    scores: Sequence[float] | None = None,
-    room: int | None = None,
-    by_message: bool = False,
-    frame: int | None = None,
-) -> tuple[set[int], tuple[int, ...]]:
-    """`choose_indices`, and the messages to quote in a recall block: by message with a `frame`
-    (what a block's label and acknowledgement cost), a pick that would put two user or two
-    assistant messages together, or open the history with a reply, is quoted rather than sent
-    in place with a reply between (`alternation.fill_quoting`; `fresh._quoted_block` places the
-    block). Returns (indices sent in place, indices quoted); what the quotes cost (`frame`
-    once, each message at its cost) is within `budget`. Without a `frame` nothing is quoted.
-
-    Example:
         >>> chat = [{"role": "user", "content": "lamp"}, {"role": "assistant", "content": "ok"},
         ...         {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
         ...         {"role": "user", "content": "lamp?"}]
-        >>> choose_quoting(ChatView(chat), [5, 50, 5, 5, 5], 25, scores=[1, 0, 0, 0, 0], by_message=True, frame=5)
-        ({2, 3, 4}, (0,))
+        >>> quoted: list[int] = []
+        >>> sorted(choose_indices(ChatView(chat), [5, 50, 5, 5, 5], 25, scores=[1, 0, 0, 0, 0],
+        ...                       by_message=True, frame=5, quoted=quoted)), quoted
+        ([2, 3, 4], [0])
     """
     plan = _plan(view)
     keep = set(plan.hard)
@@ -426,11 +395,12 @@ def choose_quoting(
         if cost <= left + (extra if t == latest else 0):
             taken.update(rest)
             left -= cost
-    quoted: list[int] = []
     if by_message and strategy == "relevance":
-        picked, quoted = _pick_messages(view, plan, taken, unit_cost, left, weights, scores, frame)
+        picked, quoting = _pick_messages(view, plan, taken, unit_cost, left, weights, scores, frame)
         taken.update(picked)
-        left -= sum(unit_cost[u] for u in [*picked, *quoted]) + ((frame or 0) if quoted else 0)
+        left -= sum(unit_cost[u] for u in [*picked, *quoting]) + ((frame or 0) if quoting else 0)
+        if quoted is not None:
+            quoted.extend(sorted(plan.units[u].start for u in quoting))
     else:
         open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
         group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
@@ -440,7 +410,7 @@ def choose_quoting(
             left -= group_cost[k]
     for u in taken:
         keep.update(plan.units[u])
-    return _repair_history_start(view, plan, keep, costs, left), tuple(sorted(plan.units[u].start for u in quoted))
+    return _repair_history_start(view, plan, keep, costs, left)
 
 
 def turn_values(
