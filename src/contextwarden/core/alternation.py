@@ -79,8 +79,9 @@ def alternates(view: ChatView, keep: Collection[int], hard: Collection[int] = ()
         (False, True, True)
     """
     sent = [i for i in sorted(keep) if view.role(i) not in ("system", "developer")]
+    fixed = set(hard)
     return not any(
-        clash(view, before, after) and before not in pins and after not in pins and not {before, after} <= set(hard)
+        clash(view, before, after) and before not in pins and after not in pins and not {before, after} <= fixed
         for before, after in zip(sent, sent[1:], strict=False)
     )
 
@@ -166,8 +167,8 @@ def fill_quoting(
     """The units of `order` (the most relevant first) taken while they fit `left`: in place where
     they clash with nothing sent (the `fixed` messages and the units taken before) and a reply
     would not open what is sent (unless it is `opener`, the chat's own first message), else
-    quoted in the recall block before the question (single messages only; the block's label and
-    acknowledgement cost `frame` once). Returns (units in place, units quoted in `order`).
+    quoted in a recall block (single messages only; the block's label and acknowledgement cost
+    `frame` once; `fresh._quoted_block` places it). Returns (units in place, units quoted in `order`).
 
     Example:
         >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -189,8 +190,8 @@ def fill_quoting(
                 left -= cost
                 at = bisect.bisect_left(out, span.start)
                 out[at:at] = list(span)
-        elif len(span) == 1 and cost + (0 if quoted else frame) <= left:
-            left -= cost + (0 if quoted else frame)
+        elif len(span) == 1 and (quote := cost + (0 if quoted else frame)) <= left:
+            left -= quote
             quoted.append(u)
     return taken, quoted
 

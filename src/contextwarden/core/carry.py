@@ -23,6 +23,7 @@ from .recall import (
     _new_recall,
     _passages,
     _Pools,
+    _quote_anchor,
     _recall_record,
     _recalled,
     _recalled_passages,
@@ -142,12 +143,13 @@ def _recalls_kept(
         return None
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
-    count = _held(view, keep, blocks)  # the selection's own: they stay with it
-    held, blocks, keep = blocks[:count], blocks[count:], set(keep)
+    count = _held(view, keep, blocks)  # the selection's own: they stay with it, as part of it
+    held, blocks = blocks[:count], blocks[count:]
+    keep = set(keep).union(*(b.indices for b in held))
     base += sum(b.tokens for b in held)
     pool = pools.of(question, system)
     while True:
-        used = keep.union(*(b.indices for b in [*held, *blocks]))
+        used = keep.union(*(b.indices for b in blocks))
         left = max_tokens - base - sum(b.tokens for b in blocks)
         # Past the budget already (left < 0), no block can make it fit: the newest earlier block
         # goes (or, with none left, `base` alone is over and nothing fits) without making one.
@@ -155,16 +157,17 @@ def _recalls_kept(
         if left >= 0:
             sent = _sent_chunks(excerpts, [*held, *blocks])
             block = _new_recall(view, used, question, room, counter, model, pool, fits_in=left, sent=sent)
-        wanted = [*held, *blocks] + ([block] if block is not None else [])
-        if base + sum(b.tokens for b in wanted[len(held) :]) <= max_tokens:
+        wanted = [*blocks, block] if block is not None else blocks
+        if base + sum(b.tokens for b in wanted) <= max_tokens:
+            wanted = [*held, *wanted]
             return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
         if not blocks:
             break
         blocks.pop()
     # What still fits beside the selection: enough while it holds half of what the question
     # would have recalled (its relevance); else the selection misses too much, and goes.
-    used, sent = keep.union(*(b.indices for b in held)), _sent_chunks(excerpts, held)
-    fitting = _new_recall(view, used, question, max_tokens - base, counter, model, pool, sent=sent)
+    sent = _sent_chunks(excerpts, held)
+    fitting = _new_recall(view, keep, question, max_tokens - base, counter, model, pool, sent=sent)
     scores = pool.scores
     # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
     if (
@@ -205,7 +208,7 @@ def _held(view: ChatView, keep: Collection[int], blocks: Sequence[_Block]) -> in
     first user message (what a selection by message quoted rather than sent in place, before
     what it sent: `fresh._quoted_block`). The cache holds them from the start of the history,
     so they stay while the selection does."""
-    first = next((i for i in sorted(keep) if view.role(i) == "user"), None)
+    first = _quote_anchor(view, keep)
     held = 0
     while first is not None and held < len(blocks) and blocks[held].anchor <= first:
         held += 1

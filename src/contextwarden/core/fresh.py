@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 
 from .chatview import ChatView
 from .excerpt import Excerpt, excerpt_turns
-from .recall import _Block, _block, _block_tokens, _new_recall
+from .recall import _Block, _block, _block_tokens, _new_recall, _quote_anchor
 from .relevance import score_messages, wants_whole
 from .selection import choose_indices
 from .semantic import VECTORS, Embed, similarities
@@ -112,7 +112,7 @@ def _new_selection(
     if not (room and question is not None):
         return keep, blocks, excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
-    return keep, _with_recall(chat, keep, question, blocks, excerpts, (room, left), counter, model), excerpts
+    return keep, _with_recall(chat, keep, question, blocks, excerpts, room, left, counter, model), excerpts
 
 
 def _with_recall(
@@ -121,25 +121,27 @@ def _with_recall(
     question: int,
     blocks: list[_Block],
     excerpts: dict[int, Excerpt],
-    room: tuple[int, int],
+    room: int,
+    left: int,
     counter: TokenCounter,
     model: str | None,
 ) -> list[_Block]:
     """`blocks` (the selection's quotes) and the recall block of what the question needs: its
-    room (`room[0]`) within what is left of the budget (`room[1]`, less `blocks`); one block
-    when both go right before the question."""
+    `room` within what is `left` of the budget less `blocks`; one block when both go right
+    before the question."""
     view = chat.view
     pool = chat.pools.of(question, view.system_indices)
     sent = {i: e.chunks for i, e in excerpts.items()}
     taken = keep.union(*(b.indices for b in blocks))
-    left = min(room[0], room[1] - sum(b.tokens for b in blocks))
-    block = _new_recall(view, taken, question, left, counter, model, pool, sent=sent)
+    block = _new_recall(
+        view, taken, question, min(room, left - sum(b.tokens for b in blocks)), counter, model, pool, sent=sent
+    )
     if block is None:
         return blocks
     if blocks and blocks[0].anchor == question:  # one block a question: the quotes and the recall together
         merged = _block(view, question, sorted([*blocks[0].indices, *block.indices]), block.chunks(), counter, model)
         fits = merged is not None and merged.tokens <= blocks[0].tokens + block.tokens  # a frame less, always
-        return [merged] if fits and merged is not None else blocks
+        return [merged] if fits and merged else blocks
     return [*blocks, block]
 
 
@@ -151,7 +153,7 @@ def _quoted_block(
     user message sent, so that it stays in the prefix the next turns send again (the question's
     own recall block comes and goes). Quoting joins texts into a few more tokens than they count
     apart: then the latest quoted go until it fits."""
-    anchor = next((i for i in sorted(keep) if view.role(i) == "user"), None)
+    anchor = _quote_anchor(view, keep)
     chosen = list(quoted)
     while chosen and anchor is not None:
         block = _block(view, anchor, chosen, {}, counter, model)

@@ -307,6 +307,12 @@ def _quoted(view: ChatView, indices: Sequence[int], texts: Mapping[int, str]) ->
     return {i: texts.get(i) or view.text(i) for i in indices}
 
 
+def _quote_anchor(view: ChatView, keep: Collection[int]) -> int | None:
+    """Where the block a selection quotes goes (`fresh._quoted_block`), and so which carried
+    blocks stay with the selection (`carry._held`): right before its first user message sent."""
+    return min((i for i in keep if view.role(i) == "user"), default=None)
+
+
 def _with_blocks(
     sent: list[Message], order: Sequence[int], blocks: Sequence[_Block], question: int | None
 ) -> tuple[list[Message], int, tuple[int, ...]]:

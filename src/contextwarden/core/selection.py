@@ -232,7 +232,7 @@ def _pick_messages(
     0.866 / 0.922 and 0.726 / 0.796 / 0.866 / 0.920 (0.733 / 0.805 / 0.872 / 0.928). Lexically
     it loses on LoCoMo (the evidence is often the reply beside the message BM25 matches).
     With a `frame` (what a recall block's label and acknowledgement cost) a pick that would
-    clash is quoted in the block instead of bridged (`alternation.fill_quoting`): returned
+    clash is quoted in a recall block instead of bridged (`alternation.fill_quoting`): returned
     second, (units in place, units quoted)."""
     if left <= 0 or view.question is None:
         return [], []

@@ -245,7 +245,7 @@ def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
     action = "excerpted" if i in facts.result.excerpted else "recalled" if quoted else action
     reasons = _why(i, message, sent, facts) + _together(i, facts)
     if quoted:
-        reasons.insert(0, "quoted verbatim in the recall block before the question, not in its place")
+        reasons.insert(0, "quoted verbatim in a recall block, not in its place")
     elif i in facts.result.excerpted:
         reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
     elif i in facts.shortened:
