@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from contextwarden import Filter
+from contextwarden.core.conversation import is_recall_message
 from contextwarden.core.tokens import TokenCounter
 from contextwarden.state.store import Store, open_store
 
@@ -60,6 +61,13 @@ def store_of(valves: dict) -> Store:
     """The store a filter with these valves opens (their `redis_url`, else in-process): given to
     `make_filter(store=...)`, the test holds it from the start, before any turn."""
     return open_store(valves.get("redis_url", ""))
+
+
+def quoted_whole(chat: list[dict], sent: list[dict]) -> int:
+    """The chat's messages not sent in place that a recall block quotes whole: the model reads
+    them, and the user's status line counts them as sent."""
+    blocks = [m["content"] for m in sent if is_recall_message(m)]
+    return sum(1 for c in chat if c not in sent and any(c["content"] in b for b in blocks))
 
 
 def body_of(chat: list[dict], model: str = "gpt-4o", **metadata: Any) -> dict:

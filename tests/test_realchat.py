@@ -15,7 +15,7 @@ from contextwarden.face.status import status_line
 from contextwarden.money.records import TurnChoice
 
 from chats import check_contract
-from helpers import Events, body_of, make_filter, send, shown
+from helpers import Events, body_of, make_filter, quoted_whole, send, shown
 
 MODEL = "gpt-4o"
 PIN_BUDGET = 2_976
@@ -91,7 +91,8 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
         assert any(m["content"] == text for m in sent), f"pin dropped on turn {i}"
         assert counter.count_messages(sent, MODEL) <= PIN_BUDGET
     said = re.match(rf"Sent (\d+) of {len(chat)} messages · ", events.statuses[-1])  # trimmed all along
-    assert said and int(said[1]) <= len(sent) < len(chat), events.statuses  # the chat's own (no recall quotes)
+    own = sum(1 for m in sent if m in chat or m["content"] == text)  # the pin goes without its "!pin"
+    assert said and int(said[1]) == own + quoted_whole(chat, sent) < len(chat), events.statuses  # in place or quoted
 
 
 # --- item 1: tool definitions and response formats are counted ---------------------------------

@@ -134,7 +134,9 @@ async def test_shadow_turns_simulate_enforce_prefix_reuse_without_touching_the_r
         would = re.match(
             r"Shadow: would send (\d+) of (\d+) messages$", s_body["metadata"]["contextwarden"]["pending_line"]
         )
-        assert would and would[2] == counts[1][0] and int(would[1]) <= int(counts[1][1])  # recall quotes not counted
+        recalled = re.search(r" · (\d+) recalled", s_body["metadata"]["contextwarden"]["line"])
+        read = int(counts[1][1]) + (int(recalled[1]) if recalled else 0)  # the prompt's, and those quoted whole
+        assert would and would[2] == counts[1][0] and int(would[1]) <= read
         chat = grow(chat, i)
     e_state = ChatState.from_bytes(await enforce.store.get(chat_state_key("u1", f"e-{unique}")))
     s_state = ChatState.from_bytes(await shadow.store.get(chat_state_key("u1", f"s-{unique}")))

@@ -16,7 +16,7 @@ from contextwarden.face.status import detail_line, shadow_status_line, status_li
 from contextwarden.money.records import ExcerptCounts, TurnChoice
 from contextwarden.money.savings import Savings
 
-from helpers import Events, make_filter
+from helpers import Events, make_filter, quoted_whole
 from turns import reply_of, run_turn
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
@@ -71,11 +71,12 @@ async def test_one_line_a_turn_after_the_reply_says_what_was_left_out_and_the_co
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)
     chat = long_chat()
     run = await run_turn(f, chat, reply=reply_of(usage={"prompt_tokens": 700, "completion_tokens": 9}))
-    sent = [m for m in run.after_request["messages"] if any(m is c for c in chat)]  # not the recall quotes
+    sent = [m for m in run.after_request["messages"] if any(m is c for c in chat)]  # not the recall blocks
     assert len(sent) < len(chat)
     [line] = run.events.statuses  # before: a context line at request, then a usage line at outlet
     context, usage = line.split(" · ", 1)
-    assert context == f"Sent {len(sent)} of {len(chat)} messages", line
+    read = len(sent) + quoted_whole(chat, run.after_request["messages"])  # in place, or quoted whole
+    assert context == f"Sent {read} of {len(chat)} messages", line
     assert USAGE_PART.match(usage) and usage.startswith("700 tokens in · 9 out · $"), line
     for admin_words in ("→", "fits", "budget", "tool definitions", "Context"):
         assert admin_words not in line, line
@@ -93,7 +94,8 @@ async def test_nothing_is_shown_before_the_reply(counter):
     sent = await f.request({**first, "tools": tools}, __event_emitter__=events, **hooks)
     assert events.statuses == []
     note = metadata["contextwarden"]
-    own = sum(any(m is c for c in body["messages"]) for m in sent["messages"])  # not the recall quotes
+    own = sum(any(m is c for c in body["messages"]) for m in sent["messages"])  # not the recall blocks
+    own += quoted_whole(body["messages"], sent["messages"])
     assert note["pending_line"] == f"Sent {own} of {len(long_chat())} messages"
     assert " for tool definitions" in note["line"] and note["line"].startswith(f"Context {len(long_chat())} → ")
     reply = {"role": "assistant", "content": "The answer."}
@@ -272,6 +274,24 @@ def test_the_chats_own_messages_are_counted_not_the_filters():
     # a recall block and its acknowledgement went out with 3 of the chat's 9 messages
     choice = TurnChoice([{}] * 5, 9, 9_000, 3_000, 4_000, "exact")
     assert status_line(choice, Flags(), sent=3) == "Sent 3 of 9 messages"
+
+
+def test_messages_a_block_quotes_whole_count_as_sent(counter):
+    """With the embedder a selection quotes some picks in a recall block (`choose_quoting`): the
+    model reads them, so the line counts them with the messages sent in place."""
+    from test_selection_messages import _lighthouse_chat, _topic_embed
+
+    from contextwarden import trim_messages
+    from contextwarden.face.trimpass import _chat_messages_sent
+
+    chat = _lighthouse_chat()
+    result = trim_messages(chat, max_tokens=500, model="gpt-4o", token_counter=counter, embed=_topic_embed)
+    assert result.recalled and not result.recalled_passages
+    choice = TurnChoice.of(result, result.messages)
+    sent = _chat_messages_sent(choice)
+    assert sent == len(result.kept) + len(result.recalled) < len(chat)
+    assert status_line(choice, Flags(), sent=sent) == f"Sent {sent} of {len(chat)} messages"
+    assert f" · {len(result.recalled)} recalled" in detail_line(choice, Flags())  # the admin's line says so apart
 
 
 async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users(counter):

@@ -93,9 +93,10 @@ def _fits(choice: TurnChoice) -> str:
 def status_line(choice: TurnChoice, flags: Flags, sent: int | None = None) -> str:
     """What the model saw, as a person reads it at a glance and the same way every turn: `Whole
     chat sent`, or `Sent 5 of 9 messages`, and what went out cut. `sent` counts the chat's own
-    messages sent (default: all in `choice`; the filter leaves out its recall quotes and summary
-    note). No token counts, budget or tool definitions: those are the admin's (`detail_line`,
-    logged); the reply's real tokens and cost follow on the same line (`turn_line`).
+    messages sent (default: all in `choice`; the filter leaves out its recall blocks and summary
+    note, and counts the messages a block quotes whole: the model reads them). No token counts,
+    budget or tool definitions: those are the admin's (`detail_line`, logged, which names the
+    messages recalled apart); the reply's real tokens and cost follow on the same line (`turn_line`).
 
     Example:
         >>> status_line(TurnChoice([{}] * 5, 9, 10_899, 3_278, 4_000, "exact"), Flags())
@@ -122,7 +123,7 @@ def shadow_status_line(choice: TurnChoice, flags: Flags, sent: int | None = None
 
 def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow: bool) -> str:
     before = choice.count_before
-    sent = len(choice.messages) if sent is None else min(max(sent, 0), len(choice.messages))
+    sent = len(choice.messages) if sent is None else min(max(sent, 0), max(len(choice.messages), before))
     cuts = _cut_words(choice, sent)
     if choice.full or (sent >= before and not cuts):
         head = "would send the whole chat" if shadow else "Whole chat sent"
@@ -163,7 +164,8 @@ def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
 
 def detail_line(choice: TurnChoice, flags: Flags) -> str:
     """The admin's account of a pass, for the log: `Context 142 → 38 messages · 96,210 → 7,950
-    tokens · incl. 3,214 for tool definitions`, or `(fits N)` when nothing was cut."""
+    tokens · incl. 3,214 for tool definitions · 12 recalled`, or `(fits N)` when nothing was cut.
+    The messages count the prompt's; `recalled` the chat's quoted whole in its recall blocks."""
     after = len(choice.messages)
     if choice.full:
         line = (
@@ -257,6 +259,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · earlier messages summarized"
     if choice.shortened:
         line += f" · {choice.shortened} shortened"
+    if choice.quoted:  # the chat's messages the model read whole in a recall block (the user's line counts them)
+        line += f" · {choice.quoted} recalled"
     if (excerpts := choice.excerpts).count:
         line += " · " + excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)
     if choice.pins_shortened:

@@ -118,8 +118,9 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
 
 def _chat_messages_sent(choice: TurnChoice) -> int:
     """How many of the chat's own messages a choice sends: its messages less what the filter
-    added (recall quotes, a summary note, their acknowledgements)."""
-    return len(choice.messages) - len(own_messages(choice.messages, choice.own))
+    added (recall blocks, a summary note, their acknowledgements), plus the messages its recall
+    blocks quote whole (the model reads them, in a block)."""
+    return len(choice.messages) - len(own_messages(choice.messages, choice.own)) + choice.quoted
 
 
 @dataclass(slots=True)

@@ -148,6 +148,7 @@ class TurnChoice:
     fixed_label: str = ""  # what they are ("tool definitions", ...)
     fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
     own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
+    quoted: int = 0  # the chat's messages its recall blocks quote whole (sent, in a block)
 
     def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
         """This choice with the request's fixed part (billed with every prompt) in its counts,
@@ -191,6 +192,7 @@ class TurnChoice:
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
             pins_shortened=PINS_SHORTENED_NOTE in result.notes,
             own=added_fingerprints(result, messages),
+            quoted=len(set(result.recalled).difference(i for i, _ in result.recalled_passages)),
         )
 
 
