@@ -205,7 +205,11 @@ def test_decision_keeps_its_recalls_through_json():
     )
     assert TrimDecision.from_json(decision.to_json()) == decision
     data = json.loads(decision.to_json())
-    for bad in ([[9, [2, 1], ["x", "y"]]], [[9, [1], []]], [[9, [12], ["x"]]], [["9", [1], ["x"]]], "nope"):
+    assert TrimDecision.from_json(json.dumps({**data, "recalls": [[3, [5], ["e" * 16]]]})).recalls == (
+        Recall(3, (5,), ("e" * 16,), acked=False),  # a selection's quotes: past its anchor, within what was seen
+    )
+    bad_ones = ([[9, [2, 1], ["x", "y"]]], [[9, [1], []]], [[9, [12], ["x"]]], [[9, [9], ["x"]]], [["9", [1], ["x"]]])
+    for bad in (*bad_ones, "nope"):  # (12: past the 10 messages the decision saw; 9: the anchor itself)
         data["recalls"] = bad
         assert TrimDecision.from_json(json.dumps(data)).recalls == ()
     assert replace(decision, at=(3, 8), kept=decision.kept).recalls == ()  # anchor not kept: dropped

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from contextwarden import trim_messages
+from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import RECALL_LABEL
 from contextwarden.core.selection import choose_indices
@@ -98,6 +98,8 @@ def test_contract_and_determinism_hold_by_message(counter, seed):
         check_contract(chat, result, counter, MODEL, pinned=pins)
         same = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, **options)
         assert same.kept == result.kept and frozen(same.messages) == frozen(result.messages)
+        if result.decision is not None:  # the filter stores it as JSON: what it reads back is what was decided
+            assert TrimDecision.from_json(result.decision.to_json()) == result.decision
     assert frozen(chat) == before
 
 
@@ -131,6 +133,26 @@ def test_what_would_clash_in_place_is_quoted_before_the_first_user_message_and_c
     grown = chat + [{"role": "assistant", "content": "The lighthouse."}, {"role": "user", "content": "Thanks!"}]
     second = trim_messages(grown, max_tokens=500, previous=first.decision, **options)
     check_contract(grown, second, counter, MODEL)
+    assert second.reused and second.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]
+
+
+def test_a_quoted_block_after_a_pin_is_sent_again_through_the_stored_decision(counter):
+    """A pinned early question is the first user message sent, so the block the selection quotes
+    goes before it and quotes later messages. The filter passes the decision on as JSON: read
+    back, it must still hold that block, or the next turn sends neither the quotes nor the
+    prefix the provider cached (before the fix, `Recall.from_list` dropped a block quoting
+    past its anchor)."""
+    chat = _lighthouse_chat()
+    options = {"max_tokens": 500, "model": MODEL, "token_counter": counter, "embed": _topic_embed, "pinned": [1]}
+    first = trim_messages(chat, **options)
+    assert first.decision is not None
+    [held] = [r for r in first.decision.recalls if r.anchor == 1]
+    assert 8 in held.at and min(held.at) > held.anchor  # the climbed lighthouse, quoted past the pin
+    stored = TrimDecision.from_json(first.decision.to_json())
+    assert stored.recalls == first.decision.recalls
+    grown = chat + [{"role": "assistant", "content": "The lighthouse."}, {"role": "user", "content": "Thanks!"}]
+    second = trim_messages(grown, previous=stored, **options)
+    check_contract(grown, second, counter, MODEL, pinned=[1])
     assert second.reused and second.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]
 
 

@@ -41,10 +41,12 @@ register("decision._fingerprint_cache", _clear_fingerprints)
 class Recall:
     """One recall block a turn sent: quoting the messages at input positions `at` (with
     fingerprints `kept`), right before the kept message at position `anchor` (the question it
-    was made for). The next turn sends it again, rebuilt from the same messages, while they are
-    still there: the prompt then only grows at its end. `acked`: an assistant `SUMMARY_ACK` followed
-    it (False in decisions written before: that block is sent again with one, so the prompt differs
-    from the previous one from that block on, once, and roles alternate from then on). `parts`:
+    was made for; for the block a selection quotes, its first user message sent, which may come
+    before what it quotes: `fresh._quoted_block`). The next turn sends it again, rebuilt from the
+    same messages, while they are still there: the prompt then only grows at its end. `acked`: an
+    assistant `SUMMARY_ACK` followed it (False in decisions written before: that block is sent
+    again with one, so the prompt differs from the previous one from that block on, once, and
+    roles alternate from then on). `parts`:
     per quoted message, the chunk numbers (`excerpt.split_chunks`) of the passages it quotes, or
     () for the whole message; empty when every message is quoted whole.
 
@@ -52,6 +54,9 @@ class Recall:
         >>> r = Recall(9, (1, 4), ("a" * 16, "b" * 16), parts=((), (2, 5)))
         >>> Recall.from_list(r.to_list()) == r, r.to_list()[4]
         (True, [[], [2, 5]])
+        >>> held = Recall(2, (5, 7), ("a" * 16, "b" * 16))  # a selection's quotes, before its first question
+        >>> Recall.from_list(held.to_list()) == held
+        True
     """
 
     anchor: int
@@ -92,7 +97,7 @@ class Recall:
         at, kept = tuple(value[1]), tuple(value[2])
         parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
         if not (
-            all(type(i) is int and 0 <= i < value[0] for i in at)
+            all(type(i) is int and 0 <= i != value[0] for i in at)  # (the anchor is sent in place)
             and all(isinstance(k, str) for k in kept)
             and all(a < b for a, b in pairwise(at))
             and parts is not None
@@ -218,7 +223,7 @@ class TrimDecision:
                 seen[1],
                 seen[2],
                 seen[3],
-                recalls=tuple(r for r in recalls if r is not None),
+                recalls=tuple(r for r in recalls if r is not None and (not seen[0] or r.at[-1] < seen[0])),
                 excerpts=_excerpt_records(data.get("excerpts")),  # absent before excerpts
             )
         except (TypeError, KeyError, AttributeError) as exc:
