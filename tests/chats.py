@@ -17,6 +17,7 @@ from contextwarden.core.conversation import (
     message_text,
     tool_call_ids,
 )
+from contextwarden.core.decision import TrimDecision
 from contextwarden.core.excerpt import split_chunks
 from contextwarden.core.selection import mandatory_indices
 from contextwarden.core.tokens import TokenCounter
@@ -68,6 +69,9 @@ def check_contract(
 ) -> None:
     """Assert every rule of DESIGN.md's contract for one trim (`pinned`: the trim's pins)."""
     sent = result.messages
+    # 0. the decision the filter stores (as JSON) reads back as it was made
+    if result.decision is not None:
+        assert TrimDecision.from_json(result.decision.to_json()) == result.decision, "decision lost in JSON"
     conversation = ChatView(chat)
     # 1. valid output: every tool_calls id answered right after; no orphan tool message.
     i = 0
