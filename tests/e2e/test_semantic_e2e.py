@@ -16,6 +16,8 @@ import uuid
 
 import pytest
 
+from contextwarden.core.conversation import RECALL_LABEL
+
 from helpers import BUILT_FILE
 from owui import OpenWebUI, chat, installed_function, set_valves, wait_for_log
 
@@ -119,3 +121,35 @@ def test_without_a_working_embedder_the_trim_is_lexical_and_says_why(open_webui:
             wait_for_log(open_webui, "contextwarden: embedder: ", since=mark)
         finally:
             open_webui.api("POST", "/api/v1/retrieval/embedding/update", json_body=config)
+
+
+def test_a_chat_with_a_pin_sends_its_quoted_block_again_on_the_next_turn(open_webui: OpenWebUI, backend):
+    """A pinned first question is the first user message sent, so what the selection quotes goes
+    in a block before it, quoting later messages. The filter stores its decision as JSON; the
+    next turn must read that block back and send it again, with everything before it, or the
+    provider's cached prefix and the quotes are lost (before c45737e both were, every turn)."""
+    pinned = {"role": "user", "content": "Our project is called Harbour Owls. !pin"}
+    chat_id = f"local:{uuid.uuid4()}"
+    settings = valves(low_watermark=0.8, max_context_tokens=2_500)
+    with installed_function(open_webui, FID, BUILT_FILE.read_text("utf-8"), settings, name="contextwarden"):
+        opening = [weather_chat()[0], pinned]  # a flag acts in the message that says it: pinned on its own turn
+        noted = chat(open_webui, MODEL, opening, chat_id=chat_id)["choices"][0]["message"]["content"]
+        messages = [*opening, {"role": "assistant", "content": noted}, *weather_chat()[1:]]
+        reply = chat(open_webui, MODEL, messages, chat_id=chat_id)["choices"][0]["message"]["content"]
+        answered = [*messages, {"role": "assistant", "content": reply}]
+        completed = {"model": MODEL, "chat_id": chat_id, "id": str(uuid.uuid4()), "session_id": None}
+        open_webui.api("POST", "/api/chat/completed", json_body={**completed, "messages": answered})
+        deadline, attempt, later = time.monotonic() + 60, 0, answered
+        while not any(RECALL_LABEL in str(m.get("content")) for m in backend.last_request["messages"][:3]):
+            assert time.monotonic() < deadline, "the embedder never made the selection quote"
+            attempt += 1
+            later = [*answered, {"role": "user", "content": f"Sorry, again ({attempt}): {QUESTION}"}]
+            chat(open_webui, MODEL, later, chat_id=chat_id)
+            time.sleep(1)
+        first = backend.last_request["messages"]
+        held = next(k for k, m in enumerate(first) if RECALL_LABEL in str(m.get("content")))
+        assert first[held + 2]["content"].startswith("Our project is called Harbour Owls")  # the block, Noted., the pin
+        grown = [*later, {"role": "assistant", "content": "Miso."}, {"role": "user", "content": "Thanks, that is all."}]
+        chat(open_webui, MODEL, grown, chat_id=chat_id)
+        second = backend.last_request["messages"]
+        assert second[: held + 3] == first[: held + 3], "the quoted block and what precedes it went out again"
