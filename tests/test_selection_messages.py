@@ -136,6 +136,27 @@ def test_what_would_clash_in_place_is_quoted_before_the_first_user_message_and_c
     assert second.reused and second.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]
 
 
+def test_a_question_that_stands_alone_keeps_the_latest_reply_not_its_question(counter):
+    """By message the latest exchange's reply is kept first; its question only for a follow-up.
+    A question that stands on its own lets the previous question compete (here it loses: it is
+    about the garden), while "say that again" keeps the exchange whole."""
+    chat = _lighthouse_chat()[:-1] + [
+        {"role": "user", "content": "What should we plant in the garden beds this spring, do you think?"},
+        {"role": "assistant", "content": "Tulips, I would say."},
+    ]
+    latest_question, latest_reply = len(chat) - 2, len(chat) - 1
+    options = {"max_tokens": 500, "model": MODEL, "token_counter": counter, "embed": _topic_embed}
+    alone = chat + [{"role": "user", "content": "Which coastal tower did we discuss during our long chat?"}]
+    result = trim_messages(alone, **options)
+    check_contract(alone, result, counter, MODEL)
+    assert latest_reply in result.kept and latest_question not in {*result.kept, *result.recalled}
+    assert {8, 19} <= {*result.kept, *result.recalled}  # the room went to the lighthouse
+    follow_up = chat + [{"role": "user", "content": "Can you say that again?"}]
+    result = trim_messages(follow_up, **options)
+    check_contract(follow_up, result, counter, MODEL)
+    assert {latest_question, latest_reply} <= set(result.kept)
+
+
 def test_a_quoted_block_after_a_pin_is_sent_again_through_the_stored_decision(counter):
     """A pinned early question is the first user message sent, so the block the selection quotes
     goes before it and quotes later messages. The filter passes the decision on as JSON: read

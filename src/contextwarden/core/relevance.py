@@ -55,6 +55,7 @@ __all__ = [
     "read_ahead",
     "score_messages",
     "wants_whole",
+    "leans_on_latest",
     "DEFAULT_TERM_CACHE_SIZE",
     "DEFAULT_TERM_CACHE_TERMS",
 ]
@@ -72,6 +73,16 @@ _WHOLE_QUESTION = re.compile(
     r"(?:whole|entire|full|complete) (?:document|text|article|paper|file|report|page|thing|piece)|"
     r"what(?:'s| is| was) (?:this|the|that) (?:document|text|article|paper|file|report|page) about|"
     r"compar(?:e|es|ing|ison)|contrast)\b",
+    re.IGNORECASE,
+)
+
+# A follow-up leans on the exchange just before it ("and in French?", "shorten that", "why?"):
+# a question of at most FOLLOW_UP_MAX_TERMS terms of its own, or one with a word pointing back or
+# opening as a continuation. Any other question stands on its own (`leans_on_latest`).
+FOLLOW_UP_MAX_TERMS = 2
+_POINTS_BACK = re.compile(
+    r"\b(?:it|its|that|this|these|those|them|they|again|above|previous|same|more)\b"
+    r"|^\W*(?:and|but|so|also|then|what about|how about)\b",
     re.IGNORECASE,
 )
 
@@ -541,6 +552,19 @@ def wants_whole(question: str) -> bool:
         (True, False)
     """
     return len(question) <= WHOLE_QUESTION_MAX_CHARS and _WHOLE_QUESTION.search(question) is not None
+
+
+def leans_on_latest(question: str, *, fold: bool = True) -> bool:
+    """True for a follow-up, which needs the exchange right before it (see `FOLLOW_UP_MAX_TERMS`
+    and `_POINTS_BACK`); False for a question that stands on its own.
+
+    Example:
+        >>> leans_on_latest("Shorten that"), leans_on_latest("And in French?"), leans_on_latest("Why?")
+        (True, True, True)
+        >>> leans_on_latest("When did Emi go to the jazz concert in Boston?")
+        False
+    """
+    return _term_cache.get(question, fold).distinct <= FOLLOW_UP_MAX_TERMS or _POINTS_BACK.search(question) is not None
 
 
 def score_messages(
