@@ -382,8 +382,8 @@ def choose_indices(
     """
     plan = _plan(view)
     if by_message and strategy == "relevance":
-        options = (keep_last_turns, pinned, weights, scores, room, frame)
-        return _pick_by_message(view, plan, costs, budget, *options, quoted)
+        options = _ByMessage(keep_last_turns, pinned, weights, scores, room, frame)
+        return _pick_by_message(view, plan, costs, budget, options, quoted)
     keep, taken, left, unit_cost = _first_kept(view, plan, costs, budget, keep_last_turns, pinned, room)
     groups = _turn_groups(plan)
     open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
@@ -430,18 +430,20 @@ def _first_kept(
     return keep, taken, left, unit_cost
 
 
+@dataclass(frozen=True, slots=True)
+class _ByMessage:
+    """`choose_indices`' options for a selection by message (see there)."""
+
+    keep_last_turns: int
+    pinned: Collection[int]
+    weights: RelevanceWeights
+    scores: Sequence[float] | None
+    room: int | None
+    frame: int | None
+
+
 def _pick_by_message(
-    view: ChatView,
-    plan: _Plan,
-    costs: Sequence[int],
-    budget: int,
-    keep_last_turns: int,
-    pinned: Collection[int],
-    weights: RelevanceWeights,
-    scores: Sequence[float] | None,
-    room: int | None,
-    frame: int | None,
-    quoted: list[int] | None,
+    view: ChatView, plan: _Plan, costs: Sequence[int], budget: int, options: _ByMessage, quoted: list[int] | None
 ) -> set[int]:
     """`choose_indices` by message. The latest exchange's reply is kept first, and its question
     only for a follow-up (`leans_on_latest`) or when `keep_last_turns` asks for that turn whole:
@@ -450,21 +452,20 @@ def _pick_by_message(
     place before it), the exchange is kept whole after all. bench/quality.py with MiniLM, all
     evidence kept at 1k / 2k / 4k / 8k: REALTALK 0.480 / 0.616 / 0.731 / 0.831 -> 0.498 / 0.619 /
     0.728 / 0.831; LoCoMo 0.737 / 0.804 -> 0.738 / 0.805 at 1k / 2k (4k, 8k equal)."""
-    args = (view, plan, costs, budget, keep_last_turns, pinned, weights, scores, room, frame)
     latest = (view.current - 1) if view.current else None
     if (
         latest is not None
         and view.question is not None
-        and latest not in recent_turns(view, keep_last_turns)
+        and latest not in recent_turns(view, options.keep_last_turns)
         and not leans_on_latest(view.text(view.question))
     ):
         trial: list[int] = []
-        keep = _by_message(*args, trial, reply_only=True)
+        keep = _by_message(view, plan, costs, budget, options, trial, reply_only=True)
         if _reply_answers(view, plan, keep, latest):
             if quoted is not None:
                 quoted.extend(trial)
             return keep
-    return _by_message(*args, quoted, reply_only=False)
+    return _by_message(view, plan, costs, budget, options, quoted, reply_only=False)
 
 
 def _by_message(
@@ -472,21 +473,18 @@ def _by_message(
     plan: _Plan,
     costs: Sequence[int],
     budget: int,
-    keep_last_turns: int,
-    pinned: Collection[int],
-    weights: RelevanceWeights,
-    scores: Sequence[float] | None,
-    room: int | None,
-    frame: int | None,
+    options: _ByMessage,
     quoted: list[int] | None,
     *,
     reply_only: bool,
 ) -> set[int]:
     """One selection by message: what `_first_kept` keeps, then `_pick_messages`."""
-    keep, taken, left, unit_cost = _first_kept(view, plan, costs, budget, keep_last_turns, pinned, room, reply_only)
-    picked, quoting = _pick_messages(view, plan, taken, unit_cost, left, weights, scores, frame)
+    keep, taken, left, unit_cost = _first_kept(
+        view, plan, costs, budget, options.keep_last_turns, options.pinned, options.room, reply_only
+    )
+    picked, quoting = _pick_messages(view, plan, taken, unit_cost, left, options.weights, options.scores, options.frame)
     taken.update(picked)
-    left -= sum(unit_cost[u] for u in [*picked, *quoting]) + ((frame or 0) if quoting else 0)
+    left -= sum(unit_cost[u] for u in [*picked, *quoting]) + ((options.frame or 0) if quoting else 0)
     if quoted is not None:
         quoted.extend(sorted(plan.units[u].start for u in quoting))
     for u in taken:
