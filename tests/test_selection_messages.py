@@ -151,6 +151,9 @@ def test_a_question_that_stands_alone_keeps_the_latest_reply_not_its_question(co
     check_contract(alone, result, counter, MODEL)
     assert latest_reply in result.kept and latest_question not in {*result.kept, *result.recalled}
     assert {8, 19} <= {*result.kept, *result.recalled}  # the room went to the lighthouse
+    why = explain_trim(alone, result, model=MODEL, token_counter=counter, embed=_topic_embed).messages
+    assert "stands alone, so it competed" in why[latest_question].reasons[0]
+    assert why[latest_reply].reasons == ("the latest answer, kept whenever it fits",)
     follow_up = chat + [{"role": "user", "content": "Can you say that again?"}]
     result = trim_messages(follow_up, **options)
     check_contract(follow_up, result, counter, MODEL)

@@ -16,6 +16,7 @@ from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import message_fingerprint
 from ..core.fresh import semantic_scores
+from ..core.relevance import leans_on_latest
 from ..core.selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
 from ..core.tokens import TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimOptions, TrimResult, selection_target
@@ -280,10 +281,19 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
     if facts.turn_of.get(i) in facts.recent:
         reasons.append(f"recent (keep_last_turns={facts.keep_last_turns})" + ("" if sent else ", but did not fit"))
     elif view.current and facts.turn_of.get(i) == view.current - 1 and not result.reused:
-        reasons.append(
-            "the latest answer and its question, kept whenever they fit"
-            + ("" if sent and i not in result.excerpted else ": did not")
-        )
+        alone = facts.by_message and _stands_alone(view)  # its question competed, its answer went first
+        if alone and view.role(i) == "user":
+            competed = _score_reason(i, sent, facts)
+            reasons.append(f"the latest question; the new one stands alone, so it competed: {competed}")
+        else:
+            reasons.append(
+                (
+                    "the latest answer, kept whenever it fits"
+                    if alone
+                    else "the latest answer and its question, kept whenever they fit"
+                )
+                + ("" if sent and i not in result.excerpted else ": did not")
+            )
     if result.reused:
         if sent and message_fingerprint(message) in facts.remembered:
             reasons.append("reused from the previous decision (same prefix, provider cache hits)")
@@ -295,6 +305,12 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
         newest = facts.strategy == "recent" and not result.reused
         reasons.append(("among the newest turns that fit" if newest else "kept") if sent else "older than what fit")
     return reasons
+
+
+def _stands_alone(view: ChatView) -> bool:
+    """The current question is not a follow-up (`leans_on_latest`): by message, the latest
+    question then competes like any message (`selection._pick_by_message`)."""
+    return view.question is not None and not leans_on_latest(view.text(view.question))
 
 
 def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
