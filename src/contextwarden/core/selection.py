@@ -31,6 +31,7 @@ __all__ = [
     "select_recent",
     "select_by_value",
     "choose_indices",
+    "latest_question_competes",
     "turn_values",
     "reuse_previous",
     "extend_previous",
@@ -453,12 +454,7 @@ def _pick_by_message(
     evidence kept at 1k / 2k / 4k / 8k: REALTALK 0.480 / 0.616 / 0.731 / 0.831 -> 0.498 / 0.619 /
     0.728 / 0.831; LoCoMo 0.737 / 0.804 -> 0.738 / 0.805 at 1k / 2k (4k, 8k equal)."""
     latest = (view.current - 1) if view.current else None
-    if (
-        latest is not None
-        and view.question is not None
-        and latest not in recent_turns(view, options.keep_last_turns)
-        and not leans_on_latest(view.text(view.question))
-    ):
+    if latest is not None and latest_question_competes(view, options.keep_last_turns):
         trial: list[int] = []
         keep = _by_message(view, plan, costs, budget, options, trial, reply_only=True)
         if _reply_answers(view, plan, keep, latest):
@@ -466,6 +462,19 @@ def _pick_by_message(
                 quoted.extend(trial)
             return keep
     return _by_message(view, plan, costs, budget, options, quoted, reply_only=False)
+
+
+def latest_question_competes(view: ChatView, keep_last_turns: int) -> bool:
+    """By message, whether the latest exchange's question competes like any message rather than
+    going first with its reply: the current question stands on its own (`leans_on_latest`) and
+    `keep_last_turns` does not ask for the latest turn whole (`_pick_by_message`)."""
+    latest = (view.current - 1) if view.current else None
+    return (
+        latest is not None
+        and view.question is not None
+        and latest not in recent_turns(view, keep_last_turns)
+        and not leans_on_latest(view.text(view.question))
+    )
 
 
 def _by_message(

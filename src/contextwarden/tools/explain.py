@@ -16,8 +16,13 @@ from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import message_fingerprint
 from ..core.fresh import semantic_scores
-from ..core.relevance import leans_on_latest
-from ..core.selection import DEFAULT_COST_EXPONENT, mandatory_indices, recent_turns, turn_values
+from ..core.selection import (
+    DEFAULT_COST_EXPONENT,
+    latest_question_competes,
+    mandatory_indices,
+    recent_turns,
+    turn_values,
+)
 from ..core.tokens import TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimOptions, TrimResult, selection_target
 from ..money.cache_hints import min_cacheable_tokens
@@ -281,7 +286,7 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
     if facts.turn_of.get(i) in facts.recent:
         reasons.append(f"recent (keep_last_turns={facts.keep_last_turns})" + ("" if sent else ", but did not fit"))
     elif view.current and facts.turn_of.get(i) == view.current - 1 and not result.reused:
-        alone = facts.by_message and _stands_alone(view)  # its question competed, its answer went first
+        alone = facts.by_message and latest_question_competes(view, facts.keep_last_turns)  # its answer went first
         if alone and view.role(i) == "user":
             competed = _score_reason(i, sent, facts)
             reasons.append(f"the latest question; the new one stands alone, so it competed: {competed}")
@@ -305,12 +310,6 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
         newest = facts.strategy == "recent" and not result.reused
         reasons.append(("among the newest turns that fit" if newest else "kept") if sent else "older than what fit")
     return reasons
-
-
-def _stands_alone(view: ChatView) -> bool:
-    """The current question is not a follow-up (`leans_on_latest`): by message, the latest
-    question then competes like any message (`selection._pick_by_message`)."""
-    return view.question is not None and not leans_on_latest(view.text(view.question))
 
 
 def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
