@@ -32,6 +32,10 @@ it as `embed=`: new selections and the recall fuse the cosine in.
 Tokens are counted with o200k_base (gpt-4o) for all models.
 
     PYTHONPATH=src python bench/multiturn.py [--set locomo|realtalk] [DATA] [--quick] [--recall-share X]
+        [--keep-share X]
+
+`--keep-share` sets `carry.RECALL_KEEP_SHARE` (when a carried turn gives its selection up): with
+`--quick` or `--out` elsewhere it maps what evidence a lower cacheable share buys.
 
 Results: bench/results/multiturn.{md,json} (LoCoMo), multiturn-realtalk.{md,json}.
 """
@@ -324,7 +328,8 @@ def markdown(results: dict, meta: dict) -> str:
         *([f"- source: {meta['source']}"] if meta.get("source") else []),
         f"- {meta['conversations']} conversations, {meta['turns']} questions (categories 1-4) asked in order, "
         "each in its "
-        f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}; "
+        f"conversation's one chat and followed by its gold answer; recall_share {meta['recall_share']}, "
+        f"keep share {meta.get('keep_share', 0.5)}; "
         f"counts o200k_base + 4 per message",
         *(
             [
@@ -427,8 +432,16 @@ def main() -> None:
     parser.add_argument(
         "--remake", action="store_true", help="re-make the recall block every turn (earlier blocks not sent again)"
     )
+    parser.add_argument(
+        "--keep-share",
+        type=float,
+        default=carry_module.RECALL_KEEP_SHARE,
+        help="carry.RECALL_KEEP_SHARE: a carried turn selects anew when the block that fits holds less of "
+        "what the question wants recalled",
+    )
     args = parser.parse_args()
     embed_model = embed_model_arg(args.embed_model)
+    carry_module.RECALL_KEEP_SHARE = args.keep_share
     if args.remake:
         carry_module._CARRY_RECALLS = False
     seed_tiktoken_cache()
@@ -447,6 +460,7 @@ def main() -> None:
         "conversations": len(json.loads(path.read_text())),
         "turns": any_row["turns"],
         "recall_share": args.recall_share,
+        "keep_share": args.keep_share,
         "quick": args.quick,
         "remake": args.remake,
         "embedder": Path(embed_model).name if embed_model else None,
