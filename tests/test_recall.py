@@ -188,6 +188,35 @@ def test_an_edited_recalled_message_ends_the_selection(counter):
     assert not third.reused  # the block could not be sent again as it was: a new selection
 
 
+def test_a_message_inserted_before_a_blocks_question_ends_the_selection(counter):
+    """A block is anchored at the question it was made for: when a message inserted earlier in
+    the chat moves that question, the block is not sent before whatever now sits there (an
+    assistant reply: two assistant messages in a row)."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter, recall_share=0.2)
+    assert second.recalled and second.reused
+    third_chat = copy.deepcopy(next_turn(second_chat, "And which bike do I ride?"))
+    third_chat.insert(5, {"role": "user", "content": "An aside about lakes."})
+    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter)
+    check_contract(third_chat, third, counter, MODEL)
+
+
+def test_a_recalled_message_pinned_later_is_not_quoted_again(counter):
+    """A message an earlier block quoted that this turn sends in place (the user pinned it) is
+    not quoted as well: that block cannot be sent again as it was, so the selection is made anew."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "What is my locker code?")
+    second = trim(second_chat, first.decision, token_counter=counter, recall_share=0.2)
+    assert 1 in second.recalled and second.reused
+    third_chat = next_turn(second_chat, "Thanks.")
+    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter, pinned=[1])
+    check_contract(third_chat, third, counter, MODEL)
+    assert 1 in third.kept and 1 not in third.recalled and not third.reused
+
+
 def test_recall_share_is_checked():
     with pytest.raises(ValueError, match="recall_share"):
         trim_messages([{"role": "user", "content": "x"}], max_tokens=100, recall_share=0.9)

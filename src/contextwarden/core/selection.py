@@ -800,16 +800,20 @@ def choose_recall(
 
 def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int]) -> list[Recall] | None:
     """The previous turn's recall blocks to send again: each whose quoted messages are all still
-    at their recorded places and whose anchor is kept (None when one is not: the prompt could
-    not stay append-only, so the caller selects anew). A block anchored at the latest message
-    of the previous turn's own question is one this question gets anew, and is left out by
-    the caller."""
+    at their recorded places, those quoted whole not sent in place now (a pin may bring one
+    back), and whose anchor is kept and is still the message it was (a message inserted
+    before it moves it; None when one is not: the prompt could not stay append-only, so the
+    caller selects anew). A block anchored at the latest message of the previous turn's own
+    question is one this question gets anew, and is left out by the caller."""
     n = len(fingerprints)
+    anchors = dict(zip(previous.at, previous.kept, strict=False))
     for recall in previous.recalls:
         if (
             recall.anchor not in keep
+            or anchors.get(recall.anchor) != fingerprints[recall.anchor]
             or recall.at[-1] >= n
             or any(fingerprints[i] != k for i, k in zip(recall.at, recall.kept, strict=True))
+            or any(i in keep and not recall.passages(k) for k, i in enumerate(recall.at))
         ):
             return None
     return list(previous.recalls)
