@@ -29,16 +29,21 @@ def store_valves(request) -> dict:
 
 @pytest.fixture
 def trims(monkeypatch) -> list[tuple[dict, object]]:
-    """Every `trim_messages` call the filter makes: its options and its result."""
-    real = trimpass_module.trim_messages
+    """Every trim the filter makes (`trim_messages`, or `carry_previous` when that serves the
+    next turn): its options and its result."""
     seen: list[tuple[dict, object]] = []
 
-    def spy(messages, **options):
-        result = real(messages, **options)
-        seen.append((options, result))
-        return result
+    def spying(real):
+        def spy(messages, **options):
+            result = real(messages, **options)
+            if result is not None:
+                seen.append((options, result))
+            return result
 
-    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
+        return spy
+
+    monkeypatch.setattr(trimpass_module, "trim_messages", spying(trimpass_module.trim_messages))
+    monkeypatch.setattr(trimpass_module, "carry_previous", spying(trimpass_module.carry_previous))
     return seen
 
 
