@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from contextwarden import Filter
-from contextwarden.core.conversation import is_recall_message, message_text
+from contextwarden.core.conversation import is_recall_message
 from contextwarden.core.tokens import TokenCounter
 from contextwarden.state.store import Store, open_store
 
@@ -67,23 +66,8 @@ def store_of(valves: dict) -> Store:
 def quoted_whole(chat: list[dict], sent: list[dict]) -> int:
     """The chat's messages not sent in place that a recall block quotes whole: the model reads
     them, and the user's status line counts them as sent."""
-    quoted = "\n\n".join(m["content"] for m in sent if is_recall_message(m))
-    missing = Counter(f"{c.get('role')}: {message_text(c)}" for c in chat if c not in sent)
-    return sum(min(n, quoted.count(q)) for q, n in missing.items())  # alike messages: each quote once
-
-
-def read_of(chat: list[dict], sent: list[dict]) -> int:
-    """How many of the chat's messages the model reads, as the user's status line counts them:
-    those sent in place (the very dicts), and those a recall block quotes whole."""
-    return sum(1 for m in sent if any(m is c for c in chat)) + quoted_whole(chat, sent)
-
-
-def next_turn_prefix(sent: list[dict]) -> list[dict]:
-    """What of a prompt the next turn sends again: all of it but this question's recall block
-    (the block, its acknowledgement, then the question, last), which the next question's replaces."""
-    if len(sent) >= 3 and is_recall_message(sent[-3]):
-        return sent[:-3]
-    return sent
+    blocks = [m["content"] for m in sent if is_recall_message(m)]
+    return sum(1 for c in chat if c not in sent and any(c["content"] in b for b in blocks))
 
 
 def body_of(chat: list[dict], model: str = "gpt-4o", **metadata: Any) -> dict:

@@ -105,8 +105,8 @@ async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_r
     for i in range(3):
         out = await request(f, body(chat))
         chat = grow(chat, 100 + i)
-    assert carried == [(loop, True), (loop, True)]  # turn 1's selection read the recall index: both on the loop
-    assert spy_trim.threads == [worker]
+    assert carried == [(loop, False), (loop, True)]  # turn 2: turn 1 read no recall index; turn 3 on the loop
+    assert spy_trim.threads == [worker, worker]
     caches.clear_all()
     out = await request(f, body(chat))
     assert carried[-1] == (loop, False) and spy_trim.threads[-1] == worker

@@ -42,8 +42,9 @@ def reasons_of(explanation) -> dict[int, str]:
 
 def test_every_reason_on_the_crafted_chat(counter):
     chat = crafted()
-    # room for 0.8 of 420 tokens (the growth rule: test_trim), all of it the selection's (no recall block)
-    options = dict(keep_last_turns=2, pinned=[1], growth_turns=0, recall_share=0)
+    options = dict(
+        keep_last_turns=2, pinned=[1], growth_turns=0
+    )  # room for 0.8 of 420 tokens (the growth rule: test_trim)
     result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, **options)
     assert 3 in result.dropped and 5 in result.dropped and {0, 1, 7, 8, 10, 12} <= set(result.kept)
     explanation = explain_trim(chat, result, model=MODEL, token_counter=counter, summarized=[3, 4], **options)
@@ -130,14 +131,7 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
     rows = {r["index"]: r for r in explained["messages"]}
     assert rows[0]["reasons"] == ["mandatory: system prompt"] and rows[5]["action"] == "dropped"
     assert [r["action"] for r in explained["messages"]] == [
-        "kept"
-        if i in document["kept"]
-        else "shortened"
-        if i in document["shortened"]
-        else "recalled"
-        if i in document["recalled"]
-        else "dropped"
-        for i in range(13)
+        "kept" if i in document["kept"] else "shortened" if i in document["shortened"] else "dropped" for i in range(13)
     ]
     # --previous takes this output: the next turn reuses its prefix.
     previous = tmp_path / "turn1.json"

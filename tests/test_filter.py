@@ -12,7 +12,7 @@ from contextwarden.face.filter import model_context_length
 from contextwarden.face.summarize import SUMMARY_LABEL
 
 from chats import check_contract, frozen
-from helpers import Events, body_of, chat_of, grow, make_filter, read_of, usage_records
+from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
 from turns import run_turn
 
 
@@ -31,7 +31,7 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     assert frozen(chat) == before and body["messages"] is chat
     assert events.statuses == []  # one line a turn, after the reply: nothing before it
     words = body["metadata"]["contextwarden"]["pending_line"]  # what the outlet will show
-    assert words == f"Sent {read_of(chat, first['messages'])} of {len(chat)} messages", words
+    assert words == f"Sent {len(first['messages'])} of {len(chat)} messages", words
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
         first["messages"], "gpt-4o"
     )

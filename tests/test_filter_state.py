@@ -29,21 +29,16 @@ def store_valves(request) -> dict:
 
 @pytest.fixture
 def trims(monkeypatch) -> list[tuple[dict, object]]:
-    """Every trim the filter makes (`trim_messages`, or `carry_previous` when that serves the
-    next turn): its options and its result."""
+    """Every `trim_messages` call the filter makes: its options and its result."""
+    real = trimpass_module.trim_messages
     seen: list[tuple[dict, object]] = []
 
-    def spying(real):
-        def spy(messages, **options):
-            result = real(messages, **options)
-            if result is not None:
-                seen.append((options, result))
-            return result
+    def spy(messages, **options):
+        result = real(messages, **options)
+        seen.append((options, result))
+        return result
 
-        return spy
-
-    monkeypatch.setattr(trimpass_module, "trim_messages", spying(trimpass_module.trim_messages))
-    monkeypatch.setattr(trimpass_module, "carry_previous", spying(trimpass_module.carry_previous))
+    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
     return seen
 
 

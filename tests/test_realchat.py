@@ -15,7 +15,7 @@ from contextwarden.face.status import status_line
 from contextwarden.money.records import TurnChoice
 
 from chats import check_contract
-from helpers import Events, body_of, make_filter, quoted_whole, read_of, send, shown
+from helpers import Events, body_of, make_filter, quoted_whole, send, shown
 
 MODEL = "gpt-4o"
 PIN_BUDGET = 2_976
@@ -192,7 +192,7 @@ async def test_browser_body_with_tools_fits_the_window(counter):
     note = b["metadata"]["contextwarden"]
     assert note["estimated_prompt_tokens"] == sent + tools_cost
     assert f"incl. {tools_cost:,} for tool definitions" in note["line"]  # the admin's detail, logged
-    assert note["pending_line"] == f"Sent {read_of(chat, out['messages'])} of {len(chat)} messages"  # the user's words
+    assert note["pending_line"] == f"Sent {len(out['messages'])} of {len(chat)} messages"  # the user's words
 
 
 async def test_short_chat_with_tools_says_honestly_what_fits(counter):

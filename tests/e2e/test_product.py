@@ -25,7 +25,7 @@ from contextwarden.money.pricing import PriceBook, resolve_model
 from contextwarden.money.usage import Usage, compute_cost
 
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
-from helpers import BUILT_FILE, next_turn_prefix
+from helpers import BUILT_FILE
 from owui import (
     OpenWebUI,
     add_user,
@@ -127,17 +127,10 @@ def assert_valid_prompt(sent: list[dict[str, Any]], got: list[dict[str, Any]]) -
         assert ids == answered, f"tool calls {sorted(ids)} answered by {sorted(answered)}"
 
 
-def chat_messages(got: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``got`` without the filter's recall blocks (each with the acknowledgement right after it)."""
-    blocks = {k for k, m in enumerate(got) if str(m.get("content") or "").startswith(RECALL_LABEL)}
-    return [m for k, m in enumerate(got) if k not in blocks and not (k - 1 in blocks and is_acknowledgement(m))]
-
-
 def is_subsequence(got: list[dict[str, Any]], sent: list[dict[str, Any]]) -> bool:
-    """True when every message of ``got`` but the filter's recall blocks is, in order, an
-    unchanged message of ``sent``."""
+    """True when every message of ``got`` is, in order, an unchanged message of ``sent``."""
     remaining = iter(sent)
-    return all(any(message == candidate for candidate in remaining) for message in chat_messages(got))
+    return all(any(message == candidate for candidate in remaining) for message in got)
 
 
 def usage_records(owui: OpenWebUI, since: int) -> list[dict[str, Any]]:
@@ -265,11 +258,9 @@ def test_next_turn_sends_the_same_prefix(
     since = open_webui.log_mark()
     chat(open_webui, MODEL, following, chat_id=chat_id)
     second = backend.last_request["messages"]
-    prefix = next_turn_prefix(first)  # (all but the first question's recall block)
-    assert second[: len(prefix)] == prefix, "the second prompt does not start with the first"
-    new = second[len(prefix) :]  # (the first question again when its block went: the new one replaces it)
-    recall = [m for m in new if m not in following]  # a recall block and its "Noted.", if any
-    assert [m for m in new if m in following] == following[-(2 + (len(prefix) < len(first))) :]
+    assert second[: len(first)] == first, "the second prompt does not start with the first"
+    recall = [m for m in second[len(first) :] if m not in following]  # a recall block and its "Noted.", if any
+    assert [m for m in second[len(first) :] if m in following] == following[-2:]
     assert recall == [] or (
         len(recall) == 2 and recall[0]["content"].startswith(RECALL_LABEL) and is_acknowledgement(recall[1])
     )

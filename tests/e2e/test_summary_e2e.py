@@ -15,7 +15,6 @@ from contextwarden.core.tokens import TokenCounter
 from contextwarden.face.summarize import SUMMARY_ACK, SUMMARY_LABEL, SUMMARY_PROMPT
 
 from fake_backend import FakeBackend
-from helpers import next_turn_prefix
 from owui import OpenWebUI, chat, set_valves
 from test_product import BUDGET, MODEL, base_valves, cw, long_chat, one_usage_record, product  # noqa: F401  (fixtures)
 
@@ -71,6 +70,5 @@ def test_the_system_prompt_arrives_unchanged_and_the_summary_in_a_user_message(
         assert counter.count_messages(prompt, MODEL) <= BUDGET
     first, second = (c["messages"] for c in chats)
     assert len(first) < len(first_chat)
-    prefix = next_turn_prefix(first)  # (all but the first question's recall block)
-    assert second[: len(prefix)] == prefix, "the second prompt does not start with the first"
+    assert second[: len(first)] == first, "the second prompt does not start with the first"
     assert one_usage_record(open_webui, since)["estimated_prompt_tokens"] == counter.count_messages(second, MODEL)

@@ -79,12 +79,6 @@ def _new_selection(
     target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
     semantic = options.embed is not None and options.strategy == "relevance"
     scores = semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
-    if semantic and scores is None:
-        chat.pools.embed = None  # it failed this trim (a note says so): the recall does not ask again
-    elif scores is not None and options.previous is None:
-        # By message a chat's first selection picks what its recall block would quote, and picks
-        # better; by whole turns it leaves the block its room (bench/README, "One frontier").
-        room = 0
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     frame = _block_tokens(view, (), counter, model) if scores is not None else None
     quoted: list[int] = []
@@ -100,7 +94,6 @@ def _new_selection(
         by_message=scores is not None,  # the embedder's relevance holds for single messages
         frame=frame,  # a pick that would put two of one role together is quoted in the block
         quoted=quoted,
-        recent_room=room,  # the last `keep_last_turns` turns come before the recall's room
     )
     quotes = sum(costs[i] for i in quoted) + ((frame or 0) if quoted else 0)
     excerpts: dict[int, Excerpt] = {}

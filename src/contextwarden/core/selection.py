@@ -343,7 +343,6 @@ def choose_indices(
     by_message: bool = False,
     frame: int | None = None,
     quoted: list[int] | None = None,
-    recent_room: int = 0,
 ) -> set[int]:
     """The message indices to send: hard part, pins, preferred turns, then the strategy's pick.
 
@@ -352,9 +351,7 @@ def choose_indices(
     rest of a pinned turn, the latest turn (the answer just before the current question; by
     message its question only for a follow-up: `_pick_by_message`) and the last
     `keep_last_turns` turns come next, newest first, each while it fits. The latest
-    turn may use `room` (default `budget`): the whole budget when `budget` is a watermark; the
-    other preferred turns `recent_room` more than `budget` (the room a recall block would get:
-    they come before it).
+    turn may use `room` (default `budget`): the whole budget when `budget` is a watermark.
     `scores` (one per message) replaces the relevance scoring, e.g. to compare scorers.
     With `by_message` the relevance strategy picks single messages rather than whole turns
     (`_pick_messages`): what the embedder's scores are good enough for.
@@ -386,9 +383,9 @@ def choose_indices(
     """
     plan = _plan(view)
     if by_message and strategy == "relevance":
-        options = _ByMessage(keep_last_turns, pinned, weights, scores, room, frame, recent_room)
+        options = _ByMessage(keep_last_turns, pinned, weights, scores, room, frame)
         return _pick_by_message(view, plan, costs, budget, options, quoted)
-    keep, taken, left, unit_cost = _first_kept(view, plan, costs, budget, keep_last_turns, pinned, room, recent_room)
+    keep, taken, left, unit_cost = _first_kept(view, plan, costs, budget, keep_last_turns, pinned, room)
     groups = _turn_groups(plan)
     open_turns = [t for t in sorted(groups) if taken.isdisjoint(groups[t])]
     group_cost = [sum(unit_cost[u] for u in groups[t]) for t in open_turns]
@@ -409,13 +406,11 @@ def _first_kept(
     keep_last_turns: int,
     pinned: Collection[int],
     room: int | None,
-    recent_room: int = 0,
     reply_only: bool = False,
 ) -> tuple[set[int], set[int], int, list[int]]:
     """What goes before any pick: the hard part, the pinned units, then the preferred turns while
-    they fit (the latest one may use `room`, the others `recent_room` more; with `reply_only`
-    only the latest one's reply). Returns the hard indices, the units taken, the budget left
-    and every unit's cost."""
+    they fit (the latest one may use `room`; with `reply_only` only its reply). Returns the hard
+    indices, the units taken, the budget left and every unit's cost."""
     keep = set(plan.hard)
     left = budget - sum(costs[i] for i in keep)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
@@ -430,7 +425,7 @@ def _first_kept(
         if t == latest and reply_only:  # its question competes by relevance, like any message
             rest = [u for u in rest if view.role(plan.units[u].start) != "user"]
         cost = sum(unit_cost[u] for u in rest)
-        if cost <= left + (extra if t == latest else recent_room):
+        if cost <= left + (extra if t == latest else 0):
             taken.update(rest)
             left -= cost
     return keep, taken, left, unit_cost
@@ -446,7 +441,6 @@ class _ByMessage:
     scores: Sequence[float] | None
     room: int | None
     frame: int | None
-    recent_room: int = 0
 
 
 def _pick_by_message(
@@ -495,15 +489,7 @@ def _by_message(
 ) -> set[int]:
     """One selection by message: what `_first_kept` keeps, then `_pick_messages`."""
     keep, taken, left, unit_cost = _first_kept(
-        view,
-        plan,
-        costs,
-        budget,
-        options.keep_last_turns,
-        options.pinned,
-        options.room,
-        options.recent_room,
-        reply_only,
+        view, plan, costs, budget, options.keep_last_turns, options.pinned, options.room, reply_only
     )
     picked, quoting = _pick_messages(view, plan, taken, unit_cost, left, options.weights, options.scores, options.frame)
     taken.update(picked)
@@ -771,14 +757,9 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
 
 def recall_candidates(view: ChatView, scores: Sequence[float]) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
-    are relevant to the question (score above 0), but orphan tool results (never sent); an
-    earlier pass's recall block was taken out before (`trim_messages`' `added`)."""
-    orphans = set(view.orphan_indices)
-    return [
-        i
-        for i, score in enumerate(scores)
-        if score > 0 and view.role(i) in RECALLABLE_ROLES and view.text(i) and i not in orphans
-    ]
+    are relevant to the question (score above 0); an earlier pass's recall block was taken out
+    before (`trim_messages`' `added`)."""
+    return [i for i, score in enumerate(scores) if score > 0 and view.role(i) in RECALLABLE_ROLES and view.text(i)]
 
 
 def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:
