@@ -16,7 +16,7 @@ from contextwarden.face.status import detail_line, shadow_status_line, status_li
 from contextwarden.money.records import ExcerptCounts, TurnChoice
 from contextwarden.money.savings import Savings
 
-from helpers import Events, make_filter, quoted_whole
+from helpers import Events, body_of, chat_of, make_filter, quoted_whole
 from turns import reply_of, run_turn
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
@@ -134,6 +134,24 @@ async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(
     before = int(detail.split(" · ")[1].split(" → ")[0].replace(",", ""))
     assert before >= pasted, (detail, pasted)
     assert note["tokens_saved"] > 0
+
+
+async def test_the_request_pass_counts_what_the_inlets_recall_block_quotes(counter):
+    """A carried turn's inlet quotes older messages in a recall block; the request pass sends
+    that block again as it was and its line (the one the user sees) still counts them."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    chat = chat_of(20)
+    body = body_of(chat)
+    out = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=Events())
+    await f.request(out, __user__={"id": "u1"}, __metadata__=out["metadata"], __event_emitter__=Events())
+    chat = chat + [{"role": "assistant", "content": "Noted well."}, {"role": "user", "content": "What was question 3?"}]
+    body = body_of(chat)
+    first = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"], __event_emitter__=Events())
+    sent = await f.request(first, __user__={"id": "u1"}, __metadata__=first["metadata"], __event_emitter__=Events())
+    in_place = sum(1 for m in sent["messages"] if any(m is c for c in chat))
+    quoted = quoted_whole(chat, sent["messages"])
+    assert quoted  # the block is there
+    assert body["metadata"]["contextwarden"]["pending_line"] == f"Sent {in_place + quoted} of {len(chat)} messages"
 
 
 async def test_a_cut_a_later_pass_dropped_is_not_told(counter):

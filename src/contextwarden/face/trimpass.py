@@ -106,9 +106,13 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     noted = note.excerpt_counts(messages_before)
     if (earlier or noted.count) and not carries_a_cut(choice.messages):
         earlier, noted = 0, ExcerptCounts()
+    quoted = choice.quoted
+    if not quoted and own_messages(choice.messages, choice.own):  # an earlier pass's blocks, sent again
+        quoted = note.quoted
     return replace(
         choice,
         count_before=messages_before,
+        quoted=quoted,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
         # the earlier pass excerpted more: its counts stand
@@ -212,6 +216,7 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
         pending_line=plain if turn.settings.show_status else None,
         sent_messages=len(done.messages),
         shortened=done.shortened,
+        quoted=done.quoted,
     ).with_excerpts(done.excerpts)
     turn.write(note)
     return note

@@ -232,7 +232,9 @@ class TurnNote:
     turn in this worker: `openturns.OpenTurns` knows it); the trim's figures (`mode` ... `cache`, all set together);
     `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
     left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
-    (`sent_messages`, `shortened`, `excerpted`); `cache_marked` (the prompt-cache breakpoints this turn placed,
+    (`sent_messages`, `shortened`, `excerpted`, `quoted`: the chat's messages its recall blocks
+    quote whole, which a later pass sending those blocks again as they were counts too);
+    `cache_marked` (the prompt-cache breakpoints this turn placed,
     to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
     note this pass added: how a later pass knows them, see `summarize.own_messages`).
     `removed`/`messages_before` are the tokens an earlier pass removed and the untrimmed chat's
@@ -263,6 +265,7 @@ class TurnNote:
     line: str | None = None
     sent_messages: int | None = None
     shortened: int | None = None
+    quoted: int = 0
     excerpted: int | None = None
     passages: tuple[int, int] | None = None
     left_out: int | None = None
@@ -332,6 +335,8 @@ class TurnNote:
             out["pending_line"] = self.pending_line
         if self.sent_messages is not None:
             out.update(sent_messages=self.sent_messages, shortened=self.shortened, excerpted=self.excerpted)
+            if self.quoted:
+                out["quoted"] = self.quoted
             if self.passages is not None:
                 out["passages"] = list(self.passages)
             if self.left_out:
@@ -377,6 +382,7 @@ class TurnNote:
             line=line if isinstance(line, str) else None,
             sent_messages=_count(raw.get("sent_messages")),
             shortened=_count(raw.get("shortened")),
+            quoted=_count(raw.get("quoted")) or 0,
             excerpted=_count(raw.get("excerpted")),
             passages=_passage_counts(raw.get("passages")),
             left_out=_count(raw.get("left_out")),
