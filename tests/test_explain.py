@@ -5,6 +5,7 @@ from the previous decision, shortened and summarized."""
 from __future__ import annotations
 
 import json
+import re
 
 from contextwarden.core.trim import trim_messages
 from contextwarden.tools.cli import main
@@ -81,6 +82,11 @@ def test_every_reason_on_the_crafted_chat(counter):
         explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options)
     )
     assert "reused from the previous decision" in why[6] and "new since the previous decision" in why[13]
+    # ... and its recall block is a part of the budget: the parts add up to what was sent.
+    parts = explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options).budget
+    assert again.added and parts.recall_sent == sum(counter.count_each([again.messages[k] for k in again.added], MODEL))
+    spent = parts.system_tokens + parts.current_turn_tokens + parts.reply_priming_tokens
+    assert spent + parts.history_sent + parts.recall_sent == again.tokens_after
 
     # A system prompt bigger than the budget is shortened.
     huge = [{"role": "system", "content": "rules " * 2_000}, {"role": "user", "content": "Hi?"}]
@@ -141,6 +147,9 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
     assert main(args + ["--previous", str(previous)]) == 0
     out = capsys.readouterr().out
     assert "reused from the previous decision" in out and "(the previous decision, reused)" in out
+    assert re.search(r"\n  recall blocks +\d+ \(older messages quoted for this question\)\n", out)
+    assert main(args + ["--previous", str(previous), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recalled"]  # what the block quotes
 
 
 def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):

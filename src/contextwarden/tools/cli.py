@@ -157,7 +157,7 @@ def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, mode
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<9} text")
     for index, message in enumerate(messages):
         action = "kept" if index in kept else "shortened" if index in shortened else "dropped"
-        action = "excerpted" if index in result.excerpted else action
+        action = "excerpted" if index in result.excerpted else "recalled" if index in result.recalled else action
         tokens = counter.count_message(message, model)
         role = str(message.get("role", "?"))[:9]
         print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(view.text(index), 48)}")
@@ -201,6 +201,8 @@ def _print_explanation(explanation: Explanation) -> None:
         f"  history sent       {parts.history_sent:>8,}"
         + (" (the previous decision, reused)" if explanation.reused else "")
     )
+    if parts.recall_sent:
+        print(f"  recall blocks      {parts.recall_sent:>8,} (older messages quoted for this question)")
     print(f"fill {parts.prompt_sent:,} of {parts.budget:,} = {parts.fill:.0%}: {parts.fill_rule}")
 
 
@@ -307,6 +309,7 @@ def _trim_document(model: str | None, result: TrimResult) -> dict[str, Any]:
         "shortened": list(result.shortened),
         "excerpted": list(result.excerpted),
         "dropped": list(result.dropped),
+        "recalled": list(result.recalled),
         "over_budget": result.over_budget,
         "decision": result.decision.to_dict() if result.decision else None,
         "messages": result.messages,

@@ -77,6 +77,7 @@ class BudgetParts:
     history_target: int
     history_sent: int
     window: int | None = None
+    recall_sent: int = 0  # the recall blocks with their acknowledgements
     reserve: int | None = None
     calibration: float | None = None
     prompt_sent: int = 0  # the whole prompt sent, reply priming included
@@ -163,6 +164,9 @@ def explain_trim(
     parts = _budget_parts(facts, result, chosen, window, reserve, calibration)
     if result.excerpted:  # the excerpts sent cost what their copies do, not the messages they were cut from
         parts = replace(parts, history_sent=parts.history_sent + _excerpts_cost(result, token_counter, model))
+    if result.added:  # what the recall blocks quote, with their acknowledgements
+        blocks = [result.messages[k] for k in result.added if k < len(result.messages)]
+        parts = replace(parts, recall_sent=sum(token_counter.count_each(blocks, model)))
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(rows, parts, result.reused, result.notes, savings)
 
