@@ -78,12 +78,11 @@ def test_every_reason_on_the_crafted_chat(counter):
         grown, max_tokens=420, model=MODEL, token_counter=counter, previous=result.decision, **options
     )
     assert again.reused
-    why = reasons_of(
-        explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options)
-    )
+    explained = explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options)
+    why = reasons_of(explained)
     assert "reused from the previous decision" in why[6] and "new since the previous decision" in why[13]
     # ... and its recall block is a part of the budget: the parts add up to what was sent.
-    parts = explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options).budget
+    parts = explained.budget
     assert again.added and parts.recall_sent == sum(counter.count_each([again.messages[k] for k in again.added], MODEL))
     spent = parts.system_tokens + parts.current_turn_tokens + parts.reply_priming_tokens
     assert spent + parts.history_sent + parts.recall_sent == again.tokens_after

@@ -133,6 +133,13 @@ class ChatView:
         return self.conversation.current
 
     @property
+    def latest(self) -> int | None:
+        """The index of the turn before the current one (the latest exchange, what the current
+        question follows); None when the current turn is the first or there is none."""
+        current = self.conversation.current
+        return current - 1 if current else None
+
+    @property
     def orphans(self) -> tuple[Unit, ...]:
         return self.conversation.orphans
 

@@ -208,8 +208,7 @@ def _pick_turns(
     if not (open_turns and left > 0 and view.question is not None):
         return []
     scores = view.relevance(weights) if scores is None else scores
-    latest = (view.current - 1) if view.current else None
-    values = _turn_values(plan, groups, unit_cost, scores, weights, latest)
+    values = _turn_values(plan, groups, unit_cost, scores, weights, view.latest)
     return select_by_value(group_cost, [values[t] for t in open_turns], left)
 
 
@@ -418,7 +417,7 @@ def _first_kept(
     must = _pinned_units(plan, pinned)
     taken: set[int] = set(must)
     left -= sum(unit_cost[u] for u in must)
-    latest = (view.current - 1) if view.current else None
+    latest = view.latest
     extra = max(0, (room if room is not None else budget) - budget)
     for t in _preferred_turns(plan, view, keep_last_turns, must, latest):
         rest = [u for u in groups[t] if u not in taken]
@@ -453,7 +452,7 @@ def _pick_by_message(
     place before it), the exchange is kept whole after all. bench/quality.py with MiniLM, all
     evidence kept at 1k / 2k / 4k / 8k: REALTALK 0.480 / 0.616 / 0.731 / 0.831 -> 0.498 / 0.619 /
     0.728 / 0.831; LoCoMo 0.737 / 0.804 -> 0.738 / 0.805 at 1k / 2k (4k, 8k equal)."""
-    latest = (view.current - 1) if view.current else None
+    latest = view.latest
     if latest is not None and latest_question_competes(view, options.keep_last_turns):
         trial: list[int] = []
         keep = _by_message(view, plan, costs, budget, options, trial, reply_only=True)
@@ -468,7 +467,7 @@ def latest_question_competes(view: ChatView, keep_last_turns: int) -> bool:
     """By message, whether the latest exchange's question competes like any message rather than
     going first with its reply: the current question stands on its own (`leans_on_latest`) and
     `keep_last_turns` does not ask for the latest turn whole (`_pick_by_message`)."""
-    latest = (view.current - 1) if view.current else None
+    latest = view.latest
     return (
         latest is not None
         and view.question is not None
@@ -521,8 +520,7 @@ def turn_values(
     `choose_indices` weighs it before dividing by its cost ** `DEFAULT_COST_EXPONENT`."""
     plan = _plan(view)
     unit_cost = [sum(costs[i] for i in unit) for unit in plan.units]
-    latest = (view.current - 1) if view.current else None
-    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, latest)
+    return _turn_values(plan, _turn_groups(plan), unit_cost, scores, weights, view.latest)
 
 
 def neighbour_reach(own: int, theirs: int, weights: RelevanceWeights) -> float:
@@ -805,8 +803,10 @@ def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: C
     before it moves it; None when one is not: the prompt could not stay append-only, so the
     caller selects anew). A block anchored at the latest message of the previous turn's own
     question is one this question gets anew, and is left out by the caller."""
+    if not previous.recalls:
+        return []
     n = len(fingerprints)
-    anchors = dict(zip(previous.at, previous.kept, strict=False))
+    anchors = dict(zip(previous.at, previous.kept, strict=False))  # what was at each anchor
     for recall in previous.recalls:
         if (
             recall.anchor not in keep

@@ -165,7 +165,7 @@ def explain_trim(
     if result.excerpted:  # the excerpts sent cost what their copies do, not the messages they were cut from
         parts = replace(parts, history_sent=parts.history_sent + _excerpts_cost(result, token_counter, model))
     if result.added:  # what the recall blocks quote, with their acknowledgements
-        blocks = [result.messages[k] for k in result.added if k < len(result.messages)]
+        blocks = [result.messages[k] for k in result.added]
         parts = replace(parts, recall_sent=sum(token_counter.count_each(blocks, model)))
     savings = _savings(messages, result, model, token_counter, price) if price is not None else None
     return Explanation(rows, parts, result.reused, result.notes, savings)
@@ -289,7 +289,7 @@ def _why(i: int, message: Message, sent: bool, facts: _Facts) -> list[str]:
         reasons.append("pinned (mandatory)" if sent else "pinned, but over budget even shortened")
     if facts.turn_of.get(i) in facts.recent:
         reasons.append(f"recent (keep_last_turns={facts.keep_last_turns})" + ("" if sent else ", but did not fit"))
-    elif view.current and facts.turn_of.get(i) == view.current - 1 and not result.reused:
+    elif view.latest is not None and facts.turn_of.get(i) == view.latest and not result.reused:
         alone = facts.by_message and latest_question_competes(view, facts.keep_last_turns)  # its answer went first
         if alone and view.role(i) == "user":
             competed = _score_reason(i, sent, facts)
