@@ -93,6 +93,38 @@ def test_earlier_blocks_are_sent_again_unchanged(counter):
     assert sum(m["content"].count("green Batavus bike") for m in third.messages if is_recall_message(m)) == 1
 
 
+def test_a_follow_up_keeps_the_block_that_holds_what_it_needs(counter):
+    """The earlier block holds what a follow-up needs: it stays (and the cache with it) rather
+    than give way to a new block quoting the same messages again."""
+    chat = river_chat()
+    first = trim(chat, token_counter=counter)
+    second_chat = next_turn(chat, "Which locker code did I ask you to remember at the start?")
+    second = trim(second_chat, first.decision, token_counter=counter)
+    assert second.reused and {1, 2} <= set(second.recalled)
+    # It needs the locker messages again, and a little of the filler: old code let the block go
+    # for a new one quoting the same messages, and the cache missed from there on.
+    third_chat = next_turn(second_chat, "Was locker code 4417 near the rivers and deltas?", reply="It is 4417.")
+    third = trim(third_chat, TrimDecision.from_json(second.decision.to_json()), token_counter=counter)
+    check_contract(third_chat, third, counter, MODEL)
+    assert third.reused
+    assert third.messages[: len(second.messages)] == second.messages  # the block stayed: all of it is cached
+    assert set(second.recalled) < set(third.recalled)  # and a new block with what it adds
+    assert sum(m["content"].count("locker code is 4417") for m in third.messages if is_recall_message(m)) == 1
+
+
+def test_a_question_that_stands_alone_is_selected_for_sooner_than_a_follow_up(counter):
+    """A carried turn keeps the selection while the block beside it holds RECALL_KEEP_SHARE (0.8)
+    of what the question wants recalled; a follow-up leans on the exchange the prompt holds in
+    place, and keeps it while the block holds FOLLOW_UP_KEEP_SHARE (0.5)."""
+    chat = river_chat(12)
+    first = trim_messages(chat, max_tokens=BUDGET, model=MODEL, token_counter=counter)  # fills 80%
+    alone = next_turn(chat, "Which facts about rivers carrying silt to deltas did you tell me?")
+    thanks = next_turn(chat, "Thanks!")
+    options = {"max_tokens": BUDGET, "model": MODEL, "token_counter": counter, "previous": first.decision}
+    assert not trim_messages(alone, **options).reused  # the room left holds too little of it
+    assert trim_messages(thanks, **options).reused
+
+
 def test_nothing_relevant_means_no_block(counter):
     chat = river_chat()
     first = trim(chat, token_counter=counter)

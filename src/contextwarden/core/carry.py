@@ -9,6 +9,7 @@ question, while they fit and the excerpts still serve it (`_recalls_kept`, `_exc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import filterfalse
@@ -22,6 +23,7 @@ from .recall import (
     _block,
     _new_recall,
     _passages,
+    _Pool,
     _Pools,
     _quote_anchor,
     _recall_record,
@@ -31,17 +33,25 @@ from .recall import (
     _tool_results,
     _with_blocks,
 )
+from .relevance import leans_on_latest
 from .selection import carried_recalls, extend_previous, history_chars, reuse_previous, window_start
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
 from .trim_types import TrimOptions, TrimResult, _Counted, _sized
 
-__all__ = ["RECALL_KEEP_SHARE", "MAX_RECALL_BLOCKS"]
+__all__ = ["RECALL_KEEP_SHARE", "FOLLOW_UP_KEEP_SHARE", "MAX_RECALL_BLOCKS"]
 
 # A turn keeps the previous selection while the recall block that fits beside it holds at least
-# this share of the relevance the question wants recalled (1.0: all of it; bench/multiturn.py,
-# before main's cost exponent 0.25: 0.5 sends the evidence a little less often, 0.79 vs 0.83 of
-# a fresh trim's at 2k, and misses the cache on 4 turns in 100 instead of 6).
-RECALL_KEEP_SHARE = 0.5
+# this share of the relevance the question wants recalled (1.0: all of it). bench/multiturn.py,
+# with earlier blocks that hold as much staying (`_all_kept`) and before FOLLOW_UP_KEEP_SHARE
+# (which moves them by 0.005 at most), carried evidence / cacheable share at 2k | 4k, lexical:
+# REALTALK 0.5 0.450 / 63.9% | 0.538 / 75.4%, 0.8 0.477 / 59.5% | 0.586 / 72.4%, 0.9 0.483 /
+# 58.6% | 0.580 / 71.5%; LoCoMo 0.5 0.674 / 63.4% | 0.743 / 74.9%, 0.8 0.701 / 58.5% | 0.766 /
+# 72.0%, 0.9 0.701 / 56.9% | 0.772 / 71.4%. At 0.8 the share is about what 0.5 kept without
+# `_all_kept` (59.4% | 72.1% on REALTALK), with more evidence (0.465 | 0.550).
+RECALL_KEEP_SHARE = 0.8
+# ... and a follow-up's ("thanks!", "and in French?": `relevance.leans_on_latest`), which leans on
+# the exchange just before it that the prompt holds in place: a trivial turn then keeps the cache.
+FOLLOW_UP_KEEP_SHARE = 0.5
 _CARRY_RECALLS = True  # earlier turns' blocks sent again (append-only); bench/multiturn.py measures both
 MAX_RECALL_BLOCKS = 64  # recall blocks a prompt carries at most; past it, the newest give way
 
@@ -129,8 +139,10 @@ def _recalls_kept(
     with its `excerpts`): the earlier turns' blocks again, unchanged, and a new one for this
     question. When they do not all fit, the newest earlier blocks give way first (the prompt
     stays the previous one up to the first that goes), but for those the selection quoted
-    (`_held`: they go with it); then the new block is cut to the room left. None when that
-    would hold less than half of the relevance the question wanted recalled, an excerpt and
+    (`_held`: they go with it), and but when they, with a new block cut to what they leave,
+    hold as much of this question's relevance (`_all_kept`: a follow-up's block stays); with
+    none left, the new block is cut to the room left. None when that would hold less than
+    `RECALL_KEEP_SHARE` of the relevance the question wanted recalled, an excerpt and
     the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
     earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
     no blocks, while the excerpts serve the question. (The chat, its counter and model: the
@@ -146,38 +158,92 @@ def _recalls_kept(
     count = _held(view, keep, blocks)  # the selection's own: they stay with it, as part of it
     held, blocks = blocks[:count], blocks[count:]
     keep = set(keep).union(*(b.indices for b in held))
-    base += sum(b.tokens for b in held)
+    left = max_tokens - base - sum(b.tokens for b in held)
     pool = pools.of(question, system)
+    found = _fewer_earlier(pools, pool, keep, held, blocks, question, room, left, excerpts)
+    if found is None:
+        return None
+    stayed, chosen = found
+    if stayed < len(blocks) and not any(b.chunks() for b in blocks[stayed:]):
+        # Earlier blocks gave way for the new block's room: unless they and a new block cut to
+        # what they leave hold as much of what this question needs (a follow-up's block, above
+        # all): then they stay, and the cache with them. (Not those quoting passages: what a
+        # passage holds is not its message's score; in document chats they filled the prompt.)
+        every = _all_kept(pools, pool, keep, held, blocks, question, room, left, excerpts)
+        if every is not None and _worth(pool, every) >= _worth(pool, chosen):
+            chosen = every
+    wanted = [*held, *chosen]
+    return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
+
+
+def _fewer_earlier(
+    pools: _Pools,
+    pool: _Pool,
+    keep: Collection[int],
+    held: Sequence[_Block],
+    blocks: Sequence[_Block],
+    question: int,
+    room: int,
+    left: int,
+    excerpts: Mapping[int, Excerpt],
+) -> tuple[int, list[_Block]] | None:
+    """How many earlier `blocks` stay, and the blocks sent, within `left` tokens: the newest
+    earlier blocks give way until this question's new block fits with all its `room`; when
+    even none do, the new block cut to `left`, while it holds `RECALL_KEEP_SHARE` of the
+    relevance the whole one would (None when it does not: the selection misses too much of
+    what the question needs, and goes)."""
+    view, counter, model = pools.view, pools.counter, pools.model
+    blocks = list(blocks)
     while True:
-        used = keep.union(*(b.indices for b in blocks))
-        left = max_tokens - base - sum(b.tokens for b in blocks)
-        # Past the budget already (left < 0), no block can make it fit: the newest earlier block
-        # goes (or, with none left, `base` alone is over and nothing fits) without making one.
+        spare = left - sum(b.tokens for b in blocks)
+        # Past the budget already (spare < 0), no block can make it fit: the newest earlier
+        # block goes (or, with none left, the selection alone is over and nothing fits).
         block = None
-        if left >= 0:
+        if spare >= 0:
+            used = set(keep).union(*(b.indices for b in blocks))
             sent = _sent_chunks(excerpts, [*held, *blocks])
-            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=left, sent=sent)
-        wanted = [*blocks, block] if block is not None else blocks
-        if base + sum(b.tokens for b in wanted) <= max_tokens:
-            wanted = [*held, *wanted]
-            return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
+            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=spare, sent=sent)
+            if block is None or block.tokens <= spare:
+                return len(blocks), [*blocks, block] if block is not None else blocks
         if not blocks:
             break
         blocks.pop()
-    # What still fits beside the selection: enough while it holds half of what the question
-    # would have recalled (its relevance); else the selection misses too much, and goes.
-    sent = _sent_chunks(excerpts, held)
-    fitting = _new_recall(view, keep, question, max_tokens - base, counter, model, pool, sent=sent)
+    # (`block` is None here only when the selection alone is over the budget: then nothing fits.)
+    fitting = _new_recall(view, keep, question, left, counter, model, pool, sent=_sent_chunks(excerpts, held))
+    share = FOLLOW_UP_KEEP_SHARE if leans_on_latest(view.text(question)) else RECALL_KEEP_SHARE
+    if fitting is None or block is None or _worth(pool, [fitting]) < share * _worth(pool, [block]):
+        return None
+    return 0, [fitting]
+
+
+def _all_kept(
+    pools: _Pools,
+    pool: _Pool,
+    keep: Collection[int],
+    held: Sequence[_Block],
+    blocks: Sequence[_Block],
+    question: int,
+    room: int,
+    left: int,
+    excerpts: Mapping[int, Excerpt],
+) -> list[_Block] | None:
+    """Every earlier block again and this question's new block cut to what they leave of `left`
+    (at most its `room`); None when they alone are over it."""
+    spare = left - sum(b.tokens for b in blocks)
+    if spare < 0:
+        return None
+    used = set(keep).union(*(b.indices for b in blocks))
+    sent = _sent_chunks(excerpts, [*held, *blocks])
+    block = _new_recall(pools.view, used, question, min(room, spare), pools.counter, pools.model, pool, sent=sent)
+    return [*blocks, block] if block is not None and block.tokens <= spare else list(blocks)
+
+
+def _worth(pool: _Pool, blocks: Sequence[_Block]) -> float:
+    """The relevance to the pool's question of the messages `blocks` quote whole (each once): a
+    message quoted by passages scores as a whole, not by what those passages hold."""
     scores = pool.scores
-    # (`block` is None here only when `base` alone is over the budget: then nothing fits.)
-    if (
-        fitting is not None
-        and block is not None
-        and sum(scores[i] for i in fitting.indices) >= RECALL_KEEP_SHARE * sum(scores[i] for i in block.indices)
-        and _excerpts_serve(view, excerpts, [*held, fitting], question, counter, model)
-    ):
-        return [*held, fitting]
-    return None
+    whole = set().union(*({i for i in b.indices if i not in b.chunks()} for b in blocks))
+    return math.fsum(scores[i] for i in whole)
 
 
 def _carried_blocks(
