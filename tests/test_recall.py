@@ -399,6 +399,24 @@ def test_a_failing_embedder_leaves_the_recall_lexical_with_a_note(counter):
     assert "embedder failed (RuntimeError): recall is lexical" in later.notes
 
 
+def test_a_failing_embedder_is_asked_once_a_trim(counter):
+    """A turn that selects anew tries the carried selection's recall first, then a new selection
+    and its recall: an embedder that failed (a timeout, say) is not asked again in that trim."""
+    chat = river_chat()
+    first = trim_messages(chat, max_tokens=BUDGET, model=MODEL, token_counter=counter)  # fills 80%
+    calls = []
+
+    def broken(texts):
+        calls.append(len(texts))
+        raise TimeoutError("slow")
+
+    later_chat = next_turn(chat, "Which facts about rivers carrying silt to deltas did you tell me?")
+    options = {"max_tokens": BUDGET, "model": MODEL, "token_counter": counter, "embed": broken}
+    later = trim_messages(later_chat, previous=first.decision, **options)
+    assert not later.reused and later.recalled  # a new selection, with its recall block
+    assert len(calls) == 1 and any("embedder failed (TimeoutError)" in note for note in later.notes)
+
+
 def test_the_short_reply_next_to_a_match_ranks_before_filler(counter):
     """A fact split over two short lines ("What is your dog called?" / "Biscuit."): the reply
     shares no word with the question, filler shares one; the recall ranks the reply first as

@@ -77,8 +77,10 @@ def _new_selection(
     # starve the prompt, so a selection made on them fills the budget.
     watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
     target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
-    semantic = options.embed is not None and options.strategy == "relevance"
-    scores = semantic_scores(view, options.embed, notes) if semantic and options.embed is not None else None
+    embed = chat.pools.embed  # the trim's embedder, None once it failed in this trim
+    scores = semantic_scores(view, embed, notes) if embed is not None and options.strategy == "relevance" else None
+    if embed is not None and scores is None:
+        chat.pools.embed = None  # failed: the recall block is lexical too, without asking again
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
     frame = _block_tokens(view, (), counter, model) if scores is not None else None
     quoted: list[int] = []
@@ -104,7 +106,7 @@ def _new_selection(
         # long merged turns, REALTALK's, lost evidence when their excerpts took it).
         spare = target - sum(costs[i] for i in keep) - quotes - (0 if _holds_document(chat, keep) else room)
         added, excerpts = excerpt_turns(
-            view, keep, costs, spare, counter, model, scores=scores, embed=options.embed, whole=whole
+            view, keep, costs, spare, counter, model, scores=scores, embed=chat.pools.embed, whole=whole
         )
         keep.update(added)
         quoted = [i for i in quoted if i not in keep]  # an excerpt's turn brought it in place

@@ -82,7 +82,8 @@ class _Pools:
     """One trim's recall pools by question and system messages: each made once, however many
     paths look (the fast path, then the full one). `seen`: how many leading messages the
     previous turn read (see `recall_scores`); `embed`: the trim's embedder, whose cosine the
-    recall fuses in as a new selection does; `notes` say when it could not."""
+    recall fuses in as a new selection does (None once it failed: one trim asks it once); `notes`
+    say when it could not."""
 
     __slots__ = ("view", "counter", "model", "seen", "embed", "notes", "_made")
 
@@ -100,6 +101,8 @@ class _Pools:
             view = self.view
             messages, texts = view.messages, view.texts
             similarity = _recall_cosines(view, question, system, self.embed, self.notes) if self.embed else None
+            if similarity is None:
+                self.embed = None  # failed (or no vectors yet): not asked again this trim
             scores = recall_scores(
                 messages,
                 question=question,
