@@ -123,6 +123,7 @@ def test_a_question_that_stands_alone_is_selected_for_sooner_than_a_follow_up(co
     options = {"max_tokens": BUDGET, "model": MODEL, "token_counter": counter, "previous": first.decision}
     assert not trim_messages(alone, **options).reused  # the room left holds too little of it
     assert trim_messages(thanks, **options).reused
+    assert trim_messages(next_turn(chat, "Thanks, please go on."), **options).reused
 
 
 def test_nothing_relevant_means_no_block(counter):

@@ -77,12 +77,14 @@ _WHOLE_QUESTION = re.compile(
 )
 
 # A follow-up leans on the exchange just before it ("and in French?", "shorten that", "why?"):
-# a question of at most FOLLOW_UP_MAX_TERMS terms of its own, or one with a word pointing back or
-# opening as a continuation. Any other question stands on its own (`leans_on_latest`).
+# a question of at most FOLLOW_UP_MAX_TERMS terms of its own, or one with a word pointing back,
+# opening as a continuation or a thanks ("thanks, now add tests"), or asking to go on. Any other
+# question stands on its own (`leans_on_latest`).
 FOLLOW_UP_MAX_TERMS = 2
 _POINTS_BACK = re.compile(
     r"\b(?:it|its|that|this|these|those|them|they|again|above|previous|same|more)\b"
-    r"|^\W*(?:and|but|so|also|then|what about|how about)\b",
+    r"|^\W*(?:and|but|so|also|then|what about|how about|thanks|thank you|ok|okay|great|cool|nice|perfect)\b"
+    r"|\b(?:go on|keep going|carry on|continue)\W*$",
     re.IGNORECASE,
 )
 
@@ -561,6 +563,8 @@ def leans_on_latest(question: str, *, fold: bool = True) -> bool:
     Example:
         >>> leans_on_latest("Shorten that"), leans_on_latest("And in French?"), leans_on_latest("Why?")
         (True, True, True)
+        >>> leans_on_latest("Thanks, now add the unit tests"), leans_on_latest("Please go on.")
+        (True, True)
         >>> leans_on_latest("When did Emi go to the jazz concert in Boston?")
         False
     """
