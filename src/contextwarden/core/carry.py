@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import filterfalse
 
 from .chatview import ChatView
@@ -42,12 +42,13 @@ __all__ = ["RECALL_KEEP_SHARE", "FOLLOW_UP_KEEP_SHARE", "MAX_RECALL_BLOCKS"]
 
 # A turn keeps the previous selection while the recall block that fits beside it holds at least
 # this share of the relevance the question wants recalled (1.0: all of it). bench/multiturn.py,
-# with earlier blocks that hold as much staying (`_all_kept`) and before FOLLOW_UP_KEEP_SHARE
-# (which moves them by 0.005 at most), carried evidence / cacheable share at 2k | 4k, lexical:
-# REALTALK 0.5 0.450 / 63.9% | 0.538 / 75.4%, 0.8 0.477 / 59.5% | 0.586 / 72.4%, 0.9 0.483 /
-# 58.6% | 0.580 / 71.5%; LoCoMo 0.5 0.674 / 63.4% | 0.743 / 74.9%, 0.8 0.701 / 58.5% | 0.766 /
-# 72.0%, 0.9 0.701 / 56.9% | 0.772 / 71.4%. At 0.8 the share is about what 0.5 kept without
-# `_all_kept` (59.4% | 72.1% on REALTALK), with more evidence (0.465 | 0.550).
+# with earlier blocks that hold as much staying (`_Beside.all_kept`) and before
+# FOLLOW_UP_KEEP_SHARE (which moves them by 0.005 at most), carried evidence / cacheable share
+# at 2k | 4k, lexical: REALTALK 0.5 0.450 / 63.9% | 0.538 / 75.4%, 0.8 0.477 / 59.5% | 0.586 /
+# 72.4%, 0.9 0.483 / 58.6% | 0.580 / 71.5%; LoCoMo 0.5 0.674 / 63.4% | 0.743 / 74.9%, 0.8 0.701
+# / 58.5% | 0.766 / 72.0%, 0.9 0.701 / 56.9% | 0.772 / 71.4%. At 0.8 the share is about what
+# 0.5 kept before earlier blocks stayed (59.4% | 72.1% on REALTALK), with more evidence (0.465
+# | 0.550).
 RECALL_KEEP_SHARE = 0.8
 # ... and a follow-up's ("thanks!", "and in French?": `relevance.leans_on_latest`), which leans on
 # the exchange just before it that the prompt holds in place: a trivial turn then keeps the cache.
@@ -140,9 +141,9 @@ def _recalls_kept(
     question. When they do not all fit, the newest earlier blocks give way first (the prompt
     stays the previous one up to the first that goes), but for those the selection quoted
     (`_held`: they go with it), and but when they, with a new block cut to what they leave,
-    hold as much of this question's relevance (`_all_kept`: a follow-up's block stays); with
-    none left, the new block is cut to the room left. None when that would hold less than
-    `RECALL_KEEP_SHARE` of the relevance the question wanted recalled, an excerpt and
+    hold as much of this question's relevance (`_Beside.all_kept`: a follow-up's block
+    stays); with none left, the new block is cut to the room left. None when that would hold
+    less than `RECALL_KEEP_SHARE` of the relevance the question wanted recalled, an excerpt and
     the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
     earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
     no blocks, while the excerpts serve the question. (The chat, its counter and model: the
@@ -159,8 +160,8 @@ def _recalls_kept(
     held, blocks = blocks[:count], blocks[count:]
     keep = set(keep).union(*(b.indices for b in held))
     left = max_tokens - base - sum(b.tokens for b in held)
-    pool = pools.of(question, system)
-    found = _fewer_earlier(pools, pool, keep, held, blocks, question, room, left, excerpts)
+    beside = _Beside(pools, pools.of(question, system), keep, held, question, room, left, excerpts)
+    found = beside.fewer_earlier(blocks)
     if found is None:
         return None
     stayed, chosen = found
@@ -169,73 +170,71 @@ def _recalls_kept(
         # what they leave hold as much of what this question needs (a follow-up's block, above
         # all): then they stay, and the cache with them. (Not those quoting passages: what a
         # passage holds is not its message's score; in document chats they filled the prompt.)
-        every = _all_kept(pools, pool, keep, held, blocks, question, room, left, excerpts)
-        if every is not None and _worth(pool, every) >= _worth(pool, chosen):
+        every = beside.all_kept(blocks)
+        if every is not None and _worth(beside.pool, every) >= _worth(beside.pool, chosen):
             chosen = every
     wanted = [*held, *chosen]
     return wanted if _excerpts_serve(view, excerpts, wanted, question, counter, model) else None
 
 
-def _fewer_earlier(
-    pools: _Pools,
-    pool: _Pool,
-    keep: Collection[int],
-    held: Sequence[_Block],
-    blocks: Sequence[_Block],
-    question: int,
-    room: int,
-    left: int,
-    excerpts: Mapping[int, Excerpt],
-) -> tuple[int, list[_Block]] | None:
-    """How many earlier `blocks` stay, and the blocks sent, within `left` tokens: the newest
-    earlier blocks give way until this question's new block fits with all its `room`; when
-    even none do, the new block cut to `left`, while it holds `RECALL_KEEP_SHARE` of the
-    relevance the whole one would (None when it does not: the selection misses too much of
-    what the question needs, and goes)."""
-    view, counter, model = pools.view, pools.counter, pools.model
-    blocks = list(blocks)
-    while True:
-        spare = left - sum(b.tokens for b in blocks)
-        # Past the budget already (spare < 0), no block can make it fit: the newest earlier
-        # block goes (or, with none left, the selection alone is over and nothing fits).
-        block = None
-        if spare >= 0:
-            used = set(keep).union(*(b.indices for b in blocks))
-            sent = _sent_chunks(excerpts, [*held, *blocks])
-            block = _new_recall(view, used, question, room, counter, model, pool, fits_in=spare, sent=sent)
-            if block is None or block.tokens <= spare:
-                return len(blocks), [*blocks, block] if block is not None else blocks
-        if not blocks:
-            break
-        blocks.pop()
-    # (`block` is None here only when the selection alone is over the budget: then nothing fits.)
-    fitting = _new_recall(view, keep, question, left, counter, model, pool, sent=_sent_chunks(excerpts, held))
-    share = FOLLOW_UP_KEEP_SHARE if leans_on_latest(view.text(question)) else RECALL_KEEP_SHARE
-    if fitting is None or block is None or _worth(pool, [fitting]) < share * _worth(pool, [block]):
-        return None
-    return 0, [fitting]
+@dataclass(frozen=True, slots=True)
+class _Beside:
+    """A carried turn's recall blocks beside its selection (`keep`, with the `held` blocks that
+    go with it and its `excerpts`), within `left` tokens: which earlier blocks stay, and the
+    new block for `question` (at most `room`) from `pool`."""
 
+    pools: _Pools
+    pool: _Pool
+    keep: Collection[int]
+    held: Sequence[_Block]
+    question: int
+    room: int
+    left: int
+    excerpts: Mapping[int, Excerpt]
 
-def _all_kept(
-    pools: _Pools,
-    pool: _Pool,
-    keep: Collection[int],
-    held: Sequence[_Block],
-    blocks: Sequence[_Block],
-    question: int,
-    room: int,
-    left: int,
-    excerpts: Mapping[int, Excerpt],
-) -> list[_Block] | None:
-    """Every earlier block again and this question's new block cut to what they leave of `left`
-    (at most its `room`); None when they alone are over it."""
-    spare = left - sum(b.tokens for b in blocks)
-    if spare < 0:
-        return None
-    used = set(keep).union(*(b.indices for b in blocks))
-    sent = _sent_chunks(excerpts, [*held, *blocks])
-    block = _new_recall(pools.view, used, question, min(room, spare), pools.counter, pools.model, pool, sent=sent)
-    return [*blocks, block] if block is not None and block.tokens <= spare else list(blocks)
+    def new_block(self, blocks: Sequence[_Block], room: int, spare: int | None = None) -> _Block | None:
+        """This question's block beside `blocks`, of at most `room` tokens (`spare`: what it
+        must fit in, or it is not counted exactly: see `_new_recall`)."""
+        pools = self.pools
+        used = set(self.keep).union(*(b.indices for b in blocks))
+        sent = _sent_chunks(self.excerpts, [*self.held, *blocks])
+        return _new_recall(pools.view, used, self.question, room, pools.counter, pools.model, self.pool, spare, sent)
+
+    def fewer_earlier(self, blocks: Sequence[_Block]) -> tuple[int, list[_Block]] | None:
+        """How many earlier `blocks` stay, and the blocks sent: the newest earlier blocks give
+        way until the new block fits with all its room; when even none do, the new block cut
+        to what is left, while it holds `RECALL_KEEP_SHARE` (`FOLLOW_UP_KEEP_SHARE` for a
+        follow-up) of the relevance the whole one would (None when it does not: the selection
+        misses too much of what the question needs, and goes)."""
+        blocks = list(blocks)
+        while True:
+            spare = self.left - sum(b.tokens for b in blocks)
+            # Past the budget already (spare < 0), no block can make it fit: the newest earlier
+            # block goes (or, with none left, the selection alone is over and nothing fits).
+            block = None
+            if spare >= 0:
+                block = self.new_block(blocks, self.room, spare)
+                if block is None or block.tokens <= spare:
+                    return len(blocks), [*blocks, block] if block is not None else blocks
+            if not blocks:
+                break
+            blocks.pop()
+        # (`block` is None here only when the selection alone is over the budget: nothing fits.)
+        fitting = self.new_block((), self.left)
+        view = self.pools.view
+        share = FOLLOW_UP_KEEP_SHARE if leans_on_latest(view.text(self.question)) else RECALL_KEEP_SHARE
+        if fitting is None or block is None or _worth(self.pool, [fitting]) < share * _worth(self.pool, [block]):
+            return None
+        return 0, [fitting]
+
+    def all_kept(self, blocks: Sequence[_Block]) -> list[_Block] | None:
+        """Every earlier block again and the new block cut to what they leave (at most its
+        room); None when they alone are over what is left."""
+        spare = self.left - sum(b.tokens for b in blocks)
+        if spare < 0:
+            return None
+        block = self.new_block(blocks, min(self.room, spare))
+        return [*blocks, block] if block is not None and block.tokens <= spare else list(blocks)
 
 
 def _worth(pool: _Pool, blocks: Sequence[_Block]) -> float:
