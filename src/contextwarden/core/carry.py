@@ -140,10 +140,11 @@ def _recalls_kept(
     with its `excerpts`): the earlier turns' blocks again, unchanged, and a new one for this
     question. When they do not all fit, the newest earlier blocks give way first (the prompt
     stays the previous one up to the first that goes), but for those the selection quoted
-    (`_held`: they go with it), and but when they, with a new block cut to what they leave,
+    (`_held`: they go with it), and unless they, with a new block cut to what they leave,
     hold as much of this question's relevance (`_Beside.all_kept`: a follow-up's block
     stays); with none left, the new block is cut to the room left. None when that would hold
-    less than `RECALL_KEEP_SHARE` of the relevance the question wanted recalled, an excerpt and
+    less than `RECALL_KEEP_SHARE` (`FOLLOW_UP_KEEP_SHARE` for a follow-up) of the relevance
+    the question wanted recalled, an excerpt and
     the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
     earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
     no blocks, while the excerpts serve the question. (The chat, its counter and model: the
