@@ -77,8 +77,8 @@ def _new_selection(
     # starve the prompt, so a selection made on them fills the budget.
     watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
     target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
-    embed = chat.pools.embed  # the trim's embedder, None once it failed in this trim
-    scores = semantic_scores(view, embed, notes) if embed is not None and options.strategy == "relevance" else None
+    embed = chat.pools.embed if options.strategy == "relevance" else None  # None once it failed this trim
+    scores = semantic_scores(view, embed, notes) if embed is not None else None
     if embed is not None and scores is None:
         chat.pools.embed = None  # failed: the recall block is lexical too, without asking again
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0

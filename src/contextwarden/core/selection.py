@@ -801,8 +801,8 @@ def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: C
     at their recorded places, those quoted whole not sent in place now (a pin may bring one
     back), and whose anchor is kept and is still the message it was (a message inserted
     before it moves it; None when one is not: the prompt could not stay append-only, so the
-    caller selects anew). A block anchored at the latest message of the previous turn's own
-    question is one this question gets anew, and is left out by the caller."""
+    caller selects anew). Which of them stay beside this question's block is the caller's to
+    say (`carry._recalls_kept`)."""
     if not previous.recalls:
         return []
     n = len(fingerprints)
