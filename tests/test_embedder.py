@@ -168,6 +168,25 @@ async def test_after_a_reply_the_call_waits_for_the_page(monkeypatch):
     assert len(function.calls) == 1
 
 
+async def test_a_turn_right_after_a_reply_goes_before_its_waiting_call(monkeypatch):
+    """A turn that comes while the call after the last reply still waits for the page (a quick
+    follow-up, a regenerate): that call has asked nothing yet and gives way; the turn's own call
+    answers in its wait, and the embedder, shared by every user of the worker, is not taken for
+    slow (it was: the turn waited for the delayed call, ran out, and all turns went lexical); the
+    call starts again after the turn's."""
+    monkeypatch.setattr(embedder_module, "AHEAD_DELAY_SECONDS", 0.5)
+    function = FakeEmbeddingFunction()
+    embedder = OpenWebUIEmbedder(function)
+    assert embedder.ahead(chat_about_a_cat(), max_texts=8)
+    waiting = embedder._waiting
+    chat = [*chat_about_a_cat(), {"role": "user", "content": "And its favourite toy?"}]
+    assert await embedder.prefetch(chat, timeout=0.1, max_texts=4) >= 1
+    assert embedder._slow.failures == 0 and len(function.calls) == 1
+    assert "And its favourite toy?" in function.calls[0]
+    await asyncio.sleep(0.7)  # the call that gave way starts again after the turn's, once its delay is over
+    assert function.calls[1] == [text for text in waiting if text not in function.calls[0]]
+
+
 async def test_a_slow_pause_doubles_while_each_try_runs_out(monkeypatch):
     monkeypatch.setattr(embedder_module, "SLOW_RECHECK_SECONDS", 0.1)
     monkeypatch.setattr(embedder_module, "SLOW_RECHECK_MAX_SECONDS", 0.3)
@@ -254,6 +273,21 @@ async def test_the_filter_uses_open_webuis_embedder(counter, monkeypatch):
     assert any("Miso" in text for text in asked) and after and all(len(c) <= TURN_EMBED_TEXTS for c in after)
     embeds, _ = await next_turn_with(counter, None, monkeypatch)
     assert embeds == [None, None]  # no embedder loaded: word matching
+
+
+async def test_a_quick_next_turn_does_not_make_the_embedder_slow(counter, caplog, monkeypatch):
+    """The next turn comes before the outlet's call has started (it waits for the page): the
+    turn asks for its own texts, nothing is logged or taken for slow, and the outlet's call runs
+    after it, so the turn after finds the chat embedded."""
+    monkeypatch.setattr(embedder_module, "AHEAD_DELAY_SECONDS", 0.3)
+    function = FakeEmbeddingFunction()
+    embeds, _ = await next_turn_with(counter, function, monkeypatch, wait=0.0, embed_timeout_seconds=5)
+    adapter = embedder_of(request_with(function))
+    assert adapter is not None and adapter._slow.failures == 0 and embeds[-1] is adapter
+    assert not [r for r in caplog.records if "embedder" in r.getMessage()]
+    assert len(function.calls) == 1 and len(function.calls[0]) <= TURN_EMBED_TEXTS  # the turn's own
+    await asyncio.sleep(0.5)
+    assert len(function.calls) == 2 and any("Miso" in text for text in function.calls[1])  # the outlet's, after
 
 
 async def test_the_embedder_valve_turns_it_off(counter, monkeypatch):

@@ -9,8 +9,10 @@ texts, into the process's `VECTORS`, waiting `timeout` seconds at most (0.1 by d
 call itself runs on in the background (bounded by `EMBED_CALL_SECONDS`) and its vectors land
 whenever it ends. On the user's path a turn asks only for its own newest texts
 (`TURN_EMBED_TEXTS`); after each reply the filter starts the call for the rest of the chat
-(`ahead`, up to `max_texts`), so the next turn finds its chat embedded. The trim then only
-looks vectors up: when some messages' are still missing (a long chat seen for the first time,
+(`ahead`, up to `max_texts`), so the next turn finds its chat embedded; a turn that comes
+before that call has asked anything goes first (the call starts again after the turn's). The
+trim then only looks vectors up: when some messages' are still missing (a long chat
+seen for the first time,
 a slow or failing embedder), that turn's relevance is lexical and later turns fill in the rest.
 A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
 (`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
@@ -91,6 +93,8 @@ class OpenWebUIEmbedder:
         self._function = function
         self._batch: int | None = None  # texts a turn asks for now: halved on a timeout, doubled back
         self._running: asyncio.Task[int] | None = None  # the one call in flight, kept past a timeout
+        self._due = 0.0  # (loop time) when the running call reaches the embedder: an `ahead` call waits first
+        self._waiting: list[str] = []  # what the running call asks for
         self._rest = Backoff()  # after failed calls (loop time): no call starts
         self._slow = Backoff()  # after turns' waits ran out (loop time): no turn waits
 
@@ -107,21 +111,27 @@ class OpenWebUIEmbedder:
 
         One call at a time: a call that outlives a turn's `timeout` goes on, and its vectors are
         kept when it lands (the embedder's thread runs on whether awaited or not); a later turn
-        waits for it within its own timeout rather than start another beside it. After a wait
-        that ran out, turns raise `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS` (doubling).
+        waits for it within its own timeout rather than start another beside it, but for the call
+        after a reply still waiting out its delay (`ahead`): nothing asked yet, it gives way to
+        the turn's own and starts again after it. After a wait that ran out, turns raise
+        `EmbedderSlow` at once for `SLOW_RECHECK_SECONDS` (doubling).
         Raises what the embedder raises (and TimeoutError); the caller logs it and goes on.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         if self._slow.resting(loop.time()):
             raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow.until - loop.time():.0f} s")
-        running = self._running
-        if running is not None and not running.done() and running.get_loop() is loop:
+        running, put_back = self._running, self._gave_way()
+        if not put_back and running is not None and not running.done() and running.get_loop() is loop:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 self._slow.failed(loop.time(), SLOW_RECHECK_SECONDS, SLOW_RECHECK_MAX_SECONDS)
                 raise TimeoutError("the previous call is still running")
-        started = self._start(messages, max_texts)
+        try:
+            started = self._start(messages, max_texts)
+        finally:
+            if put_back:  # the call that gave way, again once the turn's own has ended
+                self._after(self._running, put_back)
         if started is None:
             return 0
         task, asked = started
@@ -167,9 +177,37 @@ class OpenWebUIEmbedder:
         todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
         if not todo:
             return None
+        return self._call(todo, delay), len(todo)
+
+    def _call(self, todo: list[str], delay: float) -> asyncio.Task[int]:
+        """Start the one call for `todo`, `delay` seconds from now."""
         task = self._running = asyncio.ensure_future(self._fetch(todo, delay))
+        self._due, self._waiting = asyncio.get_running_loop().time() + delay, todo
         task.add_done_callback(_retrieve)
-        return task, len(todo)
+        return task
+
+    def _gave_way(self) -> list[str]:
+        """The texts of the call after a reply, cancelled while it still waits out its delay (a
+        turn came: the reply is done, and the turn's own texts go first); [] when there is none."""
+        running = self._running
+        if running is None or running.done() or asyncio.get_running_loop().time() >= self._due:
+            return []
+        running.cancel()
+        return self._waiting
+
+    def _after(self, task: asyncio.Task[int] | None, texts: list[str]) -> None:
+        """Embed `texts` again after `task` (now when None or done), as a call after a reply."""
+
+        def again(_: object = None) -> None:
+            running = self._running
+            if (running is None or running.done()) and not self._rest.resting(asyncio.get_running_loop().time()):
+                if todo := VECTORS.missing(texts, self):
+                    self._call(todo, AHEAD_DELAY_SECONDS)
+
+        if task is None or task.done():
+            again()
+        else:
+            task.add_done_callback(again)
 
     async def _fetch(self, todo: list[str], delay: float = 0.0) -> int:
         """One call to the embedding function (at most EMBED_CALL_SECONDS) after `delay` seconds;
