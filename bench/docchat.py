@@ -19,7 +19,10 @@ whole stored chat plus the reply (its usage the filter's own count). Valves: the
 `max_context_tokens` (4k, 8k, 16k), everything else the defaults (reserve 1,024, relevance,
 low watermark 0.8), no live prices; no embedder (lexical), and with `--embed-model DIR` also Open
 WebUI's embedder (a sentence-transformers model behind `__request__.app.state.EMBEDDING_FUNCTION`;
-run under Open WebUI's python, which has it).
+run under Open WebUI's python, which has it). A person reads the reply before the next turn: with
+the embedder the call the outlet starts (after `AHEAD_DELAY_SECONDS`, 0 here) is awaited before
+it, as it would have ended by then. (A chat the filter has not seen is trimmed by words, so the
+embedder's `fresh` rows, a new chat id each turn, are lexical.)
 
 Per window, over the question turns:
 
@@ -358,6 +361,8 @@ class Runner:
         self.request = request
         self.filters: dict[int, Any] = {}
         self.user = {"id": "bench-user", "role": "user", "valves": module.Filter.UserValves()}
+        if request is not None and hasattr(module, "AHEAD_DELAY_SECONDS"):
+            module.AHEAD_DELAY_SECONDS = 0.0  # (the page the delay waits for is not there)
 
     async def filter_for(self, window: int) -> Any:
         if window not in self.filters:
@@ -367,6 +372,13 @@ class Runner:
             assert f.counter.wait_ready(MODEL), "exact encoding did not load (seed TIKTOKEN_CACHE_DIR)"
             self.filters[window] = f
         return self.filters[window]
+
+    async def reply_read(self) -> None:
+        """The pause while a person reads the reply: the embedder's call after it has ended."""
+        adapter = self.module.embedder_of(self.request) if self.request is not None else None
+        running = getattr(adapter, "_running", None)
+        if running is not None and not running.done():
+            await asyncio.wait({running})
 
     async def turn(self, f: Any, chat: list[dict], chat_id: str, reply: str) -> dict:
         """inlet, request (timed), then outlet on the stored chat plus the reply."""
@@ -393,6 +405,7 @@ class Runner:
         stored = json.loads(json.dumps(chat)) + [{"role": "assistant", "content": reply, "usage": usage}]
         outlet_body = {"model": MODEL, "messages": stored, "chat_id": chat_id, "session_id": "s", "id": "m"}
         await f.outlet(outlet_body, **hooks)
+        await self.reply_read()
         return {
             "sent": sent,
             "inlet_note": inlet_note,
