@@ -9,8 +9,9 @@ from itertools import pairwise
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
+from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import RECALL_LABEL
-from contextwarden.core.excerpt import CHUNK_CHARS, excerpt_message, rebuild, split_chunks
+from contextwarden.core.excerpt import CHUNK_CHARS, excerpt_message, excerpt_turns, rebuild, split_chunks
 from contextwarden.core.relevance import wants_whole
 from contextwarden.core.tokens import TokenCounter
 
@@ -301,6 +302,29 @@ def test_a_question_about_the_whole_document_fills_the_budget_with_all_of_it_in_
         assert kept[0] == 0 and kept[-1] >= total - 2 and sent == len(kept)  # from its start to its end
         gaps = [b - a for a, b in pairwise(kept)]
         assert max(gaps) <= 3  # spread evenly, not one stretch of it
+
+
+def test_a_document_turn_between_single_messages_comes_with_the_one_that_bridges_it(counter):
+    """A selection by single messages (the embedder's) kept the question before a pasted document
+    and the reply after the question that follows it: the document's turn fits in between only
+    with the reply before it and that question, and comes with them (it was not sent at all:
+    bench/docchat.py, "Summarize the second document" with MiniLM at 16k sent neither)."""
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "An early question?"},
+        {"role": "assistant", "content": "An early answer."},
+        {"role": "user", "content": "Here is a second report:\n\n" + document(3_000, counter, seed=3)},
+        {"role": "assistant", "content": "I have read it."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "Aisle 42."},
+        {"role": "user", "content": "Summarize the second report."},
+    ]
+    view, costs = ChatView(chat), counter.count_each(chat, MODEL)
+    added, excerpts = excerpt_turns(view, {0, 1, 6, 7}, costs, 2_000, counter, MODEL, whole=True)
+    assert added == {2, 3, 4, 5} and list(excerpts) == [3]  # the reply before, the question after
+    assert sum(excerpts[3].tokens if i == 3 else costs[i] for i in added) <= 2_000
+    added, excerpts = excerpt_turns(view, {0, 1, 2, 5, 6, 7}, costs, 2_000, counter, MODEL, whole=True)
+    assert added == {3, 4} and list(excerpts) == [3]  # nothing to bridge
 
 
 def test_a_detail_question_keeps_the_excerpt_for_its_passage(counter):

@@ -624,18 +624,19 @@ def excerpt_turns(
     for n, (indices, large) in enumerate(ranked):
         if (not whole and sum(scores[i] for i in indices) <= 0) or room < MIN_EXCERPT_ROOM:
             break
-        if not fits_between(view, sent, indices[0], indices[-1]):
+        placed = _placed(view, sent, indices, costs)
+        if placed is None:
             continue
         share = room * sum(costs[i] for i in indices) // sum(costs[i] for c in ranked[n:] for i in c[0])
         got = _excerpt_turn(
-            view, indices, large, scores, text, share if whole else room, costs, counter, model, embed, whole
+            view, placed, large, scores, text, share if whole else room, costs, counter, model, embed, whole
         )
         if got is None:
             continue
-        added.update(indices)
-        sent = sorted([*sent, *indices])
+        added.update(placed)
+        sent = sorted([*sent, *placed])
         excerpts.update(got)
-        room -= sum(got[i].tokens if i in got else costs[i] for i in indices)
+        room -= sum(got[i].tokens if i in got else costs[i] for i in placed)
     return added, excerpts
 
 
@@ -643,6 +644,33 @@ def cuttable(message: Message) -> bool:
     """The message has a text of at least one chunk to cut."""
     slot = _text_slot(message)
     return slot is not None and len(slot[0]) >= CHUNK_CHARS
+
+
+def _placed(view: ChatView, sent: Sequence[int], indices: Sequence[int], costs: Sequence[int]) -> list[int] | None:
+    """A turn's messages as sent among `sent` (ascending): as they are where roles alternate
+    beside them (`fits_between`), else with the short message right before or after them (the
+    reply before it, the question after it) that makes them alternate; None when none does. A
+    selection by single messages may keep, say, the reply after a pasted document without its
+    question: the document's turn then fits only with that question (bench/docchat.py: a summary
+    of the second of two documents sent neither)."""
+    first, last = indices[0], indices[-1]
+    taken = set(sent)
+
+    def bridge(i: int) -> bool:  # a user message, or a reply that calls no tool: a unit of its own
+        if not 0 <= i < len(view) or i in taken or view.role(i) not in _BRIDGE_ROLES:
+            return False
+        return costs[i] < MIN_EXCERPT_TOKENS and not view.messages[i].get("tool_calls")
+
+    for before, after in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        lo, hi = first - before, last + after
+        if (before and not bridge(lo)) or (after and not bridge(hi)):
+            continue
+        if fits_between(view, sent, lo, hi):
+            return [lo] * before + list(indices) + [hi] * after  # (not what lies between: an orphan tool result)
+    return None
+
+
+_BRIDGE_ROLES = ("user", "assistant")
 
 
 def _disjoint(keep: Collection[int], indices: Sequence[int]) -> bool:
