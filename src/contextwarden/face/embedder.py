@@ -11,9 +11,9 @@ whenever it ends. On the user's path a turn asks only for its own newest texts
 (`TURN_EMBED_TEXTS`); after each reply the filter starts the call for the rest of the chat
 (`ahead`, up to `max_texts`), so the next turn finds its chat embedded; a turn that comes
 before that call has asked anything goes first (the call starts again after the turn's). The
-trim then only looks vectors up: when some messages' are still missing (a long chat
-seen for the first time,
-a slow or failing embedder), that turn's relevance is lexical and later turns fill in the rest.
+trim then only looks vectors up: when some messages' are still missing (a long chat seen for
+the first time, a slow or failing embedder), that turn's relevance is lexical and later turns
+fill in the rest.
 A call that fails or outlives `EMBED_CALL_SECONDS` makes the embedder rest
 (`BACKOFF_FIRST_SECONDS`, doubling up to `BACKOFF_MAX_SECONDS`), as the summary endpoint does:
 no turn waits for it meanwhile. Once a turn's wait ran out (its own call, or one still running
@@ -189,8 +189,8 @@ class OpenWebUIEmbedder:
     def _gave_way(self) -> list[str]:
         """The texts of the call after a reply, cancelled while it still waits out its delay (a
         turn came: the reply is done, and the turn's own texts go first); [] when there is none."""
-        running = self._running
-        if running is None or running.done() or asyncio.get_running_loop().time() >= self._due:
+        running, loop = self._running, asyncio.get_running_loop()
+        if running is None or running.done() or running.get_loop() is not loop or loop.time() >= self._due:
             return []
         running.cancel()
         return self._waiting
