@@ -3,8 +3,9 @@
 Strict chat templates (Mistral's and Gemma's, as vLLM and llama.cpp apply them) reject two user
 or two assistant messages in a row. Whole turns kept in order never put two alike together, but
 single messages picked by relevance do: two kept user messages whose replies were let go. Here:
-whether two messages sent one after the other clash (`clash`), and the repair of a selection of
-single messages (`alternate`): a reply between them as a bridge, else the less relevant one goes.
+whether two messages sent one after the other clash (`clash`), where a turn fits among what is
+sent (`fits_between`, `fits_bridged`), and the repair of a selection of single messages
+(`alternate`): a reply between them as a bridge, else the less relevant one goes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "clash",
     "alternates",
     "fits_between",
+    "fits_bridged",
     "fill_alternating",
     "fill_quoting",
     "alternate",
@@ -93,6 +95,36 @@ def fits_between(view: ChatView, sent: Sequence[int], first: int, last: int) -> 
     if at and clash(view, sent[at - 1], first):
         return False
     return at == len(sent) or not clash(view, last, sent[at])
+
+
+def fits_bridged(
+    view: ChatView, sent: Sequence[int], indices: Sequence[int], costs: Sequence[int], max_cost: int
+) -> list[int] | None:
+    """A turn's messages `indices` as sent among `sent` (ascending): as they are where they fit
+    between (`fits_between`), else with the message right before or after them, or both, that
+    makes roles alternate (a user message or a reply calling no tool, costing under `max_cost`:
+    the reply before, the question after); None when none does. A selection by single messages
+    may keep the reply after a pasted document's turn without the question it answers: the
+    turn then fits only with that question (bench/docchat.py: a summary of the second of two
+    documents sent neither). Unlike `_bridge`, only the adjacent message: what lies between a
+    turn's own messages (an orphan tool result) is not sent."""
+    first, last = indices[0], indices[-1]
+    if fits_between(view, sent, first, last):
+        return list(indices)
+    taken = set(sent)
+
+    def bridge(i: int) -> bool:  # a unit of its own
+        if not 0 <= i < len(view) or i in taken or view.role(i) not in _DIALOGUE:
+            return False
+        return costs[i] < max_cost and not view.messages[i].get("tool_calls")
+
+    for before, after in ((1, 0), (0, 1), (1, 1)):
+        lo, hi = first - before, last + after
+        if (before and not bridge(lo)) or (after and not bridge(hi)):
+            continue
+        if fits_between(view, sent, lo, hi):
+            return [lo] * before + list(indices) + [hi] * after
+    return None
 
 
 def _between(before: int, after: int) -> list[int]:

@@ -26,7 +26,7 @@ from ..caches import (
     TextCache,
     register,
 )
-from .alternation import fits_between
+from .alternation import fits_bridged
 from .chatview import ChatView
 from .conversation import Message
 from .relevance import (
@@ -591,7 +591,8 @@ def excerpt_turns(
     `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
     the most relevant turn first, while they fit `room`; the indices to add and the excerpts.
     A turn goes whole or not at all (a question with its answer, a tool call with its result),
-    and only where roles still alternate beside it (`alternation.fits_between`);
+    and only where roles still alternate beside it, with a bridging message if need be
+    (`alternation.fits_bridged`);
     a turn whose excerpts keep no relevant chunk goes only to collapse a tool result. `scores`
     (one per message, as the selection used them) rank the turns; by default `score_messages`.
     `embed` (optional) scores the chunks semantically as well. `whole` (a question about the
@@ -624,7 +625,7 @@ def excerpt_turns(
     for n, (indices, large) in enumerate(ranked):
         if (not whole and sum(scores[i] for i in indices) <= 0) or room < MIN_EXCERPT_ROOM:
             break
-        placed = _placed(view, sent, indices, costs)
+        placed = fits_bridged(view, sent, indices, costs, MIN_EXCERPT_TOKENS)
         if placed is None:
             continue
         share = room * sum(costs[i] for i in indices) // sum(costs[i] for c in ranked[n:] for i in c[0])
@@ -644,33 +645,6 @@ def cuttable(message: Message) -> bool:
     """The message has a text of at least one chunk to cut."""
     slot = _text_slot(message)
     return slot is not None and len(slot[0]) >= CHUNK_CHARS
-
-
-def _placed(view: ChatView, sent: Sequence[int], indices: Sequence[int], costs: Sequence[int]) -> list[int] | None:
-    """A turn's messages as sent among `sent` (ascending): as they are where roles alternate
-    beside them (`fits_between`), else with the short message right before or after them (the
-    reply before it, the question after it) that makes them alternate; None when none does. A
-    selection by single messages may keep, say, the reply after a pasted document without its
-    question: the document's turn then fits only with that question (bench/docchat.py: a summary
-    of the second of two documents sent neither)."""
-    first, last = indices[0], indices[-1]
-    taken = set(sent)
-
-    def bridge(i: int) -> bool:  # a user message, or a reply that calls no tool: a unit of its own
-        if not 0 <= i < len(view) or i in taken or view.role(i) not in _BRIDGE_ROLES:
-            return False
-        return costs[i] < MIN_EXCERPT_TOKENS and not view.messages[i].get("tool_calls")
-
-    for before, after in ((0, 0), (1, 0), (0, 1), (1, 1)):
-        lo, hi = first - before, last + after
-        if (before and not bridge(lo)) or (after and not bridge(hi)):
-            continue
-        if fits_between(view, sent, lo, hi):
-            return [lo] * before + list(indices) + [hi] * after  # (not what lies between: an orphan tool result)
-    return None
-
-
-_BRIDGE_ROLES = ("user", "assistant")
 
 
 def _disjoint(keep: Collection[int], indices: Sequence[int]) -> bool:
