@@ -424,16 +424,18 @@ async def test_a_busy_event_loop_is_not_a_redis_outage(own_redis, caplog, unique
 
 
 async def test_one_late_answer_is_sent_again_and_applied_once(own_redis, caplog, unique):
-    """A conditional charge whose answer came too late is sent once more: Redis applies it once,
-    the caller hears it was applied, and the store stays shared."""
+    """A turn's charge whose answer came too late is sent once more: Redis applies it once, the
+    caller hears it was applied, and the store stays shared."""
     proxy = await Proxy(own_redis.port).start()
     store = RedisStore(proxy.url, timeout=0.1)
     key = f"t:{unique}"
     await store.counters(key)  # connected
     proxy.delays = [1.0]  # the first answer is late (bound 0.4 s); Redis did apply the charge
-    applied = await store.incr_if(key, {"rev": 1, "cost": 5}, ttl=60, guard=("rev", 0), once=f"{unique}:a")
-    assert applied and store.shared
-    assert await raw_counters(own_redis.url, key) == {"rev": 1, "cost": 5}
+    applied, before = await store.incr_below(
+        key, {"requests": 1, "cost": 5}, ttl=60, below={"cost": 9}, once=f"{unique}:a"
+    )
+    assert applied and before == {} and store.shared  # the repeat: what the key held before it
+    assert await raw_counters(own_redis.url, key) == {"requests": 1, "cost": 5}
     assert not warnings_about(caplog, "Redis unavailable")
     await store.aclose()
     await proxy.cut()

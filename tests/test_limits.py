@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 import threading
 import types
@@ -388,6 +389,22 @@ async def test_turns_started_side_by_side_see_each_others_charge(counter, store_
     assert all(str(r).startswith("contextwarden: your daily limit of $0.05 is reached ($0.06") for r in refused)
     day, _ = await SpendBook().spend(f.store, user, now.date())
     assert D("0.06") < day.usd < D("0.061") and day.requests == 3
+
+
+async def test_a_crowd_of_turns_in_two_workers_never_passes_the_limit(counter, redis_url, unique):
+    """200 turns at once, half through each of two workers on one Redis, against $0.30: just the
+    turns the limit allows start, each checked after the charges before it (a check that lost to
+    other writes eight times once charged without one: 34 of 50 started, 107 of 400 at $1)."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    valves = {"redis_url": redis_url, "daily_limit_usd": 0.3}
+    workers = [await limited(counter, valves, now, wrap=SlowStore) for _ in range(2)]
+    user = f"u-{unique}"
+    results = await asyncio.gather(*(started(workers[k % 2], *turn(user)) for k in range(200)))
+    allowed = sum(not isinstance(r, Exception) for r in results)
+    day, _ = await SpendBook().spend(workers[0].store, user, now.date())
+    each = day.usd / allowed  # every turn's estimate is the same (~$0.0103)
+    assert allowed == math.ceil(D("0.3") / each) and day.requests == allowed
+    assert D("0.3") <= day.usd < D("0.3") + each
 
 
 async def test_turns_whose_outlet_never_comes_stay_charged(counter, store_valves, unique):

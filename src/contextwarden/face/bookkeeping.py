@@ -253,7 +253,7 @@ class Bookkeeping:
                 user=turn.user,
                 day=turn.day,
                 charge=estimate,
-                check=lambda day, month: check_limits(limits, day, month),
+                limits=limits,
             )
             self._check_shared()
         except Exception as exc:

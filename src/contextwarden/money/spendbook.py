@@ -1,26 +1,26 @@
 """Each user's spend per month and day, in one counter key per user and month: what limits read.
 
 `spend:<YYYY-MM>:<user>` holds the month's `cost_picousd`, `tokens`, `unpriced` and `requests`,
-the same under `dNN:` for its day, and `rev`, which every change moves on. A limit check is one
-read of it. A turn is charged when it starts (`reserve`: its estimate, written only while the
-key still holds what the check read, so turns started side by side in any worker see each
-other) and settled when its reply ends (`settle`: what it really cost replaces the estimate).
-A reply of a turn that took no charge is added whole (`record`).
+the same under `dNN:` for its day. A limit check is one read of it. A turn is charged when it
+starts (`reserve`: its estimate added, then checked against what the key held right before it,
+in the one order the store applied the charges of every worker in, and taken back when over)
+and settled when its reply ends (`settle`: what it really cost replaces the estimate). A reply
+of a turn that took no charge is added whole (`record`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
 from urllib.parse import quote
 
 from ..state.store import Store
-from .ledger import picodollars_to_usd, usd_to_picodollars
-from .limits import Spend, Verdict, month_start
+from .ledger import PICODOLLARS_PER_USD, picodollars_to_usd, usd_to_picodollars
+from .limits import KINDS, Limits, Spend, Verdict, check_limits, month_start
 from .pricing import ModelPrice
 from .usage import MAX_REPLY_COST_USD, Usage, compute_cost
 
@@ -30,7 +30,6 @@ spend_log = logging.getLogger("contextwarden")
 
 SPEND_TTL_SECONDS = 40 * 86_400  # a month's key outlives the month
 MAX_REPLY_TOKENS = 10**10
-RESERVE_TRIES = 8  # a check-and-charge that another worker's write keeps beating charges anyway after this
 FIELDS = ("cost_picousd", "tokens", "unpriced", "requests")
 
 
@@ -75,10 +74,25 @@ def _spend_key(month: date, user: str) -> str:
 
 
 def _fields(day: date, amounts: tuple[int, int, int], requests: int) -> dict[str, int]:
-    """The month's and the day's fields for these amounts, and `rev` moved on."""
+    """The month's and the day's fields for these amounts (those that are not 0)."""
     values = dict(zip(FIELDS, (*amounts, requests), strict=True))
     fields = {**values, **{f"d{day.day:02d}:{name}": amount for name, amount in values.items()}}
-    return {name: amount for name, amount in fields.items() if amount} | {"rev": 1}
+    return {name: amount for name, amount in fields.items() if amount}
+
+
+def _caps(limits: Limits, day: date) -> dict[str, int]:
+    """Each limit as the counter `check_limits` reads for it (the day's under `dNN:`) and the
+    amount at which it is reached: a charge goes in only while every counter is under its cap."""
+    caps = {}
+    for kind in KINDS:
+        cap = limits.cap(kind)
+        if cap is not None:
+            prefix = f"d{day.day:02d}:" if kind.startswith("daily") else ""
+            usd = kind.endswith("_usd")
+            caps[prefix + ("cost_picousd" if usd else "tokens")] = (
+                math.ceil(cap * PICODOLLARS_PER_USD) if usd else int(cap)
+            )
+    return caps
 
 
 def _spend(counters: dict[str, int], prefix: str = "") -> Spend:
@@ -98,25 +112,15 @@ class SpendBook:
         counters = await store.counters(_spend_key(month_start(today), user))
         return _spend(counters, f"d{today.day:02d}:"), _spend(counters)
 
-    async def reserve(
-        self, store: Store, *, user: str, day: date, charge: Charge, check: Callable[[Spend, Spend], Verdict]
-    ) -> Verdict:
-        """Check the user's spend and, when the turn may start, charge its estimate, in one step
-        as far as any other worker can tell (retried while another write came in between)."""
+    async def reserve(self, store: Store, *, user: str, day: date, charge: Charge, limits: Limits) -> Verdict:
+        """Check the user's spend against `limits` and, when the turn may start, charge its
+        estimate: one atomic step of the store (`incr_below`), so turns started side by side in
+        any worker are checked one after another, each seeing the charges before it."""
         key = _spend_key(month_start(day), user)
         fields = _fields(day, charge.amounts(), 1)
         name = f"reserve:{uuid.uuid4().hex}"  # a try sent again (no answer) is applied once
-        for _ in range(RESERVE_TRIES):
-            counters = await store.counters(key)
-            verdict = check(_spend(counters, f"d{day.day:02d}:"), _spend(counters))
-            if not verdict.allowed:
-                return verdict
-            guard = ("rev", counters.get("rev", 0))
-            if await store.incr_if(key, fields, ttl=SPEND_TTL_SECONDS, guard=guard, once=name):
-                return verdict
-        spend_log.info("contextwarden: spend key busy; turn charged without a fresh check")
-        await store.incr(key, fields, ttl=SPEND_TTL_SECONDS, once=name)
-        return verdict
+        _, before = await store.incr_below(key, fields, ttl=SPEND_TTL_SECONDS, below=_caps(limits, day), once=name)
+        return check_limits(limits, _spend(before, f"d{day.day:02d}:"), _spend(before))
 
     async def settle(self, store: Store, *, user: str, day: date, charged: Charge, real: Charge) -> None:
         """Replace a turn's charge by what its reply really cost (added once, even when retried)."""

@@ -11,6 +11,7 @@ import asyncio
 import fnmatch
 import hashlib
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
@@ -83,12 +84,14 @@ class Store:
         """
         raise NotImplementedError
 
-    async def incr_if(
-        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
-    ) -> bool:
-        """`incr` only while the counter `guard[0]` still holds `guard[1]` (absent = 0): a
-        read-check-write that another worker's write in between turns into a retry. True when
-        it was applied (a repeat of a named one that was: True, adding nothing)."""
+    async def incr_below(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str
+    ) -> tuple[bool, dict[str, int]]:
+        """`incr` only while every counter named in `below` is under its value (absent = 0), in
+        one atomic step: whether it was applied, and the counters right before it, what every
+        increment before it added in the one order the store applied them (so increments side by
+        side in any worker are checked one after another). A repeat of a named increment that
+        was applied: True, and the counters less it."""
         raise NotImplementedError
 
     async def counters(self, key: str) -> dict[str, int]:
@@ -156,18 +159,17 @@ class MemoryStore(Store):
         if once is None or self._first(once):
             self._add(key, fields, ttl)
 
-    async def incr_if(
-        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
-    ) -> bool:
-        if once is not None and once in self._done:
-            return True
-        current = self._live(key)
-        if (current.get(guard[0], 0) if isinstance(current, dict) else 0) != guard[1]:
-            return False
-        if once is not None:
-            self._first(once)
+    async def incr_below(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str
+    ) -> tuple[bool, dict[str, int]]:
+        current = await self.counters(key)
+        if once in self._done:
+            return True, _less(current, fields)
+        if any(current.get(name, 0) >= cap for name, cap in below.items()):
+            return False, current
+        self._first(once)
         self._add(key, fields, ttl)
-        return True
+        return True, current
 
     def _first(self, once: str) -> bool:
         """Mark the named increment applied; False when it already was."""
@@ -327,12 +329,12 @@ class RedisStore(Store):
         if not done:
             self._pending.append((key, dict(fields), ttl, once, bucket))
 
-    async def incr_if(
-        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None = None
-    ) -> bool:
+    async def incr_below(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str
+    ) -> tuple[bool, dict[str, int]]:
         bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
-        ok, applied = await self._try_redis("incr_if", key, fields, ttl=ttl, guard=guard, once=once, bucket=bucket)
-        return applied if ok else await self.fallback.incr_if(key, fields, ttl=ttl, guard=guard, once=once)
+        ok, answer = await self._try_redis("incr_below", key, fields, ttl=ttl, below=below, once=once, bucket=bucket)
+        return answer if ok else await self.fallback.incr_below(key, fields, ttl=ttl, below=below, once=once)
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
@@ -361,24 +363,31 @@ class RedisStore(Store):
         self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None, bucket: str = ""
     ) -> None:
         keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
-        await self._eval_incr(keys, fields, ttl, once or "", ("", 0))
+        await self._eval_incr(keys, fields, ttl, once or "", {})
 
-    async def _redis_incr_if(
-        self, key: str, fields: Mapping[str, int], *, ttl: int, guard: tuple[str, int], once: str | None, bucket: str
-    ) -> bool:
-        keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
-        return await self._eval_incr(keys, fields, ttl, once or "", guard) != 0
+    async def _redis_incr_below(
+        self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str, bucket: str
+    ) -> tuple[bool, dict[str, int]]:
+        answer, before = await self._eval_incr(
+            [KEY_PREFIX + key, KEY_PREFIX + "once:" + bucket], fields, ttl, once, below
+        )
+        if answer == 3:  # a repeat: what the key holds now, less it
+            return True, _less(before, fields)
+        return answer != 0, before
 
     async def _eval_incr(
-        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, guard: tuple[str, int]
-    ) -> int:
+        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, below: Mapping[str, int]
+    ) -> tuple[int, dict[str, int]]:
+        """Run `_INCR_SCRIPT`: its answer, and the key's counters before the increment."""
         flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
-        answer = await self._redis.eval(
-            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, guard[0], guard[1], *flat
+        caps = [str(x) for name, cap in below.items() for x in (name, int(cap))]
+        answer, raw = await self._redis.eval(
+            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, len(below), *caps, *flat
         )
         if answer == 2:
             _warn_repaired(keys[0])
-        return int(answer)
+        counters = {_decoded(raw[i]): _decoded(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
+        return int(answer), {name: int(value) for name, value in counters.items() if _INTEGER.fullmatch(value)}
 
     async def _redis_counters(self, key: str) -> dict[str, int]:
         try:
@@ -408,32 +417,50 @@ class RedisStore(Store):
         await self._redis.aclose()
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def _less(counters: Mapping[str, int], fields: Mapping[str, int]) -> dict[str, int]:
+    """`counters` without the increment `fields` (what they held before it; 0s left out)."""
+    return {name: left for name, value in counters.items() if (left := value - fields.get(name, 0))}
+
+
+def _decoded(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def _warn_repaired(key: str) -> None:
     store_log.warning("contextwarden: %s was not a counter (damaged); its bad part removed", key)
 
 
 # One atomic, all-or-nothing step. ARGV: ttl, marker ttl, the increment's name ("" = none; its
-# marker is a field of the hash KEYS[2]), a guard field ("" = none) and the value it must hold,
-# then field / amount pairs. Nothing when the marker says this increment was applied (1) or the
-# guard field holds another value (0); else every field is checked first (staying within +-9e18,
-# below the 2^63 where HINCRBY fails) and only then are all added, the expiry refreshed and the
-# marker set. A refused increment writes nothing (Redis does not undo a half-run script). A
-# damaged key (not a hash) or field (not an integer) is replaced, answering 2 so it is logged.
+# marker is a field of the hash KEYS[2]), how many caps follow, the caps as field / value pairs
+# (each field must be under its value), then field / amount pairs. Answers {answer, the key's
+# fields and values before the increment}. Nothing when the marker says this increment was
+# applied (3, with the fields as they are) or a field is not under its cap (0); else every field
+# is checked first (staying within +-9e18, below the 2^63 where HINCRBY fails) and only then are
+# all added, the expiry refreshed and the marker set (1). A refused increment writes nothing
+# (Redis does not undo a half-run script). A damaged key (not a hash) or field (not an integer)
+# is replaced, answering 2 so it is logged.
 _INCR_SCRIPT = """
-if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return 1 end
+if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return {3, redis.call('HGETALL', KEYS[1])} end
 local answer = 1
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]); answer = 2 end
-if ARGV[4] ~= '' and tonumber(redis.call('HGET', KEYS[1], ARGV[4]) or '0') ~= tonumber(ARGV[5]) then return 0 end
+local before = redis.call('HGETALL', KEYS[1])
+local first = 5 + 2 * tonumber(ARGV[4])
+for i = 5, first - 1, 2 do
+  if (tonumber(redis.call('HGET', KEYS[1], ARGV[i])) or 0) >= tonumber(ARGV[i + 1]) then return {0, before} end
+end
 local bad = {}
-for i = 6, #ARGV, 2 do
+for i = first, #ARGV, 2 do
   local current = redis.call('HGET', KEYS[1], ARGV[i]) or '0'
   if not string.match(current, '^-?%d+$') then bad[i] = true; current = '0' end
   if not string.match(ARGV[i + 1], '^-?%d+$') or math.abs(tonumber(current) + tonumber(ARGV[i + 1])) > 9e18 then
     return redis.error_reply('ERR contextwarden: counter ' .. ARGV[i] .. ' would leave the integer range')
   end
 end
-for i = 6, #ARGV, 2 do
+for i = first, #ARGV, 2 do
   if bad[i] then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]); answer = 2
   else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
@@ -442,7 +469,7 @@ if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[2], ARGV[3], '1')
   redis.call('EXPIRE', KEYS[2], ARGV[2])
 end
-return answer
+return {answer, before}
 """
 
 
