@@ -41,6 +41,7 @@ from contextwarden.money.limits import (
 )
 from contextwarden.money.records import TurnNote
 from contextwarden.money.spendbook import SpendBook
+from contextwarden.state.store import MemoryStore
 
 from helpers import Events, make_filter, store_of
 from turns import free_port, reply_of, run_turn
@@ -405,6 +406,20 @@ async def test_a_crowd_of_turns_in_two_workers_never_passes_the_limit(counter, r
     each = day.usd / allowed  # every turn's estimate is the same (~$0.0103)
     assert allowed == math.ceil(D("0.3") / each) and day.requests == allowed
     assert D("0.3") <= day.usd < D("0.3") + each
+
+
+async def test_other_chats_never_push_a_users_spend_out_of_the_in_process_store(counter, unique):
+    """A user at the limit is still refused after other users' chats filled the in-process
+    store many times over (the spend key once shared one LRU with chat states: 20,000 chats
+    pushed it out, and the limit with it)."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = make_filter(counter, store=MemoryStore(max_keys=40), clock=Clock(now), daily_limit_usd=0.01)
+    user = f"u-{unique}"
+    await spent(f, user, "0.02", now.date())
+    for k in range(200):  # each chat writes its own state (admins: no limit, no spend key)
+        body, who = turn(f"other-{k}", role="admin", chat_id=f"c-{unique}-{k}")
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    assert isinstance(await started(f, *turn(user)), TurnRefused)
 
 
 async def test_turns_whose_outlet_never_comes_stay_charged(counter, store_valves, unique):

@@ -110,28 +110,34 @@ class Store:
 
 
 class MemoryStore(Store):
-    """An in-process store: the default, and the test double. Bounded to `max_keys` (LRU)."""
+    """An in-process store: the default, and the test double. Bytes and counters are each
+    bounded to `max_keys` (least recently used first), apart: chat states and caches, which
+    every new chat writes, never push out a user's spend or usage counters."""
 
     def __init__(self, *, max_keys: int = DEFAULT_MEMORY_KEYS) -> None:
         self.max_keys = max_keys
-        self._data: OrderedDict[str, tuple[float, bytes | dict[str, int]]] = OrderedDict()
+        self._data: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._counts: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
         self._done: OrderedDict[str, None] = OrderedDict()  # names of `once` increments applied
 
     def _live(self, key: str) -> bytes | dict[str, int] | None:
-        entry = self._data.get(key)
-        if entry is None:
-            return None
-        if entry[0] < time.monotonic():
-            del self._data[key]
-            return None
-        self._data.move_to_end(key)
-        return entry[1]
+        for kept in (self._data, self._counts):
+            entry = kept.get(key)
+            if entry is not None:
+                if entry[0] < time.monotonic():
+                    del kept[key]
+                    return None
+                kept.move_to_end(key)
+                return entry[1]
+        return None
 
     def _put(self, key: str, value: bytes | dict[str, int], ttl: int) -> None:
-        self._data[key] = (time.monotonic() + ttl, value)
-        self._data.move_to_end(key)
-        while len(self._data) > self.max_keys:
-            self._data.popitem(last=False)
+        kept: OrderedDict[str, Any] = self._counts if isinstance(value, dict) else self._data
+        (self._data if kept is self._counts else self._counts).pop(key, None)
+        kept[key] = (time.monotonic() + ttl, value)
+        kept.move_to_end(key)
+        while len(kept) > self.max_keys:
+            kept.popitem(last=False)
 
     async def get(self, key: str) -> bytes | None:
         value = self._live(key)
@@ -154,6 +160,7 @@ class MemoryStore(Store):
 
     async def delete(self, key: str) -> None:
         self._data.pop(key, None)
+        self._counts.pop(key, None)
 
     async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
         if once is None or self._first(once):
@@ -192,7 +199,8 @@ class MemoryStore(Store):
         return dict(value) if isinstance(value, dict) else {}
 
     async def keys(self, pattern: str) -> list[str]:
-        return sorted(k for k in list(self._data) if fnmatch.fnmatchcase(k, pattern) and self._live(k) is not None)
+        keys = [*self._data, *self._counts]
+        return sorted(k for k in keys if fnmatch.fnmatchcase(k, pattern) and self._live(k) is not None)
 
 
 class RedisStore(Store):
