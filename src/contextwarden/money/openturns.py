@@ -111,13 +111,17 @@ def streamed_chars(event: Any) -> int:
 
 
 def reply_allowance(body: Mapping[str, Any], default: int) -> int:
-    """The reply's tokens a turn is charged for at its start: the request's own `max_tokens`
-    (or `max_completion_tokens`) when it sets one, else `default` (the `reserve_output_tokens` valve)."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 < value:
-            return min(value, MAX_REPLY_ALLOWANCE)
-    return default
+    """The reply's tokens a turn is charged for at its start: the larger of the request's own
+    `max_tokens` and `max_completion_tokens` when it sets one (the body reaches the backend
+    whole, and a backend reads the one it knows), else `default` (the `reserve_output_tokens` valve).
+
+    Example:
+        >>> reply_allowance({"max_completion_tokens": 1, "max_tokens": 16_000}, 1_024)
+        16000
+    """
+    values = [body.get(name) for name in ("max_completion_tokens", "max_tokens")]
+    sizes = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and 0 < v]
+    return min(max(sizes), MAX_REPLY_ALLOWANCE) if sizes else default
 
 
 def rough_tokens(messages: Sequence[Message]) -> int:
