@@ -504,6 +504,32 @@ async def test_a_stream_settles_at_its_usage_chunk_and_a_stopped_one_when_it_goe
     assert (both.counters["requests"], both.counters["estimated"], both.counters["completion_tokens"]) == (2, 1, 103)
 
 
+async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(counter, unique, monkeypatch):
+    """A call that asks for tools reports its usage; the turn then still holds a call's worth
+    (the next call's prompt and the reply allowance), and a later call stopped mid-stream is
+    counted at the last prompt plus what it streamed (it was once dropped: settled at the
+    first call's $0.0027 while 10,000 tokens of the second streamed)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"daily_limit_usd": 10}, now)
+    book, user = SpendBook(), f"u-{unique}"
+    body, who = turn(user, max_tokens=4_000)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    estimate, _ = await book.spend(f.store, user, now.date())
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}
+    await f.stream(call, __metadata__=body["metadata"])
+    await f.stream(stream_chunk(usage={"prompt_tokens": 1_000, "completion_tokens": 20}), __metadata__=body["metadata"])
+    day, _ = await book.spend(f.store, user, now.date())
+    assert day.tokens == 1_020 + 1_000 + 4_000 and day.usd > estimate.usd  # the call to come held
+    for _ in range(100):  # the next call streams 40,000 characters, then the user stops it
+        await f.stream(stream_chunk("w" * 400), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
+    day, _ = await book.spend(f.store, user, now.date())
+    assert day == Spend(D("0.1052"), 12_020, 1, 0)  # 2,000 in at $2.50 and 10,020 out at $10 a million
+
+
 async def test_only_turns_started_here_teach(counter, unique):
     """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
     to their sender, but never move the cache statistics or the calibration others see."""

@@ -26,7 +26,7 @@ from ..errors import TurnRefused
 from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
 from ..money.ledger import record_reply
 from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
-from ..money.openturns import OpenTurn, OpenTurns, reply_allowance, rough_tokens, streamed_chars
+from ..money.openturns import OpenTurn, OpenTurns, asks_for_tools, reply_allowance, rough_tokens, streamed_chars
 from ..money.pricing import Resolution
 from ..money.records import TurnNote, UsageRecord
 from ..money.savings import Savings
@@ -266,11 +266,13 @@ class Bookkeeping:
         """One streamed chunk of a started turn: its text counted, its usage settled."""
         turn.last_seen = time.monotonic()
         turn.streamed += streamed_chars(event)
+        turn.calling = turn.calling or asks_for_tools(event)
         raw = event.get("usage") if isinstance(event, dict) else None
         usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
         if usage is not None:
             turn.stream_usage.append(usage)
-            await self._settle(turn, turn.used()[1])
+            turn.reported_at, turn.calls_on, turn.calling = turn.streamed, turn.calling, False
+            await self._settle(turn, turn.used(open_turn=True)[1])
 
     async def _settle(self, turn: OpenTurn, real: Charge) -> None:
         """Replace what a turn was charged by `real` (nothing for a turn that took no charge)."""

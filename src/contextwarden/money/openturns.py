@@ -31,6 +31,7 @@ __all__ = [
     "OpenTurn",
     "OpenTurns",
     "streamed_chars",
+    "asks_for_tools",
     "reply_allowance",
     "rough_tokens",
     "STREAM_IDLE_SECONDS",
@@ -64,6 +65,9 @@ class OpenTurn:
     last_seen: float = 0.0
     streamed: int = 0  # characters of text the stream carried
     stream_usage: list[Usage] = field(default_factory=list)  # one per provider call that reported
+    reported_at: int = 0  # `streamed` when the last call reported: what came after is a later call's
+    calling: bool = False  # the call streaming now asked for tools
+    calls_on: bool = False  # the last call that reported asked for tools: another call follows
     ended: bool = False
 
     @property
@@ -75,18 +79,25 @@ class OpenTurn:
         """The charge when the turn starts: its prompt as counted plus the reply's allowance."""
         return Charge.priced(Usage(self.prompt_tokens, self.reply_tokens), self.price)
 
-    def used(self) -> tuple[Usage, Charge]:
+    def used(self, *, open_turn: bool = False) -> tuple[Usage, Charge]:
         """What the turn used as far as this worker saw, and its charge: the provider calls'
-        usage when the stream reported it, else the prompt plus what streamed, else the estimate."""
-        if self.stream_usage:
-            usage = Usage(
-                sum(u.prompt_tokens or 0 for u in self.stream_usage),
-                sum(u.completion_tokens or 0 for u in self.stream_usage),
-            )
-            return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in self.stream_usage))
-        reply = -(-self.streamed // CHARS_PER_TOKEN) if self.streamed else self.reply_tokens
-        usage = Usage(self.prompt_tokens, reply)
-        return usage, Charge.priced(usage, self.price)
+        usage as the stream reported it, and a later call's (after a call that asked for tools,
+        or text streamed since the last report) at the last call's prompt plus what it streamed,
+        at least its reply allowance while the turn is open (`open_turn`); with no report, the
+        prompt plus what streamed, else the estimate."""
+        if not self.stream_usage:
+            reply = -(-self.streamed // CHARS_PER_TOKEN) if self.streamed else self.reply_tokens
+            usage = Usage(self.prompt_tokens, reply)
+            return usage, Charge.priced(usage, self.price)
+        calls = list(self.stream_usage)
+        since = self.streamed - self.reported_at
+        if since > 0 or self.calls_on:
+            reply = -(-since // CHARS_PER_TOKEN)
+            if open_turn and self.calls_on:
+                reply = max(reply, self.reply_tokens)
+            calls.append(Usage(calls[-1].prompt_tokens or self.prompt_tokens, reply))
+        usage = Usage(sum(u.prompt_tokens or 0 for u in calls), sum(u.completion_tokens or 0 for u in calls))
+        return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in calls))
 
 
 def streamed_chars(event: Any) -> int:
@@ -108,6 +119,19 @@ def streamed_chars(event: Any) -> int:
             if isinstance(function, Mapping) and isinstance(arguments := function.get("arguments"), str):
                 total += len(arguments)
     return total
+
+
+def asks_for_tools(event: Any) -> bool:
+    """True for a streamed chunk of a call that asks for tools (tool-call deltas, or that finish
+    reason): the turn goes on with another call once the tools have run."""
+    choices = event.get("choices") if isinstance(event, Mapping) else None
+    for choice in choices[:8] if isinstance(choices, list) else ():
+        if isinstance(choice, Mapping) and choice.get("finish_reason") == "tool_calls":
+            return True
+        delta = choice.get("delta") if isinstance(choice, Mapping) else None
+        if isinstance(delta, Mapping) and delta.get("tool_calls"):
+            return True
+    return False
 
 
 def reply_allowance(body: Mapping[str, Any], default: int) -> int:
