@@ -26,7 +26,7 @@ from contextwarden.face.usergroups import GroupReader
 from contextwarden.face.valves import read_settings
 from contextwarden.money.cache_stats import CacheStats, load_cache_stats
 from contextwarden.money.calibration import load_calibration
-from contextwarden.money.ledger import MonthTotals, read_ledger, record_reply
+from contextwarden.money.ledger import MonthTotals, read_ledger, read_month, record_reply
 from contextwarden.money.limits import (
     STORE_DOWN_TEXT,
     Limits,
@@ -528,6 +528,35 @@ async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(cou
     await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
     day, _ = await book.spend(f.store, user, now.date())
     assert day == Spend(D("0.1052"), 12_020, 1, 0)  # 2,000 in at $2.50 and 10,020 out at $10 a million
+
+
+async def test_a_late_outlet_replaces_the_ledger_entry_of_its_ended_turn(counter, unique, monkeypatch):
+    """A turn settled when its stream went quiet (a tool ran longer than two minutes) is in the
+    ledger as an estimated reply; its outlet, coming after all, puts the real reply in its place
+    (it was once added beside it: requests 2, estimated 1, both costs)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"daily_limit_usd": 10}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    await f.stream(stream_chunk("x" * 400), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))  # settles the quiet turn, and adds it to the ledger
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]
+    assert (entry.counters["requests"], entry.counters["estimated"]) == (1, 1)
+    reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 300})
+    await f.outlet(
+        {"model": "gpt-4o", "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"]
+    )
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]
+    counters = {k: entry.counters[k] for k in ("requests", "estimated", "prompt_tokens", "completion_tokens")}
+    assert counters == {"requests": 1, "estimated": 0, "prompt_tokens": 1_000, "completion_tokens": 300}
+    assert entry.usd("cost_picousd") == D("0.0055")  # $2.50 a million in, $10 out
+    [month] = [row for row in (await read_month(f.store, now.date())).users if row.key == user]
+    assert (month.counters["requests"], month.counters["cost_picousd"]) == (1, 5_500_000_000)
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
 
 
 async def test_only_turns_started_here_teach(counter, unique):

@@ -293,19 +293,32 @@ class Bookkeeping:
             used, charge = turn.used()
             await self._settle(turn, charge)
             books_log.info("contextwarden: a turn ended without an outlet; settled at what this worker saw")
-            try:
-                await record_reply(
-                    self._store,
-                    user=turn.user,
-                    model=turn.model,
-                    prompt_tokens=used.prompt_tokens,
-                    completion_tokens=used.completion_tokens,
-                    cost_usd=charge.cost_usd,
-                    estimated=not turn.stream_usage,
-                    day=turn.day,
-                )
-            except Exception as exc:
-                books_log.warning("contextwarden: ended turn not added to the usage ledger (%s)", type(exc).__name__)
+            turn.booked = (used, charge.cost_usd)
+            await self._ledger_ended(turn)
+
+    async def _ledger_ended(self, turn: OpenTurn, *, taken_back: bool = False) -> None:
+        """An ended turn's figures (`booked`) into the usage ledger as an estimated reply, or out
+        of it again (`taken_back`: its outlet came late and adds the real reply)."""
+        if turn.booked is None:
+            return
+        used, cost = turn.booked
+        try:
+            await record_reply(
+                self._store,
+                user=turn.user,
+                model=turn.model,
+                prompt_tokens=used.prompt_tokens,
+                completion_tokens=used.completion_tokens,
+                cost_usd=cost,
+                estimated=not turn.stream_usage,
+                day=turn.day,
+                taken_back=taken_back,
+            )
+        except Exception as exc:
+            books_log.warning("contextwarden: ended turn not in the usage ledger (%s)", type(exc).__name__)
+            turn.booked = None
+        else:
+            turn.booked = None if taken_back else turn.booked
 
     async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
         """The limits of one user (none without an id, or when no limit is set anywhere)."""
@@ -411,6 +424,8 @@ class Bookkeeping:
             books_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
             charge = Charge.of(billed, cost.cost_usd)
+            if started is not None:
+                await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
             if started is not None and started.charged is not None:
                 await self._settle(started, charge)
             else:

@@ -212,6 +212,7 @@ async def record_reply(
     tokens_saved: int = 0,
     cost_saved_usd: Decimal | None = None,
     shadow: bool = False,
+    taken_back: bool = False,
 ) -> str:
     """Add one reply to its (day, user, model) totals in a single atomic increment.
 
@@ -230,6 +231,8 @@ async def record_reply(
         tokens_saved: tokens trimming removed from this reply's prompt (estimate; 0 = none).
         cost_saved_usd: what those tokens would have cost at the input price (None = unknown).
         shadow: the savings are what shadow mode would have saved (`shadow_*` counters).
+        taken_back: take out a reply added before with these figures (each subtracted): a turn
+            added when it ended without an outlet, whose outlet then came after all.
 
     Returns the key written (without the store prefix).
 
@@ -253,6 +256,8 @@ async def record_reply(
     if tokens_saved > 0:
         fields.update(_savings_fields(tokens_saved, cost_saved_usd, shadow))
     _check_fields(fields)
+    if taken_back:
+        fields = {name: -amount for name, amount in fields.items()}
     ttl = max(1, retention_days) * 86_400
     await store.incr(key, fields, ttl=ttl, once=f"ledger:{uuid.uuid4().hex}")
     await store.incr(

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date
+from decimal import Decimal
 from functools import reduce
 from typing import Any
 
@@ -69,6 +70,7 @@ class OpenTurn:
     calling: bool = False  # the call streaming now asked for tools
     calls_on: bool = False  # the last call that reported asked for tools: another call follows
     ended: bool = False
+    booked: tuple[Usage, Decimal | None] | None = None  # added to the ledger when it ended (no outlet)
 
     @property
     def quiet_since(self) -> float:
