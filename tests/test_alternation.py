@@ -63,6 +63,16 @@ def test_fits_between_looks_at_both_neighbours():
     assert fits_between(view, [], 2, 3)
 
 
+def test_fits_between_looks_past_a_system_message_sent():
+    """A system message in the chat's middle sent right before the turn hides nothing: user 0
+    and user 3 would still meet (a review's random chats sent user, system, user so)."""
+    roles = ("user", "system", "assistant", "user", "assistant")
+    view = ChatView([{"role": role, "content": f"m{k}"} for k, role in enumerate(roles)])
+    assert not fits_between(view, [0, 1], 3, 4)
+    assert fits_between(view, [0, 1, 2], 3, 4)
+    assert fits_between(view, [1, 2], 3, 4)  # assistant 2 before user 3, the system message aside
+
+
 def test_a_pick_brings_the_cheapest_reply_between_it_and_the_next_question():
     view = ChatView(_dialogue(9))  # the question at 8
     units = [range(i, i + 1) for i in range(8)]

@@ -90,11 +90,25 @@ def alternates(view: ChatView, keep: Collection[int], hard: Collection[int] = ()
 
 def fits_between(view: ChatView, sent: Sequence[int], first: int, last: int) -> bool:
     """Messages `first`..`last` sent among `sent` (ascending, none of them in it) clash with
-    neither the message sent before them nor the one after (`clash`)."""
+    neither the message sent before them nor the one after (`clash`; system messages between
+    aside, as `alternates` reads them)."""
     at = bisect.bisect_left(sent, first)
-    if at and clash(view, sent[at - 1], first):
+    before = _sent_neighbour(view, sent, at - 1, -1)
+    if before is not None and clash(view, before, first):
         return False
-    return at == len(sent) or not clash(view, last, sent[at])
+    after = _sent_neighbour(view, sent, at, 1)
+    return after is None or not clash(view, last, after)
+
+
+def _sent_neighbour(view: ChatView, sent: Sequence[int], at: int, step: int) -> int | None:
+    """The first of `sent[at]`, `sent[at + step]`, ... that is not a system message (None past
+    either end, or past `MAX_BRIDGE_SCAN` system messages)."""
+    for k in range(at, at + step * (MAX_BRIDGE_SCAN + 1), step):
+        if not 0 <= k < len(sent):
+            return None
+        if view.role(sent[k]) not in ("system", "developer"):
+            return sent[k]
+    return None
 
 
 def fits_bridged(
