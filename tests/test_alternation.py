@@ -73,6 +73,35 @@ def test_fits_between_looks_past_a_system_message_sent():
     assert fits_between(view, [1, 2], 3, 4)  # assistant 2 before user 3, the system message aside
 
 
+def test_an_unpinned_message_no_longer_goes_alone_in_a_carried_selection(counter):
+    """Pinned, a question may go without its reply next to another question; once unpinned, the
+    selection that kept it so is made anew (it was carried, user beside user)."""
+    long = " ".join(["filler"] * 400)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "u1 " + " ".join(["alpha"] * 30)},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": "u2 " + " ".join(["beta"] * 30)},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": "u3 " + " ".join(["gamma"] * 30)},
+        {"role": "assistant", "content": "a3 " + " ".join(["delta"] * 30)},
+    ]
+    for k in range(6):
+        chat += [
+            {"role": "user", "content": f"q{k} " + " ".join(["filler"] * 150)},
+            {"role": "assistant", "content": "ok " * 150},
+        ]
+    chat.append({"role": "user", "content": "What now?"})
+    options = {"max_tokens": 1_000, "model": MODEL, "token_counter": counter}
+    first = trim_messages(chat, pinned=[1, 3, 6], **options)
+    assert {3, 5} <= set(first.kept) and 4 not in first.kept  # pinned 3 goes alone before 5
+    chat += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And then?"}]
+    previous = TrimDecision.from_json(first.decision.to_json())
+    result = trim_messages(chat, pinned=[1, 6], previous=previous, **options)
+    assert not result.reused and 3 not in result.kept
+    check_contract(chat, result, counter, MODEL, pinned=[1, 6])
+
+
 def test_a_pick_brings_the_cheapest_reply_between_it_and_the_next_question():
     view = ChatView(_dialogue(9))  # the question at 8
     units = [range(i, i + 1) for i in range(8)]

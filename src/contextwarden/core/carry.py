@@ -84,6 +84,7 @@ def _reused(
         max_tokens - TOKENS_PER_REPLY,
         keep_last_turns=options.keep_last_turns,
         pinned=pinned,
+        alone=set(pinned).intersection(options.pinned),  # an unpinned message goes alone no more
     )
     if excerpts is None or (keep is not None and not keep.issuperset(excerpts)):
         return None, [], {}  # an excerpt the next prompt cannot send again as it was: select anew

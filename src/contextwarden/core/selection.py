@@ -607,6 +607,7 @@ def reuse_previous(
     *,
     keep_last_turns: int = DEFAULT_KEEP_LAST_TURNS,
     pinned: Collection[int] = (),
+    alone: Collection[int] | None = None,
 ) -> set[int] | None:
     """The previous selection plus everything after it, if that is still valid and fits.
 
@@ -614,8 +615,9 @@ def reuse_previous(
     then what is sent is: system messages, those messages, every message after the last of
     them, the hard part, pinned units and the last `keep_last_turns` turns — whole units only, no orphans. None
     when a kept message is gone, the history would start wrongly, two user or two assistant
-    messages would meet that the chat did not put together (an edited chat: `alternates`), or
-    it does not fit `budget`.
+    messages would meet that the chat did not put together (an edited chat: `alternates`; a
+    pin may, and `alone` says which: the messages the user pinned, not their units and
+    questions; default `pinned`), or it does not fit `budget`.
 
     Example:
         >>> chat = [{"role": ("user", "assistant")[k % 2], "content": c} for k, c in enumerate("abcdefg")]
@@ -631,7 +633,7 @@ def reuse_previous(
     keep = _grown(view, matched, keep_last_turns, pinned)
     if not _history_start_ok(view, keep) or sum(costs[i] for i in keep) > budget:
         return None
-    return keep if alternates(view, keep, mandatory_indices(view), pinned) else None
+    return keep if alternates(view, keep, mandatory_indices(view), pinned if alone is None else alone) else None
 
 
 def _grown(view: ChatView, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
