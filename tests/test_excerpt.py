@@ -327,6 +327,28 @@ def test_a_document_turn_between_single_messages_comes_with_the_one_that_bridges
     assert added == {3, 4} and list(excerpts) == [3]  # nothing to bridge
 
 
+def test_a_turn_whose_question_went_as_a_bridge_is_not_placed_again(counter):
+    """Two document turns in a row, the first placed with the question after it as its bridge:
+    the second, whose question that is, is not placed over it (it once was, its reply then
+    sent beside another reply: two assistant messages in a row, found by a review's random chats)."""
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Here is a first report:\n\n" + document(1_500, counter, seed=3)},
+        {"role": "assistant", "content": "Noted: spare turbine blades, aisle. " + document(300, counter, seed=4)},
+        {"role": "user", "content": "And a second report?"},
+        {"role": "assistant", "content": "Here it is:\n\n" + document(1_500, counter, seed=5)},
+        {"role": "user", "content": "A long aside:\n\n" + document(400, counter, seed=6).replace(FACT, "")},
+        {"role": "assistant", "content": "Aisle 42."},
+        {"role": "user", "content": QUESTION},
+    ]
+    view, costs = ChatView(chat), counter.count_each(chat, MODEL)
+    added, _ = excerpt_turns(view, {0, 6, 7}, costs, 3_000, counter, MODEL)
+    assert added == {1, 2, 3}  # the first report's turn (it holds the answer), the question that bridges
+    sent = sorted({0, 6, 7} | added)
+    roles = [chat[i]["role"] for i in sent]
+    assert all(a != b for a, b in zip(roles[1:], roles[2:], strict=False))  # after the system prompt
+
+
 def test_a_detail_question_keeps_the_excerpt_for_its_passage(counter):
     """The spread is for whole-document questions only: a detail question still gets its passage."""
     assert not wants_whole(QUESTION) and wants_whole("Compare the two reports.")
