@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from contextwarden import trim_messages
+from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.trim import SHORTENED_MARK
 
 from chatgen import random_chat
@@ -178,3 +178,25 @@ def test_a_request_body_or_json_text_is_named_for_what_it_is(given, says):
     with pytest.raises(TypeError) as info:
         trim_messages(given, max_tokens=100)
     assert str(info.value) == says
+
+
+def test_the_same_turn_trimmed_again_with_its_decision_sends_what_it_sent(counter):
+    """A retry (a regenerate, a later pass) of a chat's first trimmed turn, with the decision
+    that turn made, sends the same prompt: the latest exchange `keep_last_turns` asks for, which
+    did not fit the first time, is not taken in again (it was: over the budget, the selection
+    was made anew with a recall block, another prompt and a cache miss; a review's random
+    chats, 5 in 800)."""
+    words = "river market harbour lantern copper meadow violin orchard granite festival".split()
+    rng = random.Random(11)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}  # ~765 tokens
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What do you see?"}, image]},
+        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(100))},
+        {"role": "user", "content": "Which river did we talk about? " + " ".join(rng.choice(words) for _ in range(60))},
+    ]
+    options = {"max_tokens": 800, "model": MODEL, "token_counter": counter, "low_watermark": 0.5, "keep_last_turns": 2}
+    first = trim_messages(chat, **options)
+    assert first.kept == (0, 3)
+    again = trim_messages(chat, previous=TrimDecision.from_json(first.decision.to_json()), **options)
+    assert frozen(again.messages) == frozen(first.messages)

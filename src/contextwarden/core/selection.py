@@ -638,11 +638,13 @@ def reuse_previous(
 
 def _grown(view: ChatView, matched: list[int], keep_last_turns: int, pinned: Collection[int]) -> set[int]:
     """`matched` plus everything after the last of it, the hard part, pinned units and the
-    last `keep_last_turns` turns, as whole units without orphans."""
+    last `keep_last_turns` turns (but when `matched` ends at the question: this turn trimmed
+    again, a retry or a later pass, whose selection let them go), as whole units without orphans."""
     after = matched[-1] + 1 if matched else 0
     plan = _plan(view)
     keep = set(plan.hard) | set(matched) | set(range(after, len(view.messages)))
-    for u in _preferred(plan, view, keep_last_turns, pinned):
+    again = bool(matched) and matched[-1] == view.question
+    for u in _pinned_units(plan, pinned) if again else _preferred(plan, view, keep_last_turns, pinned):
         keep.update(plan.units[u])
     keep.difference_update(view.orphan_indices)
     for turn in view.turns:
