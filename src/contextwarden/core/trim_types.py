@@ -54,8 +54,10 @@ class TrimResult:
     messages, whole or by passages, and excerpted ones by passages their excerpt left out;
     `recalled_passages` the chunk numbers quoted of those quoted by passages;
     `stable_prefix` how many leading messages of `messages` the next turn will send again
-    unchanged while its selection holds: all of them, or those before this turn's recall block
-    or the first shortened copy.
+    unchanged while its selection holds and its own recall block fits beside this one's: all
+    of them, or those before this turn's recall block or the first shortened copy. (A next
+    turn whose block needs their room lets earlier questions' blocks go, the newest first: its
+    prompt then repeats this one up to the first that goes.)
 
     `excerpted` holds the shortened indices that are earlier messages too large for what was
     left, sent as excerpts for the latest question (see `excerpt.py`); the next turn sends
