@@ -51,7 +51,7 @@ def test_clash_is_two_alike_that_the_chat_had_apart():
     assert not clash(view, 1, 2)  # next to each other in the chat: left as they are
     assert clash(view, 2, 6)  # the assistant messages after 2 and before 6 were let go
     assert not clash(view, 1, 6)  # 1 had no reply in the chat: the chat put two user messages together
-    assert clash(view, 3, 5)  # two assistant messages with a tool result between them
+    assert not clash(view, 3, 5)  # between them only a result without its call (never sent): the chat's own
     assert not clash(view, 0, 1) and not clash(view, 2, 3)
 
 
@@ -61,6 +61,23 @@ def test_fits_between_looks_at_both_neighbours():
     assert not fits_between(view, [0, 7], 2, 3)  # user 2 after user 0
     assert not fits_between(view, [1, 5], 2, 3)  # assistant 3 before assistant 5
     assert fits_between(view, [], 2, 3)
+
+
+def test_a_tool_call_never_answered_is_no_neighbour():
+    """An assistant message whose tool call was never answered is never sent: the reply after it
+    followed a question as far as what is sent goes, and two replies sent together clash (a
+    review's random chats sent 48 and 51, the orphan call 50 between them in the chat)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "q3"},
+    ]
+    view = ChatView(chat)
+    assert view.orphan_set == {3} and clash(view, 1, 4)
 
 
 def test_fits_between_looks_past_a_system_message_sent():

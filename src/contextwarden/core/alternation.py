@@ -43,7 +43,7 @@ BRIDGE_COST_EXPONENT = 0.5
 def clash(view: ChatView, before: int, after: int) -> bool:
     """Messages `before` < `after`, sent one right after the other, are both user or both
     assistant messages while in the chat each was next to one of another role (after `before`,
-    before `after`; system messages aside): two alike that the chat itself put together (a
+    before `after`; system messages and orphans aside): two alike that the chat itself put together (a
     question that had no reply, two in a row) stay as they were.
 
     Example:
@@ -60,11 +60,12 @@ def clash(view: ChatView, before: int, after: int) -> bool:
 
 def _neighbour_role(view: ChatView, index: int, step: int) -> object:
     """The role of the nearest message before or after `index` (`step` -1 or 1) that is not a
-    system message (None past either end, or past `MAX_BRIDGE_SCAN` system messages)."""
+    system message or an orphan (a tool call never answered, a result without its call: never
+    sent, so no neighbour of what is); None past either end, or past `MAX_BRIDGE_SCAN` of them."""
     for k in range(index + step, index + step * (MAX_BRIDGE_SCAN + 1), step):
         if not 0 <= k < len(view):
             return None
-        if view.role(k) not in ("system", "developer"):
+        if view.role(k) not in ("system", "developer") and k not in view.orphan_set:
             return view.role(k)
     return None
 

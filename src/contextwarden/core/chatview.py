@@ -32,7 +32,17 @@ class ChatView:
         ('hi', ['system', 'user'], (0,), 1)
     """
 
-    __slots__ = ("messages", "_conversation", "_texts", "_some", "_roles", "_system", "_fingerprints", "_relevance")
+    __slots__ = (
+        "messages",
+        "_conversation",
+        "_texts",
+        "_some",
+        "_roles",
+        "_system",
+        "_orphans",
+        "_fingerprints",
+        "_relevance",
+    )
 
     def __init__(self, messages: Sequence[Message], conversation: Conversation | None = None) -> None:
         self.messages = messages
@@ -41,6 +51,7 @@ class ChatView:
         self._some: dict[int, str] = {}  # texts read one by one before all were
         self._roles: list[object] | None = None
         self._system: tuple[int, ...] | None = None
+        self._orphans: frozenset[int] | None = None
         self._fingerprints: Fingerprints | None = None
         self._relevance: dict[RelevanceWeights, list[float]] = {}
 
@@ -152,6 +163,13 @@ class ChatView:
     def orphan_indices(self) -> list[int]:
         """Indices of tool messages and calls that are never sent (a new list each time)."""
         return self.conversation.orphan_indices
+
+    @property
+    def orphan_set(self) -> frozenset[int]:
+        """`orphan_indices` as a set, made once (what `alternation` looks past)."""
+        if self._orphans is None:
+            self._orphans = frozenset(self.conversation.orphan_indices)
+        return self._orphans
 
     @property
     def question(self) -> int | None:
