@@ -34,6 +34,20 @@ def big_chat(turns: int = 60) -> list[dict]:
     return chat
 
 
+def test_what_holds_the_loop_besides_text_goes_to_the_thread():
+    """A chat light in text but heavy to read leaves the loop too (a review held it 96-1,068 ms
+    with each): big tool-call arguments, thousands of empty text parts or of image parts with an
+    empty text, thousands of one-letter messages. A few short messages stay."""
+    heavy = offloop_module.heavy
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "x" * 1_000_000}}
+    image = {"type": "image_url", "text": "", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert heavy([{"role": "assistant", "content": "ok", "tool_calls": [call]}])
+    assert heavy([{"role": "user", "content": [{"type": "text", "text": ""}] * 3_000}])
+    assert heavy([{"role": "user", "content": [image] * 30}])
+    assert heavy([{"role": "user", "content": "a"}] * 3_000)
+    assert not heavy([{"role": "user", "content": "a"}] * 200) and not heavy(chat_of(3))
+
+
 def body(chat: list[dict], chat_id: str = "c1") -> dict:
     return {"model": MODEL, "messages": chat, "stream": False, "metadata": {"chat_id": chat_id, "user_id": "u1"}}
 
