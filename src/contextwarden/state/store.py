@@ -11,10 +11,9 @@ import asyncio
 import fnmatch
 import hashlib
 import logging
-import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -371,7 +370,7 @@ class RedisStore(Store):
         self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None, bucket: str = ""
     ) -> None:
         keys = [KEY_PREFIX + key] + ([KEY_PREFIX + "once:" + bucket] if once is not None else [])
-        await self._eval_incr(keys, fields, ttl, once or "", {})
+        await self._eval_incr(keys, fields, ttl, once or "", None)
 
     async def _redis_incr_below(
         self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str, bucket: str
@@ -384,18 +383,19 @@ class RedisStore(Store):
         return answer != 0, before
 
     async def _eval_incr(
-        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, below: Mapping[str, int]
+        self, keys: list[str], fields: Mapping[str, int], ttl: int, once: str, below: Mapping[str, int] | None
     ) -> tuple[int, dict[str, int]]:
-        """Run `_INCR_SCRIPT`: its answer, and the key's counters before the increment."""
+        """Run `_INCR_SCRIPT`: its answer, and with caps (`below`, even none) the key's counters
+        before the increment; a plain increment (None) reads nothing back."""
         flat = [str(x) for name, amount in fields.items() for x in (name, int(amount))]
-        caps = [str(x) for name, cap in below.items() for x in (name, int(cap))]
+        caps = [str(x) for name, cap in (below or {}).items() for x in (name, int(cap))]
+        capped = "" if below is None else len(below)
         answer, raw = await self._redis.eval(
-            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, len(below), *caps, *flat
+            _INCR_SCRIPT, len(keys), *keys, ttl, min(ttl, ONCE_MARKER_SECONDS), once, capped, *caps, *flat
         )
         if answer == 2:
             _warn_repaired(keys[0])
-        counters = {_decoded(raw[i]): _decoded(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
-        return int(answer), {name: int(value) for name, value in counters.items() if _INTEGER.fullmatch(value)}
+        return int(answer), _integers(zip(raw[::2], raw[1::2], strict=True))[0]
 
     async def _redis_counters(self, key: str) -> dict[str, int]:
         try:
@@ -404,12 +404,7 @@ class RedisStore(Store):
             await self._redis.delete(KEY_PREFIX + key)
             _warn_repaired(KEY_PREFIX + key)
             return {}
-        counters, damaged = {}, []
-        for name, value in raw.items():
-            try:
-                counters[name.decode() if isinstance(name, bytes) else name] = int(value)
-            except ValueError:
-                damaged.append(name)
+        counters, damaged = _integers(raw.items())
         if damaged:
             await self._redis.hdel(KEY_PREFIX + key, *damaged)
             _warn_repaired(KEY_PREFIX + key)
@@ -425,7 +420,17 @@ class RedisStore(Store):
         await self._redis.aclose()
 
 
-_INTEGER = re.compile(r"-?[0-9]+")
+def _integers(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> tuple[dict[str, int], list[bytes | str]]:
+    """A counter key's fields as Redis answers them (name, value): the integer ones by name, and
+    the names of those that are not integers (damaged)."""
+    counters: dict[str, int] = {}
+    damaged = []
+    for name, value in pairs:
+        try:
+            counters[name.decode() if isinstance(name, bytes) else name] = int(value)
+        except ValueError:
+            damaged.append(name)
+    return counters, damaged
 
 
 def _less(counters: Mapping[str, int], fields: Mapping[str, int]) -> dict[str, int]:
@@ -433,30 +438,29 @@ def _less(counters: Mapping[str, int], fields: Mapping[str, int]) -> dict[str, i
     return {name: left for name, value in counters.items() if (left := value - fields.get(name, 0))}
 
 
-def _decoded(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 def _warn_repaired(key: str) -> None:
     store_log.warning("contextwarden: %s was not a counter (damaged); its bad part removed", key)
 
 
 # One atomic, all-or-nothing step. ARGV: ttl, marker ttl, the increment's name ("" = none; its
-# marker is a field of the hash KEYS[2]), how many caps follow, the caps as field / value pairs
-# (each field must be under its value), then field / amount pairs. Answers {answer, the key's
-# fields and values before the increment}. Nothing when the marker says this increment was
-# applied (3, with the fields as they are) or a field is not under its cap (0); else every field
+# marker is a field of the hash KEYS[2]), how many caps follow ("" = a plain increment, which
+# reads nothing back), the caps as field / value pairs (each field must be under its value), then
+# field / amount pairs. Answers {answer, the key's fields and values before the increment (none
+# for a plain one)}. Nothing when the marker says this increment was applied (3, with the
+# fields as they are) or a field is not under its cap (0); else every field
 # is checked first (staying within +-9e18, below the 2^63 where HINCRBY fails) and only then are
 # all added, the expiry refreshed and the marker set (1). A refused increment writes nothing
 # (Redis does not undo a half-run script). A damaged key (not a hash) or field (not an integer)
 # is replaced, answering 2 so it is logged.
 _INCR_SCRIPT = """
-if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return {3, redis.call('HGETALL', KEYS[1])} end
+local plain = ARGV[4] == ''
+local function read() if plain then return {} end return redis.call('HGETALL', KEYS[1]) end
+if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then return {3, read()} end
 local answer = 1
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]); answer = 2 end
-local before = redis.call('HGETALL', KEYS[1])
-local first = 5 + 2 * tonumber(ARGV[4])
+local before = read()
+local first = 5 + 2 * (tonumber(ARGV[4]) or 0)
 for i = 5, first - 1, 2 do
   if (tonumber(redis.call('HGET', KEYS[1], ARGV[i])) or 0) >= tonumber(ARGV[i + 1]) then return {0, before} end
 end
