@@ -59,14 +59,23 @@ def clash(view: ChatView, before: int, after: int) -> bool:
 
 
 def _neighbour_role(view: ChatView, index: int, step: int) -> object:
-    """The role of the nearest message before or after `index` (`step` -1 or 1) that is not a
-    system message or an orphan (a tool call never answered, a result without its call: never
-    sent, so no neighbour of what is); None past either end, or past `MAX_BRIDGE_SCAN` of them."""
-    for k in range(index + step, index + step * (MAX_BRIDGE_SCAN + 1), step):
-        if not 0 <= k < len(view):
+    """The role of the chat's nearest dialogue message before or after `index` (`step` -1 or
+    1; `_neighbour`), None when there is none."""
+    k = _neighbour(view, range(len(view)), index + step, step)
+    return None if k is None else view.role(k)
+
+
+def _neighbour(view: ChatView, indices: Sequence[int], at: int, step: int) -> int | None:
+    """The first of `indices[at]`, `indices[at + step]`, ... (message indices: the chat's, or
+    those sent) that is a dialogue message: not a system message nor an orphan (a tool call never
+    answered, a result without its call: never sent, so no neighbour of what is); None past
+    either end, or past `MAX_BRIDGE_SCAN` of them."""
+    for k in range(at, at + step * (MAX_BRIDGE_SCAN + 1), step):
+        if not 0 <= k < len(indices):
             return None
-        if view.role(k) not in ("system", "developer") and k not in view.orphan_set:
-            return view.role(k)
+        i = indices[k]
+        if view.role(i) not in ("system", "developer") and i not in view.orphan_set:
+            return i
     return None
 
 
@@ -94,22 +103,11 @@ def fits_between(view: ChatView, sent: Sequence[int], first: int, last: int) -> 
     neither the message sent before them nor the one after (`clash`; system messages between
     aside, as `alternates` reads them)."""
     at = bisect.bisect_left(sent, first)
-    before = _sent_neighbour(view, sent, at - 1, -1)
+    before = _neighbour(view, sent, at - 1, -1)
     if before is not None and clash(view, before, first):
         return False
-    after = _sent_neighbour(view, sent, at, 1)
+    after = _neighbour(view, sent, at, 1)
     return after is None or not clash(view, last, after)
-
-
-def _sent_neighbour(view: ChatView, sent: Sequence[int], at: int, step: int) -> int | None:
-    """The first of `sent[at]`, `sent[at + step]`, ... that is not a system message (None past
-    either end, or past `MAX_BRIDGE_SCAN` system messages)."""
-    for k in range(at, at + step * (MAX_BRIDGE_SCAN + 1), step):
-        if not 0 <= k < len(sent):
-            return None
-        if view.role(sent[k]) not in ("system", "developer"):
-            return sent[k]
-    return None
 
 
 def fits_bridged(
