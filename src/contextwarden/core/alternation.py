@@ -116,15 +116,19 @@ def fits_bridged(
     """A turn's messages `indices` as sent among `sent` (ascending): as they are where they fit
     between (`fits_between`), else with the message right before or after them, or both, that
     makes roles alternate (a user message or a reply calling no tool, costing under `max_cost`:
-    the reply before, the question after); None when none does. A selection by single messages
-    may keep the reply after a pasted document's turn without the question it answers: the
-    turn then fits only with that question (bench/docchat.py: a summary of the second of two
-    documents sent neither). Unlike `_bridge`, only the adjacent message: what lies between a
-    turn's own messages (an orphan tool result) is not sent."""
+    the reply before, the question after); None when none does, or when one of them is sent
+    already (an earlier turn's bridge: placed again, the turn would clash with what is around
+    it). A selection by single messages may keep the reply after a pasted document's turn
+    without the question it answers: the turn then fits only with that question
+    (bench/docchat.py: a summary of the second of two documents sent neither). Unlike
+    `_bridge`, only the adjacent message: what lies between a turn's own messages (an orphan
+    tool result) is not sent."""
     first, last = indices[0], indices[-1]
+    taken = set(sent)
+    if not taken.isdisjoint(indices):
+        return None
     if fits_between(view, sent, first, last):
         return list(indices)
-    taken = set(sent)
 
     def bridge(i: int) -> bool:  # a unit of its own
         if not 0 <= i < len(view) or i in taken or view.role(i) not in _DIALOGUE:

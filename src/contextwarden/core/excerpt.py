@@ -625,8 +625,6 @@ def excerpt_turns(
     for n, (indices, large) in enumerate(ranked):
         if (not whole and sum(scores[i] for i in indices) <= 0) or room < MIN_EXCERPT_ROOM:
             break
-        if not _disjoint(added, indices):  # its question went as an earlier turn's bridge
-            continue
         placed = fits_bridged(view, sent, indices, costs, MIN_EXCERPT_TOKENS)
         if placed is None:
             continue
