@@ -318,7 +318,8 @@ class Bookkeeping:
             books_log.warning("contextwarden: ended turn not in the usage ledger (%s)", type(exc).__name__)
             turn.booked = None
         else:
-            turn.booked = None if taken_back else turn.booked
+            if taken_back:
+                turn.booked = None
 
     async def _user_limits(self, settings: Settings, user_id: str, role: str) -> Limits:
         """The limits of one user (none without an id, or when no limit is set anywhere)."""

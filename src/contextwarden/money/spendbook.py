@@ -2,15 +2,14 @@
 
 `spend:<YYYY-MM>:<user>` holds the month's `cost_picousd`, `tokens`, `unpriced` and `requests`,
 the same under `dNN:` for its day. A limit check is one read of it. A turn is charged when it
-starts (`reserve`: its estimate added, then checked against what the key held right before it,
-in the one order the store applied the charges of every worker in, and taken back when over)
-and settled when its reply ends (`settle`: what it really cost replaces the estimate). A reply
+starts (`reserve`: its estimate added only while every limit's counter is under its cap, in one
+atomic step of the store, so the charges of every worker are checked one after another) and
+settled when its reply ends (`settle`: what it really cost replaces the estimate). A reply
 of a turn that took no charge is added whole (`record`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import uuid
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from .pricing import ModelPrice
 from .usage import MAX_REPLY_COST_USD, Usage, compute_cost
 
 __all__ = ["SpendBook", "Charge", "SPEND_TTL_SECONDS"]
-
-spend_log = logging.getLogger("contextwarden")
 
 SPEND_TTL_SECONDS = 40 * 86_400  # a month's key outlives the month
 MAX_REPLY_TOKENS = 10**10
