@@ -422,6 +422,21 @@ async def test_other_chats_never_push_a_users_spend_out_of_the_in_process_store(
     assert isinstance(await started(f, *turn(user)), TurnRefused)
 
 
+async def test_ledger_rows_never_push_a_users_spend_out_of_the_in_process_store(counter, unique):
+    """A user at the limit is still refused after replies of 200 models were logged (a ledger
+    row each, per user, model and day: they once shared the spend key's LRU, and a user's
+    direct connection can name any model)."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = make_filter(counter, store=MemoryStore(max_keys=40), clock=Clock(now), daily_limit_usd=0.01)
+    user = f"u-{unique}"
+    await spent(f, user, "0.02", now.date())
+    for k in range(200):
+        body, who = turn(f"other-{unique}", role="admin", chat_id=f"c-{unique}-{k}")
+        reply = reply_of(usage={"prompt_tokens": 10, "completion_tokens": 2})
+        await f.outlet({**body, "model": f"model-{k}", "messages": [*body["messages"], reply]}, __user__=who)
+    assert isinstance(await started(f, *turn(user)), TurnRefused)
+
+
 async def test_turns_whose_outlet_never_comes_stay_charged(counter, store_valves, unique):
     """20 turns of ~40k tokens whose replies never reach outlet, against $0.01: one gets through."""
     now = datetime(2026, 12, 1, 12, tzinfo=UTC)

@@ -49,6 +49,19 @@ async def test_memory_store_expires_and_is_bounded():
     assert len(await store.keys("*")) == 10 and await store.get("k49") == b"x" and await store.get("k0") is None
 
 
+async def test_memory_store_bounds_each_kind_of_key_apart():
+    """Keys of one namespace (ledger rows: one per user, model and day) never push out another's
+    (a user's spend counters): each namespace has its own LRU of `max_keys`."""
+    store = MemoryStore(max_keys=10)
+    await store.incr("spend:2026-12:u1", {"usd": 5}, ttl=60, once="spend:a")
+    for i in range(50):
+        await store.incr(f"ledger:2026-12-01:u2:model-{i}", {"requests": 1}, ttl=60, once=f"ledger:{i}")
+    assert await store.counters("spend:2026-12:u1") == {"usd": 5}
+    assert len(await store.keys("ledger:*")) == 10 and await store.counters("ledger:2026-12-01:u2:model-0") == {}
+    await store.incr("spend:2026-12:u1", {"usd": 5}, ttl=60, once="spend:a")  # still known: not applied again
+    assert await store.counters("spend:2026-12:u1") == {"usd": 5}
+
+
 @pytest.mark.redis
 async def test_redis_store(redis_url, unique):
     opened = open_store(redis_url)

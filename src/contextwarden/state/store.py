@@ -14,7 +14,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -25,7 +25,8 @@ __all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "redis_client", "
 store_log = logging.getLogger("contextwarden")
 
 KEY_PREFIX = "contextwarden:"
-DEFAULT_MEMORY_KEYS = 20_000
+DEFAULT_MEMORY_KEYS = 20_000  # per namespace (`MemoryStore`)
+MEMORY_NAMESPACES = 32  # the code uses a dozen; past this many, keys share one LRU
 DEFAULT_REDIS_TIMEOUT = 0.5  # seconds to connect; a Redis that is away must not slow every chat down
 # An answer may be late without Redis being away: a busy machine reads it late. Answers wait
 # this many times the connect timeout (a Redis that is away refuses the connect at once, or
@@ -109,30 +110,33 @@ class Store:
 
 
 class MemoryStore(Store):
-    """An in-process store: the default, and the test double. Bytes and counters are each
-    bounded to `max_keys` (least recently used first), apart: chat states and caches, which
-    every new chat writes, never push out a user's spend or usage counters."""
+    """An in-process store: the default, and the test double. Each kind of key (its namespace,
+    the text before the first `:`) has its own LRU of `max_keys`, least recently used out first:
+    chat states, which every new chat writes, and ledger rows, one per user, model and day, never
+    push a user's spend counters out (their limit with them)."""
 
     def __init__(self, *, max_keys: int = DEFAULT_MEMORY_KEYS) -> None:
         self.max_keys = max_keys
-        self._data: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._counts: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
-        self._done: OrderedDict[str, None] = OrderedDict()  # names of `once` increments applied
+        self._kinds: dict[str, OrderedDict[str, tuple[float, bytes | dict[str, int]]]] = {}
+        self._done: dict[str, OrderedDict[str, None]] = {}  # names of `once` increments applied, by namespace
+
+    def _kind(self, key: str) -> OrderedDict[str, tuple[float, bytes | dict[str, int]]]:
+        """The LRU of `key`'s namespace."""
+        return _namespace_of(self._kinds, key)
 
     def _live(self, key: str) -> bytes | dict[str, int] | None:
-        for kept in (self._data, self._counts):
-            entry = kept.get(key)
-            if entry is not None:
-                if entry[0] < time.monotonic():
-                    del kept[key]
-                    return None
-                kept.move_to_end(key)
-                return entry[1]
-        return None
+        kept = self._kind(key)
+        entry = kept.get(key)
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            del kept[key]
+            return None
+        kept.move_to_end(key)
+        return entry[1]
 
     def _put(self, key: str, value: bytes | dict[str, int], ttl: int) -> None:
-        kept: OrderedDict[str, Any] = self._counts if isinstance(value, dict) else self._data
-        (self._data if kept is self._counts else self._counts).pop(key, None)
+        kept = self._kind(key)
         kept[key] = (time.monotonic() + ttl, value)
         kept.move_to_end(key)
         while len(kept) > self.max_keys:
@@ -158,8 +162,7 @@ class MemoryStore(Store):
         return True
 
     async def delete(self, key: str) -> None:
-        self._data.pop(key, None)
-        self._counts.pop(key, None)
+        self._kind(key).pop(key, None)
 
     async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
         if once is None or self._first(once):
@@ -169,7 +172,7 @@ class MemoryStore(Store):
         self, key: str, fields: Mapping[str, int], *, ttl: int, below: Mapping[str, int], once: str
     ) -> tuple[bool, dict[str, int]]:
         current = await self.counters(key)
-        if once in self._done:
+        if once in _namespace_of(self._done, once):
             return True, _less(current, fields)
         if any(current.get(name, 0) >= cap for name, cap in below.items()):
             return False, current
@@ -179,11 +182,12 @@ class MemoryStore(Store):
 
     def _first(self, once: str) -> bool:
         """Mark the named increment applied; False when it already was."""
-        if once in self._done:
+        done = _namespace_of(self._done, once)
+        if once in done:
             return False
-        self._done[once] = None
-        if len(self._done) > self.max_keys:
-            self._done.popitem(last=False)
+        done[once] = None
+        if len(done) > self.max_keys:
+            done.popitem(last=False)
         return True
 
     def _add(self, key: str, fields: Mapping[str, int], ttl: int) -> None:
@@ -198,8 +202,22 @@ class MemoryStore(Store):
         return dict(value) if isinstance(value, dict) else {}
 
     async def keys(self, pattern: str) -> list[str]:
-        keys = [*self._data, *self._counts]
+        keys = [key for kept in self._kinds.values() for key in kept]
         return sorted(k for k in keys if fnmatch.fnmatchcase(k, pattern) and self._live(k) is not None)
+
+
+_Entry = TypeVar("_Entry")
+
+
+def _namespace_of(kinds: dict[str, OrderedDict[str, _Entry]], key: str) -> OrderedDict[str, _Entry]:
+    """The LRU of `key`'s namespace, the text before its first `:` (made on first use: the
+    namespaces are the code's, a handful; keys without one, or past MEMORY_NAMESPACES, share one)."""
+    namespace, colon, _ = key.partition(":")
+    kept = kinds.get(namespace if colon else "")
+    if kept is None:
+        namespace = namespace if colon and len(kinds) < MEMORY_NAMESPACES else ""
+        kept = kinds.setdefault(namespace, OrderedDict())
+    return kept
 
 
 class RedisStore(Store):
