@@ -150,6 +150,14 @@ def many_images(seed: int, n: int = 10_000) -> list[dict]:
     return chat
 
 
+def empty_parts(seed: int, n: int = 100_000) -> list[dict]:
+    """A chat whose last message is `n` empty text parts and a question: light in text, long to read."""
+    chat = synth.make_chat(seed, 6)
+    parts: list[dict] = [{"type": "text", "text": ""} for _ in range(n)]
+    chat[-1] = {"role": "user", "content": [*parts, {"type": "text", "text": f"And this? {seed}"}]}
+    return chat
+
+
 async def outlet_turn(f: Any, module: Any, chat: list[dict]) -> None:
     """outlet of a reply (the chat's last message) that carries no usage: everything is counted."""
     hooks = _hooks(module, uuid.uuid4().hex)
@@ -202,6 +210,7 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     )
     out["5,000 short messages"] = lambda seed: (trim_turn, synth.make_chat(seed, 5_000, mean_tokens=12))
     out["10,000 image parts"] = lambda seed: (trim_turn, many_images(seed))
+    out["100,000 empty text parts"] = lambda seed: (trim_turn, empty_parts(seed))
     out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
         "concurrent",
         [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],

@@ -86,7 +86,8 @@ async def test_a_big_chat_is_trimmed_in_the_worker_thread_a_small_one_on_the_loo
 
 async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages(counter, monkeypatch):
     """Reading flags costs ~0.5 µs a message: a big chat's are read on the loop (a hop to the
-    thread would cost more), those of a chat of more than FLAGS_ON_LOOP_MAX_MESSAGES in the thread."""
+    thread would cost more), those of a chat of more than READS_ON_LOOP_MAX_ITEMS messages and
+    content parts in the thread."""
     real = trimpass_module.read_flags
     threads: list[str] = []
     monkeypatch.setattr(
@@ -94,9 +95,17 @@ async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages
     )
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
     await request(f, body(big_chat()))
-    monkeypatch.setattr(offloop_module, "FLAGS_ON_LOOP_MAX_MESSAGES", 10)
+    monkeypatch.setattr(offloop_module, "READS_ON_LOOP_MAX_ITEMS", 10)
     await request(f, body(big_chat(), "c2"))
     assert threads == [threading.current_thread().name, "contextwarden-cpu_0"]
+
+
+def test_flags_of_a_message_in_thousands_of_parts_are_read_off_the_loop():
+    """A few messages whose content is thousands of parts weigh as many items as a long chat."""
+    parts = [{"type": "text", "text": ""}] * (offloop_module.READS_ON_LOOP_MAX_ITEMS + 1)
+    few = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert offloop_module.reads_off_loop(True, few)
+    assert not offloop_module.reads_off_loop(True, chat_of(3)) and not offloop_module.reads_off_loop(False, few)
 
 
 async def test_a_big_chat_s_next_turn_is_carried_on_the_loop_when_this_process_read_it(counter, spy_trim, monkeypatch):

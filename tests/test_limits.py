@@ -917,6 +917,19 @@ async def test_usage_exchanges_are_never_sent_on(counter):
     assert len(run.after_request["messages"]) == 6
 
 
+def test_the_command_in_parts_is_read_only_in_a_few():
+    """`!usage` sent as content parts is the command; a message in thousands of parts is not read
+    for it (every pass reads every earlier user message: 100,000 parts held the loop)."""
+    from contextwarden.face.adminview import COMMAND_MAX_PARTS, is_usage_command
+
+    command = {"type": "text", "text": "!usage"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert is_usage_command([{"role": "user", "content": [command]}])
+    assert is_usage_command([{"role": "user", "content": [image, command]}])
+    empty = [{"type": "text", "text": ""}] * COMMAND_MAX_PARTS
+    assert not is_usage_command([{"role": "user", "content": [*empty, command]}])
+
+
 async def test_a_turn_without_metadata_is_charged_too(counter, unique):
     """A caller that passes no `__metadata__` (no note can reach its outlet) is still charged
     when its turn starts: of 20 such turns of ~$0.0103 each against $0.02, two start."""

@@ -48,6 +48,8 @@ __all__ = [
 ]
 
 USAGE_COMMAND = "!usage"
+COMMAND_MAX_CHARS = 64  # a longer message is never the command (so it is not read on every pass)
+COMMAND_MAX_PARTS = 16  # nor is a message in more content parts (attachments and the command's text)
 # How the filter's answers begin (the admin's report, a user's line, the notice in a chat).
 ANSWER_STARTS = ("### contextwarden usage", "contextwarden:")
 MAX_USER_ROWS = 25
@@ -106,7 +108,9 @@ def _is_command(message: Message) -> bool:
         return False
     content = message.get("content")
     if isinstance(content, str):  # the common case, read without message_text (every message, every pass)
-        return len(content) <= 64 and content.strip().lower() == USAGE_COMMAND
+        return len(content) <= COMMAND_MAX_CHARS and content.strip().lower() == USAGE_COMMAND
+    if isinstance(content, list) and len(content) > COMMAND_MAX_PARTS:  # not read: thousands of parts stall the loop
+        return False
     return message_text(message).strip().lower() == USAGE_COMMAND
 
 

@@ -13,13 +13,14 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from typing import Any
 
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.recall import MIN_PASSAGE_TOKENS
 
-__all__ = ["compute", "heavy", "heavy_extras", "flags_off_loop", "light_next_turn", "OFF_LOOP_MIN_CHARS"]
+__all__ = ["compute", "heavy", "heavy_extras", "reads_off_loop", "light_next_turn", "OFF_LOOP_MIN_CHARS"]
 
 # Chats with less text than this are counted and trimmed on the event loop: a cold trim of
 # them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
@@ -32,10 +33,11 @@ PART_WEIGHT_CHARS = 1_000  # what a non-text part (an image) weighs toward OFF_L
 ITEM_WEIGHT_CHARS = 10
 TOOLS_ON_LOOP_MAX = 64  # tool definitions rendered and counted on the loop (Open WebUI's built-in: 30)
 _cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
-# Reading the flags costs ~0.5 µs a message whatever their length (0.1 ms for 200 messages, 0.9 ms
-# for 2,000 at load 4): up to this many it runs on the loop, where the hop to the thread would
-# cost more (0.4 ms idle, 2-3 ms at load 4, the thread waiting for a core).
-FLAGS_ON_LOOP_MAX_MESSAGES = 2_000
+# Reading the flags (and checking each part's type, counting the newest messages) costs ~0.5 µs a
+# message or content part whatever their length (0.1 ms for 200 messages, 0.9 ms for 2,000 at
+# load 4): up to this many it runs on the loop, where the hop to the thread would cost more
+# (0.4 ms idle, 2-3 ms at load 4, the thread waiting for a core).
+READS_ON_LOOP_MAX_ITEMS = 2_000
 # A next turn that carries the previous selection reads only what is new, but still passes over
 # every message a few times (~10 µs each): up to this many it runs on the loop (at most ~10 ms),
 # where the hop to the thread costs about what the turn does. When it cannot be carried (a new
@@ -69,10 +71,17 @@ def _passage_source(message: Message) -> bool:
     return long and message.get("role") != "system"
 
 
-def flags_off_loop(off: bool, messages: Sequence[Message]) -> bool:
-    """Whether a pass whose trim runs off the loop (`off`) reads its flags there too: only a chat
-    of more than FLAGS_ON_LOOP_MAX_MESSAGES messages."""
-    return off and len(messages) > FLAGS_ON_LOOP_MAX_MESSAGES
+def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
+    """Whether a pass whose trim runs off the loop (`off`) also reads its messages there, part by
+    part (flags, the calibration's text-only check, the cache's prefix count): only a chat of more
+    than READS_ON_LOOP_MAX_ITEMS messages and content parts (100,000 empty text parts in one
+    message held the loop 85 ms). `messages` are dicts (`hookargs.is_chat_body`)."""
+    if not off or len(messages) > READS_ON_LOOP_MAX_ITEMS:
+        return off
+    contents = list(map(dict.get, messages, repeat("content")))  # in C, as below: most chats have no parts
+    if list not in set(map(type, contents)):
+        return False
+    return len(messages) + sum(len(c) for c in contents if type(c) is list) > READS_ON_LOOP_MAX_ITEMS
 
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:

@@ -14,6 +14,7 @@ report problems in; a test can drive it without Open WebUI.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,13 +40,13 @@ from ..money.cache_hints import (
 from ..money.calibration import Calibration, comparable_turn, load_calibration
 from ..money.pricing import Resolution
 from ..money.records import CacheView, ExcerptCounts, TurnChoice, TurnNote
-from ..money.savings import Savings, carried_savings, carries_a_cut
+from ..money.savings import Savings, cached_prefixes, carried_savings, carries_a_cut
 from ..state.chatstate import ChatState, chat_state_key
 from ..state.store import Store
 from .budget import PromptBudget, fixed_cost, prompt_budget
 from .embedder import TURN_EMBED_TEXTS, EmbedderResting, EmbedderSlow, OpenWebUIEmbedder, embedder_of
 from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, model_context_length
-from .offloop import compute, flags_off_loop, heavy, heavy_extras, light_next_turn
+from .offloop import compute, heavy, heavy_extras, light_next_turn, reads_off_loop
 from .settings import MIN_BUDGET_TOKENS, Settings
 from .status import detail_line, shadow_status_line, small_window_text, status_line
 from .summarize import (
@@ -142,6 +143,7 @@ class _Turn:
     flags: Flags
     budget: PromptBudget
     off: bool  # count and trim off the event loop
+    reads_off: bool  # and read every message and part off it too (`offloop.reads_off_loop`)
     key: str | None  # the chat's state key; None for API callers
     window: int | None = None  # the model's context window, as Open WebUI or the price book knows it
 
@@ -184,7 +186,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         reused=choice.reused,
         decided=turn.key is not None,
         calibration=turn.calibration.effect,
-        comparable=comparable_turn(sent_messages, body),
+        comparable=await compute(turn.reads_off, comparable_turn, sent_messages, body),
         removed=money.removed,
         messages_before=money.messages_before,
         tokens_saved=money.savings.tokens_saved,
@@ -404,8 +406,8 @@ class TrimPass:
         if note.cache_marked is not None:  # an earlier pass's breakpoints off: trim what it saw
             incoming = remove_breakpoints(incoming, note.cache_marked)
         off = heavy(incoming)
-        flags_off = flags_off_loop(off, incoming)
-        read = await compute(flags_off, read_flags, incoming, allowed=settings.allowed_flags)
+        reads_off = reads_off_loop(off, incoming)
+        read = await compute(reads_off, read_flags, incoming, allowed=settings.allowed_flags)
         flags = read.flags
         if not (flags.used or flags.refused) and note.flags is not None:
             flags = note.flags  # an earlier pass of this turn removed them from the text
@@ -428,6 +430,7 @@ class TrimPass:
             flags,
             budget,
             off,
+            reads_off,
             chat_state_key(*chat_ids(body, user, metadata)),
             window,
         )
@@ -486,12 +489,22 @@ class TrimPass:
         )
         cache = turn.note.cache
         if cache is None:  # a later pass of this turn keeps the first pass's view: that pass saw the whole chat
+            untrimmed = choice.tokens_after + removed
+            count = functools.partial(self._counter.count_each, model=model_id)
             cache = await cache_view(
                 self._store,
-                lambda part: self._counter.count_each(part, model_id),
-                turn.read.messages,
+                lambda: compute(
+                    turn.reads_off,
+                    cached_prefixes,
+                    turn.read.messages,
+                    choice.messages,
+                    untrimmed,
+                    choice.tokens_after,
+                    choice.reused,
+                    count,
+                ),
                 choice,
-                choice.tokens_after + removed,
+                untrimmed,
                 resolution,
                 model_id,
                 factor,

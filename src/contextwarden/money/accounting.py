@@ -10,9 +10,9 @@ The filter passes the store, the counter and the price resolution in; nothing he
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable
 
-from ..core.conversation import Message, message_text
+from ..core.conversation import message_text
 from ..core.tokens import TokenCounter
 from ..state.store import Store
 from .cache_hints import min_cacheable_tokens, needs_breakpoints
@@ -22,7 +22,6 @@ from .pricing import Resolution
 from .records import CacheView, TurnChoice, TurnNote, UsageRecord
 from .savings import (
     Savings,
-    cached_prefixes,
     calibrated_tokens,
     estimate_savings,
     predicted_cache,
@@ -47,8 +46,7 @@ accounting_log = logging.getLogger("contextwarden")
 
 async def cache_view(
     store: Store,
-    count_each: Callable[[Sequence[Message]], list[int]],
-    messages: list[Message],
+    prefixes: Callable[[], Awaitable[tuple[int, int]]],
     choice: TurnChoice,
     untrimmed: int,
     resolution: Resolution,
@@ -59,7 +57,9 @@ async def cache_view(
     """What the provider's cache would serve (provider tokens): the untrimmed chat's previous
     prompt (`untrimmed`), the sent prompt's reused prefix (`trimmed`: all but the newest reply
     and turn when the previous selection was reused, else its system prompt); whether the model
-    caches at all (learned from replies, else expected from its price and breakpoints)."""
+    caches at all (learned from replies, else expected from its price and breakpoints).
+    `prefixes` counts both (`savings.cached_prefixes`) where the caller says: a big chat's newest
+    messages are counted off the event loop."""
     model_key = resolution.model_id or model_id
     minimum = min_cacheable_tokens(model_key)
     if untrimmed <= choice.tokens_after or not price_caches(resolution.price):
@@ -70,9 +70,7 @@ async def cache_view(
     except Exception as exc:  # stats are an estimate's input: go on with the expectation
         accounting_log.debug("contextwarden: cache stats not read (%s)", type(exc).__name__)
         learned = None
-    untrimmed_prefix, sent_prefix = cached_prefixes(
-        messages, choice.messages, untrimmed, choice.tokens_after, choice.reused, count_each
-    )
+    untrimmed_prefix, sent_prefix = await prefixes()
     return CacheView(
         untrimmed=calibrated_tokens(untrimmed_prefix, factor),
         trimmed=calibrated_tokens(sent_prefix, factor),
