@@ -11,7 +11,7 @@ import pytest
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import is_acknowledgement, is_recall_message
-from contextwarden.core.decision import message_fingerprint
+from contextwarden.core.decision import FINGERPRINT_ONE_CALL_PARTS, message_fingerprint
 from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS
 from contextwarden.core.selection import choose_indices, reuse_previous, select_by_value
 from contextwarden.core.tokens import TokenCounter
@@ -313,6 +313,8 @@ def test_cached_fingerprints_equal_the_full_hash_and_tell_json_types_apart():
         {"role": "user", "content": "hi\ud800"},
     ]
     messages += random_chat(random.Random(11), 80)
+    many = [{"type": "text", "text": f"é{k}\ud800"} for k in range(FINGERPRINT_ONE_CALL_PARTS + 1)]
+    messages += [{"role": "user", "content": many}, {"role": "user", "content": many[:-1]}]  # piece by piece / not
     for _ in range(2):  # the second pass is served by the cache
         prints = [message_fingerprint(m) for m in messages]
         assert prints == [full(m) for m in messages]
