@@ -18,10 +18,9 @@ from contextwarden import Filter, TrimDecision, trim_messages
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import RECALL_LABEL, is_recall_message, recall_message
 from contextwarden.core.decision import Recall
-from contextwarden.core.recall import _Pools
+from contextwarden.core.recall import _Pools, choose_recall, recall_candidates
 from contextwarden.core.recall_index import RECALL_CONTEXT_TERMS, recall_scores
 from contextwarden.core.relevance import DEFAULT_RELEVANCE_WEIGHTS, relevance_terms, score_messages
-from contextwarden.core.selection import choose_recall, recall_candidates
 
 from chats import check_contract, recall_positions
 

@@ -39,14 +39,9 @@ __all__ = [
     "window_start",
     "mandatory_indices",
     "recent_turns",
-    "choose_recall",
-    "recall_order",
-    "recall_candidates",
     "carried_recalls",
-    "RECALLABLE_ROLES",
 ]
 
-RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
 Strategy = Literal["relevance", "recent"]
 STRATEGIES: tuple[Strategy, ...] = ("relevance", "recent")
 DEFAULT_STRATEGY: Strategy = "relevance"
@@ -56,13 +51,6 @@ DEFAULT_STRATEGY: Strategy = "relevance"
 # reshaped set 0.695 / 0.847; 0.25 gives 0.761 / 0.858 and 0.707 / 0.851; 0 loses on
 # LoCoMo at 8k (0.854).
 DEFAULT_COST_EXPONENT = 0.25
-# A recall block takes the dropped messages most relevant to the question first, whatever their
-# length (value per cost ** 0): it has little room, and what a question needs is a few messages.
-# bench/multiturn.py, carried evidence / fresh trim's at 2k and 8k, conversations 1-2 | 3-5:
-# 0.25 (the selection's) 0.875 / 0.927 | 0.876 / 0.915; 0 0.923 / 0.942 | 0.926 / 0.936;
-# 0.5 worse (0.840 / 0.932 | 0.780 / 0.911). On the reshaped chats (bench/quality.py) at 2k:
-# 0.80x -> 0.94x.
-RECALL_COST_EXPONENT = 0.0
 # The least relevant picks a reply that would open what is sent looks through for room for its
 # question (`_room_for`): bounds the work a reply on a chat of thousands of messages.
 MAX_ROOM_SCAN = 256
@@ -755,49 +743,6 @@ def _kept_in_place(previous: TrimDecision, fingerprints: Sequence[str]) -> bool:
         and at[-1] < len(fingerprints)
         and all(fingerprints[i] == kept for i, kept in zip(at, previous.kept, strict=True))
     )
-
-
-def recall_candidates(view: ChatView, scores: Sequence[float]) -> list[int]:
-    """The messages a recall block may quote: user, assistant and tool messages with text that
-    are relevant to the question (score above 0); an earlier pass's recall block was taken out
-    before (`trim_messages`' `added`)."""
-    return [i for i, score in enumerate(scores) if score > 0 and view.role(i) in RECALLABLE_ROLES and view.text(i)]
-
-
-def recall_order(candidates: Sequence[int], scores: Sequence[float], costs: Mapping[int, int]) -> list[int]:
-    """`candidates` by what they are worth to a recall block: score per cost ** `RECALL_COST_EXPONENT`,
-    the most first (ties: the newer first)."""
-    if not RECALL_COST_EXPONENT:
-        return sorted(candidates, key=lambda i: (-scores[i], -i))
-    return sorted(candidates, key=lambda i: (-scores[i] / max(costs[i], 1) ** RECALL_COST_EXPONENT, -i))
-
-
-def choose_recall(
-    candidates: Sequence[int],
-    keep: Collection[int],
-    scores: Sequence[float],
-    costs: Mapping[int, int],
-    room: int,
-    *,
-    ordered: bool = False,
-) -> list[int]:
-    """The `candidates` (see `recall_candidates`) not in `keep` to quote in this turn's recall
-    block, ascending: the most relevant first (`scores`; see `recall_order`), greedily while
-    they fit `room` (`costs`). `ordered`: the candidates are already in `recall_order` (a turn sorts them once).
-
-    Example:
-        >>> choose_recall([0, 1, 2], {2}, [0.5, 2.0, 1.0], {0: 10, 1: 10, 2: 10}, room=15)
-        [1]
-    """
-    if room <= 0:
-        return []
-    order = candidates if ordered else recall_order(candidates, scores, costs)
-    chosen: list[int] = []
-    for i in order:
-        if i not in keep and costs[i] <= room:
-            chosen.append(i)
-            room -= costs[i]
-    return sorted(chosen)
 
 
 def carried_recalls(previous: TrimDecision, fingerprints: Sequence[str], keep: Collection[int]) -> list[Recall] | None:
