@@ -4,8 +4,9 @@ A block quotes, in one user message right before the question (then an assistant
 acknowledgement, so roles alternate), the passages the question needs of long messages sent in
 part or not at all, then the dropped messages most relevant to it. Here: the room a block gets
 (`recall_room`), what it chooses from (`recall_candidates` in `recall_order`, `choose_recall`;
-`_Pools`: scores, candidates and their costs, made once a trim), making a block (`_new_recall`), quoting and counting it (`_block`), placing blocks
-right before their anchors (`_with_blocks`), and what a result and a decision record of them.
+`_Pools`: scores, candidates and their costs, made once a trim), making a block (`_new_recall`),
+quoting and counting it (`_block`), placing blocks right before their anchors (`_with_blocks`),
+and what a result and a decision record of them.
 """
 
 from __future__ import annotations
