@@ -422,6 +422,20 @@ async def test_other_chats_never_push_a_users_spend_out_of_the_in_process_store(
     assert isinstance(await started(f, *turn(user)), TurnRefused)
 
 
+async def test_a_clock_in_another_zone_keeps_utc_days(counter, unique):
+    """Days are UTC days whatever zone the clock gives: at 20:00 UTC-5 (01:00 UTC the next day)
+    a turn is charged to the UTC day, and local midnight resets nothing (the old code filed it
+    under the local date and let the next turn start at 00:30 local)."""
+    local = timezone(timedelta(hours=-5))
+    clock = Clock(datetime(2026, 12, 1, 20, 0, tzinfo=local))
+    f = make_filter(counter, clock=clock, daily_limit_usd=0.01)
+    user = f"u-{unique}"
+    await spent(f, user, "0.02", date(2026, 12, 2))
+    assert isinstance(await started(f, *turn(user)), TurnRefused)
+    clock.now = datetime(2026, 12, 2, 0, 30, tzinfo=local)  # 05:30 UTC, the same UTC day
+    assert isinstance(await started(f, *turn(user)), TurnRefused)
+
+
 async def test_ledger_rows_never_push_a_users_spend_out_of_the_in_process_store(counter, unique):
     """A user at the limit is still refused after replies of 200 models were logged (a ledger
     row each, per user, model and day: they once shared the spend key's LRU, and a user's

@@ -72,8 +72,8 @@ class Filter:
             store: shared state; given, it is used whatever the `redis_url` valve says
                 (default: in-process, then the valve's Redis once it is set).
             counter: the token counter (default: one that loads encodings in the background).
-            clock: the current time, timezone-aware (default: UTC now); days and months of
-                limits and the ledger follow it.
+            clock: the current time, timezone-aware, in any zone (default: UTC now); days and
+                months of limits and the ledger are its UTC days and months.
             prices: builds the price sources from a function returning the current store
                 (default: `PriceSources`, which fetches OpenRouter in the background).
         """
@@ -86,7 +86,7 @@ class Filter:
         self._reported: set[str] = set()
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = (prices or PriceSources)(lambda: self._store)
-        self._now: Callable[[], datetime] = clock or (lambda: datetime.now(UTC))
+        self._now: Callable[[], datetime] = (lambda: clock().astimezone(UTC)) if clock else (lambda: datetime.now(UTC))
         self._passes = TrimPass(
             counter=self._counter,
             store=lambda: self._store,
