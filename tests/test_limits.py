@@ -588,6 +588,60 @@ async def test_a_late_outlet_replaces_the_ledger_entry_of_its_ended_turn(counter
     assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
 
 
+async def test_a_turn_that_took_no_charge_counts_when_it_ends_without_an_outlet(counter, unique, monkeypatch):
+    """A turn of a user with no limit at its start (or one the store was away for) took no
+    charge; stopped mid-stream, it still reaches the spend totals when it goes quiet, so a
+    limit set later counts it (it once reached only the ledger: spend $0, the next turn let
+    through)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    for _ in range(50):  # 20,000 characters streamed, then the user stops
+        await f.stream(stream_chunk("x" * 400), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
+    day, _ = await SpendBook().spend(f.store, user, now.date())
+    assert day.requests == 1 and day.tokens > 5_000 and day.usd > D("0.05")
+    f.valves = f.Valves(openrouter_pricing=False, daily_limit_usd=0.04)
+    assert isinstance(await started(f, *turn(user)), TurnRefused)
+
+
+async def test_settlements_of_one_turn_that_overlap_apply_one_after_the_other(counter, unique, monkeypatch):
+    """The sweep of a quiet turn and its late outlet, at once against a slow store: each
+    settles from what the other left (both once read the same charge, and the sweep's
+    difference came on top of the outlet's: -$0.49 spent)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    writing = asyncio.Event()
+
+    class SlowSpend(MemoryStore):
+        async def incr(self, key, fields, **options):
+            if key.startswith("spend:"):
+                writing.set()
+                await asyncio.sleep(0.05)
+            await super().incr(key, fields, **options)
+
+    f = make_filter(counter, store=SlowSpend(), clock=Clock(now), daily_limit_usd=10)
+    user = f"u-{unique}"
+    body, who = turn(user, max_tokens=50_000)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    await f.stream(stream_chunk("x" * 400), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+
+    async def late_outlet() -> None:
+        await writing.wait()  # while the sweep's settlement is being written
+        reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 300})
+        await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+
+    await asyncio.gather(started(f, *turn(f"other-{unique}")), late_outlet())
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
+
+
 async def test_only_turns_started_here_teach(counter, unique):
     """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
     to their sender, but never move the cache statistics or the calibration others see."""

@@ -275,15 +275,28 @@ class Bookkeeping:
             await self._settle(turn, turn.used(open_turn=True)[1])
 
     async def _settle(self, turn: OpenTurn, real: Charge) -> None:
-        """Replace what a turn was charged by `real` (nothing for a turn that took no charge)."""
-        if turn.charged is None or turn.charged == real:
+        """Bring a turn's place in its user's spend totals to `real`: the difference from what it
+        was charged, or `real` whole for a turn that took none (no limit at its start, or the
+        store away then), so every reply that ends counts. One settlement of a turn at a time:
+        the sweep, its stream and a late outlet may overlap, and each reads what the one
+        before it left."""
+        if not turn.user:
             return
-        try:
-            await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=turn.charged, real=real)
-        except Exception as exc:
-            books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
-            return
-        turn.charged = real
+        async with turn.settling:
+            charged = turn.charged
+            if charged == real:
+                return
+            try:
+                if charged is None:
+                    await self._spendbook.record(
+                        self._store, user=turn.user, day=turn.day, cost_usd=real.cost_usd, tokens=real.tokens
+                    )
+                else:
+                    await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
+            except Exception as exc:
+                books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
+                return
+            turn.charged = real
 
     async def _settle_ended(self) -> None:
         """Turns that ended without an outlet (`OpenTurns.due`): a stopped stream settled at its
@@ -427,7 +440,6 @@ class Bookkeeping:
             charge = Charge.of(billed, cost.cost_usd)
             if started is not None:
                 await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
-            if started is not None and started.charged is not None:
                 await self._settle(started, charge)
             else:
                 await self._record_spend(user_id, charge)

@@ -15,6 +15,7 @@ bare outlet may be forged.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +52,8 @@ MAX_REPLY_ALLOWANCE = 1_000_000  # tokens: a request's max_tokens above this is 
 @dataclass(slots=True)
 class OpenTurn:
     """One started turn: who, the price and the prompt estimate it was charged at, and what
-    its stream showed so far. `charged` is what the spend totals hold for it now (None: the
-    user has no limit, and the reply is added whole when it ends)."""
+    its stream showed so far. `charged` is what the spend totals hold for it now (None: nothing
+    yet, the user had no limit or the store was away; the reply is added whole when it ends)."""
 
     turn_id: str
     user: str
@@ -71,6 +72,7 @@ class OpenTurn:
     calls_on: bool = False  # the last call that reported asked for tools: another call follows
     ended: bool = False
     booked: tuple[Usage, Decimal | None] | None = None  # added to the ledger when it ended (no outlet)
+    settling: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)  # one settlement at a time
 
     @property
     def quiet_since(self) -> float:
