@@ -610,6 +610,34 @@ async def test_a_turn_that_took_no_charge_counts_when_it_ends_without_an_outlet(
     assert isinstance(await started(f, *turn(user)), TurnRefused)
 
 
+async def test_a_quiet_turn_that_streams_again_is_charged_for_what_follows(counter, unique, monkeypatch):
+    """A tool that runs past STREAM_IDLE_SECONDS gets its turn swept as ended; when the stream
+    goes on and the user then stops it, what it streamed after the sweep is charged as if the
+    tool had been quick (it was once never settled again: $0.0052 instead of $0.1052)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"daily_limit_usd": 10}, now)
+    book, user = SpendBook(), f"u-{unique}"
+    body, who = turn(user, max_tokens=4_000)
+    meta = body["metadata"]
+    await f.inlet(body, __user__=who, __metadata__=meta)
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}
+    await f.stream(call, __metadata__=meta)
+    await f.stream(stream_chunk(usage={"prompt_tokens": 1_000, "completion_tokens": 20}), __metadata__=meta)
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)  # the tool runs long: swept
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 120.0)
+    for _ in range(100):  # the last call streams 40,000 characters, then the user stops it
+        await f.stream(stream_chunk("w" * 400), __metadata__=meta)
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    await started(f, *turn(f"other-{unique}"))
+    assert await book.spend(f.store, user, now.date()) == (Spend(D("0.1052"), 12_020, 1, 0),) * 2
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]  # booked once, at the end
+    assert (entry.counters["requests"], entry.counters["completion_tokens"]) == (1, 10_020)
+
+
 async def test_settlements_of_one_turn_that_overlap_apply_one_after_the_other(counter, unique, monkeypatch):
     """The sweep of a quiet turn and its late outlet, at once against a slow store: each
     settles from what the other left (both once read the same charge, and the sweep's

@@ -263,7 +263,13 @@ class Bookkeeping:
         return True
 
     async def _watch(self, turn: OpenTurn, event: Any) -> None:
-        """One streamed chunk of a started turn: its text counted, its usage settled."""
+        """One streamed chunk of a started turn: its text counted, its usage settled. A turn swept
+        as ended that streams again (a tool ran past STREAM_IDLE_SECONDS) is open again: its
+        ledger entry taken back, the call it waited for charged, and swept again when it ends."""
+        if turn.ended:
+            turn.ended = False
+            await self._ledger_ended(turn, taken_back=True)
+            await self._settle(turn, turn.used(open_turn=True)[1])
         turn.last_seen = time.monotonic()
         turn.streamed += streamed_chars(event)
         turn.calling = turn.calling or asks_for_tools(event)
