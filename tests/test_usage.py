@@ -409,6 +409,18 @@ def test_provider_cost_wins(prices):
     assert compute_cost(free, prices["openai/gpt-4o"]) == Cost(D(0), "provider")
 
 
+def test_a_tool_loop_s_provider_cost_is_not_its_sum(prices):
+    """Open WebUI sums the token counts of a tool loop's calls but leaves OpenRouter's `cost` as
+    the last call's: the sums are priced from the table (the last call's $0.00475 was once
+    billed for $0.00745 of calls)."""
+    last = {"prompt_tokens": 1100, "completion_tokens": 200, "total_tokens": 1300, "cost": 0.00475}
+    usage = normalize_usage({**last, "input_tokens": 2100, "output_tokens": 220, "total_tokens": 2320})
+    assert usage is not None and usage.calls_summed and usage.provider_cost is None
+    # 2100 x 0.0000025 + 220 x 0.00001 = 0.00525 + 0.0022
+    assert compute_cost(usage, prices["openai/gpt-4o"]) == Cost(D("0.00745"), "price_table")
+    assert compute_cost(normalize_usage(last), prices["openai/gpt-4o"]) == Cost(D("0.00475"), "provider")
+
+
 def test_negative_provider_cost_falls_back_to_the_price_table(prices):
     usage = normalize_usage({"prompt_tokens": 1000, "completion_tokens": 0, "cost": -1})
     # 1000 x 0.0000025 = 0.0025
