@@ -41,7 +41,7 @@ from contextwarden.money.limits import (
 )
 from contextwarden.money.records import TurnNote
 from contextwarden.money.spendbook import SpendBook
-from contextwarden.state.store import MemoryStore
+from contextwarden.state.store import MemoryStore, RedisStore
 
 from helpers import Events, make_filter, store_of
 from turns import free_port, reply_of, run_turn
@@ -668,6 +668,54 @@ async def test_settlements_of_one_turn_that_overlap_apply_one_after_the_other(co
 
     await asyncio.gather(started(f, *turn(f"other-{unique}")), late_outlet())
     assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("policy", ["fail-open", "fail-closed"])
+async def test_a_reserve_redis_applied_but_answered_too_late_counts_once(
+    counter, redis_url, unique, policy, monkeypatch
+):
+    """Redis applies a turn's check-and-charge but both tries of its answer time out: the store
+    counts an outage. Let through (fail-open), the turn ends charged what it cost, once (it was
+    once charged the estimate as well); refused (fail-closed), nothing stays charged."""
+    from contextwarden.state import store as store_module
+
+    class LateAnswers:
+        def __init__(self, inner) -> None:
+            self.inner, self.late = inner, True
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def eval(self, script, keys, *args):
+            result = await self.inner.eval(script, keys, *args)
+            if self.late and script == store_module._INCR_SCRIPT and args[5] != "":  # a capped one: a reserve
+                raise aioredis.TimeoutError("Timeout reading from socket")
+            return result
+
+    client = LateAnswers(store_module.redis_client(redis_url))
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = make_filter(
+        counter,
+        store=RedisStore(redis_url, client=client),
+        clock=Clock(now),
+        daily_limit_usd=1,
+        limit_store_failure=policy,
+    )
+    user = f"u-{unique}"
+    body, who = turn(user)
+    outcome = await started(f, body, who)
+    client.late = False
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)  # Redis answers again
+    book = SpendBook()
+    await book.spend(f.store, user, now.date())  # sends what the outage held
+    if policy == "fail-closed":
+        assert isinstance(outcome, TurnRefused)
+        assert await book.spend(f.store, user, now.date()) == (Spend(D(0), 0, 0, 0),) * 2
+        return
+    reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 100})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    assert await book.spend(f.store, user, now.date()) == (Spend(D("0.0035"), 1_100, 1, 0),) * 2
 
 
 async def test_only_turns_started_here_teach(counter, unique):

@@ -245,21 +245,33 @@ class Bookkeeping:
         metadata[METADATA_KEY] = replace(note, turn_id=turn.turn_id).to_dict()
 
     async def _reserve(self, turn: OpenTurn, estimate: Charge, limits: Limits, settings: Settings) -> bool:
-        """Check and charge in one step (`SpendBook.reserve`); False when the store failed and
-        the valve lets the turn go uncharged (fail-open)."""
+        """Check and charge in one step (`SpendBook.reserve`). When the store failed, the reserve
+        may still have been applied (Redis answered too late): the estimate is charged unchecked
+        under the same name, so it counts once, and taken back when the valve refuses the turn
+        (fail-closed). False when even that failed (the turn goes uncharged, added whole at its end)."""
+        name = f"reserve:{turn.turn_id}"
         try:
             verdict = await self._spendbook.reserve(
-                self._store,
-                user=turn.user,
-                day=turn.day,
-                charge=estimate,
-                limits=limits,
+                self._store, user=turn.user, day=turn.day, charge=estimate, limits=limits, name=name
             )
             self._check_shared()
         except Exception as exc:
-            await _store_failed(exc, settings)
-            return False
+            refused = settings.limit_store_failure == "fail-closed"
+            charged = await self._charge_unanswered(turn, estimate, name, keep=not refused)
+            await _store_failed(exc, settings)  # fail-closed: raises TurnRefused
+            return charged
         self._refuse_over(verdict)
+        return True
+
+    async def _charge_unanswered(self, turn: OpenTurn, estimate: Charge, name: str, *, keep: bool) -> bool:
+        """`SpendBook.charge` for a reserve whose answer was lost; False when that failed too."""
+        try:
+            await self._spendbook.charge(
+                self._store, user=turn.user, day=turn.day, charge=estimate, name=name, keep=keep
+            )
+        except Exception as exc:
+            books_log.warning("contextwarden: turn not charged (%s)", type(exc).__name__)
+            return False
         return True
 
     async def _watch(self, turn: OpenTurn, event: Any) -> None:

@@ -109,15 +109,28 @@ class SpendBook:
         counters = await store.counters(_spend_key(month_start(today), user))
         return _spend(counters, f"d{today.day:02d}:"), _spend(counters)
 
-    async def reserve(self, store: Store, *, user: str, day: date, charge: Charge, limits: Limits) -> Verdict:
+    async def reserve(
+        self, store: Store, *, user: str, day: date, charge: Charge, limits: Limits, name: str
+    ) -> Verdict:
         """Check the user's spend against `limits` and, when the turn may start, charge its
         estimate: one atomic step of the store (`incr_below`), so turns started side by side in
-        any worker are checked one after another, each seeing the charges before it."""
+        any worker are checked one after another, each seeing the charges before it. `name`
+        (unique to the turn) makes the charge apply once however often it is sent."""
         key = _spend_key(month_start(day), user)
         fields = _fields(day, charge.amounts(), 1)
-        name = f"reserve:{uuid.uuid4().hex}"  # a try sent again (no answer) is applied once
         _, before = await store.incr_below(key, fields, ttl=SPEND_TTL_SECONDS, below=_caps(limits, day), once=name)
         return check_limits(limits, _spend(before, f"d{day.day:02d}:"), _spend(before))
+
+    async def charge(self, store: Store, *, user: str, day: date, charge: Charge, name: str, keep: bool) -> None:
+        """For a `reserve` whose answer was lost (the store away): it may or may not have been
+        applied. Charge the estimate unchecked under the reserve's `name` (nothing when it was
+        applied; else added, or held until the store answers), so it counts exactly once; then,
+        unless `keep` (a turn refused for the store's failure), take it back."""
+        key = _spend_key(month_start(day), user)
+        await store.incr(key, _fields(day, charge.amounts(), 1), ttl=SPEND_TTL_SECONDS, once=name)
+        if not keep:
+            usd, tokens, unpriced = charge.amounts()
+            await self._add(store, user, day, _fields(day, (-usd, -tokens, -unpriced), -1))
 
     async def settle(self, store: Store, *, user: str, day: date, charged: Charge, real: Charge) -> None:
         """Replace a turn's charge by what its reply really cost (added once, even when retried)."""

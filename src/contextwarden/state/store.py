@@ -255,6 +255,9 @@ class RedisStore(Store):
         # (key, fields, ttl, name, marker bucket): a replay marks the bucket of the first try.
         self._pending: deque[tuple[str, dict[str, int], int, str, str]] = deque(maxlen=REDIS_PENDING_LIMIT)
         self._replaying = False
+        # The marker bucket of each capped increment Redis did not answer: an `incr` sent later
+        # under its name checks the marker where that try would have left it.
+        self._unanswered: OrderedDict[str, str] = OrderedDict()
 
     @property
     def shared(self) -> bool:
@@ -349,7 +352,7 @@ class RedisStore(Store):
         if once is None:
             await self._call("incr", key, fields, ttl=ttl)
             return
-        bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
+        bucket = self._unanswered.pop(once, None) or time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
         done, _ = await self._try_redis("incr", key, fields, ttl=ttl, once=once, bucket=bucket)
         if not done:
             self._pending.append((key, dict(fields), ttl, once, bucket))
@@ -359,7 +362,12 @@ class RedisStore(Store):
     ) -> tuple[bool, dict[str, int]]:
         bucket = time.strftime(ONCE_BUCKET_FORMAT, time.gmtime())
         ok, answer = await self._try_redis("incr_below", key, fields, ttl=ttl, below=below, once=once, bucket=bucket)
-        return answer if ok else await self.fallback.incr_below(key, fields, ttl=ttl, below=below, once=once)
+        if ok:
+            return answer
+        self._unanswered[once] = bucket
+        while len(self._unanswered) > REDIS_PENDING_LIMIT:
+            self._unanswered.popitem(last=False)
+        return await self.fallback.incr_below(key, fields, ttl=ttl, below=below, once=once)
 
     async def counters(self, key: str) -> dict[str, int]:
         return await self._call("counters", key)
