@@ -718,6 +718,25 @@ async def test_a_reserve_redis_applied_but_answered_too_late_counts_once(
     assert await book.spend(f.store, user, now.date()) == (Spend(D("0.0035"), 1_100, 1, 0),) * 2
 
 
+async def test_a_reply_the_ledger_refuses_still_reaches_the_spend_totals(counter, unique, monkeypatch):
+    """The ledger and the spend totals are written apart: a reply the ledger could not take
+    (a store error, counts out of its range) is still in what limits read (it once skipped
+    both, so a turn that took no charge never counted)."""
+
+    async def refused(*args, **kwargs):
+        raise ValueError("counter would leave the integer range")
+
+    monkeypatch.setattr(bookkeeping_module, "record_reply", refused)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 100})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0035"), 1_100, 1, 0),) * 2
+
+
 async def test_only_turns_started_here_teach(counter, unique):
     """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
     to their sender, but never move the cache statistics or the calibration others see."""

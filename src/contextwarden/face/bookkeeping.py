@@ -434,7 +434,8 @@ class Bookkeeping:
         started: OpenTurn | None,
     ) -> None:
         """The reply into the usage ledger, then the spend totals (its turn's charge settled, or
-        the reply added whole): after the log line, once (never retried, so never counted twice)."""
+        the reply added whole), each whether or not the other could be written: after the log
+        line, once (never retried, so never counted twice)."""
         try:
             await record_reply(
                 self._store,
@@ -455,12 +456,13 @@ class Bookkeeping:
         except Exception as exc:
             books_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
         else:
-            charge = Charge.of(billed, cost.cost_usd)
             if started is not None:
                 await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
-                await self._settle(started, charge)
-            else:
-                await self._record_spend(user_id, charge)
+        charge = Charge.of(billed, cost.cost_usd)
+        if started is not None:
+            await self._settle(started, charge)
+        else:
+            await self._record_spend(user_id, charge)
 
     async def _learn(
         self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str
