@@ -202,6 +202,29 @@ async def test_flags_hold_for_every_pass_of_a_turn(counter, trims, unique):
     assert counter.count_messages(second["messages"], MODEL) <= 700
 
 
+async def test_a_flag_too_deep_to_read_stays_text_in_every_pass(counter, trims, unique):
+    """A flag at the end of a text over MAX_FLAG_SCAN_CHARS is ordinary text: inlet leaves it and
+    shortens the text into range; the request pass does not read it there either (it once did,
+    and sent 300 tokens where inlet had sent 2,000)."""
+    from contextwarden.core.flags import MAX_FLAG_SCAN_CHARS
+
+    f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0)
+    paste = "\n".join(f"Line {i}: the river market harbour lantern copper meadow violin." for i in range(3_000))
+    question = paste + "\nWhat does line 7 say? !budget=300"
+    assert len(question) > MAX_FLAG_SCAN_CHARS
+    b = body(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}],
+        f"u-{unique}",
+        f"c-{unique}",
+    )
+    user = {"id": f"u-{unique}"}
+    first = await f.inlet(b, __user__=user, __metadata__=b["metadata"])
+    sent = [dict(m) for m in first["messages"]]
+    assert sent[-1]["content"].endswith("!budget=300") and len(sent[-1]["content"]) < MAX_FLAG_SCAN_CHARS
+    second = await f.request(first, __user__=user, __metadata__=first["metadata"])
+    assert second["messages"] == sent and [o["max_tokens"] for o, _ in trims] == [2_000, 2_000]
+
+
 async def test_budget_flag_only_lowers(counter, trims, unique):
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)
     await send(f, chat_of(20, last="More! !budget=50000"), f"u-{unique}", f"c-{unique}")

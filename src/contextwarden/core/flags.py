@@ -27,6 +27,7 @@ __all__ = [
     "Flags",
     "FlagRead",
     "read_flags",
+    "already_read",
     "parse_flag_names",
     "pin_fingerprint",
 ]
@@ -353,7 +354,7 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         >>> read.messages[0]["content"], read.flags.budget, read.flags.pin
         ('Why?', 2000, True)
     """
-    latest = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    latest = _latest_user(messages)
     out = list(messages)
     flags = Flags()
     for index, message in enumerate(messages):
@@ -366,6 +367,24 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         if index == latest:
             flags = _flags_of(used, refused)
     return FlagRead(out, flags, latest)
+
+
+def already_read(messages: Sequence[Message], flags: Flags) -> FlagRead:
+    """The messages as a later pass of a turn reads them: as they come, with the `flags` its first
+    pass read (and removed). Not read again: a text that pass left alone, too long to read
+    (`MAX_FLAG_SCAN_CHARS`), may since have been shortened or excerpted into range, and its flag
+    would then act in one pass and not the other.
+
+    Example:
+        >>> read = already_read([{"role": "user", "content": "Why? !pin"}], Flags(budget=2000))
+        >>> read.messages[0]["content"], read.flags.budget, read.flags.pin
+        ('Why? !pin', 2000, False)
+    """
+    return FlagRead(list(messages), flags, _latest_user(messages))
+
+
+def _latest_user(messages: Sequence[Message]) -> int | None:
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
 
 
 def pin_fingerprint(message: Message) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Final
 from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
-from ..core.flags import FlagRead, Flags, pin_fingerprint, read_flags
+from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
 from ..core.tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimResult, carry_previous, read_reply, trim_messages
 from ..errors import ConfigError
@@ -407,10 +407,11 @@ class TrimPass:
             incoming = remove_breakpoints(incoming, note.cache_marked)
         off = heavy(incoming)
         reads_off = reads_off_loop(off, incoming)
-        read = await compute(reads_off, read_flags, incoming, allowed=settings.allowed_flags)
+        if note.mode is None:  # the turn's first pass reads the flags (and removes them)
+            read = await compute(reads_off, read_flags, incoming, allowed=settings.allowed_flags)
+        else:
+            read = already_read(incoming, note.flags or Flags())
         flags = read.flags
-        if not (flags.used or flags.refused) and note.flags is not None:
-            flags = note.flags  # an earlier pass of this turn removed them from the text
         budget = prompt_budget(
             settings.budget(window),
             calibration,
