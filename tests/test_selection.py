@@ -516,3 +516,30 @@ def test_the_latest_turn_lifts_no_neighbour():
     conversation = ChatView(chat)
     kept = choose_indices(conversation, [10] * 9, 5 * 10, scores=scores)  # room for one turn besides it
     assert kept == {2, 3, 6, 7, 8}  # turn 1 on its own score, not turn 2 for being next to the latest
+
+
+@pytest.mark.parametrize("strategy", ["recent", "relevance"])
+def test_recent_turns_the_previous_selection_let_go_do_not_end_its_reuse(counter, strategy):
+    """With `keep_last_turns` 3 and a recent turn whose tool result is far over the budget, the
+    first trim lets that turn go; the next turn sends its selection again, prefix and all (the
+    recent turn was once added back, over the budget, and the selection made anew)."""
+    chat = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        chat += [
+            {"role": "user", "content": f"Question {i} about trains and rails?"},
+            {"role": "assistant", "content": f"Answer {i}: trains run on rails. " * 5},
+        ]
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    chat += [
+        {"role": "user", "content": "Look up the timetable."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "timetable row 12:00 platform 3\n" * 800},
+        {"role": "assistant", "content": "Here it is."},
+        {"role": "user", "content": "Thanks. Question about buses?"},
+    ]
+    options = dict(max_tokens=800, model=MODEL, token_counter=counter, keep_last_turns=3, strategy=strategy)
+    first = trim_messages(chat, **options)
+    assert 16 not in first.kept  # the tool result did not fit
+    later = chat + [{"role": "assistant", "content": "Buses run on roads."}, {"role": "user", "content": "And trams?"}]
+    again = trim_messages(later, previous=TrimDecision.from_json(first.decision.to_json()), **options)
+    assert again.reused and again.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]

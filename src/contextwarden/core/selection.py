@@ -601,7 +601,8 @@ def reuse_previous(
 
     The previous kept messages must all be found, in order, among the non-system messages;
     then what is sent is: system messages, those messages, every message after the last of
-    them, the hard part, pinned units and the last `keep_last_turns` turns — whole units only, no orphans. None
+    them, the hard part, pinned units and the last `keep_last_turns` turns (those the previous
+    selection let go only when they fit now) — whole units only, no orphans. None
     when a kept message is gone, the history would start wrongly, two user or two assistant
     messages would meet that the chat did not put together (an edited chat: `alternates`; a
     pin may, and `alone` says which: the messages the user pinned, not their units and
@@ -619,6 +620,8 @@ def reuse_previous(
     if matched is None:
         return None
     keep = _grown(view, matched, keep_last_turns, pinned)
+    if sum(costs[i] for i in keep) > budget:  # recent turns the previous selection let go: still out
+        keep = _grown(view, matched, 0, pinned)
     if not _history_start_ok(view, keep) or sum(costs[i] for i in keep) > budget:
         return None
     return keep if alternates(view, keep, mandatory_indices(view), pinned if alone is None else alone) else None
