@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextwarden import trim_messages
+from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.semantic import (
     CONTEXT_SHARE,
     EMBED_CHARS,
@@ -159,3 +159,18 @@ def test_texts_are_fetched_messages_first_then_windows_newest_first():
         "Yes!\nCute.",
         "Did you adopt the kitten?\nYes!",
     ]
+
+
+def test_a_selection_s_own_block_stays_without_a_recall_room(counter):
+    """With `recall_share` 0 a selection by message may still quote what it picked rather than
+    send it in place; passing its decision back (a retry, the next turn) sends that block again
+    where it was (it was once dropped: the retry sent another prompt, the prefix broke at 1)."""
+    chat = chat_about_a_cat()
+    options = dict(max_tokens=200, model="gpt-4o", token_counter=counter, embed=topic_embed, recall_share=0.0)
+    first = trim_messages(chat, **options)
+    assert first.recalled == (1,)  # quoted: the cat's name
+    retry = trim_messages(chat, previous=TrimDecision.from_json(first.decision.to_json()), **options)
+    assert retry.messages == first.messages
+    later = chat + [{"role": "assistant", "content": "Miso."}, {"role": "user", "content": "Thanks!"}]
+    following = trim_messages(later, previous=TrimDecision.from_json(first.decision.to_json()), **options)
+    assert following.reused and following.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]

@@ -148,14 +148,16 @@ def _recalls_kept(
     the question wanted recalled, an excerpt and
     the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
     earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
-    no blocks, while the excerpts serve the question. (The chat, its counter and model: the
-    `pools`'.)"""
+    only the selection's own blocks, while the excerpts serve the question. (The chat, its
+    counter and model: the `pools`'.)"""
     view, counter, model = pools.view, pools.counter, pools.model
-    if not room:
-        return [] if _excerpts_serve(view, excerpts, (), question, counter, model) else None
     blocks = _carried_blocks(view, previous, fingerprints, keep, counter, model)
     if blocks is None:
         return None
+    if not room:
+        held = blocks[: _held(view, keep, blocks)]
+        fits = base + sum(b.tokens for b in held) <= max_tokens
+        return held if fits and _excerpts_serve(view, excerpts, (), question, counter, model) else None
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
         return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
     count = _held(view, keep, blocks)  # the selection's own: they stay with it, as part of it
