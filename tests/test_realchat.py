@@ -471,3 +471,20 @@ def test_a_pinned_reply_let_go_is_dropped_not_listed_as_shortened(counter):
     result = trim_messages(chat, max_tokens=168, model="gpt-4o", token_counter=counter, pinned=[4])
     assert not set(result.shortened) & set(result.dropped)
     assert len(result.messages) == len(result.kept) + len(result.shortened)
+
+
+def test_pins_too_many_to_keep_even_shortened_are_named_in_the_status_line(counter):
+    """Pins whose cut markers alone are over the budget are kept only while they fit (the budget
+    wins), and the user's line says so (it once said nothing)."""
+    chat = [{"role": "system", "content": "Be helpful."}]
+    for i in range(40):
+        chat += [
+            {"role": "user", "content": pinned_text(counter) + f" part {i}"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    chat.append({"role": "user", "content": "Summarise the notes."})
+    pins = list(range(1, 80, 2))
+    result = trim_messages(chat, max_tokens=300, model=MODEL, token_counter=counter, pinned=pins)
+    assert not set(pins) <= set(result.kept) | set(result.shortened)  # some pins did not fit
+    line = status_line(TurnChoice.of(result, result.messages), Flags())
+    assert "pinned messages too long to keep them all" in line, line

@@ -39,6 +39,7 @@ def _count_text(count: object, mark: str = "") -> str:
 
 # Said once, at the end of a usage line whose numbers carry `~`, so nobody has to guess.
 ESTIMATE_KEY = "~ = estimated, no usage from the provider"
+PINS_DROPPED_WORDS = "pinned messages too long to keep them all"  # even cut, they were over the budget
 
 
 def usage_status(
@@ -157,6 +158,8 @@ def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
         cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
     if choice.pins_shortened:
         cuts.append("pinned messages shortened to fit")
+    if choice.pins_dropped:
+        cuts.append(PINS_DROPPED_WORDS)
     if choice.summarized:
         cuts.append("earlier messages summarized")
     return cuts
@@ -265,6 +268,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += " · " + excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
+    if choice.pins_dropped:
+        line += " · " + PINS_DROPPED_WORDS
     if (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
         line += " · still over budget"
     if choice.count_mode == "estimate":

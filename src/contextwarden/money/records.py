@@ -24,7 +24,7 @@ from typing import Any
 from ..core.conversation import Message
 from ..core.decision import TrimDecision, message_fingerprint
 from ..core.flags import Flags
-from ..core.trim import PINS_SHORTENED_NOTE, TrimResult
+from ..core.trim import PINS_DROPPED_NOTE, PINS_SHORTENED_NOTE, TrimResult
 from .cache_hints import carried_prefix
 from .pricing import read_decimal
 from .usage import read_count
@@ -144,6 +144,7 @@ class TurnChoice:
     reused: bool = False  # the previous turn's selection was sent again (the provider's prompt cache can hit)
     carried: int | None = None  # leading messages the next turn sends again unchanged; None = all
     pins_shortened: bool = False  # pinned messages alone were over the budget and were cut middle-out
+    pins_dropped: bool = False  # even cut they were over it: kept only while they fit
     fixed_tokens: int = 0  # tool definitions and response format, in every count above
     fixed_label: str = ""  # what they are ("tool definitions", ...)
     fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
@@ -191,6 +192,7 @@ class TurnChoice:
             reused=result.reused,
             carried=carried_prefix(result) + len(messages) - len(result.messages),  # a summary note goes in before it
             pins_shortened=PINS_SHORTENED_NOTE in result.notes,
+            pins_dropped=PINS_DROPPED_NOTE in result.notes,
             own=added_fingerprints(result, messages),
             quoted=len(set(result.recalled).difference(i for i, _ in result.recalled_passages)),
         )
