@@ -51,15 +51,20 @@ def test_pin_is_mandatory_under_the_low_watermark(counter):
     check_contract(chat, result, counter, MODEL, pinned=[1])
 
 
-def test_pins_over_the_budget_are_shortened_not_dropped(counter):
-    """Pins alone over the budget: cut middle-out with the marker, and the trim says so."""
+def notes_chat(counter, notes: int) -> list[dict]:
+    """A system prompt, `notes` long notes (at 1, 3, 5, ...) each answered "ok", then a request to sum them up."""
     chat = [{"role": "system", "content": "Be helpful."}]
-    for i in range(3):
+    for i in range(notes):
         chat += [
             {"role": "user", "content": pinned_text(counter) + f" part {i}"},
             {"role": "assistant", "content": "ok"},
         ]
-    chat.append({"role": "user", "content": "Summarise the notes."})
+    return [*chat, {"role": "user", "content": "Summarise the notes."}]
+
+
+def test_pins_over_the_budget_are_shortened_not_dropped(counter):
+    """Pins alone over the budget: cut middle-out with the marker, and the trim says so."""
+    chat = notes_chat(counter, 3)
     result = trim_messages(chat, max_tokens=PIN_BUDGET, model=MODEL, token_counter=counter, pinned=[1, 3, 5])
     check_contract(chat, result, counter, MODEL, pinned=[1, 3, 5])
     assert result.tokens_after <= PIN_BUDGET and not result.over_budget
@@ -476,13 +481,7 @@ def test_a_pinned_reply_let_go_is_dropped_not_listed_as_shortened(counter):
 def test_pins_too_many_to_keep_even_shortened_are_named_in_the_status_line(counter):
     """Pins whose cut markers alone are over the budget are kept only while they fit (the budget
     wins), and the user's line says so (it once said nothing)."""
-    chat = [{"role": "system", "content": "Be helpful."}]
-    for i in range(40):
-        chat += [
-            {"role": "user", "content": pinned_text(counter) + f" part {i}"},
-            {"role": "assistant", "content": "ok"},
-        ]
-    chat.append({"role": "user", "content": "Summarise the notes."})
+    chat = notes_chat(counter, 40)
     pins = list(range(1, 80, 2))
     result = trim_messages(chat, max_tokens=300, model=MODEL, token_counter=counter, pinned=pins)
     assert not set(pins) <= set(result.kept) | set(result.shortened)  # some pins did not fit
