@@ -409,16 +409,17 @@ def test_provider_cost_wins(prices):
     assert compute_cost(free, prices["openai/gpt-4o"]) == Cost(D(0), "provider")
 
 
-def test_a_tool_loop_s_provider_cost_is_not_its_sum(prices):
-    """Open WebUI sums the token counts of a tool loop's calls but leaves OpenRouter's `cost` as
-    the last call's: the sums are priced from the table (the last call's $0.00475 was once
-    billed for $0.00745 of calls)."""
-    last = {"prompt_tokens": 1100, "completion_tokens": 200, "total_tokens": 1300, "cost": 0.00475}
-    usage = normalize_usage({**last, "input_tokens": 2100, "output_tokens": 220, "total_tokens": 2320})
-    assert usage is not None and usage.calls_summed and usage.provider_cost is None
-    # 2100 x 0.0000025 + 220 x 0.00001 = 0.00525 + 0.0022
-    assert compute_cost(usage, prices["openai/gpt-4o"]) == Cost(D("0.00745"), "price_table")
-    assert compute_cost(normalize_usage(last), prices["openai/gpt-4o"]) == Cost(D("0.00475"), "provider")
+def test_a_tool_loop_s_provider_cost_is_its_sum(prices):
+    """Open WebUI 0.12.4 (`utils/response.merge_usage`) sums a tool loop's token counts, its
+    detail maps and the provider's cost keys (`cost` among them) over the calls; only
+    `prompt_tokens` / `completion_tokens` are the last call's. The summed cost is the reply's
+    (5952cbd took it for the last call's and priced the sums instead: reverted)."""
+    calls = [{"prompt_tokens": 1000, "completion_tokens": 20, "cost": 0.0027}]
+    calls += [{"prompt_tokens": 1100, "completion_tokens": 200, "cost": 0.00475}]
+    summed = {**calls[-1], "input_tokens": 2100, "output_tokens": 220, "total_tokens": 2320, "cost": 0.00745}
+    usage = normalize_usage(summed)
+    assert usage is not None and usage.calls_summed and (usage.prompt_tokens, usage.completion_tokens) == (2100, 220)
+    assert compute_cost(usage, prices["openai/gpt-4o"]) == Cost(D("0.00745"), "provider")
 
 
 def test_negative_provider_cost_falls_back_to_the_price_table(prices):

@@ -39,8 +39,7 @@ class Usage:
     """Token counts of one reply, normalized to OpenAI's meaning. None = not reported.
 
     `prompt_tokens` includes cached and cache-write tokens; `completion_tokens` includes
-    reasoning tokens. `provider_cost` is what the provider said it charged (USD; None for a tool
-    loop's sums, where it is only the last call's figure). `shape`
+    reasoning tokens. `provider_cost` is what the provider said it charged (USD). `shape`
     names the format read: openai, openrouter, gemini, anthropic, openai_responses,
     gemini_native, ollama, open_webui. `calls_summed` is True when Open WebUI added up several
     provider calls (a tool loop) and the counts are those sums.
@@ -268,7 +267,7 @@ def _read_openai_like(fields: _Fields) -> Usage:
         cache_write_tokens=fields.count("cache_write_tokens", "prompt_tokens_details"),
         reasoning_tokens=reasoning,
         total_tokens=total if total is not None else _usage_add(prompt, completion),
-        provider_cost=None if summed else _provider_cost(fields),  # summed: `cost` is the last call's
+        provider_cost=_provider_cost(fields),  # Open WebUI sums `cost` over a tool loop's calls too
         shape=shape,
         calls_summed=bool(summed),
     )
