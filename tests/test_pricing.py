@@ -267,6 +267,10 @@ def test_prefix_is_reported(book):
         "azure.gpt-4.1",  # no configured prefix: the dot is not split blindly
         "gpt-4.1.1",
         "llama3.1:8b",
+        "deepseek-r1:7b",  # Ollama tags: local models, not the API models of the same name
+        "deepseek-r1:latest",
+        "qwen3-coder:30b",
+        "kimi-k2:latest",
         "",
         "   ",
     ],

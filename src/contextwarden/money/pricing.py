@@ -525,6 +525,23 @@ def _glob_matcher(patterns: tuple[str, ...]) -> Callable[[str], str | None]:
     return first
 
 
+# OpenRouter's `:variant` suffixes (priced as their model when not listed apart). Any other tag of
+# an id without a provider (`deepseek-r1:7b`, `qwen3-coder:30b`, `llama3.1:latest`) is Ollama's:
+# a local model, never the API model of the same name (`_local_tag`).
+OPENROUTER_VARIANTS = frozenset({"free", "nitro", "beta", "extended", "thinking", "online", "floor", "exacto"})
+
+
+def _local_tag(query: str) -> bool:
+    """An Ollama-style id: `name:tag` without a provider, the tag no OpenRouter variant.
+
+    Example:
+        >>> _local_tag("deepseek-r1:7b"), _local_tag("deepseek/deepseek-r1:free"), _local_tag("gpt-4o:nitro")
+        (True, False, False)
+    """
+    name, colon, tag = query.partition(":")
+    return bool(colon) and "/" not in name and tag.lower() not in OPENROUTER_VARIANTS
+
+
 def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None, str | None]:
     """exact -> without :variant -> canonical_slug -> bare -> date suffix -> dots/dashes.
 
@@ -534,6 +551,8 @@ def _resolve_chain(query: str, book: PriceBook) -> tuple[str | None, str | None,
     found = book.find(query)
     if found:
         return found, "exact", None
+    if _local_tag(query):
+        return None, None, None
     base = query.partition(":")[0] if ":" in query else query
     if base != query and book.find(base):
         return book.find(base), "variant", None
