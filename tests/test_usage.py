@@ -314,6 +314,16 @@ def test_cost_tier_boundary(prices):
     assert (above.cost_usd, above.tier) == (D("0.64"), 200000)
 
 
+def test_a_tool_loop_is_priced_at_its_calls_tier_not_its_sums(prices):
+    """Three calls of an 80,000-token prompt: their sum (240,000) reaches Gemini 2.5 Pro's
+    200,000 tier, none of the calls did (the sum once picked the tier: $0.6225)."""
+    summed = {"prompt_tokens": 80_000, "completion_tokens": 500, "input_tokens": 240_000, "output_tokens": 1_500}
+    usage = normalize_usage({**summed, "total_tokens": 241_500})
+    cost = compute_cost(usage, prices["google/gemini-2.5-pro"])
+    # 240000 x 0.00000125 = 0.3 ; 1500 x 0.00001 = 0.015 ; sum 0.315
+    assert (cost.cost_usd, cost.tier) == (D("0.315"), 0)
+
+
 def test_cost_second_tier(prices):
     cost = compute_cost(Usage(300_000, 2000, cached_tokens=100_000), prices["qwen/qwen3.7-flash"])
     # tier 256000: prompt 0.0000002, cache read 0.00000004, completion 0.0000008

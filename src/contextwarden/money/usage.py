@@ -42,7 +42,9 @@ class Usage:
     reasoning tokens. `provider_cost` is what the provider said it charged (USD). `shape`
     names the format read: openai, openrouter, gemini, anthropic, openai_responses,
     gemini_native, ollama, open_webui. `calls_summed` is True when Open WebUI added up several
-    provider calls (a tool loop) and the counts are those sums.
+    provider calls (a tool loop) and the counts are those sums; `last_call_prompt` is then the
+    last call's prompt (the longest: each call sends the results before it), whose size picks
+    the price tier rather than the sum's.
     """
 
     prompt_tokens: int | None
@@ -54,6 +56,7 @@ class Usage:
     provider_cost: Decimal | None = None
     shape: str = "openai"
     calls_summed: bool = False
+    last_call_prompt: int | None = None  # summed: the last (longest) call's prompt, which picks a price tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +273,7 @@ def _read_openai_like(fields: _Fields) -> Usage:
         provider_cost=_provider_cost(fields),  # Open WebUI sums `cost` over a tool loop's calls too
         shape=shape,
         calls_summed=bool(summed),
+        last_call_prompt=last_prompt if summed else None,
     )
 
 
@@ -423,7 +427,9 @@ def compute_cost(usage: Usage | None, price: ModelPrice | None) -> Cost:
     )
     if any(c is not None and read_count(c) is None for c in counts):
         return Cost(None, None, reason=f"a token count is beyond {MAX_TOKEN_COUNT:,}")
-    rates = price.rates_for(usage.prompt_tokens)
+    # A tool loop's calls are priced each at its own prompt's tier: the sum reaches a tier none did.
+    tier_prompt = usage.last_call_prompt if usage.last_call_prompt is not None else usage.prompt_tokens
+    rates = price.rates_for(tier_prompt)
     terms, notes = _cost_terms(usage, price, rates)
     if price.varies_by_time:
         notes.append("price varies by time of day; the base price was used")
