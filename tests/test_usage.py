@@ -304,6 +304,24 @@ def test_cost_anthropic_long_prompt_tier(prices):
     assert (cost.cost_usd, cost.tier) == (D("0.9585"), 200000)
 
 
+def test_cost_anthropic_one_hour_cache_writes(prices):
+    """Anthropic splits its cache writes by time to live: those kept an hour cost the model's
+    `cache_write_1h` rate (claude-sonnet-4.5: $6 a million, 5 minutes $3.75; they were once all
+    billed at the 5-minute rate)."""
+    usage = normalize_usage(
+        {
+            "input_tokens": 100,
+            "cache_creation_input_tokens": 12_000,
+            "cache_creation": {"ephemeral_5m_input_tokens": 2_000, "ephemeral_1h_input_tokens": 10_000},
+            "output_tokens": 100,
+        }
+    )
+    assert usage is not None and (usage.cache_write_tokens, usage.cache_write_1h_tokens) == (12_000, 10_000)
+    # 100 x 0.000003 + 2000 x 0.00000375 + 10000 x 0.000006 + 100 x 0.000015
+    # = 0.0003 + 0.0075 + 0.06 + 0.0015 = 0.0693
+    assert compute_cost(usage, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.0693")
+
+
 def test_cost_tier_boundary(prices):
     gemini = prices["google/gemini-2.5-pro"]
     below = compute_cost(Usage(199_999, 1000), gemini)

@@ -57,6 +57,7 @@ class Usage:
     shape: str = "openai"
     calls_summed: bool = False
     last_call_prompt: int | None = None  # summed: the last (longest) call's prompt, which picks a price tier
+    cache_write_1h_tokens: int | None = None  # of `cache_write_tokens`, those written for an hour (Anthropic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,7 @@ def _read_anthropic(fields: _Fields) -> Usage:
         cache_write_tokens=written,
         total_tokens=_usage_add(prompt, completion),
         shape="anthropic",
+        cache_write_1h_tokens=fields.count("ephemeral_1h_input_tokens", "cache_creation"),
     )
 
 
@@ -375,10 +377,12 @@ def _cost_terms(
     if (cached, written) != reported:
         notes.append("cached + cache-write tokens exceed prompt tokens; counted up to the prompt")
     uncached = None if usage.prompt_tokens is None else usage.prompt_tokens - cached - written
+    hour = min(usage.cache_write_1h_tokens or 0, written) if rates.cache_write_1h is not None else 0
     terms = [
         (uncached, rates.prompt, "prompt"),
         (cached, rates.cache_read, "cache read"),
-        (written, rates.cache_write, "cache write"),
+        (written - hour, rates.cache_write, "cache write"),
+        (hour, rates.cache_write_1h, "1-hour cache write"),
     ]
     reasoning = usage.reasoning_tokens or 0
     completion = usage.completion_tokens
