@@ -25,6 +25,8 @@ def format_usd(amount: Decimal | None) -> str:
     Example:
         >>> [format_usd(Decimal(a)) for a in ("0.003125", "12.3456", "0.00054", "0.0000071", "0", "1e30")]
         ['0.0031', '12.35', '0.0005', '<0.0001', '0', '1.0E+30']
+        >>> [format_usd(Decimal(a)) for a in ("0.0995", "0.00996", "0.995", "0.00099996")]
+        ['0.10', '0.010', '1.00', '0.0010']
     """
     if not isinstance(amount, Decimal) or not amount.is_finite():
         return "?"
@@ -38,8 +40,18 @@ def format_usd(amount: Decimal | None) -> str:
         return format(amount, ".1E")
     if amount >= 1:
         return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
-    step = max(amount.adjusted() - 1, SMALLEST_SHOWN_USD.adjusted())
-    return format(amount.quantize(Decimal(1).scaleb(step), rounding=ROUND_HALF_UP), "f")
+    shown = _two_digits(amount, amount.adjusted())
+    if shown.adjusted() > amount.adjusted():  # rounding carried into a new digit: 0.0995 -> 0.10, not 0.100
+        if shown >= 1:
+            return f"{shown.quantize(Decimal('0.01')):,}"
+        shown = _two_digits(shown, shown.adjusted())
+    return format(shown, "f")
+
+
+def _two_digits(amount: Decimal, leading: int) -> Decimal:
+    """`amount` to two significant digits below a leading digit at `leading`, never past the smallest shown."""
+    step = max(leading - 1, SMALLEST_SHOWN_USD.adjusted())
+    return amount.quantize(Decimal(1).scaleb(step), rounding=ROUND_HALF_UP)
 
 
 def usd(amount: Decimal | None) -> str:
