@@ -192,6 +192,17 @@ def test_round_trip_and_layering(book):
     assert "local/x" in layered.prices and layered.source == "admin+bundled"
 
 
+def test_a_live_entry_it_cannot_read_does_not_hide_a_bundled_price(book):
+    """A live OpenRouter entry whose prices are unreadable (NaN, "-1", missing) leaves the bundled
+    price in place (it once replaced it: gpt-4o unpriced, its replies outside dollar limits)."""
+    for bad in ({"prompt": "NaN", "completion": "0.00001"}, {"prompt": "-1", "completion": "-1"}, {}):
+        live = PriceBook.from_openrouter({"data": [{"id": "openai/gpt-4o", "pricing": bad}]})
+        assert book.layered(live).prices["openai/gpt-4o"] == book.prices["openai/gpt-4o"]
+    pricing = {"prompt": "0.000003", "completion": "0.000012"}
+    good = PriceBook.from_openrouter({"data": [{"id": "openai/gpt-4o", "pricing": pricing}]})
+    assert book.layered(good).prices["openai/gpt-4o"].prompt == D("0.000003")
+
+
 # ---- prompt-size tiers ----------------------------------------------------------------------
 
 

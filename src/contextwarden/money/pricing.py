@@ -438,9 +438,17 @@ class PriceBook:
         return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
     def layered(self, top: PriceBook) -> PriceBook:
-        """A book where `top`'s models replace or add to these (admin file > live > bundled)."""
+        """A book where `top`'s models replace or add to these (admin file > live > bundled); an
+        entry whose prompt or completion price `top` could not read (malformed, "-1") does not
+        hide one here that has both: a bad feed must not make a model unpriced (and its replies
+        free of dollar limits)."""
+        prices = dict(self.prices)
+        for model, price in top.prices.items():
+            below = prices.get(model)
+            if below is None or _fully_priced(price) or not _fully_priced(below):
+                prices[model] = price
         return PriceBook(
-            {**self.prices, **top.prices},
+            prices,
             source=f"{top.source}+{self.source}",
             source_date=top.source_date or self.source_date,
             fetched_at=top.fetched_at or self.fetched_at,
@@ -457,6 +465,11 @@ class PriceBook:
     def has_provider(self, namespace: str) -> bool:
         """True when some id starts with `namespace/` (e.g. 'anthropic')."""
         return namespace.lower() in self._providers
+
+
+def _fully_priced(price: ModelPrice) -> bool:
+    """Both the prompt and the completion price are known."""
+    return price.prompt is not None and price.completion is not None
 
 
 @dataclass(frozen=True, slots=True)
