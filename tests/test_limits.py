@@ -559,6 +559,33 @@ async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(cou
     assert day == Spend(D("0.1052"), 12_020, 1, 0)  # 2,000 in at $2.50 and 10,020 out at $10 a million
 
 
+async def test_running_usage_totals_on_every_chunk_count_once(counter, unique, monkeypatch):
+    """A backend that reports its running totals on every chunk (vLLM's continuous usage stats,
+    which a request may ask for) charges its call once, at the last totals, and settles it
+    twice at most (every report once counted as a call of its own: 1,000 chunks were charged
+    1,000 calls and held the event loop 3.6 s)."""
+    settled: list[object] = []
+    real_settle = SpendBook.settle
+
+    async def counting(self, *args, **kwargs):
+        settled.append(kwargs.get("real"))
+        await real_settle(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpendBook, "settle", counting)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"daily_limit_usd": 10}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    for k in range(1, 1_001):
+        chunk = {**stream_chunk("x" * 4), "id": "chatcmpl-1", "usage": {"prompt_tokens": 1_000, "completion_tokens": k}}
+        await f.stream(chunk, __metadata__=body["metadata"])
+    final = {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 1_000, "completion_tokens": 1_000}}
+    await f.stream(final, __metadata__=body["metadata"])
+    assert len(settled) <= 2
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0125"), 2_000, 1, 0),) * 2
+
+
 async def test_a_late_outlet_replaces_the_ledger_entry_of_its_ended_turn(counter, unique, monkeypatch):
     """A turn settled when its stream went quiet (a tool ran longer than two minutes) is in the
     ledger as an estimated reply; its outlet, coming after all, puts the real reply in its place

@@ -287,9 +287,7 @@ class Bookkeeping:
         turn.calling = turn.calling or asks_for_tools(event)
         raw = event.get("usage") if isinstance(event, dict) else None
         usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
-        if usage is not None:
-            turn.stream_usage.append(usage)
-            turn.reported_at, turn.calls_on, turn.calling = turn.streamed, turn.calling, False
+        if usage is not None and turn.report(usage, event):
             await self._settle(turn, turn.used(open_turn=True)[1])
 
     async def _settle(self, turn: OpenTurn, real: Charge) -> None:

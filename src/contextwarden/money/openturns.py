@@ -47,6 +47,7 @@ MAX_OPEN_TURNS = 100_000  # per worker; the oldest go first
 SWEEP_EVERY_SECONDS = 1.0
 CHARS_PER_TOKEN = 4  # what a stopped stream's text counts (its exact count is not worth keeping the text)
 MAX_REPLY_ALLOWANCE = 1_000_000  # tokens: a request's max_tokens above this is charged as this
+MAX_STREAM_CALLS = 256  # provider calls a turn keeps apart (Open WebUI's tool loops stop far sooner)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class OpenTurn:
     reported_at: int = 0  # `streamed` when the last call reported: what came after is a later call's
     calling: bool = False  # the call streaming now asked for tools
     calls_on: bool = False  # the last call that reported asked for tools: another call follows
+    reported_by: object = None  # the stream id (`id`) of the call that reported last
     ended: bool = False
     booked: tuple[Usage, Decimal | None] | None = None  # added to the ledger when it ended (no outlet)
     settling: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)  # one settlement at a time
@@ -82,6 +84,29 @@ class OpenTurn:
     def estimate(self) -> Charge:
         """The charge when the turn starts: its prompt as counted plus the reply's allowance."""
         return Charge.priced(Usage(self.prompt_tokens, self.reply_tokens), self.price)
+
+    def report(self, usage: Usage, event: Mapping[str, Any]) -> bool:
+        """Take the usage a streamed chunk (`event`) reports. A new provider call's (the first, one
+        after a call that asked for tools, or of another stream id) is added; the same call's
+        again (a backend reporting running totals on every chunk, as vLLM's continuous usage
+        stats do) replaces it, so it counts once. True when the charge should be settled now:
+        a new call, or a call's last report (its chunk carries no choices, as OpenAI's does).
+        At most MAX_STREAM_CALLS calls are kept apart: later ones add to the last."""
+        stream = event.get("id")
+        same = bool(self.stream_usage) and (stream == self.reported_by if stream is not None else not self.calls_on)
+        if not same and len(self.stream_usage) < MAX_STREAM_CALLS:
+            self.stream_usage.append(usage)
+        elif not same:
+            last = self.stream_usage[-1]
+            self.stream_usage[-1] = Usage(
+                (last.prompt_tokens or 0) + (usage.prompt_tokens or 0),
+                (last.completion_tokens or 0) + (usage.completion_tokens or 0),
+            )
+        else:
+            self.stream_usage[-1] = usage
+        self.reported_by, self.reported_at = stream, self.streamed
+        self.calls_on, self.calling = self.calling or (same and self.calls_on), False
+        return not same or not event.get("choices")
 
     def used(self, *, open_turn: bool = False) -> tuple[Usage, Charge]:
         """What the turn used as far as this worker saw, and its charge: the provider calls'
