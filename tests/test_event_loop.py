@@ -247,3 +247,32 @@ async def test_many_tools_a_response_format_and_many_images_are_counted_in_the_t
     spy_trim.threads.clear()
     await request(f, body(chat, "c4"))
     assert spy_trim.threads == [worker]
+
+
+def test_what_a_request_carries_besides_messages_is_weighed_not_only_counted():
+    """64 tool definitions (the most counted on the loop) with big schemas go to the thread too
+    (5 MB of them held the loop 300 ms), a schema nested far deeper than recursion allows is
+    weighed all the same, and so are 3,000 tool calls in one reply (300,000 held it 120 ms)."""
+    big = {"type": "object", "properties": {f"p{k}": {"type": "string", "description": "x" * 500} for k in range(50)}}
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": big}} for i in range(64)]
+    assert offloop_module.heavy_extras({"tools": tools})
+    small = [{"type": "function", "function": {"name": f"t{i}", "parameters": {"type": "object"}}} for i in range(64)]
+    assert not offloop_module.heavy_extras({"tools": small})
+    deep: dict = {"type": "string"}
+    for _ in range(100_000):
+        deep = {"type": "object", "properties": {"p": deep}}
+    assert offloop_module.heavy_extras({"tools": [{"type": "function", "function": {"name": "t", "parameters": deep}}]})
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    reply = {"role": "assistant", "content": "", "tool_calls": [call] * 3_000}
+    assert offloop_module.reads_off_loop(True, [{"role": "user", "content": "Go"}, reply])
+
+
+def test_the_command_in_parts_is_not_read_when_they_hold_megabytes(monkeypatch):
+    """A user message in a few parts is read for `!usage` only while its text is short (16 parts
+    of 300 KB in 6 messages held the loop 176 ms): a long one is not joined at all."""
+    from contextwarden.face import adminview
+
+    assert adminview.is_usage_command([{"role": "user", "content": [{"type": "text", "text": " !usage "}]}])
+    monkeypatch.setattr(adminview, "message_text", lambda message: pytest.fail("a long message was joined"))
+    parts = [{"type": "text", "text": "x" * 300_000}] * 15 + [{"type": "text", "text": "!usage"}]
+    assert not adminview.is_usage_command([{"role": "user", "content": parts}])

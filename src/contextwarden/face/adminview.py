@@ -109,7 +109,10 @@ def _is_command(message: Message) -> bool:
     content = message.get("content")
     if isinstance(content, str):  # the common case, read without message_text (every message, every pass)
         return len(content) <= COMMAND_MAX_CHARS and content.strip().lower() == USAGE_COMMAND
-    if isinstance(content, list) and len(content) > COMMAND_MAX_PARTS:  # not read: thousands of parts stall the loop
+    if not isinstance(content, list) or len(content) > COMMAND_MAX_PARTS:  # not read: thousands of parts stall the loop
+        return False
+    texts = [part.get("text") for part in content if isinstance(part, dict)]
+    if sum(len(text) for text in texts if isinstance(text, str)) > COMMAND_MAX_CHARS:  # nor megabytes of text
         return False
     return message_text(message).strip().lower() == USAGE_COMMAND
 

@@ -74,14 +74,18 @@ def _passage_source(message: Message) -> bool:
 def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
     """Whether a pass whose trim runs off the loop (`off`) also reads its messages there, part by
     part (flags, the calibration's text-only check, the cache's prefix count): only a chat of more
-    than READS_ON_LOOP_MAX_ITEMS messages and content parts (100,000 empty text parts in one
-    message held the loop 85 ms). `messages` are dicts (`hookargs.is_chat_body`)."""
+    than READS_ON_LOOP_MAX_ITEMS messages, content parts and tool calls (100,000 empty text parts
+    in one message held the loop 85 ms, 300,000 tool calls 120 ms). `messages` are dicts
+    (`hookargs.is_chat_body`)."""
     if not off or len(messages) > READS_ON_LOOP_MAX_ITEMS:
         return off
     contents = list(map(dict.get, messages, repeat("content")))  # in C, as below: most chats have no parts
-    if list not in set(map(type, contents)):
+    calls = list(map(dict.get, messages, repeat("tool_calls")))
+    kinds = set(map(type, contents)) | set(map(type, calls))
+    if list not in kinds:
         return False
-    return len(messages) + sum(len(c) for c in contents if type(c) is list) > READS_ON_LOOP_MAX_ITEMS
+    parts = sum(len(c) for c in contents if type(c) is list) + sum(len(c) for c in calls if type(c) is list)
+    return len(messages) + parts > READS_ON_LOOP_MAX_ITEMS
 
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
@@ -119,9 +123,28 @@ def _weight(content: object, left: int) -> int:
 
 def heavy_extras(body: dict[str, Any]) -> bool:
     """True when a request's tool definitions or response format are worth counting off the loop
-    (3,000 tool definitions stalled it 120-180 ms; a 2 MB response format 280-310 ms)."""
+    (3,000 tool definitions stalled it 120-180 ms; 64 with 5 MB of schemas 300 ms; a 2 MB
+    response format 280-310 ms): more than TOOLS_ON_LOOP_MAX tools, or OFF_LOOP_MIN_CHARS of them."""
     tools = body.get("tools")
-    return (isinstance(tools, list) and len(tools) > TOOLS_ON_LOOP_MAX) or isinstance(body.get("response_format"), dict)
+    many = isinstance(tools, list) and (len(tools) > TOOLS_ON_LOOP_MAX or _weighs(tools, OFF_LOOP_MIN_CHARS))
+    return many or isinstance(body.get("response_format"), dict)
+
+
+def _weighs(value: object, limit: int) -> bool:
+    """Whether JSON-like `value` weighs `limit` or more: its strings' characters and ITEM_WEIGHT_CHARS
+    for each value, key and item; walked without recursion (a schema may nest deep), stopping there."""
+    size, left = 0, [value]
+    while left:
+        item = left.pop()
+        size += ITEM_WEIGHT_CHARS + (len(item) if isinstance(item, str) else 0)
+        if isinstance(item, dict):
+            left.extend(item)
+            left.extend(item.values())
+        elif isinstance(item, list):
+            left.extend(item)
+        if size >= limit:
+            return True
+    return False
 
 
 async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
