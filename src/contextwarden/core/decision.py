@@ -288,9 +288,12 @@ def _fingerprint_key(message: Message) -> int | None:
     only as the hash of its items (CPython keeps each string's hash, so this runs in C); else
     each string as its length and string hash (see `TokenCounter._count`), other JSON scalars
     as their repr, dicts and lists as tagged tuples (a dict in its key order: the same items in
-    another order are just a cache miss). None for anything else (hashed in full)."""
+    another order are just a cache miss). None for anything else, and for a message in many
+    parts (`_many_parts`): hashed in full, piece by piece."""
     if all(type(value) is str for value in message.values()):  # most messages: hashed in C
         return hash(("s", *message.items()))
+    if _many_parts(message):  # its stand-in would be hashed in one C call as long as the encoding
+        return None
     try:
         return hash(_key_of(message, 0))
     except _NoKey:
