@@ -360,6 +360,33 @@ async def test_after_a_reply_the_chat_is_embedded_ahead_of_the_next_turn(counter
     assert VECTORS.missing(asked, adapter) == []  # landed, normalised off the loop
 
 
+async def test_after_a_reply_a_big_chat_is_read_for_the_embedder_off_the_loop(counter, monkeypatch):
+    """What a big chat still needs embedded is found in the contextwarden thread (100,000 short
+    messages read on the loop held it 337 ms); a small chat's on the loop. The call starts alike."""
+    import threading
+
+    from contextwarden import Filter
+
+    threads: list[str] = []
+    real = OpenWebUIEmbedder.missing
+
+    def spy(self, messages, max_texts):
+        threads.append(threading.current_thread().name)
+        return real(self, messages, max_texts)
+
+    monkeypatch.setattr(OpenWebUIEmbedder, "missing", spy)
+    function = FakeEmbeddingFunction()
+    f = Filter(counter=counter)
+    f.valves = f.Valves(openrouter_pricing=False)
+    request = request_with(function)
+    small = [*chat_about_a_cat(), {"role": "assistant", "content": "The cat is called Miso."}]
+    big = [*small[:-2], *({"role": "user", "content": f"Note {k}: the rain again."} for k in range(3_000)), *small[-2:]]
+    for chat in (small, big):
+        await f.outlet({"model": "gpt-4o", "messages": chat}, __user__={"id": "u1"}, __request__=request)
+        await asyncio.sleep(0.1)
+    assert threads == [threading.current_thread().name, "contextwarden-cpu_0"] and len(function.calls) == 2
+
+
 async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, monkeypatch):
     """A chat that goes on keeps the previous selection and recalls what the question needs: with
     Open WebUI's embedder loaded, that recall weighs meaning too, so the dropped cat message,

@@ -149,24 +149,37 @@ class OpenWebUIEmbedder:
         self._slow.succeeded()
         return done
 
-    def ahead(self, messages: Sequence[Message], *, max_texts: int, delay: float | None = None) -> bool:
+    def ahead(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_texts: int,
+        delay: float | None = None,
+        todo: list[str] | None = None,
+    ) -> bool:
         """Start embedding a chat's uncached messages, without waiting (after a reply, so the
         next turn finds them), `delay` seconds from now (default `AHEAD_DELAY_SECONDS`); True
-        when a call was set to start. Never raises."""
+        when a call was set to start. `todo`: those texts (`missing`), when the caller read a
+        big chat off the event loop. Never raises."""
         running = self._running
         if running is not None and not running.done():
             return False
         try:
             wait = AHEAD_DELAY_SECONDS if delay is None else delay
-            return self._start(messages, max_texts, wait) is not None
+            return self._start(messages, max_texts, wait, todo) is not None
         except Exception:  # resting, or the texts could not be read: the next turn tries again
             return False
 
+    def missing(self, messages: Sequence[Message], max_texts: int) -> list[str]:
+        """Up to `max_texts` (less after timeouts) of a chat's texts without a vector, newest first:
+        reading every message, so a big chat's are read off the event loop (`ahead`'s `todo`)."""
+        return VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
+
     def _start(
-        self, messages: Sequence[Message], max_texts: int, delay: float = 0.0
+        self, messages: Sequence[Message], max_texts: int, delay: float = 0.0, todo: list[str] | None = None
     ) -> tuple[asyncio.Task[int], int] | None:
-        """The call for up to `max_texts` uncached texts, newest first, and how many it asks for
-        (None: nothing to embed), made after `delay` seconds.
+        """The call for up to `max_texts` uncached texts, newest first (`todo` when given), and how
+        many it asks for (None: nothing to embed), made after `delay` seconds.
 
         Raises:
             EmbedderResting: a call failed lately; none starts before its back-off ends.
@@ -174,7 +187,7 @@ class OpenWebUIEmbedder:
         loop = asyncio.get_running_loop()
         if self._rest.resting(loop.time()):
             raise EmbedderResting(f"resting {self._rest.until - loop.time():.0f} s more after a failed call")
-        todo = VECTORS.missing(embed_texts(messages) + passage_texts(messages), self)[: self.batch(max_texts)]
+        todo = self.missing(messages, max_texts) if todo is None else todo
         if not todo:
             return None
         return self._call(todo, delay), len(todo)

@@ -254,7 +254,7 @@ class Filter:
         if not is_chat_body(body) or not body["messages"]:
             return
         settings = await self._settings(user, None)  # valve problems were shown before the reply
-        self._passes.embed_for_next_turn(body["messages"], settings, request)
+        await self._passes.embed_for_next_turn(body["messages"], settings, request)
         booked = await self._books.reply(body, user, metadata, model, settings, emit)
         await self._passes.count_reply(body["messages"], settings, booked.model_id, booked.off)
         line = await self._books.reply_line(settings, user, booked, shown=emit is not None)

@@ -675,12 +675,15 @@ class TrimPass:
             pass_log.debug("contextwarden: calibration not read (%s)", type(exc).__name__)
             return Calibration()
 
-    def embed_for_next_turn(self, messages: list[Message], settings: Settings, request: Any) -> None:
+    async def embed_for_next_turn(self, messages: list[Message], settings: Settings, request: Any) -> None:
         """After a reply: start embedding the chat with Open WebUI's embedder, so the next turn
-        finds it embedded (in the background; nothing waits for it)."""
+        finds it embedded (in the background; nothing waits for the call). A big chat's texts
+        are read in the thread first (100,000 short messages held the loop 337 ms)."""
         if settings.semantic_relevance and settings.strategy == "relevance" and settings.mode != "off":
             if (embedder := embedder_of(request)) is not None:
-                embedder.ahead(messages, max_texts=settings.embed_max_texts)
+                texts = settings.embed_max_texts
+                todo = await compute(True, embedder.missing, messages, texts) if heavy(messages) else None
+                embedder.ahead(messages, max_texts=texts, todo=todo)
 
     async def count_reply(self, messages: list[Message], settings: Settings, model_id: str, off: bool) -> None:
         """After a reply: count it and cut its search terms now, off the next turn's path (it is
