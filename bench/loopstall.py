@@ -150,6 +150,37 @@ def many_images(seed: int, n: int = 10_000) -> list[dict]:
     return chat
 
 
+def big_schemas(seed: int, size: int = 5 * MEGABYTE, n: int = 64) -> list[dict]:
+    """`n` tool definitions (no more than are counted on the loop by number) with `size` of schemas."""
+    rng = random.Random(seed)
+    each = size // n // 600
+    properties = {f"p{k}": {"type": "string", "description": synth.prose(rng, 120)[:550]} for k in range(each)}
+    schema = {"type": "object", "properties": properties}
+    return [{"type": "function", "function": {"name": f"tool_{seed}_{i}", "parameters": schema}} for i in range(n)]
+
+
+def many_tool_calls(seed: int, n: int = 300_000) -> list[dict]:
+    """A chat whose newest reply carries `n` tool calls (their results left out: orphans), then a question."""
+    chat = synth.make_chat(seed, 6)
+    call = {"id": f"c{seed}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    return [*chat[:-1], {"role": "assistant", "content": "", "tool_calls": [call] * n}, chat[-1]]
+
+
+async def running_usage(f: Any, module: Any, chunks: int) -> None:
+    """A turn of a user with a limit whose backend reports its running usage on every chunk."""
+    hooks = _hooks(module, uuid.uuid4().hex)
+    body = {"model": MODEL, "messages": synth.make_chat(chunks, 6), "stream": True, "metadata": hooks["__metadata__"]}
+    await f.inlet(body, **hooks)
+    for k in range(1, chunks + 1):
+        chunk = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "word "}}]}
+        await f.stream({**chunk, "usage": {"prompt_tokens": 1_000, "completion_tokens": k}}, **_stream_args(hooks))
+        await asyncio.sleep(0)  # chunks come from the network: the loop runs between them
+
+
+def _stream_args(hooks: dict[str, Any]) -> dict[str, Any]:
+    return {"__metadata__": hooks["__metadata__"]}
+
+
 def empty_parts(seed: int, n: int = 100_000) -> list[dict]:
     """A chat whose last message is `n` empty text parts and a question: light in text, long to read."""
     chat = synth.make_chat(seed, 6)
@@ -211,6 +242,9 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     out["5,000 short messages"] = lambda seed: (trim_turn, synth.make_chat(seed, 5_000, mean_tokens=12))
     out["10,000 image parts"] = lambda seed: (trim_turn, many_images(seed))
     out["100,000 empty text parts"] = lambda seed: (trim_turn, empty_parts(seed))
+    out["64 tools, 5 MB of schemas"] = lambda seed: (body_turn, {"messages": question, "tools": big_schemas(seed)})
+    out["300,000 tool calls in the newest reply"] = lambda seed: (trim_turn, many_tool_calls(seed))
+    out["1,000 chunks reporting running usage"] = lambda seed: (running_usage, 1_000)
     out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
         "concurrent",
         [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],
