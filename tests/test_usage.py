@@ -441,7 +441,7 @@ def test_a_tool_loop_s_provider_cost_is_its_sum(prices):
     """Open WebUI 0.12.4 (`utils/response.merge_usage`) sums a tool loop's token counts, its
     detail maps and the provider's cost keys (`cost` among them) over the calls; only
     `prompt_tokens` / `completion_tokens` are the last call's. The summed cost is the reply's
-    (5952cbd took it for the last call's and priced the sums instead: reverted)."""
+    (a4ed6e3 took it for the last call's and priced the sums instead: reverted)."""
     calls = [{"prompt_tokens": 1000, "completion_tokens": 20, "cost": 0.0027}]
     calls += [{"prompt_tokens": 1100, "completion_tokens": 200, "cost": 0.00475}]
     summed = {**calls[-1], "input_tokens": 2100, "output_tokens": 220, "total_tokens": 2320, "cost": 0.00745}
