@@ -94,16 +94,16 @@ class OpenTurn:
         At most MAX_STREAM_CALLS calls are kept apart: later ones add to the last."""
         stream = event.get("id")
         same = bool(self.stream_usage) and (stream == self.reported_by if stream is not None else not self.calls_on)
-        if not same and len(self.stream_usage) < MAX_STREAM_CALLS:
+        if same:
+            self.stream_usage[-1] = usage
+        elif len(self.stream_usage) < MAX_STREAM_CALLS:
             self.stream_usage.append(usage)
-        elif not same:
+        else:
             last = self.stream_usage[-1]
             self.stream_usage[-1] = Usage(
                 (last.prompt_tokens or 0) + (usage.prompt_tokens or 0),
                 (last.completion_tokens or 0) + (usage.completion_tokens or 0),
             )
-        else:
-            self.stream_usage[-1] = usage
         self.reported_by, self.reported_at = stream, self.streamed
         self.calls_on, self.calling = self.calling or (same and self.calls_on), False
         return not same or not event.get("choices")
