@@ -559,6 +559,31 @@ async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(cou
     assert day == Spend(D("0.1052"), 12_020, 1, 0)  # 2,000 in at $2.50 and 10,020 out at $10 a million
 
 
+def test_a_stream_s_calls_are_told_apart_by_their_stream_id():
+    """Reports of one call (one stream id) replace each other; another id is another call; with
+    no id, a report after a call that asked for tools is a new call, else the same one's again."""
+    from contextwarden.money.openturns import OpenTurn
+    from contextwarden.money.usage import Usage
+
+    def opened() -> OpenTurn:
+        return OpenTurn("t", "u", date(2026, 12, 1), "openai/gpt-4o", None, 100, 50, None, 0.0)
+
+    turn = opened()
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    assert turn.report(Usage(100, 1), {**chunk, "id": "a"})  # a new call: settle
+    assert not turn.report(Usage(100, 2), {**chunk, "id": "a"})  # its running total: not yet
+    assert turn.report(Usage(100, 3), {"id": "a", "choices": []})  # its last report
+    assert turn.report(Usage(200, 5), {**chunk, "id": "b"})  # another call
+    assert [(u.prompt_tokens, u.completion_tokens) for u in turn.stream_usage] == [(100, 3), (200, 5)]
+    turn = opened()
+    turn.report(Usage(100, 1), chunk)
+    turn.report(Usage(100, 4), chunk)  # no id, no tools asked: the same call's running total
+    turn.calling = True  # the call asked for tools: the next report is the next call's
+    turn.report(Usage(100, 6), {"choices": []})
+    turn.report(Usage(150, 9), chunk)
+    assert [(u.prompt_tokens, u.completion_tokens) for u in turn.stream_usage] == [(100, 6), (150, 9)]
+
+
 async def test_running_usage_totals_on_every_chunk_count_once(counter, unique, monkeypatch):
     """A backend that reports its running totals on every chunk (vLLM's continuous usage stats,
     which a request may ask for) charges its call once, at the last totals, and settles it
