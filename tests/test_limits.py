@@ -789,6 +789,24 @@ async def test_a_reply_the_ledger_refuses_still_reaches_the_spend_totals(counter
     assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0035"), 1_100, 1, 0),) * 2
 
 
+async def test_a_reply_across_midnight_is_on_its_turn_s_day_in_the_ledger_and_the_spend(counter, unique):
+    """A turn started at 23:59:50 UTC whose reply ends after midnight is on the day it started,
+    in the ledger as in the spend totals its charge settled (the ledger once took the outlet's
+    day, so the report and the limits disagreed)."""
+    clock = Clock(datetime(2026, 12, 1, 23, 59, 50, tzinfo=UTC))
+    f = await limited(counter, {"daily_limit_usd": 10}, clock)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    clock.now = datetime(2026, 12, 2, 0, 0, 20, tzinfo=UTC)
+    reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 100})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]
+    assert entry.day == date(2026, 12, 1)
+    day, _ = await SpendBook().spend(f.store, user, date(2026, 12, 1))
+    assert day == Spend(D("0.0035"), 1_100, 1, 0)
+
+
 async def test_only_turns_started_here_teach(counter, unique):
     """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
     to their sender, but never move the cache statistics or the calibration others see."""

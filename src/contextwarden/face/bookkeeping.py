@@ -446,7 +446,7 @@ class Bookkeeping:
                 cost_usd=cost.cost_usd,
                 estimated=estimated,
                 retention_days=settings.ledger_retention_days,
-                day=self._now().date(),
+                day=started.day if started is not None else self._now().date(),  # the day its spend is on
                 tokens_saved=record.tokens_saved or 0,
                 cost_saved_usd=record.cost_saved_usd,
                 shadow=record.mode == "shadow",
