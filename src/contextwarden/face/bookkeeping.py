@@ -26,7 +26,7 @@ from ..errors import TurnRefused
 from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
 from ..money.ledger import record_reply
 from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
-from ..money.openturns import OpenTurn, OpenTurns, asks_for_tools, reply_allowance, rough_tokens, streamed_chars
+from ..money.openturns import OpenTurn, OpenTurns, read_chunk, reply_allowance, rough_tokens
 from ..money.pricing import Resolution
 from ..money.records import TurnNote, UsageRecord
 from ..money.savings import Savings
@@ -283,8 +283,9 @@ class Bookkeeping:
             await self._ledger_ended(turn, taken_back=True)
             await self._settle(turn, turn.used(open_turn=True)[1])
         turn.last_seen = time.monotonic()
-        turn.streamed += streamed_chars(event)
-        turn.calling = turn.calling or asks_for_tools(event)
+        chars, asks_for_tools = read_chunk(event)
+        turn.streamed += chars
+        turn.calling = turn.calling or asks_for_tools
         raw = event.get("usage") if isinstance(event, dict) else None
         usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
         if usage is not None and turn.report(usage, event):

@@ -32,8 +32,7 @@ from .usage import Usage
 __all__ = [
     "OpenTurn",
     "OpenTurns",
-    "streamed_chars",
-    "asks_for_tools",
+    "read_chunk",
     "reply_allowance",
     "rough_tokens",
     "STREAM_IDLE_SECONDS",
@@ -129,38 +128,29 @@ class OpenTurn:
         return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in calls))
 
 
-def streamed_chars(event: Any) -> int:
-    """Characters of reply text (content, reasoning, tool-call arguments) in one streamed chunk."""
+def read_chunk(event: Any) -> tuple[int, bool]:
+    """What one streamed chunk shows, in one pass over it: the characters of reply text it
+    carries (content, reasoning, tool-call arguments), and whether its call asks for tools
+    (tool-call deltas, or that finish reason: the turn goes on with another call once they ran)."""
     choices = event.get("choices") if isinstance(event, Mapping) else None
-    if not isinstance(choices, list):
-        return 0
-    total = 0
-    for choice in choices[:8]:
-        delta = choice.get("delta") if isinstance(choice, Mapping) else None
+    total, tools = 0, False
+    for choice in choices[:8] if isinstance(choices, list) else ():
+        if not isinstance(choice, Mapping):
+            continue
+        tools = tools or choice.get("finish_reason") == "tool_calls"
+        delta = choice.get("delta")
         if not isinstance(delta, Mapping):
             continue
         for name in ("content", "reasoning_content", "reasoning"):
             if isinstance(text := delta.get(name), str):
                 total += len(text)
         calls = delta.get("tool_calls")
+        tools = tools or bool(calls)
         for call in calls[:8] if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, Mapping) else None
             if isinstance(function, Mapping) and isinstance(arguments := function.get("arguments"), str):
                 total += len(arguments)
-    return total
-
-
-def asks_for_tools(event: Any) -> bool:
-    """True for a streamed chunk of a call that asks for tools (tool-call deltas, or that finish
-    reason): the turn goes on with another call once the tools have run."""
-    choices = event.get("choices") if isinstance(event, Mapping) else None
-    for choice in choices[:8] if isinstance(choices, list) else ():
-        if isinstance(choice, Mapping) and choice.get("finish_reason") == "tool_calls":
-            return True
-        delta = choice.get("delta") if isinstance(choice, Mapping) else None
-        if isinstance(delta, Mapping) and delta.get("tool_calls"):
-            return True
-    return False
+    return total, tools
 
 
 def reply_allowance(body: Mapping[str, Any], default: int) -> int:
