@@ -304,12 +304,7 @@ class Bookkeeping:
             if charged == real:
                 return
             try:
-                if charged is None:
-                    await self._spendbook.record(
-                        self._store, user=turn.user, day=turn.day, cost_usd=real.cost_usd, tokens=real.tokens
-                    )
-                else:
-                    await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
+                await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
             except Exception as exc:
                 books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
                 return

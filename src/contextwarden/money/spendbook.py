@@ -132,8 +132,12 @@ class SpendBook:
             usd, tokens, unpriced = charge.amounts()
             await self._add(store, user, day, _fields(day, (-usd, -tokens, -unpriced), -1))
 
-    async def settle(self, store: Store, *, user: str, day: date, charged: Charge, real: Charge) -> None:
-        """Replace a turn's charge by what its reply really cost (added once, even when retried)."""
+    async def settle(self, store: Store, *, user: str, day: date, charged: Charge | None, real: Charge) -> None:
+        """Replace a turn's charge by what its reply really cost (added once, even when retried);
+        a turn that took no charge (`charged` None) is added whole, as a reply (`record`)."""
+        if charged is None:
+            await self._add(store, user, day, _fields(day, real.amounts(), 1))
+            return
         was, now = charged.amounts(), real.amounts()
         delta = (now[0] - was[0], now[1] - was[1], now[2] - was[2])
         if any(delta):
@@ -141,7 +145,7 @@ class SpendBook:
 
     async def record(self, store: Store, *, user: str, day: date, cost_usd: Decimal | None, tokens: int) -> None:
         """Add one reply that took no charge to its user's month and day totals."""
-        await self._add(store, user, day, _fields(day, Charge(cost_usd, tokens).amounts(), 1))
+        await self.settle(store, user=user, day=day, charged=None, real=Charge(cost_usd, tokens))
 
     @staticmethod
     async def _add(store: Store, user: str, day: date, fields: dict[str, int]) -> None:
