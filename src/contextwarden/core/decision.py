@@ -18,7 +18,7 @@ from itertools import pairwise
 from typing import Any
 
 from ..caches import DEFAULT_FINGERPRINT_CACHE_SIZE, lru_hit, register
-from .conversation import Message
+from .conversation import Message, part_count
 
 __all__ = ["TrimDecision", "Recall", "message_fingerprint", "Fingerprints", "DECISION_FORMAT"]
 
@@ -278,9 +278,7 @@ def message_fingerprint(message: Message) -> str:
 def _many_parts(message: Message) -> bool:
     """More content parts or tool calls than FINGERPRINT_ONE_CALL_PARTS (100,000 parts encode in
     one C call of ~40 ms, every other user's request waiting on the GIL meanwhile)."""
-    content, calls = message.get("content"), message.get("tool_calls")
-    parts = (len(content) if isinstance(content, list) else 0) + (len(calls) if isinstance(calls, list) else 0)
-    return parts > FINGERPRINT_ONE_CALL_PARTS
+    return part_count(message) > FINGERPRINT_ONE_CALL_PARTS
 
 
 def _fingerprint_key(message: Message) -> int | None:

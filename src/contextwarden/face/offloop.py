@@ -84,6 +84,7 @@ def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
     kinds = set(map(type, contents)) | set(map(type, calls))
     if list not in kinds:
         return False
+    # `conversation.part_count` summed, but over the lists only (a call a message: 6x slower).
     parts = sum(len(c) for c in contents if type(c) is list) + sum(len(c) for c in calls if type(c) is list)
     return len(messages) + parts > READS_ON_LOOP_MAX_ITEMS
 
