@@ -210,6 +210,9 @@ def big_text(seed: int, shape: str) -> str:
     rng = random.Random(seed)
     if shape == "prose":
         return synth.prose(rng, MEGABYTE // 4)[:MEGABYTE]
+    if shape in ("emoji", "lone surrogates"):  # no ASCII space: one 'word' of a megabyte
+        first, width = (0x1F600, 4) if shape == "emoji" else (0xD800, 3)  # UTF-8 bytes a character
+        return "".join(chr(first + rng.randrange(64)) for _ in range(MEGABYTE // width))
     return base64.b64encode(rng.randbytes(MEGABYTE * 3 // 4)).decode()  # a pasted blob: few long pieces
 
 
@@ -220,7 +223,7 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     out["cold trim, just under 25,000 characters (stays on the loop)"] = lambda seed: (trim_turn, under_threshold(seed))
     for n in (200, 1_000, 2_000):
         out[f"cold trim, {n:,} messages"] = lambda seed, n=n: (trim_turn, synth.make_chat(seed, n))
-    for shape in ("prose", "base64"):
+    for shape in ("prose", "base64", "emoji", "lone surrogates"):
 
         def with_big(seed: int, shape: str = shape) -> tuple:
             chat = synth.make_chat(seed, 20)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -187,6 +188,42 @@ def test_words_terms_match_relevance_terms(text, fold):
     got = relevance.words_terms(words, fold=fold)
     assert list(got) == list(dict.fromkeys(words))
     assert all(Counter(got[w]) == Counter(relevance_terms(w, fold=fold)) for w in words)
+
+
+class _Recorded:
+    """`_TERM_PIECES` that notes the longest text one findall call was given."""
+
+    def __init__(self, pattern):
+        self.pattern, self.longest = pattern, 0
+
+    def findall(self, text, *args):
+        self.longest = max(self.longest, len(text))
+        return self.pattern.findall(text, *args)
+
+
+@pytest.mark.parametrize("char", ["\ud800", "\U0001f600", "\u00e9", "\u65e5"])
+def test_a_megabyte_word_is_cut_in_short_calls(monkeypatch, char):
+    """A reply of one 'word' (lone surrogates, emoji, accents, CJK: no ASCII space) is read a
+    slice at a time, so no single C call holds the GIL, and the event loop, for long."""
+    recorded = _Recorded(relevance._TERM_PIECES)
+    monkeypatch.setattr(relevance, "_TERM_PIECES", recorded)
+    relevance._fresh_word_memos()
+    text = char * 300_000
+    relevance._term_counts(text, True)
+    relevance_terms(text)
+    assert 0 < recorded.longest <= relevance.WORD_SLICE_CHARS
+
+
+@given(st.text(alphabet=st.sampled_from(TRICKY), min_size=20, max_size=80), st.booleans())
+def test_long_words_are_cut_alike_by_both_paths(text, fold):
+    """With words longer than a slice, the memo's byte path and `relevance_terms` still agree."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(relevance, "WORD_SLICE_CHARS", 3)
+        relevance._fresh_word_memos()  # words met with the usual slice would answer from the memo
+        terms = relevance_terms(text, fold=fold)
+        got = relevance._term_counts(text, fold)
+    relevance._fresh_word_memos()
+    assert got == (dict(Counter(terms)), len(terms))
 
 
 def test_term_cache_is_bounded_by_messages_and_terms():

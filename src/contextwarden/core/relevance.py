@@ -113,6 +113,7 @@ _WORD_BYTES = bytes(
     b + 32 if 65 <= b <= 90 else b if 48 <= b <= 57 or 97 <= b <= 122 or b >= 128 else 32 for b in range(256)
 )
 _ASCII_SEPARATORS = re.compile(r"[\x00-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f]+")
+WORD_SLICE_CHARS = 4_096  # a longer word is lower-cased and cut into terms this many characters at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +194,26 @@ def relevance_terms(text: str, *, fold: bool = True) -> list[str]:
     terms: list[str] = []
     for word in _ASCII_SEPARATORS.split(text):
         if word:
-            terms += _lowered_terms(word.lower(), fold)
+            terms += _word_pieces_terms(word, fold)
+    return terms
+
+
+def _word_pieces_terms(word: str, fold: bool) -> list[str]:
+    """The terms of one word (no ASCII separator in it), lower-cased and cut `WORD_SLICE_CHARS`
+    characters at a time: a megabyte of emoji or lone surrogates with no space in it is then
+    many short C calls rather than one that holds the GIL (and the event loop) for 50-500 ms.
+    A term across a cut counts as two; no real word is that long. (An ASCII word is one term,
+    found in a fast scan.)"""
+    if len(word) <= WORD_SLICE_CHARS or word.isascii():
+        return _lowered_terms(word.lower(), fold)
+    terms: list[str] = []
+    for start in range(0, len(word), WORD_SLICE_CHARS):
+        terms += _lowered_terms(word[start : start + WORD_SLICE_CHARS].lower(), fold)
     return terms
 
 
 def _lowered_terms(lowered: str, fold: bool) -> list[str]:
-    """`relevance_terms` of a text already lower-cased."""
+    """`relevance_terms` of a word already lower-cased."""
     terms: list[str] = []
     for piece in _TERM_PIECES.findall(lowered):
         first = piece[0]
@@ -309,7 +324,23 @@ def _word_terms(word: bytes, fold: bool) -> list[str]:
     if word.isascii():
         term = _word_term(word.decode("ascii"), fold)
         return [term] if term else []
-    return [sys.intern(term) for term in _lowered_terms(word.decode("utf-8", "surrogatepass").lower(), fold)]
+    return [sys.intern(term) for term in _word_pieces_terms(_decoded(word), fold)]
+
+
+def _decoded(word: bytes) -> str:
+    """UTF-8 bytes (lone surrogates allowed) as text, decoded a slice at a time: surrogatepass
+    decodes ~6 MB/s, so one call over a megabyte would hold the GIL for half a second."""
+    if len(word) <= 4 * WORD_SLICE_CHARS:
+        return word.decode("utf-8", "surrogatepass")
+    pieces: list[str] = []
+    start = 0
+    while start < len(word):
+        end = min(start + 4 * WORD_SLICE_CHARS, len(word))
+        while end < len(word) and word[end] & 0xC0 == 0x80:  # a character's first byte
+            end += 1
+        pieces.append(word[start:end].decode("utf-8", "surrogatepass"))
+        start = end
+    return "".join(pieces)
 
 
 def _is_cjk(char: str) -> bool:
