@@ -47,6 +47,7 @@ MODULES = [
     "core/alternation",
     "core/selection",
     "core/excerpt",
+    "core/sources",
     "core/recall",
     "core/shorten",
     "core/trim_types",

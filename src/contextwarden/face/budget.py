@@ -29,19 +29,25 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
 
 @dataclass(frozen=True, slots=True)
 class FixedCost:
-    """Tokens a request costs whatever messages it sends: tool definitions, response format."""
+    """Tokens a request costs whatever messages it sends: tool definitions, response format,
+    and the sources Open WebUI put before the question (as sent: `core.sources`)."""
 
     tools: int = 0
     response_format: int = 0
+    sources: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.tools + self.response_format
+        return self.tools + self.response_format + self.sources
 
     @property
     def label(self) -> str:
         """What the fixed part is, for the status line."""
-        parts = ["tool definitions"] * bool(self.tools) + ["the response format"] * bool(self.response_format)
+        parts = (
+            ["tool definitions"] * bool(self.tools)
+            + ["the response format"] * bool(self.response_format)
+            + ["the sources"] * bool(self.sources)
+        )
         return " and ".join(parts)
 
 
@@ -70,8 +76,9 @@ def prompt_budget(
     the fixed part; the rest is for the messages.
 
     Example:
-        >>> prompt_budget(3_500, Calibration(), FixedCost(tools=900))
-        PromptBudget(total=3500, fixed=FixedCost(tools=900, response_format=0), messages=2600, fixed_over=False)
+        >>> budget = prompt_budget(3_500, Calibration(), FixedCost(tools=900))
+        >>> budget.total, budget.fixed.tokens, budget.messages, budget.fixed_over
+        (3500, 900, 2600, False)
         >>> prompt_budget(3_500, Calibration(), FixedCost(tools=6_435)).fixed_over
         True
     """

@@ -26,6 +26,7 @@ from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
+from ..core.sources import SourcesCut, cut_sources, question_text, split_sources, text_digest, with_sources
 from ..core.tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimResult, carry_previous, read_reply, trim_messages
 from ..errors import ConfigError
@@ -67,6 +68,7 @@ MAX_REPORTED_PROBLEMS = 64  # distinct warnings a process logs once each (then a
 # The tool definitions Open WebUI adds to every browser chat (30, 3,214 tokens for a user; 3,923
 # for an admin) leaving less than this of the window for the chat: the admin is told once.
 SMALL_WINDOW_ROOM = 1_000
+SOURCES_SHARE = 0.5  # sources Open WebUI put before the question may take this much of the budget from history
 ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in all for tiktoken (off the loop)
 
 
@@ -128,6 +130,54 @@ def _chat_messages_sent(choice: TurnChoice) -> int:
     return len(choice.messages) - len(own_messages(choice.messages, choice.own)) + choice.quoted
 
 
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """The sources Open WebUI put before the latest question after the first pass: the
+    question as that pass sent it (at `index`: what this pass trims), and the sources as sent."""
+
+    index: int
+    cut: SourcesCut
+    whole: int  # their tokens uncut
+
+    def sent(self, choice: TurnChoice, read: list[Message]) -> TurnChoice:
+        """`choice` with the sources put back before the question (`read[index]`, or the last
+        user message when it went as a cut copy); what was cut of them counted as removed and
+        as a document excerpted."""
+        messages, question = choice.messages, read[self.index]
+        at = next((k for k, m in enumerate(messages) if m is question), None)
+        if at is None:
+            at = next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
+        if at is None:
+            return choice
+        sent = [*messages[:at], with_sources(messages[at], self.cut.text), *messages[at + 1 :]]
+        excerpts = choice.excerpts
+        if self.cut.cut:
+            kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
+            passages = (excerpts.passages[0] + self.cut.kept, excerpts.passages[1] + self.cut.total)
+            excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
+        removed = self.whole - self.cut.tokens
+        return replace(choice, messages=sent, tokens_before=choice.tokens_before + removed, excerpts=excerpts)
+
+
+def _asked(messages: Sequence[Message]) -> str | None:
+    """`text_digest` of the latest user message's text (None without one that has a single text)."""
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            text = question_text(message)
+            return None if text is None else text_digest(text)
+    return None
+
+
+def _split_sources(messages: list[Message], asked: str) -> tuple[int, str, list[Message]] | None:
+    """(the latest user message's index, the sources before it, the messages with the question
+    as the first pass sent it) when Open WebUI put sources before it since; else None."""
+    at = next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
+    if at is None or (found := split_sources(messages[at], asked)) is None:
+        return None
+    sources, question = found
+    return at, sources, [*messages[:at], question, *messages[at + 1 :]]
+
+
 @dataclass(slots=True)
 class _Turn:
     """One pass's inputs, read once and handed from step to step (a local: never on `self`)."""
@@ -146,6 +196,7 @@ class _Turn:
     reads_off: bool  # and read every message and part off it too (`offloop.reads_off_loop`)
     key: str | None  # the chat's state key; None for API callers
     window: int | None = None  # the model's context window, as Open WebUI or the price book knows it
+    sources: _Sources | None = None  # what Open WebUI put before the question since the first pass
 
     @property
     def shadow(self) -> bool:
@@ -194,6 +245,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         cache=money.cache,
         flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
         added=() if shadow else choice.own,
+        asked=turn.note.asked if turn.note.mode is not None else _asked(sent_messages),
     )
     turn.write(note)
     return note
@@ -368,6 +420,8 @@ class TrimPass:
         the chat's state in; the body to send out, the turn's note for outlet in `metadata`."""
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
         choice = await self._decide(turn, request)
+        if turn.sources is not None:
+            choice = turn.sources.sent(choice, turn.read.messages)
         money = await self._turn_money(turn, choice, model)
         note = await _noted(turn, choice, money)
         note = _leave_line(turn, choice, money, note, hook)
@@ -412,13 +466,22 @@ class TrimPass:
         else:
             read = already_read(incoming, note.flags or Flags())
         flags = read.flags
+        fixed = await compute(heavy_extras(body), fixed_cost, body, self._counter, model_id)
         budget = prompt_budget(
-            settings.budget(window),
-            calibration,
-            await compute(heavy_extras(body), fixed_cost, body, self._counter, model_id),
-            flags.budget,
-            ceiling=settings.window_budget(window),
+            settings.budget(window), calibration, fixed, flags.budget, ceiling=settings.window_budget(window)
         )
+        sources = None
+        if note.mode is not None and note.asked and (found := _split_sources(read.messages, note.asked)):
+            at, text, bare = found  # the turn trims the chat as the first pass sent it, less the sources
+            read = replace(read, messages=bare)
+            sources = await compute(off, self._cut_sources, text, bare, at, budget.messages, model_id)
+            budget = prompt_budget(
+                settings.budget(window),
+                calibration,
+                replace(fixed, sources=sources.cut.tokens),
+                flags.budget,
+                ceiling=settings.window_budget(window),
+            )
         return _Turn(
             body,
             metadata,
@@ -434,7 +497,19 @@ class TrimPass:
             reads_off,
             chat_state_key(*chat_ids(body, user, metadata)),
             window,
+            sources,
         )
+
+    def _cut_sources(self, text: str, messages: list[Message], at: int, room: int, model_id: str) -> _Sources:
+        """The sources within what the chat the first pass chose leaves of `room`, and at least
+        `SOURCES_SHARE` of it: what they add to the question holds the answer more often than
+        what it would push out of the history."""
+        counter = self._counter
+        chat = counter.count_messages(messages, model_id)
+        cut = cut_sources(
+            text, question_text(messages[at]) or "", max(room - chat, int(room * SOURCES_SHARE)), counter, model_id
+        )
+        return _Sources(at, cut, counter.count_text(text, model_id))
 
     async def _decide(self, turn: _Turn, request: Any) -> TurnChoice:
         """Choose what to send from the chat's stored state, and store this pass's decision."""

@@ -238,7 +238,9 @@ class TurnNote:
     quote whole, which a later pass sending those blocks again as they were counts too);
     `cache_marked` (the prompt-cache breakpoints this turn placed,
     to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
-    note this pass added: how a later pass knows them, see `summarize.own_messages`).
+    note this pass added: how a later pass knows them, see `summarize.own_messages`); `asked` (the
+    `sources.text_digest` of the latest question as the first pass sent it: how a later pass
+    tells the sources Open WebUI put before it from the user's words).
     `removed`/`messages_before` are the tokens an earlier pass removed and the untrimmed chat's
     message count (see `savings.carried_savings`).
 
@@ -275,6 +277,7 @@ class TurnNote:
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
+    asked: str | None = None
     version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
 
     def excerpt_counts(self, at_most: int) -> ExcerptCounts:
@@ -349,6 +352,8 @@ class TurnNote:
             out["cache_marked"] = self.cache_marked
         if self.added:
             out["added"] = list(self.added)
+        if self.asked is not None:
+            out["asked"] = self.asked
         return out
 
     @classmethod
@@ -392,6 +397,7 @@ class TurnNote:
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
+            asked=raw["asked"] if isinstance(raw.get("asked"), str) and len(raw["asked"]) <= 40 else None,
         )
 
     def to_json(self) -> str:

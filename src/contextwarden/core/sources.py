@@ -1,0 +1,172 @@
+"""Sources Open WebUI puts before the latest question after inlet, and their cut to a room.
+
+Open WebUI (0.12.4: `apply_source_context_to_messages`) adds an attached file's text, its
+retrieved passages or web results to the latest user message between the inlet and the
+request hooks: its RAG template holding `<source id=.. name=..>...</source>` blocks, a newline,
+then the text inlet sent. The stored chat keeps the question bare, so the request pass tells
+the sources apart from the user's own words (inlet records the text it sent by `text_digest`),
+chooses the history for the bare question (the next turn then finds the same messages and the
+same prefix), and sends the sources whole when they fit, else each source's body cut to its
+passages most relevant to the question: the template and the source tags stay, so the model
+still reads its instructions and cites by id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from .conversation import Message
+from .excerpt import CUT_MARK, chunk_scores, excerpt_text, split_chunks, spread_scores
+from .relevance import wants_whole
+from .tokens import TokenCounter
+
+__all__ = ["SourcesCut", "text_digest", "question_text", "split_sources", "with_sources", "cut_sources"]
+
+_SOURCE = re.compile(r"(<source\b[^>]*>)(.*?)(</source>)", re.DOTALL)
+# Where the blocks begin: the template's own words name `<source>` tags too ("only when the
+# <source> tag includes an explicit id attribute"), so blocks are read only after this.
+_CONTEXT = re.compile(r"<context>\s*(?=<source\b)")
+
+
+@dataclass(frozen=True, slots=True)
+class SourcesCut:
+    """The sources as sent: their text, its tokens, and the passages kept of how many."""
+
+    text: str
+    tokens: int
+    kept: int
+    total: int
+
+    @property
+    def cut(self) -> bool:
+        return self.kept < self.total
+
+
+def text_digest(text: str) -> str:
+    """A short digest of a text with its length: how a later pass knows what inlet sent."""
+    return f"{len(text)}:{hashlib.blake2b(text.encode('utf-8', 'surrogatepass'), digest_size=8).hexdigest()}"
+
+
+def _one_text(message: Message) -> tuple[str, int | None] | None:
+    """The message's one text: string content, or its only text part (and that part's index)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content, None
+    if isinstance(content, list):
+        texts = [k for k, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if len(texts) == 1:
+            return content[texts[0]]["text"], texts[0]
+    return None
+
+
+def _with_one_text(message: Message, text: str, part: int | None) -> Message:
+    if part is None:
+        return {**message, "content": text}
+    parts = list(message["content"])
+    parts[part] = {**parts[part], "text": text}
+    return {**message, "content": parts}
+
+
+def question_text(message: Message) -> str | None:
+    """The text `text_digest` is taken of (None for a message with no text or several parts)."""
+    slot = _one_text(message)
+    return None if slot is None else slot[0]
+
+
+def split_sources(message: Message, digest: str) -> tuple[str, Message] | None:
+    """(the sources, the message as inlet sent it) when `message` is that message, whose
+    `text_digest` is `digest`, with text put before it and a newline, as Open WebUI does;
+    None otherwise.
+
+    Example:
+        >>> asked = {"role": "user", "content": "Who founded it?"}
+        >>> sent = {"role": "user", "content": "<context>...</context>\\nWho founded it?"}
+        >>> split_sources(sent, text_digest("Who founded it?"))
+        ('<context>...</context>', {'role': 'user', 'content': 'Who founded it?'})
+    """
+    slot = _one_text(message)
+    length, _, _ = digest.partition(":")
+    if slot is None or not length.isdigit():
+        return None
+    text, part = slot
+    start = len(text) - int(length)
+    if start < 1 or text[start - 1] != "\n" or text_digest(text[start:]) != digest:
+        return None
+    return text[: start - 1], _with_one_text(message, text[start:], part)
+
+
+def with_sources(message: Message, sources: str) -> Message:
+    """`message` with `sources` put back before its text, as Open WebUI put them."""
+    slot = _one_text(message)
+    if slot is None:
+        return message
+    return _with_one_text(message, f"{sources}\n{slot[0]}", slot[1])
+
+
+def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, model: str | None) -> SourcesCut:
+    """`sources` within `room` tokens: whole when they fit, else each source body cut to the
+    passages most relevant to `question` (spread evenly over them for a question about the
+    whole, `wants_whole`), the rest marked as cut; the template and the tags are kept.
+
+    Example:
+        >>> from contextwarden.core.tokens import TokenCounter
+        >>> body = "\\n\\n".join(f"Part {n}. " + "Filler text about nothing. " * 20 for n in range(8))
+        >>> body += "\\n\\nThe vault code is 7731."
+        >>> sources = f'Use the context.\\n<context>\\n<source id="1" name="a.txt">{body}</source>\\n</context>'
+        >>> cut = cut_sources(sources, "What is the vault code?", 300, TokenCounter(), None)
+        >>> "7731" in cut.text, '<source id="1" name="a.txt">' in cut.text, cut.cut
+        (True, True, True)
+    """
+    whole = counter.count_text(sources, model)
+    pieces = _source_pieces(sources)
+    bodies = [split_chunks(body) for body in pieces[2::4]] if len(pieces) > 1 else [split_chunks(sources)]
+    total = sum(len(chunks) for chunks in bodies)
+    if whole <= room:
+        return SourcesCut(sources, whole, total, total)
+    chunks = [chunk for body in bodies for chunk in body]
+    scores = spread_scores(len(chunks)) if wants_whole(question) else chunk_scores(chunks, question)
+    frame = whole - sum(counter.count_text(chunk, model) for chunk in chunks)
+    mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
+    left = room - frame - mark * len(bodies)
+    chosen: set[int] = set()
+    for k in sorted((k for k, s in enumerate(scores) if s > 0), key=lambda k: (-scores[k], k)):
+        cost = counter.count_text(chunks[k], model) + mark
+        if cost <= left:
+            chosen.add(k)
+            left -= cost
+    while True:
+        text = _rebuilt(pieces, bodies, chosen, counter, model)
+        tokens = counter.count_text(text, model)
+        if tokens <= room or not chosen:
+            return SourcesCut(text, tokens, len(chosen), total)
+        chosen.remove(min(chosen, key=lambda k: (scores[k], -k)))  # joined, the marks counted more
+
+
+def _source_pieces(sources: str) -> list[str]:
+    """The sources as frame, open tag, body, close tag, frame, ... (one piece when the blocks
+    are not inside a `<context>` as Open WebUI's templates put them)."""
+    found = _CONTEXT.search(sources)
+    if found is None:
+        return [sources]
+    pieces = _SOURCE.split(sources[found.end() :])
+    pieces[0] = sources[: found.end()] + pieces[0]
+    return pieces
+
+
+def _rebuilt(
+    pieces: list[str], bodies: list[list[str]], chosen: set[int], counter: TokenCounter, model: str | None
+) -> str:
+    """The sources with each body's chunks kept as `chosen` says (numbered across all bodies)."""
+    first = 0
+    cut: list[str] = []
+    for chunks in bodies:
+        kept = [k - first for k in range(first, first + len(chunks)) if k in chosen]
+        cut.append(excerpt_text(chunks, kept, counter, model)[0])
+        first += len(chunks)
+    if len(pieces) == 1:
+        return cut[0]
+    out = list(pieces)
+    out[2::4] = cut
+    return "".join(out)

@@ -1,0 +1,136 @@
+"""Sources Open WebUI puts before the latest question between inlet and request (an attached
+file, retrieved passages, web results): the request pass keeps the passages that answer the
+question, the template and the source tags, and chooses the history for the bare question, so
+the next turn (whose stored question is bare) finds the same messages and prefix."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from contextwarden.core.sources import cut_sources, split_sources, text_digest, with_sources
+
+from helpers import Events, make_filter
+
+# Open WebUI 0.12.4's DEFAULT_RAG_TEMPLATE (config.py), shortened: its frame around {{CONTEXT}}.
+TEMPLATE = (
+    "### Task:\nRespond to the user query using the provided context, incorporating inline citations"
+    " in the format [id] **only when the <source> tag includes an explicit id attribute**.\n\n"
+    "### Guidelines:\n- If you don't know the answer, clearly state that.\n\n<context>\n{context}\n</context>\n"
+)
+FILLER = [
+    "The harbour authority reviewed the quarterly shipping schedules and the berth allocations.",
+    "Committee minutes record a long discussion of the parking arrangements near the old market.",
+    "A survey of the footpaths found the gravel surfaces in fair condition after the winter.",
+    "The library extended its opening hours on Thursdays during the examination period.",
+]
+
+
+def document(paragraphs: int, facts: dict[int, str]) -> str:
+    """Paragraphs of filler, some replaced by facts (a SQuAD-like article in miniature)."""
+    return "\n\n".join(
+        facts.get(k, f"Section {k}. " + " ".join(FILLER[(k + j) % 4] for j in range(4))) for k in range(paragraphs)
+    )
+
+
+def rag(question: str, files: list[tuple[str, str]]) -> str:
+    """The latest user message as Open WebUI leaves it: template with `<source>` blocks, a newline, the question."""
+    context = "".join(f'<source id="{k + 1}" name="{name}">{text}</source>\n' for k, (name, text) in enumerate(files))
+    return TEMPLATE.format(context=context.strip()) + "\n" + question
+
+
+FACT = "The observatory on the north ridge was founded in 1887 by the astronomer Helena Marsh."
+DOC = document(80, {53: FACT})
+
+
+@pytest.mark.parametrize("shape", ["text", "parts"])
+def test_sources_are_told_apart_from_the_question_and_put_back(shape):
+    question = "Who founded the observatory?"
+    bare = {"role": "user", "content": question}
+    if shape == "parts":
+        bare = {
+            "role": "user",
+            "content": [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": "x"}}],
+        }
+    sent = with_sources(bare, rag("", [("a.txt", "text")]).rstrip("\n"))
+    sources, found = split_sources(sent, text_digest(question))
+    assert found == bare and with_sources(found, sources) == sent
+    assert split_sources(sent, text_digest("Who founded it?")) is None  # another question
+    assert split_sources(bare, text_digest(question)) is None  # nothing put before it
+
+
+def test_sources_that_do_not_fit_keep_the_answering_passage_the_template_and_tags(counter):
+    sources = rag("", [("report.txt", DOC), ("notes.txt", document(10, {}))]).rstrip("\n")
+    whole = counter.count_text(sources, "gpt-4o")
+    cut = cut_sources(sources, "Who founded the observatory on the north ridge?", whole // 4, counter, "gpt-4o")
+    assert cut.tokens <= whole // 4 and cut.cut and 0 < cut.kept < cut.total
+    assert FACT in cut.text
+    assert cut.text.startswith("### Task:") and cut.text.endswith("</context>")
+    assert '<source id="1" name="report.txt">' in cut.text and '<source id="2" name="notes.txt">' in cut.text
+    assert cut_sources(sources, "Who founded it?", whole, counter, "gpt-4o").text == sources  # fits: whole
+
+
+def test_a_summary_of_the_sources_gets_passages_spread_over_them(counter):
+    sources = rag("", [("report.txt", DOC)]).rstrip("\n")
+    cut = cut_sources(sources, "Summarize the whole document", 900, counter, "gpt-4o")
+    kept = [k for k in range(80) if f"Section {k}." in cut.text]
+    assert kept[0] < 10 and kept[-1] > 70 and len(kept) >= 4
+
+
+async def _pass(
+    f, chat: list[dict], question: str, files: list[tuple[str, str]], events: Events, reply: str | None = None
+) -> tuple[list, dict]:
+    """inlet, Open WebUI's sources put before the question, request (and outlet of `reply`, if
+    given, on the chat as Open WebUI stores it): what request sent, and the note (inlet's in it)."""
+    metadata = {"chat_id": "c1", "user_id": "u1", "message_id": f"m{len(chat)}"}
+    body = {"model": "gpt-4o", "messages": copy.deepcopy(chat), "stream": True, "metadata": metadata}
+    hooks = {"__user__": {"id": "u1", "role": "user"}, "__metadata__": metadata, "__event_emitter__": events}
+    out = await f.inlet(body, **hooks)
+    first = dict(metadata["contextwarden"])
+    if files:
+        out["messages"][-1]["content"] = rag(out["messages"][-1]["content"], files)
+    sent = await f.request(out, **hooks)
+    note = {**metadata["contextwarden"], "inlet": first}
+    if reply is not None:
+        stored = [*chat, {"role": "assistant", "content": reply}]
+        await f.outlet({"model": "gpt-4o", "messages": stored, "chat_id": "c1"}, **hooks)
+    return sent["messages"], note
+
+
+async def test_a_file_too_large_for_the_window_keeps_the_passage_that_answers(counter):
+    """A 10k-token file attached to a question in a 4k window: the passage holding the answer is
+    sent (middle-out it was lost), with the template, the tag and the question whole."""
+    f = make_filter(counter, max_context_tokens=4_096, openrouter_pricing=False)
+    question = "Who founded the observatory on the north ridge?"
+    chat = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": question}]
+    sent, note = await _pass(f, chat, question, [("report.txt", DOC)], Events())
+    last = sent[-1]["content"]
+    assert FACT in last and last.endswith("\n" + question) and '<source id="1" name="report.txt">' in last
+    assert counter.count_messages(sent, "gpt-4o") <= note["budget"]
+    assert "document excerpted" in note["pending_line"]
+
+
+def article() -> tuple[list[str], list[tuple[str, str, int]]]:
+    """A SQuAD article (fixtures/SOURCE.md): its paragraphs, and (question, answer, paragraph) triples."""
+    data = json.loads((Path(__file__).parent / "fixtures" / "squad_article.json").read_text())
+    paragraphs = [p["context"] for p in data["paragraphs"]]
+    asked = [(q["question"], q["answers"][0]["text"], k) for k, p in enumerate(data["paragraphs"]) for q in p["qas"]]
+    return paragraphs, asked
+
+
+async def test_an_attached_article_keeps_the_passage_each_question_needs(counter):
+    """A whole article attached (Open WebUI's full-context mode) in a 4k window, one question
+    each about its middle paragraphs: each answer's paragraph is sent (middle-out kept the
+    article's head and tail, and lost them)."""
+    paragraphs, asked = article()
+    sources = [("Antibiotics.pdf", "\n\n".join(paragraphs))]
+    middle = [(q, a, k) for q, a, k in asked if 6 <= k < len(paragraphs) - 6][::5]
+    for question, answer, _at in middle:
+        f = make_filter(counter, max_context_tokens=4_096, openrouter_pricing=False)
+        chat = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": question}]
+        sent, note = await _pass(f, chat, question, sources, Events())
+        assert answer in sent[-1]["content"] and counter.count_messages(sent, "gpt-4o") <= note["budget"]
+    assert len(middle) >= 5
