@@ -80,6 +80,15 @@ def test_a_summary_of_the_sources_gets_passages_spread_over_them(counter):
     assert kept[0] < 10 and kept[-1] > 70 and len(kept) >= 4
 
 
+def test_sources_no_passage_of_which_matches_are_sent_spread_over(counter):
+    """The user attached them for this question: with no passage matching it, some of each
+    part goes rather than nothing but cut marks."""
+    sources = rag("", [("report.txt", DOC)]).rstrip("\n")
+    cut = cut_sources(sources, "Who signed it?", 900, counter, "gpt-4o")
+    kept = [k for k in range(80) if f"Section {k}." in cut.text]
+    assert len(kept) >= 4 and kept[-1] - kept[0] > 40
+
+
 async def _pass(
     f, chat: list[dict], question: str, files: list[tuple[str, str]], events: Events, reply: str | None = None
 ) -> tuple[list, dict]:

@@ -108,7 +108,8 @@ def with_sources(message: Message, sources: str) -> Message:
 def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, model: str | None) -> SourcesCut:
     """`sources` within `room` tokens: whole when they fit, else each source body cut to the
     passages most relevant to `question` (spread evenly over them for a question about the
-    whole, `wants_whole`), the rest marked as cut; the template and the tags are kept.
+    whole, `wants_whole`, or when none matches it: the user attached them for it), the rest
+    marked as cut; the template and the tags are kept.
 
     Example:
         >>> from contextwarden.core.tokens import TokenCounter
@@ -126,7 +127,9 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
     if whole <= room:
         return SourcesCut(sources, whole, total, total)
     chunks = [chunk for body in bodies for chunk in body]
-    scores = spread_scores(len(chunks)) if wants_whole(question) else chunk_scores(chunks, question)
+    scores = [] if wants_whole(question) else chunk_scores(chunks, question)
+    if not any(score > 0 for score in scores):  # about the whole, or no passage matches: a spread
+        scores = spread_scores(len(chunks))
     frame = whole - sum(counter.count_text(chunk, model) for chunk in chunks)
     mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
     left = room - frame - mark * len(bodies)
