@@ -722,6 +722,91 @@ async def test_settlements_of_one_turn_that_overlap_apply_one_after_the_other(co
     assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
 
 
+class GatedSpend(MemoryStore):
+    """A store whose next spend write, once `hold` is called, waits until `release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held, self.gate = asyncio.Event(), asyncio.Event()
+        self.gate.set()
+
+    def hold(self) -> None:
+        self.held.clear()
+        self.gate.clear()
+
+    async def incr(self, key, fields, **options):
+        if key.startswith("spend:") and not self.gate.is_set() and not self.held.is_set():
+            self.held.set()  # this write waits; the ones after it go on
+            await self.gate.wait()
+        await super().incr(key, fields, **options)
+
+
+async def quiet_turns(f, users: list[str], monkeypatch) -> list[tuple[dict, dict]]:
+    """Turns of these users that streamed a little and then went quiet (the next start sweeps them)."""
+    turns = [turn(user) for user in users]
+    for body, who in turns:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+        await f.stream(stream_chunk("x" * 40), __metadata__=body["metadata"])
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 0.0)
+    await asyncio.sleep(0.01)
+    return turns
+
+
+async def test_a_sweep_leaves_a_turn_whose_outlet_came_while_it_settled_others(counter, unique, monkeypatch):
+    """A sweep picks two quiet turns and settles the first against a slow store; meanwhile the
+    second streams its last chunk and its outlet books the real reply. The sweep leaves that
+    turn alone (it once settled it again at its stale figure, $0.27 spent down to $0.00016,
+    and added it to the ledger a second time, as an estimated reply)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    store = GatedSpend()
+    f = make_filter(counter, store=store, clock=Clock(now), daily_limit_usd=10)
+    user = f"u-{unique}"
+    _, (body, who) = await quiet_turns(f, [f"older-{unique}", user], monkeypatch)
+    store.hold()
+    sweep = asyncio.create_task(started(f, *turn(f"other-{unique}")))
+    await store.held.wait()  # the sweep is settling the older turn
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 120.0)
+    await f.stream(stream_chunk("done"), __metadata__=body["metadata"])
+    reply = reply_of(usage={"prompt_tokens": 100_000, "completion_tokens": 2_000})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    store.gate.set()
+    await sweep
+    assert await SpendBook().spend(store, user, now.date()) == (Spend(D("0.27"), 102_000, 1, 0),) * 2
+    [entry] = await read_ledger(store, user=user)
+    assert (entry.counters["requests"], entry.counters["estimated"], entry.usd("cost_picousd")) == (1, 0, D("0.27"))
+
+
+async def test_an_outlet_during_its_turn_s_sweep_takes_the_sweep_s_ledger_entry_back(counter, unique, monkeypatch):
+    """The outlet of a turn comes while the sweep settles that same turn: the real reply goes in
+    the ledger and the spend, the sweep's estimated entry is taken back (it was once written
+    after the outlet had looked for it: two replies in the ledger, one estimated)."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    store = GatedSpend()
+    f = make_filter(counter, store=store, clock=Clock(now), daily_limit_usd=10)
+    user = f"u-{unique}"
+    [(body, who)] = await quiet_turns(f, [user], monkeypatch)
+    store.hold()
+    sweep = asyncio.create_task(started(f, *turn(f"other-{unique}")))
+    await store.held.wait()  # the sweep is settling this turn
+    monkeypatch.setattr(openturns_module, "STREAM_IDLE_SECONDS", 120.0)
+    ledger_write = store.incr
+
+    async def incr(key, fields, **options):  # the outlet's real reply is in the ledger: the sweep goes on
+        await ledger_write(key, fields, **options)
+        if key.startswith("ledger:") and fields.get("estimated") == 0:
+            store.gate.set()
+
+    monkeypatch.setattr(store, "incr", incr)
+    reply = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 300})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    await sweep
+    assert await SpendBook().spend(store, user, now.date()) == (Spend(D("0.0055"), 1_300, 1, 0),) * 2
+    [entry] = await read_ledger(store, user=user)
+    assert (entry.counters["requests"], entry.counters["estimated"], entry.usd("cost_picousd")) == (1, 0, D("0.0055"))
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("policy", ["fail-open", "fail-closed"])
 async def test_a_reserve_redis_applied_but_answered_too_late_counts_once(

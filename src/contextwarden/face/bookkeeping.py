@@ -278,45 +278,60 @@ class Bookkeeping:
         """One streamed chunk of a started turn: its text counted, its usage settled. A turn swept
         as ended that streams again (a tool ran past STREAM_IDLE_SECONDS) is open again: its
         ledger entry taken back, the call it waited for charged, and swept again when it ends."""
+        turn.last_seen = time.monotonic()  # before any wait: no sweep takes it for quiet meanwhile
         if turn.ended:
-            turn.ended = False
-            await self._ledger_ended(turn, taken_back=True)
-            await self._settle(turn, turn.used(open_turn=True)[1])
-        turn.last_seen = time.monotonic()
+            turn.ended = False  # a sweep that has not reached it yet leaves it alone
+            await self._settle_open(turn, reopened=True)
         chars, asks_for_tools = read_chunk(event)
         turn.streamed += chars
         turn.calling = turn.calling or asks_for_tools
         raw = event.get("usage") if isinstance(event, dict) else None
         usage = read_usage({"usage": raw}) if isinstance(raw, dict) else None
         if usage is not None and turn.report(usage, event):
-            await self._settle(turn, turn.used(open_turn=True)[1])
+            await self._settle_open(turn)
 
-    async def _settle(self, turn: OpenTurn, real: Charge) -> None:
+    async def _settle_open(self, turn: OpenTurn, *, reopened: bool = False) -> None:
+        """Settle a turn still streaming at what it used so far, read under its lock (`reopened`:
+        swept as ended, it streams again: its ledger entry is taken back first). Nothing once
+        its outlet finished it: the outlet settles it at what it really cost."""
+        async with turn.settling:
+            if turn.finished:
+                return
+            if reopened:
+                await self._ledger_ended(turn, taken_back=True)
+            await self._settle_held(turn, turn.used(open_turn=True)[1])
+
+    async def _settle_held(self, turn: OpenTurn, real: Charge) -> None:
         """Bring a turn's place in its user's spend totals to `real`: the difference from what it
         was charged, or `real` whole for a turn that took none (no limit at its start, or the
-        store away then), so every reply that ends counts. One settlement of a turn at a time:
+        store away then), so every reply that ends counts. The caller holds `turn.settling`:
         the sweep, its stream and a late outlet may overlap, and each reads what the one
         before it left."""
-        if not turn.user:
+        charged = turn.charged
+        if not turn.user or charged == real:
             return
-        async with turn.settling:
-            charged = turn.charged
-            if charged == real:
-                return
-            try:
-                await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
-            except Exception as exc:
-                books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
-                return
-            turn.charged = real
+        try:
+            await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
+        except Exception as exc:
+            books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
+            return
+        turn.charged = real
 
     async def _settle_ended(self) -> None:
-        """Turns that ended without an outlet (`OpenTurns.due`): a stopped stream settled at its
-        prompt estimate plus what it streamed, one that showed nothing kept at its estimate;
-        each added to the ledger as an estimated reply."""
+        """Turns that ended without an outlet (`OpenTurns.due`), each settled as ended."""
         for turn in self._open.due(time.monotonic()):
+            await self._settle_as_ended(turn)
+
+    async def _settle_as_ended(self, turn: OpenTurn) -> None:
+        """A turn that ended without an outlet: a stopped stream settled at its prompt estimate
+        plus what it streamed, one that showed nothing kept at its estimate, and added to the
+        ledger as an estimated reply. All under its lock, and only while it is still ended and
+        unfinished: the sweep picked it earlier, and its stream or outlet may have come since."""
+        async with turn.settling:
+            if not turn.ended or turn.finished:
+                return
             used, charge = turn.used()
-            await self._settle(turn, charge)
+            await self._settle_held(turn, charge)
             books_log.info("contextwarden: a turn ended without an outlet; settled at what this worker saw")
             turn.booked = (used, charge.cost_usd)
             await self._ledger_ended(turn)
@@ -430,6 +445,7 @@ class Bookkeeping:
         """The reply into the usage ledger, then the spend totals (its turn's charge settled, or
         the reply added whole), each whether or not the other could be written: after the log
         line, once (never retried, so never counted twice)."""
+        recorded = False
         try:
             await record_reply(
                 self._store,
@@ -447,16 +463,17 @@ class Bookkeeping:
                 cost_saved_usd=record.cost_saved_usd,
                 shadow=record.mode == "shadow",
             )
+            recorded = True
         except Exception as exc:
             books_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
-        else:
-            if started is not None:
-                await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
         charge = Charge.of(billed, cost.cost_usd)
-        if started is not None:
-            await self._settle(started, charge)
-        else:
+        if started is None:
             await self._record_spend(user_id, charge)
+            return
+        async with started.settling:  # after a sweep settling it now, so its ledger entry is taken back
+            if recorded:
+                await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
+            await self._settle_held(started, charge)
 
     async def _learn(
         self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str

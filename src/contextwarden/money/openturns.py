@@ -72,6 +72,7 @@ class OpenTurn:
     calls_on: bool = False  # the last call that reported asked for tools: another call follows
     reported_by: object = None  # the stream id (`id`) of the call that reported last
     ended: bool = False
+    finished: bool = False  # its outlet came: only that outlet settles it now
     booked: tuple[Usage, Decimal | None] | None = None  # added to the ledger when it ended (no outlet)
     settling: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)  # one settlement at a time
 
@@ -192,6 +193,7 @@ class OpenTurns:
         """The turn an outlet ends (removed), or None: not started here, or already finished."""
         turn = self.find(turn_id)
         if turn is not None:
+            turn.finished = True
             self._forget(turn.turn_id)
         return turn
 
