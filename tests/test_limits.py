@@ -807,6 +807,70 @@ async def test_an_outlet_during_its_turn_s_sweep_takes_the_sweep_s_ledger_entry_
     assert (entry.counters["requests"], entry.counters["estimated"], entry.usd("cost_picousd")) == (1, 0, D("0.0055"))
 
 
+async def test_a_flood_of_one_user_s_turns_never_pushes_out_another_user_s(counter, unique, monkeypatch):
+    """A user without a limit starts turns that get no outlet, more than a worker keeps: their own
+    oldest make room (settled as ended, at their estimate), never another user's turn in flight
+    (it was once pushed out, and its outlet, taken for a bare one, added the reply whole on top
+    of the estimate its start charged: $0.01039 instead of $0.0001)."""
+    monkeypatch.setattr(openturns_module, "MAX_OPEN_TURNS", 10)
+    monkeypatch.setattr(openturns_module, "MAX_USER_OPEN_TURNS", 5)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"limit_overrides": json.dumps({"users": {f"u-{unique}": {"daily_usd": 1}}})}, now)
+    body, who = turn(f"u-{unique}")
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    for k in range(20):
+        await inlet(f, f"flood-{unique}", text=f"q{k}")
+    reply = reply_of(usage={"prompt_tokens": 20, "completion_tokens": 5})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    assert await SpendBook().spend(f.store, f"u-{unique}", now.date()) == (Spend(D("0.0001"), 25, 1, 0),) * 2
+    flood, _ = await SpendBook().spend(f.store, f"flood-{unique}", now.date())
+    assert flood.requests == 15  # pushed out by their own later turns: each settled at its estimate
+
+
+async def test_a_turn_pushed_out_of_a_full_worker_is_settled_by_its_late_outlet(counter, unique, monkeypatch):
+    """A worker with MAX_OPEN_TURNS open pushes out its oldest turn: settled as ended at once
+    (its estimate, an estimated ledger entry), and its outlet, when it comes, replaces that with
+    the real reply instead of adding the reply on top (charged twice)."""
+    monkeypatch.setattr(openturns_module, "MAX_OPEN_TURNS", 3)
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {"daily_limit_usd": 1}, now)
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    for k in range(3):  # other users' turns fill the worker
+        await inlet(f, f"other{k}-{unique}")
+    [entry] = await read_ledger(f.store, user=user)
+    assert (entry.counters["requests"], entry.counters["estimated"]) == (1, 1)
+    reply = reply_of(usage={"prompt_tokens": 20, "completion_tokens": 5})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(D("0.0001"), 25, 1, 0),) * 2
+    [entry] = await read_ledger(f.store, user=user)
+    assert (entry.counters["requests"], entry.counters["estimated"], entry.counters["prompt_tokens"]) == (1, 0, 20)
+
+
+def test_open_turns_stay_bounded_and_find_what_they_pushed_out(monkeypatch):
+    """Every structure of OpenTurns is bounded: open turns in all and per user, and the turns
+    pushed out that an outlet still finds (the oldest of those forgotten first)."""
+    monkeypatch.setattr(openturns_module, "MAX_OPEN_TURNS", 6)
+    monkeypatch.setattr(openturns_module, "MAX_USER_OPEN_TURNS", 4)
+    monkeypatch.setattr(openturns_module, "MAX_GONE_TURNS", 5)
+    turns = openturns_module.OpenTurns()
+
+    def new(user: str, k: int) -> openturns_module.OpenTurn:
+        return openturns_module.OpenTurn(f"{user}{k}", user, date(2026, 12, 1), "m", None, 10, 10, None, float(k))
+
+    pushed = [old.turn_id for k in range(6) for old in turns.start(new("a", k))]
+    assert pushed == ["a0", "a1"]  # a's own oldest made room
+    pushed = [old.turn_id for k in range(6) for old in turns.start(new(f"u{k}-", k))]
+    assert pushed == ["a2", "a3", "a4", "a5"]  # a full worker: the oldest of all
+    assert all(turns._turns[t].ended is False for t in turns._turns) and len(turns._turns) == 6
+    assert sum(map(len, turns._of_user.values())) == 6 and set(turns._of_user) == {f"u{k}-" for k in range(6)}
+    assert turns.finish("a0") is None  # forgotten: the five pushed out after it are kept
+    late = turns.finish("a1")
+    assert late is not None and late.ended and late.finished and turns.finish("a1") is None
+    assert len(turns._gone) == 4
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("policy", ["fail-open", "fail-closed"])
 async def test_a_reserve_redis_applied_but_answered_too_late_counts_once(

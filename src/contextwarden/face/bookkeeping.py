@@ -26,7 +26,15 @@ from ..errors import TurnRefused
 from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
 from ..money.ledger import record_reply
 from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
-from ..money.openturns import OpenTurn, OpenTurns, read_chunk, reply_allowance, rough_tokens
+from ..money.openturns import (
+    MAX_OPEN_TURNS,
+    MAX_USER_OPEN_TURNS,
+    OpenTurn,
+    OpenTurns,
+    read_chunk,
+    reply_allowance,
+    rough_tokens,
+)
 from ..money.pricing import Resolution
 from ..money.records import TurnNote, UsageRecord
 from ..money.savings import Savings
@@ -241,8 +249,15 @@ class Bookkeeping:
         if limits.any:
             if await self._reserve(turn, turn.estimate, limits, settings):
                 turn.charged = turn.estimate
-        self._open.start(turn)
+        pushed = self._open.start(turn)
         metadata[METADATA_KEY] = replace(note, turn_id=turn.turn_id).to_dict()
+        if pushed:
+            self._warn_once(
+                f"contextwarden: a user had {MAX_USER_OPEN_TURNS:,} turns open in this worker, or the worker "
+                f"{MAX_OPEN_TURNS:,}; the oldest are settled as ended"
+            )
+        for old in pushed:
+            await self._settle_as_ended(old)
 
     async def _reserve(self, turn: OpenTurn, estimate: Charge, limits: Limits, settings: Settings) -> bool:
         """Check and charge in one step (`SpendBook.reserve`). When the store failed, the reserve
@@ -328,8 +343,8 @@ class Bookkeeping:
         ledger as an estimated reply. All under its lock, and only while it is still ended and
         unfinished: the sweep picked it earlier, and its stream or outlet may have come since."""
         async with turn.settling:
-            if not turn.ended or turn.finished:
-                return
+            if not turn.ended or turn.finished or turn.booked is not None:
+                return  # open again, finished, or settled as ended by the sweep or a push-out
             used, charge = turn.used()
             await self._settle_held(turn, charge)
             books_log.info("contextwarden: a turn ended without an outlet; settled at what this worker saw")

@@ -11,6 +11,11 @@ passed. Either is then added to the usage ledger (estimated when nothing was rep
 ended turn is kept a while longer (`KEEP_SECONDS`) so a late outlet still settles it at what
 it really cost. Only a turn found here teaches anything (calibration, cache statistics): a
 bare outlet may be forged.
+
+Bounded: a user with MAX_USER_OPEN_TURNS open pushes out their own oldest, and a worker with
+MAX_OPEN_TURNS its oldest. A turn pushed out is settled as ended at once (as the sweep would
+settle it) and its outlet still finds it among the last MAX_GONE_TURNS pushed out, so it is
+settled, never added whole on top of its charge; only its stream is no longer watched.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ __all__ = [
 STREAM_IDLE_SECONDS = 120.0  # a stream silent this long was stopped (or its client went away)
 RESERVATION_SECONDS = 1_800.0  # a turn that showed nothing is settled at its estimate after this
 KEEP_SECONDS = 7_200.0  # an ended turn is still found by a late outlet this long
-MAX_OPEN_TURNS = 100_000  # per worker; the oldest go first
+MAX_OPEN_TURNS = 100_000  # per worker; when full, the oldest is pushed out (settled as ended)
+MAX_USER_OPEN_TURNS = 1_000  # per user and worker: a user's own oldest makes room, never another's
+MAX_GONE_TURNS = 10_000  # turns pushed out that a late outlet still settles (the last ones)
 SWEEP_EVERY_SECONDS = 1.0
 CHARS_PER_TOKEN = 4  # what a stopped stream's text counts (its exact count is not worth keeping the text)
 MAX_REPLY_ALLOWANCE = 1_000_000  # tokens: a request's max_tokens above this is charged as this
@@ -174,27 +181,57 @@ def rough_tokens(messages: Sequence[Message]) -> int:
 
 
 class OpenTurns:
-    """The turns of one worker from start to end (bounded, in start order)."""
+    """The turns of one worker from start to end (bounded, in start order), and the last ones
+    pushed out to stay bounded (`MAX_GONE_TURNS`), for their outlets."""
 
     def __init__(self) -> None:
         self._turns: OrderedDict[str, OpenTurn] = OrderedDict()
+        self._of_user: dict[str, OrderedDict[str, None]] = {}  # each user's open turns, in start order
+        self._gone: OrderedDict[str, OpenTurn] = OrderedDict()
         self._next_sweep = 0.0
 
-    def start(self, turn: OpenTurn) -> None:
-        """Register a turn (the oldest is forgotten when full)."""
+    def start(self, turn: OpenTurn) -> list[OpenTurn]:
+        """Register a turn, making room first: the user's own oldest goes when they have
+        MAX_USER_OPEN_TURNS open, the oldest of all when the worker has MAX_OPEN_TURNS (so one
+        user's flood never pushes out another user's turn). Returns the turns pushed out that had
+        not ended: marked ended now, for the caller to settle as the sweep settles a quiet one."""
+        pushed = []
+        mine = self._of_user.get(turn.user)
+        if mine is not None and len(mine) >= MAX_USER_OPEN_TURNS:
+            pushed.append(self._push_out(next(iter(mine))))
         while len(self._turns) >= MAX_OPEN_TURNS:
-            self._forget(next(iter(self._turns)))
+            pushed.append(self._push_out(next(iter(self._turns))))
         self._turns[turn.turn_id] = turn
+        self._of_user.setdefault(turn.user, OrderedDict())[turn.turn_id] = None
+        return [old for old in pushed if old is not None]
 
     def find(self, turn_id: object) -> OpenTurn | None:
+        """An open turn (a turn pushed out is not watched any more: its stream is not followed)."""
         return self._turns.get(turn_id) if isinstance(turn_id, str) else None
 
     def finish(self, turn_id: object) -> OpenTurn | None:
-        """The turn an outlet ends (removed), or None: not started here, or already finished."""
+        """The turn an outlet ends (removed), open or pushed out, or None: not started here,
+        pushed out too long ago, or already finished."""
         turn = self.find(turn_id)
         if turn is not None:
-            turn.finished = True
             self._forget(turn.turn_id)
+        elif isinstance(turn_id, str):
+            turn = self._gone.pop(turn_id, None)
+        if turn is not None:
+            turn.finished = True
+        return turn
+
+    def _push_out(self, turn_id: str) -> OpenTurn | None:
+        """Take a turn out to make room, keeping it for its outlet; the turn when it had not
+        ended (marked ended now: the caller settles it)."""
+        turn = self._turns[turn_id]
+        self._forget(turn_id)
+        self._gone[turn_id] = turn
+        while len(self._gone) > MAX_GONE_TURNS:
+            self._gone.popitem(last=False)
+        if turn.ended:
+            return None  # settled as ended already (or being settled by a sweep)
+        turn.ended = True
         return turn
 
     def due(self, now: float) -> list[OpenTurn]:
@@ -215,7 +252,16 @@ class OpenTurns:
                 ended.append(turn)
         for turn_id in old:
             self._forget(turn_id)
+        while self._gone and now - next(iter(self._gone.values())).quiet_since > KEEP_SECONDS:
+            self._gone.popitem(last=False)
         return ended
 
     def _forget(self, turn_id: str) -> None:
-        self._turns.pop(turn_id, None)
+        turn = self._turns.pop(turn_id, None)
+        if turn is None:
+            return
+        mine = self._of_user.get(turn.user)
+        if mine is not None:
+            mine.pop(turn_id, None)
+            if not mine:
+                del self._of_user[turn.user]
