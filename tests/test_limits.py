@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 import contextwarden.face.bookkeeping as bookkeeping_module
+import contextwarden.face.filter as filter_module
 import contextwarden.money.openturns as openturns_module
 from contextwarden.errors import ConfigError, TurnRefused
 from contextwarden.face.adminview import usage_markdown
@@ -566,7 +567,7 @@ def test_a_stream_s_calls_are_told_apart_by_their_stream_id():
     from contextwarden.money.usage import Usage
 
     def opened() -> OpenTurn:
-        return OpenTurn("t", "u", date(2026, 12, 1), "openai/gpt-4o", None, 100, 50, None, 0.0)
+        return OpenTurn("t", "u", date(2026, 12, 1), "openai/gpt-4o", None, 100, 50, None, 0.0, MemoryStore())
 
     turn = opened()
     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
@@ -854,10 +855,12 @@ def test_open_turns_stay_bounded_and_find_what_they_pushed_out(monkeypatch):
     monkeypatch.setattr(openturns_module, "MAX_OPEN_TURNS", 6)
     monkeypatch.setattr(openturns_module, "MAX_USER_OPEN_TURNS", 4)
     monkeypatch.setattr(openturns_module, "MAX_GONE_TURNS", 5)
-    turns = openturns_module.OpenTurns()
+    turns, store = openturns_module.OpenTurns(), MemoryStore()
 
     def new(user: str, k: int) -> openturns_module.OpenTurn:
-        return openturns_module.OpenTurn(f"{user}{k}", user, date(2026, 12, 1), "m", None, 10, 10, None, float(k))
+        return openturns_module.OpenTurn(
+            f"{user}{k}", user, date(2026, 12, 1), "m", None, 10, 10, None, float(k), store
+        )
 
     pushed = [old.turn_id for k in range(6) for old in turns.start(new("a", k))]
     assert pushed == ["a0", "a1"]  # a's own oldest made room
@@ -869,6 +872,94 @@ def test_open_turns_stay_bounded_and_find_what_they_pushed_out(monkeypatch):
     late = turns.finish("a1")
     assert late is not None and late.ended and late.finished and turns.finish("a1") is None
     assert len(turns._gone) == 4
+    turns.unhold(late.store)  # its outlet is done: the store is held by the 6 open and 4 pushed out
+    assert turns._holding == {store: 10} and turns.holds(store) and not turns.holds(MemoryStore())
+
+
+async def outlet(f, body: dict, who: dict, prompt: int, completion: int) -> None:
+    """The turn's outlet, its reply reporting this usage."""
+    reply = reply_of(usage={"prompt_tokens": prompt, "completion_tokens": completion})
+    await f.outlet({**body, "messages": [*body["messages"], reply]}, __user__=who, __metadata__=body["metadata"])
+
+
+@pytest.mark.redis
+async def test_turns_in_flight_when_redis_url_is_set_settle_where_they_were_charged(counter, redis_url, unique):
+    """The admin sets `redis_url` while four turns charged in the in-process store are in
+    flight: each is settled there, and Redis, which never had their estimates, gets nothing. Its
+    totals once went to -$0.04 (what the settlements took off): credit past the limit, 7 turns of
+    $0.015 let through against $0.05 instead of 4."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = make_filter(counter, clock=Clock(now), daily_limit_usd=0.05)  # no store given, as in Open WebUI
+    user, book = f"u-{unique}", SpendBook()
+    flight = [turn(user) for _ in range(4)]
+    for body, who in flight:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    in_process = f.store
+    f.valves = f.Valves(daily_limit_usd=0.05, redis_url=redis_url)
+    for body, who in flight:
+        await outlet(f, body, who, 20, 5)
+    assert isinstance(f.store, RedisStore) and await f.store.counters(f"spend:2026-12:{user}") == {}
+    assert await book.spend(in_process, user, now.date()) == (Spend(D("0.0004"), 100, 4, 0),) * 2
+    let_through = 0
+    for _ in range(10):
+        body, who = turn(user)
+        if isinstance(await started(f, body, who), TurnRefused):
+            break
+        let_through += 1
+        await outlet(f, body, who, 2_000, 1_000)  # $0.015 each
+    assert let_through == 4 and (await book.spend(f.store, user, now.date()))[0] == Spend(D("0.06"), 12_000, 4, 0)
+    await f.store.aclose()
+
+
+class LeftStore(MemoryStore):
+    """A store a filter opens for a `redis_url`: says whether it holds usage back, and whether it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding_back, self.closed = False, False
+
+    async def flush(self) -> bool:
+        return not self.holding_back
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_the_store_redis_url_leaves_is_closed_once_its_turns_are_settled(counter, unique, monkeypatch):
+    """A store `redis_url` no longer names stays open while a turn charged in it is in flight
+    (its outlet settles it there, not in the new store) and while it holds usage back for its
+    server; then it is closed (it was once dropped as it was: held usage lost, connections open)."""
+    opened: dict[str, LeftStore] = {}
+    monkeypatch.setattr(filter_module, "open_store", lambda url: opened.setdefault(url, LeftStore()))
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = make_filter(counter, clock=Clock(now), daily_limit_usd=1, redis_url="redis://a")
+    user = f"u-{unique}"
+    body, who = turn(user)
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    f.valves = f.Valves(daily_limit_usd=1, redis_url="redis://b")
+    await inlet(f, f"other-{unique}")  # the filter moves to b
+    assert f.store is opened["redis://b"] and not opened["redis://a"].closed
+    await outlet(f, body, who, 20, 5)
+    assert await SpendBook().spend(opened["redis://a"], user, now.date()) == (Spend(D("0.0001"), 25, 1, 0),) * 2
+    assert await opened["redis://b"].counters(f"spend:2026-12:{user}") == {}
+    opened["redis://a"].holding_back = True
+    await inlet(f, f"other-{unique}")
+    assert not opened["redis://a"].closed
+    opened["redis://a"].holding_back = False
+    await inlet(f, f"other-{unique}")
+    assert opened["redis://a"].closed and not opened["redis://b"].closed
+
+
+async def test_stores_redis_url_left_are_kept_bounded(counter, unique, monkeypatch):
+    """Each store left holds a turn that never ends; past MAX_RETIRED_STORES the oldest is closed."""
+    opened: dict[str, LeftStore] = {}
+    monkeypatch.setattr(filter_module, "open_store", lambda url: opened.setdefault(url, LeftStore()))
+    f = make_filter(counter, daily_limit_usd=1)
+    for k in range(20):
+        f.valves = f.Valves(daily_limit_usd=1, redis_url=f"redis://h{k}")
+        await inlet(f, f"u{k}-{unique}")
+    closed = [url for url, store in opened.items() if store.closed]
+    assert closed == [f"redis://h{k}" for k in range(20 - 1 - bookkeeping_module.MAX_RETIRED_STORES)]
 
 
 @pytest.mark.redis

@@ -110,6 +110,11 @@ class FlakyClient:
             raise aioredis.ConnectionError("refused")
         return None
 
+    async def ping(self):
+        if self.down:
+            raise aioredis.ConnectionError("refused")
+        return True
+
     async def aclose(self) -> None:
         pass
 
@@ -126,6 +131,38 @@ async def test_a_redis_store_sends_through_the_client_it_is_given_and_shows_what
     assert store.held == () and store.shared
     assert client.sent == [(KEY_PREFIX + "t", "a"), (KEY_PREFIX + "t", "b")]
     await store.aclose()
+
+
+async def test_flush_sends_what_a_redis_store_holds_once_redis_answers(monkeypatch):
+    """`flush` is how a store the filter left (`redis_url` changed) gets its held increments out
+    before it is closed: False while Redis is away, True once they were sent."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    client = FlakyClient()
+    store = RedisStore("redis://never-dialled:1/0", client=client)
+    assert await store.flush() and await MemoryStore().flush()  # nothing held: nothing to send
+    await store.incr("t", {"n": 1}, ttl=60, once="a")
+    assert not await store.flush() and store.held == ("a",)
+    client.down = False
+    assert await store.flush() and store.held == () and client.sent == [(KEY_PREFIX + "t", "a")]
+
+
+@pytest.mark.redis
+async def test_aclose_lets_go_of_the_store_s_connections(redis_url, unique):
+    """A closed RedisStore leaves no connection open on the server (its client did not close the
+    pool it was given, and a store the filter left kept its connections for good)."""
+    raw = aioredis.Redis.from_url(redis_url)
+    before = {c["id"] for c in await raw.client_list()}
+    store = open_store(redis_url)
+    await store.set(f"k:{unique}", b"x", ttl=60)
+    opened = {c["id"] for c in await raw.client_list()} - before
+    assert opened
+    await store.aclose()
+    for _ in range(200):  # the server sees the close when it reads it
+        if not opened & {c["id"] for c in await raw.client_list()}:
+            break
+        await asyncio.sleep(0.01)
+    assert not opened & {c["id"] for c in await raw.client_list()}
+    await raw.aclose()
 
 
 def test_bad_redis_url_names_the_valve():

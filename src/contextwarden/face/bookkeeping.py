@@ -52,6 +52,8 @@ __all__ = ["Bookkeeping", "BookedReply"]
 
 books_log = logging.getLogger("contextwarden")
 
+MAX_RETIRED_STORES = 8  # stores `redis_url` changes left behind, kept until their turns are settled
+
 
 @dataclass(frozen=True, slots=True)
 class BookedReply:
@@ -99,12 +101,45 @@ class Bookkeeping:
         self._resolve = resolve
         self._warn_once = warn_once
         self._open = OpenTurns()
+        self._retired: list[Store] = []  # oldest first
         self._spendbook = SpendBook()
         self._groups = GroupReader()
 
     @property
     def _store(self) -> Store:
         return self._store_of()
+
+    async def retire(self, store: Store) -> None:
+        """The filter left `store` for another (`redis_url` changed). Turns charged in it are
+        still settled there, so it is kept until none is left and what it holds back for its
+        server was sent, then closed. At most MAX_RETIRED_STORES are kept: past that the oldest
+        is closed as it is (a turn settled in it later opens a connection again)."""
+        self._retired.append(store)
+        while len(self._retired) > MAX_RETIRED_STORES:
+            await self._close(self._retired.pop(0))
+
+    async def _close_retired(self) -> None:
+        """Close each store left behind that no turn kept here is charged in and that holds
+        nothing back (`Store.flush`: sent now if its server answers, else tried again later)."""
+        for store in list(self._retired):
+            try:
+                if self._open.holds(store) or not await store.flush():
+                    continue
+            except Exception as exc:  # never costs the turn that starts
+                books_log.debug("contextwarden: old store not flushed (%s)", type(exc).__name__)
+                continue
+            self._retired.remove(store)
+            await self._close(store)
+
+    @staticmethod
+    async def _close(store: Store) -> None:
+        """Close a store left behind; what it could not send to its server is lost (logged)."""
+        try:
+            if not await store.flush():
+                books_log.warning("contextwarden: a store redis_url no longer names closed with usage not sent")
+            await store.aclose()
+        except Exception as exc:
+            books_log.debug("contextwarden: old store not closed (%s)", type(exc).__name__)
 
     async def stream_event(self, metadata: dict | None, event: Any) -> None:
         """One streamed chunk: counted, and its usage settled, when its turn started here."""
@@ -127,6 +162,24 @@ class Bookkeeping:
         metadata = metadata if isinstance(metadata, dict) else {}
         note = TurnNote.from_dict(metadata.get(METADATA_KEY))
         started = self._open.finish(note.turn_id)  # None: a bare outlet (another worker's, or forged)
+        try:
+            return await self._reply(body, user, metadata, model, settings, emit, note, started)
+        finally:
+            if started is not None:
+                self._open.unhold(started.store)  # it may be closed now, if `redis_url` left it
+
+    async def _reply(
+        self,
+        body: dict,
+        user: dict | None,
+        metadata: dict,
+        model: dict | None,
+        settings: Settings,
+        emit: Emitter | None,
+        note: TurnNote,
+        started: OpenTurn | None,
+    ) -> BookedReply:
+        """`reply` for the turn its outlet finished (`started`, None for a bare outlet)."""
         model_id = base_model_id(body, model)
         resolution = await self._resolve(settings, model_id, emit)
         usage = self._reply_usage(body["messages"][-1])
@@ -245,10 +298,15 @@ class Bookkeeping:
             reply_tokens=reply_allowance(body, settings.reserve_output_tokens),
             charged=None,
             started=time.monotonic(),
+            store=self._store,  # settled and booked there, even after `redis_url` changes
         )
         if limits.any:
-            if await self._reserve(turn, turn.estimate, limits, settings):
-                turn.charged = turn.estimate
+            self._open.hold(turn.store)  # not closed while the charge goes in, if `redis_url` leaves it
+            try:
+                if await self._reserve(turn, turn.estimate, limits, settings):
+                    turn.charged = turn.estimate
+            finally:
+                self._open.unhold(turn.store)
         pushed = self._open.start(turn)
         metadata[METADATA_KEY] = replace(note, turn_id=turn.turn_id).to_dict()
         if pushed:
@@ -267,9 +325,9 @@ class Bookkeeping:
         name = f"reserve:{turn.turn_id}"
         try:
             verdict = await self._spendbook.reserve(
-                self._store, user=turn.user, day=turn.day, charge=estimate, limits=limits, name=name
+                turn.store, user=turn.user, day=turn.day, charge=estimate, limits=limits, name=name
             )
-            self._check_shared()
+            self._check_shared(turn.store)
         except Exception as exc:
             refused = settings.limit_store_failure == "fail-closed"
             charged = await self._charge_unanswered(turn, estimate, name, keep=not refused)
@@ -282,7 +340,7 @@ class Bookkeeping:
         """`SpendBook.charge` for a reserve whose answer was lost; False when that failed too."""
         try:
             await self._spendbook.charge(
-                self._store, user=turn.user, day=turn.day, charge=estimate, name=name, keep=keep
+                turn.store, user=turn.user, day=turn.day, charge=estimate, name=name, keep=keep
             )
         except Exception as exc:
             books_log.warning("contextwarden: turn not charged (%s)", type(exc).__name__)
@@ -326,16 +384,19 @@ class Bookkeeping:
         if not turn.user or charged == real:
             return
         try:
-            await self._spendbook.settle(self._store, user=turn.user, day=turn.day, charged=charged, real=real)
+            await self._spendbook.settle(turn.store, user=turn.user, day=turn.day, charged=charged, real=real)
         except Exception as exc:
             books_log.warning("contextwarden: turn not settled (%s)", type(exc).__name__)
             return
         turn.charged = real
 
     async def _settle_ended(self) -> None:
-        """Turns that ended without an outlet (`OpenTurns.due`), each settled as ended."""
+        """Turns that ended without an outlet (`OpenTurns.due`), each settled as ended; then the
+        stores `redis_url` changes left behind that no turn needs any more are closed."""
         for turn in self._open.due(time.monotonic()):
             await self._settle_as_ended(turn)
+        if self._retired:
+            await self._close_retired()
 
     async def _settle_as_ended(self, turn: OpenTurn) -> None:
         """A turn that ended without an outlet: a stopped stream settled at its prompt estimate
@@ -359,7 +420,7 @@ class Bookkeeping:
         used, cost = turn.booked
         try:
             await record_reply(
-                self._store,
+                turn.store,
                 user=turn.user,
                 model=turn.model,
                 prompt_tokens=used.prompt_tokens,
@@ -390,18 +451,20 @@ class Bookkeeping:
         Raises:
             ConnectionError: the Redis store did not answer (its in-process fallback is no total).
         """
-        spend = await self._spendbook.spend(self._store, user_id, self._now().date())
-        self._check_shared()
+        store = self._store
+        spend = await self._spendbook.spend(store, user_id, self._now().date())
+        self._check_shared(store)
         return spend
 
-    def _check_shared(self) -> None:
+    @staticmethod
+    def _check_shared(store: Store) -> None:
         """ConnectionError when the Redis store answered from its in-process fallback: that is
         no user's total, so what limits read or charged there does not count.
 
         Raises:
             ConnectionError: the Redis store is away.
         """
-        if isinstance(self._store, RedisStore) and not self._store.shared:
+        if isinstance(store, RedisStore) and not store.shared:
             raise ConnectionError("usage store unreachable")
 
     async def _spend_or_none(self, user_id: str, settings: Settings) -> tuple[Spend, Spend] | None:
@@ -463,7 +526,7 @@ class Bookkeeping:
         recorded = False
         try:
             await record_reply(
-                self._store,
+                started.store if started is not None else self._store,  # where its turn was charged
                 user=user_id,
                 model=model_key,
                 prompt_tokens=billed.prompt_tokens,

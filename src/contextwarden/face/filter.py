@@ -320,13 +320,14 @@ class Filter:
         for problem in problems:
             await self._report(problem, emit)
         if settings.redis_url != self._store_url and not self._store_given:
-            self._store_problem = None
+            self._store_problem, left = None, self._store
             try:
                 self._store = open_store(settings.redis_url)
             except ConfigError as exc:
                 self._store_problem = exc
                 self._store = MemoryStore()
             self._store_url = settings.redis_url
+            await self._books.retire(left)  # kept until the turns charged in it are settled there
         if self._store_problem is not None:  # told on every call, like any other bad valve
             await self._report(self._store_problem, emit)
         return settings

@@ -21,7 +21,7 @@ settled, never added whole on top of its charge; only its stream is no longer wa
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date
@@ -30,6 +30,7 @@ from functools import reduce
 from typing import Any
 
 from ..core.conversation import Message, message_text
+from ..state.store import Store
 from .pricing import ModelPrice
 from .spendbook import Charge
 from .usage import Usage
@@ -59,8 +60,9 @@ MAX_STREAM_CALLS = 256  # provider calls a turn keeps apart (Open WebUI's tool l
 @dataclass(slots=True)
 class OpenTurn:
     """One started turn: who, the price and the prompt estimate it was charged at, and what
-    its stream showed so far. `charged` is what the spend totals hold for it now (None: nothing
-    yet, the user had no limit or the store was away; the reply is added whole when it ends)."""
+    its stream showed so far. `charged` is what the spend totals of `store` (the filter's store
+    when it started, whatever `redis_url` says later) hold for it now (None: nothing yet, the user
+    had no limit or the store was away; the reply is added whole when it ends)."""
 
     turn_id: str
     user: str
@@ -71,6 +73,7 @@ class OpenTurn:
     reply_tokens: int  # the reply's allowance in the estimate
     charged: Charge | None
     started: float
+    store: Store = field(repr=False, compare=False)  # where it was charged: it is settled and booked there
     last_seen: float = 0.0
     streamed: int = 0  # characters of text the stream carried
     stream_usage: list[Usage] = field(default_factory=list)  # one per provider call that reported
@@ -188,6 +191,7 @@ class OpenTurns:
         self._turns: OrderedDict[str, OpenTurn] = OrderedDict()
         self._of_user: dict[str, OrderedDict[str, None]] = {}  # each user's open turns, in start order
         self._gone: OrderedDict[str, OpenTurn] = OrderedDict()
+        self._holding: Counter[Store] = Counter()  # turns kept (open, pushed out, finishing, starting) by store
         self._next_sweep = 0.0
 
     def start(self, turn: OpenTurn) -> list[OpenTurn]:
@@ -203,15 +207,31 @@ class OpenTurns:
             pushed.append(self._push_out(next(iter(self._turns))))
         self._turns[turn.turn_id] = turn
         self._of_user.setdefault(turn.user, OrderedDict())[turn.turn_id] = None
+        self.hold(turn.store)
         return [old for old in pushed if old is not None]
+
+    def holds(self, store: Store) -> bool:
+        """Whether a turn kept here (open, pushed out, finishing or starting) is charged in `store`."""
+        return self._holding[store] > 0
+
+    def hold(self, store: Store) -> None:
+        """A turn charged in `store` is not kept here yet (being charged) or any more (its outlet,
+        after `finish`, settling it): `store` is in use until `unhold`."""
+        self._holding[store] += 1
+
+    def unhold(self, store: Store) -> None:
+        """Undo one `hold`, and the hold a turn `finish` returned keeps until its outlet is done."""
+        self._holding[store] -= 1
+        if self._holding[store] <= 0:
+            del self._holding[store]
 
     def find(self, turn_id: object) -> OpenTurn | None:
         """An open turn (a turn pushed out is not watched any more: its stream is not followed)."""
         return self._turns.get(turn_id) if isinstance(turn_id, str) else None
 
     def finish(self, turn_id: object) -> OpenTurn | None:
-        """The turn an outlet ends (removed), open or pushed out, or None: not started here,
-        pushed out too long ago, or already finished."""
+        """The turn an outlet ends (removed; its store held until the outlet's `unhold`), open or
+        pushed out, or None: not started here, pushed out too long ago, or already finished."""
         turn = self.find(turn_id)
         if turn is not None:
             self._forget(turn.turn_id)
@@ -228,7 +248,7 @@ class OpenTurns:
         self._forget(turn_id)
         self._gone[turn_id] = turn
         while len(self._gone) > MAX_GONE_TURNS:
-            self._gone.popitem(last=False)
+            self.unhold(self._gone.popitem(last=False)[1].store)
         if turn.ended:
             return None  # settled as ended already (or being settled by a sweep)
         turn.ended = True
@@ -251,9 +271,10 @@ class OpenTurns:
                 turn.ended = True
                 ended.append(turn)
         for turn_id in old:
+            self.unhold(self._turns[turn_id].store)
             self._forget(turn_id)
         while self._gone and now - next(iter(self._gone.values())).quiet_since > KEEP_SECONDS:
-            self._gone.popitem(last=False)
+            self.unhold(self._gone.popitem(last=False)[1].store)
         return ended
 
     def _forget(self, turn_id: str) -> None:

@@ -108,6 +108,14 @@ class Store:
         """True when other workers see the same state."""
         return False
 
+    async def flush(self) -> bool:
+        """Send what the store holds back for its server now, if it answers (a store left behind
+        by a `redis_url` change is closed only once this is True: nothing of it is lost)."""
+        return True
+
+    async def aclose(self) -> None:
+        """Let go of the store's connections (a store no turn uses any more)."""
+
 
 class MemoryStore(Store):
     """An in-process store: the default, and the test double. Each kind of key (its namespace,
@@ -250,6 +258,7 @@ class RedisStore(Store):
             ConfigError: the URL is not a Redis URL (names the `redis_url` valve).
         """
         self._redis = client if client is not None else redis_client(url, timeout)
+        self._own_pool = client is None  # `redis_client`'s pool: this store closes it
         self.fallback = fallback or MemoryStore()
         self._down_since: float | None = None
         # (key, fields, ttl, name, marker bucket): a replay marks the bucket of the first try.
@@ -442,8 +451,23 @@ class RedisStore(Store):
         ]
         return sorted(found)
 
+    async def flush(self) -> bool:
+        """Send the held increments (`held`) now when Redis answers; True when none are left.
+        Within REDIS_RETRY_SECONDS of a failure nothing is sent (Redis counts as away)."""
+        if self._pending:
+            await self._try_redis("ping")
+        return not self._pending
+
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        """Close the client, and the connection pool this store made (a pool left open keeps its
+        connections to the server: the client alone does not close a pool it was given)."""
+        if self._own_pool:
+            await self._redis.aclose(close_connection_pool=True)
+        else:
+            await self._redis.aclose()
+
+    async def _redis_ping(self) -> None:
+        await self._redis.ping()
 
 
 def _integers(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> tuple[dict[str, int], list[bytes | str]]:
