@@ -37,6 +37,7 @@ MODULES = [
     "errors",
     "caches",
     "backoff",
+    "encoding_files",
     "core/conversation",
     "core/tokens",
     "core/semantic",
@@ -90,7 +91,9 @@ MODULES = [
 # The parts in the file's order and the header of each; a part's title is the first line of
 # its __init__.py docstring.
 PARTS = ["", "core", "state", "money", "face"]
-SHARED_TITLE = "The package's own: the exception tree and the cache inventory every part uses."
+SHARED_TITLE = (
+    "The package's own: the exception tree, the cache inventory, back-off and tiktoken's files, for every part."
+)
 # What Open WebUI itself ships besides the standard library.
 ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
 
@@ -104,6 +107,9 @@ AUDIT = [
     ("network: OpenRouter fetch client (the only place it is opened)", "live_prices.LivePrices.refresh"),
     ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
     ("network: Redis (only when the redis_url valve is set)", "store.redis_client"),
+    ("network: a tiktoken encoding not in its cache (GET, background thread)", "encoding_files._download"),
+    ("file: tiktoken's cache, an encoding file checked", "encoding_files.encoding_cached"),
+    ("file: tiktoken's cache, a downloaded encoding file written", "encoding_files._fetch_into_cache"),
     ("file: the admin's pricing_file valve (read only, checked first)", "pricing._read_price_file"),
     ("model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION)", "embedder.OpenWebUIEmbedder._fetch"),
 ]

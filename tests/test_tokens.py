@@ -115,7 +115,7 @@ def test_offline_counts_with_estimator_and_never_blocks(monkeypatch):
         gate.wait(5)
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", slow_unavailable)
+    monkeypatch.setattr(tiktoken, "get_encoding", slow_unavailable)
     offline = TokenCounter()  # background loading, as in the filter
     started = time.perf_counter()
     count = offline.count_text("hello world", "gpt-4o")
@@ -135,7 +135,7 @@ async def test_loading_happens_off_the_event_loop(monkeypatch):
         loaded.set()
         return real(name)
 
-    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", slow)
+    monkeypatch.setattr(tiktoken, "get_encoding", slow)
     fresh = TokenCounter()
     ticks = 0
 
@@ -161,7 +161,7 @@ def test_substitute_encoding_when_only_cl100k_loads(monkeypatch):
             raise ConnectionError("offline")
         return real(name)
 
-    monkeypatch.setattr(tokens_module.tiktoken, "get_encoding", only_cl100k)
+    monkeypatch.setattr(tiktoken, "get_encoding", only_cl100k)
     c = TokenCounter(block=True)
     c.wait_ready("gpt-4")
     assert c.mode("gpt-4o") == "substitute"

@@ -1,8 +1,9 @@
 """Counting tokens: per-model encoding, message overhead, images, a bounded cache.
 
 tiktoken downloads its encodings on first use, which fails (or hangs) offline. A counter
-therefore loads encodings in a background thread and, until one is there, counts with a
-conservative estimator; `mode()` says which it used so the caller can tell the user.
+therefore loads encodings in a background thread, never through tiktoken's own download (see
+`encoding_files`), and, until one is there, counts with a conservative estimator; `mode()` says
+which it used so the caller can tell the user.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-import tiktoken
-
+from ..backoff import Backoff
 from ..caches import DEFAULT_COUNT_CACHE_SIZE, ENCODING_MEMO_SIZE, lru_hit, register
+from ..encoding_files import EncodingUnavailable, encoding_cached, load_encoding
 from .conversation import Message, image_count, message_text
 
 __all__ = [
@@ -47,7 +48,8 @@ TOKENS_PER_NAME = 1
 TOKENS_PER_ROLE = 1  # every message's role (a one-token word)
 TOKENS_PER_REPLY = 3  # every reply is primed with <|start|>assistant<|message|>
 DEFAULT_IMAGE_TOKENS = 765  # one 1024x1024 image at high detail (OpenAI's tile formula)
-RETRY_LOAD_AFTER_SECONDS = 600.0
+# After a failed load a counter estimates 60 s before it tries again, doubling while loads fail, up to an hour.
+LOAD_RETRY_SECONDS = (60.0, 3600.0)
 # The longest text one encode call gets. tiktoken panics (a BaseException) on a whitespace run of
 # ~1M characters, and one call holds the GIL for its whole text, superlinearly in a run of spaces
 # or a long word: 4k characters take under 1 ms, 16k up to 17 ms (AMD EPYC).
@@ -175,13 +177,15 @@ def _mode_of(name: str, encoding: Any | None, model: str | None) -> CountMode:
 def preload_encodings(names: Iterable[str] = PRELOADED_ENCODINGS) -> threading.Thread:
     """Start loading tiktoken's encodings in a background thread, e.g. when the filter module is
     loaded: tiktoken keeps them for every counter (a counter's own load then returns at once or
-    waits on tiktoken's lock), so a fresh worker's first request finds them sooner. A failure
-    is left to the counters, which log it and estimate."""
+    waits on tiktoken's lock), so a fresh worker's first request finds them sooner. Cached ones
+    first, so a download that hangs holds back none of them. A failed download logs itself (see
+    `encoding_files`); any other failure is left to the counters, which log it and estimate."""
 
     def load() -> None:
-        for name in names:
+        ordered = sorted(names, key=lambda name: not encoding_cached(name))
+        for name in ordered:
             try:
-                tiktoken.get_encoding(name)
+                load_encoding(name)
             except Exception:  # offline, blocked, corrupt cache: the counter says so when it tries
                 pass
 
@@ -204,7 +208,7 @@ def _longest_within(limit: int, fits: Callable[[int], bool]) -> int:
 
 @dataclass(slots=True)
 class _Loading:
-    failed_at: float = 0.0
+    backoff: Backoff = field(default_factory=Backoff)  # on time.monotonic()
     thread: threading.Thread | None = None
 
 
@@ -248,18 +252,28 @@ class TokenCounter:
     # -- encodings --------------------------------------------------------------------------
 
     def _load(self, name: str) -> None:
+        """Load one encoding (see `load_encoding`); a failure rests it (LOAD_RETRY_SECONDS), and
+        the first of a run is one warning, unless the failed download already said so."""
         try:
-            encoding = tiktoken.get_encoding(name)
+            encoding = load_encoding(name)
         except Exception as exc:  # offline, blocked, corrupt cache: all mean "not now"
             with self._lock:
-                self._loading[name].failed_at = time.monotonic()
-                self._loading[name].thread = None
-            tokens_log.warning(
-                "contextwarden: tiktoken encoding %s unavailable (%s); estimating", name, type(exc).__name__
+                state = self._loading[name]
+                first = state.backoff.failures == 0
+                pause = state.backoff.failed(time.monotonic(), *LOAD_RETRY_SECONDS)
+                state.thread = None
+            loud = first and not isinstance(exc, EncodingUnavailable)
+            tokens_log.log(
+                logging.WARNING if loud else logging.DEBUG,
+                "contextwarden: tiktoken encoding %s unavailable (%s); estimating, next try in %d s",
+                name,
+                type(exc).__name__,
+                pause,
             )
             return
         with self._lock:
             self._encodings[name] = encoding
+            self._loading[name].backoff.succeeded()
             self._loading[name].thread = None
 
     def _encoding(self, name: str) -> Any | None:
@@ -269,9 +283,7 @@ class TokenCounter:
             return encoding
         with self._lock:
             state = self._loading.setdefault(name, _Loading())
-            busy = state.thread is not None
-            recent_failure = state.failed_at and time.monotonic() - state.failed_at < RETRY_LOAD_AFTER_SECONDS
-            if busy or recent_failure:
+            if state.thread is not None or state.backoff.resting(time.monotonic()):
                 return None
             if not self.block:
                 state.thread = threading.Thread(

