@@ -381,6 +381,12 @@ async def test_summary_valves_are_checked(counter):
         ("summary_base_url", "http://:8080/v1", "no host"),
         ("summary_base_url", "http://llm.test:80x/v1", "port"),
         ("summary_base_url", "http://llm test/v1", "space"),
+        # Before: accepted, and httpx logged the URL, key and all, at INFO on every summary call
+        # (the query form also went to /v1?key=.../chat/completions).
+        ("summary_base_url", f"http://proxyuser:{KEY}@llm.test/v1", "put the key in summary_api_key"),
+        ("summary_base_url", f"http://{KEY}@llm.test/v1", "user name or password"),
+        ("summary_base_url", f"http://llm.test/v1?key={KEY}", "put a key in summary_api_key"),
+        ("summary_base_url", f"http://llm.test/v1#{KEY}", "fragment"),
     ],
 )
 async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_without_a_summary(
@@ -388,6 +394,7 @@ async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_withou
 ):
     # Before: every trimmed turn went out untrimmed with "internal error" (UnicodeEncodeError
     # from the header, InvalidURL from the port).
+    caplog.set_level(logging.INFO)  # httpx logs each request's URL at INFO, as Open WebUI shows it
     route = llm.route(host="llm.test").mock(return_value=completion())  # any call to the summary host
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **{**SUMMARY_VALVES, valve: value})
     events = Events()
@@ -399,7 +406,7 @@ async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_withou
     [named] = [s for s in events.statuses if valve in s]
     assert kind in named and "summaries are off" in named and value not in named
     assert not any("internal error" in s for s in events.statuses)
-    assert value not in caplog.text
+    assert value not in caplog.text and KEY not in caplog.text
 
 
 async def test_a_key_that_cannot_be_sent_fails_like_the_endpoint_not_the_turn(llm, caplog):
@@ -468,6 +475,7 @@ def test_endpoint_check_never_raises_and_passes_only_callable_urls(url):
         assert (
             parsed.scheme in ("http", "https") and parsed.host and (parsed.port is None or 1 <= parsed.port <= 65_535)
         )
+        assert not parsed.userinfo and not parsed.query and not parsed.fragment and not {"?", "#"} & set(url)
 
 
 @pytest.mark.parametrize("seed", range(24))

@@ -225,7 +225,12 @@ def _cache_key(config: SummaryConfig, transcript: str) -> str:
 
 
 def endpoint_problem(base_url: str) -> str | None:
-    """What is wrong with a summary endpoint URL (None when it can be called); never the URL itself."""
+    """What is wrong with a summary endpoint URL (None when it can be called); never the URL itself.
+
+    A user name or password, a query or a fragment are refused: httpx logs every request's URL
+    at INFO (a key in it would be in Open WebUI's log on every call), and `/chat/completions`
+    is appended to the base, after any query. The key goes in `summary_api_key`.
+    """
     if not base_url.startswith(("http://", "https://")):
         return "must start with http:// or https://"
     if any(ch.isspace() or not ch.isprintable() or not ch.isascii() for ch in base_url):
@@ -236,6 +241,15 @@ def endpoint_problem(base_url: str) -> str | None:
         httpx.URL(base_url)
     except (ValueError, httpx.InvalidURL):
         return "is not a valid URL (check the host, and the port: 1 to 65535)"
+    if "@" in parts.netloc:
+        return (
+            "holds a user name or password (user:password@host), which would be logged; put the key in summary_api_key"
+        )
+    if "?" in base_url or "#" in base_url:
+        return (
+            "holds a query (?...) or a fragment (#...): give the API base only, /chat/completions is added to it; "
+            "put a key in summary_api_key"
+        )
     if not parts.hostname:
         return "has no host"
     if port == 0:
