@@ -150,19 +150,28 @@ def test_admins_are_unlimited_unless_their_role_has_an_override():
     ("text", "named"),
     [
         ("{not json", "not valid JSON (at line 1 column 2)"),
-        ('{"roles": {"user": {"daily_usd": -1}}}', "roles.user.daily_usd: Input should be greater than or equal to 0"),
-        ('{"roles": {"user": {"daily_usd": "sk-secret-123"}}}', "roles.user.daily_usd"),
-        ('{"groups": {"g": {"weekly_usd": 1}}}', "groups.g.weekly_usd: Extra inputs are not permitted"),
-        ('{"teams": {}}', "teams"),
-        ('{"users": {"u": {"daily_tokens": 1e30}}}', "users.u.daily_tokens"),
-        ('{"roles": {"user": {"daily_usd": NaN}}}', "roles.user.daily_usd"),
+        (
+            '{"roles": {"user": {"daily_usd": -1}}}',
+            "roles entry 1, daily_usd: Input should be greater than or equal to 0",
+        ),
+        ('{"roles": {"user": {"daily_usd": "sk-secret-123"}}}', "roles entry 1, daily_usd"),
+        ('{"groups": {"g": {"weekly_usd": 1}}}', "groups entry 1, key 1 (not one of daily_usd, monthly_usd, "),
+        ('{"teams": {}}', "key 1 (not one of roles, groups, users): Extra inputs are not permitted"),
+        ('{"users": {"u": {"daily_tokens": 1e30}}}', "users entry 1, daily_tokens"),
+        ('{"roles": {"user": {"daily_usd": NaN}}}', "roles entry 1, daily_usd"),
+        # Before: the admin's keys were echoed, and user ids are often emails by mistake
+        ('{"users": {"u1": {}, "ann.secretname@example.org": {"daily_usd": "two"}}}', "users entry 2, daily_usd"),
+        ('{"users": {"ann.secretname@example.org": 5}}', "users entry 1: Input should be a valid dictionary;"),
+        ('{"users": {"u": {"ann.secretname@example.org": 5}}}', "users entry 1, key 1 (not one of"),
+        ('{"ann.secretname@example.org": {"daily_usd": 1}}', "key 1 (not one of roles, groups, users)"),
+        ('[{"ann.secretname@example.org": 1}]', "the top level: Input should be a valid dictionary;"),
     ],
 )
 def test_bad_overrides_are_named_without_their_values(text, named):
     settings, problems = read_settings(make_filter(None, daily_limit_usd=3, limit_overrides=text).valves)
     assert [p.valve for p in problems] == ["limit_overrides"]
     assert named in str(problems[0]) and "no overrides used" in str(problems[0])
-    assert "sk-secret" not in str(problems[0])
+    assert "sk-secret" not in str(problems[0]) and "secretname" not in str(problems[0])
     assert settings.limits.base.daily_usd == D(3) and not settings.limits.roles  # the valve limits still apply
 
 

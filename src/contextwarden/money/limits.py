@@ -10,6 +10,7 @@ overrides name the `admin` role.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, date, datetime, timedelta
@@ -113,6 +114,10 @@ class _Overrides(BaseModel):
     users: dict[str, _Spec] = {}
 
 
+_OVERRIDE_SECTIONS = tuple(_Overrides.model_fields)
+_PYDANTIC_CLASS = re.compile(r" or instance of _\w+")  # pydantic names our private model: not the admin's words
+
+
 def _limits(spec: _Spec) -> Limits:
     return Limits(spec.daily_usd, spec.monthly_usd, spec.daily_tokens, spec.monthly_tokens)
 
@@ -148,9 +153,10 @@ def parse_overrides(text: str, base: Limits) -> LimitRules:
         parsed = _Overrides.model_validate(document)
     except ValidationError as exc:
         first = exc.errors()[0]
-        place = ".".join(str(p) for p in first["loc"]) or "the top level"
+        what = _PYDANTIC_CLASS.sub("", first["msg"])
         raise ConfigError(
-            f"{OVERRIDES_VALVE}: {place}: {first['msg']}; no overrides used", valve=OVERRIDES_VALVE
+            f"{OVERRIDES_VALVE}: {_overrides_place(document, first['loc'])}: {what}; no overrides used",
+            valve=OVERRIDES_VALVE,
         ) from None
     return LimitRules(
         base=base,
@@ -158,6 +164,27 @@ def parse_overrides(text: str, base: Limits) -> LimitRules:
         groups={k: _limits(v) for k, v in parsed.groups.items()},
         users={k: _limits(v) for k, v in parsed.users.items()},
     )
+
+
+def _overrides_place(document: object, loc: Sequence[int | str]) -> str:
+    """Where in `limit_overrides` a problem is, by the schema's own names and, for the admin's
+    keys (user ids, often emails by mistake; group and role names), by position: `users entry 2,
+    daily_usd` (as `parse_aliases` names its entries), never a key itself."""
+    words: list[str] = []
+    node = document
+    for depth, key in enumerate(loc):
+        known = _OVERRIDE_SECTIONS if depth == 0 else _Spec.model_fields if depth == 2 else ()
+        keys = list(node) if isinstance(node, dict) else []
+        if key in known:
+            words.append(str(key))
+        elif depth == 1 and key in keys:
+            words.append(f"entry {keys.index(key) + 1}")
+        elif key in keys:
+            words.append(f"key {keys.index(key) + 1} (not one of {', '.join(known)})")
+        else:
+            words.append("?")
+        node = node.get(key) if isinstance(node, dict) else None
+    return " ".join(words[:2]) + "".join(f", {w}" for w in words[2:]) if words else "the top level"
 
 
 def _most_generous(levels: Sequence[Limits]) -> Limits:
