@@ -5,6 +5,7 @@ named while the bundled prices go on."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -15,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 import respx
 
+import contextwarden.money.pricing as pricing_module
 from contextwarden.errors import PricingError
 from contextwarden.face.status import usage_status
 from contextwarden.money.dollars import format_usd
@@ -422,11 +424,50 @@ async def test_bad_pricing_files_are_named_and_bundled_prices_go_on(tmp_path, co
         (b'{"models": {"a/b": {"prompt": "' + b"1" * 10_000 + b'"}}, "source_date": [1]}', None),
     ],
 )
-async def test_odd_values_in_a_pricing_file_are_unknown_not_errors(tmp_path, content, prompt):
+async def test_odd_values_in_a_pricing_file_are_unknown_and_named(tmp_path, content, prompt):
     path = tmp_path / "prices.json"
     path.write_bytes(content)
     book, problems = await _sources().book(openrouter=False, ttl_hours=24, pricing_file=str(path))
-    assert problems == [] and book.prices["a/b"].prompt == prompt
+    assert book.prices["a/b"].prompt == prompt
+    assert [str(p) for p in problems] == [
+        "pricing_file: 1 of 1 entries unreadable (entry 1: no completion price); "
+        "entries that are not objects are left out, unreadable prices are unknown"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        # Before: each of these was read without a word; the models were priced as unknown or not at all
+        ({"gpt-4o": 5, "my-model": "0.001"}, "2 of 2 entries unreadable (entry 1: not an object)"),
+        ({"gpt-4o": {"prompt": "abc", "completion": "-1"}}, "1 of 1 entries unreadable (entry 1: prompt is not a"),
+        ({"a/b": {"prompt": 2.5e-6, "completion": 1e-5}, "gpt-4o": {"prompt": 2.5, "completion": 10}}, "1 of 2 "),
+        (
+            {"gpt-4o": {"prompt": 2.5, "completion": 10}},
+            "(entry 1: prompt is over $1 a token (prices are USD per token",
+        ),
+        ({"gpt-4o": {"input": 2.5e-6, "completion": 1e-5}}, "(entry 1: no prompt price)"),
+        ({"a/b": {"prompt": 0, "completion": 0, "tiers": [{"min_prompt_tokens": 0}]}}, "(entry 1: tier 1 is not"),
+        ({"a/b": {"prompt": 0, "completion": 0, "tiers": [{"min_prompt_tokens": 9, "prompt": "x"}]}}, "tier 1: prompt"),
+        ({}, "pricing_file: no entries in its 'models' object"),
+    ],
+)
+async def test_unreadable_entries_in_a_pricing_file_are_named_by_position(tmp_path, models, named):
+    path = tmp_path / "prices.json"
+    path.write_text(json.dumps({"models": models}))
+    problem = await _admin_problem(str(path))
+    assert named in problem and not any(model_id in problem for model_id in models)
+
+
+async def test_a_readable_pricing_file_names_nothing(tmp_path):
+    path = tmp_path / "prices.json"
+    models = {
+        "a/b": {"prompt": "0.000001", "completion": 2e-6, "cache_read": None},
+        "c/d": {"prompt": 0, "completion": 0},
+    }
+    path.write_text(json.dumps({"models": models}))
+    book, problems = await _sources().book(openrouter=False, ttl_hours=24, pricing_file=str(path))
+    assert problems == [] and book.prices["a/b"].completion == D("0.000002")
 
 
 async def test_oversized_pricing_file_is_refused_unread(tmp_path):
@@ -467,13 +508,13 @@ async def test_pricing_file_is_read_off_the_event_loop(tmp_path, monkeypatch):
     path = tmp_path / "prices.json"
     path.write_text(PriceBook({"a/b": FREE_PRICE}, source="x").to_json())
     threads: list[threading.Thread] = []
-    real = PriceBook.from_json.__func__
+    real = pricing_module._price_document
 
-    def spy(cls, *args, **kwargs):
+    def spy(*args, **kwargs):
         threads.append(threading.current_thread())
-        return real(cls, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(PriceBook, "from_json", classmethod(spy))
+    monkeypatch.setattr(pricing_module, "_price_document", spy)
     book, problems = await _sources().book(openrouter=False, ttl_hours=24, pricing_file=str(path))
     assert problems == [] and "a/b" in book.prices
     assert threads and all(t is not threading.main_thread() for t in threads)

@@ -113,8 +113,9 @@ class PriceSources:
         async with self._admin_lock:
             if self._admin is None or self._admin[0] != stamp:
                 try:
-                    book = await asyncio.to_thread(PriceBook.from_file, path, source="pricing_file")
-                    self._admin = (stamp, book, None)
+                    book, unread = await asyncio.to_thread(PriceBook.from_file_checked, path, source="pricing_file")
+                    problem = None if unread is None else f"pricing_file: {unread}"
+                    self._admin = (stamp, book, problem)
                 except Exception as exc:  # any failure: named, and the other prices go on
                     detail = str(exc) if isinstance(exc, PricingError) else f"unreadable ({type(exc).__name__})"
                     self._admin = (

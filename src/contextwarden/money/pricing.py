@@ -35,6 +35,7 @@ __all__ = [
     "resolve_model",
     "parse_aliases",
     "parse_model_globs",
+    "unreadable_entries",
 ]
 
 _PRICE_ZERO = Decimal(0)
@@ -177,6 +178,78 @@ def _read_price_file(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PricingError(f"price file is not UTF-8 text (bad byte at {exc.start})") from exc
+
+
+def _price_document(text: str | bytes, source: str) -> dict:
+    """pricing.json text parsed: an object whose `models` is an object.
+
+    Raises:
+        PricingError: not JSON, or no `models` object.
+    """
+    try:
+        document = json.loads(text)
+    except RecursionError as exc:
+        raise PricingError(f"{source}: JSON nested too deeply") from exc
+    except ValueError as exc:
+        raise PricingError(f"{source}: not valid JSON ({exc})") from exc
+    if not isinstance(document, dict) or not isinstance(document.get("models"), dict):
+        raise PricingError(f"{source}: expected an object with a 'models' object")
+    return document
+
+
+def unreadable_entries(models: Mapping) -> str | None:
+    """`N of M entries unreadable (entry k: why)` for a price file's `models` (the first entry
+    that cannot be read as written, by position: never its model id or values), or None.
+
+    An entry that is not an object is left out; a price missing or unreadable is unknown (the
+    live or bundled price stands in where the model id is also there, see `PriceBook.layered`).
+    `null` is an unknown price on purpose, not a problem.
+
+    Example:
+        >>> unreadable_entries({"a/b": {"prompt": "0.000001", "completion": 1e-6}, "c/d": 5}).split(";")[0]
+        '1 of 2 entries unreadable (entry 2: not an object)'
+    """
+    if not models:
+        return "no entries in its 'models' object"
+    problems = [(number, why) for number, record in enumerate(models.values(), 1) if (why := _record_problem(record))]
+    if not problems:
+        return None
+    number, why = problems[0]
+    return (
+        f"{len(problems)} of {len(models)} entries unreadable (entry {number}: {why}); "
+        "entries that are not objects are left out, unreadable prices are unknown"
+    )
+
+
+def _record_problem(record: object) -> str | None:
+    """Why one price-file entry cannot be read as written, or None (see `unreadable_entries`)."""
+    if not isinstance(record, Mapping):
+        return "not an object"
+    for name in _OPENROUTER_REQUIRED:
+        if name not in record:
+            return f"no {name} price"
+    for name in (*_PRICE_TIER_FIELDS, "internal_reasoning"):
+        if (why := _price_problem(name, record.get(name))) is not None:
+            return why
+    tiers = record.get("tiers")
+    if tiers is not None and not isinstance(tiers, list):
+        return "tiers is not a list"
+    for number, tier in enumerate(tiers or (), 1):
+        if not isinstance(tier, Mapping) or _price_positive_int(tier.get("min_prompt_tokens")) is None:
+            return f"tier {number} is not an object with a min_prompt_tokens above 0"
+        for name in _PRICE_TIER_FIELDS:
+            if (why := _price_problem(name, tier.get(name))) is not None:
+                return f"tier {number}: {why}"
+    return None
+
+
+def _price_problem(name: str, raw: object) -> str | None:
+    """Why a price field is not a price (never its value), or None; `null` is unknown on purpose."""
+    if raw is None or _price_decimal(raw) is not None:
+        return None
+    if read_decimal(raw, ceiling=Decimal(10**12)) is not None:
+        return f"{name} is over $1 a token (prices are USD per token: $2.50 per million is 0.0000025)"
+    return f"{name} is not a price (a number or number text, USD per token, 0 or more)"
 
 
 def _price_text(value: Decimal | None) -> str | None:
@@ -366,15 +439,12 @@ class PriceBook:
         Raises:
             PricingError: not JSON, or no `models` object.
         """
-        try:
-            document = json.loads(text)
-        except RecursionError as exc:
-            raise PricingError(f"{source}: JSON nested too deeply") from exc
-        except ValueError as exc:
-            raise PricingError(f"{source}: not valid JSON ({exc})") from exc
-        models = document.get("models") if isinstance(document, dict) else None
-        if not isinstance(models, dict):
-            raise PricingError(f"{source}: expected an object with a 'models' object")
+        return cls._from_document(_price_document(text, source), source)
+
+    @classmethod
+    def _from_document(cls, document: dict, source: str) -> PriceBook:
+        """The book of a parsed pricing.json (see `_price_document`)."""
+        models = document["models"]
         prices = {str(k): _model_from_record(v) for k, v in models.items() if isinstance(v, Mapping)}
         day = document.get("source_date")
         return cls(
@@ -394,7 +464,19 @@ class PriceBook:
         Raises:
             PricingError: unreadable, not a regular file, too large, or bad content.
         """
-        return cls.from_json(_read_price_file(path), source=source or str(path))
+        return cls.from_file_checked(path, source=source)[0]
+
+    @classmethod
+    def from_file_checked(cls, path: str | Path, *, source: str | None = None) -> tuple[PriceBook, str | None]:
+        """`from_file`, and what in it could not be read as written (`unreadable_entries`), or
+        None: an admin's typo would otherwise price a model as unknown, or not at all, unseen.
+
+        Raises:
+            PricingError: as `from_file`.
+        """
+        name = source or str(path)
+        document = _price_document(_read_price_file(path), name)
+        return cls._from_document(document, name), unreadable_entries(document["models"])
 
     @classmethod
     def from_openrouter(
