@@ -86,6 +86,7 @@ MODULES = [
     "face/hookargs",
     "face/trimpass",
     "face/bookkeeping",
+    "face/faults",
     "face/filter",
 ]
 # The parts in the file's order and the header of each; a part's title is the first line of

@@ -229,6 +229,73 @@ async def test_a_million_spaces_in_a_message_trim_and_count(counter, run):
     assert_valid_turn(run_, 1_800, counter)
 
 
+# -- what a fault tells ------------------------------------------------------------------------------
+
+
+def loud_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def notifications(events: Events) -> list[str]:
+    return [e["data"]["content"] for e in events.items if e["type"] == "notification"]
+
+
+async def test_one_fault_is_one_warning_a_turn_and_told_to_admins_once(counter, caplog, monkeypatch):
+    # Before: the limit check, the trim and the charge each logged it (two or three warnings an
+    # inlet), and every user saw "skipped this turn (internal error)" every turn.
+    import contextwarden.face.filter as filter_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret message text")
+
+    monkeypatch.setattr(filter_module, "resolve_model", broken)
+    caplog.set_level(logging.DEBUG, logger="contextwarden")
+    f = make_filter(counter, openrouter_pricing=False, max_context_tokens=1_500)
+    shown: dict[str, list[list[str]]] = {"user": [], "admin": []}
+    for role in ("user", "user", "user", "admin", "admin"):
+        caplog.clear()
+        events, metadata = Events(), {"chat_id": f"c-{role}"}
+        body = {"model": MODEL, "messages": chat_of(10), "metadata": metadata}
+        hooks = {"__user__": {"id": f"id-{role}", "role": role}, "__metadata__": metadata}
+        assert await f.inlet(body, **hooks, __event_emitter__=events) is body
+        [line] = loud_lines(caplog)
+        assert line.startswith("contextwarden: inlet failed (RuntimeError at test_faults.py:")
+        assert "secret" not in caplog.text
+        debug = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.DEBUG and "turn not charged" in r.getMessage()
+        ]
+        assert len(debug) == 1  # the other step it failed, at debug
+        shown[role].append(events.statuses)
+    assert shown["user"] == [[], [], []]  # they cannot fix it, and their chat went on
+    assert shown["admin"] == [["contextwarden skipped this turn (internal error)"], []]
+
+
+async def test_a_stream_fault_is_one_warning_a_place_and_told_after_an_admins_reply(counter, caplog, monkeypatch):
+    # Before: logged at debug only, for every chunk; at INFO nothing was logged and no one told.
+    import contextwarden.face.bookkeeping as bookkeeping_module
+
+    async def broken(self, *args, **kwargs):
+        raise RuntimeError("secret message text")
+
+    f = make_filter(counter, openrouter_pricing=False)
+    monkeypatch.setattr(bookkeeping_module.Bookkeeping, "stream_event", broken)
+    metadata = {"chat_id": "c", "message_id": "m"}
+    for _ in range(50):
+        await f.stream({"choices": [{"delta": {"content": "tok "}}]}, __metadata__=metadata)
+    [line] = loud_lines(caplog)
+    assert line.startswith("contextwarden: stream chunk not read (RuntimeError at test_faults.py:")
+    assert "secret" not in caplog.text
+    user_run = await run_turn(f, chat_of(3), user={"id": "u1", "role": "user"})
+    assert notifications(user_run.events) == []
+    admin_runs = [await run_turn(f, chat_of(3), user={"id": "a1", "role": "admin"}) for _ in range(2)]
+    [told] = notifications(admin_runs[0].events)
+    assert "internal error in its stream hook (RuntimeError at test_faults.py:" in told and "secret" not in told
+    assert notifications(admin_runs[1].events) == []  # once
+    assert not any("skipped" in s for run in admin_runs for s in run.events.statuses)
+
+
 # -- Redis ---------------------------------------------------------------------------------------
 
 

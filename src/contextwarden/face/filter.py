@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +26,7 @@ from ..money.pricing import Resolution, resolve_model
 from ..state.store import MemoryStore, Store, open_store
 from .adminview import without_usage_exchanges
 from .bookkeeping import Bookkeeping
+from .faults import FaultKey, Faults
 from .hookargs import Emitter, is_chat_body, model_context_length, wants_stream_usage, with_stream_usage
 from .trimpass import MAX_REPORTED_PROBLEMS, TrimPass
 from .valves import Settings, UserValves, Valves, read_settings, valves_key
@@ -41,15 +41,6 @@ NEVER_SWALLOWED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, Genera
 
 
 preload_encodings()  # when Open WebUI loads this module: its first request should count exactly
-
-
-def _where(exc: BaseException) -> str:
-    """`file:line` of the innermost frame, for a log line that carries no message text."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "?"
-    last = frames[-1]
-    return f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno}"
 
 
 class Filter:
@@ -84,6 +75,7 @@ class Filter:
         self._store_url = ""
         self._store_problem: ConfigError | None = None
         self._reported: set[str] = set()
+        self._faults = Faults()
         self._settings_memo: dict[tuple, tuple[Settings, list[ConfigError]]] = {}
         self._prices = (prices or PriceSources)(lambda: self._store)
         self._now: Callable[[], datetime] = (lambda: clock().astimezone(UTC)) if clock else (lambda: datetime.now(UTC))
@@ -131,24 +123,23 @@ class Filter:
         __request__: Any = None,
     ) -> dict:
         """Refuse a turn over its spending limit (or answer `!usage`); then trim, before Open WebUI
-        adds RAG, memory and tools (older versions only have this hook)."""
+        adds RAG, memory and tools (older versions only have this hook). One fault logs one
+        warning however many of these steps it fails (`Faults`)."""
+        seen: set[FaultKey] = set()
         try:
             await self._books.before_turn(body, __user__, __metadata__, __event_emitter__)
         except (TurnRefused, *NEVER_SWALLOWED):
             raise  # on purpose: Open WebUI shows a refusal's text to the user
         except BaseException as exc:
-            filter_log.warning(
-                "contextwarden: limits not checked (%s at %s); turn allowed", type(exc).__name__, _where(exc)
-            )
-        out = await self._trim_hook("inlet", body, __user__, __metadata__, __model__, __event_emitter__, __request__)
+            self._faults.log("inlet", exc, "limits not checked", "turn allowed", seen)
+        args = (body, __user__, __metadata__, __model__, __event_emitter__, __request__)
+        out = await self._trim_hook("inlet", *args, seen=seen)
         try:
             await self._books.start_turn(out, __user__, __metadata__, __model__)
         except (TurnRefused, *NEVER_SWALLOWED):
             raise
         except BaseException as exc:
-            filter_log.warning(
-                "contextwarden: turn not charged (%s at %s); turn allowed", type(exc).__name__, _where(exc)
-            )
+            self._faults.log("inlet", exc, "turn not charged", "turn allowed", seen)
         return out
 
     async def request(
@@ -170,8 +161,8 @@ class Filter:
             await self._books.stream_event(__metadata__, event)
         except NEVER_SWALLOWED:
             raise
-        except BaseException as exc:
-            filter_log.debug("contextwarden: stream chunk not read (%s)", type(exc).__name__)
+        except BaseException as exc:  # a warning once a fault and process: this runs for every chunk
+            self._faults.log("stream", exc, "stream chunk not read", "the reply goes on, its usage may be missed")
         return event
 
     async def outlet(
@@ -190,7 +181,7 @@ class Filter:
         except NEVER_SWALLOWED:
             raise
         except BaseException as exc:
-            return await self._failed("outlet", exc, body, __event_emitter__)
+            return await self._failed("outlet", exc, body, __user__, __event_emitter__)
         return body
 
     # -- inlet / request ----------------------------------------------------------------------
@@ -204,6 +195,8 @@ class Filter:
         model: dict | None,
         emit: Emitter | None,
         request: Any = None,
+        *,
+        seen: set[FaultKey] | None = None,
     ) -> Any:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
         try:
@@ -211,7 +204,7 @@ class Filter:
         except NEVER_SWALLOWED:
             raise
         except BaseException as exc:
-            return await self._failed(hook, exc, body, emit)
+            return await self._failed(hook, exc, body, user, emit, seen)
         return self._ask_stream_usage(trimmed, user, model)
 
     async def _trim(
@@ -261,6 +254,8 @@ class Filter:
         if line is not None:
             await self._emit(emit, line)
         await self._tell_window(booked.model_id, user, emit)
+        if emit is not None:
+            await self._faults.tell_later(user, lambda text: self._notify(emit, text))
 
     async def _tell_window(self, model_id: str, user: dict | None, emit: Emitter | None) -> None:
         """Show an admin the model's small-window notice (`WindowNotices`), once, after the reply:
@@ -269,8 +264,13 @@ class Filter:
             return
         if (text := self._passes.windows.take(model_id)) is None:
             return
+        await self._notify(emit, f"contextwarden: {text}")
+
+    @staticmethod
+    async def _notify(emit: Emitter, text: str) -> None:
+        """A warning notification: shown whole, at once, and not saved into the chat."""
         try:
-            await emit({"type": "notification", "data": {"type": "warning", "content": f"contextwarden: {text}"}})
+            await emit({"type": "notification", "data": {"type": "warning", "content": text}})
         except Exception as exc:  # a broken emitter must not cost the chat
             filter_log.debug("contextwarden: notice not shown (%s)", type(exc).__name__)
 
@@ -363,11 +363,21 @@ class Filter:
         else:
             filter_log.debug("%s", text)
 
-    async def _failed(self, hook: str, exc: BaseException, body: Any, emit: Emitter | None) -> Any:
-        filter_log.warning(
-            "contextwarden: %s failed (%s at %s); body passed through unchanged", hook, type(exc).__name__, _where(exc)
-        )
-        await self._emit(emit, f"contextwarden skipped this {'reply' if hook == 'outlet' else 'turn'} (internal error)")
+    async def _failed(
+        self,
+        hook: str,
+        exc: BaseException,
+        body: Any,
+        user: dict | None,
+        emit: Emitter | None,
+        seen: set[FaultKey] | None = None,
+    ) -> Any:
+        """Fail open: the body as it came, one log line, and an admin's status once a fault."""
+        key = self._faults.log(hook, exc, f"{hook} failed", "body passed through unchanged", seen)
+        if emit is not None and self._faults.tell_now(key, user):
+            await self._emit(
+                emit, f"contextwarden skipped this {'reply' if hook == 'outlet' else 'turn'} (internal error)"
+            )
         return body
 
     @staticmethod
