@@ -27,9 +27,11 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +197,47 @@ async def outlet_turn(f: Any, module: Any, chat: list[dict]) -> None:
     await f.outlet({"model": MODEL, "messages": chat, "chat_id": hooks["__metadata__"]["chat_id"]}, **hooks)
 
 
+class _Completions(BaseHTTPRequestHandler):
+    """A summary endpoint on this machine: every POST gets one short chat completion."""
+
+    def do_POST(self) -> None:  # noqa: N802  (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        message = {"role": "assistant", "content": "Summary."}
+        reply = {"object": "chat.completion", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        body = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+_endpoint: list[str] = []
+
+
+def summary_endpoint() -> str:
+    """The base URL of `_Completions`, serving in a thread of this process (started once)."""
+    if not _endpoint:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        _endpoint.append(f"http://127.0.0.1:{server.server_address[1]}/v1")
+    return _endpoint[0]
+
+
+async def summary_turn(f: Any, module: Any, chat: list[dict]) -> None:
+    """`trim_turn` with summaries on: a trim that drops messages calls the summary endpoint
+    (new texts every run: no cached summary), as an admin who turned summaries on would have it."""
+    valves = f.valves
+    on = {"summary_enabled": True, "summary_base_url": summary_endpoint(), "summary_model": "bench"}
+    f.valves = f.Valves(**{**valves.model_dump(), **on, "max_context_tokens": 1_500, "reserve_output_tokens": 0})
+    try:
+        await trim_turn(f, module, chat)
+    finally:
+        f.valves = valves
+
+
 def under_threshold(seed: int, limit: int = 24_000) -> list[dict]:
     """A chat just under the 25,000 characters of text from which the filter trims off the loop."""
     chat = synth.make_chat(seed, 60)
@@ -248,6 +291,7 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
     out["64 tools, 5 MB of schemas"] = lambda seed: (body_turn, {"messages": question, "tools": big_schemas(seed)})
     out["300,000 tool calls in the newest reply"] = lambda seed: (trim_turn, many_tool_calls(seed))
     out["1,000 chunks reporting running usage"] = lambda seed: (running_usage, 1_000)
+    out["trim that calls the summary endpoint, 40 messages"] = lambda seed: (summary_turn, synth.make_chat(seed, 40))
     out[f"{CONCURRENT} concurrent cold trims, 1,000 messages"] = lambda seed: (
         "concurrent",
         [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],

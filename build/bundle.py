@@ -37,6 +37,7 @@ MODULES = [
     "errors",
     "caches",
     "backoff",
+    "netclient",
     "encoding_files",
     "core/conversation",
     "core/tokens",
@@ -93,7 +94,7 @@ MODULES = [
 # its __init__.py docstring.
 PARTS = ["", "core", "state", "money", "face"]
 SHARED_TITLE = (
-    "The package's own: the exception tree, the cache inventory, back-off and tiktoken's files, for every part."
+    "The package's own: exceptions, the cache inventory, back-off, HTTP clients and tiktoken's files, for every part."
 )
 # What Open WebUI itself ships besides the standard library.
 ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
@@ -108,6 +109,7 @@ AUDIT = [
     ("network: OpenRouter fetch client (the only place it is opened)", "live_prices.LivePrices.refresh"),
     ("network: the optional summary model (POST, admin's summary_base_url)", "summarize._ask"),
     ("network: Redis (only when the redis_url valve is set)", "store.redis_client"),
+    ("network: every outbound async HTTP client (TLS context made once, off the loop)", "netclient.async_client"),
     ("network: a tiktoken encoding not in its cache (GET, background thread)", "encoding_files._download"),
     ("file: tiktoken's cache, an encoding file checked", "encoding_files.encoding_cached"),
     ("file: tiktoken's cache, a downloaded encoding file written", "encoding_files._fetch_into_cache"),

@@ -1,4 +1,5 @@
-"""The trim of a big chat runs off the event loop: other users' requests go on meanwhile.
+"""The trim of a big chat runs off the event loop: other users' requests go on meanwhile; an
+outbound HTTP client's TLS context is made once, off the loop.
 
 How long the loop stalls is measured in bench/loopstall.py (results in bench/results/); these
 tests check what must hold whatever the timing: a big chat's counting and trimming run in the
@@ -11,18 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from dataclasses import replace
 
+import httpx
 import pytest
+import respx
 
 import contextwarden.face.offloop as offloop_module
 import contextwarden.face.trimpass as trimpass_module
+import contextwarden.netclient as netclient_module
 from contextwarden import caches
 from contextwarden.face.offloop import EXCERPTS_ON_LOOP_MAX_CHARS
+from contextwarden.face.summarize import SummaryConfig, summarize_messages
+from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
+from contextwarden.money.pricing import PriceBook
 from contextwarden.state.chatstate import chat_state_key
+from contextwarden.state.store import MemoryStore
 
 from helpers import Events, chat_of, grow, make_filter
+from shared_paths import load_fixture
 from turns import run_turn
 
 MODEL = "gpt-4o"
@@ -276,3 +286,51 @@ def test_the_command_in_parts_is_not_read_when_they_hold_megabytes(monkeypatch):
     monkeypatch.setattr(adminview, "message_text", lambda message: pytest.fail("a long message was joined"))
     parts = [{"type": "text", "text": "x" * 300_000}] * 15 + [{"type": "text", "text": "!usage"}]
     assert not adminview.is_usage_command([{"role": "user", "content": parts}])
+
+
+# -- outbound HTTP clients: their TLS context is made once, off the loop -----------------------------
+
+
+@pytest.fixture
+def tls_contexts_made(monkeypatch) -> list[threading.Thread]:
+    """The threads that made a TLS context (httpx makes one for every client it builds), in a
+    process that made none yet."""
+    made: list[threading.Thread] = []
+    real = ssl.create_default_context
+
+    def spy(*args, **kwargs):
+        made.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", spy)
+    monkeypatch.setattr(netclient_module, "_tls", [])
+    return made
+
+
+async def test_summary_calls_make_their_tls_context_once_and_off_the_loop(tls_contexts_made):
+    # Before: each call built httpx.AsyncClient() on the loop: a new TLS context, 30-100 ms a call.
+    config = SummaryConfig(base_url="https://llm.test/v1", model="mini", timeout=5.0, max_tokens=50)
+    reply = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Short."}, "finish_reason": "stop"}],
+    }
+    with respx.mock(assert_all_called=True) as mock:
+        route = mock.post("https://llm.test/v1/chat/completions").mock(return_value=httpx.Response(200, json=reply))
+        for i in range(3):
+            dropped = [{"role": "user", "content": f"question {i}"}]
+            assert await summarize_messages(dropped, config=config, store=MemoryStore()) == "Short."
+    assert route.call_count == 3
+    assert len(tls_contexts_made) == 1 and tls_contexts_made[0] is not threading.main_thread()
+
+
+async def test_a_price_refresh_makes_its_tls_context_off_the_loop(tls_contexts_made):
+    live = LivePrices(PriceBook.from_bundled())  # no client given: it makes its own, as in the filter
+    with respx.mock(assert_all_called=True) as mock:
+        mock.get(DEFAULT_OPENROUTER_URL).mock(
+            return_value=httpx.Response(200, json=load_fixture("openrouter_models_sample.json"))
+        )
+        await live.refresh()
+        await live.refresh()
+    assert live.book.source == "openrouter"
+    assert len(tls_contexts_made) == 1 and tls_contexts_made[0] is not threading.main_thread()

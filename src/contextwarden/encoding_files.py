@@ -26,6 +26,7 @@ import httpx
 import tiktoken
 
 from .backoff import Backoff
+from .netclient import tls_context
 
 __all__ = [
     "ENCODING_URL",
@@ -170,7 +171,8 @@ def _download(url: str) -> bytes:
     deadline = time.monotonic() + ENCODING_FETCH_SECONDS
     body = bytearray()
     try:
-        with httpx.Client(timeout=ENCODING_FETCH_TIMEOUT) as client, client.stream("GET", url) as response:
+        client = httpx.Client(timeout=ENCODING_FETCH_TIMEOUT, verify=tls_context())
+        with client, client.stream("GET", url) as response:
             if response.status_code != 200:
                 raise EncodingUnavailable(f"HTTP {response.status_code}")
             for chunk in response.iter_bytes():

@@ -34,6 +34,7 @@ from ..core.conversation import (
 from ..core.decision import message_fingerprint
 from ..core.tokens import TokenCounter
 from ..core.trim import TrimResult
+from ..netclient import async_client
 from ..state.store import Store
 
 __all__ = [
@@ -295,7 +296,7 @@ async def _ask(config: SummaryConfig, transcript: str) -> str:
         "temperature": 0,
         "stream": False,
     }
-    async with httpx.AsyncClient(timeout=config.timeout) as client:
+    async with await async_client(timeout=config.timeout) as client:  # its TLS context made off the loop
         url = config.base_url.rstrip("/") + "/chat/completions"
         async with client.stream("POST", url, json=payload, headers=headers) as response:
             if response.status_code != 200:

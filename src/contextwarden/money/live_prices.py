@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import httpx
 
 from ..errors import PricingError
+from ..netclient import async_client
 from .pricing import PriceBook, openrouter_unlisted
 
 __all__ = [
@@ -247,7 +248,7 @@ class LivePrices:
         if self._client is not None:
             book = await fetch_openrouter_prices(self._client, self._url, self._timeout)
         else:
-            async with httpx.AsyncClient() as client:
+            async with await async_client() as client:  # its TLS context made off the loop
                 book = await fetch_openrouter_prices(client, self._url, self._timeout)
         self._live = book
         self._next_attempt = 0.0
