@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from itertools import filterfalse
 
 from .chatview import ChatView
-from .conversation import Message
+from .conversation import Message, latest_question
 from .decision import Fingerprints, TrimDecision
 from .excerpt import EXCERPT_KEEP_SHARE, Excerpt, fresh_share, rebuild
 from .recall import (
@@ -350,7 +350,9 @@ def _extend_previous(
     if keep is None:
         return None
     order = sorted(keep)
-    question = next(i for i in reversed(order) if view.role(i) == "user")
+    question = latest_question(view.messages)
+    if question is None or question not in keep:
+        return None
     excerpts = _extended_excerpts(view, previous, fingerprints, keep, counter, model)
     if excerpts is None:
         return None

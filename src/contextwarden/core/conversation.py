@@ -1,8 +1,11 @@
 """Reading an OpenAI / Open WebUI message list into units and turns.
 
 A *unit* is what must be kept or dropped whole: one message, or an assistant message with
-`tool_calls` together with the `tool` messages answering it. A *turn* is a user message with
-everything up to the next user message. Nothing here copies or changes a message.
+`tool_calls` together with the `tool` messages answering it (and Open WebUI's message carrying
+their images, `is_tool_images`). A *turn* is a user message with
+everything up to the next user message, except that the user message Open WebUI adds after tool
+results that returned images (`is_tool_images`) belongs to the turn of the tool loop it follows.
+Nothing here copies or changes a message.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ __all__ = [
     "Turn",
     "Conversation",
     "read_conversation",
+    "TOOL_IMAGES_TEXT",
+    "is_tool_images",
+    "continues_tool_loop",
+    "latest_question",
     "message_text",
     "image_count",
     "part_count",
@@ -47,6 +54,10 @@ SYSTEM_ROLES = frozenset({"system", "developer"})
 SUMMARY_ACK = "Noted."
 SUMMARY_ACK_MESSAGE: Message = {"role": "assistant", "content": SUMMARY_ACK}  # a template: copied, never sent
 RECALL_LABEL = "[contextwarden] Recalled from earlier in this chat (older messages, quoted verbatim):"
+# The text of the user message Open WebUI 0.12.4 adds after tool results that returned images
+# (utils/misc.py convert_output_to_messages with flatten_tool_images, utils/middleware.py's tool
+# loop): Chat Completions tool messages cannot hold images, so they follow in this message.
+TOOL_IMAGES_TEXT = "Here are the images from the tool results above. Please analyze them."
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +110,8 @@ class Conversation:
 
     @property
     def question(self) -> int | None:
-        """Index of the latest user message (the current turn's first); None without one."""
+        """Index of the latest question: the current turn's first message, the last user message
+        that is not Open WebUI's tool images (`continues_tool_loop`); None without one."""
         return None if self.current is None else self.turns[self.current].units[0].start
 
 
@@ -197,7 +209,8 @@ register("conversation._unit", _unit.cache_clear)
 
 
 def _split_units(messages: Sequence[Message]) -> list[Unit]:
-    """Cut the list into units; a tool group takes the `tool` replies that answer its calls."""
+    """Cut the list into units; a tool group takes the `tool` replies that answer its calls, and
+    the images Open WebUI moved out of them into a user message (`continues_tool_loop`)."""
     units: list[Unit] = []
     kinds = _UNIT_KIND_BY_ROLE
     i, n = 0, len(messages)
@@ -211,6 +224,8 @@ def _split_units(messages: Sequence[Message]) -> list[Unit]:
             while j < n and _role(messages[j]) == "tool" and pending:
                 pending.discard(str(messages[j].get("tool_call_id")))
                 j += 1
+            if not pending and j < n and continues_tool_loop(messages, j):
+                j += 1  # the images its results returned travel with them
             # A group whose calls are not all answered is invalid for every provider.
             units.append(unit(i, j, "orphan_tool" if pending else "tool_group"))
             i = j
@@ -224,7 +239,9 @@ def read_conversation(messages: Sequence[Message]) -> Conversation:
     """Index a message list into system units, turns and the current turn.
 
     Orphan tool messages and unanswered tool calls are set apart: sending them would make the
-    provider reject the request, so they are never part of a turn.
+    provider reject the request, so they are never part of a turn. A user message that only
+    carries a tool's images (`continues_tool_loop`) stays in the turn of the loop it follows: the
+    current turn begins at the real question, so a loop in progress is sent whole.
     """
     system: list[Unit] = []
     orphans: list[Unit] = []
@@ -234,12 +251,12 @@ def read_conversation(messages: Sequence[Message]) -> Conversation:
             system.append(unit)
         elif unit.kind == "orphan_tool":
             orphans.append(unit)
-        elif unit.kind == "user" or not turns:
+        elif (unit.kind == "user" and not continues_tool_loop(messages, unit.start)) or not turns:
             turns.append([unit])
         else:
             turns[-1].append(unit)
     current = None
-    for t in range(len(turns) - 1, -1, -1):
+    for t in range(len(turns) - 1, -1, -1):  # (a turn's later user messages are tool images)
         if turns[t][0].kind == "user":
             current = t
             break
@@ -250,6 +267,45 @@ def read_conversation(messages: Sequence[Message]) -> Conversation:
         current=current,
         orphans=tuple(orphans),
     )
+
+
+def is_tool_images(message: Message) -> bool:
+    """True for a message shaped as the one Open WebUI adds after tool results that returned
+    images: a user message whose content is exactly `TOOL_IMAGES_TEXT` then image parts.
+
+    Example:
+        >>> image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+        >>> is_tool_images({"role": "user", "content": [{"type": "text", "text": TOOL_IMAGES_TEXT}, image]})
+        True
+    """
+    content = message.get("content")
+    if message.get("role") != "user" or not isinstance(content, list) or len(content) < 2:
+        return False
+    first = content[0]
+    if not isinstance(first, dict) or first.get("type") != "text" or first.get("text") != TOOL_IMAGES_TEXT:
+        return False
+    return all(isinstance(part, dict) and part.get("type") == "image_url" for part in content[1:])
+
+
+def continues_tool_loop(messages: Sequence[Message], index: int) -> bool:
+    """`messages[index]` is Open WebUI's tool images (`is_tool_images`) right after a tool result:
+    part of the tool loop before it, not a question (a user's own message never has that shape
+    and place: the text is Open WebUI's, and a user message follows a reply, not a tool result)."""
+    return index > 0 and _role(messages[index - 1]) == "tool" and is_tool_images(messages[index])
+
+
+def latest_question(messages: Sequence[Message]) -> int | None:
+    """Index of the latest question without reading the chat's structure: the last user message
+    that does not continue a tool loop (`continues_tool_loop`); None without one.
+
+    Example:
+        >>> latest_question([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+        0
+    """
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "user" and not continues_tool_loop(messages, i):
+            return i
+    return None
 
 
 def recall_message(

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from ..caches import CODE_MEMO_SIZE, register
-from .conversation import Message, message_text
+from .conversation import Message, latest_question, message_text
 
 __all__ = [
     "code_spans",
@@ -99,7 +99,8 @@ class Flags:
 class FlagRead:
     """The messages with allowed flag text removed (copies where changed), and the flags.
 
-    `latest_user` is the index of the latest user message (None when there is none).
+    `latest_user` is the index of the latest user message, the question (`latest_question`: not
+    the tool images Open WebUI adds in a tool loop); None when there is none.
     """
 
     messages: list[Message]
@@ -354,7 +355,7 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         >>> read.messages[0]["content"], read.flags.budget, read.flags.pin
         ('Why?', 2000, True)
     """
-    latest = _latest_user(messages)
+    latest = latest_question(messages)
     out = list(messages)
     flags = Flags()
     for index, message in enumerate(messages):
@@ -380,11 +381,7 @@ def already_read(messages: Sequence[Message], flags: Flags) -> FlagRead:
         >>> read.messages[0]["content"], read.flags.budget, read.flags.pin
         ('Why? !pin', 2000, False)
     """
-    return FlagRead(list(messages), flags, _latest_user(messages))
-
-
-def _latest_user(messages: Sequence[Message]) -> int | None:
-    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    return FlagRead(list(messages), flags, latest_question(messages))
 
 
 def pin_fingerprint(message: Message) -> str:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from .alternation import alternate, alternates, fill_alternating, fill_quoting
 from .chatview import ChatView
-from .conversation import SYSTEM_ROLES, Message, system_positions
+from .conversation import SYSTEM_ROLES, Message, continues_tool_loop, system_positions
 from .decision import Recall, TrimDecision
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, leans_on_latest
 
@@ -688,8 +688,9 @@ def extend_previous(
 
 def window_start(previous: TrimDecision, view: ChatView) -> int | None:
     """Where `extend_previous` starts reading: the last kept message that starts a unit (not a
-    tool result); None when no kept message does."""
-    return next((i for i in reversed(previous.at) if i < len(view) and view.role(i) != "tool"), None)
+    tool result, nor the tool images after one); None when no kept message does."""
+    starts = (i for i in reversed(previous.at) if i < len(view) and view.role(i) != "tool")
+    return next((i for i in starts if not continues_tool_loop(view.messages, i)), None)
 
 
 def history_chars(messages: Sequence[Message], system: Sequence[int] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from .chatview import ChatView
-from .conversation import Message
+from .conversation import Message, is_tool_images
 from .excerpt import CUT_MARK
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -75,9 +75,13 @@ def _with_pins(view: ChatView, mandatory: list[int], pinned: Collection[int]) ->
 
 
 def _shortenable(view: ChatView, mandatory: list[int]) -> tuple[list[int], int | None]:
-    """Mandatory indices whose text may be cut, and the latest user message (cut last)."""
+    """Mandatory indices whose text may be cut, and the latest user message (cut last): not a
+    reply, nor the tool images Open WebUI adds (their text asks the model to look at them)."""
     last_user = view.question
-    first_choice = [i for i in mandatory if i != last_user and view.role(i) != "assistant"]
+    messages = view.messages
+    first_choice = [
+        i for i in mandatory if i != last_user and view.role(i) != "assistant" and not is_tool_images(messages[i])
+    ]
     return first_choice, last_user
 
 
@@ -89,7 +93,10 @@ def _shorten_mandatory(
     counter: TokenCounter,
     model: str | None,
 ) -> tuple[dict[int, Message], bool]:
-    """Cut the largest shortenable texts middle-out until the mandatory part fits.
+    """Cut the largest shortenable texts middle-out, down to one level (`_levels`), until the
+    mandatory part fits: two tool results of a loop both keep their ends rather than one kept
+    whole and the other cut to its marker. Each copy is cut from the message as it came, once
+    a round (a cut of a cut would cut its marker).
 
     Returns the shortened copies by index and whether it is still over budget.
     """
@@ -103,14 +110,33 @@ def _shorten_mandatory(
             excess = TOKENS_PER_REPLY + sum(current.values()) - budget
             if excess <= 0:
                 return replaced, False
-            index = max(candidates, key=lambda i: (current[i], -i))
-            shorter = _shorten_message(replaced.get(index, messages[index]), excess, counter, model)
-            cost = counter.count_message(shorter, model) if shorter is not None else current[index]
-            if shorter is None or cost >= current[index]:  # (None costs current[index])
-                candidates.discard(index)
-                continue
-            replaced[index], current[index] = shorter, cost
+            for index, level in _levels({i: current[i] for i in candidates}, excess).items():
+                shorter = _shorten_message(messages[index], costs[index] - level, counter, model)
+                cost = counter.count_message(shorter, model) if shorter is not None else current[index]
+                if shorter is None or cost >= current[index]:  # (None costs current[index])
+                    candidates.discard(index)
+                    continue
+                replaced[index], current[index] = shorter, cost
     return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget
+
+
+def _levels(current: dict[int, int], excess: int) -> dict[int, int]:
+    """What the largest of `current` (tokens by index) are cut to so that together they lose
+    `excess`: all to one level, no lower than the next largest (water-filling), none below 0.
+
+    Example:
+        >>> _levels({1: 3000, 2: 3000, 3: 10}, 4000), _levels({1: 900, 2: 100}, 500)
+        ({1: 1000, 2: 1000}, {1: 400})
+    """
+    order = sorted(current, key=lambda i: (-current[i], i))
+    top = 0
+    for k, index in enumerate(order, 1):
+        top += current[index]
+        following = current[order[k]] if k < len(order) else 0
+        if (top - excess) // k >= following:
+            break
+    level = max(0, (top - excess) // k)
+    return {i: level for i in order[:k] if level < current[i]}
 
 
 def _shorten_message(message: Message, excess: int, counter: TokenCounter, model: str | None) -> Message | None:

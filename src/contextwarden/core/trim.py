@@ -18,7 +18,7 @@ from typing import Any
 from ..caches import register
 from .carry import _extend_previous, _reused
 from .chatview import ChatView
-from .conversation import Message, message_text
+from .conversation import Message, latest_question, message_text
 from .decision import TrimDecision
 from .excerpt import Excerpt
 from .fresh import WHOLE_DOCUMENT_MIN_CHARS, _new_selection, _wants_whole, selection_target
@@ -284,7 +284,7 @@ def _carries(options: TrimOptions, view: ChatView) -> bool:
     a whole (which gets the budget filled: `_wants_whole`)."""
     if options.previous is None or options.previous.seen == 0 or options.pinned:
         return False
-    latest = next((i for i in range(len(view) - 1, -1, -1) if view.role(i) == "user"), None)
+    latest = latest_question(view.messages)
     if options.strategy != "relevance" or latest is None or not wants_whole(view.text(latest)):
         return True
     messages, question = view.messages, view.messages[latest]

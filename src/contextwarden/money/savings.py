@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from ..core.conversation import Message, message_text
+from ..core.conversation import Message, latest_question, message_text
 from ..core.tokens import TOKENS_PER_REPLY
 from ..core.trim import SHORTENED_MARK
 from .pricing import ModelPrice
@@ -243,7 +243,7 @@ def previous_prompt_end(messages: Sequence[Message]) -> int | None:
         >>> previous_prompt_end([{"role": "user"}, {"role": "assistant"}, {"role": "user"}])
         1
     """
-    latest = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    latest = latest_question(messages)
     if latest is None:
         return None
     return next((i for i in range(latest - 1, -1, -1) if messages[i].get("role") == "assistant"), None)

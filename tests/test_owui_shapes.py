@@ -1,0 +1,119 @@
+"""Message shapes Open WebUI 0.12.4 really sends (tests/fixtures/owui_tool_output_0.12.4.json, written
+by its own `convert_output_to_messages`): trimmed as what they are."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+from contextwarden import trim_messages
+from contextwarden.core.chatview import ChatView
+from contextwarden.core.conversation import TOOL_IMAGES_TEXT, latest_question
+from contextwarden.core.excerpt import CUT_MARK
+from contextwarden.core.flags import read_flags
+
+from helpers import Events, make_filter
+
+MODEL = "gpt-4o"
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "owui_tool_output_0.12.4.json").read_text("utf-8"))
+QUESTION = "Use the chart tool to plot our Q3 revenue by region, then by product: which region grew fastest?"
+
+
+def _history(turns: int) -> list[dict]:
+    chat = [{"role": "system", "content": "You are a helpful analyst."}]
+    for i in range(turns):
+        chat += [
+            {"role": "user", "content": f"Tell me about topic {i}. " + "Some more context words here. " * 40},
+            {"role": "assistant", "content": f"Topic {i} answer. " + "Details follow in this long answer. " * 60},
+        ]
+    return chat
+
+
+def _loop(rows: int, rounds: int = 2, shape: str = "messages_none") -> list[dict]:
+    """The tool loop's messages as Open WebUI sends them on its next call (no reply yet), each
+    tool result made `rows` rows long."""
+    loop = copy.deepcopy(FIXTURE[shape][: 3 * rounds])
+    for message in loop:
+        if message["role"] == "tool":
+            message["content"] += " row data value 123 456;" * rows
+    return loop
+
+
+def _cut_to_nothing(message: dict) -> bool:
+    return message["content"].strip().startswith(CUT_MARK.split("{")[0])
+
+
+def test_the_fixture_is_open_webuis_tool_images_shape():
+    roles = [m["role"] for m in FIXTURE["messages_none"]]
+    assert roles == ["assistant", "tool", "user", "assistant", "tool", "user", "assistant"]
+    images = FIXTURE["messages_none"][2]["content"]
+    assert images[0] == {"type": "text", "text": TOOL_IMAGES_TEXT} and images[1]["type"] == "image_url"
+
+
+def test_tool_images_continue_the_loop_the_question_is_the_users():
+    chat = [*_history(3), {"role": "user", "content": QUESTION}, *_loop(0)]
+    view = ChatView(chat)
+    question = len(_history(3))
+    assert view.question == question == latest_question(chat)
+    assert view.turns[view.current].indices == list(range(question, len(chat)))
+    groups = [u for u in view.turns[view.current].units if u.kind == "tool_group"]
+    assert [(u.start, u.stop) for u in groups] == [(question + 1, question + 4), (question + 4, question + 7)]
+    assert read_flags(chat, allowed={"pin"}).latest_user == question
+
+
+def test_the_same_text_typed_after_a_reply_is_a_question():
+    typed = {"role": "user", "content": copy.deepcopy(FIXTURE["messages_none"][2]["content"])}
+    chat = [*_history(2), typed]
+    assert ChatView(chat).question == len(chat) - 1 == latest_question(chat)
+
+
+def test_a_loop_over_the_budget_is_sent_whole_its_results_cut_alike(counter):
+    """s2c: the images message was the question, the loop history: a result excerpted to its
+    cut mark, a call and its result left out on the next call."""
+    chat = [*_history(12), {"role": "user", "content": QUESTION}, *_loop(400)]
+    result = trim_messages(chat, max_tokens=3_072, model=MODEL, token_counter=counter)
+    sent = result.messages
+    question = next(k for k, m in enumerate(sent) if m.get("content") == QUESTION)
+    assert [m["role"] for m in sent[question:]] == ["user", *["assistant", "tool", "user"] * 2]
+    tools = [m for m in sent if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tools] == ["call_1", "call_2"]
+    assert all(m["content"].startswith(f"Chart {k}: APAC grew 19%") for k, m in enumerate(tools, 1))
+    assert not any(_cut_to_nothing(m) for m in tools)
+    assert 0.9 * 3_072 <= result.tokens_after <= 3_072
+
+
+def test_a_running_loop_keeps_its_calls_through_the_request_hook(counter):
+    """Each call of the loop runs the `request` filter on the first pass's output plus the
+    round's messages (utils/middleware.py): every call and result goes out, the question once."""
+    f = make_filter(counter, max_context_tokens=4_096, openrouter_pricing=False)
+    metadata = {"chat_id": "c-loop", "message_id": "m1", "session_id": "s", "user_id": "u1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata, "__event_emitter__": Events()}
+
+    async def run() -> list[list[dict]]:
+        body = {"model": MODEL, "messages": [*_history(12), {"role": "user", "content": QUESTION}]}
+        body = await f.request(await f.inlet(body, **hooks), **hooks)
+        first, sent = list(body["messages"]), []
+        for rounds in (1, 2):
+            out = await f.request({"model": MODEL, "messages": [*first, *_loop(400, rounds)]}, **hooks)
+            sent.append(out["messages"])
+        return sent
+
+    for rounds, messages in enumerate(asyncio.run(run()), 1):
+        tools = [m for m in messages if m["role"] == "tool"]
+        assert [m["tool_call_id"] for m in tools] == [f"call_{k}" for k in range(1, rounds + 1)]
+        assert not any(_cut_to_nothing(m) for m in tools)
+        assert [m.get("content") for m in messages].count(QUESTION) == 1
+        assert messages[-1]["content"][0]["text"] == TOOL_IMAGES_TEXT
+
+
+def test_a_replayed_turn_with_tool_images_is_one_turn(counter):
+    """A stored turn's output replays with its images message inside it: kept or left whole."""
+    old = [{"role": "user", "content": QUESTION}, *copy.deepcopy(FIXTURE["messages_none"])]
+    chat = [*_history(1), *old, {"role": "user", "content": "Thanks. Now something else entirely?"}]
+    view = ChatView(chat)
+    assert len(view.turns) == 3 and view.turns[1].indices == list(range(3, 3 + len(old)))
+    for budget in (700, 1_500, 2_000):
+        kept = set(trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter).kept)
+        assert kept.isdisjoint(range(3, 3 + len(old))) or kept.issuperset(range(3, 3 + len(old)))
