@@ -117,3 +117,70 @@ def test_a_replayed_turn_with_tool_images_is_one_turn(counter):
     for budget in (700, 1_500, 2_000):
         kept = set(trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter).kept)
         assert kept.isdisjoint(range(3, 3 + len(old))) or kept.issuperset(range(3, 3 + len(old)))
+
+
+THOUGHT = "Let me think step by step about which rows to query and why. " * 150
+
+
+def _without_reasoning(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k not in ("thinking", "reasoning_content", "reasoning_details")}
+
+
+def test_replayed_reasoning_is_counted_once_a_message(counter):
+    """s5: `thinking` (Ollama), `reasoning_content` (llama.cpp) and `reasoning_details`
+    (OpenRouter) were not counted; a message holding the same thinking twice counts it once."""
+    thought = FIXTURE["output"][0]["content"][0]["text"]
+    for shape in ("messages_none", "messages_thinking", "messages_reasoning_content"):
+        call = FIXTURE[shape][0]
+        plain = counter.count_message(_without_reasoning(call), MODEL)
+        assert counter.count_message(call, MODEL) == plain + counter.count_text(thought, MODEL), shape
+    reply = {"role": "assistant", "content": "Done.", "reasoning": THOUGHT}
+    assert counter.count_message(reply, MODEL) == counter.count_message({**reply, "reasoning": ""}, MODEL) + (
+        counter.count_text(THOUGHT, MODEL)
+    )
+
+
+def test_a_chat_with_reasoning_is_trimmed_to_what_is_really_sent(counter):
+    """Old turns of a thinking model (Ollama): the prompt sent, its thinking included, fits."""
+    chat = [{"role": "system", "content": "sys"}]
+    for k in range(6):
+        chat += [
+            {"role": "user", "content": f"Question {k} about orders?"},
+            {"role": "assistant", "content": f"Answer {k}.", "thinking": THOUGHT},
+        ]
+    chat.append({"role": "user", "content": "Which orders were largest?"})
+    result = trim_messages(chat, max_tokens=6_000, model=MODEL, token_counter=counter)
+    sent = result.messages
+    real = counter.count_messages([_without_reasoning(m) for m in sent], MODEL) + sum(
+        counter.count_text(m.get("thinking", ""), MODEL) for m in sent
+    )
+    assert real == result.tokens_after <= 6_000 and len(sent) < len(chat)
+    assert all(m is chat[i] for m, i in zip(sent, result.kept, strict=True))  # never stripped
+
+
+def test_a_loop_of_reasoning_over_the_budget_is_sent_whole_and_said_so(counter):
+    chat = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Find the three largest orders."}]
+    for k in range(4):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "sql", "arguments": json.dumps({"q": k})}}
+        chat += [
+            {"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": f"result {k}: " + "row, " * 50},
+        ]
+    result = trim_messages(chat, max_tokens=3_000, model=MODEL, token_counter=counter)
+    assert result.over_budget and result.tokens_after > 4 * counter.count_text(THOUGHT, MODEL)
+    assert [m.get("reasoning_content") for m in result.messages if m["role"] == "assistant"] == [THOUGHT] * 4
+
+
+def test_reasoning_weighs_where_work_runs_and_keeps_a_turn_from_calibrating():
+    from contextwarden.face.offloop import heavy
+    from contextwarden.money.calibration import comparable_turn
+
+    thinking = {"role": "assistant", "content": "ok", "thinking": "x" * 30_000}
+    detailed = {
+        "role": "assistant",
+        "content": "ok",
+        "reasoning_details": [{"type": "reasoning.text", "text": "x"}] * 3_000,
+    }
+    assert heavy([thinking]) and heavy([detailed]) and not heavy([_without_reasoning(thinking)])
+    assert not comparable_turn([{"role": "user", "content": "q"}, thinking], {})
+    assert comparable_turn([{"role": "user", "content": "q"}, _without_reasoning(thinking)], {})

@@ -30,6 +30,8 @@ __all__ = [
     "continues_tool_loop",
     "latest_question",
     "message_text",
+    "REASONING_KEYS",
+    "reasoning_text",
     "image_count",
     "part_count",
     "tool_call_ids",
@@ -58,6 +60,13 @@ RECALL_LABEL = "[contextwarden] Recalled from earlier in this chat (older messag
 # (utils/misc.py convert_output_to_messages with flatten_tool_images, utils/middleware.py's tool
 # loop): Chat Completions tool messages cannot hold images, so they follow in this message.
 TOOL_IMAGES_TEXT = "Here are the images from the tool results above. Please analyze them."
+# Where Open WebUI 0.12.4 replays an assistant's reasoning beside its content for the provider to
+# read again (utils/misc.py convert_output_to_messages: `thinking` for Ollama, `reasoning_content`
+# for llama.cpp, both by utils/middleware.py get_reasoning_format; `reasoning_details` for the
+# model that wrote them; utils/payload.py reads `reasoning` too): sent, so counted, never scored.
+REASONING_KEYS = frozenset({"thinking", "reasoning_content", "reasoning", "reasoning_details"})
+_REASONING_STRINGS = ("thinking", "reasoning_content", "reasoning")
+_REASONING_DETAIL_TEXTS = ("text", "summary", "data")  # (not a detail's signature, id or format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,16 +149,44 @@ def message_text(message: Message) -> str:
     return text
 
 
+def reasoning_text(message: Mapping[str, Any]) -> str:
+    """The reasoning a message carries beside its content (`REASONING_KEYS`), as the provider
+    reads it: the longest of its reasoning strings and its `reasoning_details` texts joined,
+    since they hold the same thinking in other forms and a provider reads one (Open WebUI's
+    Ollama conversion takes `thinking`, else `reasoning_content` or `reasoning`); '' when none.
+
+    Example:
+        >>> reasoning_text({"role": "assistant", "content": "4", "thinking": "2+2 is 4."})
+        '2+2 is 4.'
+    """
+    if REASONING_KEYS.isdisjoint(message):
+        return ""
+    texts = [value for key in _REASONING_STRINGS if isinstance(value := message.get(key), str)]
+    details = message.get("reasoning_details")
+    if isinstance(details, list):
+        texts.append(
+            "\n".join(
+                text
+                for detail in details
+                if isinstance(detail, dict)
+                for key in _REASONING_DETAIL_TEXTS
+                if isinstance(text := detail.get(key), str) and text
+            )
+        )
+    return max(texts, key=len, default="")
+
+
 def part_count(message: Message) -> int:
-    """How many content parts and tool calls a message holds (each read on its own, whatever its
-    length: what makes a message in many pieces slow to walk).
+    """How many content parts, tool calls and reasoning details a message holds (each read on
+    its own, whatever its length: what makes a message in many pieces slow to walk).
 
     Example:
         >>> part_count({"role": "user", "content": [{"type": "text", "text": "a"}] * 3}), part_count({"content": "a"})
         (3, 0)
     """
-    content, calls = message.get("content"), message.get("tool_calls")
-    return (len(content) if isinstance(content, list) else 0) + (len(calls) if isinstance(calls, list) else 0)
+    return sum(
+        len(value) for key in ("content", "tool_calls", "reasoning_details") if type(value := message.get(key)) is list
+    )
 
 
 def image_count(message: Message) -> int:

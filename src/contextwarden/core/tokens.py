@@ -21,7 +21,7 @@ from typing import Any, Literal
 from ..backoff import Backoff
 from ..caches import DEFAULT_COUNT_CACHE_SIZE, ENCODING_MEMO_SIZE, lru_hit, register
 from ..encoding_files import EncodingUnavailable, encoding_cached, load_encoding
-from .conversation import Message, image_count, message_text
+from .conversation import REASONING_KEYS, Message, image_count, message_text, reasoning_text
 
 __all__ = [
     "encode_pieces",
@@ -68,6 +68,8 @@ _ESTIMATE_PIECES = re.compile(r" ?[A-Za-z]+|\d+| ?[^\sA-Za-z\d]|\s+")
 _LAST_WORD_GAP = re.compile(r".*\S( )\S", re.DOTALL)
 # The encodings whose pre-split `_splits_between` describes (checked by tests/test_tokens.py).
 _SPLITS_AFTER_LINE_BREAKS = frozenset({"o200k_base", "cl100k_base"})
+# A message holding none of these keys, with text content, is counted by its text alone.
+_NOT_PLAIN = frozenset({"tool_calls", "name", "tool_call_id", *REASONING_KEYS})
 
 
 def encoding_for(model: str | None) -> str:
@@ -384,7 +386,8 @@ class TokenCounter:
         return count
 
     def count_message(self, message: Message, model: str | None = None) -> int:
-        """Tokens one message costs in a prompt: overhead, role, name, text, tool calls, images."""
+        """Tokens one message costs in a prompt: overhead, role, name, text, tool calls, images, and
+        the reasoning replayed beside its content (`conversation.reasoning_text`)."""
         return self._count_message(message, *self._pick(model))
 
     def count_each(self, messages: Iterable[Message], model: str | None = None) -> list[int]:
@@ -416,13 +419,7 @@ class TokenCounter:
 
     def _count_message(self, message: Message, encoding_name: str, encoding: Any | None) -> int:
         content = message.get("content")
-        if (
-            type(content) is str
-            and content
-            and "tool_calls" not in message
-            and "name" not in message
-            and "tool_call_id" not in message
-        ):
+        if type(content) is str and content and _NOT_PLAIN.isdisjoint(message):
             # the common message
             return TOKENS_PER_MESSAGE + TOKENS_PER_ROLE + self._count(content, encoding_name, encoding)
         total = TOKENS_PER_MESSAGE + TOKENS_PER_ROLE
@@ -438,6 +435,9 @@ class TokenCounter:
             text, images = message_text(message), image_count(message)
         if text:
             total += self._count(text, encoding_name, encoding)
+        reasoning = reasoning_text(message)
+        if reasoning:
+            total += self._count(reasoning, encoding_name, encoding)
         return total + images * self.image_tokens
 
     def count_messages(self, messages: Iterable[Message], model: str | None = None) -> int:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any
 
-from ..core.conversation import Message
+from ..core.conversation import REASONING_KEYS, Message
 from ..core.decision import TrimDecision
 from ..core.recall import MIN_PASSAGE_TOKENS
 
@@ -79,24 +79,25 @@ def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
     (`hookargs.is_chat_body`)."""
     if not off or len(messages) > READS_ON_LOOP_MAX_ITEMS:
         return off
-    contents = list(map(dict.get, messages, repeat("content")))  # in C, as below: most chats have no parts
-    calls = list(map(dict.get, messages, repeat("tool_calls")))
-    kinds = set(map(type, contents)) | set(map(type, calls))
-    if list not in kinds:
+    lists = [list(map(dict.get, messages, repeat(key))) for key in ("content", "tool_calls", "reasoning_details")]
+    if list not in set().union(*(map(type, values) for values in lists)):  # in C: most chats have no parts
         return False
     # `conversation.part_count` summed, but over the lists only (a call a message: 6x slower).
-    parts = sum(len(c) for c in contents if type(c) is list) + sum(len(c) for c in calls if type(c) is list)
+    parts = sum(len(value) for values in lists for value in values if type(value) is list)
     return len(messages) + parts > READS_ON_LOOP_MAX_ITEMS
 
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
     """True when the messages weigh `limit` characters or more (stops counting there): their
-    text and tool-call arguments, ITEM_WEIGHT_CHARS more for each message, text part and tool
-    call, and PART_WEIGHT_CHARS for a part that is not text (an image: walking it costs the same).
+    text, reasoning and tool-call arguments, ITEM_WEIGHT_CHARS more for each message, text part,
+    reasoning detail and tool call, and PART_WEIGHT_CHARS for a part that is not text (an image:
+    walking it costs the same).
     """
     size = 0
     for message in messages:
         size += ITEM_WEIGHT_CHARS + _weight(message.get("content"), limit - size)
+        if not REASONING_KEYS.isdisjoint(message):
+            size += _reasoning_weight(message, limit - size)
         calls = message.get("tool_calls")
         for call in calls if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, dict) else None
@@ -117,6 +118,20 @@ def _weight(content: object, left: int) -> int:
     for part in content if isinstance(content, list) else ():
         text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
         size += (ITEM_WEIGHT_CHARS + len(text)) if isinstance(text, str) else PART_WEIGHT_CHARS
+        if size >= left:
+            break
+    return size
+
+
+def _reasoning_weight(message: Message, left: int) -> int:
+    """What a message's reasoning (`conversation.reasoning_text`'s fields) weighs toward `heavy`'s
+    limit: its strings, and each reasoning detail as ITEM_WEIGHT_CHARS and its strings (counting
+    stops past `left`)."""
+    size = sum(len(value) for key in REASONING_KEYS if type(value := message.get(key)) is str)
+    details = message.get("reasoning_details")
+    for detail in details if isinstance(details, list) and size < left else ():
+        values = detail.values() if isinstance(detail, dict) else ()
+        size += ITEM_WEIGHT_CHARS + sum(len(value) for value in values if type(value) is str)
         if size >= left:
             break
     return size

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from ..core.conversation import reasoning_text
 from ..state.store import Store
 
 __all__ = [
@@ -112,11 +113,14 @@ def calibrated_budget(budget: int, calibration: Calibration, *, ceiling: int | N
 
 def comparable_turn(messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> bool:
     """True when a sent prompt is text alone, so real / counted measures the tokenizer only:
-    no tool definitions in the body, no tool calls or results, no image or other non-text part."""
+    no tool definitions in the body, no tool calls or results, no image or other non-text part,
+    no replayed reasoning (counted, but a chat template may leave an earlier turn's out)."""
     if body.get("tools") or body.get("functions"):
         return False
     for message in messages:
         if message.get("role") not in _TEXT_ROLES or message.get("tool_calls") or message.get("function_call"):
+            return False
+        if reasoning_text(message):
             return False
         content = message.get("content")
         if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
