@@ -184,3 +184,68 @@ def test_reasoning_weighs_where_work_runs_and_keeps_a_turn_from_calibrating():
     assert heavy([thinking]) and heavy([detailed]) and not heavy([_without_reasoning(thinking)])
     assert not comparable_turn([{"role": "user", "content": "q"}, thinking], {})
     assert comparable_turn([{"role": "user", "content": "q"}, _without_reasoning(thinking)], {})
+
+
+RECEIPT = "data:image/jpeg;base64," + "/9j/4AAQSkZJRgABAQ" * 300  # as convert_url_images_to_base64 sends it
+
+
+def _receipt_chat() -> list[dict]:
+    image = {"type": "image_url", "image_url": {"url": RECEIPT}}
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Here is the receipt from my dinner at Luigi's."}, image],
+        },
+        {"role": "assistant", "content": "Got it: a receipt from Luigi's trattoria."},
+    ]
+    for i in range(10):
+        chat += [
+            {"role": "user", "content": f"Unrelated question {i} about gardening and tomato plants. " + "soil " * 40},
+            {"role": "assistant", "content": f"Gardening answer {i}. " + "Plants need care and patience. " * 40},
+        ]
+    return chat
+
+
+def _image_parts(messages: list[dict]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "image_url" in p)
+
+
+def test_an_image_the_question_needs_goes_in_place_never_quoted(counter):
+    """s9: the receipt message was quoted in a recall block, its image lost, and counted as sent."""
+    chat = _receipt_chat()
+    first = trim_messages(chat, max_tokens=2_476, model=MODEL, token_counter=counter)
+    chat.append({"role": "user", "content": "Look at the receipt from Luigi's trattoria again: what was the total?"})
+    later = trim_messages(chat, max_tokens=2_476, model=MODEL, token_counter=counter, previous=first.decision)
+    assert 1 not in later.recalled and {1, 2} <= set(later.kept) and _image_parts(later.messages) == 1
+    assert later.tokens_after <= 2_476
+
+
+def test_an_image_that_cannot_go_in_place_is_left_out_not_quoted(counter):
+    chat = _receipt_chat()
+    question = {"role": "user", "content": "Which restaurant was the receipt from, Luigi's?"}
+    for budget in (700, 1_000, 1_500, 2_476):
+        first = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        result = trim_messages(
+            [*chat, question], max_tokens=budget, model=MODEL, token_counter=counter, previous=first.decision
+        )
+        blocks = [m["content"] for m in result.messages if isinstance(m["content"], str) and "Recalled" in m["content"]]
+        assert 1 not in result.recalled and not any("Here is the receipt" in b for b in blocks)
+        assert (1 in result.kept) == (_image_parts(result.messages) == 1)
+
+
+def test_a_selection_by_message_never_quotes_an_image():
+    from contextwarden.core.alternation import fill_quoting
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+    chat = ChatView(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, image]},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+            {"role": "user", "content": "e"},
+        ]
+    )
+    units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 5, 5, 5], 20, 4) == ({2}, [1])

@@ -14,6 +14,7 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence
 
 from .chatview import ChatView
+from .conversation import image_count
 
 __all__ = [
     "BRIDGE_COST_EXPONENT",
@@ -216,8 +217,9 @@ def fill_quoting(
     """The units of `order` (the most relevant first) taken while they fit `left`: in place where
     they clash with nothing sent (the `fixed` messages and the units taken before) and a reply
     would not open what is sent (unless it is `opener`, the chat's own first message), else
-    quoted in a recall block (single messages only; the block's label and acknowledgement cost
-    `frame` once; `fresh._quoted_block` places it). Returns (units in place, units quoted in `order`).
+    quoted in a recall block (single messages without images only: a quote holds text, and the
+    image would be lost; the block's label and acknowledgement cost `frame` once;
+    `fresh._quoted_block` places it). Returns (units in place, units quoted in `order`).
 
     Example:
         >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -239,7 +241,11 @@ def fill_quoting(
                 left -= cost
                 at = bisect.bisect_left(out, span.start)
                 out[at:at] = list(span)
-        elif len(span) == 1 and (quote := cost + (0 if quoted else frame)) <= left:
+        elif (
+            len(span) == 1
+            and not image_count(view.messages[span.start])
+            and (quote := cost + (0 if quoted else frame)) <= left
+        ):
             left -= quote
             quoted.append(u)
     return taken, quoted

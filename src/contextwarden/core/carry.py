@@ -145,7 +145,8 @@ def _recalls_kept(
     hold as much of this question's relevance (`_Beside.all_kept`: a follow-up's block
     stays); with none left, the new block is cut to the room left. None when that would hold
     less than `RECALL_KEEP_SHARE` (`FOLLOW_UP_KEEP_SHARE` for a follow-up) of the relevance
-    the question wanted recalled, an excerpt and
+    the question wanted recalled, what it needs most is a message with images the selection
+    let go (`_Pool.wants_pictured`: never quoted), an excerpt and
     the passages recalled of it miss what the question needs (`_excerpts_serve`), or an
     earlier block's messages moved: the caller then selects anew. With no `room` (no recall)
     only the selection's own blocks, while the excerpts serve the question. (The chat, its
@@ -164,7 +165,10 @@ def _recalls_kept(
     held, blocks = blocks[:count], blocks[count:]
     keep = set(keep).union(*(b.indices for b in held))
     left = max_tokens - base - sum(b.tokens for b in held)
-    beside = _Beside(pools, pools.of(question, system), keep, held, question, room, left, excerpts)
+    pool = pools.of(question, system)
+    if pool.wants_pictured(keep, room):  # an image is never quoted: a new selection may send it in place
+        return None
+    beside = _Beside(pools, pool, keep, held, question, room, left, excerpts)
     found = beside.fewer_earlier(blocks)
     if found is None:
         return None

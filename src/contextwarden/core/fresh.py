@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from .alternation import fits_bridged
 from .chatview import ChatView
-from .excerpt import Excerpt, excerpt_turns
+from .excerpt import MIN_EXCERPT_TOKENS, Excerpt, excerpt_turns
 from .recall import _Block, _block, _block_tokens, _new_recall, _quote_anchor
 from .relevance import score_messages, wants_whole
 from .selection import choose_indices
@@ -114,7 +115,34 @@ def _new_selection(
     if not (room and question is not None):
         return keep, blocks, excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
+    placed = _pictured_in_place(chat, keep, question, blocks, min(room, left - sum(b.tokens for b in blocks)))
+    room, left = room - placed, left - placed
     return keep, _with_recall(chat, keep, question, blocks, excerpts, room, left, counter, model), excerpts
+
+
+def _pictured_in_place(chat: _Counted, keep: set[int], question: int, blocks: Sequence[_Block], room: int) -> int:
+    """The messages with images the question needs (`recall._Pool.wants_pictured`: its recall
+    block would quote them, but a quote holds no image) added to `keep` in place, the most
+    relevant first, each with its turn (or alone where the turn is partly sent), bridged where
+    roles would not alternate (`alternation.fits_bridged`), out of the recall's `room`; what
+    they cost."""
+    view, costs = chat.view, chat.costs
+    pool = chat.pools.of(question, view.system_indices)
+    taken = keep.union(*(b.indices for b in blocks))
+    if not pool.wants_pictured(taken, room):
+        return 0
+    spent = 0
+    for i in sorted((i for i in pool.pictured if i not in taken), key=lambda i: (-pool.scores[i], i)):
+        turn = next(t for t in view.turns if t.units[0].start <= i < t.units[-1].stop)
+        unit = next(u for u in turn.units if i in u.indices)
+        whole = turn.indices if taken.isdisjoint(turn.indices) else list(unit.indices)
+        placed = fits_bridged(view, sorted(keep), whole, costs, MIN_EXCERPT_TOKENS)
+        cost = sum(costs[k] for k in placed) if placed else room + 1
+        if placed and taken.isdisjoint(placed) and spent + cost <= room:
+            keep.update(placed)
+            taken.update(placed)
+            spent += cost
+    return spent
 
 
 def _with_recall(

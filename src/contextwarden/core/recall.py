@@ -18,7 +18,7 @@ from itertools import repeat
 from operator import add, mul
 
 from .chatview import ChatView
-from .conversation import SUMMARY_ACK_MESSAGE, Message, recall_message, recall_quotes
+from .conversation import SUMMARY_ACK_MESSAGE, Message, image_count, recall_message, recall_quotes
 from .decision import Recall
 from .excerpt import Excerpt, cuttable, passage_quote, recall_passages
 from .recall_index import recall_scores
@@ -84,17 +84,39 @@ def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> 
 @dataclass(frozen=True, slots=True)
 class _Pool:
     """What this turn's recall chooses from: every message's score, the candidates (in
-    `recall_order`), their costs."""
+    `recall_order`), their costs; and the relevant messages it may not quote for their images
+    (`pictured`: see `recall_candidates`; their costs, images included, in `costs` too)."""
 
     scores: list[float]
     candidates: list[int]
     costs: dict[int, int]
+    pictured: tuple[int, ...] = ()
+
+    def wants_pictured(self, keep: Collection[int], room: int) -> bool:
+        """A message not in `keep` that carries images is one the block would quote in `room`
+        were it quotable (`choose_recall` over both): it can only go in place, images and all."""
+        if not self.pictured or self.pictured_kept(keep):
+            return False
+        both = recall_order([*self.candidates, *self.pictured], self.scores, self.costs)
+        return not self.pictured_kept(choose_recall(both, keep, self.scores, self.costs, room, ordered=True), True)
+
+    def pictured_kept(self, indices: Collection[int], some: bool = False) -> bool:
+        """Every pictured message is in `indices` (`some`: none of them is)."""
+        held = [i in indices for i in self.pictured]
+        return not any(held) if some else all(held)
 
 
 def recall_candidates(view: ChatView, scores: Sequence[float]) -> list[int]:
     """The messages a recall block may quote: user, assistant and tool messages with text that
-    are relevant to the question (score above 0); an earlier pass's recall block was taken out
-    before (`trim_messages`' `added`)."""
+    are relevant to the question (score above 0) and carry no image (a quote holds text only: the
+    image would be lost while the message counts as sent); an earlier pass's recall block was
+    taken out before (`trim_messages`' `added`)."""
+    messages = view.messages
+    return [i for i in _relevant(view, scores) if not image_count(messages[i])]
+
+
+def _relevant(view: ChatView, scores: Sequence[float]) -> list[int]:
+    """The user, assistant and tool messages with text that score above 0."""
     return [i for i, score in enumerate(scores) if score > 0 and view.role(i) in RECALLABLE_ROLES and view.text(i)]
 
 
@@ -170,10 +192,12 @@ class _Pools:
                 roles=view.roles,
             )
             scores = _with_neighbours(scores, texts, question, _RECALL_WEIGHTS)
-            candidates = recall_candidates(view, scores)
-            counts = self.counter.count_each([messages[i] for i in candidates], self.model)
-            costs = dict(zip(candidates, counts, strict=True))
-            pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs)
+            relevant = _relevant(view, scores)
+            candidates = [i for i in relevant if not image_count(messages[i])]
+            pictured = tuple(i for i in relevant if image_count(messages[i]))
+            counts = self.counter.count_each([messages[i] for i in [*candidates, *pictured]], self.model)
+            costs = dict(zip([*candidates, *pictured], counts, strict=True))
+            pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs, pictured)
         return pool
 
 
