@@ -8,6 +8,8 @@ import copy
 import json
 from pathlib import Path
 
+import pytest
+
 from contextwarden import trim_messages
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import TOOL_IMAGES_TEXT, latest_question
@@ -249,3 +251,37 @@ def test_a_selection_by_message_never_quotes_an_image():
     )
     units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
     assert fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 5, 5, 5], 20, 4) == ({2}, [1])
+
+
+def _region_page() -> str:
+    topics = ["rivers", "mountains", "harbours", "railways", "orchards", "bridges", "markets", "lighthouses"]
+    return "\n\n".join(
+        f"Section {n} covers the {topics[n % 8]} of the region in year {1900 + n}. "
+        + ("The author says this matters. " if n in (7, 23, 41) else "")
+        + f"Records from {topics[(n * 3) % 8]} surveys list figures {n * 17}, {n * 29} and {n * 31}. " * 4
+        for n in range(50)
+    )
+
+
+@pytest.mark.parametrize("question", ["What else does it say?", "Tell me more.", "Thanks, did you read all of it?"])
+def test_a_vague_follow_up_on_a_long_tool_result_fills_its_room(counter, question):
+    """s3: "What else does it say?" on an earlier fetch_url result matched a few passages and
+    sent a fraction of what the selection could: the rest now holds passages spread over it."""
+    from contextwarden.core.trim import selection_target
+
+    call = {"id": "call_ws", "type": "function", "function": {"name": "fetch_url", "arguments": '{"url": "x"}'}}
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Read the page on the region and summarize it."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_ws", "content": _region_page()},
+        {"role": "assistant", "content": "The page covers the region's history and surveys."},
+        {"role": "user", "content": question},
+    ]
+    result = trim_messages(chat, max_tokens=3_072, model=MODEL, token_counter=counter)
+    target = selection_target(ChatView(chat), counter.count_each(chat, MODEL), 3_072, 0.8)
+    tool = next(m for m in result.messages if m["role"] == "tool")["content"]
+    assert result.excerpted == (3,) and result.tool_results == (3,)
+    assert 0.85 * target <= result.tokens_after <= target
+    assert "Section 0 " in tool and "Section 49 " in tool
+    assert "The author says this matters." in tool or "say" not in question

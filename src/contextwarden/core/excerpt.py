@@ -31,6 +31,7 @@ from .chatview import ChatView
 from .conversation import Message
 from .relevance import (
     DEFAULT_RELEVANCE_WEIGHTS,
+    FOLLOW_UP_MAX_TERMS,
     _bm25_idf,
     _fuse,
     _message_bm25,
@@ -38,6 +39,7 @@ from .relevance import (
     _term_cache,
     _TermStats,
     held_terms,
+    leans_on_latest,
     words_terms,
 )
 from .semantic import VECTORS, Embed, embed_pieces, similarities
@@ -367,12 +369,14 @@ def excerpt_message(
     embed: Embed | None = None,
     *,
     whole: bool = False,
+    fill: bool = False,
 ) -> Excerpt | None:
     """The copy of `message` within `room` tokens (overhead included) that keeps its chunks
     most relevant to `question` (score above 0), in order, the rest marked as cut; with no
     relevant chunk, or none that fits, a placeholder (only the mark). None when even that
     does not fit or the message has no text to cut. `whole`: the question is about the text
     as a whole (`relevance.wants_whole`): chunks spread evenly over it (`spread_scores`).
+    `fill`: after the relevant chunks, the room left takes chunks spread evenly over the rest.
 
     Example:
         >>> from contextwarden.core.tokens import TokenCounter
@@ -392,6 +396,11 @@ def excerpt_message(
     else:
         index = _chunked(slot[0])
         chunks, scores = index.chunks, _index_scores(index, question, embed)
+        if fill:  # the relevant chunks first (above every spread score), then the rest spread
+            top = float(len(chunks) + 1)
+            scores = [
+                top + s if s > 0 else spread for s, spread in zip(scores, spread_scores(len(chunks)), strict=True)
+            ]
     chosen, _ = _choose(
         chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
     )
@@ -586,6 +595,7 @@ def excerpt_turns(
     scores: Sequence[float] | None = None,
     embed: Embed | None = None,
     whole: bool = False,
+    keep_free: int | None = None,
 ) -> tuple[set[int], dict[int, Excerpt]]:
     """Earlier turns the selection left out (`keep` holds none of them) that hold a message of
     `MIN_EXCERPT_TOKENS` or more, sent with those messages excerpted for the latest question,
@@ -597,7 +607,12 @@ def excerpt_turns(
     (one per message, as the selection used them) rank the turns; by default `score_messages`.
     `embed` (optional) scores the chunks semantically as well. `whole` (a question about the
     documents as a whole): every such turn, the newest first, gets a share of `room` by its
-    size and its chunks spread evenly."""
+    size and its chunks spread evenly. `keep_free` (not with `whole`): for a follow-up on the
+    exchange that holds a long text (`relevance.leans_on_latest`, "what else does it say?": it
+    matches a few chunks and left most of the room unused), what `room` still holds past the
+    excerpts, but `keep_free`, fills that exchange's excerpts with chunks spread evenly over
+    the rest of their text (`_filled`; not a placeholder for a question with words of its own:
+    "thanks! and which dessert goes with a pear tart?" needs nothing of a maintenance log)."""
     question = view.question
     if question is None or room <= 0 or not view.current:
         return set(), {}
@@ -638,7 +653,35 @@ def excerpt_turns(
         sent = sorted([*sent, *placed])
         excerpts.update(got)
         room -= sum(got[i].tokens if i in got else costs[i] for i in placed)
+    if keep_free is not None and not whole and view.latest is not None and leans_on_latest(text):
+        latest = set(view.turns[view.latest].indices)
+        vague = _term_cache.get(text, _CHUNK_WEIGHTS.fold_suffixes).distinct <= FOLLOW_UP_MAX_TERMS
+        which = [i for i, e in excerpts.items() if i in latest and (e.chunks or vague)]
+        _filled(messages, which, excerpts, text, room - keep_free, counter, model, embed)
     return added, excerpts
+
+
+def _filled(
+    messages: Sequence[Message],
+    which: Sequence[int],
+    excerpts: dict[int, Excerpt],
+    question: str,
+    spare: int,
+    counter: TokenCounter,
+    model: str | None,
+    embed: Embed | None,
+) -> None:
+    """The `excerpts` of messages `which` made again, in their order, in their tokens and what is
+    left of `spare`, with chunks spread evenly over the rest of their texts after the relevant
+    ones (`excerpt_message`'s `fill`), while `MIN_EXCERPT_ROOM` is left."""
+    for i in which:
+        made = excerpts[i]
+        if spare < MIN_EXCERPT_ROOM:
+            return
+        more = excerpt_message(messages[i], question, made.tokens + spare, counter, model, embed, fill=True)
+        if more is not None and more.tokens > made.tokens:
+            excerpts[i] = more
+            spare -= more.tokens - made.tokens
 
 
 def cuttable(message: Message) -> bool:

@@ -105,9 +105,11 @@ def _new_selection(
         # recall's room too (its passages are what the question needs; the recall, which quotes
         # whole messages, takes what is left); without one the recall keeps its room (chats of
         # long merged turns, REALTALK's, lost evidence when their excerpts took it).
-        spare = target - sum(costs[i] for i in keep) - quotes - (0 if _holds_document(chat, keep) else room)
+        # A follow-up on a long text's exchange fills what its excerpt leaves: the recall's room aside.
+        free = room if _holds_document(chat, keep) else 0
+        spare = target - sum(costs[i] for i in keep) - quotes - (room - free)
         added, excerpts = excerpt_turns(
-            view, keep, costs, spare, counter, model, scores=scores, embed=chat.pools.embed, whole=whole
+            view, keep, costs, spare, counter, model, scores=scores, embed=chat.pools.embed, whole=whole, keep_free=free
         )
         keep.update(added)
         quoted = [i for i in quoted if i not in keep]  # an excerpt's turn brought it in place
