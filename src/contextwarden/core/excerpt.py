@@ -56,6 +56,7 @@ __all__ = [
     "excerpt_message",
     "rebuild",
     "excerpt_text",
+    "with_text",
     "excerpt_turns",
     "fresh_share",
     "pointed_words",
@@ -338,7 +339,8 @@ def _text_slot(message: Message) -> tuple[str, int | None] | None:
     return None
 
 
-def _with_text(message: Message, text: str, part: int | None) -> Message:
+def with_text(message: Message, text: str, part: int | None) -> Message:
+    """A copy of `message` with `text` as its string content, or as the text of its part `part`."""
     if part is None:
         return {**message, "content": text}
     parts = list(message["content"])
@@ -356,7 +358,7 @@ def rebuild(message: Message, kept: Sequence[int], counter: TokenCounter, model:
     if any(not 0 <= k < len(chunks) for k in kept):
         return None
     text, _ = excerpt_text(chunks, kept, counter, model)  # none kept: a placeholder, the one mark
-    copy = _with_text(message, text, slot[1])
+    copy = with_text(message, text, slot[1])
     return Excerpt(copy, counter.count_message(copy, model), tuple(sorted(kept)), len(chunks))
 
 
@@ -402,11 +404,11 @@ def excerpt_message(
                 top + s if s > 0 else spread for s, spread in zip(scores, spread_scores(len(chunks)), strict=True)
             ]
     chosen, _ = _choose(
-        chunks, scores, room - counter.count_message(_with_text(message, "", slot[1]), model), counter, model
+        chunks, scores, room - counter.count_message(with_text(message, "", slot[1]), model), counter, model
     )
     while True:
         text, _ = excerpt_text(chunks, chosen, counter, model)
-        copy = _with_text(message, text, slot[1])
+        copy = with_text(message, text, slot[1])
         tokens = counter.count_message(copy, model)
         if tokens <= room:
             return Excerpt(copy, tokens, tuple(chosen), len(chunks))

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .conversation import Message
-from .excerpt import CUT_MARK, chunk_scores, excerpt_text, split_chunks, spread_scores
+from .excerpt import CUT_MARK, chunk_scores, excerpt_text, split_chunks, spread_scores, with_text
 from .relevance import wants_whole
 from .tokens import TokenCounter
 
@@ -61,14 +61,6 @@ def _one_text(message: Message) -> tuple[str, int | None] | None:
     return None
 
 
-def _with_one_text(message: Message, text: str, part: int | None) -> Message:
-    if part is None:
-        return {**message, "content": text}
-    parts = list(message["content"])
-    parts[part] = {**parts[part], "text": text}
-    return {**message, "content": parts}
-
-
 def question_text(message: Message) -> str | None:
     """The text `text_digest` is taken of (None for a message with no text or several parts)."""
     slot = _one_text(message)
@@ -94,7 +86,7 @@ def split_sources(message: Message, digest: str) -> tuple[str, Message] | None:
     start = len(text) - int(length)
     if start < 1 or text[start - 1] != "\n" or text_digest(text[start:]) != digest:
         return None
-    return text[: start - 1], _with_one_text(message, text[start:], part)
+    return text[: start - 1], with_text(message, text[start:], part)
 
 
 def with_sources(message: Message, sources: str) -> Message:
@@ -102,7 +94,7 @@ def with_sources(message: Message, sources: str) -> Message:
     slot = _one_text(message)
     if slot is None:
         return message
-    return _with_one_text(message, f"{sources}\n{slot[0]}", slot[1])
+    return with_text(message, f"{sources}\n{slot[0]}", slot[1])
 
 
 def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, model: str | None) -> SourcesCut:
