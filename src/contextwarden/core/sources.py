@@ -32,12 +32,14 @@ _CONTEXT = re.compile(r"<context>\s*(?=<source\b)")
 
 @dataclass(frozen=True, slots=True)
 class SourcesCut:
-    """The sources as sent: their text, its tokens, and the passages kept of how many."""
+    """The sources as sent: their text, its tokens, the passages kept of how many, and the
+    tokens of the sources uncut."""
 
     text: str
     tokens: int
     kept: int
     total: int
+    whole: int
 
     @property
     def cut(self) -> bool:
@@ -117,7 +119,7 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
     bodies = [split_chunks(body) for body in pieces[2::4]] if len(pieces) > 1 else [split_chunks(sources)]
     total = sum(len(chunks) for chunks in bodies)
     if whole <= room:
-        return SourcesCut(sources, whole, total, total)
+        return SourcesCut(sources, whole, total, total, whole)
     chunks = [chunk for body in bodies for chunk in body]
     scores = [] if wants_whole(question) else chunk_scores(chunks, question)
     if not any(score > 0 for score in scores):  # about the whole, or no passage matches: a spread
@@ -135,7 +137,7 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
         text = _rebuilt(pieces, bodies, chosen, counter, model)
         tokens = counter.count_text(text, model)
         if tokens <= room or not chosen:
-            return SourcesCut(text, tokens, len(chosen), total)
+            return SourcesCut(text, tokens, len(chosen), total, whole)
         chosen.remove(min(chosen, key=lambda k: (scores[k], -k)))  # joined, the marks counted more
 
 

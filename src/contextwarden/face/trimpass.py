@@ -130,49 +130,39 @@ def _chat_messages_sent(choice: TurnChoice) -> int:
     return len(choice.messages) - len(own_messages(choice.messages, choice.own)) + choice.quoted
 
 
-@dataclass(frozen=True, slots=True)
-class _Sources:
-    """The sources Open WebUI put before the latest question after the first pass: the
-    question as that pass sent it (at `index`: what this pass trims), and the sources as sent."""
+def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
+    """`choice` with the sources Open WebUI put before the question after the first pass put
+    back (the last user message, a cut copy or not); what was cut of them counted as removed
+    and as a document excerpted."""
+    messages = choice.messages
+    if (at := _last_user(messages)) is None:
+        return choice
+    sent = [*messages[:at], with_sources(messages[at], cut.text), *messages[at + 1 :]]
+    excerpts = choice.excerpts
+    if cut.cut:
+        kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
+        passages = (excerpts.passages[0] + cut.kept, excerpts.passages[1] + cut.total)
+        excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
+    removed = cut.whole - cut.tokens
+    return replace(choice, messages=sent, tokens_before=choice.tokens_before + removed, excerpts=excerpts)
 
-    index: int
-    cut: SourcesCut
-    whole: int  # their tokens uncut
 
-    def sent(self, choice: TurnChoice, read: list[Message]) -> TurnChoice:
-        """`choice` with the sources put back before the question (`read[index]`, or the last
-        user message when it went as a cut copy); what was cut of them counted as removed and
-        as a document excerpted."""
-        messages, question = choice.messages, read[self.index]
-        at = next((k for k, m in enumerate(messages) if m is question), None)
-        if at is None:
-            at = next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
-        if at is None:
-            return choice
-        sent = [*messages[:at], with_sources(messages[at], self.cut.text), *messages[at + 1 :]]
-        excerpts = choice.excerpts
-        if self.cut.cut:
-            kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
-            passages = (excerpts.passages[0] + self.cut.kept, excerpts.passages[1] + self.cut.total)
-            excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
-        removed = self.whole - self.cut.tokens
-        return replace(choice, messages=sent, tokens_before=choice.tokens_before + removed, excerpts=excerpts)
+def _last_user(messages: Sequence[Message]) -> int | None:
+    """Index of the last user message: where Open WebUI puts sources (`get_last_user_message_item`)."""
+    return next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
 
 
 def _asked(messages: Sequence[Message]) -> str | None:
     """`text_digest` of the latest user message's text (None without one that has a single text)."""
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            text = question_text(message)
-            return None if text is None else text_digest(text)
-    return None
+    if (at := _last_user(messages)) is None or (text := question_text(messages[at])) is None:
+        return None
+    return text_digest(text)
 
 
 def _split_sources(messages: list[Message], asked: str) -> tuple[int, str, list[Message]] | None:
     """(the latest user message's index, the sources before it, the messages with the question
     as the first pass sent it) when Open WebUI put sources before it since; else None."""
-    at = next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
-    if at is None or (found := split_sources(messages[at], asked)) is None:
+    if (at := _last_user(messages)) is None or (found := split_sources(messages[at], asked)) is None:
         return None
     sources, question = found
     return at, sources, [*messages[:at], question, *messages[at + 1 :]]
@@ -196,7 +186,7 @@ class _Turn:
     reads_off: bool  # and read every message and part off it too (`offloop.reads_off_loop`)
     key: str | None  # the chat's state key; None for API callers
     window: int | None = None  # the model's context window, as Open WebUI or the price book knows it
-    sources: _Sources | None = None  # what Open WebUI put before the question since the first pass
+    sources: SourcesCut | None = None  # what Open WebUI put before the question since the first pass
 
     @property
     def shadow(self) -> bool:
@@ -421,7 +411,7 @@ class TrimPass:
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
         choice = await self._decide(turn, request)
         if turn.sources is not None:
-            choice = turn.sources.sent(choice, turn.read.messages)
+            choice = _with_sources(choice, turn.sources)
         money = await self._turn_money(turn, choice, model)
         note = await _noted(turn, choice, money)
         note = _leave_line(turn, choice, money, note, hook)
@@ -478,7 +468,7 @@ class TrimPass:
             budget = prompt_budget(
                 settings.budget(window),
                 calibration,
-                replace(fixed, sources=sources.cut.tokens),
+                replace(fixed, sources=sources.tokens),
                 flags.budget,
                 ceiling=settings.window_budget(window),
             )
@@ -500,16 +490,13 @@ class TrimPass:
             sources,
         )
 
-    def _cut_sources(self, text: str, messages: list[Message], at: int, room: int, model_id: str) -> _Sources:
+    def _cut_sources(self, text: str, messages: list[Message], at: int, room: int, model_id: str) -> SourcesCut:
         """The sources within what the chat the first pass chose leaves of `room`, and at least
         `SOURCES_SHARE` of it: what they add to the question holds the answer more often than
         what it would push out of the history."""
-        counter = self._counter
-        chat = counter.count_messages(messages, model_id)
-        cut = cut_sources(
-            text, question_text(messages[at]) or "", max(room - chat, int(room * SOURCES_SHARE)), counter, model_id
-        )
-        return _Sources(at, cut, counter.count_text(text, model_id))
+        chat = self._counter.count_messages(messages, model_id)
+        room = max(room - chat, int(room * SOURCES_SHARE))
+        return cut_sources(text, question_text(messages[at]) or "", room, self._counter, model_id)
 
     async def _decide(self, turn: _Turn, request: Any) -> TurnChoice:
         """Choose what to send from the chat's stored state, and store this pass's decision."""
