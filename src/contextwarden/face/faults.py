@@ -15,6 +15,8 @@ import logging
 import traceback
 from collections.abc import Awaitable, Callable
 
+from .hookargs import told_as_admin
+
 __all__ = ["FaultKey", "Faults", "fault_place", "MAX_TOLD_FAULTS"]
 
 faults_log = logging.getLogger("contextwarden")
@@ -32,12 +34,6 @@ def fault_place(exc: BaseException) -> str:
         return "?"
     last = frames[-1]
     return f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno}"
-
-
-def _is_admin(user: object) -> bool:
-    """An admin, or a caller that says no role (as for valve problems: API callers, scripts)."""
-    role = user.get("role") if isinstance(user, dict) else None
-    return role is None or role == "admin"
 
 
 class Faults:
@@ -67,7 +63,7 @@ class Faults:
 
     def tell_now(self, key: FaultKey, user: object) -> bool:
         """Whether the hook that failed shows its status for this fault: to an admin, once."""
-        if not _is_admin(user) or key in self._told or len(self._told) >= MAX_TOLD_FAULTS:
+        if not told_as_admin(user) or key in self._told or len(self._told) >= MAX_TOLD_FAULTS:
             return False
         self._told.add(key)
         self._untold.pop(key, None)
@@ -75,7 +71,7 @@ class Faults:
 
     async def tell_later(self, user: object, notify: Callable[[str], Awaitable[None]]) -> None:
         """After an admin's reply: each fault no admin was told of yet, once (`notify` shows it)."""
-        if not self._untold or not _is_admin(user):
+        if not self._untold or not told_as_admin(user):
             return
         for key in list(self._untold):
             if key in self._told or len(self._told) >= MAX_TOLD_FAULTS:

@@ -27,7 +27,7 @@ from ..state.store import MemoryStore, Store, open_store
 from .adminview import without_usage_exchanges
 from .bookkeeping import Bookkeeping
 from .faults import FaultKey, Faults
-from .hookargs import Emitter, is_chat_body, model_context_length, wants_stream_usage, with_stream_usage
+from .hookargs import Emitter, is_chat_body, model_context_length, told_as_admin, wants_stream_usage, with_stream_usage
 from .trimpass import MAX_REPORTED_PROBLEMS, TrimPass
 from .valves import Settings, UserValves, Valves, read_settings, valves_key
 
@@ -313,8 +313,7 @@ class Filter:
         """The turn's settings; valve problems are logged once, and shown (never their values)
         to admins only, since other users cannot fix them: pass `emit` on one pass a turn."""
         user_valves = user.get("valves") if isinstance(user, dict) else None
-        role = user.get("role") if isinstance(user, dict) else None
-        if role is not None and role != "admin":  # Open WebUI always says; a caller without roles sees them
+        if not told_as_admin(user):
             emit = None
         settings, problems = self._read_settings(user_valves)
         for problem in problems:

@@ -15,6 +15,7 @@ __all__ = [
     "METADATA_KEY",
     "base_model_id",
     "chat_ids",
+    "told_as_admin",
     "is_chat_body",
     "model_context_length",
     "wants_stream_usage",
@@ -101,3 +102,10 @@ def chat_ids(body: dict[str, Any], user: dict | None, metadata: dict | None) -> 
     user_id = (user or {}).get("id") or metadata.get("user_id") or ""
     chat_id = metadata.get("chat_id") or body.get("chat_id") or ""
     return str(user_id), str(chat_id)
+
+
+def told_as_admin(user: object) -> bool:
+    """Whether `__user__` is told what admins are told (valve problems, the filter's own faults):
+    an admin's, or one that names no role (Open WebUI always names it; API callers, scripts)."""
+    role = user.get("role") if isinstance(user, dict) else None
+    return role is None or role == "admin"
