@@ -81,6 +81,21 @@ def test_a_turn_note_round_trips():
     assert TurnNote.from_dict(TurnNote().to_dict()) == TurnNote() and TurnNote().to_dict() == {"v": NOTE_VERSION}
 
 
+def test_a_turn_notes_origins_go_as_runs_and_come_back():
+    """Where each message the first pass sent came from, for a later pass: runs, not one int a message."""
+    note = TurnNote(mode="enforce", origins=(0, 1, 2, 7, 8, -1, -1, 9, *range(20, 520)))
+    assert note.to_dict()["origins"] == [[0, 3], [7, 2], [-1, 2], [9, 1], [20, 500]]
+    assert TurnNote.from_dict(note.to_dict()) == note
+
+
+@pytest.mark.parametrize(
+    "origins",
+    [[[0, 2], [5, -1]], [[-2, 1]], [[0, 10**9]], [[0, 1]] * 100_001, [[0, True]], "0-9"],
+)
+def test_a_turn_notes_origins_are_bounded(origins):
+    assert TurnNote.from_dict({"mode": "enforce", "origins": origins}).origins == ()
+
+
 @pytest.mark.parametrize(
     "raw",
     [

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from contextwarden.core.decision import message_fingerprint
 from contextwarden.core.sources import cut_sources, split_sources, text_digest, with_sources
+from contextwarden.state.chatstate import ChatState, chat_state_key
 
 from helpers import Events, make_filter
 
@@ -143,3 +145,43 @@ async def test_an_attached_article_keeps_the_passage_each_question_needs(counter
         sent, note = await _pass(f, chat, question, sources, Events())
         assert answer in sent[-1]["content"] and counter.count_messages(sent, "gpt-4o") <= note["budget"]
     assert len(middle) >= 5
+
+
+def _reply(paragraph: str) -> str:
+    return " ".join(paragraph.split(". ")[:6])
+
+
+async def _chat_with_sources(counter, turns: int, k: int) -> tuple[list[list[dict]], list[list[dict]], list]:
+    """A chat about an article in a 4k window, each question with its `k` best paragraphs as
+    Open WebUI's retrieved sources: each turn's chat as read, request sent and stored decision."""
+    paragraphs, asked = article()
+    f = make_filter(counter, max_context_tokens=4_096, openrouter_pricing=False)
+    chat: list[dict] = [{"role": "system", "content": "You are helpful."}]
+    sent_each, read_each, decisions = [], [], []
+    for question, _answer, at in asked[:: len(asked) // turns][:turns]:
+        chat.append({"role": "user", "content": question})
+        words = set(question.lower().split())
+        best = sorted(range(len(paragraphs)), key=lambda j: -len(words & set(paragraphs[j].lower().split())))[:k]
+        files = [("Antibiotics.pdf", paragraphs[j]) for j in best]
+        sent, _note = await _pass(f, chat, question, files, Events())
+        sent_each.append(sent)
+        read_each.append(list(chat))
+        decisions.append(ChatState.from_bytes(await f.store.get(chat_state_key("u1", "c1"))).decision)
+        chat.append({"role": "assistant", "content": _reply(paragraphs[at])})
+    return read_each, sent_each, decisions
+
+
+async def test_a_decision_the_request_pass_cut_further_names_the_chats_own_messages(counter):
+    """The request pass cuts the chat inlet chose further to make room for the sources: the
+    decision it stores names each kept and quoted message at its place in the chat as stored,
+    which is what the next turn's inlet reads (it recorded places in inlet's shorter list, so
+    the next turn found no recall block where it looked and chose anew)."""
+    read_each, sent_each, decisions = await _chat_with_sources(counter, 32, 6)
+    cut = [k for k, s in enumerate(sent_each) if k and len(s) < len(sent_each[k - 1])]
+    assert len(cut) >= 3 and any(decisions[k].recalls for k in cut)
+    for chat, decision in zip(read_each, decisions, strict=True):
+        if decision is None:
+            continue
+        assert all(message_fingerprint(chat[i]) == k for i, k in zip(decision.at, decision.kept, strict=True))
+        for recall in decision.recalls:
+            assert all(message_fingerprint(chat[i]) == k for i, k in zip(recall.at, recall.kept, strict=True))

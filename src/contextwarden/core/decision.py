@@ -12,8 +12,8 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -165,6 +165,35 @@ class TrimDecision:
             object.__setattr__(self, "recalls", ())
         if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
             object.__setattr__(self, "excerpts", ())
+
+    def relocated(self, where: Mapping[int, int]) -> TrimDecision:
+        """This decision for another list of the same messages (a later pass's input and the
+        chat it came from): each position through `where`. A kept message with no place there is
+        no longer kept, a recall block or excerpt with one goes; the size figures go (they
+        describe the list the decision saw), so the next turn reads the chat whole.
+
+        Example:
+            >>> d = TrimDecision(900, 600, "relevance", ("a" * 16, "b" * 16), at=(1, 2), seen=3)
+            >>> d.relocated({1: 4, 2: 7}).at, d.relocated({2: 7}).kept
+            ((4, 7), ('bbbbbbbbbbbbbbbb',))
+        """
+        if len(self.at) != len(self.kept):  # no positions recorded: the fingerprints alone
+            return TrimDecision(self.max_tokens, self.tokens, self.strategy, self.kept)
+        kept = [(k, where[i]) for k, i in zip(self.kept, self.at, strict=True) if i in where]
+        recalls = tuple(
+            replace(r, anchor=where[r.anchor], at=tuple(where[i] for i in r.at))
+            for r in self.recalls
+            if r.anchor in where and all(i in where for i in r.at)
+        )
+        return TrimDecision(
+            self.max_tokens,
+            self.tokens,
+            self.strategy,
+            tuple(k for k, _ in kept),
+            tuple(i for _, i in kept),
+            recalls=recalls,
+            excerpts=tuple((where[i], chunks) for i, chunks in self.excerpts if i in where),
+        )
 
     def to_dict(self) -> dict:
         """This decision as JSON values (what the filter stores per chat, inside `ChatState`)."""

@@ -443,7 +443,8 @@ def _without(
     model: str | None,
 ) -> TrimResult:
     """`trim` of `messages` without the recall blocks an earlier pass added, in the input's
-    indices (the blocks count as dropped: a new one is made if the question needs it)."""
+    indices, its decision's too (the blocks count as dropped: a new one is made if the question
+    needs it)."""
     skip = set(blocks)
     rest = [i for i in range(len(messages)) if i not in skip]
     inner = trim([messages[i] for i in rest])
@@ -458,6 +459,7 @@ def _without(
         excerpted=tuple(map(back, inner.excerpted)),
         tool_results=tuple(map(back, inner.tool_results)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
+        decision=None if inner.decision is None else inner.decision.relocated(dict(enumerate(rest))),
     )
 
 

@@ -101,6 +101,14 @@ class TrimResult:
         """True when what is sent differs from the input."""
         return bool(self.dropped or self.shortened)
 
+    @property
+    def origins(self) -> tuple[int, ...]:
+        """For each of `messages`, the input index it was sent from (as is or shortened), -1
+        for what the trim added; () when they do not line up (a caller changed `messages`)."""
+        sent, added = iter(sorted((*self.kept, *self.shortened))), set(self.added)
+        origins = tuple(-1 if k in added else next(sent, -2) for k in range(len(self.messages)))
+        return origins if -2 not in origins and next(sent, None) is None else ()
+
 
 @dataclass(frozen=True, slots=True)
 class _Counted:

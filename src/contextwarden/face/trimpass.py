@@ -198,6 +198,25 @@ class _Turn:
             self.metadata[METADATA_KEY] = note.to_dict()
 
 
+def _carried_here(turn: _Turn, stored: TrimDecision | None) -> TrimDecision | None:
+    """The decision a pass carries: the stored one, for a later pass at its input's positions
+    (its input is what the first pass sent: `TurnNote.origins`). Else a later pass that must
+    cut more (sources, tool results) finds none of its recall blocks and chooses anew."""
+    origins = turn.note.origins
+    if stored is None or turn.shadow or turn.note.mode is None or not origins:
+        return stored
+    return stored.relocated({c: k for k, c in enumerate(origins) if c >= 0})
+
+
+def _in_chat(turn: _Turn, choice: TurnChoice) -> TrimDecision | None:
+    """`choice`'s decision at the chat's positions: a later pass's input is what the first pass
+    sent, which its note maps back to the chat (`TurnNote.origins`); the next turn reads the chat."""
+    origins, decision = turn.note.origins, choice.decision
+    if decision is None or turn.shadow or turn.note.mode is None or not origins or choice.summarized:
+        return decision
+    return decision.relocated({k: c for k, c in enumerate(origins) if c >= 0})
+
+
 @dataclass(frozen=True, slots=True)
 class _TurnMoney:
     """The tokens a turn removed (earlier passes' included), the cache view and the savings."""
@@ -236,6 +255,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
         added=() if shadow else choice.own,
         asked=turn.note.asked if turn.note.mode is not None else _asked(sent_messages),
+        origins=turn.note.origins if turn.note.mode is not None else () if shadow else choice.origins,
     )
     turn.write(note)
     return note
@@ -272,7 +292,18 @@ async def _untrimmed(
     """`!full`: the chat as it is, counted (the count's label goes with the counts)."""
     costs, mode, _ = await compute(off, counter.count_each_as, messages, model_id)
     tokens = TOKENS_PER_REPLY + sum(costs)
-    return TurnChoice(messages, len(messages), tokens, tokens, budget, mode, over_budget=tokens > budget, full=True)
+    everything = tuple(range(len(messages)))
+    return TurnChoice(
+        messages,
+        len(messages),
+        tokens,
+        tokens,
+        budget,
+        mode,
+        over_budget=tokens > budget,
+        full=True,
+        origins=everything,
+    )
 
 
 def _with_breakpoints(
@@ -516,7 +547,7 @@ class TrimPass:
             chooser,
             turn.budget,
             turn.model_id,
-            stored,
+            _carried_here(turn, stored),
             embedder,
             off=turn.off,
             own=turn.note.added,
@@ -531,7 +562,7 @@ class TrimPass:
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
-            decision = stored if choice.decision is None or later_pass else choice.decision
+            decision = stored if choice.decision is None or later_pass else _in_chat(turn, choice)
             saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
             await save_chat_state(self._store, key, stored_bytes, saved, settings.state_ttl_seconds)
         return choice

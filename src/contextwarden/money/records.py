@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) has this shape
+MAX_ORIGINS = 100_000  # messages a first pass sent whose chat positions its note records for later passes
 MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
 USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
@@ -150,6 +151,7 @@ class TurnChoice:
     fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
     own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
     quoted: int = 0  # the chat's messages its recall blocks quote whole (sent, in a block)
+    origins: tuple[int, ...] = ()  # each message's index in the input (-1: added); () unknown
 
     def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
         """This choice with the request's fixed part (billed with every prompt) in its counts,
@@ -195,6 +197,7 @@ class TurnChoice:
             pins_dropped=PINS_DROPPED_NOTE in result.notes,
             own=added_fingerprints(result, messages),
             quoted=len(set(result.recalled).difference(i for i, _ in result.recalled_passages)),
+            origins=result.origins if messages is result.messages else (),
         )
 
 
@@ -278,6 +281,7 @@ class TurnNote:
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
     asked: str | None = None
+    origins: tuple[int, ...] = ()
     version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
 
     def excerpt_counts(self, at_most: int) -> ExcerptCounts:
@@ -354,6 +358,8 @@ class TurnNote:
             out["added"] = list(self.added)
         if self.asked is not None:
             out["asked"] = self.asked
+        if self.origins:
+            out["origins"] = _runs(self.origins)
         return out
 
     @classmethod
@@ -398,6 +404,7 @@ class TurnNote:
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
             asked=raw["asked"] if isinstance(raw.get("asked"), str) and len(raw["asked"]) <= 40 else None,
+            origins=_unrun(raw.get("origins")),
         )
 
     def to_json(self) -> str:
@@ -418,6 +425,34 @@ def _passage_counts(value: object) -> tuple[int, int] | None:
         return None
     sent, total = (_count(v) for v in value)
     return (sent, total) if sent is not None and total is not None and sent <= total else None
+
+
+def _runs(origins: Sequence[int]) -> list[list[int]]:
+    """`origins` as runs `[first, length]` of consecutive positions (-1 for a run of the filter's own)."""
+    runs: list[list[int]] = []
+    for i in origins:
+        last = runs[-1] if runs else None
+        if last is not None and (i == -1 == last[0] or (i >= 0 and last[0] >= 0 and i == last[0] + last[1])):
+            last[1] += 1
+        else:
+            runs.append([i, 1])
+    return runs
+
+
+def _unrun(raw: object) -> tuple[int, ...]:
+    """The origins `_runs` wrote; () for anything else or more than `MAX_ORIGINS` messages."""
+    if (
+        not isinstance(raw, list)
+        or len(raw) > MAX_ORIGINS
+        or not all(
+            isinstance(r, list) and len(r) == 2 and type(r[0]) is int and type(r[1]) is int and r[0] >= -1 and r[1] > 0
+            for r in raw
+        )
+    ):
+        return ()
+    if sum(r[1] for r in raw) > MAX_ORIGINS:
+        return ()
+    return tuple(i for first, n in raw for i in ([-1] * n if first < 0 else range(first, first + n)))
 
 
 def _fingerprints(value: object) -> tuple[str, ...]:
