@@ -275,10 +275,29 @@ def test_calibration_rule():
     assert update_calibration(first, 10, 40) is None  # tiny prompt
     assert update_calibration(first, 1000, 3000) is None  # beyond the clamp
     warm = Calibration(1.2, 5)
-    assert update_calibration(warm, 1000, 1900) is None  # outlier once warmed up
+    assert update_calibration(warm, 1000, 1900) == Calibration(1.32, 6)  # outlier: counts as 1.5x off (1.8)
     assert update_calibration(warm, 1000, 1300) == Calibration(1.22, 6)  # EMA, alpha 0.2
     assert calibrated_budget(2000, Calibration(1.25, 3)) == 1600
     assert calibrated_budget(2000, Calibration(1.005, 3)) == 2000  # within 1%: not applied
+
+
+def test_calibration_comes_back_from_a_run_of_odd_replies():
+    """One user's crafted turns (each within 1.5x of the factor) drove the shared factor to ~1.95
+    (effect 1.5: every user's budget a third smaller); honest replies at 1.0 were all outliers
+    and ignored, so it stayed there for good (500 of them: 1.946313). Now they pull it back."""
+    cal = Calibration()
+    for _ in range(5):
+        cal = update_calibration(cal, 1000, 1500) or cal
+    for _ in range(10):
+        cal = update_calibration(cal, 1000, int(min(2.0, cal.factor * 1.45) * 1000)) or cal
+    assert cal.effect == 1.5
+    for _ in range(40):
+        cal = update_calibration(cal, 1000, 1000) or cal
+    assert not cal.active and abs(cal.factor - 1.0) < 0.01
+    shifted = Calibration(1.4, 50)  # the model's tokenizer changed: 0.9 is 1.56x off 1.4
+    for _ in range(60):
+        shifted = update_calibration(shifted, 1000, 900) or shifted
+    assert abs(shifted.factor - 0.9) < 0.01
 
 
 async def test_calibration_makes_real_tokens_fit_the_budget(counter):

@@ -4,8 +4,10 @@ tiktoken counts are exact for OpenAI models only; Claude, Llama or Qwen tokenize
 numbers. After each single-call reply the outlet compares what the request hook counted for
 what it sent with the real `prompt_tokens` and updates a smoothed factor (real / counted):
 the mean of the first samples, then an exponential moving average, clamped to
-[MIN_CALIBRATION, MAX_CALIBRATION], ignoring tiny prompts and outliers. The filter divides the
-budget by the factor; counts themselves stay pure (tokens.py never sees it).
+[MIN_CALIBRATION, MAX_CALIBRATION], ignoring tiny prompts, and an outlier moving it as one
+CALIBRATION_OUTLIER times off would (never ignored: a factor that only ever heard outliers could
+never come back). The filter divides the budget by the factor; counts themselves stay pure
+(tokens.py never sees it).
 
 One factor serves every user of a model, so only comparable turns teach it: prompts of text
 alone (images, tool definitions, calls and results are counted or billed by other rules), and
@@ -43,7 +45,10 @@ MIN_EFFECT, MAX_EFFECT = 0.8, 1.5
 CALIBRATION_MIN_PROMPT = 64  # below this, per-message overhead guesses dominate the ratio
 CALIBRATION_WARMUP = 5  # plain mean of the first samples, then EMA
 CALIBRATION_ALPHA = 0.2
-CALIBRATION_OUTLIER = 1.5  # once warmed up, a ratio this far off the factor (either way) is ignored
+# Once warmed up, a ratio farther off the factor than this (either way) counts as this far off:
+# one odd reply moves the factor at most ALPHA x (OUTLIER - 1) = 10%, and a real change (or
+# honest replies after a run of odd ones) still brings it back, 10% a reply at least.
+CALIBRATION_OUTLIER = 1.5
 CALIBRATION_SHOWN = 0.01  # factors within 1% of 1 are not applied or shown
 CALIBRATION_KEY_PREFIX = "calibration:"
 
@@ -71,25 +76,25 @@ class Calibration:
 def update_calibration(current: Calibration, counted: int, real: int) -> Calibration | None:
     """The calibration after one more sample, or None when the sample is ignored.
 
-    Ignored: prompts under CALIBRATION_MIN_PROMPT tokens, ratios outside the clamp range, and
-    (after the warm-up) ratios more than CALIBRATION_OUTLIER times off the current factor.
+    Ignored: prompts under CALIBRATION_MIN_PROMPT tokens and ratios outside the clamp range.
+    After the warm-up a ratio more than CALIBRATION_OUTLIER times off the current factor counts
+    as that far off (ignoring it left a factor learned from odd replies stuck for good).
 
     Example:
         >>> update_calibration(Calibration(), 1000, 1250)
         Calibration(factor=1.25, samples=1)
+        >>> update_calibration(Calibration(2.0, 20), 1000, 1000)  # 1.0 counts as 2.0 / 1.5
+        Calibration(factor=1.866667, samples=21)
     """
     if counted < CALIBRATION_MIN_PROMPT or real <= 0:
         return None
     ratio = real / counted
     if not MIN_CALIBRATION <= ratio <= MAX_CALIBRATION:
         return None
-    if current.samples >= CALIBRATION_WARMUP and not (
-        current.factor / CALIBRATION_OUTLIER <= ratio <= current.factor * CALIBRATION_OUTLIER
-    ):
-        return None
     if current.samples < CALIBRATION_WARMUP:
         factor = (current.factor * current.samples + ratio) / (current.samples + 1)
     else:
+        ratio = min(current.factor * CALIBRATION_OUTLIER, max(current.factor / CALIBRATION_OUTLIER, ratio))
         factor = current.factor + CALIBRATION_ALPHA * (ratio - current.factor)
     factor = min(MAX_CALIBRATION, max(MIN_CALIBRATION, factor))
     return Calibration(round(factor, 6), current.samples + 1)
