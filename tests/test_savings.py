@@ -205,6 +205,37 @@ def test_enforce_and_shadow_report_the_same_way():
     assert plain.cost_saved_usd == D("0.054")
 
 
+def test_a_tool_loops_summed_prompt_neither_reaches_a_tier_nor_outweighs_its_cache():
+    """Open WebUI sums a tool loop's prompts (and cached tokens) over its calls. The savings took
+    the tier of the sum, which no call reached, and set one call's predicted prefix against every
+    call's reported hits: both claimed more than the removed tokens could be worth."""
+    # gemini-2.5-pro-like: calls of 60k, 70k, 80k (210,000 summed: past the 200k tier), 40,000 removed.
+    # Each call under 200k: 40,000 x $1.25/M = $0.05 (was $0.10 enforce, $0.3125 shadow).
+    summed = Usage(210_000, 3_000, calls_summed=True, last_call_prompt=80_000)
+    for shadow in (False, True):
+        s = reply_savings(
+            summed, shadow=shadow, tokens_saved=40_000, other_prefix=0, price=TIERED, caches=False, minimum=1_024
+        )
+        assert s.cost_saved_usd == D("0.05")
+    # gpt-5: three trimmed calls of 100,000 (293,000 of 300,000 served from cache), 40,000 removed a call;
+    # the untrimmed chat's first call would have had 130,000 cached, the trimmed one had 95,000:
+    # untrimmed 340,000 with 293,000 + 35,000 cached: 12,000 x $1.25/M + 328,000 x $0.125/M = $0.056
+    # trimmed: 7,000 x $1.25/M + 293,000 x $0.125/M = $0.045375 -> $0.010625 (was $0.233375,
+    # more than 3 x 40,000 tokens at the full rate, $0.15)
+    loop = Usage(300_000, 1_500, cached_tokens=293_000, calls_summed=True, last_call_prompt=100_000)
+    s = reply_savings(
+        loop,
+        shadow=False,
+        tokens_saved=40_000,
+        other_prefix=130_000,
+        sent_prefix=95_000,
+        price=GPT5,
+        caches=True,
+        minimum=1_024,
+    )
+    assert s.cost_saved_usd == D("0.010625") and (s.cached_before, s.cached_after) == (328_000, 293_000)
+
+
 def test_cache_stats_learn_whether_a_model_caches():
     stats = CacheStats()
     assert update_cache_stats(stats, 900, 0, 1_024) is None  # below the minimum: says nothing

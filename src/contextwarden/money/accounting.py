@@ -150,6 +150,7 @@ async def reply_savings_of(
         shadow=mode == "shadow",
         tokens_saved=tokens_saved,
         other_prefix=view.trimmed if mode == "shadow" else view.untrimmed,
+        sent_prefix=view.untrimmed if mode == "shadow" else view.trimmed,
         price=resolution.price,
         caches=caches,
         minimum=min_cacheable_tokens(model_key),

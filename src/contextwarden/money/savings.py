@@ -89,10 +89,11 @@ def price_caches(price: ModelPrice | None) -> bool:
     )
 
 
-def _input_cost(tokens: int, cache: PromptCache, price: ModelPrice) -> Decimal | None:
+def _input_cost(tokens: int, cache: PromptCache, price: ModelPrice, tier: int | None = None) -> Decimal | None:
     """Input cost of a prompt: uncached at the input rate, cached at the read rate, written at the
-    write rate (the input rate where no write rate is listed); None when the input rate is unknown."""
-    rates = price.rates_for(tokens)
+    write rate (the input rate where no write rate is listed), at the tier `tier` tokens reach
+    (default `tokens`); None when the input rate is unknown."""
+    rates = price.rates_for(tokens if tier is None else tier)
     if rates.prompt is None:
         return None
     cached = min(max(0, cache.cached), tokens) if price_caches(price) else 0
@@ -110,6 +111,7 @@ def estimate_savings(
     price: ModelPrice | None = None,
     cache_before: PromptCache = PromptCache(),
     cache_after: PromptCache = PromptCache(),
+    tiers: tuple[int | None, int | None] = (None, None),
 ) -> Savings:
     """What trimming a prompt from `tokens_before` to `tokens_after` (our counts) saved.
 
@@ -124,6 +126,8 @@ def estimate_savings(
         price: the resolved model's price; None when unknown.
         cache_before, cache_after: each prompt's cached and written tokens (provider tokens);
             counted only for a model whose price lists a cache-read rate.
+        tiers: the prompt sizes that pick each side's price tier (provider tokens; None: its own
+            size). A tool loop's summed prompt reaches a tier none of its calls did.
 
     Example:
         >>> gpt4o = ModelPrice(Decimal("0.0000025"), Decimal("0.00001"), cache_read=Decimal("0.00000125"))
@@ -139,7 +143,8 @@ def estimate_savings(
         return Savings(before, after, Decimal(0), None, *cached)
     if price is None:
         return Savings(before, after, None, "no price for this model", *cached)
-    cost_before, cost_after = _input_cost(before, cache_before, price), _input_cost(after, cache_after, price)
+    cost_before = _input_cost(before, cache_before, price, tiers[0])
+    cost_after = _input_cost(after, cache_after, price, tiers[1])
     if cost_before is None or cost_after is None:
         return Savings(before, after, None, "input price unknown", *cached)
     return Savings(before, after, cost_before - cost_after, None, *cached)
@@ -176,19 +181,22 @@ def reply_savings(
     price: ModelPrice | None,
     caches: bool,
     minimum: int,
+    sent_prefix: int = 0,
 ) -> Savings:
     """Savings of one reply, priced after the backend reported what its cache served.
 
     The prompt that went out (the trimmed one; in shadow mode the untrimmed one) is priced with
     the reported cached and written tokens; the other with `predicted_cache` of its
     `other_prefix` (the untrimmed chat's previous prompt, or the trimmed chat's reused prefix),
-    writing the rest when this reply wrote to the cache.
+    writing the rest when this reply wrote to the cache. A tool loop's reply (counts summed over
+    its calls) is priced by `_loop_savings`.
 
     Args:
         usage: the reply's usage (billed: reported, or estimated where the backend said nothing).
         shadow: the untrimmed chat went out (shadow mode).
         tokens_saved: tokens the trim removed (calibrated, as the request hook noted).
         other_prefix: the cached prefix assumed for the prompt that did not go out (provider tokens).
+        sent_prefix: the one assumed for the prompt that went out (read for a tool loop only).
         caches: the model caches (reported this reply, learned, or expected from its price).
         minimum: the model's minimum cacheable prefix.
     """
@@ -196,11 +204,42 @@ def reply_savings(
     reported = PromptCache(usage.cached_tokens or 0, usage.cache_write_tokens or 0)
     other_tokens = max(0, sent - tokens_saved) if shadow else sent + max(0, tokens_saved)
     other = predicted_cache(other_tokens, other_prefix, price, caches=caches, minimum=minimum)
+    if usage.calls_summed:
+        mine = predicted_cache(sent, sent_prefix, price, caches=caches, minimum=minimum)
+        return _loop_savings(usage, reported, other_tokens, other.cached - mine.cached, shadow, tokens_saved, price)
     if reported.written > 0 and other.written == 0:
         other = PromptCache(other.cached, other_tokens - other.cached)
     if shadow:
         return estimate_savings(sent, other_tokens, price=price, cache_before=reported, cache_after=other)
     return estimate_savings(other_tokens, sent, price=price, cache_before=other, cache_after=reported)
+
+
+def _loop_savings(
+    usage: Usage,
+    reported: PromptCache,
+    other_tokens: int,
+    moved: int,
+    shadow: bool,
+    tokens_saved: int,
+    price: ModelPrice | None,
+) -> Savings:
+    """A tool loop's savings: its counts are sums over its calls (cached ones too), so the other
+    prompt's cache is the reported one, `moved` by what its first call's prefix would have held
+    more (or less), not a single call's prefix set against N calls' hits (which claimed more than
+    the removed tokens were worth); each side at the tier of its last call, as `compute_cost`
+    prices it; the tokens removed counted once (what the later calls saved too is not claimed)."""
+    cached = min(max(0, reported.cached + moved), other_tokens)
+    other = PromptCache(cached, min(reported.written, other_tokens - cached))
+    last = usage.last_call_prompt
+    other_last = None if last is None else (max(0, last - tokens_saved) if shadow else last + max(0, tokens_saved))
+    sent = max(0, usage.prompt_tokens or 0)
+    if shadow:
+        return estimate_savings(
+            sent, other_tokens, price=price, cache_before=reported, cache_after=other, tiers=(last, other_last)
+        )
+    return estimate_savings(
+        other_tokens, sent, price=price, cache_before=other, cache_after=reported, tiers=(other_last, last)
+    )
 
 
 _CUT_TEXT = SHORTENED_MARK.split("}", 1)[1]  # " tokens cut by contextwarden …]"
