@@ -410,14 +410,21 @@ async def test_one_users_image_and_tool_chats_do_not_move_anothers_budget(counte
 
 @pytest.mark.parametrize("factor", [0.5, 0.6, 0.9, 1.6, 2.0])
 @pytest.mark.parametrize("user_budget", [0, 8_000])
-async def test_a_calibrated_budget_stays_within_the_window_and_the_bounded_effect(counter, factor, user_budget):
+@pytest.mark.parametrize("by_flag", [False, True])
+async def test_a_calibrated_budget_stays_within_the_window_and_the_bounded_effect(
+    counter, factor, user_budget, by_flag
+):
     """Whatever factor is stored, its effect is within [MIN_EFFECT, MAX_EFFECT] and the budget
-    never exceeds the window less the reserve."""
+    never exceeds the window less the reserve; a user's `!budget=N` is calibrated as the valve is
+    (at x1.6 it was 8,000 of our tokens: 12,000 of the provider's)."""
     model = "anthropic/claude-sonnet-4.5"
     f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000)
     await save_calibration(f.store, model, Calibration(factor, 20))
-    body = body_of(chat_of(4), model=model, user_id="bob", chat_id="c-bob")
-    user = {"id": "bob", "valves": f.UserValves(max_context_tokens=user_budget)}
+    chat = chat_of(4)
+    if by_flag and user_budget:
+        chat[-1] = {"role": "user", "content": f"!budget={user_budget} What now?"}
+    body = body_of(chat, model=model, user_id="bob", chat_id="c-bob")
+    user = {"id": "bob", "valves": f.UserValves(max_context_tokens=0 if by_flag else user_budget)}
     await f.request(body, __user__=user, __metadata__=body["metadata"])
     budget = body["metadata"]["contextwarden"]["budget"]
     effect = min(MAX_EFFECT, max(MIN_EFFECT, factor))

@@ -165,8 +165,10 @@ def test_hostile_tool_definitions_are_counted_not_fatal(counter):
 def test_the_budget_is_the_window_less_the_fixed_part():
     plain = prompt_budget(3_500, Calibration(), FixedCost(tools=1_000, response_format=200))
     assert (plain.total, plain.messages, plain.fixed_over) == (3_500, 2_300, False)
+    # `!budget=2000` is the provider's 2,000 tokens, as the valve is: 1,600 of ours at x1.25 (was 2,000 = 2,500)
     capped = prompt_budget(3_500, Calibration(factor=1.25, samples=5), FixedCost(tools=1_000), cap=2_000)
-    assert (capped.total, capped.messages) == (2_000, 1_000)
+    assert (capped.total, capped.messages) == (1_600, 600)
+    assert prompt_budget(3_500, Calibration(factor=0.8, samples=5), cap=2_000).total == 2_500
     over = prompt_budget(3_500, Calibration(), FixedCost(tools=6_435))
     assert over.fixed_over and over.messages == 64
 

@@ -72,8 +72,9 @@ def prompt_budget(
     ceiling: int | None = None,
 ) -> PromptBudget:
     """The one budget rule: the window less the reserve (`window_budget`), in our counts
-    (calibrated, never above `ceiling`), lowered to a user's `!budget=N` (`cap`, never below MIN_BUDGET_TOKENS), less
-    the fixed part; the rest is for the messages.
+    (calibrated, never above `ceiling`), lowered to a user's `!budget=N` (`cap`, the provider's
+    tokens as the user's valve is: calibrated too; never below MIN_BUDGET_TOKENS), less the fixed
+    part; the rest is for the messages.
 
     Example:
         >>> budget = prompt_budget(3_500, Calibration(), FixedCost(tools=900))
@@ -84,7 +85,7 @@ def prompt_budget(
     """
     total = calibrated_budget(window_budget, calibration, ceiling=ceiling)
     if cap is not None:
-        total = max(MIN_BUDGET_TOKENS, min(total, cap))
+        total = max(MIN_BUDGET_TOKENS, min(total, calibrated_budget(cap, calibration)))
     left = total - fixed.tokens
     return PromptBudget(total, fixed, max(left, MIN_BUDGET_TOKENS), left < MIN_BUDGET_TOKENS)
 
