@@ -12,8 +12,9 @@ import redis
 import redis.asyncio as aioredis
 
 import contextwarden.face.trimpass as trimpass_module
+import contextwarden.state.store as store_module
 from contextwarden.state.chatstate import ChatState, chat_state_key
-from contextwarden.state.store import KEY_PREFIX
+from contextwarden.state.store import KEY_PREFIX, RedisStore
 
 from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
 
@@ -378,3 +379,50 @@ async def test_a_worker_upgraded_mid_chat_reuses_the_state_the_previous_version_
     assert trims[-1][0]["previous"] == decision
     state = await stored_state(f, user_id, chat_id)
     assert json.loads(await f.store.get(key))["v"] == 2 and state.pins == ("p1",)
+
+
+class _SwitchedRedis:
+    """A real Redis client that can be switched off: every command then fails as a refused connection."""
+
+    def __init__(self, url: str) -> None:
+        self.real = aioredis.Redis.from_url(url)
+        self.down = False
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.down:
+                raise aioredis.ConnectionError("refused")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_a_pin_made_while_redis_was_away_joins_the_shared_state(counter, redis_url, unique, monkeypatch):
+    """While Redis is away a worker keeps the chat's state in its fallback; a pin made then was
+    lost once Redis answered again (its older state has no such pin) and the pinned message was
+    dropped two turns later. Pins only grow, so the fallback's join Redis's."""
+    monkeypatch.setattr(store_module, "REDIS_RETRY_SECONDS", 0.0)
+    client = _SwitchedRedis(redis_url)
+    store = RedisStore(redis_url, client=client)
+    f = make_filter(counter, store=store, max_context_tokens=1_500, reserve_output_tokens=0)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(4)
+    await send(f, chat, user_id, chat_id)  # Redis answers: the chat's state is shared
+    client.down = True
+    chat = chat[:-1] + [{"role": "user", "content": "My locker code is 4417. !pin"}]
+    await send(f, chat, user_id, chat_id)  # Redis away: the pin is this worker's alone
+    assert not store.shared and len((await stored_state(f, user_id, chat_id)).pins) == 1
+    client.down = False
+    pinned, dropped = {"role": "user", "content": "My locker code is 4417."}, 0
+    for i in range(10, 18):
+        chat = grow(chat, i)
+        out = await send(f, chat, user_id, chat_id)
+        assert pinned in out["messages"], i
+        dropped = max(dropped, len(chat) - len(out["messages"]))
+    assert dropped >= 6  # the chat was trimmed, the pin kept
+    assert store.shared and len((await stored_state(f, user_id, chat_id)).pins) == 1  # in Redis now
+    await store.aclose()

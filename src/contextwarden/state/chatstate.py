@@ -88,6 +88,13 @@ class ChatState:
         which a caller must not write over (a newer version's state, or damaged: it expires)."""
         return cls() if raw is None else cls.from_json(raw)
 
+    def with_pins_of(self, other: ChatState | None) -> ChatState:
+        """This state with `other`'s pins added after its own (pins are only ever added, so
+        a union loses none: a pin a worker kept while Redis was away joins the shared state)."""
+        if other is None or not (extra := tuple(p for p in other.pins if p not in self.pins)):
+            return self
+        return replace(self, pins=(self.pins + extra)[-MAX_PINS:])
+
     def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
         """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode
         (the last one written wins), then the message is pinned when `!pin` or pin mode says so."""

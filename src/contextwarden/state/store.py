@@ -103,6 +103,11 @@ class Store:
         """Keys (without the prefix) matching a glob pattern."""
         raise NotImplementedError
 
+    async def local_copy(self, key: str) -> bytes | None:
+        """What this worker alone holds under `key` beside the shared copy: what it wrote while
+        the shared store was away (None for a store that is never away, or while it is)."""
+        return None
+
     @property
     def shared(self) -> bool:
         """True when other workers see the same state."""
@@ -271,6 +276,11 @@ class RedisStore(Store):
     @property
     def shared(self) -> bool:
         return self._down_since is None
+
+    async def local_copy(self, key: str) -> bytes | None:
+        """The fallback's bytes under `key` while Redis answers: what this worker wrote there
+        during an outage, which Redis never got (None while Redis is away: `get` reads them)."""
+        return await self.fallback.get(key) if self.shared else None
 
     @property
     def held(self) -> tuple[str, ...]:
