@@ -426,3 +426,31 @@ async def test_a_pin_made_while_redis_was_away_joins_the_shared_state(counter, r
     assert dropped >= 6  # the chat was trimmed, the pin kept
     assert store.shared and len((await stored_state(f, user_id, chat_id)).pins) == 1  # in Redis now
     await store.aclose()
+
+
+async def test_two_workers_on_one_redis_send_what_one_worker_sends(counter, redis_url, unique):
+    """30 turns of one chat through one filter, and alternating between two filters on one Redis
+    (each turn's process caches emptied, as in a worker that never saw the chat): every turn
+    sends the same messages, so the prompt cache hits as often on several workers as on one."""
+    from contextwarden.caches import clear_all
+
+    words = "amber basin cobalt delta ember fjord granite harbor indigo jasper kestrel lumen".split()
+
+    def text(i: int, n: int) -> str:
+        return " ".join(words[(i * 7 + k * k) % len(words)] for k in range(n))
+
+    async def run(filters, chat_id: str) -> list[list[dict]]:
+        chat, sent = [{"role": "system", "content": "You are helpful."}], []
+        for i in range(30):
+            chat = chat + [{"role": "user", "content": f"q{i} " + text(i, 20 + i * 37 % 130)}]
+            if len(filters) > 1:
+                clear_all()
+            sent.append((await send(filters[i % len(filters)], chat, f"u-{unique}", chat_id))["messages"])
+            chat = chat + [{"role": "assistant", "content": f"a{i} " + text(i + 1, 30 + i * 53 % 220)}]
+        return sent
+
+    valves = {"max_context_tokens": 3_000, "reserve_output_tokens": 500, "redis_url": redis_url}
+    one = await run([make_filter(counter, **valves)], f"one-{unique}")
+    two = await run([make_filter(counter, **valves), make_filter(counter, **valves)], f"two-{unique}")
+    assert [len(s) for s in one] == [len(s) for s in two] and one == two
+    assert sum(len(s) < 2 * i + 2 for i, s in enumerate(one)) >= 10  # the chat was trimmed on many turns
