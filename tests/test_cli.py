@@ -294,3 +294,13 @@ def test_usage_refuses_since_after_until(capsys):
     assert capsys.readouterr().err == (
         "contextwarden usage: --since 2026-12-05 is after --until 2026-12-01: no day is in between\n"
     )
+
+
+def test_json_nested_too_deeply_is_named_not_a_traceback(tmp_path, capsys):
+    """`[[[...]]]` 100,000 deep raised RecursionError out of json: a traceback and status 1."""
+    deep = "[" * 100_000 + "]" * 100_000
+    err = _trim_error(tmp_path, capsys, deep)
+    assert err == f"contextwarden: {tmp_path / 'chat.json'}: JSON nested too deeply to read (no chat nests so deep)\n"
+    err = _trim_error(tmp_path, capsys, None, "--previous", str(tmp_path / "chat.json"))
+    assert err.startswith(f"contextwarden: --previous {tmp_path / 'chat.json'}: not a decision")
+    assert err.count("\n") == 1

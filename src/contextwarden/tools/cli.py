@@ -89,11 +89,18 @@ def _load_chat(path: str, max_mb: float = 0.0) -> tuple[list[dict[str, Any]], st
             f"{name}: {size_mb:,.1f} MB, over the --max-input-mb limit of {max_mb:g} MB (a trim takes seconds "
             "a megabyte); pass --max-input-mb 0 to trim it anyway"
         )
+    return _messages_of(_parse_json(text, name), name)
+
+
+def _parse_json(text: str, name: str) -> Any:
+    """`text` parsed as JSON; InputError naming `name` and where it is not JSON (nesting deeper
+    than Python's recursion limit included: json raised RecursionError, a traceback)."""
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{name}: not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    return _messages_of(data, name)
+    except RecursionError:
+        raise InputError(f"{name}: JSON nested too deeply to read (no chat nests so deep)") from None
 
 
 def _messages_of(data: object, name: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -215,7 +222,7 @@ def _read_previous(path: str | None) -> TrimDecision | None:
     name = f"--previous {path}"
     text = _read_text(path, name)
     try:
-        data = json.loads(text)
+        data = _parse_json(text, name)
         if isinstance(data, dict) and "decision" in data and "messages" in data:  # `trim --json` output
             data = data["decision"]
             if data is None:
