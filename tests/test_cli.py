@@ -304,3 +304,35 @@ def test_json_nested_too_deeply_is_named_not_a_traceback(tmp_path, capsys):
     err = _trim_error(tmp_path, capsys, None, "--previous", str(tmp_path / "chat.json"))
     assert err.startswith(f"contextwarden: --previous {tmp_path / 'chat.json'}: not a decision")
     assert err.count("\n") == 1
+
+
+def test_a_chat_over_the_size_limit_is_refused_before_it_is_read(tmp_path, capsys):
+    """The whole file was read and decoded before its size was checked: 9 MB of bytes that are
+    not UTF-8 said `not UTF-8 text`, and a file of gigabytes was read into memory first."""
+    big = tmp_path / "big.json"
+    big.write_bytes(b"\xff" * 9_000_001)
+    assert main(["trim", str(big), "--max-tokens", "2000"]) == 2
+    assert capsys.readouterr().err.startswith(f"contextwarden: {big}: 9.0 MB, over the --max-input-mb limit of 8 MB")
+
+
+def test_a_directory_is_named_as_one(tmp_path, capsys):
+    """It said `[Errno 21] Is a directory: '...'`, naming no option."""
+    assert main(["trim", str(tmp_path), "--max-tokens", "2000"]) == 2
+    assert capsys.readouterr().err == f"contextwarden: {tmp_path}: a directory, not a file\n"
+    err = _trim_error(tmp_path, capsys, None, "--previous", str(tmp_path))
+    assert err == f"contextwarden: --previous {tmp_path}: a directory, not a file\n"
+
+
+def test_stdin_that_is_not_utf8_is_named_as_a_file_is(monkeypatch, capsys):
+    """Read through a text stream that escapes bad bytes (a POSIX locale's), stdin's 0xff said
+    `not JSON (line 1, column 1: Expecting value)`; it is read as bytes, as a file is."""
+    import io
+
+    for data, said in ((b"\xff[", "not UTF-8 text (byte 0xff at offset 0)"), (b"x" * 2_000_001, "over the")):
+        stream = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+        monkeypatch.setattr(sys, "stdin", stream)
+        assert main(["trim", "-", "--max-tokens", "2000", "--max-input-mb", "2"]) == 2
+        assert capsys.readouterr().err.startswith(f"contextwarden: stdin: {said}")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(BODY).encode())))
+    assert main(["trim", "-", "--max-tokens", "2000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["messages"] == BODY["messages"]

@@ -52,43 +52,67 @@ PROGRESS_AFTER_SECONDS = 1.0  # a trim that runs longer shows its time on stderr
 CHAT_SHAPES = 'expected a list of messages or a request body {"messages": [...]}'
 
 
-def _read_text(path: str, name: str, missing: str = "no such file") -> str:
-    """A file's text, decoded as UTF-8; InputError naming the file (as `name`) when it is
-    missing (saying `missing`) or not text."""
+def _read_text(path: str, name: str, missing: str = "no such file", max_mb: float = 0.0) -> str:
+    """A file's text (`-`: stdin's), decoded as UTF-8; InputError naming it (as `name`) when it
+    is missing (saying `missing`), not a readable file, over `max_mb` megabytes (0: no limit;
+    a file's size is checked before it is read) or not text."""
+    limit = int(max_mb * 1e6) if max_mb else None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        if path == "-":
+            data = _read_up_to(sys.stdin.buffer, limit)
+        else:
+            with open(path, "rb") as file:
+                if limit is not None and (size := os.fstat(file.fileno()).st_size) > limit:
+                    raise _too_large(name, max_mb, size)
+                data = _read_up_to(file, limit)
     except FileNotFoundError:
         raise InputError(f"{name}: {missing}") from None
+    except IsADirectoryError:
+        raise InputError(f"{name}: a directory, not a file") from None
+    except OSError as exc:  # permission denied, a device that cannot be read, ...
+        raise InputError(f"{name}: cannot be read ({(exc.strerror or type(exc).__name__).lower()})") from None
+    if limit is not None and len(data) > limit:  # stdin, or a file that grew or has no size (a pipe)
+        raise _too_large(name, max_mb)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(
-            f"{name}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start:,}); JSON was expected"
+            f"{name}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start:,}); JSON was expected"
         ) from None
 
 
-def _chat_text(path: str) -> tuple[str, str]:
+def _read_up_to(file: Any, limit: int | None) -> bytes:
+    """All of a binary file, or one byte past `limit` (enough to know it is over)."""
+    return bytes(file.read() if limit is None else file.read(limit + 1))
+
+
+def _too_large(name: str, max_mb: float, size: int | None = None) -> InputError:
+    """The refusal of a chat over `--max-input-mb`, with its size when known, and how to lift it."""
+    said = f"{size / 1e6:,.1f} MB, over" if size is not None else "over"
+    return InputError(
+        f"{name}: {said} the --max-input-mb limit of {max_mb:g} MB (a trim takes seconds a megabyte); "
+        "pass --max-input-mb 0 to trim it anyway"
+    )
+
+
+def _chat_text(path: str, max_mb: float) -> tuple[str, str]:
     """The chat's JSON text and how to name it: stdin (`-`), a file, or the argument itself when
     it is JSON rather than a path (a request body pasted in place of its file)."""
     if path == "-":
-        try:
-            return sys.stdin.read(), "stdin"
-        except UnicodeDecodeError:
-            raise InputError("stdin: not UTF-8 text; JSON was expected") from None
+        return _read_text(path, "stdin", max_mb=max_mb), "stdin"
     if path.lstrip().startswith(("{", "[")) and not Path(path).exists():
+        if max_mb and len(path.encode("utf-8", "surrogatepass")) > max_mb * 1e6:
+            raise _too_large("the chat argument", max_mb)
         return path, "the chat argument"
-    return _read_text(path, path, "no such file (give a chat JSON file, - for stdin, or the JSON itself)"), path
+    missing = "no such file (give a chat JSON file, - for stdin, or the JSON itself)"
+    return _read_text(path, path, missing, max_mb), path
 
 
 def _load_chat(path: str, max_mb: float = 0.0) -> tuple[list[dict[str, Any]], str | None]:
     """Messages (and a model id, when given) from chat JSON: a list or a request body
     `{"model": ..., "messages": [...], ...}`; refused past `max_mb` megabytes (0: no limit),
     before it is parsed."""
-    text, name = _chat_text(path)
-    size_mb = len(text.encode("utf-8", "surrogatepass")) / 1e6 if max_mb else 0.0
-    if max_mb and size_mb > max_mb:
-        raise InputError(
-            f"{name}: {size_mb:,.1f} MB, over the --max-input-mb limit of {max_mb:g} MB (a trim takes seconds "
-            "a megabyte); pass --max-input-mb 0 to trim it anyway"
-        )
+    text, name = _chat_text(path, max_mb)
     return _messages_of(_parse_json(text, name), name)
 
 
