@@ -336,3 +336,12 @@ def test_stdin_that_is_not_utf8_is_named_as_a_file_is(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(BODY).encode())))
     assert main(["trim", "-", "--max-tokens", "2000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["messages"] == BODY["messages"]
+
+
+def test_a_chat_saved_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    """Notepad and PowerShell's UTF-8 start with EF BB BF: it said `not JSON (line 1, column 1:
+    Unexpected UTF-8 BOM (decode using utf-8-sig))`."""
+    path = tmp_path / "notepad.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(BODY).encode())
+    assert main(["trim", str(path), "--max-tokens", "2000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["messages"] == BODY["messages"]

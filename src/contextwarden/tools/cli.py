@@ -53,9 +53,9 @@ CHAT_SHAPES = 'expected a list of messages or a request body {"messages": [...]}
 
 
 def _read_text(path: str, name: str, missing: str = "no such file", max_mb: float = 0.0) -> str:
-    """A file's text (`-`: stdin's), decoded as UTF-8; InputError naming it (as `name`) when it
-    is missing (saying `missing`), not a readable file, over `max_mb` megabytes (0: no limit;
-    a file's size is checked before it is read) or not text."""
+    """A file's text (`-`: stdin's), decoded as UTF-8 (a leading byte-order mark dropped);
+    InputError naming it (as `name`) when it is missing (saying `missing`), not a readable file,
+    over `max_mb` megabytes (0: no limit; a file's size is checked before it is read) or not text."""
     limit = int(max_mb * 1e6) if max_mb else None
     try:
         if path == "-":
@@ -74,7 +74,7 @@ def _read_text(path: str, name: str, missing: str = "no such file", max_mb: floa
     if limit is not None and len(data) > limit:  # stdin, or a file that grew or has no size (a pipe)
         raise _too_large(name, max_mb)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # Windows editors start UTF-8 with a byte-order mark
     except UnicodeDecodeError as exc:
         raise InputError(
             f"{name}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start:,}); JSON was expected"
