@@ -345,3 +345,20 @@ def test_a_chat_saved_with_a_byte_order_mark_is_read(tmp_path, capsys):
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(BODY).encode())
     assert main(["trim", str(path), "--max-tokens", "2000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["messages"] == BODY["messages"]
+
+
+def test_text_that_cannot_be_printed_as_it_is_is_printed_safely(tmp_path, capsys):
+    """A lone surrogate (`\\ud800`, valid JSON) stopped `trim` half-way through its output with
+    `'utf-8' codec can't encode character`, and --json wrote half a document; a terminal escape
+    in a chat from elsewhere reached the terminal."""
+    chat = [{"role": "user\x1b[31m", "content": "\x1b[2J\ud800 hi"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(chat))
+    assert main(["trim", str(path), "--max-tokens", "2000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["messages"] == chat
+    for extra in ([], ["--explain"]):
+        assert main(["trim", str(path), "--max-tokens", "2000", *extra]) == 0
+        out = capsys.readouterr().out
+        out.encode("utf-8")
+        assert "\x1b" not in out and "user\ufffd[31m" in out
+        assert extra or "\ufffd[2J\ufffd hi" in out

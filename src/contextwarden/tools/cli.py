@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -179,8 +180,29 @@ def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]
 
 
 def _preview(text: str, width: int) -> str:
+    """The start of a message's text on one line of at most `width` characters, safe to print."""
     flat = " ".join(text.split())
-    return flat if len(flat) <= width else flat[: width - 1] + "…"
+    return _printable(flat if len(flat) <= width else flat[: width - 1] + "…")
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # controls, lone surrogates
+
+
+def _printable(text: str) -> str:
+    """Chat text as the tables print it: a control character (a terminal escape in a chat from
+    elsewhere) or a lone surrogate (valid JSON, `\\ud800`; printing it raised) as U+FFFD."""
+    return _UNPRINTABLE.sub("\ufffd", text)
+
+
+def _json_text(document: dict[str, Any]) -> str:
+    """`trim --json`'s document as text, characters as they are unless one cannot be written as
+    UTF-8 (a lone surrogate the chat's JSON escaped): then every non-ASCII one escaped."""
+    text = json.dumps(document, ensure_ascii=False, indent=2)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(document, indent=2)
+    return text
 
 
 def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, model: str | None) -> None:
@@ -190,7 +212,7 @@ def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, mode
         action = "kept" if index in kept else "shortened" if index in shortened else "dropped"
         action = "excerpted" if index in result.excerpted else "recalled" if index in result.recalled else action
         tokens = counter.count_message(message, model)
-        role = str(message.get("role", "?"))[:9]
+        role = _printable(str(message.get("role", "?"))[:9])
         print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(view.text(index), 48)}")
     print()
     print(
@@ -205,7 +227,8 @@ def _print_explanation(explanation: Explanation) -> None:
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<10} {'score':>6}  why")
     for row in explanation.messages:
         score = f"{row.score:6.2f}" if row.score is not None else f"{'':>6}"
-        print(f"{row.index:>4}  {row.role[:9]:<9} {row.tokens:>7,}  {row.action:<10} {score}  {'; '.join(row.reasons)}")
+        role = _printable(row.role[:9])
+        print(f"{row.index:>4}  {role:<9} {row.tokens:>7,}  {row.action:<10} {score}  {'; '.join(row.reasons)}")
     parts = explanation.budget
     print()
     if parts.window is not None:
@@ -319,8 +342,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
         document = _trim_document(model, result)
         if explanation is not None:
             document["explain"] = explanation.as_dict()
-        json.dump(document, sys.stdout, ensure_ascii=False, indent=2)
-        print()
+        print(_json_text(document))
     elif explanation is not None:
         _print_explained(messages, result, explanation, model)
     else:
