@@ -362,3 +362,14 @@ def test_text_that_cannot_be_printed_as_it_is_is_printed_safely(tmp_path, capsys
         out.encode("utf-8")
         assert "\x1b" not in out and "user\ufffd[31m" in out
         assert extra or "\ufffd[2J\ufffd hi" in out
+
+
+def test_one_message_is_said_in_the_singular(tmp_path, capsys):
+    """`1 → 1 messages · 8 → 8 tokens`, under the table and the explanation alike."""
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    for extra in ([], ["--explain"]):
+        assert main(["trim", str(path), "--max-tokens", "2000", *extra]) == 0
+        assert "\n1 → 1 message · " in capsys.readouterr().out
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "1200"]) == 0
+    assert "\n22 → 14 messages · " in capsys.readouterr().out

@@ -205,6 +205,11 @@ def _json_text(document: dict[str, Any]) -> str:
     return text
 
 
+def _counts(before: int, after: int) -> str:
+    """`22 → 14 messages`, `1 → 1 message`: the noun agrees with the number next to it."""
+    return f"{before:,} → {after:,} message{'' if after == 1 else 's'}"
+
+
 def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, model: str | None) -> None:
     messages, kept, shortened = view.messages, set(result.kept), set(result.shortened)
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<9} text")
@@ -216,7 +221,7 @@ def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, mode
         print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(view.text(index), 48)}")
     print()
     print(
-        f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
+        f"{_counts(len(messages), len(result.messages))} · {result.tokens_before:,} → "
         f"{result.tokens_after:,} tokens (budget {result.budget:,}, {result.count_mode} counts)"
     )
     for note in result.notes:
@@ -374,7 +379,7 @@ def _print_explained(messages: list[Message], result: TrimResult, explanation: E
     _print_explanation(explanation)
     print()
     print(
-        f"{len(messages):,} → {len(result.messages):,} messages · {result.tokens_before:,} → "
+        f"{_counts(len(messages), len(result.messages))} · {result.tokens_before:,} → "
         f"{result.tokens_after:,} tokens ({result.count_mode} counts)"
     )
     for note in result.notes:
