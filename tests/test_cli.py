@@ -373,3 +373,11 @@ def test_one_message_is_said_in_the_singular(tmp_path, capsys):
         assert "\n1 → 1 message · " in capsys.readouterr().out
     assert main(["trim", str(EXAMPLE), "--max-tokens", "1200"]) == 0
     assert "\n22 → 14 messages · " in capsys.readouterr().out
+
+
+def test_an_empty_chat_is_refused(tmp_path, capsys):
+    """`[]` printed an empty table and `0 → 0 messages · 3 → 3 tokens` with status 0."""
+    for text in ("[]", '{"model": "gpt-4o", "messages": []}'):
+        err = _trim_error(tmp_path, capsys, text)
+        assert err.startswith(f"contextwarden: {tmp_path / 'chat.json'}: no messages, nothing to trim; expected")
+        assert err.count("\n") == 1

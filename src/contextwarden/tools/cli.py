@@ -142,6 +142,8 @@ def _messages_of(data: object, name: str) -> tuple[list[dict[str, Any]], str | N
         raise InputError(f"{name}: a JSON string, not a chat (JSON encoded twice?); {CHAT_SHAPES}")
     if not isinstance(data, list):
         raise InputError(f"{name}: {_json_kind(data)}, not a chat; {CHAT_SHAPES}")
+    if not data:  # a prompt of nothing: there is no chat to trim, and no question
+        raise InputError(f"{name}: no messages, nothing to trim; {CHAT_SHAPES}")
     for index, message in enumerate(data):
         if not isinstance(message, dict):
             raise InputError(f"{name}: message {index} is {_json_kind(message)}, not an object")
