@@ -381,3 +381,13 @@ def test_an_empty_chat_is_refused(tmp_path, capsys):
         err = _trim_error(tmp_path, capsys, text)
         assert err.startswith(f"contextwarden: {tmp_path / 'chat.json'}: no messages, nothing to trim; expected")
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("size", ["-1", "nan", "inf", "lots"])
+def test_a_size_limit_that_is_no_size_is_refused(size, capsys):
+    """`--max-input-mb -1` refused every chat as `0.0 MB, over the --max-input-mb limit of -1 MB`;
+    `nan` lifted the limit without a word."""
+    with pytest.raises(SystemExit) as exited:
+        main(["trim", str(EXAMPLE), "--max-tokens", "2000", "--max-input-mb", size])
+    assert exited.value.code == 2
+    assert f"argument --max-input-mb: not a size in MB: '{size}'" in capsys.readouterr().err

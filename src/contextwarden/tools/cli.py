@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -536,6 +537,17 @@ def _since_date(text: str) -> date:
         raise argparse.ArgumentTypeError(f"not a date: {text!r} (use YYYY-MM-DD)") from None
 
 
+def _megabytes(text: str) -> float:
+    """`--max-input-mb`: a size of 0 or more (`-1` read as a limit no file is under, `nan` as none)."""
+    try:
+        size = float(text)
+    except ValueError:
+        size = math.nan
+    if not math.isfinite(size) or size < 0:
+        raise argparse.ArgumentTypeError(f"not a size in MB: {text!r} (0 or more; 0 = no limit)")
+    return size
+
+
 def _add_trim_command(commands: Any) -> None:
     """`contextwarden trim`: its input and output options, then those of `trim_messages`."""
     trim = commands.add_parser("trim", help="show what a chat keeps under a budget")
@@ -549,7 +561,7 @@ def _add_trim_command(commands: Any) -> None:
     trim.add_argument("--json", action="store_true", help="machine-readable output")
     trim.add_argument(
         "--max-input-mb",
-        type=float,
+        type=_megabytes,
         default=DEFAULT_MAX_INPUT_MB,
         help=f"refuse a chat file larger than this (default {DEFAULT_MAX_INPUT_MB:g} MB; 0 = no limit)",
     )
