@@ -391,3 +391,12 @@ def test_a_size_limit_that_is_no_size_is_refused(size, capsys):
         main(["trim", str(EXAMPLE), "--max-tokens", "2000", "--max-input-mb", size])
     assert exited.value.code == 2
     assert f"argument --max-input-mb: not a size in MB: '{size}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--low-watermark", "0"), ("--low-watermark", "nan"), ("--growth-turns", "-1")]
+)
+def test_trim_names_the_selection_option_that_is_wrong(option, value, tmp_path, capsys):
+    """They said the library's names: `low_watermark must be in (0, 1], got 0.0`."""
+    err = _trim_error(tmp_path, capsys, None, option, value)
+    assert err.startswith(f"contextwarden: {option} must be ") and err.count("\n") == 1

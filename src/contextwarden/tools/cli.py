@@ -169,6 +169,12 @@ def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]
         )
     if args.keep_last_turns < 1:
         raise InputError("--keep-last-turns must be 1 or more (the current turn is always kept)")
+    if not 0 < args.low_watermark <= 1:  # NaN too
+        raise InputError(
+            f"--low-watermark must be above 0 and at most 1 (a share of the budget), not {args.low_watermark:g}"
+        )
+    if args.growth_turns < 0:
+        raise InputError(f"--growth-turns must be 0 or more, not {args.growth_turns}")
     for index in args.pin or ():
         if not 0 <= index < len(messages):
             raise InputError(f"--pin {index}: the chat has {len(messages):,} messages (0-{len(messages) - 1})")
