@@ -348,6 +348,15 @@ def test_the_estimate_mark_is_explained_once_on_the_line_that_carries_it():
     assert "~" not in usage_status(Usage(2_974, 7), False, PRICED, True)  # real usage: no mark, no key
 
 
+async def test_the_estimate_key_ends_the_line_after_the_spend(counter):
+    # Before: "Whole chat sent · ~8 tokens in · ~3 out · ~<$0.0001 · ~ = estimated, no usage from
+    # the provider · today <$0.0001 of $2.00": the key mid-line, the line not ending as told.
+    f = make_filter(counter, daily_limit_usd=2)
+    run = await run_turn(f, [{"role": "user", "content": "hello"}])  # the reply reports no usage
+    [line] = run.events.statuses
+    assert line.endswith(f" · today <$0.0001 of $2.00 · {ESTIMATE_KEY}") and line.count(ESTIMATE_KEY) == 1, line
+
+
 def test_savings_say_about_in_words_never_minus_tilde():
     # Before: "saved ~$0.0054" on the usage line and "(−~$0.00054)" on the shadow line.
     saving = Savings(26_000, 8_000, D("0.00054"))
