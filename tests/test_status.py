@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from contextwarden.core.flags import Flags
+from contextwarden.core.flags import FLAG_NAMES, Flags, read_flags
 from contextwarden.face.budget import fixed_cost
 from contextwarden.face.status import detail_line, shadow_status_line, status_line
 from contextwarden.money.records import ExcerptCounts, TurnChoice
@@ -462,3 +462,12 @@ async def test_a_tool_result_cut_to_its_mark_is_told_left_out_after_the_reply(co
     [line] = run.events.statuses
     assert line.startswith("Sent 6 messages, tool result left out · 300 tokens in · "), line
     assert "passages" not in line
+
+
+def test_a_flag_written_twice_is_told_by_the_value_that_acted():
+    # Before: "Sent 2 of 4 messages · flags !budget=200 !budget=300": which budget held?
+    choice = TurnChoice([{}] * 2, 4, 900, 250, 300, "exact")
+    question = {"role": "user", "content": "!budget=200 hi !budget=300 !+pin !-pin"}
+    flags = read_flags([question], allowed=FLAG_NAMES).flags
+    assert flags.budget == 300 and flags.sticky_pin is False
+    assert status_line(choice, flags) == "Sent 2 of 4 messages · flags !budget=300 !-pin"

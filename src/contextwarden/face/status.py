@@ -141,8 +141,19 @@ def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow
 
 
 def _flag_words(flags: Flags) -> str:
-    """What the turn's flags did, for the end of a status line ("" when it had none)."""
-    used = " · flags " + " ".join(flags.used) if flags.used else ""
+    """What the turn's flags did, for the end of a status line ("" when it had none): of a flag
+    written twice, the value that acted (the last), once.
+
+    Example:
+        >>> _flag_words(Flags(budget=500, used=("!budget=900", "!pin", "!budget=500", "!+pin", "!-pin")))
+        ' · flags !pin !budget=500 !-pin'
+    """
+    acted: dict[str, str] = {}
+    for token in flags.used:
+        name = token.partition("=")[0].replace("+pin", "-pin")  # !+pin and !-pin: the last one wins
+        acted.pop(name, None)
+        acted[name] = token
+    used = " · flags " + " ".join(acted.values()) if acted else ""
     return used + (" · not enabled: " + " ".join(flags.refused) if flags.refused else "")
 
 
