@@ -254,3 +254,40 @@ def test_html_tables_scroll_on_narrow_screens(seeded, capsys, tmp_path):
     assert code == 0
     assert ".scroll{overflow-x:auto" in page
     assert page.count('<div class="scroll"><table>') == page.count("<table>") == 3
+
+
+def test_savings_of_unpriced_trimmed_replies_are_unknown_not_zero(redis_url, unique, capsys):
+    """A trimmed reply of a model with no price saved tokens, but the report said `saved USD~ 0`
+    (JSON "0", CSV 0) beside `cost USD unknown`: the ledger adds an unknown saving as 0."""
+    import asyncio
+
+    day = date(2200, 1, 1) + timedelta(days=random.Random(unique).randrange(300_000))
+
+    async def seed():  # carl's reply had no price at all; dora's was priced by its provider
+        store = open_store(redis_url)
+        for user, cost, saved in ((f"carl-{unique}", None, None), (f"dora-{unique}", D("0.002"), D("0.001"))):
+            await record_reply(
+                store,
+                user=user,
+                model="mystery-7b",
+                prompt_tokens=3000,
+                completion_tokens=9,
+                cost_usd=cost,
+                estimated=False,
+                day=day,
+                retention_days=1,
+                tokens_saved=2750,
+                cost_saved_usd=saved,
+            )
+        await store.aclose()
+
+    asyncio.run(seed())
+    since = ["--since", day.isoformat(), "--until", day.isoformat(), "--by", "user"]
+    _, out, _ = run(capsys, "--redis-url", redis_url, *since)
+    cells = {line.split()[0]: line.split() for line in out.splitlines()}
+    assert cells[f"carl-{unique}"][-2:] == ["1", "unknown"] and cells[f"dora-{unique}"][-2:] == ["0", "0.0010"]
+    _, out, _ = run(capsys, "--redis-url", redis_url, *since, "--format", "json")
+    rows = {r["key"]: r for r in json.loads(out)["rows"]}
+    assert rows[f"carl-{unique}"]["cost_saved_usd"] is None and rows[f"dora-{unique}"]["cost_saved_usd"] == "0.001"
+    _, out, _ = run(capsys, "--redis-url", redis_url, *since, "--format", "csv")
+    assert {r["user"]: r["cost_saved_usd"] for r in csv.DictReader(io.StringIO(out))}[f"carl-{unique}"] == ""

@@ -63,10 +63,22 @@ def _report_total(rows: Sequence[LedgerRow]) -> LedgerRow:
     return LedgerRow("total", totals)
 
 
+def _savings_unknown(row: LedgerRow, field: str) -> bool:
+    """Whether a row's savings in USD are unknown, not 0: no reply of it had a price, and some
+    were trimmed (the ledger adds an unknown saving as 0; nothing trimmed saved $0 at any price)."""
+    if field not in ("cost_saved_usd", "shadow_cost_saved_usd"):
+        return False
+    requests, unpriced = row.counters.get("requests", 0), row.counters.get("unpriced", 0)
+    trimmed = row.counters.get(field.replace("cost_saved_usd", "trimmed"), 0)
+    return bool(requests and unpriced >= requests and trimmed)
+
+
 def _report_cell(row: LedgerRow, field: str) -> str:
     money = field.replace("_usd", "_picousd")
     if field == "cost_usd":
         return cost_cell(row.counters, row.cost_usd)  # never a guessed 0 for an unknown price
+    if _savings_unknown(row, field):
+        return "unknown"
     if money in LEDGER_MONEY_FIELDS:
         return format_usd(row.usd(money))
     return f"{row.counters.get(field, 0):,}"
@@ -134,11 +146,15 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
 
 
 def _honest(row: LedgerRow) -> dict[str, object]:
-    """`row.as_dict()` with `cost_usd` None when no reply had a price, and `cost_complete`."""
+    """`row.as_dict()` with `cost_usd` (and savings of trimmed replies) None when no reply had a
+    price, and `cost_complete`."""
     data = row.as_dict()
     requests, unpriced = row.counters.get("requests", 0), row.counters.get("unpriced", 0)
     if requests and unpriced >= requests:
         data["cost_usd"] = None
+    for field in ("cost_saved_usd", "shadow_cost_saved_usd"):
+        if _savings_unknown(row, field):
+            data[field] = None
     data["cost_complete"] = unpriced == 0
     return data
 
