@@ -6,12 +6,16 @@ goes into its RAG template before the question between inlet and request. In a 4
 window the ~6,000-token text cannot go whole: the request pass sends the passage that answers
 the question (middle-out it sent the text's head and tail), with the template, the source tag
 and the question whole; the next question in the chat, with the file attached again, is
-answered from its own passage while the history is chosen for the bare question.
+answered from its own passage while the history is chosen for the bare question. A chat
+about an article with its best paragraphs attached to every question keeps its prompt from
+turn to turn while the history the request pass cut further holds.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,3 +69,40 @@ def test_an_attached_file_too_large_sends_the_passage_that_answers(
     assert FACT in again[-1]["content"]
     assert [m["content"] for m in again[1:-1]] == [QUESTION, backend.default_reply], "not the chat as stored"
     assert counter.count_messages(again, MODEL) <= BUDGET
+
+
+def _paragraphs_of(question: str, paragraphs: list[str], k: int = 6) -> list[dict[str, Any]]:
+    """The `k` paragraphs sharing most words with `question`, each a full-context text: what a
+    knowledge base's retrieval puts before a question, in the shape the chat page sends."""
+    words = set(question.lower().split())
+    best = sorted(range(len(paragraphs)), key=lambda j: -len(words & set(paragraphs[j].lower().split())))[:k]
+    return [
+        {"type": "text", "context": "full", "name": f"p{j}.txt", "file": {"data": {"content": paragraphs[j]}}}
+        for j in best
+    ]
+
+
+def test_a_chat_about_an_article_with_passages_every_turn_repeats_its_prompt(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
+    """Questions about an article, each with its best paragraphs attached (as a knowledge base
+    retrieves them), the answers sentences of it: more history than fits beside the passages, so
+    the request pass cuts the history inlet chose further. The next turn sends that prompt again
+    up to its question while the selection holds. Before 2026-12-07 the request pass stored its
+    choice at the places of inlet's shorter list; the next turn found no recall block where the
+    choice said and chose anew."""
+    data = json.loads((Path(__file__).parents[1] / "fixtures" / "squad_article.json").read_text())
+    paragraphs = [p["context"] for p in data["paragraphs"]]
+    asked = [(q["question"], k) for k, p in enumerate(data["paragraphs"]) for q in p["qas"]]
+    chat_id = f"temporary:{uuid.uuid4()}"
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful."}]
+    sent: list[list[dict[str, Any]]] = []
+    for question, at in asked[:: len(asked) // 32][:32]:
+        history.append({"role": "user", "content": question})
+        chat(open_webui, MODEL, history, chat_id=chat_id, files=_paragraphs_of(question, paragraphs))
+        got = backend.last_request["messages"]
+        assert "<source" in got[-1]["content"] and counter.count_messages(got, MODEL) <= BUDGET
+        sent.append(got)
+        history.append({"role": "assistant", "content": " ".join(paragraphs[at].split(". ")[:6])})
+    repeated = [now[: len(before) - 1] == before[:-1] for before, now in zip(sent[6:], sent[7:], strict=False)]
+    assert sum(repeated) * 2 > len(repeated), f"{sum(repeated)} of {len(repeated)} turns repeated the prompt before"
