@@ -75,6 +75,18 @@ def test_sources_that_do_not_fit_keep_the_answering_passage_the_template_and_tag
     assert cut_sources(sources, "Who founded it?", whole, counter, "gpt-4o").text == sources  # fits: whole
 
 
+def test_many_retrieved_chunks_send_the_one_that_answers_within_the_room(counter):
+    """A knowledge base's retrieval with a large top-k: 60 chunks, each its own `<source>` block,
+    into 1,200 tokens. Their tags and cut marks alone took more than that: nothing of any chunk
+    went, and the sources were over the room. Now the chunks that answer go, with their tags."""
+    chunks = [("kb.txt", f"Section {k}. " + " ".join(FILLER[(k + j) % 4] for j in range(3))) for k in range(60)]
+    chunks[41] = ("kb.txt", FACT)
+    sources = rag("", chunks).rstrip("\n")
+    cut = cut_sources(sources, "Who founded the observatory on the north ridge?", 1_200, counter, "gpt-4o")
+    assert FACT in cut.text and cut.tokens <= 1_200
+    assert cut.text.count("<source ") < 60 and cut.text.endswith("</context>")
+
+
 def test_a_summary_of_the_sources_gets_passages_spread_over_them(counter):
     sources = rag("", [("report.txt", DOC)]).rstrip("\n")
     cut = cut_sources(sources, "Summarize the whole document", 900, counter, "gpt-4o")

@@ -28,6 +28,7 @@ _SOURCE = re.compile(r"(<source\b[^>]*>)(.*?)(</source>)", re.DOTALL)
 # Where the blocks begin: the template's own words name `<source>` tags too ("only when the
 # <source> tag includes an explicit id attribute"), so blocks are read only after this.
 _CONTEXT = re.compile(r"<context>\s*(?=<source\b)")
+LISTED_SHARE = 0.25  # every source's tags stay (cut to nothing or not) while they take at most this of the room
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,10 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
     """`sources` within `room` tokens: whole when they fit, else each source body cut to the
     passages most relevant to `question` (spread evenly over them for a question about the
     whole, `wants_whole`, or when none matches it: the user attached them for it), the rest
-    marked as cut; the template and the tags are kept.
+    marked as cut; the template and the tags are kept. A source none of whose passages goes
+    keeps its tags and a cut mark while those of all the sources take at most `LISTED_SHARE`
+    of the room (a few attached files: the model knows each); else it is left out, tags and
+    all (many retrieved chunks: their tags and cut marks alone would fill the room).
 
     Example:
         >>> from contextwarden.core.tokens import TokenCounter
@@ -121,24 +125,46 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
     if whole <= room:
         return SourcesCut(sources, whole, total, total, whole)
     chunks = [chunk for body in bodies for chunk in body]
+    owner = [b for b, body in enumerate(bodies) for _ in body]
     scores = [] if wants_whole(question) else chunk_scores(chunks, question)
     if not any(score > 0 for score in scores):  # about the whole, or no passage matches: a spread
         scores = spread_scores(len(chunks))
-    frame = whole - sum(counter.count_text(chunk, model) for chunk in chunks)
     mark = counter.count_text(CUT_MARK.format(n="99,999"), model) + 1
-    left = room - frame - mark * len(bodies)
+    opening = _opening_costs(pieces, len(bodies), counter, model, mark)
+    left = room - _kept_frame(pieces, counter, model)
+    listed = set(range(len(bodies))) if sum(opening) <= left * LISTED_SHARE else set()  # a few: each named
+    left -= sum(opening[b] for b in listed)
     chosen: set[int] = set()
+    opened = set(listed)
     for k in sorted((k for k, s in enumerate(scores) if s > 0), key=lambda k: (-scores[k], k)):
-        cost = counter.count_text(chunks[k], model) + mark
+        cost = counter.count_text(chunks[k], model) + mark + (0 if owner[k] in opened else opening[owner[k]])
         if cost <= left:
             chosen.add(k)
+            opened.add(owner[k])
             left -= cost
     while True:
-        text = _rebuilt(pieces, bodies, chosen, counter, model)
+        text = _rebuilt(pieces, bodies, chosen, listed, counter, model)
         tokens = counter.count_text(text, model)
         if tokens <= room or not chosen:
             return SourcesCut(text, tokens, len(chosen), total, whole)
         chosen.remove(min(chosen, key=lambda k: (scores[k], -k)))  # joined, the marks counted more
+
+
+def _kept_frame(pieces: list[str], counter: TokenCounter, model: str | None) -> int:
+    """What the sources cost with none of them: the template around the blocks."""
+    return counter.count_text(pieces[0] + pieces[-1], model) if len(pieces) > 1 else 0
+
+
+def _opening_costs(pieces: list[str], count: int, counter: TokenCounter, model: str | None, mark: int) -> list[int]:
+    """What sending a source at all costs, each: its tags, what follows it, and one cut mark."""
+    if len(pieces) == 1:
+        return [mark]
+    last = count - 1
+    return [
+        counter.count_text(pieces[4 * b + 1] + pieces[4 * b + 3] + (pieces[4 * b + 4] if b < last else ""), model)
+        + mark
+        for b in range(count)
+    ]
 
 
 def _source_pieces(sources: str) -> list[str]:
@@ -153,17 +179,28 @@ def _source_pieces(sources: str) -> list[str]:
 
 
 def _rebuilt(
-    pieces: list[str], bodies: list[list[str]], chosen: set[int], counter: TokenCounter, model: str | None
+    pieces: list[str],
+    bodies: list[list[str]],
+    chosen: set[int],
+    listed: set[int],
+    counter: TokenCounter,
+    model: str | None,
 ) -> str:
-    """The sources with each body's chunks kept as `chosen` says (numbered across all bodies)."""
+    """The sources with each body's chunks kept as `chosen` says (numbered across all bodies);
+    a source none of whose chunks is chosen left out, its tags and the text after it too,
+    unless `listed` (then its tags and one cut mark go)."""
     first = 0
-    cut: list[str] = []
-    for chunks in bodies:
-        kept = [k - first for k in range(first, first + len(chunks)) if k in chosen]
-        cut.append(excerpt_text(chunks, kept, counter, model)[0])
-        first += len(chunks)
     if len(pieces) == 1:
-        return cut[0]
-    out = list(pieces)
-    out[2::4] = cut
+        return excerpt_text(bodies[0], sorted(chosen), counter, model)[0]
+    out = [pieces[0]]
+    for b, chunks in enumerate(bodies):
+        kept = [k - first for k in range(first, first + len(chunks)) if k in chosen]
+        first += len(chunks)
+        if kept or b in listed:
+            cut = excerpt_text(chunks, kept, counter, model)[0]
+            out += [pieces[4 * b + 1], cut, pieces[4 * b + 3], pieces[4 * b + 4]]
+    if len(out) > 1:
+        out[-1] = pieces[-1]  # the last source sent ends the blocks as the last one did
+    else:
+        out.append(pieces[-1])
     return "".join(out)
