@@ -540,7 +540,7 @@ USAGE_KEYS = (
     "input_tokens_details",
 )
 DETAIL_KEYS = {
-    "prompt_tokens_details": ("cached_tokens", "cache_write_tokens"),
+    "prompt_tokens_details": ("cached_tokens", "cache_write_tokens", "cache_creation_tokens"),
     "completion_tokens_details": ("reasoning_tokens",),
     "cost_details": ("upstream_inference_cost",),
 }

@@ -154,6 +154,91 @@ def test_litellm_style_openai_with_anthropic_cache_keys_reads_as_openai():
     assert (usage.shape, usage.prompt_tokens, usage.cached_tokens) == ("openai", 300, 200)
 
 
+# LiteLLM v1.80.11, Anthropic behind its OpenAI API (BerriAI/litellm issue 11364, verbatim):
+# prompt_tokens = input + cache reads + cache writes (its anthropic/chat/transformation.py).
+LITELLM_ANTHROPIC_USAGE = {
+    "total_tokens": 103925,
+    "prompt_tokens": 98805,
+    "completion_tokens": 5120,
+    "prompt_tokens_details": {
+        "text_tokens": None,
+        "audio_tokens": None,
+        "image_tokens": None,
+        "cached_tokens": 66360,
+        "cache_creation_tokens": 32435,
+    },
+    "cache_read_input_tokens": 66360,
+    "completion_tokens_details": {
+        "text_tokens": None,
+        "audio_tokens": None,
+        "image_tokens": None,
+        "reasoning_tokens": 1710,
+        "accepted_prediction_tokens": None,
+        "rejected_prediction_tokens": None,
+    },
+    "cache_creation_input_tokens": 32435,
+}
+
+
+def test_litellm_anthropic_usage_bills_cache_writes(prices):
+    usage = normalize_usage(LITELLM_ANTHROPIC_USAGE)
+    assert (usage.shape, usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens) == (
+        "openai",
+        98805,
+        66360,
+        32435,
+    )
+    #    10 x 0.000003   = 0.00003   (98805 - 66360 - 32435)
+    # 66360 x 0.0000003  = 0.019908
+    # 32435 x 0.00000375 = 0.12163125
+    #  5120 x 0.000015   = 0.0768
+    #                      0.21836925 (writes at the input rate, as before: 0.194043)
+    assert compute_cost(usage, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.21836925")
+
+
+@pytest.mark.parametrize("with_details", [True, False])
+def test_litellm_top_level_cache_writes_are_billed_as_writes(prices, with_details):
+    """Older LiteLLM reports writes only as a top-level `cache_creation_input_tokens`, inside
+    `prompt_tokens`; Open WebUI adds input/output_tokens. Writes were billed at the input rate
+    ($0.0255), or, without `prompt_tokens_details`, read as Anthropic's own shape and counted twice."""
+    usage = {
+        "prompt_tokens": 8000,
+        "completion_tokens": 100,
+        "total_tokens": 8100,
+        "cache_creation_input_tokens": 6000,
+        "cache_read_input_tokens": 0,
+        "input_tokens": 8000,
+        "output_tokens": 100,
+    }
+    if with_details:
+        usage["prompt_tokens_details"] = {"cached_tokens": 0}
+    read = normalize_usage(usage)
+    assert (read.shape, read.prompt_tokens, read.cached_tokens, read.cache_write_tokens) == ("openai", 8000, 0, 6000)
+    # 2000 x 0.000003 + 6000 x 0.00000375 + 100 x 0.000015 = 0.006 + 0.0225 + 0.0015
+    assert compute_cost(read, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.03")
+
+
+def test_litellm_one_hour_cache_writes(prices):
+    usage = normalize_usage(
+        {
+            "prompt_tokens": 12_100,
+            "completion_tokens": 100,
+            "prompt_tokens_details": {
+                "cached_tokens": 0,
+                "cache_creation_tokens": 12_000,
+                "cache_creation_token_details": {
+                    "ephemeral_5m_input_tokens": 2_000,
+                    "ephemeral_1h_input_tokens": 10_000,
+                },
+            },
+            "cache_creation_input_tokens": 12_000,
+        }
+    )
+    assert (usage.cache_write_tokens, usage.cache_write_1h_tokens) == (12_000, 10_000)
+    # the same sum as Anthropic's own shape: 0.0003 + 0.0075 + 0.06 + 0.0015
+    assert compute_cost(usage, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.0693")
+
+
 def test_gemini_openai_compat_bills_thinking_as_output():
     usage = normalize_usage({"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 320})
     # output = max(20, 320 - 100) = 220; thinking = 200

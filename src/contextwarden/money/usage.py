@@ -32,6 +32,8 @@ _COUNT_TEXT = re.compile(r"[0-9]{1,10}")
 # Token counts times prices with up to ~25 significant digits: compute exactly, no rounding.
 _COST_PRECISION = 80
 _ANTHROPIC_KEYS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+# Anthropic's own usage never has these; LiteLLM's OpenAI-shaped usage has them beside the above.
+_OPENAI_PROMPT_KEYS = ("prompt_tokens", "prompt_tokens_details")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +113,20 @@ def _described(raw: object) -> str:
 class _Fields:
     """Reads the fields of one usage object, noting each value present but not believed."""
 
-    __slots__ = ("usage", "_rejected")
+    __slots__ = ("usage", "rejected")
 
     def __init__(self, usage: Mapping, rejected: list[str] | None) -> None:
         self.usage = usage
-        self._rejected = rejected
+        self.rejected = rejected
 
     def _read(self, key: str, group: str | None, parse):  # parse: read_count or read_cost
         source = self.usage.get(group) if group else self.usage
         raw = source.get(key) if isinstance(source, Mapping) else None
         value = None if raw is None else parse(raw)
-        if value is None and raw is not None and self._rejected is not None:
+        if value is None and raw is not None and self.rejected is not None:
             note = f"{group + '.' if group else ''}{key} ({_described(raw)})"
-            if note not in self._rejected:
-                self._rejected.append(note)
+            if note not in self.rejected:
+                self.rejected.append(note)
         return value
 
     def count(self, key: str, group: str | None = None) -> int | None:
@@ -236,7 +238,7 @@ def _read_ollama(fields: _Fields) -> Usage:
 
 
 def _read_openai_like(fields: _Fields) -> Usage:
-    """OpenAI chat shape (also OpenRouter, Gemini's OpenAI endpoint, vLLM ...), with Open
+    """OpenAI chat shape (also OpenRouter, LiteLLM, Gemini's OpenAI endpoint, vLLM ...), with Open
     WebUI's input/output/total_tokens. In a tool loop those are sums over every provider call
     while prompt/completion_tokens are the last call's: billing needs the sums, so the larger
     of the two is taken (they are equal for a single call)."""
@@ -265,18 +267,49 @@ def _read_openai_like(fields: _Fields) -> Usage:
         completion = total - prompt
         reasoning = max(reasoning or 0, gap)
         shape = "gemini" if not is_openrouter else shape
+    cached, written, written_1h = _openai_cache_counts(fields)
     return Usage(
         prompt,
         completion,
-        cached_tokens=fields.count("cached_tokens", "prompt_tokens_details"),
-        cache_write_tokens=fields.count("cache_write_tokens", "prompt_tokens_details"),
+        cached_tokens=cached,
+        cache_write_tokens=written,
         reasoning_tokens=reasoning,
         total_tokens=total if total is not None else _usage_add(prompt, completion),
         provider_cost=_provider_cost(fields),  # Open WebUI sums `cost` over a tool loop's calls too
         shape=shape,
         calls_summed=bool(summed),
         last_call_prompt=last_prompt if summed else None,
+        cache_write_1h_tokens=written_1h,
     )
+
+
+def _openai_cache_counts(fields: _Fields) -> tuple[int | None, int | None, int | None]:
+    """Cache reads, writes and 1-hour writes of an OpenAI-shaped usage, all within prompt_tokens.
+    OpenRouter: `prompt_tokens_details.cache_write_tokens`. LiteLLM (Anthropic behind its OpenAI
+    API): `prompt_tokens_details.cache_creation_tokens` (newer) or top-level
+    `cache_creation_input_tokens` / `cache_read_input_tokens`, its 1-hour writes in
+    `prompt_tokens_details.cache_creation_token_details`."""
+    details = "prompt_tokens_details"
+    cached = fields.count("cached_tokens", details)
+    if cached is None:
+        cached = fields.count("cache_read_input_tokens")
+    written = next(
+        (
+            count
+            for count in (
+                fields.count("cache_write_tokens", details),
+                fields.count("cache_creation_tokens", details),
+                fields.count("cache_creation_input_tokens"),
+            )
+            if count is not None
+        ),
+        None,
+    )
+    split = fields.usage.get(details)
+    hour = None
+    if isinstance(split, Mapping):
+        hour = _Fields(split, fields.rejected).count("ephemeral_1h_input_tokens", "cache_creation_token_details")
+    return cached, written, hour
 
 
 def normalize_usage(usage: Mapping, rejected: list[str] | None = None) -> Usage | None:
@@ -299,7 +332,7 @@ def normalize_usage(usage: Mapping, rejected: list[str] | None = None) -> Usage 
     if not isinstance(usage, Mapping) or not usage:
         return None
     fields = _Fields(usage, rejected)
-    if any(key in usage for key in _ANTHROPIC_KEYS) and "prompt_tokens_details" not in usage:
+    if any(key in usage for key in _ANTHROPIC_KEYS) and not any(key in usage for key in _OPENAI_PROMPT_KEYS):
         result = _read_anthropic(fields)
     elif "input_tokens_details" in usage or "output_tokens_details" in usage:
         result = _read_responses(fields)
