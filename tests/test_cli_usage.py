@@ -81,7 +81,7 @@ def test_table_by_model(seeded, capsys):
     assert table[-1].split() == ["total", "5", "4,400", "540", "≥0.016", "1", "0"]
     assert lines[len(table) :] == [
         "1 reply had no known price: its tokens are counted, its cost is not (≥, unknown)",
-        "1 reply was estimated (the backend sent no usage)",
+        "1 reply was estimated (the backend sent no usage, or not all of it)",
     ]
     assert "shadow" not in lines[0] and "estimates" not in out  # no savings recorded: no note, no shadow columns
 

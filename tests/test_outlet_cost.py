@@ -17,7 +17,7 @@ import pytest
 import respx
 
 from contextwarden.face.filter import wants_stream_usage
-from contextwarden.face.status import ESTIMATE_KEY
+from contextwarden.face.status import ESTIMATE_KEY, PART_ESTIMATE_KEY
 from contextwarden.money.calibration import (
     MAX_EFFECT,
     MIN_EFFECT,
@@ -28,6 +28,7 @@ from contextwarden.money.calibration import (
     update_calibration,
 )
 from contextwarden.money.dollars import format_usd
+from contextwarden.money.ledger import read_ledger
 from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
 from contextwarden.money.price_sources import PriceSources
 from contextwarden.money.pricing import ModelPrice, PriceBook
@@ -179,6 +180,21 @@ async def test_estimated_usage_is_priced_and_marked(counter, logs):
     assert statuses == [
         f"Whole chat sent · ~{counted:,} tokens in · ~{completion:,} out · ~${format_usd(expected)} · {ESTIMATE_KEY}"
     ]
+
+
+async def test_a_half_valid_usage_marks_only_the_count_it_left_out(counter, logs):
+    """`{"prompt_tokens": "70", "completion_tokens": "x"}`: "70" is a count `read_count` accepts
+    (ASCII digits, bounded), "x" is not. Before, the line read `~70 tokens in · ~2 out · ... · ~ =
+    estimated, no usage from the provider`: the reported 70 marked, and a usage said absent."""
+    f = cost_filter(counter)
+    record, statuses = await outlet_once(f, logs, "gpt-4o", {"prompt_tokens": "70", "completion_tokens": "x"})
+    completion = counter.count_text("ok", "gpt-4o")
+    assert (record["prompt_tokens"], record["completion_tokens"], record["estimated"]) == (70, completion, True)
+    expected = 70 * D("0.0000025") + completion * D("0.00001")
+    assert statuses == [f"70 tokens in · ~{completion:,} out · ~${format_usd(expected)} · {PART_ESTIMATE_KEY}"]
+    # the ledger counts it as the line shows it: real prompt tokens, an estimated reply
+    [entry] = await read_ledger(f.store)
+    assert (entry.counters["prompt_tokens"], entry.counters["estimated"]) == (70, 1)
 
 
 async def test_workspace_model_priced_as_its_base(counter, logs):

@@ -34,7 +34,7 @@ def test_admin_report_says_one_reply():
     assert "Today: unknown · 1 reply." in text
     assert "This month: unknown · 1 reply." in text
     assert "- 1 reply had no known price: dollar limits could not count it (token limits did)." in text
-    assert "- 1 reply was estimated (the backend sent no usage)." in text
+    assert "- 1 reply was estimated (the backend sent no usage, or not all of it)." in text
     assert "1 replies" not in text
 
 
@@ -43,7 +43,7 @@ def test_admin_report_says_replies_for_more_than_one():
     assert "Today: ≥$1.20 · 1,200 replies." in text
     assert "This month: ≥$1.20 · 1,200 replies." in text
     assert "- 2 replies had no known price: dollar limits could not count them (token limits did)." in text
-    assert "- 3 replies were estimated (the backend sent no usage)." in text
+    assert "- 3 replies were estimated (the backend sent no usage, or not all of it)." in text
 
 
 @pytest.mark.parametrize(("unpriced", "words"), [(1, "1 reply without"), (2, "2 replies without")])
@@ -56,10 +56,10 @@ def test_text_table_notes_say_one_reply():
     lines = render_table([row("gpt-4o", 3, unpriced=1, estimated=1)], "model").splitlines()
     assert lines[-2:] == [
         "1 reply had no known price: its tokens are counted, its cost is not (≥, unknown)",
-        "1 reply was estimated (the backend sent no usage)",
+        "1 reply was estimated (the backend sent no usage, or not all of it)",
     ]
     lines = render_table([row("gpt-4o", 3, unpriced=2, estimated=2)], "model").splitlines()
     assert lines[-2:] == [
         "2 replies had no known price: their tokens are counted, their cost is not (≥, unknown)",
-        "2 replies were estimated (the backend sent no usage)",
+        "2 replies were estimated (the backend sent no usage, or not all of it)",
     ]

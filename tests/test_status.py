@@ -326,9 +326,15 @@ async def test_valve_problems_are_shown_to_admins_once_a_turn_and_never_to_users
 
 from decimal import Decimal as D  # noqa: E402
 
-from contextwarden.face.status import ESTIMATE_KEY, savings_status, usage_status  # noqa: E402
+from contextwarden.face.status import (  # noqa: E402
+    ESTIMATE_KEY,
+    PART_ESTIMATE_KEY,
+    savings_status,
+    turn_line,
+    usage_status,
+)
 from contextwarden.money.dollars import usd  # noqa: E402
-from contextwarden.money.usage import Cost, Usage  # noqa: E402
+from contextwarden.money.usage import Cost, Estimated, Usage  # noqa: E402
 
 PRICED = Cost(D("0.0073"), "price_table")
 
@@ -346,6 +352,17 @@ def test_the_estimate_mark_is_explained_once_on_the_line_that_carries_it():
     assert line == f"~2,974 tokens in · ~7 out · ~$0.0073 · {ESTIMATE_KEY}" and line.count(ESTIMATE_KEY) == 1
     assert ESTIMATE_KEY.startswith("~ = estimated")
     assert "~" not in usage_status(Usage(2_974, 7), False, PRICED, True)  # real usage: no mark, no key
+
+
+def test_only_the_count_the_provider_left_out_is_marked():
+    # Before: a reported prompt count was marked `~` with the completion the provider left out,
+    # and the key said there was no usage from the provider at all.
+    line = usage_status(Usage(70, 3), Estimated(completion=True), PRICED, True)
+    assert line == f"70 tokens in · ~3 out · ~$0.0073 · {PART_ESTIMATE_KEY}"
+    line = usage_status(Usage(70, 3), Estimated(prompt=True), PRICED, True)
+    assert line == f"~70 tokens in · 3 out · ~$0.0073 · {PART_ESTIMATE_KEY}"
+    assert usage_status(Usage(70, 3), Estimated(True, True), PRICED, True).endswith(ESTIMATE_KEY)
+    assert turn_line(None, line, "today $0.42").endswith(f"today $0.42 · {PART_ESTIMATE_KEY}")
 
 
 async def test_the_estimate_key_ends_the_line_after_the_spend(counter):

@@ -224,7 +224,8 @@ def usage_markdown(
         )
     if estimated := all_month["estimated"]:
         notes.append(
-            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated (the backend sent no usage)."
+            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated"
+            " (the backend sent no usage, or not all of it)."
         )
     if rules.active:
         notes.append(_limits_line(rules))

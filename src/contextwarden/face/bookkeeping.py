@@ -39,7 +39,7 @@ from ..money.pricing import Resolution
 from ..money.records import TurnNote, UsageRecord
 from ..money.savings import Savings
 from ..money.spendbook import Charge, SpendBook
-from ..money.usage import Cost, Usage, compute_cost, read_usage
+from ..money.usage import Cost, Estimated, Usage, compute_cost, read_usage
 from ..state.store import RedisStore, Store
 from .adminview import is_usage_command, usage_answer
 from .hookargs import METADATA_KEY, Emitter, base_model_id, is_chat_body
@@ -63,7 +63,7 @@ class BookedReply:
     note: TurnNote  # what the turn's passes noted
     mode: str  # the mode the turn ran in
     billed: Usage
-    estimated: bool
+    estimated: Estimated  # which of its counts contextwarden counted itself
     cost: Cost
     savings: Savings | None
     off: bool  # the chat is big enough that work on it goes off the event loop
@@ -197,7 +197,7 @@ class Bookkeeping:
             user_id=(user or {}).get("id"),
             chat_id=body.get("chat_id") or metadata.get("chat_id") or None,
             billed=billed,
-            estimated=estimated,
+            estimated=estimated.any,
             estimated_prompt=note.estimated_prompt_tokens,
             cost=cost,
             mode=str(mode),
@@ -206,10 +206,17 @@ class Bookkeeping:
         )
         books_log.info("usage %s", record.to_json())
         await self._book(
-            settings, (user or {}).get("id"), resolution.model_id or model_id, billed, estimated, cost, record, started
+            settings,
+            (user or {}).get("id"),
+            resolution.model_id or model_id,
+            billed,
+            estimated.any,
+            cost,
+            record,
+            started,
         )
         if started is not None:  # only a turn this worker started teaches (a bare outlet may be forged)
-            await self._learn(settings, usage, billed, estimated, note, resolution.model_id or model_id)
+            await self._learn(settings, usage, billed, estimated.any, note, resolution.model_id or model_id)
         return BookedReply(model_id, note, str(mode), billed, estimated, cost, savings, off)
 
     async def reply_line(self, settings: Settings, user: dict | None, booked: BookedReply, shown: bool) -> str | None:

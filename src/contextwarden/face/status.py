@@ -11,11 +11,12 @@ from ..core.flags import Flags
 from ..money.dollars import usd
 from ..money.records import TurnChoice
 from ..money.savings import Savings
-from ..money.usage import Cost, Usage
+from ..money.usage import Cost, Estimated, Usage
 
 __all__ = [
     "DETAIL_KEY",
     "ESTIMATE_KEY",
+    "PART_ESTIMATE_KEY",
     "PENDING_KEY",
     "detail_line",
     "excerpt_words",
@@ -37,33 +38,46 @@ def _count_text(count: object, mark: str = "") -> str:
     return f"{mark}{count:,}"
 
 
-# Said once, at the end of a usage line whose numbers carry `~`, so nobody has to guess.
+# Said once, at the end of a usage line whose numbers carry `~`, so nobody has to guess; the
+# second when the provider's usage held one count and not the other (the unmarked one is its).
 ESTIMATE_KEY = "~ = estimated, no usage from the provider"
+PART_ESTIMATE_KEY = "~ = estimated, the rest is the provider's"
 PINS_DROPPED_WORDS = "pinned messages too long to keep them all"  # even cut, they were over the budget
 
 
 def usage_status(
-    usage: Usage, estimated: bool, cost: Cost, show_cost: bool, savings: Savings | None = None, shadow: bool = False
+    usage: Usage,
+    estimated: bool | Estimated,
+    cost: Cost,
+    show_cost: bool,
+    savings: Savings | None = None,
+    shadow: bool = False,
 ) -> str:
     """`1,234 tokens in (980 cached) · 456 out · $0.0031 · saved about $0.0054 vs untrimmed`;
-    counted here when the provider sent no usage: `~` marks those numbers and the line says so
-    last (`ESTIMATE_KEY`). No $ when the price is unknown; savings as `savings_status` words them.
+    a count the provider did not give is counted here: `~` marks it (and the cost it makes) and
+    the line says so last (`ESTIMATE_KEY`; `PART_ESTIMATE_KEY` when the other count is the
+    provider's). `estimated` True = both counts. No $ when the price is unknown; savings as
+    `savings_status` words them.
 
     Example:
         >>> usage_status(Usage(2_974, 7), True, Cost(Decimal("0.0075"), "price_table"), True)
         '~2,974 tokens in · ~7 out · ~$0.0075 · ~ = estimated, no usage from the provider'
+        >>> usage_status(Usage(70, 3), Estimated(completion=True), Cost(None, None), True)
+        "70 tokens in · ~3 out · ~ = estimated, the rest is the provider's"
     """
-    mark = "~" if estimated else ""
+    marks = estimated if isinstance(estimated, Estimated) else Estimated(estimated, estimated)
 
-    line = f"{_count_text(usage.prompt_tokens, mark)} tokens in"
+    line = f"{_count_text(usage.prompt_tokens, '~' if marks.prompt else '')} tokens in"
     if usage.cached_tokens:
         line += f" ({_count_text(usage.cached_tokens)} cached)"
-    line += f" · {_count_text(usage.completion_tokens, mark)} out"
+    line += f" · {_count_text(usage.completion_tokens, '~' if marks.completion else '')} out"
     if show_cost and cost.cost_usd is not None:
-        line += f" · {mark}{usd(cost.cost_usd)}"
+        line += f" · {'~' if marks.any else ''}{usd(cost.cost_usd)}"
     if show_cost and savings is not None:
         line += savings_status(savings, shadow)
-    return line + (f" · {ESTIMATE_KEY}" if estimated else "")
+    if not marks.any:
+        return line
+    return f"{line} · {ESTIMATE_KEY if marks.all else PART_ESTIMATE_KEY}"
 
 
 def savings_status(savings: Savings, shadow: bool) -> str:
@@ -209,9 +223,9 @@ def turn_line(context: str | None, usage: str, spend: str = "") -> str:
         >>> turn_line(None, f"~8 tokens in · ~3 out · {ESTIMATE_KEY}", "today $0.42 of $2.00")
         '~8 tokens in · ~3 out · today $0.42 of $2.00 · ~ = estimated, no usage from the provider'
     """
-    key = f" · {ESTIMATE_KEY}"
-    if spend and usage.endswith(key):
-        usage, spend = usage.removesuffix(key), spend + key
+    for key in (f" · {ESTIMATE_KEY}", f" · {PART_ESTIMATE_KEY}"):
+        if spend and usage.endswith(key):
+            usage, spend = usage.removesuffix(key), spend + key
     return " · ".join(part for part in (context, usage, spend) if part)
 
 

@@ -28,7 +28,7 @@ from .savings import (
     price_caches,
     reply_savings,
 )
-from .usage import Cost, Usage, with_counts
+from .usage import Cost, Estimated, Usage, with_counts
 
 __all__ = [
     "cache_view",
@@ -99,19 +99,21 @@ def trim_savings(untrimmed: int, sent: int, factor: float, resolution: Resolutio
 
 def billed_usage(
     counter: TokenCounter, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
-) -> tuple[Usage, bool]:
-    """The usage to log and bill: the backend's, with what it left out estimated (and marked)."""
-    if usage is not None and usage.prompt_tokens is not None and usage.completion_tokens is not None:
-        return usage, False
+) -> tuple[Usage, Estimated]:
+    """The usage to log and bill: the backend's, with what it left out estimated, and which of the
+    two counts that is (a count the backend did report stays its own, unmarked)."""
     prompt = usage.prompt_tokens if usage is not None else None
+    completion = usage.completion_tokens if usage is not None else None
+    estimated = Estimated(prompt=prompt is None, completion=completion is None)
+    if not estimated.any and usage is not None:
+        return usage, estimated
     if prompt is None:
         prompt = estimated_prompt if estimated_prompt is not None else counter.count_messages(messages[:-1], model_id)
-    completion = usage.completion_tokens if usage is not None else None
     if completion is None:
         completion = counter.count_text(message_text(messages[-1]), model_id)
     if usage is None:
-        return Usage(prompt, completion, shape="estimate"), True
-    return with_counts(usage, prompt, completion), True
+        return Usage(prompt, completion, shape="estimate"), estimated
+    return with_counts(usage, prompt, completion), estimated
 
 
 def cost_note(cost: Cost, resolution: Resolution) -> str | None:

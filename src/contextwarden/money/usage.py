@@ -14,6 +14,7 @@ __all__ = [
     "MAX_TOKEN_COUNT",
     "MAX_REPLY_COST_USD",
     "Usage",
+    "Estimated",
     "Cost",
     "read_count",
     "read_cost",
@@ -60,6 +61,25 @@ class Usage:
     calls_summed: bool = False
     last_call_prompt: int | None = None  # summed: the last (longest) call's prompt, which picks a price tier
     cache_write_1h_tokens: int | None = None  # of `cache_write_tokens`, those written for an hour (Anthropic)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimated:
+    """Which of a reply's two counts contextwarden counted itself: the backend's usage left it
+    out, or held nothing believable there. False (the default) = the backend's own count."""
+
+    prompt: bool = False
+    completion: bool = False
+
+    @property
+    def any(self) -> bool:
+        """True when either count, and so the cost, is an estimate."""
+        return self.prompt or self.completion
+
+    @property
+    def all(self) -> bool:
+        """True when both counts are estimates (the backend sent no usage to read)."""
+        return self.prompt and self.completion
 
 
 @dataclass(frozen=True, slots=True)

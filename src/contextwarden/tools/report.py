@@ -138,7 +138,8 @@ def render_table(rows: Sequence[LedgerRow], by: str, *, wide: bool = False) -> s
         )
     if estimated := total.counters["estimated"]:
         lines.append(
-            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated (the backend sent no usage)"
+            f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated"
+            " (the backend sent no usage, or not all of it)"
         )
     if total.counters["tokens_saved"] or total.counters["shadow_tokens_saved"]:
         lines.append(f"~ {SAVINGS_ASSUMPTION}")
@@ -375,7 +376,7 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         (f"{total.counters['requests']:,}", "replies"),
         (f"{total.counters['prompt_tokens']:,}", "prompt tokens"),
         (f"{total.counters['completion_tokens']:,}", "completion tokens"),
-        (f"{total.counters['estimated']:,}", "estimated (no real usage)"),
+        (f"{total.counters['estimated']:,}", "estimated (no or partial usage)"),
         (f"{total.counters['unpriced']:,}", "unpriced (unknown price)"),
         (
             usd(total.usd("cost_saved_picousd")),
@@ -401,8 +402,9 @@ def render_html(entries: Sequence[LedgerEntry], since: date | None) -> str:
         f'<h2>By user</h2><div class="scroll">{_html_table(by_user, "user")}</div>'
         f'<h2>By day</h2><div class="scroll">{_html_table(by_day, "day")}</div>'
         '<p class="note">Costs are the provider\'s own figure when it reported one, else tokens × the price table. '
-        "Estimated replies had no usage from the backend and were counted by contextwarden; unpriced replies "
-        "add tokens but no cost (≥: some replies unpriced; unknown: none priced). Open WebUI's own background "
+        "Estimated replies had no usage from the backend, or not all of it: contextwarden counted what was "
+        "missing. Unpriced replies add tokens but no cost (≥: some replies unpriced; unknown: none priced). "
+        "Open WebUI's own background "
         "calls (titles, tags, follow-ups, compaction summaries) pass no filter and are not here. Savings (~) are "
         "estimates: the untrimmed prompt's input cost minus the sent one's, tokens corrected by the model's "
         f"calibration, with the provider's prompt cache priced in ({html.escape(SAVINGS_ASSUMPTION)}; negative "
