@@ -1124,10 +1124,44 @@ async def test_admin_usage_command_answers_without_the_model(counter, store_valv
     assert text.startswith("### contextwarden usage · 2026-12 (UTC, to 2026-12-01 09:30)")
     assert "Today: ≥$1.75 · 3 replies." in text
     assert f"| {ann} | 2 | 501,000 | 1.75 |" in text and f"| {bob} | 1 | 777 | unknown |" in text
-    assert "1 reply had no known price: dollar limits could not count it (token limits did)." in text
+    # no token limit is set: "(token limits did)" was said all the same
+    said = "1 reply had no known price: its tokens are counted, its cost is not (≥, unknown);"
+    assert f"{said} dollar limits could not count it." in text
     assert "Limits for everyone: $2.00 a day," in text and "overrides for 1 group." in text
     assert "background calls" in text
     assert "9.0000" not in text
+
+
+@pytest.mark.parametrize(
+    ("valves", "said"),
+    [
+        ({}, "."),
+        ({"daily_limit_usd": 2}, "; dollar limits could not count it."),
+        ({"monthly_limit_tokens": 10**6}, "; token limits counted it."),
+        ({"daily_limit_usd": 2, "daily_limit_tokens": 10**6}, "; dollar limits could not count it (token limits did)."),
+        ({"limit_overrides": '{"users": {"x": {"monthly_tokens": 5}}}'}, "; token limits counted it."),
+    ],
+)
+async def test_usage_command_words_an_unpriced_reply_as_the_limits_set(counter, unique, valves, said):
+    """The default filter, a gpt-4o reply and one of a model without a price, then `!usage`.
+    Before: the admin read "dollar limits could not count it (token limits did)" with no limit
+    set at all, and the user "today $0.0026 · this month $0.0026" for a day that was more."""
+    f = make_filter(counter, **valves)
+    user = {"id": f"ann-{unique}", "role": "user"}
+    priced = reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 10})
+    await run_turn(f, CHAT, user=user, reply=priced)  # gpt-4o: 1000 x $2.50/M + 10 x $10/M = $0.0026
+    unpriced = reply_of(usage={"prompt_tokens": 500, "completion_tokens": 5})
+    await run_turn(f, CHAT, user=user, model="mystery-model-9", reply=unpriced)
+    body, who = turn("admin-1", role="admin", text="!usage")
+    with pytest.raises(TurnRefused) as answer:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    unpriced_note = "- 1 reply had no known price: its tokens are counted, its cost is not (≥, unknown)"
+    assert f"{unpriced_note}{said}\n" in str(answer.value)
+    body, who = turn(user["id"], text="!usage")
+    with pytest.raises(TurnRefused) as answer:
+        await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    own = str(answer.value)
+    assert own.startswith("contextwarden: today ≥$0.0026") and " · this month ≥$0.0026" in own, own
 
 
 async def test_usage_command_in_a_browser_chat_writes_the_reply(counter, unique):

@@ -33,7 +33,7 @@ def test_admin_report_says_one_reply():
     text = admin_report(requests=1, unpriced=1, estimated=1)
     assert "Today: unknown · 1 reply." in text
     assert "This month: unknown · 1 reply." in text
-    assert "- 1 reply had no known price: dollar limits could not count it (token limits did)." in text
+    assert "- 1 reply had no known price: its tokens are counted, its cost is not (≥, unknown)." in text
     assert "- 1 reply was estimated (the backend sent no usage, or not all of it)." in text
     assert "1 replies" not in text
 
@@ -42,7 +42,7 @@ def test_admin_report_says_replies_for_more_than_one():
     text = admin_report(requests=1_200, unpriced=2, estimated=3)
     assert "Today: ≥$1.20 · 1,200 replies." in text
     assert "This month: ≥$1.20 · 1,200 replies." in text
-    assert "- 2 replies had no known price: dollar limits could not count them (token limits did)." in text
+    assert "- 2 replies had no known price: their tokens are counted, their cost is not (≥, unknown)." in text
     assert "- 3 replies were estimated (the backend sent no usage, or not all of it)." in text
 
 

@@ -34,6 +34,7 @@ from ..money.limits import (
     check_limits,
     month_start,
     spend_text,
+    spent_usd_text,
 )
 from ..state.store import Store
 
@@ -160,6 +161,23 @@ def _table(rows: Sequence[LedgerRow], heading: str, limit: int, names: Mapping[s
     return lines
 
 
+def _unpriced_note(unpriced: int, rules: LimitRules) -> str:
+    """What unpriced replies mean for the totals, and for the kinds of limit set (anywhere).
+
+    Example:
+        >>> _unpriced_note(1, LimitRules())
+        '1 reply had no known price: its tokens are counted, its cost is not (≥, unknown).'
+    """
+    levels = [rules.base, *(rules.roles or {}).values(), *(rules.groups or {}).values(), *(rules.users or {}).values()]
+    kinds = {kind for level in levels for kind in KINDS if level.cap(kind) is not None}
+    dollars, tokens = (any(kind.endswith(unit) for kind in kinds) for unit in ("_usd", "_tokens"))
+    them, their = ("it", "its") if unpriced == 1 else ("them", "their")
+    note = f"{replies_text(unpriced)} had no known price: {their} tokens are counted, {their} cost is not (≥, unknown)"
+    if dollars:
+        return f"{note}; dollar limits could not count {them}" + (" (token limits did)." if tokens else ".")
+    return f"{note}; token limits counted {them}." if tokens else f"{note}."
+
+
 def _limits_line(rules: LimitRules) -> str:
     """The valves' limits in words, dollars apart from tokens, and how many overrides there are.
 
@@ -218,10 +236,7 @@ def usage_markdown(
         lines += _table(month.models, "model", MAX_MODEL_ROWS) + [""]
     notes = []
     if unpriced := all_month["unpriced"]:
-        them = "it" if unpriced == 1 else "them"
-        notes.append(
-            f"{replies_text(unpriced)} had no known price: dollar limits could not count {them} (token limits did)."
-        )
+        notes.append(_unpriced_note(unpriced, rules))
     if estimated := all_month["estimated"]:
         notes.append(
             f"{replies_text(estimated)} {'was' if estimated == 1 else 'were'} estimated"
@@ -242,11 +257,8 @@ def own_usage_text(limits: Limits, day: Spend, month: Spend) -> str:
     verdict = check_limits(limits, day, month)
     parts = [
         f"contextwarden: {spend_text(limits, day, verdict, True)}",
-        f"this month {amount_text('monthly_usd', month.usd)}",
+        f"this month {spent_usd_text(month, limits.cap('monthly_usd'))}",
     ]
-    monthly = limits.cap("monthly_usd")
-    if monthly is not None:
-        parts[-1] += f" of {amount_text('monthly_usd', monthly)}"
     for kind in KINDS:
         if kind.endswith("tokens") and limits.cap(kind) is not None:
             spent = (day if kind.startswith("daily") else month).tokens

@@ -34,6 +34,7 @@ __all__ = [
     "next_reset",
     "refusal_text",
     "spend_text",
+    "spent_usd_text",
     "amount_text",
     "share_text",
     "WARN_FRACTION",
@@ -294,6 +295,22 @@ def amount_text(kind: LimitKind, value: Decimal | int) -> str:
     return f"{int(value):,} tokens"
 
 
+def spent_usd_text(spend: Spend, cap: Decimal | int | None = None) -> str:
+    """A user's dollars spent as they read it: `$0.42`; `≥$0.42` when some replies had no known
+    price (the amount counts the priced ones); `unknown` when none had one, except beside the
+    dollar limit it is held to (`cap`), which counts the priced ones: `≥$0 of $2.00`.
+
+    Example:
+        >>> spent_usd_text(Spend(Decimal("0.0026"), 1_515, 2, 1)), spent_usd_text(Spend(Decimal(0), 5, 1, 1))
+        ('≥$0.0026', 'unknown')
+    """
+    if spend.unpriced and spend.unpriced >= spend.requests and cap is None:
+        return "unknown"
+    text = amount_text("daily_usd", spend.usd)
+    text = f"≥{text}" if spend.unpriced else text
+    return text if cap is None else f"{text} of {amount_text('daily_usd', cap)}"
+
+
 def _until(reset: datetime, now: datetime) -> str:
     left = max(timedelta(0), reset - now)
     hours, minutes = divmod(int(left.total_seconds()) // 60, 60)
@@ -334,13 +351,11 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
     """
     parts = []
     if show_spend:
-        line = f"today {amount_text('daily_usd', day.usd)}"
         usd_cap, token_cap = limits.cap("daily_usd"), limits.cap("daily_tokens")
-        if usd_cap is not None:
-            line += f" of {amount_text('daily_usd', usd_cap)}"
-        elif token_cap is not None:
+        line = f"today {spent_usd_text(day, usd_cap)}"
+        if usd_cap is None and token_cap is not None:
             line = f"today {day.tokens:,} of {token_cap:,} tokens"
-        if day.unpriced and limits.cap("daily_usd") is not None:
+        if day.unpriced and usd_cap is not None:
             line += " (some replies unpriced)"
         parts.append(line)
     if verdict.warn_kind is not None:
