@@ -296,6 +296,17 @@ def test_usage_refuses_since_after_until(capsys):
     )
 
 
+def test_usage_until_help_says_what_it_does(capsys):
+    """`--until` said "(default: today)" but without it no upper bound is applied: every day kept
+    is read (a worker whose clock runs ahead writes days after the reader's today; the tests'
+    own records are on far-future days). The help now says so."""
+    with pytest.raises(SystemExit):
+        main(["usage", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "last UTC day to include, YYYY-MM-DD (default: all kept)" in help_text
+    assert "default: today" not in help_text
+
+
 def test_json_nested_too_deeply_is_named_not_a_traceback(tmp_path, capsys):
     """`[[[...]]]` 100,000 deep raised RecursionError out of json: a traceback and status 1."""
     deep = "[" * 100_000 + "]" * 100_000

@@ -181,6 +181,15 @@ def test_html_report_is_self_contained(seeded, capsys, tmp_path):
         assert text in page, text
 
 
+def test_without_until_every_later_day_kept_is_read(seeded, capsys):
+    """No `--until`: no upper bound (its help said "default: today"; these days are far ahead)."""
+    code, out, _ = run(capsys, "--redis-url", seeded["url"], "--since", seeded["since"], "--by", "day")
+    last = (seeded["start"] + timedelta(days=2)).isoformat()
+    assert code == 0 and last in out
+    span = ["--since", "1999-01-01", "--until", "1999-01-02"]  # no test records there
+    assert run(capsys, "--redis-url", seeded["url"], *span)[1] == "no usage recorded from 1999-01-01 to 1999-01-02\n"
+
+
 def test_html_escapes_ids(redis_url, unique, capsys, tmp_path):
     import asyncio
 

@@ -531,9 +531,16 @@ def _cmd_usage(args: argparse.Namespace) -> int:
         print(
             render_table(rows, args.by, wide=args.wide)
             if rows
-            else "no usage recorded" + (f" since {args.since}" if args.since else "")
+            else "no usage recorded" + _days_text(args.since, args.until)
         )
     return 0
+
+
+def _days_text(since: date | None, until: date | None) -> str:
+    """` since 2026-12-01`, ` until 2026-12-05`, ` from 2026-12-01 to 2026-12-05`, or ""."""
+    if since and until:
+        return f" from {since} to {until}"
+    return f" since {since}" if since else (f" until {until}" if until else "")
 
 
 def _since_date(text: str) -> date:
@@ -640,7 +647,7 @@ def _add_usage_command(commands: Any) -> None:
         "--by", choices=("user", "model", "day"), default="model", help="how to add totals up (default: model)"
     )
     usage.add_argument("--since", type=_since_date, help="first UTC day to include, YYYY-MM-DD (default: all kept)")
-    usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: today)")
+    usage.add_argument("--until", type=_since_date, help="last UTC day to include, YYYY-MM-DD (default: all kept)")
     usage.add_argument("--format", choices=("table", "json", "csv"), default="table")
     usage.add_argument(
         "--wide",
