@@ -235,10 +235,14 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
     width, height, left, right, top, bottom = 1080, 380, 80, 20, 20, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     day_totals = {d: sum(cells.get((d, m), 0) for m in models) for d in days}
-    peak = picodollars_to_usd(max(max(day_totals.values()), *(a + b for a, b in savings.values())) or 1)
-    step = _nice_step(peak)
+    # Savings are negative where the untrimmed chat would have been cheaper: drawn below $0.
+    peak = picodollars_to_usd(max(max(day_totals.values()), *(_signed(s, 1) for s in savings.values())))
+    dip = picodollars_to_usd(max((_signed(s, -1) for s in savings.values()), default=0))
+    step = _nice_step(peak + dip or picodollars_to_usd(1))
     axis_top = step * ((peak / step).to_integral_value(rounding=ROUND_CEILING) or 1)
-    scale = plot_h / float(axis_top)
+    axis_bottom = -step * (dip / step).to_integral_value(rounding=ROUND_CEILING)
+    scale = plot_h / float(axis_top - axis_bottom)
+    zero = top + float(axis_top) * scale
     slot = plot_w / len(days)
     bar = max(2.0, min(36.0, slot * 0.38))
     parts = [
@@ -248,20 +252,25 @@ def _chart_svg(entries: Sequence[LedgerEntry]) -> str:
         '<rect width="6" height="6" fill="#ffffff"/>'
         f'<rect width="3" height="6" fill="{SAVED_COLOR}"/></pattern></defs>',
     ]
-    parts += _chart_grid(axis_top, step, scale, left, width - right, top + plot_h)
+    parts += _chart_grid((axis_bottom, axis_top), step, scale, left, width - right, zero)
 
     every = max(1, len(days) // 20)
     for i, day in enumerate(days):
         x = left + slot * i + slot / 2 - bar - 1
-        parts += _day_bars(day, x, top + plot_h, bar, scale, models, cells, savings.get(day, (0, 0)))
+        parts += _day_bars(day, x, zero, bar, scale, models, cells, savings.get(day, (0, 0)))
         if i % every == 0:
             cx, cy = left + slot * i + slot / 2, top + plot_h + 14
             parts.append(
                 f'<text x="{cx:.1f}" y="{cy}" class="xlabel" transform="rotate(-35 {cx:.1f} {cy})">{day}</text>'
             )
-    parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" class="axis"/>')
+    parts.append(f'<line x1="{left}" y1="{zero:.1f}" x2="{width - right}" y2="{zero:.1f}" class="axis"/>')
     parts.append("</svg>")
     return "".join(parts) + _chart_legend(models)
+
+
+def _signed(amounts: tuple[int, int], sign: int) -> int:
+    """The sum of the amounts of one sign (1: above $0, -1: below it, as a size)."""
+    return sum(a * sign for a in amounts if a * sign > 0)
 
 
 def _bar(x: float, y: float, h: float, bar: float, fill: str, title: str) -> str:
@@ -281,7 +290,8 @@ def _day_bars(
     cells: dict[tuple[str, str], int],
     saved: tuple[int, int],
 ) -> list[str]:
-    """One day's two bars: its cost stacked by model, and beside it saved and would-have-saved."""
+    """One day's two bars up from `base` ($0): its cost stacked by model, and beside it saved and
+    would-have-saved, each below $0 instead when the untrimmed chat would have been cheaper."""
     parts = []
     y = base
     for m_index, model in enumerate(models):
@@ -292,26 +302,35 @@ def _day_bars(
         y -= h
         color = CHART_COLORS[m_index % len(CHART_COLORS)]
         parts.append(_bar(x, y, h, bar, color, f"{day} · {model}: {usd(picodollars_to_usd(amount))}"))
-    y = base
-    for amount, fill, what in zip(
-        saved, (SAVED_COLOR, "url(#hatch)"), ("saved", "would have saved (shadow)"), strict=True
-    ):
+    up = down = base
+    kinds = (("saved", SAVED_COLOR, "trimming"), ("would have saved (shadow)", "url(#hatch)", "shadow mode"))
+    for amount, (gain, fill, loss) in zip(saved, kinds, strict=True):
         if not amount:
             continue
-        h = float(picodollars_to_usd(amount)) * scale
-        y -= h
-        parts.append(_bar(x + bar + 2, y, h, bar, fill, f"{day} · {what}: about {usd(picodollars_to_usd(amount))}"))
+        size = picodollars_to_usd(abs(amount))
+        h = float(size) * scale
+        if amount > 0:
+            up -= h
+            parts.append(_bar(x + bar + 2, up, h, bar, fill, f"{day} · {gain}: about {usd(size)}"))
+        else:
+            title = f"{day} · {loss}: untrimmed about {usd(size)} cheaper (prompt cache)"
+            parts.append(_bar(x + bar + 2, down, h, bar, fill, title))
+            down += max(h, 0.5)
     return parts
 
 
-def _chart_grid(axis_top: Decimal, step: Decimal, scale: float, left: int, right: int, base: int) -> list[str]:
-    """The horizontal grid lines and their dollar labels, from 0 up to `axis_top`."""
+def _chart_grid(
+    axis: tuple[Decimal, Decimal], step: Decimal, scale: float, left: int, right: int, zero: float
+) -> list[str]:
+    """The horizontal grid lines and their dollar labels, from `axis` bottom ($0 or below) to top;
+    `zero` is where $0 is drawn."""
     parts = []
-    tick = Decimal(0)
-    while tick <= axis_top:
-        y = base - float(tick) * scale
+    tick = axis[0]
+    while tick <= axis[1]:
+        y = zero - float(tick) * scale
+        label = f"{'-' if tick < 0 else ''}${abs(tick).normalize():f}"
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">${tick.normalize():f}</text>')
+        parts.append(f'<text x="{left - 8}" y="{y + 4:.1f}" class="ylabel">{label}</text>')
         tick += step
     return parts
 
