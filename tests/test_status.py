@@ -365,6 +365,14 @@ def test_only_the_count_the_provider_left_out_is_marked():
     assert turn_line(None, line, "today $0.42").endswith(f"today $0.42 · {PART_ESTIMATE_KEY}")
 
 
+def test_an_estimated_cost_too_small_to_show_reads_in_words():
+    # Before: "~8 tokens in · ~3 out · ~<$0.0001": two signs in a row before the amount.
+    tiny = Cost(D("0.0000071"), "price_table")
+    line = usage_status(Usage(8, 3), True, tiny, True)
+    assert line == f"~8 tokens in · ~3 out · under ~$0.0001 · {ESTIMATE_KEY}"
+    assert usage_status(Usage(8, 3), False, tiny, True) == "8 tokens in · 3 out · <$0.0001"
+
+
 async def test_the_estimate_key_ends_the_line_after_the_spend(counter):
     # Before: "Whole chat sent · ~8 tokens in · ~3 out · ~<$0.0001 · ~ = estimated, no usage from
     # the provider · today <$0.0001 of $2.00": the key mid-line, the line not ending as told.

@@ -5,7 +5,7 @@ formatting of numbers the filter computed; no message text.
 
 from __future__ import annotations
 
-from decimal import Decimal  # noqa: F401  (the doctests use it)
+from decimal import Decimal
 
 from ..core.flags import Flags
 from ..money.dollars import usd
@@ -72,12 +72,26 @@ def usage_status(
         line += f" ({_count_text(usage.cached_tokens)} cached)"
     line += f" · {_count_text(usage.completion_tokens, '~' if marks.completion else '')} out"
     if show_cost and cost.cost_usd is not None:
-        line += f" · {'~' if marks.any else ''}{usd(cost.cost_usd)}"
+        line += f" · {_cost_text(cost.cost_usd, marks.any)}"
     if show_cost and savings is not None:
         line += savings_status(savings, shadow)
     if not marks.any:
         return line
     return f"{line} · {ESTIMATE_KEY if marks.all else PART_ESTIMATE_KEY}"
+
+
+def _cost_text(amount: Decimal, estimated: bool) -> str:
+    """`$0.0031`, estimated `~$0.0031`; an estimate below the smallest amount shown reads
+    `under ~$0.0001` (`~<$0.0001` put two signs in a row).
+
+    Example:
+        >>> _cost_text(Decimal("0.0000071"), True), _cost_text(Decimal("0.0000071"), False)
+        ('under ~$0.0001', '<$0.0001')
+    """
+    text = usd(amount)
+    if not estimated:
+        return text
+    return f"under ~{text.removeprefix('<')}" if text.startswith("<") else f"~{text}"
 
 
 def savings_status(savings: Savings, shadow: bool) -> str:
