@@ -454,3 +454,52 @@ async def test_two_workers_on_one_redis_send_what_one_worker_sends(counter, redi
     two = await run([make_filter(counter, **valves), make_filter(counter, **valves)], f"two-{unique}")
     assert [len(s) for s in one] == [len(s) for s in two] and one == two
     assert sum(len(s) < 2 * i + 2 for i, s in enumerate(one)) >= 10  # the chat was trimmed on many turns
+
+
+class _RacedStore:
+    """A store whose chat-state saves wait until two passes have read the state and want to save:
+    the save that pins nothing goes first, so the pinning pass's save finds the state changed."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.waiting: list[tuple[bytes, asyncio.Event]] = []
+        self.first_saved = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    async def swap(self, key: str, expected, value: bytes, *, ttl: int) -> bool:
+        if not key.startswith("chat:") or self.first_saved.is_set():
+            return await self.store.swap(key, expected, value, ttl=ttl)
+        turn = asyncio.Event()
+        self.waiting.append((value, turn))
+        if len(self.waiting) == 2:  # both passes read the same state: the unpinned save goes first
+            min(self.waiting, key=lambda w: bool(ChatState.from_bytes(w[0]).pins))[1].set()
+        await turn.wait()
+        if self.first_saved.is_set():
+            return await self.store.swap(key, expected, value, ttl=ttl)
+        saved = await self.store.swap(key, expected, value, ttl=ttl)
+        self.first_saved.set()
+        max(self.waiting, key=lambda w: bool(ChatState.from_bytes(w[0]).pins))[1].set()
+        return saved
+
+
+async def test_a_pin_survives_another_pass_saving_the_chat_state_first(counter, store_valves, unique):
+    """Two passes of one chat read its state at once; the other one saved first, so the pinning
+    pass's compare-and-swap failed and its `!pin` was lost: the pinned message was dropped later."""
+    store = _RacedStore(store_of(store_valves))
+    f = make_filter(counter, store=store, max_context_tokens=1_500, reserve_output_tokens=0)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(10)
+    pinning = chat[:-1] + [{"role": "user", "content": "My locker code is 4711. !pin"}]
+    await asyncio.gather(send(f, pinning, user_id, chat_id), send(f, chat, user_id, chat_id))
+    assert len(store.waiting) == 2  # both passes saved after both had read
+    state = await stored_state(f, user_id, chat_id)
+    assert len(state.pins) == 1 and state.decision is not None
+    chat = pinning
+    for i in range(10, 20):
+        chat = grow(chat, i)
+        sent = (await send(f, chat, user_id, chat_id))["messages"]
+        assert {"role": "user", "content": "My locker code is 4711."} in sent, i
+    assert len(sent) < len(chat) / 2
+    await store.store.aclose()

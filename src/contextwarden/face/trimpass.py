@@ -348,12 +348,16 @@ async def load_chat_state(
 async def save_chat_state(
     store: Store, key: str, stored: bytes | None | _Unreadable, state: ChatState, ttl: int
 ) -> None:
-    """Replace the state read as `stored`; never one that could not be read, nor one that
-    changed since (a read the fallback answered while Redis was away, or another pass)."""
+    """Replace the state read as `stored`; never one that could not be read. One that changed
+    since (another pass saved) keeps its decisions and gets this turn's pins, tried once more."""
     if stored is UNREADABLE:
         return
     try:
-        await store.swap(key, stored, state.to_bytes(), ttl=ttl)
+        if not await store.swap(key, stored, state.to_bytes(), ttl=ttl):
+            current = await store.get(key)
+            merged = state.merged_onto(ChatState.parse(current), ChatState.parse(stored))
+            if merged is not None:
+                await store.swap(key, current, merged.to_bytes(), ttl=ttl)
     except Exception as exc:
         pass_log.warning("contextwarden: chat state not saved (%s)", type(exc).__name__)
 

@@ -95,6 +95,22 @@ class ChatState:
             return self
         return replace(self, pins=(self.pins + extra)[-MAX_PINS:])
 
+    def merged_onto(self, current: ChatState | None, read: ChatState | None) -> ChatState | None:
+        """What to save over `current`, which another pass saved after this state was made from
+        `read`: `current` with this state's pins added and its pin mode where it switched it (the
+        other pass's decisions stay); None when that is `current` itself, or it cannot be read.
+
+        Example:
+            >>> ChatState(pins=("p1",)).merged_onto(ChatState(pins=("p2",)), ChatState()).pins
+            ('p2', 'p1')
+        """
+        if current is None:
+            return None
+        merged = current.with_pins_of(self)
+        if read is not None and self.pin_mode != read.pin_mode:
+            merged = replace(merged, pin_mode=self.pin_mode)
+        return None if merged == current else merged
+
     def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
         """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode
         (the last one written wins), then the message is pinned when `!pin` or pin mode says so."""
