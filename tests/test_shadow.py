@@ -19,7 +19,7 @@ from contextwarden.money.savings import PromptCache, estimate_savings
 from contextwarden.state.chatstate import ChatState, chat_state_key
 
 from chats import frozen
-from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
+from helpers import Events, body_of, chat_of, grow, make_filter, store_of, usage_records
 
 MODEL = "gpt-4o"
 GPT4O_INPUT = Decimal("0.0000025")  # bundled price of openai/gpt-4o input, $2.50 / M
@@ -295,3 +295,31 @@ async def test_the_shadow_lines_before_count_is_what_was_really_sent_flags_and_a
     before = re.match(DETAIL, note["line"])  # the admin's detail, logged after the reply
     assert before is not None and int(before.group(3).replace(",", "")) == full, note["line"]
     assert note["tokens_saved"] == full - int(before.group(4).replace(",", ""))
+
+
+async def test_shadow_after_enforce_simulates_from_enforces_decision(counter, store_valves, unique, monkeypatch):
+    """Shadow, then enforce, then shadow again on one chat: enforce's saves kept the first shadow
+    stretch's `shadow_decision`, and the second stretch simulated from it, not from what was sent."""
+    import contextwarden.face.trimpass as trimpass_module
+
+    real, previous = trimpass_module.trim_messages, []
+
+    def spy(messages, **options):
+        previous.append(options["previous"])
+        return real(messages, **options)
+
+    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
+    store = store_of(store_valves)
+    valves = dict(max_context_tokens=1_500, reserve_output_tokens=0, low_watermark=0.7)
+    shadow = make_filter(counter, store=store, mode="shadow", **valves)
+    enforce = make_filter(counter, store=store, **valves)
+    key, chat = chat_state_key("u1", f"c-{unique}"), chat_of(20)
+    for i, f in enumerate([shadow, shadow, enforce, enforce, enforce]):
+        await inlet_then_request(f, body_of(chat, chat_id=f"c-{unique}", user_id="u1"), "u1", Events())
+        chat = grow(chat, 20 + i, words=150)
+    state = ChatState.from_bytes(await store.get(key))
+    assert state.decision is not None and state.shadow_decision is None
+    previous.clear()
+    await inlet_then_request(shadow, body_of(chat, chat_id=f"c-{unique}", user_id="u1"), "u1", Events())
+    assert previous[0] == state.decision
+    await store.aclose()

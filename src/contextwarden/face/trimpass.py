@@ -569,7 +569,7 @@ class TrimPass:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
             decision = stored if choice.decision is None or later_pass else _in_chat(turn, choice)
-            saved = replace(state, shadow_decision=decision) if shadow else replace(state, decision=decision)
+            saved = state.decided(decision, shadow=shadow)
             await save_chat_state(self._store, key, stored_bytes, saved, settings.state_ttl_seconds)
         return choice
 

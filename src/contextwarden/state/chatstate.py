@@ -29,7 +29,7 @@ class ChatState:
 
     `decision` is the last `TrimDecision` really sent; `shadow_decision` the last one shadow
     mode computed but did not send, kept apart so shadow turns simulate enforce's prefix reuse
-    without ever passing an unsent choice to enforce; `pins` are `pin_fingerprint`s of pinned
+    without ever passing an unsent choice to enforce (an enforce save drops it); `pins` are `pin_fingerprint`s of pinned
     messages, oldest first; `pin_mode` is on between `!+pin` and `!-pin`. A decision that cannot
     be read (another version's) is None: it is simply not reused.
 
@@ -110,6 +110,18 @@ class ChatState:
         if read is not None and self.pin_mode != read.pin_mode:
             merged = replace(merged, pin_mode=self.pin_mode)
         return None if merged == current else merged
+
+    def decided(self, decision: TrimDecision | None, *, shadow: bool) -> ChatState:
+        """The state after a pass chose `decision`: shadow's own, or the one sent, which ends a
+        shadow stretch (a later one simulates from what was sent, not from its old choice).
+
+        Example:
+            >>> ChatState().decided(None, shadow=False).shadow_decision is None
+            True
+        """
+        if shadow:
+            return replace(self, shadow_decision=decision)
+        return replace(self, decision=decision, shadow_decision=None)
 
     def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
         """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode
