@@ -460,7 +460,7 @@ def grown_turn(draw, chat: list[dict]) -> list[dict]:
     chat=any_chat(),
     budget=budgets,
     model=st.sampled_from(MODELS),
-    keep=st.integers(0, 4),
+    keep=st.integers(1, 4),
     strategy=st.sampled_from(("relevance", "recent")),
 )
 def test_next_turn_shortcut_chooses_what_the_full_path_chooses(counter, data, chat, budget, model, keep, strategy):

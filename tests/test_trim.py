@@ -7,7 +7,7 @@ import random
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.core.trim import SHORTENED_MARK
+from contextwarden.core.trim import SHORTENED_MARK, carry_previous
 
 from chatgen import random_chat
 from chats import check_contract, frozen
@@ -149,6 +149,75 @@ def test_bad_arguments_raise_clearly(counter):
         trim_messages([], max_tokens=0)
     with pytest.raises(TypeError, match=r"messages\[1\]"):
         trim_messages([{"role": "user", "content": "x"}, "oops"], max_tokens=100, token_counter=counter)
+
+
+def _two_turns() -> list[dict]:
+    return [{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "hi " * 40}] + [
+        {"role": "user", "content": "And now?"}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "says"),
+    [
+        ({"previous": {"a": 1}}, ValueError, r"previous is not a TrimDecision's to_dict\(\)"),
+        ({"previous": "{}"}, TypeError, "previous must be a TrimDecision, its to_dict"),
+        ({"model": 5}, TypeError, r"model must be a model id \(str\) or None, got int"),
+        ({"messages": None}, TypeError, "messages must be a list of message dicts, got NoneType"),
+        ({"messages": (m for m in _two_turns())}, TypeError, "messages must be a list of message dicts, got generator"),
+        ({"pinned": (5,)}, ValueError, r"pinned holds 5: not a message position \(the chat's: 0-2\)"),
+        ({"pinned": (-1,)}, ValueError, "pinned holds -1"),
+        ({"pinned": (True,)}, ValueError, "pinned holds True"),
+        ({"pinned": 1}, TypeError, "pinned must be a collection of message positions, got int"),
+        ({"keep_last_turns": 0}, ValueError, r"keep_last_turns must be an int >= 1 \(the current turn counts\)"),
+        ({"token_counter": "o200k"}, TypeError, "token_counter must be a TokenCounter or None, got str"),
+        ({"embed": 5}, TypeError, "embed must be a function"),
+        ({"shorten": "no"}, TypeError, "shorten must be True or False"),
+    ],
+)
+def test_a_bad_argument_is_named_not_a_python_error_deep_inside(counter, given, error, says):
+    """A review: `previous={"a": 1}` raised AttributeError 'dict' has no 'seen', `model=5` an
+    AttributeError, `messages=None` "'NoneType' object is not iterable", a generator "has no
+    len()"; pins out of range were silently ignored, on a chat that needs the trim too."""
+    options = {"max_tokens": 30, "model": MODEL, "token_counter": counter, **given}
+    messages = options.pop("messages", _two_turns())
+    with pytest.raises(error, match=says):
+        trim_messages(messages, **options)
+    if "messages" not in given:  # the next turn's shortcut checks the same
+        with pytest.raises(error, match=says):
+            carry_previous(messages, **options)
+
+
+def test_previous_may_be_the_decisions_dict(counter):
+    """A decision kept as JSON (`to_dict()`, as the filter stores it) is read back as `previous`."""
+    chat = chat_of(6)
+    options = {"max_tokens": 600, "model": MODEL, "token_counter": counter}
+    first = trim_messages(chat, **options)
+    chat = [*chat, *turn(7)[1:], {"role": "user", "content": "More?"}]
+    as_dict = trim_messages(chat, previous=first.decision.to_dict(), **options)
+    assert first.decision is not None and as_dict == trim_messages(chat, previous=first.decision, **options)
+    assert as_dict.reused
+
+
+def test_the_library_the_cli_and_the_valve_take_the_same_keep_last_turns(tmp_path, capsys):
+    """`keep_last_turns=0` was accepted by `trim_messages` (it means what 1 means: the current turn
+    counts) while the command line, the valve and `!keep=0` refused it: one minimum now."""
+    from contextwarden.core.selection import MIN_KEEP_LAST_TURNS
+    from contextwarden.face.valves import valve_range
+    from contextwarden.tools.cli import main
+
+    assert MIN_KEEP_LAST_TURNS == 1 and valve_range("keep_last_turns")[0] == MIN_KEEP_LAST_TURNS
+    chat = tmp_path / "chat.json"
+    chat.write_text('[{"role": "user", "content": "hi"}]')
+    for turns in (0, 1):
+        code = main(["trim", str(chat), "--max-tokens", "100", "--keep-last-turns", str(turns)])
+        err = capsys.readouterr().err
+        try:
+            trim_messages([{"role": "user", "content": "hi"}], max_tokens=100, keep_last_turns=turns)
+        except ValueError as exc:
+            assert code == 2 and "--keep-last-turns must be 1 or more" in err and "keep_last_turns" in str(exc)
+        else:
+            assert code == 0 and turns == 1
 
 
 @pytest.mark.parametrize("seed", range(40))

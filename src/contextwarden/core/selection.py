@@ -25,6 +25,7 @@ from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights, leans_on_lat
 __all__ = [
     "neighbour_reach",
     "DEFAULT_KEEP_LAST_TURNS",
+    "MIN_KEEP_LAST_TURNS",
     "Strategy",
     "STRATEGIES",
     "DEFAULT_STRATEGY",
@@ -55,6 +56,7 @@ DEFAULT_COST_EXPONENT = 0.25
 # question (`_room_for`): bounds the work a reply on a chat of thousands of messages.
 MAX_ROOM_SCAN = 256
 DEFAULT_KEEP_LAST_TURNS = 1  # the current turn: the latest question and what answers it
+MIN_KEEP_LAST_TURNS = 1  # the current turn counts and is always kept: 0 would mean 1 (the API, CLI, valve, !keep)
 
 
 def select_recent(costs: Sequence[int], budget: int) -> list[int]:

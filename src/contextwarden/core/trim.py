@@ -38,7 +38,14 @@ from .recall import (
 )
 from .recall_index import indexed
 from .relevance import read_ahead, wants_whole
-from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES, Strategy, history_chars
+from .selection import (
+    DEFAULT_KEEP_LAST_TURNS,
+    DEFAULT_STRATEGY,
+    MIN_KEEP_LAST_TURNS,
+    STRATEGIES,
+    Strategy,
+    history_chars,
+)
 from .semantic import Embed
 from .shorten import PINS_DROPPED_NOTE, PINS_SHORTENED_NOTE, SHORTENED_MARK, _mandatory_part
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -134,11 +141,12 @@ def trim_messages(
             latest question (BM25 and friends, see `relevance.py`), whole units, in their
             order; `"recent"` keeps the newest whole turns that fit.
         keep_last_turns: the last N turns (the current one counts) are kept before anything
-            else, while they fit. Default 1: the current turn only.
-        pinned: input indices that are mandatory content (with their unit), e.g. messages a
-            user marked with `!pin`: kept whatever the watermark; when the mandatory part is
-            over budget they are shortened middle-out like the rest of it (a note says so).
-        previous: the `decision` of this chat's last trim. While its kept messages are still
+            else, while they fit. Default 1 (the least): the current turn only.
+        pinned: input indices (positions in `messages`) that are mandatory content (with their
+            unit), e.g. messages a user marked with `!pin`: kept whatever the watermark; when the
+            mandatory part is over budget they are shortened middle-out like the rest of it (a
+            note says so).
+        previous: the `decision` of this chat's last trim (or its `to_dict()`). While its kept messages are still
             there and they plus everything newer fit, exactly those are sent again plus the
             new messages, so the prompt prefix stays byte-identical and provider caches hit.
             Such a turn reads and counts only those messages: the dropped ones are known
@@ -174,6 +182,11 @@ def trim_messages(
             that result's `added`: its recall blocks, kept while the chat fits, else replaced.
             Nothing is taken for the trim's own by its text: a user's message that starts like
             a recall block is the user's.
+
+    Raises:
+        TypeError: `messages` is not a list of message dicts, or an argument is not of its type.
+        ValueError: an option is out of its range, `pinned` holds a position the chat has not,
+            `previous` is a dict that is not a decision's `to_dict()`.
 
     Example:
         >>> chat = [{"role": "system", "content": "Be brief."},
@@ -218,15 +231,12 @@ def trim_messages(
     options = TrimOptions(
         strategy, keep_last_turns, pinned, previous, low_watermark, growth_turns, embed, recall_share, shorten, added
     )
-    _check_options(max_tokens, options)
-    view = messages if isinstance(messages, ChatView) else ChatView(messages)
-    messages = view.messages
-    if isinstance(messages, (dict, str, bytes)):
-        hint = "pass body['messages']" if isinstance(messages, dict) else "decode the JSON first"
-        raise TypeError(f"messages is a {type(messages).__name__}, not a list of messages ({hint})")
-    if not all(map(isinstance, messages, repeat(dict))):
-        index, message = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
+    options = _checked(max_tokens, options, model, token_counter)
+    view = _view_of(messages)
+    if not all(map(isinstance, view.messages, repeat(dict))):
+        index, message = next((i, m) for i, m in enumerate(view.messages) if not isinstance(m, dict))
         raise TypeError(f"messages[{index}] is {type(message).__name__}, not a dict")
+    _check_pinned(options.pinned, len(view))
     return _trim(view, max_tokens, model, token_counter or default_counter(), options)
 
 
@@ -261,11 +271,11 @@ def carry_previous(
         >>> carry_previous(chat, max_tokens=200, model="gpt-4o") is None  # no previous decision
         True
     """
-    chosen = TrimOptions(**options)
-    _check_options(max_tokens, chosen)
+    chosen = _checked(max_tokens, TrimOptions(**options), model, token_counter)
     previous = chosen.previous
-    view = messages if isinstance(messages, ChatView) else ChatView(messages)
+    view = _view_of(messages)
     messages = view.messages
+    _check_pinned(chosen.pinned, len(view))
     if previous is None or not all(map(isinstance, messages, repeat(dict))):
         return None
     if not _carries(chosen, view):
@@ -463,6 +473,51 @@ def _without(
     )
 
 
+def _view_of(messages: object) -> ChatView:
+    """`messages` read as a `ChatView`; TypeError naming what they are when not a list of messages."""
+    if isinstance(messages, ChatView):
+        return messages
+    if isinstance(messages, (dict, str, bytes)):
+        hint = "pass body['messages']" if isinstance(messages, dict) else "decode the JSON first"
+        raise TypeError(f"messages is a {type(messages).__name__}, not a list of messages ({hint})")
+    if not isinstance(messages, Sequence):  # None, a generator: its positions name what is kept
+        raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    return ChatView(messages)
+
+
+def _checked(max_tokens: int, options: TrimOptions, model: object, counter: object) -> TrimOptions:
+    """`options` with `previous` read (a `TrimDecision`, or its `to_dict()`); TypeError or
+    ValueError naming the argument that is wrong."""
+    _check_options(max_tokens, options)
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model must be a model id (str) or None, got {type(model).__name__}")
+    if counter is not None and not isinstance(counter, TokenCounter):
+        raise TypeError(f"token_counter must be a TokenCounter or None, got {type(counter).__name__}")
+    if options.embed is not None and not callable(options.embed):
+        raise TypeError(f"embed must be a function of a list of texts, or None, got {type(options.embed).__name__}")
+    if not isinstance(options.shorten, bool):
+        raise TypeError(f"shorten must be True or False, got {options.shorten!r}")
+    previous: object = options.previous
+    if previous is None or isinstance(previous, TrimDecision):
+        return options
+    if not isinstance(previous, dict):
+        raise TypeError(f"previous must be a TrimDecision, its to_dict(), or None, got {type(previous).__name__}")
+    try:
+        return replace(options, previous=TrimDecision.from_dict(previous))
+    except ValueError as exc:
+        raise ValueError(f"previous is not a TrimDecision's to_dict() ({exc})") from None
+
+
+def _check_pinned(pinned: object, count: int) -> None:
+    """Raise TypeError or ValueError unless `pinned` holds positions of the `count` messages."""
+    if isinstance(pinned, (str, bytes, dict)) or not isinstance(pinned, Collection):
+        raise TypeError(f"pinned must be a collection of message positions, got {type(pinned).__name__}")
+    for index in pinned:
+        if type(index) is not int or not 0 <= index < count:
+            positions = f"0-{count - 1}" if count else "none"
+            raise ValueError(f"pinned holds {index!r}: not a message position (the chat's: {positions})")
+
+
 def _check_options(max_tokens: int, options: TrimOptions) -> None:
     """Raise ValueError naming the option and its valid values."""
     strategy, keep_last_turns, low_watermark = options.strategy, options.keep_last_turns, options.low_watermark
@@ -471,8 +526,15 @@ def _check_options(max_tokens: int, options: TrimOptions) -> None:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
-    if not isinstance(keep_last_turns, int) or isinstance(keep_last_turns, bool) or keep_last_turns < 0:
-        raise ValueError(f"keep_last_turns must be an int >= 0, got {keep_last_turns!r}")
+    if (
+        not isinstance(keep_last_turns, int)
+        or isinstance(keep_last_turns, bool)
+        or keep_last_turns < MIN_KEEP_LAST_TURNS
+    ):
+        least = MIN_KEEP_LAST_TURNS
+        raise ValueError(
+            f"keep_last_turns must be an int >= {least} (the current turn counts), got {keep_last_turns!r}"
+        )
     if not isinstance(low_watermark, (int, float)) or not 0.0 < low_watermark <= 1.0:
         raise ValueError(f"low_watermark must be in (0, 1], got {low_watermark!r}")
     if not isinstance(growth_turns, int) or isinstance(growth_turns, bool) or growth_turns < 0:

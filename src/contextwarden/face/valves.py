@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..caches import VALVE_RANGE_MEMO_SIZE, register
 from ..core.flags import DEFAULT_ALLOWED_FLAGS, FLAG_NAMES, MAX_FLAG_KEEP, parse_flag_names
-from ..core.selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, STRATEGIES
+from ..core.selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, MIN_KEEP_LAST_TURNS, STRATEGIES
 from ..core.trim import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK
 from ..errors import ConfigError
 from ..money.ledger import DEFAULT_LEDGER_RETENTION_DAYS
@@ -57,7 +57,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_context_tokens": (0, MAX_WINDOW_TOKENS),
     "reserve_output_tokens": (0, 1_000_000),
     "ledger_retention_days": (1, 3_660),
-    "keep_last_turns": (1, MAX_FLAG_KEEP),
+    "keep_last_turns": (MIN_KEEP_LAST_TURNS, MAX_FLAG_KEEP),
     "growth_turns": (0, 10),
     "state_ttl_hours": (1, 8_760),
     "summary_max_tokens": SUMMARY_MAX_TOKENS_RANGE,

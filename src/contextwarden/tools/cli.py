@@ -26,7 +26,7 @@ from .. import __version__
 from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
-from ..core.selection import STRATEGIES
+from ..core.selection import MIN_KEEP_LAST_TURNS, STRATEGIES
 from ..core.tokens import TokenCounter
 from ..core.trim import TrimOptions, TrimResult, trim_messages
 from ..errors import ConfigError
@@ -167,8 +167,8 @@ def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]
         raise InputError(
             f"--calibration must be between {MIN_CALIBRATION:g} and {MAX_CALIBRATION:g} (real / counted tokens)"
         )
-    if args.keep_last_turns < 1:
-        raise InputError("--keep-last-turns must be 1 or more (the current turn is always kept)")
+    if args.keep_last_turns < MIN_KEEP_LAST_TURNS:
+        raise InputError(f"--keep-last-turns must be {MIN_KEEP_LAST_TURNS} or more (the current turn counts)")
     if not 0 < args.low_watermark <= 1:  # NaN too
         raise InputError(
             f"--low-watermark must be above 0 and at most 1 (a share of the budget), not {args.low_watermark:g}"
