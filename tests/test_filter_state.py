@@ -503,3 +503,26 @@ async def test_a_pin_survives_another_pass_saving_the_chat_state_first(counter, 
         assert {"role": "user", "content": "My locker code is 4711."} in sent, i
     assert len(sent) < len(chat) / 2
     await store.store.aclose()
+
+
+async def test_a_chat_whose_state_is_over_the_cap_is_trimmed_anew_each_turn(
+    counter, store_valves, trims, unique, monkeypatch
+):
+    """A state over `MAX_CHAT_STATE_BYTES` is saved without its decision (pins kept): the next
+    turn makes a new selection, never an error, and the stored bytes stay within the cap."""
+    import contextwarden.state.chatstate as chatstate_module
+
+    monkeypatch.setattr(chatstate_module, "MAX_CHAT_STATE_BYTES", 400)  # a 20-turn chat's decision is ~600
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    key = chat_state_key(user_id, chat_id)
+    chat = chat_of(20, last="My locker code is 4711. !pin")
+    for i in range(20, 24):
+        sent = (await send(f, chat, user_id, chat_id))["messages"]
+        assert {"role": "user", "content": "My locker code is 4711."} in sent and len(sent) < len(chat) / 2
+        raw = await f.store.get(key)
+        assert (
+            len(raw) <= 400 and ChatState.from_bytes(raw).decision is None and len(ChatState.from_bytes(raw).pins) == 1
+        )
+        assert trims[-1][0]["previous"] is None and trims[-1][1].decision is not None
+        chat = grow(chat, i)

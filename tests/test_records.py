@@ -12,7 +12,7 @@ import pytest
 from contextwarden.core.decision import Recall, TrimDecision
 from contextwarden.core.flags import Flags
 from contextwarden.money.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
-from contextwarden.state.chatstate import CHAT_STATE_VERSION, ChatState
+from contextwarden.state.chatstate import CHAT_STATE_VERSION, MAX_CHAT_STATE_BYTES, MAX_PINS, ChatState
 
 DECISION = TrimDecision(
     max_tokens=1_000,
@@ -148,6 +148,28 @@ def test_chat_state_round_trips_with_decisions_as_json_objects():
     assert data["v"] == CHAT_STATE_VERSION == 2 and isinstance(data["decision"], dict)  # no JSON inside the JSON
     assert ChatState.from_bytes(raw) == state
     assert "shadow_decision" not in json.loads(ChatState(decision=DECISION).to_bytes())
+
+
+def _decision_keeping(count: int) -> TrimDecision:
+    return TrimDecision(200_000, 190_000, "relevance", tuple(f"{i:016x}" for i in range(count)), tuple(range(count)))
+
+
+def test_a_chat_state_is_stored_within_its_byte_cap_without_the_decisions_over_it():
+    """A review: 30,002 one-word messages at a 200k window kept 22,856 of them, and the state
+    written every pass was 568,719 bytes (~25 a kept message), unbounded. Over the cap the
+    state goes without its decisions, shadow's first; pins stay; a normal state is unchanged."""
+    pins = tuple(f"{i:024x}" for i in range(MAX_PINS))
+    huge, normal = _decision_keeping(22_856), _decision_keeping(400)
+    assert len(ChatState(decision=huge).to_json()) > 4 * MAX_CHAT_STATE_BYTES
+    state = ChatState(decision=huge, pins=pins, pin_mode=True)
+    raw = state.to_bytes()
+    assert len(raw) <= MAX_CHAT_STATE_BYTES and ChatState.from_bytes(raw) == ChatState(pins=pins, pin_mode=True)
+    shadowed = ChatState(decision=normal, pins=pins, shadow_decision=huge)
+    assert ChatState.from_bytes(shadowed.to_bytes()) == ChatState(decision=normal, pins=pins)
+    both = ChatState(decision=huge, pins=pins, shadow_decision=normal)
+    assert ChatState.from_bytes(both.to_bytes()) == ChatState(pins=pins, shadow_decision=normal)
+    kept = ChatState(decision=normal, pins=pins, shadow_decision=normal)
+    assert kept.to_bytes() == kept.to_json().encode() and ChatState.from_bytes(kept.to_bytes()) == kept
 
 
 def test_chat_state_reads_what_the_previous_version_stored():

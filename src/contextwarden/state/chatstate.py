@@ -14,13 +14,18 @@ from dataclasses import dataclass, field, replace
 from ..core.decision import TrimDecision
 from ..core.flags import Flags
 
-__all__ = ["ChatState", "chat_state_key", "MAX_PINS", "CHAT_STATE_VERSION"]
+__all__ = ["ChatState", "chat_state_key", "MAX_PINS", "CHAT_STATE_VERSION", "MAX_CHAT_STATE_BYTES"]
 
 MAX_PINS = 256  # pinned messages remembered per chat; the oldest pins go first
 # 2: decisions as JSON objects. 1: each decision as its own JSON text inside the JSON (still read).
 CHAT_STATE_VERSION = 2
 READ_VERSIONS = (1, 2)
 CHAT_KEY_VERSION = 1  # the key's shape (not the value's): a new value version still finds old state
+# A decision costs ~25 bytes a kept message (fingerprint and position): 30,002 one-word messages
+# at a 200k window stored 569 KB, read and written every pass. A state over this many bytes is
+# saved without its decisions (shadow's first): the next turn makes a new selection. ~5,200 kept
+# messages; a chat under the cap is stored as before, byte for byte.
+MAX_CHAT_STATE_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +36,8 @@ class ChatState:
     mode computed but did not send, kept apart so shadow turns simulate enforce's prefix reuse
     without ever passing an unsent choice to enforce (an enforce save drops it); `pins` are `pin_fingerprint`s of pinned
     messages, oldest first; `pin_mode` is on between `!+pin` and `!-pin`. A decision that cannot
-    be read (another version's) is None: it is simply not reused.
+    be read (another version's), or too large to store (`MAX_CHAT_STATE_BYTES`), is None: it is
+    simply not reused.
 
     Example:
         >>> state = ChatState(pins=("a1b2c3d4e5f60718",), pin_mode=True)
@@ -46,10 +52,17 @@ class ChatState:
     version: int = field(default=CHAT_STATE_VERSION, init=False)  # the format this state is written in
 
     def to_bytes(self) -> bytes:
-        """The state as the store keeps it (compact JSON, this version)."""
-        return self.to_json().encode()
+        """The state as the store keeps it (compact JSON, this version), at most
+        `MAX_CHAT_STATE_BYTES`: without the decisions that would take it over (its pins kept)."""
+        text = self.to_json()
+        if len(text) > MAX_CHAT_STATE_BYTES:  # ASCII JSON: a character is a byte
+            smaller = (replace(self, shadow_decision=None), replace(self, decision=None))
+            fitting = (t for t in (s.to_json() for s in smaller) if len(t) <= MAX_CHAT_STATE_BYTES)
+            text = next(fitting, replace(self, decision=None, shadow_decision=None).to_json())
+        return text.encode()
 
     def to_json(self) -> str:
+        """The whole state as compact JSON (no bound: `to_bytes` is what the store keeps)."""
         data = {
             "v": self.version,
             "decision": None if self.decision is None else self.decision.to_dict(),
