@@ -752,6 +752,20 @@ def cpu_model() -> str:
         return platform.processor() or "?"
 
 
+def run_meta(load_start: float, started: float, bundles: list[tuple[Path, dict]]) -> dict:
+    """What a results file says of the run: the machine, its load, when, how long, which builds."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_start": load_start,
+        "load_end": round(os.getloadavg()[0], 2),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "seconds": time.perf_counter() - started,
+        "bundles": [info for _, info in bundles],
+    }
+
+
 def markdown(out: dict, meta: dict) -> str:
     results = out["results"]
     labels = list(dict.fromkeys(k.split("|")[0] for k in results))
@@ -898,14 +912,7 @@ def main() -> None:
     started = time.perf_counter()
     out = asyncio.run(run(args))
     meta = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "load_start": load_start,
-        "load_end": round(os.getloadavg()[0], 2),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "seconds": time.perf_counter() - started,
-        "bundles": [info for _, info in args.bundles],
+        **run_meta(load_start, started, args.bundles),
         "chats": out["chats"],
         "quick": args.quick,
         "windows": out["windows"],

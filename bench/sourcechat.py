@@ -42,7 +42,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -63,8 +62,8 @@ from docchat import (
     article,
     bundle_file,
     common_prefix,
-    cpu_model,
     load_bundle,
+    run_meta,
     seed_encodings,
     sentences,
 )
@@ -250,14 +249,7 @@ def main() -> None:
     load_start, started = round(os.getloadavg()[0], 2), time.perf_counter()
     out = asyncio.run(run(args))
     meta = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "load_start": load_start,
-        "load_end": round(os.getloadavg()[0], 2),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "seconds": time.perf_counter() - started,
-        "bundles": [info for _, info in args.bundles],
+        **run_meta(load_start, started, args.bundles),
         "sources": args.sources,
         "data_sha256": hashlib.sha256(Path(args.data).read_bytes()).hexdigest(),
     }
