@@ -253,6 +253,9 @@ def _bundle_module(
                 raise BundleError(f"{name}.py: unsupported relative import {ast.unparse(node)!r}")
             if target not in seen:
                 raise BundleError(f"{name}.py imports {target}, which comes later in MODULES")
+            renamed = [f"{a.name} as {a.asname}" for a in node.names if a.asname and a.asname != a.name]
+            if renamed:  # the import becomes a comment: nothing would bind the new name
+                raise BundleError(f"{name}.py renames {', '.join(renamed)} in a relative import; use the name itself")
             take(node, [f"# {ast.unparse(node)}  (bundled above)"])
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             roots = (

@@ -105,6 +105,12 @@ def test_bundle_fails_when_a_name_shadows_a_hoisted_import(tmp_path):
     assert "ERR name collision: 'replace'" in out and "from dataclasses import" in out
 
 
+def test_bundle_fails_on_a_renamed_relative_import(tmp_path):
+    # Commented out in the bundle, such an import binds nothing: `Msg` would be a NameError there.
+    out = _build_with_appended(tmp_path, "core/alternation", "\nfrom .conversation import Message as Msg\n")
+    assert "ERR core/alternation.py renames Message as Msg in a relative import" in out
+
+
 def test_audit_map_points_at_what_it_names():
     lines = BUNDLE.read_text().splitlines()
     header = lines[: lines.index("from __future__ import annotations")]
