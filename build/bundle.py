@@ -168,6 +168,11 @@ table's, else 8,192); mode (enforce; shadow sends chats unchanged and records wh
 have saved; off); redis_url with several workers or replicas; openrouter_pricing off on a
 server without internet. README.md, "Valves", describes every valve."""
 
+# Open WebUI 0.12.4 rewrites these texts wherever they occur in a function's source before it
+# runs it (`utils/plugin.py` `replace_imports`: plain `str.replace`, in strings and comments
+# too), e.g. "from configparser" into "from open_webui.configparser". The file holds none.
+OPEN_WEBUI_REWRITES = ("from utils", "from apps", "from main", "from config")
+
 FRONTMATTER = {
     "title": "contextwarden",
     "author": "contextwarden developers",
@@ -401,6 +406,10 @@ def build() -> str:
     text = assemble(_audit_map(draft))
     if re.search(r"^\s*from \.", text, re.M):
         raise BundleError("a relative import survived bundling")
+    for rewritten in OPEN_WEBUI_REWRITES:
+        if rewritten in text:
+            number = text[: text.index(rewritten)].count("\n") + 1
+            raise BundleError(f"line {number} holds {rewritten!r}, which Open WebUI rewrites before it runs the file")
     compile(text, str(OUTPUT), "exec")
     return text
 

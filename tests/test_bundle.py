@@ -111,6 +111,12 @@ def test_bundle_fails_on_a_renamed_relative_import(tmp_path):
     assert "ERR core/alternation.py renames Message as Msg in a relative import" in out
 
 
+def test_bundle_fails_on_text_open_webui_rewrites(tmp_path):
+    # Open WebUI would run `... from open_webui.configuration files` instead.
+    out = _build_with_appended(tmp_path, "money/usage", '\n\nHINT = "read from configuration files"\n')
+    assert "ERR line" in out and "holds 'from config', which Open WebUI rewrites" in out
+
+
 def test_audit_map_points_at_what_it_names():
     lines = BUNDLE.read_text().splitlines()
     header = lines[: lines.index("from __future__ import annotations")]
