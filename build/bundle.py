@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import hashlib
 import re
 import sys
@@ -96,6 +97,8 @@ PARTS = ["", "core", "state", "money", "face"]
 SHARED_TITLE = (
     "The package's own: exceptions, the cache inventory, back-off, HTTP clients and tiktoken's files, for every part."
 )
+# Python's builtins: one module's top-level `filter` or `open` would be every module's here.
+BUILTIN_NAMES = frozenset(name for name in dir(builtins) if not name.startswith("_"))
 # What Open WebUI itself ships besides the standard library.
 ALLOWED_THIRD_PARTY = {"pydantic", "httpx", "tiktoken", "redis"}
 
@@ -371,6 +374,8 @@ def build() -> str:
         if not seen or _part(seen[-1]) != _part(name):
             bodies.append(_part_header(_part(name)))
         for defined in sorted(names):
+            if defined in BUILTIN_NAMES:  # in a package it would shadow it in its own module only
+                raise BundleError(f"name collision: {name}.py defines {defined!r}, the builtin every module uses")
             if defined in owners:
                 raise BundleError(f"name collision: {defined!r} is defined in {owners[defined]}.py and {name}.py")
             owners[defined] = name
@@ -379,6 +384,8 @@ def build() -> str:
     if "class Filter" not in bodies[-1] or not MODULES[-1].endswith("/filter"):
         raise BundleError("the last module must define class Filter")
     for name, statement in _import_bindings(hoisted).items():
+        if name in BUILTIN_NAMES:
+            raise BundleError(f"name collision: {statement!r} binds {name!r}, the builtin every module uses")
         if name in owners:
             raise BundleError(f"name collision: {name!r} is defined in {owners[name]}.py and bound by {statement!r}")
 

@@ -117,6 +117,14 @@ def test_bundle_fails_on_text_open_webui_rewrites(tmp_path):
     assert "ERR line" in out and "holds 'from config', which Open WebUI rewrites" in out
 
 
+def test_bundle_fails_when_a_name_shadows_a_builtin(tmp_path):
+    # Fine in money/usage.py alone; in the one namespace every module's min() would be this one.
+    out = _build_with_appended(tmp_path, "money/usage", "\n\ndef min(*values):\n    return values[0]\n")
+    assert "ERR name collision: money/usage.py defines 'min', the builtin every module uses" in out
+    out = _build_with_appended(tmp_path / "import", "money/usage", "\nfrom os import open\n")
+    assert "ERR name collision: 'from os import open' binds 'open'" in out
+
+
 def test_audit_map_points_at_what_it_names():
     lines = BUNDLE.read_text().splitlines()
     header = lines[: lines.index("from __future__ import annotations")]
