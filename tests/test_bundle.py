@@ -125,6 +125,17 @@ def test_bundle_fails_when_a_name_shadows_a_builtin(tmp_path):
     assert "ERR name collision: 'from os import open' binds 'open'" in out
 
 
+def test_readme_says_how_large_the_file_is():
+    # An admin weighs what to audit by this line; within a tenth of what the build writes.
+    claim = re.search(
+        r"`open_webui_filter.py` \(about ([\d,]+) KB and ([\d,]+) lines", (ROOT / "README.md").read_text()
+    )
+    text = _bundler().build()
+    kilobytes, lines = (int(number.replace(",", "")) for number in claim.groups())
+    assert abs(kilobytes - len(text.encode()) / 1000) <= kilobytes / 10, "update README.md's One file line"
+    assert abs(lines - len(text.splitlines())) <= lines / 10, "update README.md's One file line"
+
+
 def test_audit_map_points_at_what_it_names():
     lines = BUNDLE.read_text().splitlines()
     header = lines[: lines.index("from __future__ import annotations")]
