@@ -1325,6 +1325,15 @@ async def test_the_admin_report_outside_open_webui_shows_ids(counter, unique, mo
     assert f"| ann-{unique} | 1 |" in await admin_report(f)
 
 
+async def test_the_admin_report_says_where_the_full_report_comes_from(counter, unique):
+    """An admin who pasted the single file has no `contextwarden` command: the report says it
+    comes with the package (it read as if it were there)."""
+    f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    await spent(f, f"ann-{unique}", "0.5", date(2026, 12, 1))
+    last = (await admin_report(f)).rstrip().splitlines()[-1]
+    assert "contextwarden package" in last and "`contextwarden usage" in last
+
+
 # -- groups outside Open WebUI -------------------------------------------------------------
 
 

@@ -248,7 +248,10 @@ def usage_markdown(
         notes.append("These totals are this worker's only (no redis_url): other workers keep their own.")
     notes.append(BACKGROUND_NOTE)
     lines += [f"- {n}" for n in notes]
-    lines.append("\nThe full report: `contextwarden usage --redis-url … --html report.html`.")
+    lines.append(
+        '\nThe full report, from a machine with the contextwarden package (README, "Usage totals"):'
+        " `contextwarden usage --redis-url … --html report.html`."
+    )
     return "\n".join(lines)
 
 
