@@ -119,7 +119,7 @@ def test_a_download_that_hangs_holds_no_lock_warns_once_and_is_retried_later(fre
         assert route.call_count == 1 and lock_free_while_fetching == [True]
         assert fresh.tiktoken_downloads == []
         [warning] = loud(caplog)
-        assert "cl100k_base is not cached and could not be downloaded (ReadTimeout)" in warning
+        assert "cl100k_base is not in tiktoken's cache and could not be put there (ReadTimeout)" in warning
         assert "next try in 60 s" in warning and str(fresh.cache) not in warning
 
         # the pauses pass (60 s, doubling): the next load fetches again, and this time it arrives
@@ -178,13 +178,15 @@ def test_the_cache_path_is_where_tiktoken_looks(fresh, monkeypatch, tmp_path, va
     assert found == fresh.real["cl100k_base"] and fresh.tiktoken_downloads == []
 
 
-def test_with_tiktokens_cache_off_nothing_is_downloaded(fresh, monkeypatch):
+def test_with_tiktokens_cache_off_nothing_is_downloaded(fresh, monkeypatch, caplog):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken would download on every load
     assert tiktoken_cache_path("cl100k_base") is None
     with respx.mock(assert_all_called=False) as mock, pytest.raises(EncodingUnavailable, match="cache is turned off"):
         mock.get(CL100K_URL).respond(200, content=fresh.real["cl100k_base"])
         load_encoding("cl100k_base")
     assert fresh.tiktoken_downloads == []
+    said = [r.getMessage() for r in caplog.records if "cl100k_base" in r.getMessage()]
+    assert said and "downloaded" not in said[0] and "((" not in said[0] and "))" not in said[0]  # nothing was tried
 
 
 def test_the_encoding_table_is_tiktokens():

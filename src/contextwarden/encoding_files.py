@@ -132,7 +132,7 @@ def _fetch_when_due(name: str, backoff: Backoff) -> None:
         pause = backoff.failed(time.monotonic(), *ENCODING_FETCH_BACKOFF_SECONDS)
         files_log.log(
             logging.WARNING if first else logging.DEBUG,
-            "contextwarden: tiktoken encoding %s is not cached and could not be downloaded (%s); "
+            "contextwarden: tiktoken encoding %s is not in tiktoken's cache and could not be put there (%s); "
             "its counts are estimated, next try in %d s (see Token counts offline in the README)",
             name,
             exc,
@@ -147,7 +147,7 @@ def _fetch_into_cache(name: str) -> None:
     temporary file renamed into place, so a reader never sees half a file)."""
     path = tiktoken_cache_path(name)
     if path is None:
-        raise EncodingUnavailable("tiktoken's cache is turned off (TIKTOKEN_CACHE_DIR is empty)")
+        raise EncodingUnavailable("TIKTOKEN_CACHE_DIR is empty: tiktoken's cache is turned off")
     data = _download(ENCODING_URL.format(name=name))
     if hashlib.sha256(data).hexdigest() != ENCODING_SHA256[name]:
         raise EncodingUnavailable("the download does not match its sha256")
