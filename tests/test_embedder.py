@@ -428,3 +428,48 @@ async def test_a_turn_that_keeps_the_selection_recalls_by_meaning_too(counter, m
     blocks = [m["content"] for m in out["messages"] if is_recall_message(m)]
     assert state.get("reused", True) and blocks, state  # the selection was kept, with a recall block
     assert any("named Miso" in b for b in blocks)
+
+
+async def test_a_turn_reads_a_big_chat_for_the_embedder_off_the_loop(counter, monkeypatch):
+    """A turn asks for its question's vector only, but finding what is missing reads the whole
+    chat (every message's pieces, passages and hashes): for a big chat that runs in the
+    contextwarden thread, as after a reply (1,000 messages of ~2 KB held the loop 37-72 ms, 3,000
+    110-122 ms); a small chat's on the loop. The first pass's wait and a later pass's ask alike."""
+    import threading
+
+    from contextwarden import Filter
+    from contextwarden.face.offloop import heavy
+
+    threads: list[str] = []
+    real = OpenWebUIEmbedder.missing
+
+    def spy(self, messages, max_texts):
+        if heavy(messages):  # a later pass reads what the first one sent, the trimmed chat: light
+            threads.append(threading.current_thread().name)
+        return real(self, messages, max_texts)
+
+    monkeypatch.setattr(OpenWebUIEmbedder, "missing", spy)
+    small = chat_about_a_cat()
+    big = [*small[:-1], *({"role": "user", "content": f"Note {k}: the rain again."} for k in range(3_000)), small[-1]]
+    function = FakeEmbeddingFunction()
+    embedder = OpenWebUIEmbedder(function)
+    assert await embedder.prefetch(small, timeout=5, max_texts=4) == 4
+    assert await embedder.prefetch(big, timeout=5, max_texts=4) == 4
+    loop, cpu = threading.current_thread().name, "contextwarden-cpu_0"
+    assert threads == [cpu] and loop != cpu
+
+    f = Filter(counter=counter)
+    f.valves = f.Valves(openrouter_pricing=False, max_context_tokens=4_000, embed_timeout_seconds=5)
+    request, user, meta = request_with(function), {"id": "u1"}, {"chat_id": "big", "user_id": "u1"}
+    for chat in (big, [*big, {"role": "assistant", "content": "Rain."}, {"role": "user", "content": "And then?"}]):
+        threads.clear()
+        body = {"model": "gpt-4o", "messages": chat, "stream": False, "metadata": dict(meta)}
+        sent = await f.inlet(body, __user__=user, __metadata__=body["metadata"], __request__=request)
+        await f.request(sent, __user__=user, __metadata__=body["metadata"], __request__=request)
+        await f.outlet(
+            {"model": "gpt-4o", "messages": [*chat, {"role": "assistant", "content": "Rain."}]},
+            __user__=user,
+            __request__=request,
+        )
+        await asyncio.sleep(0.05)
+    assert threads == [cpu, cpu], threads  # the next turn's inlet (waiting) and outlet

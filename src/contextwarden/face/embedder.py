@@ -35,6 +35,7 @@ from ..caches import MAX_EMBEDDERS, register
 from ..core.conversation import Message
 from ..core.excerpt import passage_texts
 from ..core.semantic import VECTORS, embed_texts
+from .offloop import compute, heavy
 
 __all__ = [
     "OpenWebUIEmbedder",
@@ -121,14 +122,16 @@ class OpenWebUIEmbedder:
         deadline = loop.time() + timeout
         if self._slow.resting(loop.time()):
             raise EmbedderSlow(f"slower than the wait lately; tried again in {self._slow.until - loop.time():.0f} s")
+        todo = await self.todo(messages, max_texts)
         running, put_back = self._running, self._gave_way()
         if not put_back and running is not None and not running.done() and running.get_loop() is loop:
             await asyncio.wait({running}, timeout=timeout)  # its outcome was its own turn's to log
             if not running.done() or loop.time() >= deadline:
                 self._slow.failed(loop.time(), SLOW_RECHECK_SECONDS, SLOW_RECHECK_MAX_SECONDS)
                 raise TimeoutError("the previous call is still running")
+            todo = None if todo is None else VECTORS.missing(todo, self)  # less what that call brought
         try:
-            started = self._start(messages, max_texts)
+            started = self._start(messages, max_texts, todo=todo)
         finally:
             if put_back:  # the call that gave way, again once the turn's own has ended
                 self._after(self._running, put_back)
@@ -169,6 +172,11 @@ class OpenWebUIEmbedder:
             return self._start(messages, max_texts, wait, todo) is not None
         except Exception:  # resting, or the texts could not be read: the next turn tries again
             return False
+
+    async def todo(self, messages: Sequence[Message], max_texts: int) -> list[str] | None:
+        """`missing`, read in the contextwarden thread for a big chat (`offloop.heavy`: 1,000
+        messages of ~2 KB held the loop 37-72 ms); None for a small one, read where it is used."""
+        return await compute(True, self.missing, messages, max_texts) if heavy(messages) else None
 
     def missing(self, messages: Sequence[Message], max_texts: int) -> list[str]:
         """Up to `max_texts` (less after timeouts) of a chat's texts without a vector, newest first:

@@ -736,8 +736,8 @@ class TrimPass:
         and the turn's relevance stays lexical. With no time left (`embed_timeout_seconds` 0: a
         later pass of a turn whose first pass waited) what is missing is only asked for."""
         texts = min(settings.embed_max_texts, TURN_EMBED_TEXTS)
-        if settings.embed_timeout_seconds <= 0:
-            return not embedder.ahead(messages, max_texts=texts, delay=0.0)
+        if settings.embed_timeout_seconds <= 0:  # what is missing read off the loop for a big chat
+            return not embedder.ahead(messages, max_texts=texts, delay=0.0, todo=await embedder.todo(messages, texts))
         try:
             await embedder.prefetch(messages, timeout=settings.embed_timeout_seconds, max_texts=texts)
         except Exception as exc:  # the embedder is Open WebUI's or a remote API: anything can fail
@@ -781,7 +781,7 @@ class TrimPass:
         if settings.semantic_relevance and settings.strategy == "relevance" and settings.mode != "off":
             if (embedder := embedder_of(request)) is not None:
                 texts = settings.embed_max_texts
-                todo = await compute(True, embedder.missing, messages, texts) if heavy(messages) else None
+                todo = await embedder.todo(messages, texts)  # a big chat's read off the loop
                 embedder.ahead(messages, max_texts=texts, todo=todo)
 
     async def count_reply(self, messages: list[Message], settings: Settings, model_id: str, off: bool) -> None:
