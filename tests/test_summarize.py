@@ -6,6 +6,8 @@ import asyncio
 import json
 import logging
 import random
+import tracemalloc
+import zlib
 from itertools import pairwise
 
 import httpx
@@ -458,6 +460,50 @@ async def test_a_huge_reply_is_not_read_past_the_cap(llm, caplog, chunked):
     llm.post(f"{URL}/chat/completions").mock(return_value=response)
     assert await summarize_messages(DROPPED, config=CONFIG, store=MemoryStore()) is None
     assert "summary skipped (reply too large)" in caplog.text
+
+
+def gzipped(data: bytes) -> bytes:
+    pack = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip
+    return pack.compress(data) + pack.flush()
+
+
+async def test_a_compressed_reply_is_inflated_only_up_to_the_cap(caplog, monkeypatch):
+    """A small gzip body that inflates past the cap (a broken or hostile endpoint, no
+    content-length) is refused before more than the cap is inflated: httpx inflated each read
+    whole, a 64 KiB read of zeros 67 MB (250-325 ms of the event loop, 128 MB more memory).
+    Served by httpx's MockTransport: respx reads (and inflates) a reply in advance."""
+    bomb = gzipped(b'{"choices": [{"message": {"content": "' + b"a" * 30_000_000)
+    plain = completion().content
+    replies = {"bomb": ("gzip", bomb), "gzip": ("gzip", gzipped(plain)), "deflate": ("deflate", zlib.compress(plain))}
+    replies |= {"identity": ("identity", plain), "br": ("br", plain)}
+    asked: list[httpx.Request] = []
+
+    def endpoint(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        encoding, body = replies[json.loads(request.content)["messages"][1]["content"].split(": ")[-1]]
+        headers = {"content-encoding": encoding, "transfer-encoding": "chunked"}
+        return httpx.Response(200, stream=httpx.ByteStream(body), headers=headers)
+
+    async def client(**options):
+        return httpx.AsyncClient(transport=httpx.MockTransport(endpoint), **options)
+
+    def asking(kind: str) -> list[dict]:
+        summarize_module._backoff.clear()  # each reply on its own: a failure pauses the endpoint
+        return [{"role": "user", "content": f"reply: {kind}"}]
+
+    monkeypatch.setattr(summarize_module, "async_client", client)
+    tracemalloc.start()
+    try:
+        assert await summarize_messages(asking("bomb"), config=CONFIG, store=MemoryStore()) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "summary skipped (reply too large)" in caplog.text and peak < 4_000_000, peak
+    assert asked[0].headers["accept-encoding"] == "identity"  # asked for it plain
+    for encoding in ("gzip", "deflate", "identity"):  # a server (or proxy) that compresses anyway is read
+        assert await summarize_messages(asking(encoding), config=CONFIG, store=MemoryStore()) == SUMMARY
+    assert await summarize_messages(asking("br"), config=CONFIG, store=MemoryStore()) is None
+    assert "summary skipped (reply in an encoding not asked for)" in caplog.text
 
 
 @settings(max_examples=300, deadline=None)
