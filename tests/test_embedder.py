@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -435,8 +436,6 @@ async def test_a_turn_reads_a_big_chat_for_the_embedder_off_the_loop(counter, mo
     chat (every message's pieces, passages and hashes): for a big chat that runs in the
     contextwarden thread, as after a reply (1,000 messages of ~2 KB held the loop 37-72 ms, 3,000
     110-122 ms); a small chat's on the loop. The first pass's wait and a later pass's ask alike."""
-    import threading
-
     from contextwarden import Filter
     from contextwarden.face.offloop import heavy
 
@@ -473,3 +472,37 @@ async def test_a_turn_reads_a_big_chat_for_the_embedder_off_the_loop(counter, mo
         )
         await asyncio.sleep(0.05)
     assert threads == [cpu, cpu], threads  # the next turn's inlet (waiting) and outlet
+
+
+async def test_a_synchronous_embedding_function_runs_in_a_thread():
+    """An embedding function that is not `async` (an older Open WebUI's, or one wrapped by a
+    plugin: a CPU model's encode) runs in a worker thread, its answer kept: called on the loop
+    it held every user's requests for the whole encode (0.5 s here), then failed on `await`."""
+    import time
+
+    calls: list[str] = []
+
+    def encode(texts, prefix=None, user=None):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return topic_embed(texts)
+
+    async def encode_async(texts, prefix=None, user=None):
+        return topic_embed(texts)
+
+    loop, longest = asyncio.get_running_loop(), [0.0]
+
+    async def tick():
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            longest[0], last = max(longest[0], loop.time() - last), loop.time()
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        assert await OpenWebUIEmbedder(encode).prefetch(chat_about_a_cat(), timeout=5, max_texts=4) == 4
+    finally:
+        ticker.cancel()
+    assert longest[0] < 0.2 and calls and calls[0] != threading.current_thread().name
+    wrapped = OpenWebUIEmbedder(lambda texts, prefix=None, user=None: encode_async(texts))  # returns a coroutine
+    assert await wrapped.prefetch(chat_about_a_cat(), timeout=5, max_texts=4) == 4

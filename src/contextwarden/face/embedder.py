@@ -2,7 +2,8 @@
 
 Open WebUI loads an embedding model for RAG and a filter reaches it as
 `__request__.app.state.EMBEDDING_FUNCTION`: `await fn(texts, prefix=None, user=None)`, a list
-of vectors (None when no embedder is loaded). The trim is synchronous, so before it the filter
+of vectors (None when no embedder is loaded; a function that is not `async` is called in a worker
+thread). The trim is synchronous, so before it the filter
 embeds what is not cached yet (`semantic.embed_texts`: every message newest first, a long one
 in its pieces; then the one-liners together with the one before them), at most `max_texts`
 texts, into the process's `VECTORS`, waiting `timeout` seconds at most (0.1 by default): the
@@ -26,6 +27,7 @@ the request), then one turn tries again. Vectors are normalised off the event lo
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -237,7 +239,7 @@ class OpenWebUIEmbedder:
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            vectors = await asyncio.wait_for(self._function(todo, prefix=None, user=None), EMBED_CALL_SECONDS)
+            vectors = await asyncio.wait_for(_called(self._function, todo), EMBED_CALL_SECONDS)
             if not isinstance(vectors, list):
                 raise TypeError(f"the embedder returned {type(vectors).__name__}, not a list")
             await asyncio.to_thread(VECTORS.put, todo, vectors, self)
@@ -246,6 +248,16 @@ class OpenWebUIEmbedder:
             raise
         self._rest.succeeded()
         return len(todo)
+
+
+async def _called(function: Any, texts: list[str]) -> object:
+    """`function(texts, prefix=None, user=None)`, awaited: in a worker thread unless it is `async`
+    (a synchronous one, a CPU model's encode, held the loop for the whole call)."""
+    call = type(function).__call__  # an object whose __call__ is async is awaited as it is
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call):
+        return await function(texts, prefix=None, user=None)
+    answer = await asyncio.to_thread(function, texts, prefix=None, user=None)
+    return await answer if inspect.isawaitable(answer) else answer
 
 
 def _retrieve(task: asyncio.Task[int]) -> None:
