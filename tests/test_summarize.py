@@ -260,6 +260,31 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     no_secret(caplog, events)
 
 
+async def test_a_big_chats_trim_for_the_summary_runs_off_the_loop(llm, counter, monkeypatch):
+    """The trim that makes room for the note (the chat trimmed again, to the budget less the
+    note's) runs where the turn's own trim runs: a big chat's in the contextwarden thread. On
+    the loop, 20,000 one-liners' retrim raised the turn's longest stall from 34-49 to 99-135 ms."""
+    import threading
+
+    import contextwarden.face.trimpass as trimpass_module
+
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion())
+    threads: list[str] = []
+    real = trimpass_module.trim_messages
+    monkeypatch.setattr(
+        trimpass_module,
+        "trim_messages",
+        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k),
+    )
+    f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0, **SUMMARY_VALVES)
+    chat = chat_of(60, last="What did we say about the lorem ipsum?")
+    chat[1:-1] = [{**m, "content": m["content"] * 8} for m in chat[1:-1]]  # some 100,000 characters
+    body = body_of(chat)
+    sent = await f.inlet(body, __user__={"id": "u1"}, __metadata__=body["metadata"])
+    assert sent["messages"][1]["content"].startswith(SUMMARY_LABEL)
+    assert len(threads) == 2 and set(threads) == {"contextwarden-cpu_0"}, threads  # the trim, the summary's
+
+
 NEXT = ["Go on, please.", "Anything else?"]  # words of no dropped message: the selection holds
 
 

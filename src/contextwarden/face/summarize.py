@@ -37,6 +37,7 @@ from ..core.tokens import TokenCounter
 from ..core.trim import TrimResult
 from ..netclient import async_client
 from ..state.store import Store
+from .offloop import compute
 
 __all__ = [
     "SUMMARY_LABEL",
@@ -383,10 +384,12 @@ async def summarize_trim(
     store: Store,
     counter: TokenCounter,
     model: str | None,
+    off: bool = False,
 ) -> Summarized | None:
     """Make room for a summary of what a trim drops, and write it; None to go on without one.
 
-    `first` is the trim at the full budget; `retrim(n)` trims the same chat to `n` tokens.
+    `first` is the trim at the full budget; `retrim(n)` trims the same chat to `n` tokens (with
+    `off`, in the contextwarden thread: `offloop.compute`, as the first trim of a big chat).
     The chat is trimmed again with room for the note, the messages that trim drops are
     summarized, and the note is cut to `config.max_tokens` by the filter's counter. The
     result fits `first.budget`, or None is returned and `first` stands.
@@ -395,7 +398,7 @@ async def summarize_trim(
     reserve = config.max_tokens + note_cost
     if not first.dropped or first.budget - reserve <= 0:
         return None
-    second = retrim(first.budget - reserve)
+    second = await compute(off, retrim, first.budget - reserve)
     if second.over_budget or not second.dropped:
         return None
     text = await summarize_messages([messages[i] for i in second.dropped], config=config, store=store)

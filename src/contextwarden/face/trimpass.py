@@ -670,7 +670,7 @@ class TrimPass:
                 return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
         result = await self._semantic_trim(retrim, carry, budget, base, settings, embedder, previous, off)
         if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
-            summarized = await self._summarized(base, result, retrim, settings, model_id, budget)
+            summarized = await self._summarized(base, result, retrim, settings, model_id, budget, off)
             if summarized is not None:
                 return summarized
         return TurnChoice.of(result, result.messages)
@@ -709,8 +709,10 @@ class TrimPass:
         settings: Settings,
         model_id: str,
         budget: int,
+        off: bool,
     ) -> TurnChoice | None:
-        """The trim with a summary of what it dropped (None when no summary came)."""
+        """The trim with a summary of what it dropped (None when no summary came; `off`: its
+        retrim runs off the loop, as the turn's own)."""
         assert settings.summary is not None
         done = await summarize_trim(
             base,
@@ -720,6 +722,7 @@ class TrimPass:
             store=self._store,
             counter=self._counter,
             model=model_id,
+            off=off,
         )
         if done is None:
             return None
