@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import time
-import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -74,7 +73,6 @@ MAX_BACKOFF_ENDPOINTS = 64
 MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
 # A reply is asked for uncompressed; one compressed anyway (a proxy) is inflated here, within the
 # cap: httpx inflates each read whole, and a 64 KiB read of a gzip of zeros is 67 MB.
-_INFLATE_WBITS = {"identity": 0, "gzip": 31, "x-gzip": 31, "deflate": 15}
 SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
 SUMMARY_PROMPT = (
     "Below is the earlier part of a conversation that no longer fits in the model's context. "
@@ -294,7 +292,7 @@ class _SummaryFailed(Exception):
 async def _ask(config: SummaryConfig, transcript: str) -> str:
     """One chat completion; raises on any failure (callers log its kind, never its text)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    headers["Accept-Encoding"] = "identity"  # the reply is read raw, inflated within the cap (`_read`)
+    headers["Accept-Encoding"] = "identity"  # the reply is read as sent, within the cap (`_read`)
     payload = {
         "model": config.model,
         "messages": [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}],
@@ -318,20 +316,16 @@ async def _ask(config: SummaryConfig, transcript: str) -> str:
 
 
 async def _read(response: httpx.Response) -> bytes:
-    """The reply's body, at most MAX_SUMMARY_REPLY_BYTES, compressed or not (raises past it)."""
+    """The reply's body as sent, at most MAX_SUMMARY_REPLY_BYTES (raises past it, or when it is
+    compressed: it was asked for plain, and inflating is where a small body grows past any cap)."""
     if int(response.headers.get("content-length") or 0) > MAX_SUMMARY_REPLY_BYTES:
         raise _SummaryFailed("reply too large")
-    wbits = _INFLATE_WBITS.get(response.headers.get("content-encoding", "identity").strip().lower())
-    if wbits is None:
+    if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
         raise _SummaryFailed("reply in an encoding not asked for")
-    inflate = zlib.decompressobj(wbits) if wbits else None
-    body, read = bytearray(), 0
+    body = bytearray()
     async for chunk in response.aiter_raw():
-        read += len(chunk)
-        if inflate is not None:  # never more than one byte past the cap
-            chunk = inflate.decompress(chunk, MAX_SUMMARY_REPLY_BYTES + 1 - len(body))
         body += chunk
-        if len(body) > MAX_SUMMARY_REPLY_BYTES or read > MAX_SUMMARY_REPLY_BYTES:
+        if len(body) > MAX_SUMMARY_REPLY_BYTES:
             raise _SummaryFailed("reply too large")
     return bytes(body)
 
