@@ -11,7 +11,14 @@ import pytest
 
 from contextwarden.core.decision import Recall, TrimDecision
 from contextwarden.core.flags import Flags
-from contextwarden.money.records import NOTE_VERSION, USAGE_RECORD_VERSION, CacheView, TurnNote, UsageRecord
+from contextwarden.money.records import (
+    NOTE_VERSION,
+    SUMMARY_CALL,
+    USAGE_RECORD_VERSION,
+    CacheView,
+    TurnNote,
+    UsageRecord,
+)
 from contextwarden.state.chatstate import CHAT_STATE_VERSION, MAX_CHAT_STATE_BYTES, MAX_PINS, ChatState
 
 DECISION = TrimDecision(
@@ -136,6 +143,16 @@ def test_a_usage_record_round_trips_and_clips_what_it_logs():
         UsageRecord.from_json('{"v": 99}')
     with pytest.raises(ValueError):
         UsageRecord.from_json("usage {")
+
+
+def test_a_summary_calls_line_says_so_and_a_replys_line_is_as_it_was():
+    """`call` is added within version 1: a reply's line has no such key (byte for byte the line
+    before it), a summary call's names it before `v`, and a reader that knows no `call` reads it."""
+    line = UsageRecord(model="gpt-4o-mini", prompt_tokens=812, call=SUMMARY_CALL).to_json()
+    assert line.endswith(f',"call":"summary","v":{USAGE_RECORD_VERSION}}}')
+    assert UsageRecord.from_json(line).call == SUMMARY_CALL and USAGE_RECORD_VERSION == 1
+    assert "call" not in json.loads(UsageRecord(model="gpt-4o").to_json())
+    assert UsageRecord.from_json(PREVIOUS_USAGE_LINE).call is None
 
 
 # ---- the chat state ------------------------------------------------------------------------

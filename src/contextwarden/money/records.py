@@ -32,6 +32,7 @@ from .usage import read_count
 __all__ = [
     "NOTE_VERSION",
     "USAGE_RECORD_VERSION",
+    "SUMMARY_CALL",
     "CacheView",
     "EXCERPT_KINDS",
     "excerpt_kind",
@@ -48,6 +49,9 @@ NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) h
 MAX_ORIGINS = 100_000  # messages a first pass sent whose chat positions its note records for later passes
 MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
 USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
+# A usage line's `call` for the summary endpoint's calls; a reply's line has no `call` (added in
+# version 1: a reader of it that knows no `call` reads the line as one more priced call).
+SUMMARY_CALL = "summary"
 MAX_LOG_TEXT = 200  # characters of an id or note in a usage line (ids come from the client)
 MAX_RECORD_USD = Decimal(10**9)  # larger amounts in a record are not believed
 
@@ -472,7 +476,8 @@ def _flags_of_turn(value: dict) -> Flags:
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One reply's `usage {json}` line: who, which model, the billed counts, cost and savings.
+    """One reply's (or summary call's: `call`) `usage {json}` line: who, which model, the billed
+    counts, cost and savings.
 
     Ids and notes are clipped (`log_value`), money is exact decimal text, `null` means unknown.
 
@@ -499,9 +504,11 @@ class UsageRecord:
     mode: str | None = None
     tokens_saved: int | None = None
     cost_saved_usd: Decimal | None = None
+    call: str | None = None  # `SUMMARY_CALL` for a summary call; None (no key) for a reply
     version: int = field(default=USAGE_RECORD_VERSION, init=False)  # the format this line is written in
 
     def to_dict(self) -> dict[str, Any]:
+        call = {} if self.call is None else {"call": log_value(self.call)}
         return {
             "model": log_value(self.model),
             "resolved_model": log_value(self.resolved_model),
@@ -520,6 +527,7 @@ class UsageRecord:
             "mode": self.mode,
             "tokens_saved": self.tokens_saved,
             "cost_saved_usd": usd_text(self.cost_saved_usd),
+            **call,
             "v": self.version,
         }
 
@@ -555,4 +563,5 @@ class UsageRecord:
             mode=_text(data.get("mode")),
             tokens_saved=_count(data.get("tokens_saved")),
             cost_saved_usd=read_usd(data.get("cost_saved_usd")),
+            call=_text(data.get("call")),
         )
