@@ -6,7 +6,9 @@ reply carries counted, each provider call's usage settled (`stream_event`). Afte
 (`reply`): the usage billed (the backend's, estimated where it said nothing), priced, logged
 as one `usage {json}` line, added to the ledger and the spend totals (the turn's charge
 settled), and what it teaches learned (calibration, cache stats); `reply_line` is the turn's
-one status line. The filter passes the counter, the store, the clock, the settings and the
+one status line. A summary call the trim made is a cost of the turn's user too
+(`summary_call`, bound to the settings by `billing_summaries`): billed, priced, logged and
+added the same way, under the summary model. The filter passes the counter, the store, the clock, the settings and the
 price resolution in; a test can drive it without Open WebUI.
 """
 
@@ -36,16 +38,17 @@ from ..money.openturns import (
     rough_tokens,
 )
 from ..money.pricing import Resolution
-from ..money.records import TurnNote, UsageRecord
+from ..money.records import SUMMARY_CALL, TurnNote, UsageRecord
 from ..money.savings import Savings
 from ..money.spendbook import Charge, SpendBook
 from ..money.usage import Cost, Estimated, Usage, compute_cost, read_usage
 from ..state.store import RedisStore, Store
 from .adminview import is_usage_command, usage_answer
-from .hookargs import METADATA_KEY, Emitter, base_model_id, is_chat_body
+from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, is_chat_body
 from .offloop import compute, heavy
 from .settings import MODES, Settings
 from .status import pending_detail, pending_line, turn_line, usage_status
+from .summarize import SummaryCall
 from .usergroups import GroupReader
 
 __all__ = ["Bookkeeping", "BookedReply"]
@@ -218,6 +221,69 @@ class Bookkeeping:
         if started is not None:  # only a turn this worker started teaches (a bare outlet may be forged)
             await self._learn(settings, usage, billed, estimated.any, note, resolution.model_id or model_id)
         return BookedReply(model_id, note, str(mode), billed, estimated, cost, savings, off)
+
+    def billing_summaries(self, settings: Settings, body: dict, user: dict | None, metadata: object) -> Settings:
+        """`settings` whose summary calls this turn makes are counted as the turn's user's
+        (`summary_call`); as they are without summaries."""
+        if settings.summary is None:
+            return settings
+        chat_id = chat_ids(body, None, metadata if isinstance(metadata, dict) else None)[1] or None
+        spent = functools.partial(self.summary_call, settings, user, chat_id)
+        return replace(settings, summary=replace(settings.summary, spent=spent))
+
+    async def summary_call(self, settings: Settings, user: dict | None, chat_id: str | None, call: SummaryCall) -> None:
+        """A summary call the endpoint answered, as a cost of the turn's user: its usage (estimated
+        from what was sent and received when it reported none), priced for the summary model,
+        logged (`usage {json}`, `call: summary`), added to the ledger under that model and to the
+        user's spend for the day (what limits read). Never raises: a failure is one warning."""
+        try:
+            await self._book_summary(settings, (user or {}).get("id"), chat_id, call)
+        except Exception as exc:
+            books_log.warning("contextwarden: summary call not counted (%s)", type(exc).__name__)
+
+    async def _book_summary(self, settings: Settings, user_id: Any, chat_id: str | None, call: SummaryCall) -> None:
+        """`summary_call`'s work; the ledger and the spend each written whether or not the other was."""
+        resolution = await self._resolve(settings, call.model, None)
+        rejected: list[str] = []
+        usage = read_usage({"usage": call.usage}, rejected)
+        if rejected:
+            self._warn_once(f"contextwarden: summary usage not believed ({', '.join(rejected[:6])}); estimated instead")
+        messages = [*call.sent, {"role": "assistant", "content": call.reply}]
+        billed, estimated = await compute(
+            heavy(messages), billed_usage, self._counter, usage, None, messages, call.model
+        )
+        cost = compute_cost(billed, resolution.price)
+        record = usage_record(
+            model_id=call.model,
+            resolution=resolution,
+            user_id=user_id,
+            chat_id=chat_id,
+            billed=billed,
+            estimated=estimated.any,
+            estimated_prompt=None,
+            cost=cost,
+            mode=settings.mode,
+            tokens_saved=None,
+            savings=None,
+        )
+        books_log.info("usage %s", replace(record, call=SUMMARY_CALL).to_json())
+        try:
+            await record_reply(
+                self._store,
+                user=user_id,
+                model=resolution.model_id or call.model,
+                prompt_tokens=billed.prompt_tokens,
+                completion_tokens=billed.completion_tokens,
+                cached_tokens=billed.cached_tokens,
+                reasoning_tokens=billed.reasoning_tokens,
+                cost_usd=cost.cost_usd,
+                estimated=estimated.any,
+                retention_days=settings.ledger_retention_days,
+                day=self._now().date(),
+            )
+        except Exception as exc:
+            books_log.warning("contextwarden: summary call not added to the usage ledger (%s)", type(exc).__name__)
+        await self._record_spend(user_id, Charge.of(billed, cost.cost_usd))
 
     async def reply_line(self, settings: Settings, user: dict | None, booked: BookedReply, shown: bool) -> str | None:
         """The turn's one status line after its reply: what the model saw (the passes' words), what

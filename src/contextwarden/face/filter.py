@@ -229,6 +229,7 @@ class Filter:
             body = {**body, "messages": kept}
         if settings.mode == "off":
             return body
+        settings = self._books.billing_summaries(settings, body, user, metadata)  # a summary call is the user's cost
         return await self._passes.run(body, user, metadata, model, emit, settings, request, hook)
 
     # -- outlet -----------------------------------------------------------------------------

@@ -4,7 +4,9 @@ The summary goes in as a labelled user-role note where the dropped history was: 
 the system prompt(s), before the first message kept (see `insert_summary` for why there and
 why not a system message). It is counted against the budget: the chat is trimmed again with
 room for it, and when it still does not fit, or the call fails or times out, the trim goes on
-without it. The API key never reaches a log line, a status or an exception message.
+without it. Each call the endpoint answers is handed to `SummaryConfig.spent`, which counts
+what it cost (usage line, ledger, the user's spend). The API key never reaches a log line, a
+status or an exception message.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -44,6 +46,7 @@ __all__ = [
     "SUMMARY_ACK_MESSAGE",
     "LEGACY_SUMMARY_LABEL",
     "SummaryConfig",
+    "SummaryCall",
     "Summarized",
     "summarize_messages",
     "summarize_trim",
@@ -84,8 +87,21 @@ _CACHED, _FAILED = b"ok:", b"failed"
 
 
 @dataclass(frozen=True, slots=True)
+class SummaryCall:
+    """One call the endpoint answered with a summary (never one served from the cache): what was
+    sent, the reply's text as received and its `usage` as the JSON held it (None: none), to be
+    counted as the turn's user's cost. Text, never to be logged."""
+
+    model: str
+    sent: tuple[Message, ...]
+    reply: str
+    usage: object
+
+
+@dataclass(frozen=True, slots=True)
 class SummaryConfig:
-    """Where and how to summarize; `ttl` is how long a summary stays cached (seconds)."""
+    """Where and how to summarize; `ttl` is how long a summary stays cached (seconds); `spent`
+    is told of each call the endpoint answered (the bookkeeping counts its cost; it never raises)."""
 
     base_url: str
     model: str
@@ -93,6 +109,7 @@ class SummaryConfig:
     timeout: float = 10.0
     max_tokens: int = 400
     ttl: int = 72 * 3600
+    spent: Callable[[SummaryCall], Awaitable[None]] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,13 +306,14 @@ class _SummaryFailed(Exception):
     """The endpoint answered, but not with a summary (the message names only the kind)."""
 
 
-async def _ask(config: SummaryConfig, transcript: str) -> str:
+async def _ask(config: SummaryConfig, transcript: str) -> SummaryCall:
     """One chat completion; raises on any failure (callers log its kind, never its text)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     headers["Accept-Encoding"] = "identity"  # the reply is read as sent, within the cap (`_read`)
+    sent: tuple[Message, ...] = ({"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript})
     payload = {
         "model": config.model,
-        "messages": [{"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript}],
+        "messages": list(sent),
         "max_tokens": config.max_tokens,
         "temperature": 0,
         "stream": False,
@@ -307,12 +325,13 @@ async def _ask(config: SummaryConfig, transcript: str) -> str:
                 raise _SummaryFailed(f"HTTP {response.status_code}")
             body = await _read(response)
     try:
-        text = json.loads(body)["choices"][0]["message"]["content"]
+        reply = json.loads(body)
+        text = reply["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise _SummaryFailed("unreadable reply") from None
     if not isinstance(text, str) or not text.strip():
         raise _SummaryFailed("empty reply")
-    return text.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
+    return SummaryCall(config.model, sent, text, reply.get("usage"))
 
 
 async def _read(response: httpx.Response) -> bytes:
@@ -335,7 +354,9 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
 
     Cached under a hash of exactly what is sent (and the model, size and prompt version), so
     workers sharing a Redis store share summaries. Never waits longer than `config.timeout`;
-    a failure is logged as one warning naming its kind and is not retried for a minute.
+    a failure is logged as one warning naming its kind and is not retried for a minute. A call
+    the endpoint answered is told to `config.spent` (its cost is the turn's user's); a summary
+    from the cache costs nothing.
 
     Args:
         messages: the messages to condense (what a trim dropped).
@@ -357,7 +378,7 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
         summarize_log.debug("contextwarden: summary endpoint failed recently; trimmed without a summary")
         return None
     try:
-        text = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+        call = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
     except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
         reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
         _endpoint_failed(config.base_url)
@@ -365,8 +386,20 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
         await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
         return None
     _backoff.pop(config.base_url, None)
+    text = call.reply.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
     await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
+    await _count_call(config, call)
     return text
+
+
+async def _count_call(config: SummaryConfig, call: SummaryCall) -> None:
+    """Tell `config.spent` of a call the endpoint answered; a failure there never costs the summary."""
+    if config.spent is None:
+        return
+    try:
+        await config.spent(call)
+    except Exception as exc:
+        summarize_log.warning("contextwarden: summary call not counted (%s)", type(exc).__name__)
 
 
 async def summarize_trim(

@@ -1,0 +1,255 @@
+"""What a summary call costs is the turn's user's: its usage (or an estimate) priced for the
+summary model, one `usage` line, a ledger row under that model, the user's spend and limits.
+A mocked endpoint (respx) with OpenAI's reply shape; the in-process store and a real Redis."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import httpx
+import pytest
+import respx
+
+import contextwarden.face.bookkeeping as bookkeeping_module
+from contextwarden.errors import TurnRefused
+from contextwarden.face.summarize import SUMMARY_LABEL
+from contextwarden.money.ledger import read_ledger, read_month
+from contextwarden.money.records import UsageRecord
+from contextwarden.money.spendbook import SpendBook
+
+from helpers import chat_of, make_filter, store_of, usage_records
+from turns import reply_of, run_turn
+
+D = Decimal
+URL = "http://llm.test/v1"
+KEY = "sk-test-SECRET-0123456789"
+SUMMARY = "The user asked twenty questions about lorem ipsum; the answers were dolor sit."
+NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
+# gpt-4o-mini in the bundled table: $0.15 per 1M prompt tokens, $0.60 per 1M completion tokens.
+MINI_COST = D(812) * D("0.00000015") + D(19) * D("0.0000006")
+
+
+def summary_valves(model: str = "gpt-4o-mini", **more) -> dict:
+    return dict(
+        summary_enabled=True,
+        summary_base_url=URL,
+        summary_model=model,
+        summary_api_key=KEY,
+        summary_max_tokens=120,
+        max_context_tokens=1_500,
+        reserve_output_tokens=0,
+        openrouter_pricing=False,  # the bundled prices: no fetch beside the mocked endpoint
+        **more,
+    )
+
+
+def completion(usage: dict | None = None, text: str = SUMMARY) -> httpx.Response:
+    """A chat completion as OpenAI's API returns one (non-streaming); `usage` None: left out."""
+    body = {
+        "id": "chatcmpl-AbC123summary",
+        "object": "chat.completion",
+        "created": 1764547200,
+        "model": "gpt-4o-mini-2024-07-18",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "service_tier": "default",
+        "system_fingerprint": "fp_560af6e559",
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return httpx.Response(200, json=body, headers={"content-type": "application/json"})
+
+
+OPENAI_USAGE = {
+    "prompt_tokens": 812,
+    "completion_tokens": 19,
+    "total_tokens": 831,
+    "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+}
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def llm():
+    with respx.mock(assert_all_called=False) as mock:
+        yield mock
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_valves(request) -> dict:
+    return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+
+
+def filter_with(counter, valves: dict, now: datetime = NOW):
+    """A filter holding the store its valves name from the start, on a fixed clock."""
+    return make_filter(counter, store=store_of(valves), clock=Clock(now), **valves)
+
+
+def summary_lines(caplog) -> list[dict]:
+    return [r for r in usage_records(caplog) if r.get("call") == "summary"]
+
+
+def no_secret(caplog) -> None:
+    for secret in (KEY, "lorem", "dolor", "ann@example.com"):
+        assert secret not in caplog.text
+
+
+def user_of(unique: str) -> dict:
+    return {"id": f"u-{unique}", "role": "user", "name": "Ann", "email": "ann@example.com"}
+
+
+async def test_a_summary_call_is_logged_priced_and_counted_as_the_users(llm, counter, caplog, store_valves, unique):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    f = filter_with(counter, {**store_valves, **summary_valves()})
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    run = await run_turn(f, chat_of(20), user=user, chat_id=f"c-{unique}")
+    assert run.after_request["messages"][1]["content"].startswith(SUMMARY_LABEL) and route.call_count == 1
+    [line] = summary_lines(caplog)
+    assert line["model"] == "gpt-4o-mini" and line["resolved_model"] == "openai/gpt-4o-mini"
+    assert (line["user_id"], line["chat_id"]) == (user["id"], f"c-{unique}")
+    assert (line["prompt_tokens"], line["completion_tokens"], line["estimated"]) == (812, 19, False)
+    assert D(line["cost_usd"]) == MINI_COST and line["cost_source"] == "price_table"
+    assert UsageRecord.from_json(json.dumps(line)).call == "summary"
+    assert len(usage_records(caplog)) == 2  # the summary call's line and the reply's, which has no `call`
+    rows = {(e.user, e.model): e for e in await read_ledger(f.store)}
+    mini = rows[(user["id"], "openai/gpt-4o-mini")]  # its own row, beside the reply's under gpt-4o
+    assert (mini.counters["requests"], mini.counters["prompt_tokens"], mini.cost_usd) == (1, 812, MINI_COST)
+    assert (user["id"], "openai/gpt-4o") in rows
+    month = await read_month(f.store, NOW.date())  # what `!usage` reads
+    assert "openai/gpt-4o-mini" in {row.key for row in month.models}
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    reply_cost = rows[(user["id"], "openai/gpt-4o")].cost_usd
+    assert day.usd == MINI_COST + reply_cost and day.requests == 2
+    no_secret(caplog)
+
+
+async def test_a_cached_summary_costs_nothing(llm, counter, caplog, unique):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    f = filter_with(counter, summary_valves())
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(f, chat_of(20), user=user, chat_id="c1")
+    again = await run_turn(f, chat_of(20), user=user, chat_id="c2")  # the same dropped history: the cache's
+    assert again.after_request["messages"][1]["content"].startswith(SUMMARY_LABEL)
+    assert route.call_count == 1 and len(summary_lines(caplog)) == 1
+    mini = [e for e in await read_ledger(f.store) if e.model == "openai/gpt-4o-mini"]
+    assert [e.counters["requests"] for e in mini] == [1]
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.requests == 3  # one summary call, two replies
+
+
+async def test_a_reply_without_usage_is_estimated_from_what_was_sent_and_received(llm, counter, caplog, unique):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion(None))
+    f = filter_with(counter, summary_valves())
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(f, chat_of(20), user=user)
+    sent = json.loads(route.calls.last.request.content)["messages"]
+    prompt, completion_tokens = counter.count_messages(sent, "gpt-4o-mini"), counter.count_text(SUMMARY, "gpt-4o-mini")
+    [line] = summary_lines(caplog)
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (prompt, completion_tokens) and prompt > 100
+    assert line["estimated"] is True and line["usage_shape"] == "estimate"
+    assert D(line["cost_usd"]) == prompt * D("0.00000015") + completion_tokens * D("0.0000006")
+    [mini] = [e for e in await read_ledger(f.store) if e.model == "openai/gpt-4o-mini"]
+    assert (mini.counters["estimated"], mini.counters["prompt_tokens"]) == (1, prompt)
+    no_secret(caplog)
+
+
+async def test_an_unknown_summary_price_is_unknown_never_zero(llm, counter, caplog, unique):
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    f = filter_with(counter, summary_valves("local-summarizer-7b"))
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(f, chat_of(20), user=user)
+    [line] = summary_lines(caplog)
+    assert line["cost_usd"] is None and line["resolved_model"] is None and line["cost_note"]
+    [row] = [e for e in await read_ledger(f.store) if e.model == "local-summarizer-7b"]
+    assert (row.counters["unpriced"], row.counters["prompt_tokens"]) == (1, 812)
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.unpriced == 1 and day.tokens >= 831  # token limits count it, dollar limits cannot
+
+
+async def test_a_daily_limit_refuses_the_next_turn_once_summaries_take_the_user_over(
+    llm, counter, store_valves, unique
+):
+    """gpt-4o as the summary model: 399,600 prompt tokens at $2.50 per 1M are $0.999, under the
+    $1 limit; the reply (1,000 prompt tokens, $0.0025) takes the day over, and the next turn is
+    refused. Without the summary's cost the day held $0.0025."""
+    usage = {"prompt_tokens": 399_600, "completion_tokens": 0, "total_tokens": 399_600}
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion(usage))
+    f = filter_with(counter, {**store_valves, **summary_valves("gpt-4o"), "daily_limit_usd": 1})
+    user = user_of(unique)
+    await run_turn(f, chat_of(20), user=user, reply=reply_of(usage={"prompt_tokens": 1_000, "completion_tokens": 0}))
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.usd == D("0.999") + D("0.0025")
+    with pytest.raises(TurnRefused, match=r"daily limit of \$1.00 is reached \(\$1.00 used today\)"):
+        await run_turn(f, chat_of(1), user=user, chat_id="c2")
+
+
+async def test_workers_on_one_redis_count_each_call_once_and_share_the_cache(llm, counter, caplog, redis_url, unique):
+    route = llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    valves = {"redis_url": redis_url, **summary_valves()}
+    one, two = filter_with(counter, valves), filter_with(counter, valves)
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(one, chat_of(20), user=user, chat_id="c1")
+    await run_turn(two, chat_of(20), user=user, chat_id="c2")  # the summary another worker cached
+    other = chat_of(20)
+    other[1] = {"role": "user", "content": "question zero, put otherwise " + "lorem ipsum " * 60}
+    await run_turn(two, other, user=user, chat_id="c3")  # other dropped messages: a new call
+    assert route.call_count == 2 and len(summary_lines(caplog)) == 2
+    [mini] = [e for e in await read_ledger(one.store) if e.model == "openai/gpt-4o-mini"]
+    assert (mini.counters["requests"], mini.cost_usd) == (2, 2 * MINI_COST)
+    day, _ = await SpendBook().spend(two.store, user["id"], NOW.date())
+    assert day.requests == 5  # two summary calls, three replies, in either worker's view
+
+
+async def test_a_failure_to_count_never_costs_the_turn_its_summary(llm, counter, caplog, monkeypatch, unique):
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    f = filter_with(counter, summary_valves())
+    user = user_of(unique)
+
+    async def broken(*args, **kwargs):
+        raise ConnectionError(f"ledger down for {KEY}")
+
+    monkeypatch.setattr(bookkeeping_module, "record_reply", broken)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    sent = await f.inlet(
+        {"model": "gpt-4o", "messages": chat_of(20), "metadata": {"chat_id": "c1"}}, __user__=user, __metadata__={}
+    )
+    assert sent["messages"][1]["content"].startswith(SUMMARY_LABEL)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["contextwarden: summary call not added to the usage ledger (ConnectionError)"]
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.usd >= MINI_COST  # the spend is written whether or not the ledger was
+
+    async def unpriceable(*args, **kwargs):
+        raise RuntimeError("price book broken")
+
+    monkeypatch.setattr(f, "_resolve", unpriceable)  # anything else: one warning, the summary stays
+    monkeypatch.setattr(f._books, "_resolve", unpriceable)
+    caplog.clear()
+    other = chat_of(20)
+    other[1] = {"role": "user", "content": "question zero, put otherwise " + "lorem ipsum " * 60}
+    again = await f.inlet({"model": "gpt-4o", "messages": other}, __user__=user)
+    assert any(SUMMARY_LABEL in str(m.get("content")) for m in again["messages"])
+    assert "contextwarden: summary call not counted (RuntimeError)" in caplog.text
+    no_secret(caplog)
