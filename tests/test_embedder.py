@@ -309,6 +309,32 @@ async def test_a_slow_embedder_costs_one_timeout_then_no_wait(counter, caplog, m
     assert len(function.calls) == 1  # nor does it start a call beside the running one
 
 
+class Reshaping(FakeEmbeddingFunction):
+    """An embedder whose vectors grow by `grow` dimensions with each call."""
+
+    def __init__(self, grow: int) -> None:
+        super().__init__()
+        self.grow = grow
+
+    async def __call__(self, texts, prefix=None, user=None):
+        extra = [0.0] * self.grow * len(self.calls)
+        return [vector + extra for vector in await super().__call__(texts)]
+
+
+@pytest.mark.parametrize("grow", [1, 10_000], ids=["other-dimensions", "too-many-dimensions"])
+async def test_vectors_of_another_length_or_too_long_are_a_failed_call(counter, caplog, monkeypatch, grow):
+    """An answer of other dimensions than the embedder's earlier vectors went lexical silently
+    (`similarities` found them unequal); one of 10,003 dimensions was kept whatever its size.
+    Both now fail the call: one warning, the embedder rests, the turn is lexical."""
+    function = Reshaping(grow)
+    embeds, _ = await next_turn_with(counter, function, monkeypatch, embed_timeout_seconds=5)
+    assert len(function.calls) == 2 and embeds[-1] is None  # the outlet's call, then the turn's: refused
+    warnings = [r.getMessage() for r in caplog.records if "embedder" in r.getMessage()]
+    assert warnings == ["contextwarden: embedder: ValueError; relevance is lexical this turn"]
+    adapter = embedder_of(request_with(function))
+    assert adapter is not None and adapter._rest.failures == 1
+
+
 async def test_a_failing_embedder_rests_and_no_turn_waits_for_it(monkeypatch):
     """A call that fails makes the embedder rest (30 s, doubling): turns meanwhile ask nothing
     and go lexical at once; once it answers again the back-off starts over."""

@@ -7,7 +7,10 @@ import pytest
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.semantic import (
     CONTEXT_SHARE,
+    DEFAULT_VECTOR_CACHE_BYTES,
+    DEFAULT_VECTOR_CACHE_SIZE,
     EMBED_CHARS,
+    MAX_DIMENSIONS,
     PIECE_CHARS,
     VectorCache,
     context_window,
@@ -174,3 +177,39 @@ def test_a_selection_s_own_block_stays_without_a_recall_room(counter):
     later = chat + [{"role": "assistant", "content": "Miso."}, {"role": "user", "content": "Thanks!"}]
     following = trim_messages(later, previous=TrimDecision.from_json(first.decision.to_json()), **options)
     assert following.reused and following.messages[: first.stable_prefix] == first.messages[: first.stable_prefix]
+
+
+def test_the_cache_is_bounded_in_bytes_and_keeps_minilms_8192():
+    """A count alone let 8,192 vectors of 3,072 dimensions hold 99 MiB; 384 (MiniLM) fit as before."""
+    embed = lambda texts: None  # noqa: E731 (a key space only)
+    minilm = (384, DEFAULT_VECTOR_CACHE_SIZE + 512, DEFAULT_VECTOR_CACHE_SIZE)
+    for dimensions, puts, fit in (minilm, (3_072, 2_048, 1_328)):
+        cache = VectorCache()
+        vectors = [[1.0 + k % 7] * dimensions for k in range(512)]
+        for start in range(0, puts, 512):
+            cache.put([f"{dimensions} {k}" for k in range(start, start + 512)], vectors, embed)
+        assert len(cache) == fit and cache.bytes <= DEFAULT_VECTOR_CACHE_BYTES
+        assert cache.get(f"{dimensions} {puts - 1}", embed) is not None and cache.get(f"{dimensions} 0", embed) is None
+
+
+def test_a_vector_over_the_largest_dimension_is_refused():
+    cache = VectorCache()
+    cache.put(["a"], [[1.0] * MAX_DIMENSIONS], topic_embed)
+    with pytest.raises(ValueError, match="dimensions"):
+        cache.put(["b"], [[1.0] * (MAX_DIMENSIONS + 1)], topic_embed)
+    assert cache.get("b", topic_embed) is None
+
+
+def test_vectors_of_other_dimensions_are_refused_and_a_new_length_starts_afresh():
+    """An answer whose lengths differ from each other or from the embedder's earlier vectors is
+    refused (the filter warns, as on any bad answer); `similarities` no longer goes lexical
+    silently. The refused length's next answer is kept: a new model behind the same function."""
+    cache = VectorCache()
+    with pytest.raises(ValueError, match="in one answer"):
+        cache.put(["a", "b"], [[1.0, 0.0], [1.0, 0.0, 0.0]], topic_embed)
+    cache.put(["a"], [[1.0, 0.0]], topic_embed)
+    with pytest.raises(ValueError, match="from 2 to 3 dimensions"):
+        cache.put(["b"], [[1.0, 0.0, 0.0]], topic_embed)
+    assert cache.get("a", topic_embed) is None and cache.get("b", topic_embed) is None  # the old ones forgotten
+    cache.put(["b"], [[1.0, 0.0, 0.0]], topic_embed)
+    assert cache.get("b", topic_embed) is not None

@@ -24,7 +24,10 @@ __all__ = ["lru_hit", "WeighedLRU", "TextCache", "register", "registered", "clea
 ENCODING_MEMO_SIZE = 1_024  # tokens._encoding_for_model_id: a model id's encoding name
 UNIT_MEMO_SIZE = 4_096  # conversation._unit: the Unit value for (start, stop, kind)
 CODE_MEMO_SIZE = 4_096  # flags._outside_code_memo: a text's flag positions outside code (emptied whole when full)
-DEFAULT_VECTOR_CACHE_SIZE = 8_192  # semantic.VECTORS: a text's unit vector (float32), by embedder
+DEFAULT_VECTOR_CACHE_SIZE = 8_192  # semantic.VECTORS: a text's unit vector (float32), by embedder, at most this many
+# semantic.VECTORS: and this many bytes in all, as `semantic._vector_bytes` weighs them: 8,192 vectors at
+# 384 dimensions (MiniLM, ~1.8 KiB each) fit, as before; at 1,536 dimensions ~2,600 do, at 3,072 ~1,300.
+DEFAULT_VECTOR_CACHE_BYTES = 16 * 2**20
 MAX_EMBEDDERS = 8  # semantic.VECTORS key spaces and embedder._adapters: one per embedding function
 DEFAULT_TERM_CACHE_SIZE = 20_000  # relevance._term_cache: a text's term statistics, at most this many texts
 DEFAULT_TERM_CACHE_TERMS = 1_000_000  # relevance._term_cache: and this many (text, term) entries in all

@@ -19,8 +19,11 @@ of its similarity comes from that window. bench/quality.py with MiniLM, all evid
 2k / 8k: LoCoMo 0.797 / 0.911 -> 0.800 / 0.921 (both halves gain at 8k), reshaped chats
 0.734 / 0.909 -> 0.734 / 0.912; windows over long messages too lost on the reshaped chats.
 
-Memory limits (per process): at most `DEFAULT_VECTOR_CACHE_SIZE` (8,192) vectors, stored as
-float32 (384 dimensions, MiniLM: 1.5 KiB each, ~13 MiB when full), least recently used out.
+Memory limits (per process): at most `DEFAULT_VECTOR_CACHE_SIZE` (8,192) vectors and
+`DEFAULT_VECTOR_CACHE_BYTES` (16 MiB) in all, least recently used out, stored as float32: 8,192
+at 384 dimensions (MiniLM: 1.8 KiB each with its key, 14.5 MiB measured), ~2,600 at 1,536, ~1,300
+at 3,072. A vector over `MAX_DIMENSIONS` (8,192), or of another length than the embedder's
+others, fails the embedder's answer (a new length is kept from the next answer on).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -35,7 +39,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from itertools import chain
 from operator import mul
 
-from ..caches import DEFAULT_VECTOR_CACHE_SIZE, MAX_EMBEDDERS, lru_hit, register
+from ..caches import DEFAULT_VECTOR_CACHE_BYTES, DEFAULT_VECTOR_CACHE_SIZE, MAX_EMBEDDERS, WeighedLRU, lru_hit, register
 from .conversation import SYSTEM_ROLES, Message, message_text
 
 __all__ = [
@@ -50,6 +54,8 @@ __all__ = [
     "CONTEXT_SHARE",
     "SEMANTIC_SHARE",
     "DEFAULT_VECTOR_CACHE_SIZE",
+    "DEFAULT_VECTOR_CACHE_BYTES",
+    "MAX_DIMENSIONS",
 ]
 
 Embed = Callable[[list[str]], Sequence[Sequence[float]]]
@@ -58,6 +64,8 @@ SEMANTIC_SHARE = 0.35  # of the base relevance signal; the rest is lexical (BM25
 EMBED_CHARS = 2_000  # text embedded per message: MiniLM reads 256 word pieces (~1,000 chars) anyway
 PIECE_CHARS = 250  # a longer message is embedded in pieces of about this (a line or two)
 CONTEXT_SHARE = 0.65  # of a one-liner's similarity, from it embedded with the one-liner before it
+MAX_DIMENSIONS = 8_192  # a longer vector is refused (the embedder's answer fails): 3,072 is the largest in use
+VECTOR_ENTRY_BYTES = 256  # a cached vector's key and its place in the cache, beside its array (tracemalloc)
 _DIALOGUE_ROLES = ("user", "assistant")
 _SENTENCE_ENDS = re.compile(r"(?<=[.!?;])\s+")
 
@@ -149,37 +157,69 @@ def _key(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
+def _vector_bytes(key: tuple[int, bytes], vector: array) -> int:
+    """What a cached vector weighs: its array and `VECTOR_ENTRY_BYTES` for its key and place."""
+    return sys.getsizeof(vector) + VECTOR_ENTRY_BYTES
+
+
+def _unit_vector(vector: Sequence[float]) -> array:
+    """`vector` as float32 of unit length (an array the exact size: one grown from a generator
+    took 2.3 KiB at 384 dimensions, against 1.6); ValueError when it cannot be one."""
+    if len(vector) > MAX_DIMENSIONS:
+        raise ValueError(f"the embedder gave a vector of {len(vector)} dimensions (at most {MAX_DIMENSIONS})")
+    values = array("f", [float(x) for x in vector])
+    if not values or not all(map(math.isfinite, values)):
+        raise ValueError("the embedder gave an empty or non-finite vector")
+    norm = math.sqrt(math.fsum(x * x for x in values))
+    return array("f", [x / norm for x in values]) if norm else values
+
+
 class VectorCache:
-    """Unit-length vectors by embedder and the hash of the text; bounded, least recently used out.
+    """Unit-length vectors by embedder and the hash of the text; bounded in count and bytes
+    (`WeighedLRU`), least recently used out.
 
     Vectors of different embedders never mix: each embedder (the function object, or a bound
     method's object and function) gets its own key space, and the cache holds a reference to
     the last `MAX_EMBEDDERS` it saw so that a new function cannot take an old one's place.
     """
 
-    def __init__(self, size: int = DEFAULT_VECTOR_CACHE_SIZE) -> None:
-        self._size = size
-        self._vectors: OrderedDict[tuple[int, bytes], array] = OrderedDict()
+    def __init__(self, size: int = DEFAULT_VECTOR_CACHE_SIZE, max_bytes: int = DEFAULT_VECTOR_CACHE_BYTES) -> None:
+        self._vectors: WeighedLRU[tuple[int, bytes], array] = WeighedLRU(
+            max_entries=size, max_weight=max_bytes, weigh=_vector_bytes
+        )
         self._spaces: OrderedDict[object, int] = OrderedDict()
+        self._dimensions: dict[int, int] = {}  # each key space's vector length, once it holds one
+        self._next_space = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._vectors)
 
+    @property
+    def bytes(self) -> int:
+        """What the vectors kept weigh, as `_vector_bytes` counts."""
+        return self._vectors.weight
+
     def clear(self) -> None:
         """Forget every vector (the embedders keep their key spaces: a number is never reused)."""
-        with self._lock:
-            self._vectors.clear()
+        self._vectors.clear()
 
-    def _space(self, embed: object) -> int:
+    def _space(self, embed: object, dimensions: int = 0) -> tuple[int, int]:
+        """`embed`'s key space and the length of the vectors it held (`dimensions` when none).
+        Vectors of another length than `dimensions` (when given) leave their space behind:
+        the embedder gets a new one (its old vectors are never read again, and age out)."""
         with self._lock:
             space = self._spaces.get(embed)
-            if space is None:
-                space = self._spaces[embed] = max(self._spaces.values(), default=0) + 1
+            before = self._dimensions.get(space, dimensions) if space is not None and dimensions else dimensions
+            if space is None or before != dimensions:
+                self._next_space += 1
+                space = self._spaces[embed] = self._next_space
                 while len(self._spaces) > MAX_EMBEDDERS:
-                    self._spaces.popitem(last=False)
+                    self._dimensions.pop(self._spaces.popitem(last=False)[1], None)
+            if dimensions:
+                self._dimensions[space] = dimensions
             self._spaces.move_to_end(embed)
-            return space
+            return space, before
 
     def get(self, text: str, embed: object) -> array | None:
         """The cached vector `embed` gave for `text`, or None."""
@@ -188,8 +228,8 @@ class VectorCache:
     def lookup(self, texts: Sequence[str], embed: object) -> list[array | None]:
         """The cached vector of each text (None where there is none); the embedder's key space
         is found once for all of them."""
-        space = self._space(embed)
-        found = [lru_hit(self._vectors, (space, _key(text))) for text in texts]
+        space, _ = self._space(embed)
+        found = [lru_hit(self._vectors._entries, (space, _key(text))) for text in texts]
         return [v if isinstance(v, array) else None for v in found]
 
     def missing(self, texts: Sequence[str], embed: object) -> list[str]:
@@ -198,18 +238,23 @@ class VectorCache:
         return [t for t, v in zip(distinct, self.lookup(distinct, embed), strict=True) if v is None]
 
     def put(self, texts: Sequence[str], vectors: Sequence[Sequence[float]], embed: object) -> None:
-        """Store one vector per text (normalised); raises ValueError on a shape that does not fit."""
+        """Store one vector per text (normalised). Raises ValueError on a shape that does not fit:
+        another count than the texts', a vector empty, not finite or over `MAX_DIMENSIONS`, or
+        lengths that differ (in the answer, or from the embedder's earlier vectors: these are
+        then forgotten, so a new model behind the same function is used from its next answer)."""
         if len(vectors) != len(texts):
             raise ValueError(f"the embedder gave {len(vectors)} vectors for {len(texts)} texts")
+        if not texts:
+            return
         unit = [_unit_vector(v) for v in vectors]
-        space = self._space(embed)
-        with self._lock:
-            for text, vector in zip(texts, unit, strict=True):
-                key = (space, _key(text))
-                self._vectors[key] = vector
-                self._vectors.move_to_end(key)
-            while len(self._vectors) > self._size:
-                self._vectors.popitem(last=False)
+        lengths = {len(v) for v in unit}
+        if len(lengths) > 1:
+            raise ValueError(f"the embedder gave vectors of {min(lengths)} to {max(lengths)} dimensions in one answer")
+        space, before = self._space(embed, len(unit[0]))
+        if before != len(unit[0]):
+            raise ValueError(f"the embedder's vectors went from {before} to {len(unit[0])} dimensions")
+        for text, vector in zip(texts, unit, strict=True):
+            self._vectors.put((space, _key(text)), vector)
 
     def fill(self, texts: Sequence[str], embed: Embed) -> None:
         """Embed (in one call) the texts not cached yet."""
@@ -220,14 +265,6 @@ class VectorCache:
 
 VECTORS = VectorCache()  # the process's vectors, shared by every chat (keyed by text)
 register("semantic.VECTORS", VECTORS.clear)
-
-
-def _unit_vector(vector: Sequence[float]) -> array:
-    values = array("f", (float(x) for x in vector))
-    if not values or not all(map(math.isfinite, values)):
-        raise ValueError("the embedder gave an empty or non-finite vector")
-    norm = math.sqrt(math.fsum(x * x for x in values))
-    return array("f", (x / norm for x in values)) if norm else values
 
 
 def similarities(
