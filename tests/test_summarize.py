@@ -188,6 +188,53 @@ async def test_a_hanging_endpoint_is_abandoned_at_the_timeout(llm, caplog):
     assert "summary skipped (TimeoutError)" in caplog.text or "summary skipped (ReadTimeout)" in caplog.text
 
 
+async def test_concurrent_turns_do_not_all_wait_for_a_hanging_endpoint(llm, monkeypatch):
+    """Before: 50 turns at once against a hanging endpoint made 50 calls and each waited the
+    whole timeout (the back-off starts only once a call failed). Now at most `MAX_SUMMARY_CALLS`
+    calls are in flight per endpoint, and none starts once one has been for
+    `SUMMARY_SLOW_SECONDS`: the other turns go on without a summary at once."""
+    monkeypatch.setattr(summarize_module, "SUMMARY_SLOW_SECONDS", 0.3)
+    calls = 0
+
+    async def never_answers(request):
+        nonlocal calls
+        calls += 1
+        await asyncio.Event().wait()
+
+    llm.post(f"{URL}/chat/completions").mock(side_effect=never_answers)
+    config = SummaryConfig(base_url=URL, model="mini", api_key=KEY, timeout=1.0, max_tokens=120)
+    store = MemoryStore()
+    loop = asyncio.get_running_loop()
+
+    async def turn(i: int) -> float:
+        start = loop.time()
+        assert await summarize_messages([{"role": "user", "content": f"chat {i}"}], config=config, store=store) is None
+        return loop.time() - start
+
+    one = asyncio.ensure_future(turn(-1))  # a call in flight, past the slow mark by the time the others come
+    await asyncio.sleep(0.4)
+    waits = await asyncio.gather(*(turn(i) for i in range(50)))
+    assert calls == 1 and max(waits) < 0.1  # none called, none waited
+    assert await one >= 0.95 and summarize_module._pending == {}
+    summarize_module._backoff.clear()
+    waits = await asyncio.gather(*(turn(i) for i in range(50, 100)))  # all at once: the slow mark is not reached
+    assert calls == 1 + summarize_module.MAX_SUMMARY_CALLS
+    assert sum(w >= 0.95 for w in waits) == summarize_module.MAX_SUMMARY_CALLS and sorted(waits)[-5] < 0.1
+
+
+async def test_concurrent_turns_against_a_healthy_endpoint_each_get_their_summary(llm):
+    async def answers(request):
+        await asyncio.sleep(0.05)
+        return completion()
+
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=answers)
+    dropped = [[{"role": "user", "content": f"chat {i}"}] for i in range(summarize_module.MAX_SUMMARY_CALLS)]
+    store = MemoryStore()
+    texts = await asyncio.gather(*(summarize_messages(d, config=CONFIG, store=store) for d in dropped))
+    assert texts == [SUMMARY] * len(dropped) and route.call_count == len(dropped)
+    assert summarize_module._pending == {}
+
+
 def test_api_key_is_not_in_the_config_repr():
     assert KEY not in repr(CONFIG)
 

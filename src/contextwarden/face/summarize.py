@@ -72,6 +72,11 @@ SUMMARY_RETRY_SECONDS = 60  # after a failure, the same content is not tried aga
 # up to 10 minutes (per endpoint, per process): a dead endpoint does not make every new trim
 # wait for the whole timeout.
 SUMMARY_BACKOFF_SECONDS = (15.0, 600.0)
+# While a call to an endpoint has been in flight this long, or this many are, no trim starts
+# another (per endpoint, per process): it goes on without a summary at once, as after a failure.
+# Before, 50 turns against a hanging endpoint made 50 calls and each waited the 10 s timeout.
+SUMMARY_SLOW_SECONDS = 3.0
+MAX_SUMMARY_CALLS = 4
 MAX_BACKOFF_ENDPOINTS = 64
 MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
 # A reply is asked for uncompressed; one compressed anyway (a proxy) is inflated here, within the
@@ -302,6 +307,31 @@ def _endpoint_failed(endpoint: str) -> float:
     return _backoff.setdefault(endpoint, Backoff()).failed(time.monotonic(), *SUMMARY_BACKOFF_SECONDS)
 
 
+_pending: dict[str, list[float]] = {}  # by endpoint: when each call in flight started (time.monotonic)
+
+
+def _busy(endpoint: str) -> bool:
+    """Whether a trim must not call `endpoint` now: `MAX_SUMMARY_CALLS` calls to it are in flight,
+    or one has been for `SUMMARY_SLOW_SECONDS` (slow or hung: a new call would wait as long)."""
+    started = _pending.get(endpoint)
+    if not started:
+        return False
+    return len(started) >= MAX_SUMMARY_CALLS or time.monotonic() - min(started) >= SUMMARY_SLOW_SECONDS
+
+
+async def _in_flight(config: SummaryConfig, transcript: str) -> SummaryCall:
+    """`_ask` within `config.timeout`, counted among the endpoint's calls in flight meanwhile."""
+    started = _pending.setdefault(config.base_url, [])
+    at = time.monotonic()
+    started.append(at)
+    try:
+        return await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+    finally:
+        started.remove(at)
+        if not started and _pending.get(config.base_url) is started:
+            del _pending[config.base_url]
+
+
 class _SummaryFailed(Exception):
     """The endpoint answered, but not with a summary (the message names only the kind)."""
 
@@ -354,7 +384,9 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
 
     Cached under a hash of exactly what is sent (and the model, size and prompt version), so
     workers sharing a Redis store share summaries. Never waits longer than `config.timeout`;
-    a failure is logged as one warning naming its kind and is not retried for a minute. A call
+    a failure is logged as one warning naming its kind and is not retried for a minute. No call
+    starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for
+    `SUMMARY_SLOW_SECONDS`): None at once. A call
     the endpoint answered is told to `config.spent` (its cost is the turn's user's); a summary
     from the cache costs nothing.
 
@@ -377,8 +409,11 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     if _backing_off(config.base_url):
         summarize_log.debug("contextwarden: summary endpoint failed recently; trimmed without a summary")
         return None
+    if _busy(config.base_url):
+        summarize_log.debug("contextwarden: summary endpoint busy with slow calls; trimmed without a summary")
+        return None
     try:
-        call = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+        call = await _in_flight(config, transcript)
     except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
         reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
         _endpoint_failed(config.base_url)
