@@ -47,35 +47,36 @@ SUMMARY_VALVES = dict(
 )
 
 
-def completion(text: str = SUMMARY) -> httpx.Response:
-    """A chat completion as OpenAI's API returns one (non-streaming)."""
-    return httpx.Response(
-        200,
-        json={
-            "id": "chatcmpl-AbC123summary",
-            "object": "chat.completion",
-            "created": 1764547200,
-            "model": "gpt-4o-mini-2024-07-18",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": 812,
-                "completion_tokens": 19,
-                "total_tokens": 831,
-                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
-            },
-            "service_tier": "default",
-            "system_fingerprint": "fp_560af6e559",
-        },
-        headers={"content-type": "application/json"},
-    )
+OPENAI_USAGE = {
+    "prompt_tokens": 812,
+    "completion_tokens": 19,
+    "total_tokens": 831,
+    "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+}
+
+
+def completion(text: str = SUMMARY, usage: dict | None = OPENAI_USAGE) -> httpx.Response:
+    """A chat completion as OpenAI's API returns one (non-streaming); `usage` None: left out."""
+    body = {
+        "id": "chatcmpl-AbC123summary",
+        "object": "chat.completion",
+        "created": 1764547200,
+        "model": "gpt-4o-mini-2024-07-18",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "service_tier": "default",
+        "system_fingerprint": "fp_560af6e559",
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return httpx.Response(200, json=body, headers={"content-type": "application/json"})
 
 
 def merge_system_messages(messages: list[dict]) -> list[dict]:

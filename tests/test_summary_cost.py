@@ -12,6 +12,8 @@ from decimal import Decimal
 import httpx
 import pytest
 import respx
+from test_summarize import OPENAI_USAGE
+from test_summarize import completion as openai_completion
 
 import contextwarden.face.bookkeeping as bookkeeping_module
 from contextwarden.errors import TurnRefused
@@ -32,6 +34,11 @@ NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
 MINI_COST = D(812) * D("0.00000015") + D(19) * D("0.0000006")
 
 
+def completion(usage: dict | None) -> httpx.Response:
+    """OpenAI's completion of this file's SUMMARY with `usage` (None: left out)."""
+    return openai_completion(SUMMARY, usage)
+
+
 def summary_valves(model: str = "gpt-4o-mini", **more) -> dict:
     return dict(
         summary_enabled=True,
@@ -44,38 +51,6 @@ def summary_valves(model: str = "gpt-4o-mini", **more) -> dict:
         openrouter_pricing=False,  # the bundled prices: no fetch beside the mocked endpoint
         **more,
     )
-
-
-def completion(usage: dict | None = None, text: str = SUMMARY) -> httpx.Response:
-    """A chat completion as OpenAI's API returns one (non-streaming); `usage` None: left out."""
-    body = {
-        "id": "chatcmpl-AbC123summary",
-        "object": "chat.completion",
-        "created": 1764547200,
-        "model": "gpt-4o-mini-2024-07-18",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
-                "logprobs": None,
-                "finish_reason": "stop",
-            }
-        ],
-        "service_tier": "default",
-        "system_fingerprint": "fp_560af6e559",
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return httpx.Response(200, json=body, headers={"content-type": "application/json"})
-
-
-OPENAI_USAGE = {
-    "prompt_tokens": 812,
-    "completion_tokens": 19,
-    "total_tokens": 831,
-    "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-    "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
-}
 
 
 class Clock:
