@@ -267,23 +267,8 @@ class Bookkeeping:
             savings=None,
         )
         books_log.info("usage %s", replace(record, call=SUMMARY_CALL).to_json())
-        try:
-            await record_reply(
-                self._store,
-                user=user_id,
-                model=resolution.model_id or call.model,
-                prompt_tokens=billed.prompt_tokens,
-                completion_tokens=billed.completion_tokens,
-                cached_tokens=billed.cached_tokens,
-                reasoning_tokens=billed.reasoning_tokens,
-                cost_usd=cost.cost_usd,
-                estimated=estimated.any,
-                retention_days=settings.ledger_retention_days,
-                day=self._now().date(),
-            )
-        except Exception as exc:
-            books_log.warning("contextwarden: summary call not added to the usage ledger (%s)", type(exc).__name__)
-        await self._record_spend(user_id, Charge.of(billed, cost.cost_usd))
+        model_key = resolution.model_id or call.model
+        await self._book(settings, user_id, model_key, billed, estimated.any, cost, record, None, "summary call")
 
     async def reply_line(self, settings: Settings, user: dict | None, booked: BookedReply, shown: bool) -> str | None:
         """The turn's one status line after its reply: what the model saw (the passes' words), what
@@ -592,10 +577,11 @@ class Bookkeeping:
         cost: Cost,
         record: UsageRecord,
         started: OpenTurn | None,
+        what: str = "reply",
     ) -> None:
-        """The reply into the usage ledger, then the spend totals (its turn's charge settled, or
-        the reply added whole), each whether or not the other could be written: after the log
-        line, once (never retried, so never counted twice)."""
+        """The reply (or a summary call, `what`) into the usage ledger, then the spend totals (its
+        turn's charge settled, or added whole), each whether or not the other could be written:
+        after the log line, once (never retried, so never counted twice)."""
         recorded = False
         try:
             await record_reply(
@@ -616,7 +602,7 @@ class Bookkeeping:
             )
             recorded = True
         except Exception as exc:
-            books_log.warning("contextwarden: reply not added to the usage ledger (%s)", type(exc).__name__)
+            books_log.warning("contextwarden: %s not added to the usage ledger (%s)", what, type(exc).__name__)
         charge = Charge.of(billed, cost.cost_usd)
         if started is None:
             await self._record_spend(user_id, charge)
