@@ -235,14 +235,9 @@ class Bookkeeping:
         """A summary call the endpoint answered, as a cost of the turn's user: its usage (estimated
         from what was sent and received when it reported none), priced for the summary model,
         logged (`usage {json}`, `call: summary`), added to the ledger under that model and to the
-        user's spend for the day (what limits read). Never raises: a failure is one warning."""
-        try:
-            await self._book_summary(settings, (user or {}).get("id"), chat_id, call)
-        except Exception as exc:
-            books_log.warning("contextwarden: summary call not counted (%s)", type(exc).__name__)
-
-    async def _book_summary(self, settings: Settings, user_id: Any, chat_id: str | None, call: SummaryCall) -> None:
-        """`summary_call`'s work; the ledger and the spend each written whether or not the other was."""
+        user's spend for the day (what limits read), each whether or not the other was. Raises
+        on anything else: its caller (`summarize._count_call`) warns once and keeps the summary."""
+        user_id = (user or {}).get("id")
         resolution = await self._resolve(settings, call.model, None)
         rejected: list[str] = []
         usage = read_usage({"usage": call.usage}, rejected)

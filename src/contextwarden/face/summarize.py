@@ -79,8 +79,8 @@ SUMMARY_SLOW_SECONDS = 3.0
 MAX_SUMMARY_CALLS = 4
 MAX_BACKOFF_ENDPOINTS = 64
 MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
-# A reply is asked for uncompressed; one compressed anyway (a proxy) is inflated here, within the
-# cap: httpx inflates each read whole, and a 64 KiB read of a gzip of zeros is 67 MB.
+# A reply is asked for uncompressed and one compressed anyway is refused: httpx inflates each
+# read whole, and a 64 KiB read of a gzip of zeros is 67 MB.
 SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
 SUMMARY_PROMPT = (
     "Below is the earlier part of a conversation that no longer fits in the model's context. "
@@ -106,7 +106,7 @@ class SummaryCall:
 @dataclass(frozen=True, slots=True)
 class SummaryConfig:
     """Where and how to summarize; `ttl` is how long a summary stays cached (seconds); `spent`
-    is told of each call the endpoint answered (the bookkeeping counts its cost; it never raises)."""
+    is told of each call the endpoint answered (the bookkeeping counts its cost; `_count_call` guards it)."""
 
     base_url: str
     model: str
