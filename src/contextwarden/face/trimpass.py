@@ -198,23 +198,16 @@ class _Turn:
             self.metadata[METADATA_KEY] = note.to_dict()
 
 
-def _carried_here(turn: _Turn, stored: TrimDecision | None) -> TrimDecision | None:
-    """The decision a pass carries: the stored one, for a later pass at its input's positions
-    (its input is what the first pass sent: `TurnNote.origins`). Else a later pass that must
-    cut more (sources, tool results) finds none of its recall blocks and chooses anew."""
-    origins = turn.note.origins
-    if stored is None or turn.shadow or turn.note.mode is None or not origins:
-        return stored
-    return stored.relocated({c: k for k, c in enumerate(origins) if c >= 0})
-
-
-def _in_chat(turn: _Turn, choice: TurnChoice) -> TrimDecision | None:
-    """`choice`'s decision at the chat's positions: a later pass's input is what the first pass
-    sent, which its note maps back to the chat (`TurnNote.origins`); the next turn reads the chat."""
-    origins, decision = turn.note.origins, choice.decision
-    if decision is None or turn.shadow or turn.note.mode is None or not origins or choice.summarized:
+def _relocated(turn: _Turn, decision: TrimDecision | None, *, to_chat: bool) -> TrimDecision | None:
+    """`decision` moved between the chat's positions and a later pass's input (what the first
+    pass sent, mapped by `TurnNote.origins`): the stored one to the input's to be carried, this
+    pass's to the chat's to be stored. Else a later pass that must cut more (sources, tool
+    results) finds none of its recall blocks, and the next turn none of its."""
+    origins = () if turn.shadow or turn.note.mode is None else turn.note.origins
+    if decision is None or not origins:
         return decision
-    return decision.relocated({k: c for k, c in enumerate(origins) if c >= 0})
+    pairs = [(k, c) for k, c in enumerate(origins) if c >= 0]
+    return decision.relocated(dict(pairs) if to_chat else {c: k for k, c in pairs})
 
 
 @dataclass(frozen=True, slots=True)
@@ -553,7 +546,7 @@ class TrimPass:
             chooser,
             turn.budget,
             turn.model_id,
-            _carried_here(turn, stored),
+            _relocated(turn, stored, to_chat=False),
             embedder,
             off=turn.off,
             own=turn.note.added,
@@ -568,7 +561,12 @@ class TrimPass:
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
-            decision = stored if choice.decision is None or later_pass else _in_chat(turn, choice)
+            if choice.decision is None or later_pass:
+                decision = stored
+            elif choice.summarized:  # its trim read the chat less the summary note: left as it is
+                decision = choice.decision
+            else:
+                decision = _relocated(turn, choice.decision, to_chat=True)
             saved = state.decided(decision, shadow=shadow)
             await save_chat_state(self._store, key, stored_bytes, saved, settings.state_ttl_seconds)
         return choice
