@@ -105,12 +105,14 @@ def unique() -> str:
 
 @pytest.fixture(autouse=True)
 def _fresh_summary_backoff() -> Iterator[None]:
-    """Summary endpoint back-off is process-wide: each test starts with none."""
+    """Summary endpoint back-off and pace are process-wide: each test starts with none."""
     from contextwarden.face import summarize
 
     summarize._backoff.clear()
+    summarize._paces.clear()
     yield
     summarize._backoff.clear()
+    summarize._paces.clear()
 
 
 @pytest.fixture

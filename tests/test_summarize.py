@@ -223,6 +223,40 @@ async def test_concurrent_turns_do_not_all_wait_for_a_hanging_endpoint(llm, monk
     assert sum(w >= 0.95 for w in waits) == summarize_module.MAX_SUMMARY_CALLS and sorted(waits)[-5] < 0.1
 
 
+async def test_a_slow_but_healthy_endpoint_is_not_taken_for_a_hanging_one(llm, monkeypatch):
+    """Before: a call in flight for `SUMMARY_SLOW_SECONDS` kept every other turn from calling,
+    whatever the endpoint's pace: a model that takes 5 s a summary (3 s the mark) cost every
+    other user theirs while one call ran. Now the mark is the endpoint's own pace once it has
+    answered (`SUMMARY_PACE_FACTOR` x its slowest recent answer), so turns beside a call as slow
+    as the endpoint's usual get theirs; one past that pace still stops new calls."""
+    monkeypatch.setattr(summarize_module, "SUMMARY_SLOW_SECONDS", 0.2)
+    delay, calls = 0.4, 0
+
+    async def answers(request):
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(delay)
+        return completion()
+
+    llm.post(f"{URL}/chat/completions").mock(side_effect=answers)
+    config = SummaryConfig(base_url=URL, model="mini", api_key=KEY, timeout=5.0, max_tokens=120)
+    store = MemoryStore()
+
+    def turn(i: int):
+        return summarize_messages([{"role": "user", "content": f"chat {i}"}], config=config, store=store)
+
+    assert await turn(0) == SUMMARY  # its pace: 0.4 s, so the mark is 0.6 s
+    one = asyncio.ensure_future(turn(1))
+    await asyncio.sleep(0.3)  # past SUMMARY_SLOW_SECONDS, within the endpoint's pace
+    assert await turn(2) == SUMMARY and await one == SUMMARY
+    assert calls == 3
+    delay = 5.0  # now it hangs: a call past 1.5 x its pace stops new ones
+    late = asyncio.ensure_future(turn(3))
+    await asyncio.sleep(0.7)
+    assert await turn(4) is None and calls == 4
+    late.cancel()
+
+
 async def test_concurrent_turns_against_a_healthy_endpoint_each_get_their_summary(llm):
     async def answers(request):
         await asyncio.sleep(0.05)

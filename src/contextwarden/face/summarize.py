@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -75,7 +76,13 @@ SUMMARY_BACKOFF_SECONDS = (15.0, 600.0)
 # While a call to an endpoint has been in flight this long, or this many are, no trim starts
 # another (per endpoint, per process): it goes on without a summary at once, as after a failure.
 # Before, 50 turns against a hanging endpoint made 50 calls and each waited the 10 s timeout.
+# "This long" is the endpoint's own pace once it has answered: SUMMARY_PACE_FACTOR times the
+# slowest of its last SUMMARY_PACE_CALLS answers, when that is more (a model that takes 5 s a
+# summary is slow, not hung: with 3 s alone, one user's call in flight cost every other user
+# theirs).
 SUMMARY_SLOW_SECONDS = 3.0
+SUMMARY_PACE_FACTOR = 1.5
+SUMMARY_PACE_CALLS = 8
 MAX_SUMMARY_CALLS = 4
 MAX_BACKOFF_ENDPOINTS = 64
 MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
@@ -308,24 +315,43 @@ def _endpoint_failed(endpoint: str) -> float:
 
 
 _pending: dict[str, list[float]] = {}  # by endpoint: when each call in flight started (time.monotonic)
+_paces: dict[str, deque[float]] = {}  # by endpoint: how long its last answers took (seconds)
 
 
 def _busy(endpoint: str) -> bool:
     """Whether a trim must not call `endpoint` now: `MAX_SUMMARY_CALLS` calls to it are in flight,
-    or one has been for `SUMMARY_SLOW_SECONDS` (slow or hung: a new call would wait as long)."""
+    or one has been for longer than the endpoint takes (`_slow_mark`: hung, or slower than it
+    answers: a new call would wait as long)."""
     started = _pending.get(endpoint)
     if not started:
         return False
-    return len(started) >= MAX_SUMMARY_CALLS or time.monotonic() - min(started) >= SUMMARY_SLOW_SECONDS
+    return len(started) >= MAX_SUMMARY_CALLS or time.monotonic() - min(started) >= _slow_mark(endpoint)
+
+
+def _slow_mark(endpoint: str) -> float:
+    """How long a call to `endpoint` may be in flight before no other starts: `SUMMARY_SLOW_SECONDS`,
+    or `SUMMARY_PACE_FACTOR` times the slowest of its recent answers when that is more."""
+    paces = _paces.get(endpoint)
+    return max(SUMMARY_SLOW_SECONDS, SUMMARY_PACE_FACTOR * max(paces)) if paces else SUMMARY_SLOW_SECONDS
+
+
+def _answered(endpoint: str, seconds: float) -> None:
+    """Note how long an answer of `endpoint` took (the last `SUMMARY_PACE_CALLS`, per endpoint)."""
+    if endpoint not in _paces and len(_paces) >= MAX_BACKOFF_ENDPOINTS:
+        _paces.clear()
+    _paces.setdefault(endpoint, deque(maxlen=SUMMARY_PACE_CALLS)).append(seconds)
 
 
 async def _in_flight(config: SummaryConfig, transcript: str) -> SummaryCall:
-    """`_ask` within `config.timeout`, counted among the endpoint's calls in flight meanwhile."""
+    """`_ask` within `config.timeout`, counted among the endpoint's calls in flight meanwhile;
+    the time an answer took is noted as the endpoint's pace."""
     started = _pending.setdefault(config.base_url, [])
     at = time.monotonic()
     started.append(at)
     try:
-        return await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+        call = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+        _answered(config.base_url, time.monotonic() - at)
+        return call
     finally:
         started.remove(at)
         if not started and _pending.get(config.base_url) is started:
