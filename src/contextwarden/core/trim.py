@@ -155,7 +155,7 @@ def trim_messages(
         low_watermark: when a new selection is made, it fills only this share of
             `max_tokens` (default 0.8), so the chat can grow for a few turns on the same
             prefix before the next cut. 1.0 fills the budget, as does a selection made on
-            estimated counts (no encoding loaded: they already err 1.1-1.6x high).
+            estimated counts (no encoding loaded: they already err 1.1-2x high).
         growth_turns: below a `low_watermark` of 1.0, a new selection also leaves room for
             this many more turns the size of the last one (default 2; never more than half
             the budget), so chats with long turns keep their prefix, and the provider's
