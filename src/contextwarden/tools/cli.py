@@ -1,5 +1,6 @@
-"""The `contextwarden` command: `trim` a chat file, `build` the single Open WebUI file, and
-`usage`: totals per user / model / day from the Redis the filter records into."""
+"""The `contextwarden` command: `trim` a chat file, `build` the single Open WebUI file, seed
+tiktoken's cache for offline machines (`encodings`), and `usage`: totals per user / model / day
+from the Redis the filter records into."""
 
 from __future__ import annotations
 
@@ -674,7 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     build.set_defaults(run=_cmd_build)
 
     encodings = commands.add_parser("encodings", help="seed tiktoken's cache for offline machines")
-    encodings.add_argument("--dir", help="cache directory (default: tiktoken's, from TIKTOKEN_CACHE_DIR)")
+    encodings.add_argument(
+        "--dir",
+        help="cache directory (default: tiktoken's: TIKTOKEN_CACHE_DIR, else DATA_GYM_CACHE_DIR, "
+        "else <tmp>/data-gym-cache)",
+    )
     encodings.set_defaults(run=_cmd_encodings)
 
     _add_usage_command(commands)
