@@ -24,14 +24,16 @@ required_open_webui_version: 0.10.0
 #                         with the text of the messages a trim drops; summary_api_key as Bearer.
 #   openaipublic.blob.core.windows.net
 #                         GET tiktoken's o200k_base and cl100k_base encodings when they are not in
-#                         tiktoken's cache (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache), from a
-#                         background thread started when this file is loaded, and written there;
-#                         offline, token counts are estimated and say so (tried again after 1 min,
+#                         tiktoken's cache (TIKTOKEN_CACHE_DIR, else DATA_GYM_CACHE_DIR, else
+#                         <tmp>/data-gym-cache), from a background thread started when this file is
+#                         loaded, and written there; offline, token counts are estimated and say so
+#                         (a failed fetch is tried again after 1 min,
 #                         doubling up to 1 h).
 #   redis_url             only when set: the keys below.
 #   Open WebUI's embedder with semantic_relevance (on): message text goes to the embedding model
 #                         Open WebUI uses for RAG (local, or the remote engine configured there).
-# Files: it reads the pricing_file valve's path when set, and writes only tiktoken's cache.
+# Files: it reads tiktoken's cache (each encoding's file, its sha256 checked) and the pricing_file
+# valve's path when set, and writes only tiktoken's cache.
 #
 # What it stores: in Redis under "contextwarden:" when redis_url is set, else in each worker's
 # memory (gone on restart). No message text except summaries. Every key expires:
@@ -58,18 +60,18 @@ required_open_webui_version: 0.10.0
 
 
 # Audit map (line numbers in this file):
-#   line 17923  the Filter class Open WebUI instantiates (inlet, request, outlet): Filter
-#   line 18243  fail open: any error returns the body, one log line, admins told once: Filter._failed
-#   line  9869  network: OpenRouter's public price list (GET, background refresh): fetch_openrouter_prices
-#   line 10056  network: OpenRouter fetch client (the only place it is opened): LivePrices.refresh
-#   line 14263  network: the optional summary model (POST, admin's summary_base_url): _ask
-#   line  8485  network: Redis (only when the redis_url valve is set): redis_client
-#   line   427  network: every outbound async HTTP client (TLS context made once, off the loop): async_client
-#   line   598  network: a tiktoken encoding not in its cache (GET, background thread): _download
-#   line   519  file: tiktoken's cache, an encoding file checked: encoding_cached
-#   line   575  file: tiktoken's cache, a downloaded encoding file written: _fetch_into_cache
-#   line  9188  file: the admin's pricing_file valve (read only, checked first): _read_price_file
-#   line 13872  model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION): OpenWebUIEmbedder._fetch
+#   line 17925  the Filter class Open WebUI instantiates (inlet, request, outlet): Filter
+#   line 18245  fail open: any error returns the body, one log line, admins told once: Filter._failed
+#   line  9871  network: OpenRouter's public price list (GET, background refresh): fetch_openrouter_prices
+#   line 10058  network: OpenRouter fetch client (the only place it is opened): LivePrices.refresh
+#   line 14265  network: the optional summary model (POST, admin's summary_base_url): _ask
+#   line  8487  network: Redis (only when the redis_url valve is set): redis_client
+#   line   429  network: every outbound async HTTP client (TLS context made once, off the loop): async_client
+#   line   600  network: a tiktoken encoding not in its cache (GET, background thread): _download
+#   line   521  file: tiktoken's cache, an encoding file checked: encoding_cached
+#   line   577  file: tiktoken's cache, a downloaded encoding file written: _fetch_into_cache
+#   line  9190  file: the admin's pricing_file valve (read only, checked first): _read_price_file
+#   line 13874  model: Open WebUI's own embedder (app.state.EMBEDDING_FUNCTION): OpenWebUIEmbedder._fetch
 
 
 from __future__ import annotations

@@ -144,14 +144,16 @@ the places in the audit map below opens a connection or a file):
                         with the text of the messages a trim drops; summary_api_key as Bearer.
   openaipublic.blob.core.windows.net
                         GET tiktoken's o200k_base and cl100k_base encodings when they are not in
-                        tiktoken's cache (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache), from a
-                        background thread started when this file is loaded, and written there;
-                        offline, token counts are estimated and say so (tried again after 1 min,
+                        tiktoken's cache (TIKTOKEN_CACHE_DIR, else DATA_GYM_CACHE_DIR, else
+                        <tmp>/data-gym-cache), from a background thread started when this file is
+                        loaded, and written there; offline, token counts are estimated and say so
+                        (a failed fetch is tried again after 1 min,
                         doubling up to 1 h).
   redis_url             only when set: the keys below.
   Open WebUI's embedder with semantic_relevance (on): message text goes to the embedding model
                         Open WebUI uses for RAG (local, or the remote engine configured there).
-Files: it reads the pricing_file valve's path when set, and writes only tiktoken's cache.
+Files: it reads tiktoken's cache (each encoding's file, its sha256 checked) and the pricing_file
+valve's path when set, and writes only tiktoken's cache.
 
 What it stores: in Redis under "contextwarden:" when redis_url is set, else in each worker's
 memory (gone on restart). No message text except summaries. Every key expires:
