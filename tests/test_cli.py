@@ -97,6 +97,21 @@ def test_trim_names_the_option_that_is_wrong(tmp_path, capsys):
     assert "--reserve 2000" in err
 
 
+def test_calibration_is_applied_as_the_filter_applies_it(capsys):
+    """Before: the budget was divided by the raw factor: --calibration 0.5 budgeted 2,400 in a
+    1,200-token window (and sent 2,054 tokens), 2.0 budgeted 600. The filter bounds the effect to
+    0.8-1.5 and never budgets past the window (`calibration.calibrated_budget`)."""
+    budgets = {}
+    for factor in ("0.5", "2.0"):
+        assert main(["trim", str(EXAMPLE), "--max-tokens", "1200", "--calibration", factor, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        budgets[factor] = data["budget"]
+        assert data["tokens_after"] <= 1200
+    assert budgets == {"0.5": 1200, "2.0": 800}
+    assert main(["trim", str(EXAMPLE), "--max-tokens", "1200", "--calibration", "2", "--explain"]) == 0
+    assert "budget 800 = window 1,200, ÷ calibration 1.5" in capsys.readouterr().out
+
+
 def test_version_flag(capsys):
     import contextwarden
 

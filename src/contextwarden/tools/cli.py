@@ -32,7 +32,7 @@ from ..core.tokens import TokenCounter
 from ..core.trim import TrimOptions, TrimResult, trim_messages
 from ..errors import ConfigError
 from ..face.status import savings_status
-from ..money.calibration import MAX_CALIBRATION, MIN_CALIBRATION
+from ..money.calibration import MAX_CALIBRATION, MIN_CALIBRATION, Calibration, calibrated_budget
 from ..money.ledger import LedgerEntry, ledger_totals, read_ledger
 from ..money.pricing import PriceBook, resolve_model
 from ..money.savings import SAVINGS_ASSUMPTION
@@ -182,8 +182,8 @@ def _check_trim_options(args: argparse.Namespace, messages: list[dict[str, Any]]
     if args.reserve < 0:
         raise InputError("--reserve must be 0 or more")
     budget = args.max_tokens - args.reserve
-    if args.calibration:
-        budget = int(budget / args.calibration)
+    if args.calibration:  # as the filter applies it: the effect bounded, never past the window
+        budget = calibrated_budget(budget, Calibration(args.calibration, 1), ceiling=budget)
     if budget <= 0:
         raise InputError(f"--reserve {args.reserve} leaves no budget of --max-tokens {args.max_tokens}")
     return budget
@@ -350,7 +350,7 @@ def _cmd_trim(args: argparse.Namespace) -> int:
             **options,
             window=args.max_tokens if (args.reserve or args.calibration) else None,
             reserve=args.reserve or None,
-            calibration=args.calibration,
+            calibration=Calibration(args.calibration, 1).effect if args.calibration else None,
             price=price,
         )
     if args.json:
@@ -593,7 +593,10 @@ def _add_trim_command(commands: Any) -> None:
     trim.add_argument(
         "--calibration",
         type=float,
-        help="the model's calibration factor (real / counted tokens); the budget is divided by it",
+        help=(
+            "the model's calibration factor (real / counted tokens); the budget is divided by it as the"
+            " filter does: by 0.8 to 1.5 at most, never past the window"
+        ),
     )
     _add_selection_options(trim)
     trim.set_defaults(run=_cmd_trim)
