@@ -228,3 +228,21 @@ async def test_a_failure_to_count_never_costs_the_turn_its_summary(llm, counter,
     assert any(SUMMARY_LABEL in str(m.get("content")) for m in again["messages"])
     assert "contextwarden: summary call not counted (RuntimeError)" in caplog.text
     no_secret(caplog)
+
+
+async def test_a_summary_call_the_spend_totals_refuse_is_named_as_one(llm, counter, caplog, monkeypatch, unique):
+    """The spend write's warning said "reply" for a summary call (its `what` was not passed on)."""
+    llm.post(f"{URL}/chat/completions").mock(return_value=completion(OPENAI_USAGE))
+    f = filter_with(counter, summary_valves())
+
+    async def broken(*args, **kwargs):
+        raise ConnectionError("spend totals down")
+
+    monkeypatch.setattr(f._books._spendbook, "record", broken)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    sent = await f.inlet(
+        {"model": "gpt-4o", "messages": chat_of(20), "metadata": {"chat_id": "c1"}}, __user__=user_of(unique)
+    )
+    assert sent["messages"][1]["content"].startswith(SUMMARY_LABEL)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["contextwarden: summary call not added to the spend totals (ConnectionError)"]

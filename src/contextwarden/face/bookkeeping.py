@@ -528,8 +528,9 @@ class Bookkeeping:
             await _store_failed(exc, settings)
             return None
 
-    async def _record_spend(self, user_id: object, charge: Charge) -> None:
-        """Add a reply to its user's spend totals (what limits read); never costs the reply."""
+    async def _record_spend(self, user_id: object, charge: Charge, what: str = "reply") -> None:
+        """Add a reply (or `what` else was paid for) to its user's spend totals (what limits
+        read); never costs the reply."""
         if not isinstance(user_id, str) or not user_id:
             return
         try:
@@ -537,7 +538,7 @@ class Bookkeeping:
                 self._store, user=user_id, day=self._now().date(), cost_usd=charge.cost_usd, tokens=charge.tokens
             )
         except Exception as exc:
-            books_log.warning("contextwarden: reply not added to the spend totals (%s)", type(exc).__name__)
+            books_log.warning("contextwarden: %s not added to the spend totals (%s)", what, type(exc).__name__)
 
     async def _spend_status(self, settings: Settings, user: dict | None, note: TurnNote, shown: bool) -> str:
         """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
@@ -600,7 +601,7 @@ class Bookkeeping:
             books_log.warning("contextwarden: %s not added to the usage ledger (%s)", what, type(exc).__name__)
         charge = Charge.of(billed, cost.cost_usd)
         if started is None:
-            await self._record_spend(user_id, charge)
+            await self._record_spend(user_id, charge, what)
             return
         async with started.settling:  # after a sweep settling it now, so its ledger entry is taken back
             if recorded:
