@@ -4,8 +4,10 @@ A mocked endpoint (respx) with OpenAI's reply shape; the in-process store and a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -16,11 +18,13 @@ from test_summarize import OPENAI_USAGE
 from test_summarize import completion as openai_completion
 
 import contextwarden.face.bookkeeping as bookkeeping_module
+import contextwarden.face.summarize as summarize_module
 from contextwarden.errors import TurnRefused
-from contextwarden.face.summarize import SUMMARY_LABEL
+from contextwarden.face.summarize import SUMMARY_LABEL, SummaryCall, SummaryConfig, summarize_messages
 from contextwarden.money.ledger import read_ledger, read_month
 from contextwarden.money.records import UsageRecord
 from contextwarden.money.spendbook import SpendBook
+from contextwarden.state.store import MemoryStore
 
 from helpers import chat_of, make_filter, store_of, usage_records
 from turns import reply_of, run_turn
@@ -32,6 +36,7 @@ SUMMARY = "The user asked twenty questions about lorem ipsum; the answers were d
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
 # gpt-4o-mini in the bundled table: $0.15 per 1M prompt tokens, $0.60 per 1M completion tokens.
 MINI_COST = D(812) * D("0.00000015") + D(19) * D("0.0000006")
+DROPPED_TEXT = [{"role": "user", "content": "My cat is called Ada."}]
 
 
 def completion(usage: dict | None) -> httpx.Response:
@@ -246,3 +251,197 @@ async def test_a_summary_call_the_spend_totals_refuse_is_named_as_one(llm, count
     assert sent["messages"][1]["content"].startswith(SUMMARY_LABEL)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["contextwarden: summary call not added to the spend totals (ConnectionError)"]
+
+
+# What a provider's API answers when it fails or refuses (OpenAI's error bodies, as returned).
+OPENAI_500 = {
+    "error": {
+        "message": "The server had an error while processing your request. Sorry about that!",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+}
+OPENAI_429 = {
+    "error": {
+        "message": "Rate limit reached for gpt-4o-mini in organization org-AbC123 on tokens per min (TPM): "
+        "Limit 200000, Used 199856, Requested 812. Please try again in 200ms. Visit "
+        "https://platform.openai.com/account/rate-limits to learn more.",
+        "type": "tokens",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
+}
+OPENAI_401 = {
+    "error": {
+        "message": "Incorrect API key provided: sk-test-**************6789. You can find your API key at "
+        "https://platform.openai.com/account/api-keys.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
+# A reasoning model that spent the whole max_tokens thinking: 200, empty content, real usage.
+THOUGHT_ONLY_USAGE = {
+    "prompt_tokens": 812,
+    "completion_tokens": 120,
+    "total_tokens": 932,
+    "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+    "completion_tokens_details": {
+        "reasoning_tokens": 120,
+        "audio_tokens": 0,
+        "accepted_prediction_tokens": 0,
+        "rejected_prediction_tokens": 0,
+    },
+}
+
+
+def thought_only() -> httpx.Response:
+    response = openai_completion("", THOUGHT_ONLY_USAGE)
+    body = json.loads(response.content)
+    body["choices"][0]["finish_reason"] = "length"
+    return httpx.Response(200, json=body, headers={"content-type": "application/json"})
+
+
+ASKED: list[httpx.Request] = []  # what a hanging endpoint got (respx records a call once it is answered)
+
+
+async def never_answers(request):
+    ASKED.append(request)
+    await asyncio.Event().wait()
+
+
+def asked(route) -> list[httpx.Request]:
+    """What the route was asked, answered or not."""
+    return [call.request for call in route.calls] + ASKED
+
+
+SENT_THEN_FAILED = {  # the request was written whole: the provider may have run it
+    "read timeout": {"side_effect": httpx.ReadTimeout("timed out")},
+    "no answer within summary_timeout_seconds": {"side_effect": never_answers},
+    "connection dropped": {"side_effect": httpx.RemoteProtocolError("Server disconnected without sending a response.")},
+    "HTTP 500 with OpenAI's body": {"return_value": httpx.Response(500, json=OPENAI_500)},
+    "HTTP 502 without a body": {"return_value": httpx.Response(502)},
+    "200 that is not JSON": {"return_value": httpx.Response(200, text="<html>upstream error</html>")},
+}
+NEVER_RUN = {  # nothing reached the provider, or it refused the request: no cost
+    "connection refused": {"side_effect": httpx.ConnectError("[Errno 111] Connection refused")},
+    "connect timeout": {"side_effect": httpx.ConnectTimeout("timed out")},
+    "HTTP 429": {"return_value": httpx.Response(429, json=OPENAI_429)},
+    "HTTP 401": {"return_value": httpx.Response(401, json=OPENAI_401)},
+}
+
+
+@pytest.mark.parametrize("mock", SENT_THEN_FAILED.values(), ids=SENT_THEN_FAILED.keys())
+async def test_a_call_that_failed_after_it_was_sent_is_charged_the_most_it_can_cost(
+    llm, counter, caplog, store_valves, unique, mock
+):
+    """Before: not counted at all, though the provider may bill it (it generated tokens until the
+    timeout). Now: the prompt sent (our count) and the summary_max_tokens asked for (120), marked
+    estimated, shape `upper_bound`, in the usage line, the ledger and the user's spend."""
+    ASKED.clear()
+    route = llm.post(f"{URL}/chat/completions").mock(**mock)
+    f = filter_with(counter, {**store_valves, **summary_valves(summary_timeout_seconds=0.3)})
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    run = await run_turn(f, chat_of(20), user=user, chat_id=f"c-{unique}")
+    assert not any(SUMMARY_LABEL in str(m.get("content")) for m in run.after_request["messages"])
+    [request] = asked(route)  # the request pass does not ask again (the failure is remembered)
+    sent = json.loads(request.content)["messages"]
+    prompt = counter.count_messages(sent, "gpt-4o-mini")
+    cost = prompt * D("0.00000015") + 120 * D("0.0000006")
+    [line] = summary_lines(caplog)
+    assert (line["prompt_tokens"], line["completion_tokens"], line["estimated"]) == (prompt, 120, True) and prompt > 100
+    assert line["usage_shape"] == "upper_bound" and D(line["cost_usd"]) == cost
+    rows = {(e.user, e.model): e for e in await read_ledger(f.store)}
+    mini = rows[(user["id"], "openai/gpt-4o-mini")]
+    assert (mini.counters["requests"], mini.counters["estimated"], mini.cost_usd) == (1, 1, cost)
+    assert (mini.counters["prompt_tokens"], mini.counters["completion_tokens"]) == (prompt, 120)
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.usd == cost + rows[(user["id"], "openai/gpt-4o")].cost_usd and day.requests == 2
+    no_secret(caplog)
+
+
+@pytest.mark.parametrize("mock", NEVER_RUN.values(), ids=NEVER_RUN.keys())
+async def test_a_call_never_sent_or_refused_costs_nothing(llm, counter, caplog, store_valves, unique, mock):
+    route = llm.post(f"{URL}/chat/completions").mock(**mock)
+    f = filter_with(counter, {**store_valves, **summary_valves()})
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(f, chat_of(20), user=user, chat_id=f"c-{unique}")
+    assert route.call_count == 1 and summary_lines(caplog) == []
+    assert {e.model for e in await read_ledger(f.store) if e.user == user["id"]} == {"openai/gpt-4o"}
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert day.requests == 1
+    no_secret(caplog)
+
+
+async def test_a_reply_that_is_all_thinking_is_charged_its_real_usage(llm, counter, caplog, unique):
+    """A 200 with empty content (a reasoning model spent max_tokens thinking) was dropped as a
+    failure and not counted; the provider billed its 812 + 120 tokens, which are now counted."""
+    llm.post(f"{URL}/chat/completions").mock(return_value=thought_only())
+    f = filter_with(counter, summary_valves())
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await run_turn(f, chat_of(20), user=user_of(unique))
+    [line] = summary_lines(caplog)
+    assert (line["prompt_tokens"], line["completion_tokens"], line["reasoning_tokens"]) == (812, 120, 120)
+    assert line["estimated"] is False and line["usage_shape"] == "openai"
+    assert D(line["cost_usd"]) == D(812) * D("0.00000015") + D(120) * D("0.0000006")
+
+
+async def test_calls_never_started_cost_nothing_and_a_hung_one_is_charged_once(llm, counter, monkeypatch):
+    """While a call hangs, the other turns start none (in-flight limit, then the back-off after
+    it fails): of 21 turns, one call, charged once at its bound; the 20 turns are not charged."""
+    monkeypatch.setattr(summarize_module, "SUMMARY_SLOW_SECONDS", 0.05)
+    ASKED.clear()
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=never_answers)
+    spent: list[SummaryCall] = []
+
+    async def spend(call: SummaryCall) -> None:
+        spent.append(call)
+
+    config = SummaryConfig(base_url=URL, model="gpt-4o-mini", timeout=0.3, max_tokens=120, spent=spend)
+    store = MemoryStore()
+    hung = asyncio.ensure_future(summarize_messages([{"role": "user", "content": "hung"}], config=config, store=store))
+    await asyncio.sleep(0.1)
+    for i in range(10):
+        assert await summarize_messages([{"role": "user", "content": f"busy {i}"}], config=config, store=store) is None
+    assert await hung is None
+    for i in range(10):
+        assert await summarize_messages([{"role": "user", "content": f"later {i}"}], config=config, store=store) is None
+    assert len(asked(route)) == 1 and len(spent) == 1
+    [call] = spent
+    assert (call.reply, call.usage, call.max_tokens, call.sent[1]["content"]) == (None, None, 120, "user: hung")
+
+
+async def test_a_real_socket_tells_a_request_sent_from_one_never_sent(counter):
+    """Without a mock: a server that reads the request and never answers is charged (the
+    request was written whole); a port nobody listens on is not (nothing was sent)."""
+    received = asyncio.Event()
+
+    async def reads_and_hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        received.set()
+        await asyncio.Event().wait()
+
+    spent: list[SummaryCall] = []
+
+    async def spend(call: SummaryCall) -> None:
+        spent.append(call)
+
+    server = await asyncio.start_server(reads_and_hangs, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        config = SummaryConfig(f"http://127.0.0.1:{port}/v1", "gpt-4o-mini", timeout=0.3, max_tokens=120, spent=spend)
+        assert await summarize_messages(DROPPED_TEXT, config=config, store=MemoryStore()) is None
+        assert received.is_set() and [c.reply for c in spent] == [None]
+    finally:
+        server.close()
+    with socket.socket() as probe:  # a port that was free a moment ago: connection refused
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    config = SummaryConfig(f"http://127.0.0.1:{closed}/v1", "gpt-4o-mini", timeout=0.3, max_tokens=120, spent=spend)
+    assert await summarize_messages(DROPPED_TEXT, config=config, store=MemoryStore()) is None
+    assert len(spent) == 1

@@ -232,20 +232,23 @@ class Bookkeeping:
         return replace(settings, summary=replace(settings.summary, spent=spent))
 
     async def summary_call(self, settings: Settings, user: dict | None, chat_id: str | None, call: SummaryCall) -> None:
-        """A summary call the endpoint answered, as a cost of the turn's user: its usage (estimated
-        from what was sent and received when it reported none), priced for the summary model,
-        logged (`usage {json}`, `call: summary`), added to the ledger under that model and to the
-        user's spend for the day (what limits read), each whether or not the other was. Raises
-        on anything else: its caller (`summarize._count_call`) warns once and keeps the summary."""
+        """A summary call the provider may bill, as a cost of the turn's user: its usage (estimated
+        from what was sent and received when it reported none; one that failed after it was sent,
+        from what was sent and the `max_tokens` asked for, the most it can cost), priced for the
+        summary model, logged (`usage {json}`, `call: summary`), added to the ledger under that
+        model and to the user's spend for the day (what limits read), each whether or not the
+        other was. Raises on anything else: its caller (`summarize._count_call`) warns once and
+        keeps the summary."""
         user_id = (user or {}).get("id")
         resolution = await self._resolve(settings, call.model, None)
         rejected: list[str] = []
         usage = read_usage({"usage": call.usage}, rejected)
         if rejected:
             self._warn_once(f"contextwarden: summary usage not believed ({', '.join(rejected[:6])}); estimated instead")
-        messages = [*call.sent, {"role": "assistant", "content": call.reply}]
+        messages = [*call.sent, {"role": "assistant", "content": call.reply or ""}]
+        at_most = call.max_tokens if call.reply is None else None  # no summary came back: the most it can be
         billed, estimated = await compute(
-            heavy(messages), billed_usage, self._counter, usage, None, messages, call.model
+            heavy(messages), billed_usage, self._counter, usage, None, messages, call.model, at_most
         )
         cost = compute_cost(billed, resolution.price)
         record = usage_record(

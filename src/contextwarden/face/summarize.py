@@ -4,9 +4,9 @@ The summary goes in as a labelled user-role note where the dropped history was: 
 the system prompt(s), before the first message kept (see `insert_summary` for why there and
 why not a system message). It is counted against the budget: the chat is trimmed again with
 room for it, and when it still does not fit, or the call fails or times out, the trim goes on
-without it. Each call the endpoint answers is handed to `SummaryConfig.spent`, which counts
-what it cost (usage line, ledger, the user's spend). The API key never reaches a log line, a
-status or an exception message.
+without it. Each call the provider may bill (one it answered, or one that failed after its
+request was sent) is handed to `SummaryConfig.spent`, which counts what it cost (usage line,
+ledger, the user's spend). The API key never reaches a log line, a status or an exception message.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -96,24 +96,40 @@ SUMMARY_PROMPT = (
     "Reply with the summary only."
 )
 _CACHED, _FAILED = b"ok:", b"failed"
+# Failures that happen only before the request is written whole, or while it is: the provider ran
+# nothing and bills nothing (a partial body is no request). Other failures of a request written
+# whole (a read timeout, a dropped connection, a 5xx, a reply that cannot be used) are billed.
+_NOT_SENT = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ProxyError,
+    httpx.UnsupportedProtocol,
+    httpx.LocalProtocolError,
+    httpx.WriteError,
+    httpx.WriteTimeout,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class SummaryCall:
-    """One call the endpoint answered with a summary (never one served from the cache): what was
-    sent, the reply's text as received and its `usage` as the JSON held it (None: none), to be
-    counted as the turn's user's cost. Text, never to be logged."""
+    """One call the provider may bill (never a summary served from the cache), to be counted as
+    the turn's user's cost: what was sent, the reply's text as received (None: no summary came
+    back, the call failed after its request was sent), its `usage` as the JSON held it (None:
+    none), and the `max_tokens` asked for (the most a reply that never came can cost). Text,
+    never to be logged."""
 
     model: str
     sent: tuple[Message, ...]
-    reply: str
+    reply: str | None
     usage: object
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class SummaryConfig:
     """Where and how to summarize; `ttl` is how long a summary stays cached (seconds); `spent`
-    is told of each call the endpoint answered (the bookkeeping counts its cost; `_count_call` guards it)."""
+    is told of each call the provider may bill (the bookkeeping counts its cost; `_count_call` guards it)."""
 
     base_url: str
     model: str
@@ -342,14 +358,14 @@ def _answered(endpoint: str, seconds: float) -> None:
     _paces.setdefault(endpoint, deque(maxlen=SUMMARY_PACE_CALLS)).append(seconds)
 
 
-async def _in_flight(config: SummaryConfig, transcript: str) -> SummaryCall:
+async def _in_flight(config: SummaryConfig, request: _Request) -> SummaryCall:
     """`_ask` within `config.timeout`, counted among the endpoint's calls in flight meanwhile;
     the time an answer took is noted as the endpoint's pace."""
     started = _pending.setdefault(config.base_url, [])
     at = time.monotonic()
     started.append(at)
     try:
-        call = await asyncio.wait_for(_ask(config, transcript), timeout=config.timeout)
+        call = await asyncio.wait_for(_ask(config, request), timeout=config.timeout)
         _answered(config.base_url, time.monotonic() - at)
         return call
     finally:
@@ -359,35 +375,75 @@ async def _in_flight(config: SummaryConfig, transcript: str) -> SummaryCall:
 
 
 class _SummaryFailed(Exception):
-    """The endpoint answered, but not with a summary (the message names only the kind)."""
+    """The endpoint answered, but not with a summary (the message names only the kind): `refused`
+    when it said it ran nothing (a status under 500), `usage` what a 200 reply held of it."""
+
+    def __init__(self, kind: str, *, refused: bool = False, usage: object = None) -> None:
+        super().__init__(kind)
+        self.refused = refused
+        self.usage = usage
 
 
-async def _ask(config: SummaryConfig, transcript: str) -> SummaryCall:
+class _Request:
+    """One call's request: the messages sent and their JSON, handed to httpx as a stream so that
+    `sent` says whether all of it was written (httpcore asks for more only after a write)."""
+
+    __slots__ = ("messages", "data", "sent")
+
+    def __init__(self, config: SummaryConfig, transcript: str) -> None:
+        self.messages: tuple[Message, ...] = (
+            {"role": "system", "content": SUMMARY_PROMPT},
+            {"role": "user", "content": transcript},
+        )
+        payload = {
+            "model": config.model,
+            "messages": list(self.messages),
+            "max_tokens": config.max_tokens,
+            "temperature": 0,
+            "stream": False,
+        }
+        # as httpx's `json=` writes it (raises on a lone surrogate, before anything is sent)
+        self.data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        self.sent = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.data
+        self.sent = True
+
+    def billed(self, config: SummaryConfig, exc: Exception) -> SummaryCall | None:
+        """The call a failure `exc` may still be billed for: the request was written whole and
+        the provider did not refuse it (a timeout, a dropped connection, a 5xx, a reply that
+        cannot be used); None when it ran nothing (not sent, or refused with a status under 500)."""
+        if not self.sent or isinstance(exc, _NOT_SENT) or (isinstance(exc, _SummaryFailed) and exc.refused):
+            return None
+        usage = exc.usage if isinstance(exc, _SummaryFailed) else None
+        return SummaryCall(config.model, self.messages, None, usage, config.max_tokens)
+
+
+async def _ask(config: SummaryConfig, request: _Request) -> SummaryCall:
     """One chat completion; raises on any failure (callers log its kind, never its text)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     headers["Accept-Encoding"] = "identity"  # the reply is read as sent, within the cap (`_read`)
-    sent: tuple[Message, ...] = ({"role": "system", "content": SUMMARY_PROMPT}, {"role": "user", "content": transcript})
-    payload = {
-        "model": config.model,
-        "messages": list(sent),
-        "max_tokens": config.max_tokens,
-        "temperature": 0,
-        "stream": False,
-    }
+    headers |= {"Content-Type": "application/json", "Content-Length": str(len(request.data))}
     async with await async_client(timeout=config.timeout) as client:  # its TLS context made off the loop
         url = config.base_url.rstrip("/") + "/chat/completions"
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
-            if response.status_code != 200:
-                raise _SummaryFailed(f"HTTP {response.status_code}")
+        async with client.stream("POST", url, content=request, headers=headers) as response:
+            status = response.status_code
+            if status != 200:
+                raise _SummaryFailed(f"HTTP {status}", refused=status < 500)
             body = await _read(response)
     try:
         reply = json.loads(body)
-        text = reply["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except ValueError:
         raise _SummaryFailed("unreadable reply") from None
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    try:
+        text = reply["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise _SummaryFailed("unreadable reply", usage=usage) from None
     if not isinstance(text, str) or not text.strip():
-        raise _SummaryFailed("empty reply")
-    return SummaryCall(config.model, sent, text, reply.get("usage"))
+        raise _SummaryFailed("empty reply", usage=usage)  # a reasoning model's whole max_tokens thinking
+    return SummaryCall(config.model, request.messages, text, usage, config.max_tokens)
 
 
 async def _read(response: httpx.Response) -> bytes:
@@ -413,8 +469,9 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     a failure is logged as one warning naming its kind and is not retried for a minute. No call
     starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for
     `SUMMARY_SLOW_SECONDS`): None at once. A call
-    the endpoint answered is told to `config.spent` (its cost is the turn's user's); a summary
-    from the cache costs nothing.
+    the provider may bill is told to `config.spent` (its cost is the turn's user's): one it
+    answered, and one that failed after its request was written whole unless it was refused
+    (a status under 500); a summary from the cache, or a call never sent, costs nothing.
 
     Args:
         messages: the messages to condense (what a trim dropped).
@@ -438,23 +495,27 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     if _busy(config.base_url):
         summarize_log.debug("contextwarden: summary endpoint busy with slow calls; trimmed without a summary")
         return None
+    request: _Request | None = None
     try:
-        call = await _in_flight(config, transcript)
+        request = _Request(config, transcript)
+        call = await _in_flight(config, request)
     except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
         reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
         _endpoint_failed(config.base_url)
         summarize_log.warning("contextwarden: summary skipped (%s); trimmed without one", reason)
         await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
+        if request is not None and (billed := request.billed(config, exc)) is not None:
+            await _count_call(config, billed)
         return None
     _backoff.pop(config.base_url, None)
-    text = call.reply.strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
+    text = (call.reply or "").strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
     await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
     await _count_call(config, call)
     return text
 
 
 async def _count_call(config: SummaryConfig, call: SummaryCall) -> None:
-    """Tell `config.spent` of a call the endpoint answered; a failure there never costs the summary."""
+    """Tell `config.spent` of a call the provider may bill; a failure there never costs the summary."""
     if config.spent is None:
         return
     try:

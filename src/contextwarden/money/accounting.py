@@ -98,10 +98,17 @@ def trim_savings(untrimmed: int, sent: int, factor: float, resolution: Resolutio
 
 
 def billed_usage(
-    counter: TokenCounter, usage: Usage | None, estimated_prompt: int | None, messages: list[dict], model_id: str
+    counter: TokenCounter,
+    usage: Usage | None,
+    estimated_prompt: int | None,
+    messages: list[dict],
+    model_id: str,
+    reply_at_most: int | None = None,
 ) -> tuple[Usage, Estimated]:
     """The usage to log and bill: the backend's, with what it left out estimated, and which of the
-    two counts that is (a count the backend did report stays its own, unmarked)."""
+    two counts that is (a count the backend did report stays its own, unmarked). `reply_at_most`:
+    no reply came back (a summary call that failed after it was sent), so a completion not
+    reported is billed at this, the most it can be (shape `upper_bound` when nothing was)."""
     prompt = usage.prompt_tokens if usage is not None else None
     completion = usage.completion_tokens if usage is not None else None
     estimated = Estimated(prompt=prompt is None, completion=completion is None)
@@ -109,10 +116,12 @@ def billed_usage(
         return usage, estimated
     if prompt is None:
         prompt = estimated_prompt if estimated_prompt is not None else counter.count_messages(messages[:-1], model_id)
-    if completion is None:
+    if completion is None and reply_at_most is not None:
+        completion = reply_at_most
+    elif completion is None:
         completion = counter.count_text(message_text(messages[-1]), model_id)
     if usage is None:
-        return Usage(prompt, completion, shape="estimate"), estimated
+        return Usage(prompt, completion, shape="estimate" if reply_at_most is None else "upper_bound"), estimated
     return with_counts(usage, prompt, completion), estimated
 
 
