@@ -146,6 +146,25 @@ def test_json_by_user_is_exact(seeded, capsys):
     assert document["total"]["cost_usd"] == "0.01575" and document["total"]["prompt_tokens"] == 4400
 
 
+def test_json_states_the_days_it_covers(seeded, capsys):
+    """`--format json` said `since` but not `until`: a report of days 1-2 of 3 read like one of
+    every day from day 1 on. It states both bounds of the days read; `null` is no bound."""
+    start, url = seeded["start"], seeded["url"]
+    second, third = ((start + timedelta(days=n)).isoformat() for n in (1, 2))
+    code, out, _ = run(
+        capsys, "--redis-url", url, "--by", "day", "--since", seeded["since"], "--until", second, "--format", "json"
+    )
+    document = json.loads(out)
+    assert code == 0 and (document["since"], document["until"]) == (seeded["since"], second)
+    assert [r["key"] for r in document["rows"]] == [seeded["since"], second]
+    document = json.loads(run(capsys, "--redis-url", url, "--by", "day", "--since", second, "--format", "json")[1])
+    assert (document["since"], document["until"]) == (second, None) and third in [r["key"] for r in document["rows"]]
+    document = json.loads(run(capsys, "--redis-url", url, "--by", "day", "--until", second, "--format", "json")[1])
+    assert (document["since"], document["until"]) == (None, second) and third not in [
+        r["key"] for r in document["rows"]
+    ]
+
+
 def test_csv_by_day_and_since(seeded, capsys):
     later = (seeded["start"] + timedelta(days=1)).isoformat()
     code, out, _ = run(

@@ -525,7 +525,7 @@ def _cmd_usage(args: argparse.Namespace) -> int:
         print(f"wrote {args.html} ({len(entries):,} day/user/model totals)", file=sys.stderr)
     rows = ledger_totals(entries, args.by)
     if args.format == "json":
-        print(render_json(rows, args.by, args.since))
+        print(render_json(rows, args.by, args.since, args.until))
     elif args.format == "csv":
         sys.stdout.write(render_csv(rows, args.by))
     else:

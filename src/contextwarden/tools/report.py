@@ -160,12 +160,14 @@ def _honest(row: LedgerRow) -> dict[str, object]:
     return data
 
 
-def render_json(rows: Sequence[LedgerRow], by: str, since: date | None) -> str:
-    """`{"by", "since", "rows": [...], "total": {...}}`; costs as exact decimal strings, `null`
-    when unknown (`cost_complete` false when some replies had no price)."""
+def render_json(rows: Sequence[LedgerRow], by: str, since: date | None, until: date | None = None) -> str:
+    """`{"by", "since", "until", "rows": [...], "total": {...}}`: the UTC days read, first and
+    last (`null`: no bound, every day kept); costs as exact decimal strings, `null` when unknown
+    (`cost_complete` false when some replies had no price)."""
     document = {
         "by": by,
         "since": since.isoformat() if since else None,
+        "until": until.isoformat() if until else None,
         "rows": [_honest(row) for row in rows],
         "total": _honest(_report_total(rows)),
     }
