@@ -218,6 +218,75 @@ def test_litellm_top_level_cache_writes_are_billed_as_writes(prices, with_detail
     assert compute_cost(read, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.03")
 
 
+# Anthropic's own usage of one call (BerriAI/litellm issue 9812, verbatim; its billing console:
+# 12,304 written $0.04614, 550 out $0.00825, $0.05439 in all) as LiteLLM's mid-2025 revision of
+# anthropic/chat/transformation.py `calculate_usage` reported it: prompt_tokens = input_tokens +
+# cache_read_input_tokens (its writes left out), details with cached_tokens only, both cache keys
+# at the top level; Open WebUI adds input/output_tokens.
+ANTHROPIC_9812 = {
+    "input_tokens": 3,
+    "cache_creation_input_tokens": 12304,
+    "cache_read_input_tokens": 0,
+    "output_tokens": 550,
+}
+LITELLM_MID_2025_USAGE = {
+    "completion_tokens": 550,
+    "prompt_tokens": 3,
+    "total_tokens": 553,
+    "completion_tokens_details": None,
+    "prompt_tokens_details": {"audio_tokens": None, "cached_tokens": 0, "text_tokens": None, "image_tokens": None},
+    "cache_creation_input_tokens": 12304,
+    "cache_read_input_tokens": 0,
+}
+
+
+@pytest.mark.parametrize("open_webui", [False, True])
+def test_litellm_usage_that_left_its_cache_writes_out_of_prompt_tokens(prices, open_webui):
+    """Before: the 12,304 writes were counted only up to prompt_tokens (3): $0.00826125, 15% of
+    what Anthropic billed. Writes above prompt_tokens cannot be inside it: they are added."""
+    block = dict(LITELLM_MID_2025_USAGE)
+    if open_webui:
+        block |= {"input_tokens": 3, "output_tokens": 550}
+    usage = normalize_usage(block)
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens) == (12307, 0, 12304)
+    assert (usage.completion_tokens, usage.total_tokens, usage.shape) == (550, 12857, "openai")
+    cost = compute_cost(usage, prices["anthropic/claude-sonnet-4.5"])  # Sonnet 3.7's prices
+    #  3 x 0.000003 + 12304 x 0.00000375 + 550 x 0.000015 = 0.000009 + 0.04614 + 0.00825
+    assert (cost.cost_usd, cost.notes) == (D("0.054399"), ())
+    native = compute_cost(normalize_usage(ANTHROPIC_9812), prices["anthropic/claude-sonnet-4.5"])
+    assert native.cost_usd == cost.cost_usd  # as Anthropic's own shape reads
+
+
+def test_litellm_mid_2025_usage_with_reads_costs_what_the_later_revision_says(prices):
+    """The call of LITELLM_ANTHROPIC_USAGE (10 in, 66,360 read, 32,435 written) as the mid-2025
+    revision reported it: prompt_tokens 66,370. It costs the same as the v1.80.11 block."""
+    usage = normalize_usage(
+        {
+            "completion_tokens": 5120,
+            "prompt_tokens": 66370,
+            "total_tokens": 71490,
+            "prompt_tokens_details": {"cached_tokens": 66360},
+            "cache_creation_input_tokens": 32435,
+            "cache_read_input_tokens": 66360,
+        }
+    )
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens) == (98805, 66360, 32435)
+    assert compute_cost(usage, prices["anthropic/claude-sonnet-4.5"]).cost_usd == D("0.21836925")
+
+
+def test_only_litellm_top_level_writes_are_put_back_into_the_prompt(prices):
+    """Writes in prompt_tokens_details are inside prompt_tokens by every revision that sends them
+    (OpenRouter's cache_write_tokens, LiteLLM's cache_creation_tokens): more than the prompt
+    there is counted up to it, as before."""
+    usage = normalize_usage(
+        {"prompt_tokens": 3, "completion_tokens": 550, "prompt_tokens_details": {"cache_creation_tokens": 12304}}
+    )
+    assert (usage.prompt_tokens, usage.cache_write_tokens) == (3, 3)
+    assert compute_cost(usage, prices["anthropic/claude-sonnet-4.5"]).notes == ()
+    over = normalize_usage({"prompt_tokens": 100, "completion_tokens": 5, "cache_read_input_tokens": 300})
+    assert (over.prompt_tokens, over.cached_tokens) == (100, 100)  # reads are always inside: no writes to add
+
+
 def test_litellm_one_hour_cache_writes(prices):
     usage = normalize_usage(
         {

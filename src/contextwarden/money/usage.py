@@ -274,6 +274,10 @@ def _read_openai_like(fields: _Fields) -> Usage:
     )
     total = fields.count("total_tokens")
     reasoning = fields.count("reasoning_tokens", "completion_tokens_details")
+    cached, written, written_1h, top_level = _openai_cache_counts(fields)
+    if top_level and prompt is not None and written and (cached or 0) <= prompt < (cached or 0) + written:
+        prompt += written  # LiteLLM's mid-2025 Anthropic usage: prompt and total left its writes out
+        total = None if total is None else total + written
     is_openrouter = "cost" in usage or "is_byok" in usage
     shape = (
         "openrouter"
@@ -287,7 +291,6 @@ def _read_openai_like(fields: _Fields) -> Usage:
         completion = total - prompt
         reasoning = max(reasoning or 0, gap)
         shape = "gemini" if not is_openrouter else shape
-    cached, written, written_1h = _openai_cache_counts(fields)
     return Usage(
         prompt,
         completion,
@@ -303,33 +306,37 @@ def _read_openai_like(fields: _Fields) -> Usage:
     )
 
 
-def _openai_cache_counts(fields: _Fields) -> tuple[int | None, int | None, int | None]:
-    """Cache reads, writes and 1-hour writes of an OpenAI-shaped usage, all within prompt_tokens.
-    OpenRouter: `prompt_tokens_details.cache_write_tokens`. LiteLLM (Anthropic behind its OpenAI
-    API): `prompt_tokens_details.cache_creation_tokens` (newer) or top-level
-    `cache_creation_input_tokens` / `cache_read_input_tokens`, its 1-hour writes in
-    `prompt_tokens_details.cache_creation_token_details`."""
+def _openai_cache_counts(fields: _Fields) -> tuple[int | None, int | None, int | None, bool]:
+    """Cache reads, writes and 1-hour writes of an OpenAI-shaped usage, and whether the writes
+    are only LiteLLM's top-level key. OpenRouter: `prompt_tokens_details.cache_write_tokens`.
+    LiteLLM (Anthropic behind its OpenAI API): `prompt_tokens_details.cache_creation_tokens`
+    (newer) or top-level `cache_creation_input_tokens` / `cache_read_input_tokens`, its 1-hour
+    writes in `prompt_tokens_details.cache_creation_token_details`.
+
+    All are within prompt_tokens, but for one LiteLLM revision: its Anthropic transformation
+    (llms/anthropic/chat/transformation.py) made prompt_tokens input + reads + writes before and
+    after mid-2025, and input + reads in between (writes in the top-level key alone: a call
+    Anthropic billed $0.05439, 3 in, 12,304 written, 550 out, read as $0.0083). The keys are
+    the same, so only the counts tell: reads and writes above prompt_tokens cannot both be in
+    it, and every revision counts the reads in (`_read_openai_like` adds the writes back)."""
     details = "prompt_tokens_details"
     cached = fields.count("cached_tokens", details)
     if cached is None:
         cached = fields.count("cache_read_input_tokens")
-    written = next(
+    detailed = next(
         (
             count
-            for count in (
-                fields.count("cache_write_tokens", details),
-                fields.count("cache_creation_tokens", details),
-                fields.count("cache_creation_input_tokens"),
-            )
+            for count in (fields.count("cache_write_tokens", details), fields.count("cache_creation_tokens", details))
             if count is not None
         ),
         None,
     )
+    written = detailed if detailed is not None else fields.count("cache_creation_input_tokens")
     split = fields.usage.get(details)
     hour = None
     if isinstance(split, Mapping):
         hour = _Fields(split, fields.rejected).count("ephemeral_1h_input_tokens", "cache_creation_token_details")
-    return cached, written, hour
+    return cached, written, hour, detailed is None and written is not None
 
 
 def normalize_usage(usage: Mapping, rejected: list[str] | None = None) -> Usage | None:
