@@ -320,15 +320,15 @@ SENT_THEN_FAILED = {  # the request was written whole: the provider may have run
     "read timeout": {"side_effect": httpx.ReadTimeout("timed out")},
     "no answer within summary_timeout_seconds": {"side_effect": never_answers},
     "connection dropped": {"side_effect": httpx.RemoteProtocolError("Server disconnected without sending a response.")},
-    "HTTP 500 with OpenAI's body": {"return_value": httpx.Response(500, json=OPENAI_500)},
-    "HTTP 502 without a body": {"return_value": httpx.Response(502)},
     "200 that is not JSON": {"return_value": httpx.Response(200, text="<html>upstream error</html>")},
 }
-NEVER_RUN = {  # nothing reached the provider, or it refused the request: no cost
+NEVER_RUN = {  # nothing reached the provider, or it answered that it failed: no cost
     "connection refused": {"side_effect": httpx.ConnectError("[Errno 111] Connection refused")},
     "connect timeout": {"side_effect": httpx.ConnectTimeout("timed out")},
     "HTTP 429": {"return_value": httpx.Response(429, json=OPENAI_429)},
     "HTTP 401": {"return_value": httpx.Response(401, json=OPENAI_401)},
+    "HTTP 500 with OpenAI's body": {"return_value": httpx.Response(500, json=OPENAI_500)},
+    "HTTP 502 without a body": {"return_value": httpx.Response(502)},
 }
 
 

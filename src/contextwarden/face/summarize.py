@@ -98,7 +98,8 @@ SUMMARY_PROMPT = (
 _CACHED, _FAILED = b"ok:", b"failed"
 # Failures that happen only before the request is written whole, or while it is: the provider ran
 # nothing and bills nothing (a partial body is no request). Other failures of a request written
-# whole (a read timeout, a dropped connection, a 5xx, a reply that cannot be used) are billed.
+# whole (a read timeout, a dropped connection, a 200 that cannot be used) are billed; an
+# answer with another status is the provider saying it failed, which it does not bill.
 _NOT_SENT = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -376,7 +377,7 @@ async def _in_flight(config: SummaryConfig, request: _Request) -> SummaryCall:
 
 class _SummaryFailed(Exception):
     """The endpoint answered, but not with a summary (the message names only the kind): `refused`
-    when it said it ran nothing (a status under 500), `usage` what a 200 reply held of it."""
+    when it said it failed (any status but 200: nothing billed), `usage` what a 200 reply held of it."""
 
     def __init__(self, kind: str, *, refused: bool = False, usage: object = None) -> None:
         super().__init__(kind)
@@ -412,8 +413,8 @@ class _Request:
 
     def billed(self, config: SummaryConfig, exc: Exception) -> SummaryCall | None:
         """The call a failure `exc` may still be billed for: the request was written whole and
-        the provider did not refuse it (a timeout, a dropped connection, a 5xx, a reply that
-        cannot be used); None when it ran nothing (not sent, or refused with a status under 500)."""
+        the provider did not answer that it failed (a timeout, a dropped connection, a 200 that
+        cannot be used); None when it billed nothing (not sent, or answered with another status)."""
         if not self.sent or isinstance(exc, _NOT_SENT) or (isinstance(exc, _SummaryFailed) and exc.refused):
             return None
         usage = exc.usage if isinstance(exc, _SummaryFailed) else None
@@ -430,7 +431,7 @@ async def _ask(config: SummaryConfig, request: _Request) -> SummaryCall:
         async with client.stream("POST", url, content=request, headers=headers) as response:
             status = response.status_code
             if status != 200:
-                raise _SummaryFailed(f"HTTP {status}", refused=status < 500)
+                raise _SummaryFailed(f"HTTP {status}", refused=True)
             body = await _read(response)
     try:
         reply = json.loads(body)
@@ -470,8 +471,9 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for
     `SUMMARY_SLOW_SECONDS`): None at once. A call
     the provider may bill is told to `config.spent` (its cost is the turn's user's): one it
-    answered, and one that failed after its request was written whole unless it was refused
-    (a status under 500); a summary from the cache, or a call never sent, costs nothing.
+    answered, and one that failed after its request was written whole without an answer (or
+    with a 200 that cannot be used); a summary from the cache, a call never sent or one answered
+    with an error status costs nothing.
 
     Args:
         messages: the messages to condense (what a trim dropped).
