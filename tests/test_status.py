@@ -269,6 +269,29 @@ async def test_a_window_with_room_for_the_chat_is_not_told(counter, caplog):
     assert len(events.items) == 1 and "too small" not in caplog.text  # one status, no notice
 
 
+async def test_an_attached_file_is_not_told_as_tool_definitions(counter, caplog):
+    # Seen in Open WebUI 0.12.4: a file attached in full context to a chat with an 8,000 window
+    # made the admin's notice say "the 30 tool definitions ... take 6,818: 382 tokens are left"
+    # (3,214 of them tools, the rest the file's passages) and ask for 12,000 or no Builtin Tools.
+    from test_sources import DOC, rag
+
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=800, openrouter_pricing=False)
+    metadata = {"chat_id": "file", "user_id": "a1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "a1", "role": "admin"}, "__metadata__": metadata}
+    question = "Who founded the observatory on the north ridge?"
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": question}], "metadata": metadata}
+    first = await f.inlet(body, **hooks)
+    first["messages"][-1]["content"] = rag(question, [("report.txt", DOC * 2)])
+    events = Events()
+    sent = await f.request({**first, "tools": BUILTIN_TOOLS[:30]}, __event_emitter__=events, **hooks)
+    assert "the sources" in metadata["contextwarden"]["line"]  # the file took much of the window
+    reply = {"role": "assistant", "content": "The answer."}
+    await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply]}, __event_emitter__=events, **hooks)
+    assert "too small" not in caplog.text
+    assert not [e for e in events.items if e["type"] == "notification"]
+
+
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_count_that_did_not_change_is_said_once(count):
     # Before: "Context 1 → 1 message · 2,153 → 834 tokens · 1 shortened".

@@ -366,23 +366,24 @@ class WindowNotices:
 
     def check(self, turn: _Turn) -> None:
         """A window the tool definitions (nearly) fill on their own: the admin is told once a model
-        a process, in the log and, after their next reply from that model, in their chat."""
-        fixed, settings = turn.budget.fixed, turn.settings
-        if not fixed.tools or turn.model_id in self._told:
+        a process, in the log and, after their next reply from that model, in their chat. Only the
+        definitions count: a file attached to one turn (its sources) is not the model's window."""
+        definitions, settings = turn.budget.fixed.tools, turn.settings
+        if not definitions or turn.model_id in self._told:
             return
         window = settings.window(turn.window)
         room = settings.window_budget(turn.window)  # the window less what is kept for the reply
-        if room - fixed.tokens >= SMALL_WINDOW_ROOM:
+        if room - definitions >= SMALL_WINDOW_ROOM:
             return
         tools = turn.body.get("tools")
         text = small_window_text(
             turn.model_id,
             len(tools) if isinstance(tools, list) else 0,
-            fixed.tokens,
+            definitions,
             window,
             window - room,
-            over=room - fixed.tokens < MIN_BUDGET_TOKENS,
-            need=-(-(fixed.tokens + window - room + SMALL_WINDOW_ROOM * 4) // 1_000) * 1_000,
+            over=room - definitions < MIN_BUDGET_TOKENS,
+            need=-(-(definitions + window - room + SMALL_WINDOW_ROOM * 4) // 1_000) * 1_000,
         )
         if len(self._told) < MAX_REPORTED_PROBLEMS:
             self._told[turn.model_id] = text
