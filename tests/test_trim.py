@@ -123,6 +123,27 @@ def test_oversize_last_user_message_is_cut_only_as_last_resort(counter):
     check_contract(chat, result, counter, MODEL)
 
 
+def test_a_pin_is_not_cut_to_its_marker_to_spare_a_pasted_document(counter):
+    """Seen in Open WebUI: `!pin My name is Bob ...` (13 tokens), then a ~4,700-token article
+    pasted in a ~4,000-token budget. The pin was cut first, to `[… 13 tokens cut by contextwarden
+    …]` alone (3 tokens saved, the pin lost), then the article. What the others cannot cover is
+    cut from all of them to one level: the pin is sent whole, the article is cut."""
+    pin = "My name is Bob and I always want answers in metric units."
+    for system in ("", "You are a careful assistant. " * 40):  # a system prompt too small to cover it
+        chat = [{"role": "system", "content": system}] if system else []
+        chat += [
+            {"role": "user", "content": pin},
+            {"role": "assistant", "content": "Noted, Bob."},
+            {"role": "user", "content": "Here is an article:\n\n" + "The river flows north past the mill. " * 600},
+        ]
+        at = chat.index({"role": "user", "content": pin})
+        result = trim_messages(chat, max_tokens=2_000, model=MODEL, token_counter=counter, pinned=(at,))
+        assert chat[at] in result.messages, "the pin was cut"
+        assert len(chat) - 1 in result.shortened and result.tokens_after <= 2_000
+        assert not system or chat[0] in result.messages  # a 240-token system prompt stays whole too
+        check_contract(chat, result, counter, MODEL, pinned=(at,))
+
+
 def test_multimodal_parts_pass_through(counter):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     chat = chat_of(3) + [

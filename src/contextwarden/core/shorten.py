@@ -2,7 +2,8 @@
 
 What must be sent whatever the budget (system messages, the current turn, pinned messages with
 their units), and, when that alone is over, copies of its largest shortenable texts cut
-middle-out with a marker: system prompts and tool results first, the latest user message last.
+middle-out with a marker: system prompts and tool results first, the latest user message last
+(with them, to one level, when they alone could not cover the excess).
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def _shorten_mandatory(
     """Cut the largest shortenable texts middle-out, down to one level (`_levels`), until the
     mandatory part fits: two tool results of a loop both keep their ends rather than one kept
     whole and the other cut to its marker. Each copy is cut from the message as it came, once
-    a round (a cut of a cut would cut its marker).
+    a round (a cut of a cut would cut its marker). The latest user message is cut last, unless
+    the others together are no more than the excess (all of them would go, each to its marker):
+    then they and it are cut to one level, so a pinned line or a short system prompt is not lost
+    to spare a pasted document.
 
     Returns the shortened copies by index and whether it is still over budget.
     """
@@ -104,7 +108,10 @@ def _shorten_mandatory(
     current = {i: costs[i] for i in mandatory}
     replaced: dict[int, Message] = {}
     first_choice, last_user = _shortenable(view, mandatory)
-    for pool in (first_choice, [last_user] if last_user is not None else []):
+    question = [last_user] if last_user is not None else []
+    excess = TOKENS_PER_REPLY + sum(current.values()) - budget
+    together = bool(question) and sum(current[i] for i in first_choice) <= excess
+    for pool in [first_choice + question] if together else (first_choice, question):
         candidates = set(pool)
         while candidates:
             excess = TOKENS_PER_REPLY + sum(current.values()) - budget
