@@ -233,6 +233,18 @@ async def test_budget_flag_only_lowers(counter, trims, unique):
     assert [o["max_tokens"] for o, _ in trims] == [1_000, 64]
 
 
+async def test_a_number_flag_written_wrong_is_said_back_as_not_understood(counter, trims, unique):
+    """Seen in the browser: `!budget=2k` went to the model as typed and the status line said
+    nothing, so the user took their budget as applied. Now the line says it was not understood;
+    the text still goes as written, and the budget is the valve's."""
+    chat = chat_of(20, last="Short please !budget=2k !keep=x`y` `!keep=0`")
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)
+    events = Events()
+    out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
+    assert out["messages"][-1]["content"] == chat[-1]["content"] and [o["max_tokens"] for o, _ in trims] == [1_000]
+    assert " · not understood: !budget=2k !keep=… · " in events.statuses[-1], events.statuses
+
+
 async def test_full_flag_only_when_enabled(counter, trims, unique):
     chat = chat_of(20, last="Everything! !full")
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)

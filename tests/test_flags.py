@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -83,7 +84,34 @@ def test_several_flags_case_and_last_value_wins():
 )
 def test_unknown_malformed_and_code_are_left_untouched(text):
     content, flags = read_one(text)
-    assert content == text and flags == Flags()
+    assert content == text and replace(flags, malformed=()) == Flags()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("!budget=abc please", ("!budget=abc",)),
+        ("!budget= please", ("!budget=…",)),
+        ("!BUDGET=2k please !budget=2k", ("!budget=2k",)),
+        ("!keep=-1 go !keep=0", ("!keep=-1", "!keep=0")),
+        ("!budget=2000. and !budget=<b>x</b>", ("!budget=2000.", "!budget=…")),
+        ("see `!budget=2k` and\n```\n!keep=x\n```", ()),
+        ("!budget=2000 fine", ()),
+        ("!budget=1 !budget=2 !budget=x !budget=y !budget=z !budget=w", ("!budget=x", "!budget=y", "!budget=z")),
+    ],
+)
+def test_number_flags_written_wrong_are_listed_to_say_back(text, said):
+    """Left in the text as before; named so the status line can say they were not understood."""
+    content, flags = read_one(text)
+    assert flags.malformed == said and (content == text) == (not flags.used)
+
+
+def test_a_number_flag_written_wrong_is_listed_only_in_the_latest_question_and_in_range():
+    read = read_flags([user("!budget=2k old"), {"role": "assistant", "content": "ok"}, user("new")], allowed=ALL)
+    assert read.flags.malformed == ()
+    assert read_one("!budget=2k " + "x" * MAX_FLAG_SCAN_CHARS)[1].malformed == ()
+    parts = [{"type": "text", "text": "look"}, {"type": "text", "text": "!keep=two"}]
+    assert read_flags([user(parts)], allowed=ALL).flags.malformed == ("!keep=two",)
 
 
 def test_flag_next_to_code_still_counts():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..caches import CODE_MEMO_SIZE, register
 from .conversation import Message, latest_question, message_text
@@ -36,6 +36,7 @@ FLAG_NAMES = ("full", "budget", "keep", "pin", "nosum", "+pin", "-pin")
 DEFAULT_ALLOWED_FLAGS = "budget,keep,pin,nosum,+pin,-pin"  # `full` bypasses the budget: admins opt in
 MAX_FLAG_BUDGET = 999_999_999  # nine digits: any larger number is not a flag
 MAX_FLAG_KEEP = 1_000
+MAX_MALFORMED_SHOWN = 3  # `!budget=` / `!keep=` words of a question said back as not understood, at most
 
 # A flag stands alone: nothing but whitespace (or the text's edge) on either side.
 _FLAG_TOKEN = re.compile(r"(?<!\S)!(\+pin|-pin|full|pin|nosum|budget=\d{1,9}|keep=\d{1,4})(?!\S)", re.IGNORECASE)
@@ -54,6 +55,10 @@ register("flags._outside_code_memo", _outside_code_memo.clear)
 # "!" first lets the regex engine skip to each "!" instead of trying every position).
 _FLAG_HINT = re.compile(r"!(?:[+-]pin|full|pin|nosum|budget=\d|keep=\d)", re.IGNORECASE)
 _FLAG_START = re.compile(r"![-+pfnbkPFNBK]")  # a cheaper first test: a case-insensitive search scans slower
+# A word that means a number flag but is none (`!budget=2k`, `!keep=0`, `!budget=2000.`): said
+# back in the status line, so the user knows it did not act; its value shown only when plain.
+_MEANT_FLAG = re.compile(r"(?<!\S)!(budget|keep)=(\S*)", re.IGNORECASE)
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9.,:+-]{1,12}\Z")
 _SPACES_AFTER = re.compile(r"[ \t]*")
 _SPACES_BEFORE = re.compile(r"[ \t]*\Z")
 
@@ -64,7 +69,8 @@ class Flags:
 
     `sticky_pin` is True for `!+pin`, False for `!-pin`, None when neither was given.
     `used` lists the flags that act, as normalized text (`!budget=2000`); `refused` the
-    well-formed flags the admin has not enabled (left in the text).
+    well-formed flags the admin has not enabled (left in the text); `malformed` the words meant
+    as a number flag that are none (`!budget=2k`: left in the text, said back as not understood).
     """
 
     full: bool = False
@@ -75,6 +81,7 @@ class Flags:
     sticky_pin: bool | None = None
     used: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()
+    malformed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-ready form (to hand the flags from `inlet` to later passes of the same turn)."""
@@ -92,6 +99,7 @@ class Flags:
             sticky_pin=value["sticky_pin"] if isinstance(value["sticky_pin"], bool) else None,
             used=tuple(str(x) for x in value["used"]),
             refused=tuple(str(x) for x in value["refused"]),
+            malformed=tuple(str(x) for x in value.get("malformed", ())),  # a note of an older worker
         )
 
 
@@ -367,7 +375,27 @@ def read_flags(messages: Sequence[Message], *, allowed: Collection[str]) -> Flag
         out[index], used, refused = _strip_message(message, allowed)
         if index == latest:
             flags = _flags_of(used, refused)
+    if latest is not None and (malformed := _malformed(message_text(messages[latest]))):
+        flags = replace(flags, malformed=malformed)
     return FlagRead(out, flags, latest)
+
+
+def _malformed(text: str) -> tuple[str, ...]:
+    """The words of `text` outside code meant as `!budget=` or `!keep=` that are no flag, as shown
+    back (`!budget=2k`; `!budget=…` when the value is not plain), at most `MAX_MALFORMED_SHOWN`.
+
+    Example:
+        >>> _malformed("!budget=2k and !keep=0, !budget=3000 `!keep=x`")
+        ('!budget=2k', '!keep=0,')
+    """
+    if len(text) > MAX_FLAG_SCAN_CHARS or "=" not in text:
+        return ()
+    found = [m for m in _MEANT_FLAG.finditer(text) if not _flag_word(m.group(0))]
+    if found and ("`" in text or "~~~" in text):
+        outside = set(_outside_code(text, [m.start() for m in found]))
+        found = [m for m in found if m.start() in outside]
+    shown = (f"!{m.group(1).lower()}={m.group(2) if _PLAIN_VALUE.match(m.group(2)) else '…'}" for m in found)
+    return tuple(dict.fromkeys(shown))[:MAX_MALFORMED_SHOWN]
 
 
 def already_read(messages: Sequence[Message], flags: Flags) -> FlagRead:

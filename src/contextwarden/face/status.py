@@ -175,6 +175,8 @@ def _flag_words(flags: Flags) -> str:
     Example:
         >>> _flag_words(Flags(budget=500, used=("!budget=900", "!pin", "!budget=500", "!+pin", "!-pin")))
         ' · flags !pin !budget=500 !-pin'
+        >>> _flag_words(Flags(malformed=("!budget=2k",)))
+        ' · not understood: !budget=2k'
     """
     acted: dict[str, str] = {}
     for token in flags.used:
@@ -182,7 +184,8 @@ def _flag_words(flags: Flags) -> str:
         acted.pop(name, None)
         acted[name] = token
     used = " · flags " + " ".join(acted.values()) if acted else ""
-    return used + (" · not enabled: " + " ".join(flags.refused) if flags.refused else "")
+    refused = " · not enabled: " + " ".join(flags.refused) if flags.refused else ""
+    return used + refused + (" · not understood: " + " ".join(flags.malformed) if flags.malformed else "")
 
 
 def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
