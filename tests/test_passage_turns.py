@@ -114,6 +114,12 @@ def check_passages(chat: list[dict], result: TrimResult) -> None:
     assert dict(result.recalled_passages) == {i: tuple(sorted(c)) for i, c in by_message.items()}
     for i, (sent, total) in zip(result.excerpted, result.passages, strict=True):
         assert (sent, total) == (len(set(excerpts[i]) | by_message.get(i, set())), len(split_chunks(text_of(chat[i]))))
+    only_quoted = sorted(set(by_message).difference(result.excerpted))  # read in a block alone
+    assert result.quoted_passages == tuple(
+        (i, len(by_message[i]), len(split_chunks(text_of(chat[i])))) for i in only_quoted
+    )
+    if only_quoted:
+        event("passages quoted of a message not excerpted")
 
 
 def text_of(message: dict) -> str:

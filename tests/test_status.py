@@ -519,3 +519,35 @@ def test_a_flag_written_twice_is_told_by_the_value_that_acted():
     flags = read_flags([question], allowed=FLAG_NAMES).flags
     assert flags.budget == 300 and flags.sticky_pin is False
     assert status_line(choice, flags) == "Sent 2 of 4 messages · flags !budget=300 !-pin"
+
+
+def test_a_document_read_only_in_a_recall_block_is_said_to_be_excerpted(counter):
+    """Seen in the browser: a pasted article dropped from the selection, its passage quoted in the
+    turn's recall block, and the line said only `Sent 8 of 9 messages`. A document the model
+    reads in part, in a block alone, is now told as one excerpted in place is."""
+    from test_passage_turns import FILLER, THINGS, long_text
+
+    from contextwarden import trim_messages
+    from contextwarden.face.trimpass import _chat_messages_sent
+
+    doc = "Keep this inventory in mind:\n\n" + long_text(7, 120, 12)
+    chat = [
+        {"role": "system", "content": "Answer from the document."},
+        {"role": "user", "content": doc},
+        {"role": "assistant", "content": "I have read it."},
+    ]
+    previous = None
+    for word in FILLER[:10]:  # other topics, until the selection lets the document go
+        chat.append({"role": "user", "content": f"Tell me a long story about {word} please."})
+        result = trim_messages(chat, max_tokens=1_500, model="gpt-4o", token_counter=counter, previous=previous)
+        previous = result.decision or previous
+        chat.append({"role": "assistant", "content": f"Once upon a time the {word} sang. " * 30})
+    assert 1 in result.dropped
+    chat.append({"role": "user", "content": f"Who owns the {THINGS[3]}?"})
+    result = trim_messages(chat, max_tokens=1_500, model="gpt-4o", token_counter=counter, previous=previous)
+    assert result.reused and not result.excerpted and result.quoted_passages == ((1, 1, 120),)
+    choice = TurnChoice.of(result, result.messages)
+    sent = _chat_messages_sent(choice)
+    assert sent < len(chat) and 1 not in result.kept
+    line = status_line(choice, Flags(), sent=sent)
+    assert line == f"Sent {sent} of 24 messages, document excerpted: 1 of 120 passages"

@@ -26,6 +26,7 @@ from .recall import (
     _Pool,
     _Pools,
     _quote_anchor,
+    _quoted_passages,
     _recall_record,
     _recalled,
     _recalled_passages,
@@ -386,7 +387,10 @@ def _extend_previous(
     result = _reused_result(
         sent, order, keep, len(view), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
     )
-    return replace(result, notes=tuple(pools.notes))
+    quoted = _quoted_passages(view, excerpts, blocks)
+    return replace(
+        result, notes=tuple(pools.notes), quoted_passages=quoted, tool_results=_tool_results(excerpts, view, quoted)
+    )
 
 
 def _extended_sizes(
@@ -442,7 +446,8 @@ def _reused_result(
     excerpts: Mapping[int, Excerpt] | None = None,
 ) -> TrimResult:
     """The result of a turn that sent the previous selection again (its `excerpts` as well), plus
-    what is new; `placed`: `_with_blocks`' stable prefix and where its blocks went."""
+    what is new; `placed`: `_with_blocks`' stable prefix and where its blocks went. (Its caller
+    adds what needs the view: the passages only blocks quote, the tool results among them.)"""
     excerpts = excerpts or {}
     shortened = tuple(sorted(excerpts))
     return TrimResult(
@@ -462,5 +467,4 @@ def _reused_result(
         added=placed[1],
         passages=_passages(excerpts, blocks),
         recalled_passages=_recalled_passages(blocks),
-        tool_results=_tool_results(excerpts),
     )

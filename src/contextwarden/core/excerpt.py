@@ -52,6 +52,7 @@ __all__ = [
     "EXCERPT_KEEP_SHARE",
     "Excerpt",
     "split_chunks",
+    "passage_count",
     "chunk_scores",
     "excerpt_message",
     "rebuild",
@@ -162,6 +163,16 @@ def _chunks_only(text: str) -> tuple[str, ...]:
     if len(text) > CHUNK_CACHE_MAX_CHARS:
         return tuple(split_chunks(text))
     return _cached_chunk_index(text).chunks
+
+
+def passage_count(text: str) -> int:
+    """How many passages (chunks) `text` is cut into: what a user is told a document has.
+
+    Example:
+        >>> passage_count("short"), passage_count("word " * 2_000) > 1
+        (1, True)
+    """
+    return len(_chunks_only(text))
 
 
 def _chunk_index(text: str) -> _ChunkIndex:

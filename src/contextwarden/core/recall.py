@@ -20,7 +20,7 @@ from operator import add, mul
 from .chatview import ChatView
 from .conversation import SUMMARY_ACK_MESSAGE, Message, image_count, recall_message, recall_quotes
 from .decision import Recall
-from .excerpt import Excerpt, cuttable, passage_quote, recall_passages
+from .excerpt import Excerpt, cuttable, passage_count, passage_quote, recall_passages
 from .recall_index import recall_scores
 from .relevance import DEFAULT_RELEVANCE_WEIGHTS, RelevanceWeights
 from .selection import neighbour_reach
@@ -455,9 +455,22 @@ def _passages(excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block] = ()) ->
     return tuple((len(sent[i]), e.total) for i, e in sorted(excerpts.items()))
 
 
-def _tool_results(excerpts: Mapping[int, Excerpt]) -> tuple[int, ...]:
-    """The excerpted messages that are tool results (a user is told `tool result`, not `document`)."""
-    return tuple(i for i, e in sorted(excerpts.items()) if e.message.get("role") == "tool")
+def _quoted_passages(
+    view: ChatView, excerpts: Mapping[int, Excerpt], blocks: Sequence[_Block]
+) -> tuple[tuple[int, int, int], ...]:
+    """(index, passages quoted, passages in all) of each message the blocks quote by passages and
+    that is not excerpted in place: a document the model reads only in part, in a block."""
+    quoted = _sent_chunks({}, blocks)
+    return tuple((i, len(quoted[i]), passage_count(view.text(i))) for i in sorted(quoted) if i not in excerpts)
+
+
+def _tool_results(
+    excerpts: Mapping[int, Excerpt], view: ChatView, quoted: Sequence[tuple[int, int, int]] = ()
+) -> tuple[int, ...]:
+    """The excerpted messages, and those `quoted` by passages (`_quoted_passages`), that are tool
+    results (a user is told `tool result`, not `document`)."""
+    tools = {i for i, e in excerpts.items() if e.message.get("role") == "tool"}
+    return tuple(sorted(tools.union(i for i, _, _ in quoted if view.role(i) == "tool")))
 
 
 def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:

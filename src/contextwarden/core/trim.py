@@ -29,6 +29,7 @@ from .recall import (
     _Block,
     _passages,
     _Pools,
+    _quoted_passages,
     _recall_record,
     _recalled,
     _recalled_passages,
@@ -406,6 +407,7 @@ def _result(
     at = tuple(i for i in order if i not in system)
     sent, stable, added = _with_blocks(sent, order, blocks, view.question)
     after += sum(b.tokens for b in blocks)
+    quoted = _quoted_passages(view, excerpts, blocks)
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -435,7 +437,8 @@ def _result(
         added=added,
         passages=_passages(excerpts, blocks),
         recalled_passages=_recalled_passages(blocks),
-        tool_results=_tool_results(excerpts),
+        quoted_passages=quoted,
+        tool_results=_tool_results(excerpts, view, quoted),
     )
 
 
@@ -466,6 +469,7 @@ def _without(
         shortened=tuple(map(back, inner.shortened)),
         recalled=tuple(map(back, inner.recalled)),
         recalled_passages=tuple((back(i), c) for i, c in inner.recalled_passages),
+        quoted_passages=tuple((back(i), sent, total) for i, sent, total in inner.quoted_passages),
         excerpted=tuple(map(back, inner.excerpted)),
         tool_results=tuple(map(back, inner.tool_results)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),

@@ -67,7 +67,9 @@ class TrimResult:
     its acknowledgement): a later pass over these messages passes them as `added=`. `passages`
     says, for each excerpted message in order, how many of its passages (chunks) were sent of
     how many it has: what a user is told (`document excerpted: 3 of 24 passages`);
-    `tool_results` which excerpted messages are tool results (told as such, not documents).
+    `quoted_passages` the same, as (index, sent, in all), of each message only recall blocks
+    quote by passages (not excerpted in place); `tool_results` which excerpted messages are tool
+    results (told as such, not documents).
     """
 
     messages: list[Message]
@@ -88,6 +90,7 @@ class TrimResult:
     added: tuple[int, ...] = ()
     passages: tuple[tuple[int, int], ...] = ()
     recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    quoted_passages: tuple[tuple[int, int, int], ...] = ()
     tool_results: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -178,6 +178,7 @@ class TurnChoice:
         """From a trim; `extra`/`extra_tokens` count a summary note that was already in the input."""
         count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
         cut = [p for p in result.passages if p[0] or not p[1]]  # some passages went (or it has no count)
+        cut += [(sent, total) for _, sent, total in result.quoted_passages]  # a document read in a block only
         return cls(
             messages=messages,
             count_before=count,
@@ -189,10 +190,10 @@ class TurnChoice:
             dropped=len(result.dropped),
             shortened=len(result.shortened) - len(result.excerpted),
             excerpts=ExcerptCounts(
-                len(result.excerpted),
+                len(result.excerpted) + len(result.quoted_passages),
                 (sum(p[0] for p in cut), sum(p[1] for p in cut)),
-                len(result.passages) - len(cut),
-                excerpt_kind(len(result.excerpted), len(result.tool_results)),
+                len(result.passages) + len(result.quoted_passages) - len(cut),
+                excerpt_kind(len(result.excerpted) + len(result.quoted_passages), len(result.tool_results)),
             ),
             over_budget=result.over_budget,
             reused=result.reused,
