@@ -154,10 +154,11 @@ def redis_answers(port: int) -> bool:
 class OwnRedis:
     """A throwaway `redis-server` on a given port that a test may stop and start again."""
 
-    def __init__(self, binary: str, port: int | None = None, *, password: str = "") -> None:
+    def __init__(self, binary: str, port: int | None = None, *, password: str = "", data_dir: str = "") -> None:
         self.binary = binary
         self.port = port or free_port()
         self.password = password
+        self.data_dir = data_dir  # given: every write is on disk there, and a restart keeps it
         self.process: subprocess.Popen | None = None
 
     @property
@@ -167,7 +168,9 @@ class OwnRedis:
 
     def start(self) -> OwnRedis:
         self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+            + (["--dir", self.data_dir, "--appendonly", "yes", "--appendfsync", "always"] if self.data_dir else [])
+            + ([] if self.data_dir else ["--appendonly", "no"])
             + (["--requirepass", self.password] if self.password else []),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -324,9 +324,8 @@ async def load_chat_state(
     if key is not None:
         try:
             stored = await store.get(key)
-            parsed = ChatState.parse(stored)
-            if parsed is not None:  # pins this worker kept while Redis was away: none is lost
-                parsed = parsed.with_pins_of(ChatState.parse(await store.local_copy(key)))
+            local = await store.local_copy(key)  # what this worker held while Redis was away
+            parsed = ChatState.parse(stored) if local is None else ChatState.rejoined(stored, local.written, local.seen)
         except Exception as exc:  # state is an optimization: the turn goes on without it
             pass_log.warning("contextwarden: chat state not read (%s)", type(exc).__name__)
             parsed = None

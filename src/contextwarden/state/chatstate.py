@@ -101,6 +101,27 @@ class ChatState:
         which a caller must not write over (a newer version's state, or damaged: it expires)."""
         return cls() if raw is None else cls.from_json(raw)
 
+    @classmethod
+    def rejoined(cls, shared: bytes | None, written: bytes | None, seen: bytes | None) -> ChatState | None:
+        """The state to go on from once Redis answers again with `shared`, where this worker
+        wrote `written` while it was away (None: nothing) over `seen`, what Redis held when the
+        worker last read or wrote it. While Redis holds what the worker saw, or nothing (restarted
+        empty), the worker's own; else Redis's (another worker saved since: its decisions stay)
+        with the pins and pin mode made during the outage. None when `shared` cannot be read.
+
+        Example:
+            >>> before, mine, theirs = (ChatState(pins=p).to_bytes() for p in ((), ("p1",), ("p2",)))
+            >>> ChatState.rejoined(before, mine, before).pins, ChatState.rejoined(theirs, mine, before).pins
+            (('p1',), ('p2', 'p1'))
+        """
+        current = cls.parse(shared)
+        if current is None:
+            return None
+        if shared is None or shared == seen:  # nothing newer in Redis: what this worker holds
+            return cls.parse(written if written is not None else seen) or current
+        own = None if written is None else cls.parse(written)
+        return current if own is None else own.merged_onto(current, cls.parse(seen)) or current
+
     def with_pins_of(self, other: ChatState | None) -> ChatState:
         """This state with `other`'s pins added after its own (pins are only ever added, so
         a union loses none: a pin a worker kept while Redis was away joins the shared state)."""

@@ -2,7 +2,8 @@
 
 The store knows no chats or prices; callers give it keys. Every key lives under one prefix
 and expires. A Redis store that cannot reach its server falls back to an in-process store
-(with one warning) and goes back to Redis once it answers again.
+(with one warning) and goes back to Redis once it answers again; meanwhile a key it swaps (a
+chat's state) reads as this worker last read or wrote it in Redis (`LocalCopy`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
 from ..errors import ConfigError
 
-__all__ = ["Store", "MemoryStore", "RedisStore", "open_store", "redis_client", "KEY_PREFIX"]
+__all__ = ["Store", "MemoryStore", "RedisStore", "LocalCopy", "open_store", "redis_client", "KEY_PREFIX"]
 
 store_log = logging.getLogger("contextwarden")
 
@@ -50,6 +52,13 @@ REDIS_MAX_CONNECTIONS = 32  # per worker; callers beyond that queue for one
 # on 2 cores, 300 simultaneous turns waited over 10 s and the worker left Redis ("No connection
 # available" is a ConnectionError, an outage); the wait ends as soon as a holder is done.
 REDIS_POOL_WAIT_SECONDS = 60.0
+# A worker's copy of each key it swaps in Redis (a chat's state), served while Redis is away
+# (`LocalCopy`): at most this many keys and bytes, as `_LocalCopies` weighs them: each copy's
+# bytes and key, and LOCAL_COPY_OVERHEAD for what holds them (tracemalloc, CPython 3.11: 235
+# bytes an entry beside its bytes, 49 for the key's str and 33 for a second copy's bytes).
+LOCAL_COPY_KEYS = DEFAULT_MEMORY_KEYS
+LOCAL_COPY_BYTES = 32 * 2**20
+LOCAL_COPY_OVERHEAD = 320
 
 
 class Store:
@@ -103,9 +112,11 @@ class Store:
         """Keys (without the prefix) matching a glob pattern."""
         raise NotImplementedError
 
-    async def local_copy(self, key: str) -> bytes | None:
-        """What this worker alone holds under `key` beside the shared copy: what it wrote while
-        the shared store was away (None for a store that is never away, or while it is)."""
+    async def local_copy(self, key: str) -> LocalCopy | None:
+        """What this worker holds of a key it swaps, beside the shared copy, once the shared store
+        answers again: what it last saw there and what it wrote while the store was away (None
+        for a store that is never away, a key it does not hold, or while the store is away:
+        `get` and `swap` then use the copy)."""
         return None
 
     @property
@@ -233,6 +244,95 @@ def _namespace_of(kinds: dict[str, OrderedDict[str, _Entry]], key: str) -> Order
     return kept
 
 
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    """What a worker holds of one key it swaps in Redis: `seen`, the bytes Redis held when this
+    worker last read or wrote them (None: none); `written`, what it swapped in while Redis was
+    away (None: nothing), which Redis has not got. While Redis is away the key reads as
+    `current`; once it answers, the caller decides what wins (`local_copy`)."""
+
+    seen: bytes | None
+    written: bytes | None = None
+
+    @property
+    def current(self) -> bytes | None:
+        """What the key holds as this worker knows it: what it wrote, else what it saw."""
+        return self.seen if self.written is None else self.written
+
+
+class _LocalCopies:
+    """The `LocalCopy` of each key a `RedisStore` swapped, least recently used out first, at most
+    `max_keys` and `max_bytes` (each weighed as its bytes and key, and `LOCAL_COPY_OVERHEAD`);
+    each expires with the time to live of the swap that made it, as Redis's key does."""
+
+    def __init__(self, max_keys: int = LOCAL_COPY_KEYS, max_bytes: int = LOCAL_COPY_BYTES) -> None:
+        self.max_keys, self.max_bytes = max_keys, max_bytes
+        # key -> (expires, copy, taken: a caller read what was written since it was written)
+        self._copies: OrderedDict[str, tuple[float, LocalCopy, bool]] = OrderedDict()
+        self.weight = 0
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def get(self, key: str, *, take: bool = False) -> LocalCopy | None:
+        """The key's copy, marked as just used (and, `take`, as read by a caller that goes on
+        from it); None when there is none or it expired."""
+        entry = self._copies.get(key)
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            self.drop(key)
+            return None
+        self._copies.move_to_end(key)
+        if take and entry[1].written is not None:
+            self._copies[key] = (entry[0], entry[1], True)
+        return entry[1]
+
+    def put(self, key: str, copy: LocalCopy, ttl: int | None) -> None:
+        """Keep `copy` for `key`, expiring in `ttl` seconds (None: when the one it replaces did)."""
+        old = self._copies.get(key)
+        expires = old[0] if ttl is None and old is not None else time.monotonic() + (ttl or 0)
+        self.drop(key)
+        self._copies[key] = (expires, copy, False)
+        self.weight += _copy_bytes(key, copy)
+        while self._copies and (len(self._copies) > self.max_keys or self.weight > self.max_bytes):
+            self.drop(next(iter(self._copies)))
+
+    def drop(self, key: str) -> None:
+        """Forget the key's copy."""
+        entry = self._copies.pop(key, None)
+        if entry is not None:
+            self.weight -= _copy_bytes(key, entry[1])
+
+    def saw(self, key: str, value: bytes | None) -> None:
+        """Redis answered `value` for `key`: the copy's `seen`, unless the copy holds what this
+        worker wrote while Redis was away (its `seen` is what that was written over)."""
+        copy = self.get(key)
+        if copy is not None and copy.written is None and copy.seen != value:
+            self.put(key, LocalCopy(value), None)
+
+    def swapped(self, key: str, value: bytes, ttl: int) -> None:
+        """Redis took `value` for `key` in a swap: the copy's `seen`. What was written while Redis
+        was away and no caller has read since stays (that swap's value was not made from it)."""
+        entry = self._copies.get(key)
+        if entry is None or entry[1].written is None or entry[2]:
+            self.put(key, LocalCopy(value), ttl)
+
+    def swap(self, key: str, expected: bytes | None, value: bytes, ttl: int, held: bytes | None) -> bool:
+        """`Store.swap` on the copy while Redis is away (`held`: the key's bytes in the fallback,
+        for a key with no copy): written over what was seen; False when the key holds other bytes."""
+        copy = self.get(key)
+        if (held if copy is None else copy.current) != expected:
+            return False
+        self.put(key, LocalCopy(None if copy is None else copy.seen, value), ttl)
+        return True
+
+
+def _copy_bytes(key: str, copy: LocalCopy) -> int:
+    """What a copy costs `_LocalCopies`, in bytes."""
+    return LOCAL_COPY_OVERHEAD + len(key) + len(copy.seen or b"") + len(copy.written or b"")
+
+
 class RedisStore(Store):
     """A Redis store under `KEY_PREFIX`, with short timeouts and an in-process fallback.
 
@@ -240,6 +340,8 @@ class RedisStore(Store):
     Named increments (`incr(..., once=...)`, the ledger's) are not: a timed-out one may have
     been applied, so they wait in this worker (up to `REDIS_PENDING_LIMIT`) and are sent again,
     harmlessly, once Redis answers; nothing is counted twice or lost while the worker lives.
+    A key written with `swap` (read, changed and written back: a chat's state) keeps a copy in
+    this worker (`LocalCopy`), so an outage serves what it last read or wrote there, not nothing.
     """
 
     def __init__(
@@ -272,15 +374,16 @@ class RedisStore(Store):
         # The marker bucket of each capped increment Redis did not answer: an `incr` sent later
         # under its name checks the marker where that try would have left it.
         self._unanswered: OrderedDict[str, str] = OrderedDict()
+        self.copies = _LocalCopies()
 
     @property
     def shared(self) -> bool:
         return self._down_since is None
 
-    async def local_copy(self, key: str) -> bytes | None:
-        """The fallback's bytes under `key` while Redis answers: what this worker wrote there
-        during an outage, which Redis never got (None while Redis is away: `get` reads them)."""
-        return await self.fallback.get(key) if self.shared else None
+    async def local_copy(self, key: str) -> LocalCopy | None:
+        """The key's copy while Redis answers (None while it is away: `get` reads the copy). The
+        next swap Redis applies replaces it: the caller read it here and kept what it chose of it."""
+        return self.copies.get(key, take=True) if self.shared else None
 
     @property
     def held(self) -> tuple[str, ...]:
@@ -353,18 +456,34 @@ class RedisStore(Store):
             self._replaying = False
 
     async def get(self, key: str) -> bytes | None:
-        return await self._call("get", key)
+        ok, value = await self._try_redis("get", key)
+        if ok:
+            self.copies.saw(key, value)
+            return value
+        copy = self.copies.get(key)
+        return await self.fallback.get(key) if copy is None else copy.current
 
     async def set(self, key: str, value: bytes, *, ttl: int) -> None:
+        self.copies.drop(key)  # a key set outright is the fallback's while Redis is away
         await self._call("set", key, value, ttl=ttl)
 
     async def add(self, key: str, value: bytes, *, ttl: int) -> bool:
-        return await self._call("add", key, value, ttl=ttl)
+        added = await self._call("add", key, value, ttl=ttl)
+        if added:
+            self.copies.drop(key)
+        return added
 
     async def swap(self, key: str, expected: bytes | None, value: bytes, *, ttl: int) -> bool:
-        return await self._call("swap", key, expected, value, ttl=ttl)
+        ok, swapped = await self._try_redis("swap", key, expected, value, ttl=ttl)
+        if ok:
+            if swapped:
+                self.copies.swapped(key, value, ttl)
+            return swapped
+        held = None if self.copies.get(key) is not None else await self.fallback.get(key)
+        return self.copies.swap(key, expected, value, ttl, held)
 
     async def delete(self, key: str) -> None:
+        self.copies.drop(key)
         await self._call("delete", key)
 
     async def incr(self, key: str, fields: Mapping[str, int], *, ttl: int, once: str | None = None) -> None:
