@@ -524,7 +524,7 @@ async def test_a_chat_whose_state_is_over_the_cap_is_trimmed_anew_each_turn(
     turn makes a new selection, never an error, and the stored bytes stay within the cap."""
     import contextwarden.state.chatstate as chatstate_module
 
-    monkeypatch.setattr(chatstate_module, "MAX_CHAT_STATE_BYTES", 400)  # a 20-turn chat's decision is ~600
+    monkeypatch.setattr(chatstate_module, "MAX_CHAT_STATE_BYTES", 250)  # a 20-turn chat's state is ~320
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
     user_id, chat_id = f"u-{unique}", f"c-{unique}"
     key = chat_state_key(user_id, chat_id)
@@ -534,7 +534,29 @@ async def test_a_chat_whose_state_is_over_the_cap_is_trimmed_anew_each_turn(
         assert {"role": "user", "content": "My locker code is 4711."} in sent and len(sent) < len(chat) / 2
         raw = await f.store.get(key)
         assert (
-            len(raw) <= 400 and ChatState.from_bytes(raw).decision is None and len(ChatState.from_bytes(raw).pins) == 1
+            len(raw) <= 250 and ChatState.from_bytes(raw).decision is None and len(ChatState.from_bytes(raw).pins) == 1
         )
         assert trims[-1][0]["previous"] is None and trims[-1][1].decision is not None
         chat = grow(chat, i)
+
+
+async def test_a_chat_state_keeps_its_decision_in_fewer_bytes(counter, store_valves, trims, unique, monkeypatch):
+    """Decision format 3 (fingerprints run together, positions as runs): 401 short messages trimmed
+    to 1,500 tokens keep 71-169 and store 2,902-4,306 bytes a turn (format 2: 3,993-5,253). Under a
+    cap of 4,500 each turn keeps its decision and the next carries it; format 2 stored none on 3 of
+    6 turns. At the real cap: ~8,170 kept messages in one run, not ~5,260."""
+    import contextwarden.state.chatstate as chatstate_module
+
+    monkeypatch.setattr(chatstate_module, "MAX_CHAT_STATE_BYTES", 4_500)
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = [{"role": "system", "content": "You are helpful."}]
+    for i in range(200):
+        chat += [{"role": "user", "content": f"q{i} note"}, {"role": "assistant", "content": f"a{i} ok"}]
+    for i in range(200, 206):
+        chat.append({"role": "user", "content": f"q{i} note"})
+        await send(f, chat, user_id, chat_id)
+        raw = await f.store.get(chat_state_key(user_id, chat_id))
+        assert len(raw) <= 4_500 and ChatState.from_bytes(raw).decision is not None, i
+        assert (trims[-1][0]["previous"] is None) == (i == 200), i
+        chat.append({"role": "assistant", "content": f"a{i} ok"})

@@ -282,15 +282,16 @@ def test_a_recall_of_passages_goes_through_json_and_format_1_still_reads():
     recall = Recall(9, (1, 2), ("c" * 16, "d" * 16), parts=((), (4, 7)))
     decision = TrimDecision(1000, 500, "relevance", ("a" * 16, "b" * 16), at=(3, 9), seen=10, recalls=(recall,))
     data = json.loads(decision.to_json())
-    assert data["v"] == 2 and data["recalls"] == [[9, [1, 2], ["c" * 16, "d" * 16], 1, [[], [4, 7]]]]
+    assert data["v"] == 3 and data["recalls"] == [[9, [1, 2], "c" * 16 + "d" * 16, 1, [[], [4, 7]]]]
     assert TrimDecision.from_json(decision.to_json()) == decision
+    data.update(v=2, kept=["a" * 16, "b" * 16])  # format 2: fingerprints as lists of texts
     for bad in ([[1]], [[], [7, 4]], [[], [-1]], [[], ["4"]], [[]], "x"):  # one list a message, ascending ints
         data["recalls"] = [[9, [1, 2], ["c" * 16, "d" * 16], 1, bad]]
         assert TrimDecision.from_json(json.dumps(data)).recalls == ()
     data["recalls"] = [[9, [1, 2], ["c" * 16, "d" * 16], 1]]
     data["v"] = 1  # written before passages: every message quoted whole
     assert TrimDecision.from_json(json.dumps(data)).recalls == (replace(recall, parts=()),)
-    for v in (3, True, "2", None):
+    for v in (4, True, "2", None):
         data["v"] = v
         with pytest.raises(ValueError, match="unknown decision format"):
             TrimDecision.from_json(json.dumps(data))

@@ -174,10 +174,11 @@ def _decision_keeping(count: int) -> TrimDecision:
 def test_a_chat_state_is_stored_within_its_byte_cap_without_the_decisions_over_it():
     """A review: 30,002 one-word messages at a 200k window kept 22,856 of them, and the state
     written every pass was 568,719 bytes (~25 a kept message), unbounded. Over the cap the
-    state goes without its decisions, shadow's first; pins stay; a normal state is unchanged."""
+    state goes without its decisions, shadow's first; pins stay; a normal state is unchanged.
+    (Decision format 3 stores ~16 bytes a kept message: that state is 365,885 bytes now.)"""
     pins = tuple(f"{i:024x}" for i in range(MAX_PINS))
     huge, normal = _decision_keeping(22_856), _decision_keeping(400)
-    assert len(ChatState(decision=huge).to_json()) > 4 * MAX_CHAT_STATE_BYTES
+    assert len(ChatState(decision=huge).to_json()) > 1.8 * MAX_CHAT_STATE_BYTES
     state = ChatState(decision=huge, pins=pins, pin_mode=True)
     raw = state.to_bytes()
     assert len(raw) <= MAX_CHAT_STATE_BYTES and ChatState.from_bytes(raw) == ChatState(pins=pins, pin_mode=True)
@@ -187,6 +188,68 @@ def test_a_chat_state_is_stored_within_its_byte_cap_without_the_decisions_over_i
     assert ChatState.from_bytes(both.to_bytes()) == ChatState(pins=pins, shadow_decision=normal)
     kept = ChatState(decision=normal, pins=pins, shadow_decision=normal)
     assert kept.to_bytes() == kept.to_json().encode() and ChatState.from_bytes(kept.to_bytes()) == kept
+
+
+def test_a_decision_is_stored_in_about_16_bytes_a_kept_message():
+    """Decision format 3: the fingerprints run together in one text, the positions as runs. A
+    state of 8,000 kept messages (over the ~5,260 that fit the cap at ~25 bytes each, as format 2
+    stored them) is stored with its decision, within the cap."""
+    big = _decision_keeping(8_000)
+    raw = ChatState(decision=big, pins=("p1",)).to_bytes()
+    assert len(raw) <= MAX_CHAT_STATE_BYTES and ChatState.from_bytes(raw).decision == big
+    assert len(raw) / 8_000 < 16.1
+    stored = json.loads(raw)["decision"]
+    assert stored["v"] == 3 and isinstance(stored["kept"], str) and stored["at"] == [[0, 8_000]]
+    scattered = TrimDecision(900, 600, "relevance", ("a" * 16, "b" * 16, "c" * 16, "d" * 16), at=(1, 4, 5, 6))
+    assert scattered.to_dict()["at"] == [1, [4, 3]] and TrimDecision.from_dict(scattered.to_dict()) == scattered
+
+
+# What format 2 stored (main before the packed fingerprints): a decision with a recall block.
+FORMAT_2 = (
+    '{"v":2,"max_tokens":1000,"tokens":640,"strategy":"relevance","kept":["a1b2c3d4e5f60718","0f1e2d3c4b5a6978"],'
+    '"at":[3,7],"seen":[9,2400,9000,"o200k_base"],"recalls":[[7,[1],["1122334455667788"],1]],"excerpts":[]}'
+)
+
+
+def test_a_decision_format_2_stored_still_reads():
+    assert TrimDecision.from_json(FORMAT_2) == DECISION
+    state = json.dumps({"v": 2, "decision": json.loads(FORMAT_2), "pins": ["p1"], "pin_mode": False}).encode()
+    assert ChatState.parse(state) == ChatState(decision=DECISION, pins=("p1",))
+    written = json.loads(DECISION.to_json())  # as format 3, a recall block's fingerprints packed too
+    assert written["kept"] == "a1b2c3d4e5f607180f1e2d3c4b5a6978"
+    assert written["recalls"] == [[7, [1], "1122334455667788", 1]]
+    assert TrimDecision.from_json(DECISION.to_json()) == DECISION
+
+
+def test_fingerprints_that_are_not_a_messages_are_kept_as_a_list():
+    for kept in (("aa", "bb"), ("A1B2C3D4E5F60718",), ("a1b2c3d4e5f6071 ",), ("a1b2c3d4e5f60718" * 2,)):
+        decision = TrimDecision(100, 80, "recent", kept)
+        assert decision.to_dict()["kept"] == list(kept) and TrimDecision.from_dict(decision.to_dict()) == decision
+
+
+@pytest.mark.parametrize(
+    ("kept", "at"),
+    [
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", [[0, 10**12]]),  # a damaged count: never spread out
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", [[3, 3]]),  # three positions for two messages
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", [3, [7, 0]]),
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", [3, [-7, 1]]),
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", [3, [7, True]]),
+        ("a1b2c3d4e5f607180f1e2d3c4b5a6978", "3-7"),
+    ],
+)
+def test_damaged_stored_positions_are_dropped_not_spread(kept, at):
+    decision = TrimDecision.from_dict(
+        {"v": 3, "max_tokens": 9, "tokens": 8, "strategy": "recent", "kept": kept, "at": at}
+    )
+    assert decision.kept == DECISION.kept and decision.at == ()
+
+
+@pytest.mark.parametrize("kept", ["a1b2c3d4e5f607180f1e2d", "not hex digits!!", "A1B2C3D4E5F60718", "a1b2c3d4e5f6071 "])
+def test_damaged_packed_fingerprints_are_not_a_decision(kept):
+    with pytest.raises(ValueError):
+        TrimDecision.from_dict({"v": 3, "max_tokens": 9, "tokens": 8, "strategy": "recent", "kept": kept})
+    assert ChatState.parse(json.dumps({"v": 2, "decision": {"v": 3, "kept": kept}, "pins": [], "pin_mode": False}))
 
 
 def test_chat_state_reads_what_the_previous_version_stored():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -22,8 +24,13 @@ from .conversation import Message, part_count
 
 __all__ = ["TrimDecision", "Recall", "message_fingerprint", "Fingerprints", "DECISION_FORMAT"]
 
-DECISION_FORMAT = 2  # 2: a recall block may quote passages (`Recall.parts`); 1 is read as well
-_READ_FORMATS = (1, DECISION_FORMAT)
+# 3: the kept messages' fingerprints run together in one text, their positions with runs of 3
+# or more as [start, count] (~16 bytes a kept message, not ~24: `_packed`, `_position_runs`).
+# 2: a recall block may quote passages (`Recall.parts`). 1 and 2 are read as well.
+DECISION_FORMAT = 3
+_READ_FORMATS = (1, 2, DECISION_FORMAT)
+_SHORTEST_RUN = 3  # a run of fewer positions is shorter in JSON as its numbers
+_FINGERPRINTS = re.compile(r"(?:[0-9a-f]{16})*")  # `_packed` fingerprints: 16 hex digits each
 FINGERPRINT_ONE_CALL_PARTS = 1_000  # a message in more parts is encoded piece by piece (`_many_parts`)
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
 _fingerprint_lock = threading.Lock()
@@ -75,10 +82,13 @@ class Recall:
         return self.parts[k] if self.parts else ()
 
     def to_list(self) -> list[object]:
-        """Its JSON form `[anchor, [positions], [fingerprints], 1, [[chunks], ...]]` (the 1:
-        acknowledged; the chunk lists only when a message is quoted by passages)."""
+        """Its JSON form `[anchor, [positions], fingerprints, 1, [[chunks], ...]]` (the 1:
+        acknowledged; the chunk lists only when a message is quoted by passages), positions and
+        fingerprints stored as the decision's (`_position_runs`, `_packed`; a list of each before
+        format 3)."""
         tail = [[list(p) for p in self.parts]] if self.parts else []
-        return [self.anchor, list(self.at), list(self.kept), *([1] if self.acked or tail else []), *tail]
+        at, kept = _position_runs(self.at), _packed(self.kept)
+        return [self.anchor, at, kept, *([1] if self.acked or tail else []), *tail]
 
     @classmethod
     def from_list(cls, value: object) -> Recall | None:
@@ -90,12 +100,16 @@ class Recall:
             and (len(value) == 3 or (value[3] == 1 and type(value[3]) is int))
             and type(value[0]) is int
             and isinstance(value[1], list)
-            and isinstance(value[2], list)
-            and len(value[1]) == len(value[2])
-            and value[1]
+            and isinstance(value[2], (list, str))
         ):
             return None
-        at, kept = tuple(value[1]), tuple(value[2])
+        try:
+            kept = _unpacked(value[2]) if isinstance(value[2], str) else tuple(value[2])
+        except ValueError:
+            return None
+        at = _run_positions(tuple(value[1]), len(kept))
+        if not at:
+            return None
         parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
         if not (
             all(type(i) is int and 0 <= i != value[0] for i in at)  # (the anchor is sent in place)
@@ -202,8 +216,8 @@ class TrimDecision:
             "max_tokens": self.max_tokens,
             "tokens": self.tokens,
             "strategy": self.strategy,
-            "kept": list(self.kept),
-            "at": list(self.at),
+            "kept": _packed(self.kept),
+            "at": _position_runs(self.at),
             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
             "recalls": [r.to_list() for r in self.recalls],
             "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
@@ -230,10 +244,10 @@ class TrimDecision:
         try:
             if type(data.get("v")) is not int or data["v"] not in _READ_FORMATS:
                 raise ValueError(f"unknown decision format {data.get('v')!r}")
-            kept = tuple(data["kept"])
-            if not all(isinstance(k, str) for k in kept):
-                raise ValueError("kept must be strings")
+            kept = _stored_kept(data["kept"], packed=data["v"] >= 3)
             at = tuple(data.get("at") or ())  # absent in decisions written before positions were kept
+            if data["v"] >= 3:
+                at = _run_positions(at, len(kept))
             seen = data.get("seen")  # absent in decisions written before the chat's size was kept
             if not (
                 isinstance(seen, list)
@@ -258,6 +272,78 @@ class TrimDecision:
             )
         except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
+
+
+def _stored_kept(value: object, *, packed: bool) -> tuple[str, ...]:
+    """A decision's fingerprints as stored: a list of texts, or (`packed`: format 3) one text
+    `_packed` wrote; ValueError when they are not that."""
+    if packed and isinstance(value, str):
+        return _unpacked(value)
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise ValueError("kept must be a list of strings")
+    return tuple(value)
+
+
+def _packed(kept: tuple[str, ...]) -> str | list[str]:
+    """Fingerprints as stored: `message_fingerprint`s (16 lowercase hex digits) run together in
+    one text (16 characters a message, not 19 as a JSON string and comma; hex, not base64, so the
+    single file decodes nothing an auditor has to look twice at); others as a list."""
+    joined = "".join(kept)
+    if kept and _FINGERPRINTS.fullmatch(joined) and len(joined) == 16 * len(kept):
+        return joined
+    return list(kept)
+
+
+def _unpacked(value: str) -> tuple[str, ...]:
+    """Fingerprints as `_packed` stored them in one text; ValueError when it is not that."""
+    if not _FINGERPRINTS.fullmatch(value):
+        raise ValueError("kept is not 16 hex digits a fingerprint")
+    return tuple(value[k : k + 16] for k in range(0, len(value), 16))
+
+
+def _position_runs(at: tuple[int, ...]) -> list[int | list[int]]:
+    """Ascending positions as stored: each run of `_SHORTEST_RUN` or more consecutive ones as
+    `[start, count]`, the others as themselves (a chat's kept tail is one run).
+
+    Example:
+        >>> _position_runs((1, 4, 5, 6, 7, 9, 10)), _run_positions(_position_runs((1, 4, 5, 6, 7, 9, 10)), 7)
+        ([1, [4, 4], 9, 10], (1, 4, 5, 6, 7, 9, 10))
+    """
+    if len(at) >= _SHORTEST_RUN and at[-1] - at[0] == len(at) - 1:  # one run: the common case
+        return [[at[0], len(at)]]
+    steps = map(operator.sub, at[1:], at)
+    ends = [k for k, step in enumerate(steps, 1) if step != 1] + [len(at)]
+    out: list[int | list[int]] = []
+    start = 0
+    for end in ends:
+        count = end - start
+        out.extend([[at[start], count]] if count >= _SHORTEST_RUN else at[start:end])
+        start = end
+    return out
+
+
+def _run_positions(stored: tuple[object, ...], kept: int) -> tuple[int, ...]:
+    """Positions as `_position_runs` stored them; () when they are not that or not one for each of the
+    `kept` messages (never spread out past that many: a damaged count costs nothing)."""
+    at: list[int] = []
+    for p in stored:
+        if type(p) is int:
+            at.append(p)
+        elif _is_run(p) and p[1] <= kept - len(at):  # type: ignore[index]
+            at.extend(range(p[0], p[0] + p[1]))  # type: ignore[index]
+        else:
+            return ()
+    return tuple(at) if len(at) == kept else ()
+
+
+def _is_run(value: object) -> bool:
+    """A stored `[start, count]` run: two ints, a start of 0 or more and a count of 1 or more."""
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and type(value[0]) is type(value[1]) is int
+        and value[0] >= 0 < value[1]
+    )
 
 
 def _excerpt_records(value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
