@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -142,6 +143,34 @@ def test_a_pin_is_not_cut_to_its_marker_to_spare_a_pasted_document(counter):
         assert len(chat) - 1 in result.shortened and result.tokens_after <= 2_000
         assert not system or chat[0] in result.messages  # a 240-token system prompt stays whole too
         check_contract(chat, result, counter, MODEL, pinned=(at,))
+
+
+def _marked(text: str) -> tuple[str, int, str]:
+    """A shortened text's head, the tokens its one marker names, and its tail."""
+    head, number, tail = re.fullmatch(
+        r"(.*?)\n?\[… ([0-9,]+) tokens cut by contextwarden …\]\n?(.*)", text, re.S
+    ).groups()
+    return head, int(number.replace(",", "")), tail
+
+
+def test_a_shortened_text_cut_again_keeps_its_marker_true(counter):
+    """A later pass (request after inlet, each call of a tool loop) gets what the first pass
+    sent: its shortened copies were cut again through their marker, which then named 12 tokens
+    where 3,001 were cut, and trimming the trimmed prompt over its budget changed it."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    question = {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]}
+    chat = [{"role": "system", "content": "Rules of the house. " * 600}, question]
+    first = trim_messages(chat, max_tokens=700, model=MODEL, token_counter=counter)
+    again = trim_messages(first.messages, max_tokens=700, model=MODEL, token_counter=counter)
+    assert first.over_budget and _marked(first.messages[0]["content"])[1] == 3_001
+    assert again.messages == first.messages
+    system = " ".join(f"Rule {i} of the house is to be kind." for i in range(400))
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "What are the rules?"}]
+    wider = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
+    narrower = trim_messages(wider.messages, max_tokens=500, model=MODEL, token_counter=counter)
+    head, cut, tail = _marked(narrower.messages[0]["content"])
+    assert narrower.tokens_after <= 500 and system.startswith(head) and system.endswith(tail)
+    assert cut == counter.count_text(system, MODEL) - counter.count_text(head, MODEL) - counter.count_text(tail, MODEL)
 
 
 def test_multimodal_parts_pass_through(counter):

@@ -8,6 +8,7 @@ middle-out with a marker: system prompts and tool results first, the latest user
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 
 from .chatview import ChatView
@@ -22,6 +23,9 @@ SHORTENED_MARK = CUT_MARK
 PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
 PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
 MIN_KEPT_TEXT_TOKENS = 0
+# The marker `_cut_middle` leaves, with the line breaks around it: a text an earlier pass of the
+# turn cut holds one (a later pass's input is what the first pass sent).
+_MARK = re.compile(r"\n?\[… ([0-9,]+) tokens cut by contextwarden …\]\n?")
 
 
 def _mandatory_part(
@@ -171,7 +175,11 @@ def _shorten_message(message: Message, excess: int, counter: TokenCounter, model
 
 
 def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
-    """`text` with a middle stretch replaced by a marker, about `excess` tokens shorter."""
+    """`text` with a middle stretch replaced by a marker, about `excess` tokens shorter. A text
+    an earlier pass cut is cut again around its marker (`_cut_again`), never through it."""
+    marks = list(_MARK.finditer(text))
+    if len(marks) == 1:
+        return _cut_again(text, marks[0], excess, counter, model)
     total = counter.count_text(text, model)
     marker_cost = counter.count_text(SHORTENED_MARK.format(n=total), model) + 2
     keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
@@ -186,3 +194,29 @@ def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None
             return shorter
         keep = max(MIN_KEPT_TEXT_TOKENS, keep - over)
     return None
+
+
+def _cut_again(text: str, mark: re.Match[str], excess: int, counter: TokenCounter, model: str | None) -> str | None:
+    """`text`, cut before (`head`, the marker, `tail`: a later pass's input is what the first
+    pass sent), about `excess` tokens shorter: its head and tail cut further toward the marker,
+    which then names every token cut. None when nothing but the marker is left: cut as text,
+    a marker for 3,001 tokens became one for 12 (the model told a wrong size, and trimming the
+    trimmed prompt changed it)."""
+    head, tail = text[: mark.start()], text[mark.end() :]
+    sizes = counter.count_text(head, model), counter.count_text(tail, model)
+    if not sum(sizes):
+        return None
+    before = int(mark.group(1).replace(",", ""))
+    goal = counter.count_text(text, model) - excess
+    keep = max(0, sum(sizes) - excess)
+    while True:
+        kept_head = min(sizes[0], keep - min(sizes[1], keep // 3))
+        kept_tail = min(sizes[1], keep - kept_head)
+        new_head = head if kept_head >= sizes[0] else counter.keep_ends(head, kept_head, 0, model)[0]
+        new_tail = tail if kept_tail >= sizes[1] else counter.keep_ends(tail, 0, kept_tail, model)[1]
+        cut = SHORTENED_MARK.format(n=before + sum(sizes) - kept_head - kept_tail)
+        shorter = f"{new_head}\n{cut}\n{new_tail}" if new_tail else f"{new_head}\n{cut}"
+        over = counter.count_text(shorter, model) - goal
+        if over <= 0 or keep == 0:
+            return shorter
+        keep = max(0, keep - over)
