@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from contextwarden.core.conversation import TOOL_IMAGES_TEXT
 from contextwarden.core.decision import message_fingerprint
 from contextwarden.core.sources import cut_sources, split_sources, text_digest, with_sources
 from contextwarden.state.chatstate import ChatState, chat_state_key
@@ -197,3 +198,32 @@ async def test_a_decision_the_request_pass_cut_further_names_the_chats_own_messa
         assert all(message_fingerprint(chat[i]) == k for i, k in zip(decision.at, decision.kept, strict=True))
         for recall in decision.recalls:
             assert all(message_fingerprint(chat[i]) == k for i, k in zip(recall.at, recall.kept, strict=True))
+
+
+async def test_sources_stay_told_apart_in_a_tool_loop_that_returned_images(counter):
+    """Each call of a tool loop gets the first call's messages, the question with its sources,
+    then the loop; a tool that returns images adds Open WebUI's images message after its result.
+    Taken for the question, it hid the sources: the question with them was shortened middle-out
+    as one text (in a 2,500 window from 1,168 tokens to 335), and the answering passage was lost."""
+    f = make_filter(counter, max_context_tokens=2_500, openrouter_pricing=False)
+    question = "Who founded the observatory on the north ridge?"
+    metadata = {"chat_id": "c-loop", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata, "__event_emitter__": Events()}
+    chat = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": question}]
+    out = await f.inlet({"model": "gpt-4o", "messages": copy.deepcopy(chat), "metadata": metadata}, **hooks)
+    out["messages"][-1]["content"] = rag(out["messages"][-1]["content"], [("report.txt", DOC)])
+    first = (await f.request(out, **hooks))["messages"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "chart", "arguments": "{}"}}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    loop = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": document(60, {})},
+        {"role": "user", "content": [{"type": "text", "text": TOOL_IMAGES_TEXT}, image]},
+    ]
+    sent = (await f.request({"model": "gpt-4o", "messages": [*first, *loop], "metadata": metadata}, **hooks))[
+        "messages"
+    ]
+    asked = next(m["content"] for m in sent if m["role"] == "user" and isinstance(m["content"], str))
+    assert asked.endswith("</context>\n\n" + question) and '<source id="1" name="report.txt">' in asked
+    assert FACT in asked
+    assert counter.count_messages(sent, "gpt-4o") <= metadata["contextwarden"]["budget"]

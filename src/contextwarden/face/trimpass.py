@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any, Final
 
 from ..core.chatview import ChatView
-from ..core.conversation import Message
+from ..core.conversation import Message, latest_question
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
 from ..core.sources import SourcesCut, cut_sources, question_text, split_sources, text_digest, with_sources
@@ -148,8 +148,12 @@ def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
 
 
 def _last_user(messages: Sequence[Message]) -> int | None:
-    """Index of the last user message: where Open WebUI puts sources (`get_last_user_message_item`)."""
-    return next((k for k in range(len(messages) - 1, -1, -1) if messages[k].get("role") == "user"), None)
+    """Index of the question: where Open WebUI put sources, the last user message on the turn's
+    first call (`add_or_update_user_message`). A tool loop's later calls follow it with the
+    loop, where a tool that returned images adds a user message of its own (`latest_question`
+    passes over it: taken for the question, it hid the sources, and the question was shortened
+    with them as one text)."""
+    return latest_question(messages)
 
 
 def _asked(messages: Sequence[Message]) -> str | None:
