@@ -227,3 +227,20 @@ async def test_sources_stay_told_apart_in_a_tool_loop_that_returned_images(count
     assert asked.endswith("</context>\n\n" + question) and '<source id="1" name="report.txt">' in asked
     assert FACT in asked
     assert counter.count_messages(sent, "gpt-4o") <= metadata["contextwarden"]["budget"]
+
+
+def test_a_source_that_holds_source_tags_of_its_own_is_cut_whole(counter):
+    """Open WebUI puts a file's text in its `<source id=..>` block as written: a pom.xml's
+    `<source>17</source>` ended the block there, the rest of the file went whole as template
+    text (4,582 tokens into a room of 900), the report's tags and answering passage were lost."""
+    plugin = "<configuration><source>17</source><target>17</target></configuration>"
+    pom = "\n\n".join(
+        f"<dependency><artifactId>lib-{k}</artifactId><version>1.{k}</version></dependency>"
+        + (plugin if k == 3 else "")
+        for k in range(200)
+    )
+    sources = rag("", [("report.txt", DOC), ("pom.xml", pom)]).rstrip("\n")
+    cut = cut_sources(sources, "Who founded the observatory on the north ridge?", 900, counter, "gpt-4o")
+    assert cut.tokens <= 900 and FACT in cut.text
+    assert '<source id="1" name="report.txt">' in cut.text and '<source id="2" name="pom.xml">' in cut.text
+    assert cut.text.endswith("</source>\n</context>")

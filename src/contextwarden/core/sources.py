@@ -24,10 +24,14 @@ from .tokens import TokenCounter
 
 __all__ = ["SourcesCut", "text_digest", "question_text", "split_sources", "with_sources", "cut_sources"]
 
-_SOURCE = re.compile(r"(<source\b[^>]*>)(.*?)(</source>)", re.DOTALL)
+# A block opens with Open WebUI's tag, which always has an id (`get_source_context`); its body is
+# the document as written, so it may hold `<source>` tags of its own (a pom.xml's
+# `<source>17</source>`): a block ends at the last `</source>` before the next block's tag.
+_OPEN = re.compile(r'<source id="[^"]*"[^>]*>')
+_CLOSE = "</source>"
 # Where the blocks begin: the template's own words name `<source>` tags too ("only when the
 # <source> tag includes an explicit id attribute"), so blocks are read only after this.
-_CONTEXT = re.compile(r"<context>\s*(?=<source\b)")
+_CONTEXT = re.compile(r'<context>\s*(?=<source id=")')
 LISTED_SHARE = 0.25  # every source's tags stay (cut to nothing or not) while they take at most this of the room
 
 
@@ -169,12 +173,26 @@ def _opening_costs(pieces: list[str], count: int, counter: TokenCounter, model: 
 
 def _source_pieces(sources: str) -> list[str]:
     """The sources as frame, open tag, body, close tag, frame, ... (one piece when the blocks
-    are not inside a `<context>` as Open WebUI's templates put them)."""
+    are not inside a `<context>` as Open WebUI's templates put them). A block's body runs to
+    the last `</source>` before the next block (the last block's, before `</context>`): read
+    up to the first, a document's own `</source>` ended its block, and the rest of it went
+    whole as frame (a pom.xml and a report sent 4,582 tokens into a room of 900)."""
     found = _CONTEXT.search(sources)
     if found is None:
         return [sources]
-    pieces = _SOURCE.split(sources[found.end() :])
-    pieces[0] = sources[: found.end()] + pieces[0]
+    rest = sources[found.end() :]
+    tags = list(_OPEN.finditer(rest))
+    pieces = [sources[: found.end()] + rest[: tags[0].start()]]
+    for k, tag in enumerate(tags):
+        end = tags[k + 1].start() if k + 1 < len(tags) else len(rest)
+        segment = rest[tag.end() : end]
+        stop = segment.rfind("</context>") if k + 1 == len(tags) else -1
+        stop = stop if stop >= 0 else len(segment)
+        close = segment.rfind(_CLOSE, 0, stop)
+        if close < 0:  # an unclosed block: its text is its body
+            pieces += [tag.group(0), segment[:stop], "", segment[stop:]]
+        else:
+            pieces += [tag.group(0), segment[:close], _CLOSE, segment[close + len(_CLOSE) :]]
     return pieces
 
 
