@@ -100,6 +100,32 @@ async def test_pinned_message_survives_many_turns_in_the_filter(counter, unique)
     assert said and int(said[1]) == own + quoted_whole(chat, sent) < len(chat), events.statuses  # in place or quoted
 
 
+async def test_a_pin_the_first_pass_shortened_stays_pinned_in_a_tool_loop(counter, unique):
+    """Each later pass of a turn gets what the first pass sent: a pin it shortened was no pin
+    there (its text changed, so did its fingerprint), a call of a tool loop that needed room
+    dropped it, and the turn's line no longer said that pins were shortened."""
+    f = make_filter(counter, max_context_tokens=PIN_BUDGET, reserve_output_tokens=0, openrouter_pricing=False)
+    user, chat_id = f"u-{unique}", f"c-{unique}"
+    text = "Project notes to keep: " + words(1, 4_000)
+    chat = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": text + " !pin"}]
+    await send(f, chat, user, chat_id)
+    chat += [{"role": "assistant", "content": "Kept."}, {"role": "user", "content": "Look up the cedar orders."}]
+    metadata = {"chat_id": chat_id, "user_id": user, "message_id": "m2"}
+    events = Events()
+    hooks = {"__user__": {"id": user}, "__metadata__": metadata, "__event_emitter__": events}
+    first = await f.request(await f.inlet(body_of(chat, chat_id=chat_id, user_id=user), **hooks), **hooks)
+    call = {"id": "call_1", "type": "function", "function": {"name": "orders", "arguments": "{}"}}
+    loop = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": words(5, 1_500)},
+    ]
+    for sent in (first["messages"], (await f.request(body_of([*first["messages"], *loop]), **hooks))["messages"]):
+        assert any(str(m["content"]).startswith("Project notes to keep:") for m in sent), "pin dropped"
+        assert counter.count_messages(sent, MODEL) <= PIN_BUDGET
+    await f.outlet(body_of([*chat, *loop, {"role": "assistant", "content": "Two orders."}]), **hooks)
+    assert "pinned messages shortened to fit" in events.statuses[-1]
+
+
 # --- item 1: tool definitions and response formats are counted ---------------------------------
 
 import json  # noqa: E402

@@ -92,22 +92,14 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
-def _pinned(view: ChatView, state: ChatState) -> list[int]:
-    """The positions of the user messages the chat's state has pinned."""
-    pins = set(state.pins)
-    if not pins:
-        return []
-    messages = view.messages
-    return [i for i in range(len(view)) if view.role(i) == "user" and pin_fingerprint(messages[i]) in pins]
-
-
 def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with; an earlier
     pass's cuts count while a cut copy is still sent (this pass may have dropped it)."""
     earlier = note.shortened if note.shortened is not None and note.shortened <= messages_before else 0
     noted = note.excerpt_counts(messages_before)
-    if (earlier or noted.count) and not carries_a_cut(choice.messages):
+    cut = carries_a_cut(choice.messages)
+    if (earlier or noted.count) and not cut:
         earlier, noted = 0, ExcerptCounts()
     quoted = choice.quoted
     if not quoted and own_messages(choice.messages, choice.own):  # an earlier pass's blocks, sent again
@@ -120,6 +112,8 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         shortened=max(choice.shortened, earlier),
         # the earlier pass excerpted more: its counts stand
         excerpts=noted if choice.excerpts.count < noted.count else choice.excerpts,
+        pins_shortened=choice.pins_shortened or (note.pins_shortened and cut),
+        pins_dropped=choice.pins_dropped or note.pins_dropped,
     )
 
 
@@ -148,11 +142,9 @@ def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
 
 
 def _last_user(messages: Sequence[Message]) -> int | None:
-    """Index of the question: where Open WebUI put sources, the last user message on the turn's
-    first call (`add_or_update_user_message`). A tool loop's later calls follow it with the
-    loop, where a tool that returned images adds a user message of its own (`latest_question`
-    passes over it: taken for the question, it hid the sources, and the question was shortened
-    with them as one text)."""
+    """Index of the question, where Open WebUI put sources (the last user message on the turn's
+    first call); a tool loop's later calls may follow it with Open WebUI's tool images message,
+    which hid the sources when taken for the question (`latest_question` passes over it)."""
     return latest_question(messages)
 
 
@@ -251,6 +243,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         cache=money.cache,
         flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
         added=() if shadow else choice.own,
+        pins=turn.note.pins_with(choice.pins),
         asked=turn.note.asked if turn.note.mode is not None else _asked(sent_messages),
         origins=turn.note.origins if turn.note.mode is not None else () if shadow else choice.origins,
     )
@@ -278,6 +271,8 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
         sent_messages=len(done.messages),
         shortened=done.shortened,
         quoted=done.quoted,
+        pins_shortened=done.pins_shortened,
+        pins_dropped=done.pins_dropped,
     ).with_excerpts(done.excerpts)
     turn.write(note)
     return note
@@ -554,7 +549,9 @@ class TrimPass:
             embedder,
             off=turn.off,
             own=turn.note.added,
+            pins=turn.note.pins,
         )
+        choice = choice.with_pins_sent(turn.read.messages, {*state.pins, *turn.note.pins})
         fixed = turn.budget.fixed
         choice = choice.plus_fixed(fixed.tokens, fixed.label, turn.budget.fixed_over, turn.budget.total)
         if shadow and not _same_messages(
@@ -628,10 +625,12 @@ class TrimPass:
         *,
         off: bool = False,
         own: tuple[str, ...] = (),
+        pins: tuple[str, ...] = (),
     ) -> TurnChoice:
         """Trim `messages` (flags already removed) into what `prompt` leaves for messages, as the
         flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop;
-        `own`: what earlier passes of this turn added, as their note recorded it)."""
+        `own`: what earlier passes of this turn added, `pins`: the pinned copies they sent, as
+        their note recorded them)."""
         counter = self._counter
         budget = prompt.messages
         if flags.full:
@@ -641,7 +640,7 @@ class TrimPass:
         base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
         if at is not None:  # the chat without the note: another list, another view
             view = ChatView(base)
-        pinned = _pinned(view, state)
+        pinned = state.pinned_in(view, also=pins)
 
         options: dict[str, Any] = {
             "model": model_id,

@@ -16,14 +16,14 @@ outlet input is the client's, so every reader bounds what it accepts.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
 from ..core.conversation import Message
 from ..core.decision import TrimDecision, message_fingerprint
-from ..core.flags import Flags
+from ..core.flags import Flags, pin_fingerprint
 from ..core.trim import PINS_DROPPED_NOTE, PINS_SHORTENED_NOTE, TrimResult
 from .cache_hints import carried_prefix
 from .pricing import read_decimal
@@ -48,6 +48,7 @@ __all__ = [
 NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) has this shape
 MAX_ORIGINS = 100_000  # messages a first pass sent whose chat positions its note records for later passes
 MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
+PIN_PRINT_LENGTH = 24  # `flags.pin_fingerprint`: 12 bytes as hex
 USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
 # A usage line's `call` for the summary endpoint's calls; a reply's line has no `call` (added in
 # version 1: a reader of it that knows no `call` reads the line as one more priced call).
@@ -156,6 +157,25 @@ class TurnChoice:
     own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
     quoted: int = 0  # the chat's messages its recall blocks quote whole (sent, in a block)
     origins: tuple[int, ...] = ()  # each message's index in the input (-1: added); () unknown
+    pins: tuple[str, ...] = ()  # `pin_fingerprint`s of the copies of pinned messages sent (see `with_pins_sent`)
+
+    def with_pins_sent(self, messages: Sequence[Message], pins: Collection[str]) -> TurnChoice:
+        """This choice with the `pin_fingerprint` of each pinned message it sends as a changed
+        copy (shortened, its flags removed): a later pass of the turn gets that copy, whose own
+        fingerprint is no pin of the chat's, and knows it by this (`TurnNote.pins`). `messages`
+        is the trim's input, `pins` the pins it knew."""
+        if not pins or not self.origins:
+            return self
+        sent = [
+            copy
+            for m, k in zip(self.messages, self.origins, strict=True)
+            if k >= 0
+            and m is not messages[k]
+            and messages[k].get("role") == "user"
+            and pin_fingerprint(messages[k]) in pins
+            and (copy := pin_fingerprint(m)) not in pins  # not its flags alone removed: it reads as the pin
+        ]
+        return replace(self, pins=tuple(sent[:MAX_ADDED]))
 
     def plus_fixed(self, tokens: int, label: str, over: bool, total: int) -> TurnChoice:
         """This choice with the request's fixed part (billed with every prompt) in its counts,
@@ -287,7 +307,14 @@ class TurnNote:
     added: tuple[str, ...] = ()
     asked: str | None = None
     origins: tuple[int, ...] = ()
+    pins: tuple[str, ...] = ()  # the pinned messages earlier passes sent as copies (`TurnChoice.pins`)
+    pins_shortened: bool = False  # an earlier pass shortened pins to fit (its copies may go on as they are)
+    pins_dropped: bool = False  # an earlier pass kept pins only while they fit
     version: int = field(default=NOTE_VERSION, init=False)  # the format this note is written in
+
+    def pins_with(self, sent: Sequence[str]) -> tuple[str, ...]:
+        """The pins earlier passes sent as copies, and a pass's own (`TurnChoice.pins`)."""
+        return tuple(dict.fromkeys((*self.pins, *sent)))[:MAX_ADDED]
 
     def excerpt_counts(self, at_most: int) -> ExcerptCounts:
         """The excerpt figures an earlier pass noted, as `ExcerptCounts`; none excerpted when the
@@ -365,6 +392,11 @@ class TurnNote:
             out["asked"] = self.asked
         if self.origins:
             out["origins"] = _runs(self.origins)
+        if self.pins:
+            out["pins"] = list(self.pins)
+        out.update(
+            {k: True for k, v in (("pins_shortened", self.pins_shortened), ("pins_dropped", self.pins_dropped)) if v}
+        )
         return out
 
     @classmethod
@@ -410,6 +442,9 @@ class TurnNote:
             added=_fingerprints(raw.get("added")),
             asked=raw["asked"] if isinstance(raw.get("asked"), str) and len(raw["asked"]) <= 40 else None,
             origins=_unrun(raw.get("origins")),
+            pins=_fingerprints(raw.get("pins"), PIN_PRINT_LENGTH),
+            pins_shortened=raw.get("pins_shortened") is True,
+            pins_dropped=raw.get("pins_dropped") is True,
         )
 
     def to_json(self) -> str:
@@ -460,11 +495,12 @@ def _unrun(raw: object) -> tuple[int, ...]:
     return tuple(i for first, n in raw for i in ([-1] * n if first < 0 else range(first, first + n)))
 
 
-def _fingerprints(value: object) -> tuple[str, ...]:
-    """`added` as an earlier pass wrote it: at most `MAX_ADDED` fingerprints (else none)."""
+def _fingerprints(value: object, length: int = 16) -> tuple[str, ...]:
+    """`added` (or `pins`, `length` 24) as an earlier pass wrote it: at most `MAX_ADDED`
+    fingerprints (else none)."""
     if not isinstance(value, list) or len(value) > MAX_ADDED:
         return ()
-    return tuple(v for v in value if isinstance(v, str) and len(v) == 16)
+    return tuple(v for v in value if isinstance(v, str) and len(v) == length)
 
 
 def _flags_of_turn(value: dict) -> Flags:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
+from ..core.chatview import ChatView
 from ..core.decision import TrimDecision
-from ..core.flags import Flags
+from ..core.flags import Flags, pin_fingerprint
 
 __all__ = ["ChatState", "chat_state_key", "MAX_PINS", "CHAT_STATE_VERSION", "MAX_CHAT_STATE_BYTES"]
 
@@ -156,6 +158,15 @@ class ChatState:
         if shadow:
             return replace(self, shadow_decision=decision)
         return replace(self, decision=decision, shadow_decision=None)
+
+    def pinned_in(self, view: ChatView, also: Collection[str] = ()) -> list[int]:
+        """The positions in `view` of the user messages this state has pinned (and of the copies
+        of them an earlier pass of the turn sent: `also`, `TurnNote.pins`)."""
+        pins = set(self.pins).union(also)
+        if not pins:
+            return []
+        messages = view.messages
+        return [i for i in range(len(view)) if view.role(i) == "user" and pin_fingerprint(messages[i]) in pins]
 
     def with_flags(self, flags: Flags, latest_fingerprint: str | None) -> ChatState:
         """The state after the latest user message's flags: `!+pin`/`!-pin` switch pin mode
