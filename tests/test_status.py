@@ -202,6 +202,33 @@ async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counte
     assert note["line"].startswith(f"Context {len(chat)} → "), note["line"]
 
 
+async def test_a_tool_loops_calls_are_counted_with_the_chat_not_as_its_messages(counter):
+    """Each call of a tool loop sends the first call's messages and the loop: counted as the
+    chat's own, a 22-message chat sent as 14 read "Sent 20 of 22" after three calls and "Whole
+    chat sent" from the fourth (its savings gone too: the pass took the body for a fresh chat)."""
+    f = make_filter(counter, max_context_tokens=2_000, reserve_output_tokens=0, openrouter_pricing=False)
+    chat = chat_of(10)
+    metadata = {"chat_id": "c-loop-line", "user_id": "u1", "message_id": "m1"}
+    events = Events()
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata, "__event_emitter__": events}
+    first = (await f.request(await f.inlet(body_of(chat), **hooks), **hooks))["messages"]
+    saved = metadata["contextwarden"]["tokens_saved"]
+    assert len(first) < len(chat) and saved > 0
+    loop: list[dict] = []
+    for k in range(5):
+        call = {"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        loop += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"},
+        ]
+        await f.request(body_of([*first, *loop]), **hooks)
+        note = metadata["contextwarden"]
+        assert note["pending_line"] == f"Sent {len(first) + len(loop)} of {len(chat) + len(loop)} messages"
+        assert note["tokens_saved"] == saved
+    await f.outlet(body_of([*chat, *loop, reply_of()]), **hooks)
+    assert events.statuses[-1].startswith(f"Sent {len(first) + 10} of {len(chat) + 10} messages · ")
+
+
 async def test_status_off_shows_nothing_and_the_detail_is_still_logged(counter, caplog):
     caplog.set_level(logging.INFO, logger="contextwarden")
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300, show_status=False)

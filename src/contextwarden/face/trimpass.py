@@ -41,7 +41,7 @@ from ..money.cache_hints import (
 from ..money.calibration import Calibration, comparable_turn, load_calibration
 from ..money.pricing import Resolution
 from ..money.records import CacheView, ExcerptCounts, TurnChoice, TurnNote
-from ..money.savings import Savings, cached_prefixes, carried_savings, carries_a_cut
+from ..money.savings import Savings, cached_prefixes, carried_savings, carries_a_cut, loop_length
 from ..state.chatstate import ChatState, chat_state_key
 from ..state.store import Store
 from .budget import PromptBudget, fixed_cost, prompt_budget
@@ -92,9 +92,10 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
-def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote) -> TurnChoice:
+def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote, loop: int) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
-    pass already trimmed, so its line counts from the chat the turn began with; an earlier
+    pass already trimmed, so its line counts from the chat the turn began with (and the `loop`
+    messages of its tool loop since, which it sends); an earlier
     pass's cuts count while a cut copy is still sent (this pass may have dropped it)."""
     earlier = note.shortened if note.shortened is not None and note.shortened <= messages_before else 0
     noted = note.excerpt_counts(messages_before)
@@ -106,7 +107,7 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         quoted = note.quoted
     return replace(
         choice,
-        count_before=messages_before,
+        count_before=messages_before + loop,
         quoted=quoted,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
@@ -259,7 +260,8 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
     if not isinstance(turn.metadata, dict):
         return note
     flags, calibration = turn.flags, turn.calibration
-    done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note)
+    loop = loop_length(turn.read.messages)
+    done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note, loop)
     sent = _chat_messages_sent(done)
     plain = shadow_status_line(done, flags, sent) if turn.shadow else status_line(done, flags, sent)
     detail = detail_line(done, flags) + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else "")

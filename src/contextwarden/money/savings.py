@@ -27,6 +27,7 @@ __all__ = [
     "PromptCache",
     "estimate_savings",
     "carried_savings",
+    "loop_length",
     "carries_a_cut",
     "calibrated_tokens",
     "previous_prompt_end",
@@ -251,9 +252,21 @@ def carries_a_cut(messages: Sequence[Message]) -> bool:
     return any(_CUT_TEXT in message_text(m) for m in messages if isinstance(m, dict))
 
 
+def loop_length(messages: Sequence[Message]) -> int:
+    """How many of `messages` follow the latest question: the turn's tool loop so far, which
+    each call of the loop sends after what the turn's first call sent (none on a first pass).
+
+    Example:
+        >>> loop_length([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": []}])
+        1
+    """
+    question = latest_question(messages)
+    return 0 if question is None else len(messages) - 1 - question
+
+
 def carried_savings(note: Mapping, messages: Sequence[Message], *, chained: bool) -> tuple[int, int]:
-    """(tokens already removed earlier this turn, message count of the untrimmed chat), for a
-    pass that sees `messages`.
+    """(tokens already removed earlier this turn, message count of the untrimmed chat, its
+    tool loop aside: `loop_length`), for a pass that sees `messages`.
 
     Open WebUI may call the filter several times a turn (inlet, then request before each
     provider call). When a later pass works on what an earlier pass sent (`chained`: enforce
@@ -264,8 +277,11 @@ def carried_savings(note: Mapping, messages: Sequence[Message], *, chained: bool
     Example:
         >>> carried_savings({"removed": 900, "messages_before": 40}, [{"role": "user"}] * 12, chained=True)
         (900, 40)
+
+    A tool loop's calls are not the chat's: counted as its messages, a chat sent as 14 of 22
+    with four calls made looked whole, and the earlier pass's savings were dropped.
     """
-    count = len(messages)
+    count = len(messages) - loop_length(messages)
     removed, seen = note.get("removed"), note.get("messages_before")
     if not chained or not isinstance(removed, int) or not isinstance(seen, int):
         return 0, count
