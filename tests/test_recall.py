@@ -522,3 +522,34 @@ def test_neighbour_shares_are_those_of_the_rule_message_by_message(scores, sizes
             ]
             expected[i] += _RECALL_WEIGHTS.turn_share * max(near, default=0.0)
     assert _with_neighbours(scores, texts, question, _RECALL_WEIGHTS) == expected
+
+
+async def test_a_block_a_loop_call_let_go_is_still_the_filters_own_on_the_next_call(counter):
+    """Each call of a tool loop gets the first call's messages, its recall block in them, and
+    the loop. A call that needed the block's room let it go and noted nothing added; the next
+    call took the block for the user's message, sent it, and a new block after it."""
+    from contextwarden.core.decision import message_fingerprint
+
+    from helpers import body_of, make_filter
+
+    f = make_filter(counter, max_context_tokens=600, reserve_output_tokens=0, low_watermark=0.5)
+    metadata: dict = {"chat_id": "c-loop-block", "user_id": "u1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    chat = river_chat()
+    await f.request(await f.inlet(body_of(copy.deepcopy(chat)), **hooks), **hooks)
+    await f.outlet(body_of([*chat, {"role": "assistant", "content": "Deltas grow."}]), **hooks)
+    chat = next_turn(chat, "Which locker code did I ask you to remember at the start?", reply="Deltas grow.")
+    metadata.clear()
+    metadata.update({"chat_id": "c-loop-block", "user_id": "u1"})
+    first = (await f.request(await f.inlet(body_of(copy.deepcopy(chat)), **hooks), **hooks))["messages"]
+    assert sum(map(is_recall_message, first)) == 1
+    loop: list[dict] = []
+    for k, rows in enumerate((250, 5, 5)):
+        call = {"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        loop += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": "row " * rows},
+        ]
+        sent = (await f.request(body_of([*first, *loop]), **hooks))["messages"]
+        blocks = [message_fingerprint(m) for m in sent if is_recall_message(m)]
+        assert len(blocks) <= 1 and set(blocks) <= set(metadata["contextwarden"].get("added", ())), k

@@ -314,7 +314,13 @@ class TurnNote:
 
     def pins_with(self, sent: Sequence[str]) -> tuple[str, ...]:
         """The pins earlier passes sent as copies, and a pass's own (`TurnChoice.pins`)."""
-        return tuple(dict.fromkeys((*self.pins, *sent)))[:MAX_ADDED]
+        return _prints_joined(self.pins, sent)
+
+    def added_with(self, own: Sequence[str]) -> tuple[str, ...]:
+        """What earlier passes of the turn added, and what a pass adds (`TurnChoice.own`): each
+        call of a tool loop gets the first call's output, whose blocks a call in between may have
+        let go; noted as its own alone, the next call took such a block for the user's message."""
+        return _prints_joined(self.added, own)
 
     def excerpt_counts(self, at_most: int) -> ExcerptCounts:
         """The excerpt figures an earlier pass noted, as `ExcerptCounts`; none excerpted when the
@@ -457,6 +463,11 @@ class TurnNote:
             return cls.from_dict(json.loads(text))
         except ValueError:
             return cls()
+
+
+def _prints_joined(earlier: Sequence[str], new: Sequence[str]) -> tuple[str, ...]:
+    """`earlier` then `new`, each fingerprint once, the newest `MAX_ADDED`."""
+    return tuple(dict.fromkeys((*earlier, *new)))[-MAX_ADDED:]
 
 
 def _passage_counts(value: object) -> tuple[int, int] | None:
