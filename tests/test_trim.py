@@ -8,7 +8,7 @@ import re
 import pytest
 
 from contextwarden import TrimDecision, trim_messages
-from contextwarden.core.trim import SHORTENED_MARK, carry_previous
+from contextwarden.core.trim import SHORTENED_MARK, TrimResult, carry_previous
 
 from chatgen import random_chat
 from chats import check_contract, frozen
@@ -319,3 +319,34 @@ def test_the_same_turn_trimmed_again_with_its_decision_sends_what_it_sent(counte
     assert first.kept == (0, 3)
     again = trim_messages(chat, previous=TrimDecision.from_json(first.decision.to_json()), **options)
     assert frozen(again.messages) == frozen(first.messages)
+
+
+def test_a_selection_made_for_a_far_smaller_budget_is_made_anew(counter):
+    """A `!budget=300` turn stored its 4-message selection; the next turn, at the chat's 3,000,
+    carried it (286 tokens, 6 messages) and kept doing so until the chat grew into the budget. A
+    new selection sends 22 messages (2,334 tokens); the turn after carries that one."""
+    chat = chat_of(40)
+    small = trim_messages(chat, max_tokens=300, model=MODEL, token_counter=counter)
+    chat += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+    carried = trim_messages(chat, max_tokens=3_000, model=MODEL, token_counter=counter, previous=small.decision)
+    fresh = trim_messages(chat, max_tokens=3_000, model=MODEL, token_counter=counter)
+    assert not carried.reused and carried.messages == fresh.messages and carried.tokens_after > 2_000
+    chat += [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "more?"}]
+    after = trim_messages(chat, max_tokens=3_000, model=MODEL, token_counter=counter, previous=carried.decision)
+    assert after.reused and after.messages[: carried.stable_prefix] == carried.messages[: carried.stable_prefix]
+
+
+def test_a_carried_selection_is_starved_only_far_below_the_budget_and_what_it_was_made_for():
+    """`_starved`: under a quarter of the budget, and made for at most half of it or sending less
+    than half what it sent (a tool loop's results, gone on a regenerate: the simulator's case of
+    18 tokens sent of 3,072). A selection carried as it was made, at its own budget, never is."""
+    from contextwarden.core.trim import _starved
+
+    def sent(tokens: int) -> TrimResult:
+        return TrimResult([], (), (), (), 9_000, tokens, 3_000, "exact")
+
+    made = TrimDecision(3_000, 2_900, "relevance", ())
+    assert _starved(sent(18), made, 3_000) and not _starved(sent(800), made, 3_000)
+    assert not _starved(sent(700), TrimDecision(3_000, 650, "relevance", ()), 3_000)  # as it was made
+    assert _starved(sent(286), TrimDecision(300, 274, "relevance", ()), 3_000)  # a !budget=300 turn's
+    assert not _starved(sent(286), TrimDecision(2_000, 274, "relevance", ()), 3_000)

@@ -289,6 +289,11 @@ def carry_previous(
     return _extend_previous(view, previous, max_tokens, counter, model, chosen, room, pools)
 
 
+# A carried selection sending under this share of the budget, made for far less room than this
+# turn has, is made anew (`_starved`).
+STARVED_SHARE = 0.25
+
+
 def _carries(options: TrimOptions, view: ChatView) -> bool:
     """The previous decision may carry into this turn (the shortcut is worth trying): it saw
     messages, no pin asks for a new selection, and the question is not about the documents as
@@ -335,7 +340,7 @@ def _trim(
     pools = _Pools(view, counter, model, previous.seen if previous is not None else 0, options.embed)
     if previous is not None and _carries(options, view):
         extended = _extend_previous(view, previous, max_tokens, counter, model, options, room, pools)
-        if extended is not None:
+        if extended is not None and not _starved(extended, previous, max_tokens):
             return extended
     costs, mode, scheme = counter.count_each_as(messages, model)  # the label goes with these counts
     chat = _Counted(view, costs, mode, scheme, TOKENS_PER_REPLY + sum(costs), pools)
@@ -343,7 +348,22 @@ def _trim(
         everything = tuple(range(len(messages)))
         result = TrimResult(list(messages), everything, (), (), chat.before, chat.before, max_tokens, mode)
         return replace(result, added=tuple(earlier) if room else ())
-    return _select(chat, max_tokens, model, counter, options, room)
+    result = _select(chat, max_tokens, model, counter, options, room)
+    if previous is not None and result.reused and _starved(result, previous, max_tokens):
+        return _trim(view, max_tokens, model, counter, replace(options, previous=None))  # as a first turn
+    return result
+
+
+def _starved(result: TrimResult, previous: TrimDecision, max_tokens: int) -> bool:
+    """A carried selection that fills under `STARVED_SHARE` of the budget where the turn it was
+    made for had at most half this budget (a `!budget=300` turn) or sent twice what it now
+    sends (a tool loop's results, gone on a regenerate): a new selection fills the budget, and
+    the cache of so short a prefix is worth little. Carried, a `!budget=300` turn's 4 messages
+    were sent into a 3,000-token budget (286 tokens) until the chat grew into it; anew, 22
+    (2,334 tokens). Not again the next turn: the new decision is this budget's."""
+    if result.tokens_after >= max_tokens * STARVED_SHARE:
+        return False
+    return previous.max_tokens * 2 <= max_tokens or result.tokens_after * 2 < previous.tokens
 
 
 def _select(
