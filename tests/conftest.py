@@ -98,6 +98,23 @@ def redis_url(redis_server: tuple[str, bool]) -> Iterator[str]:
 
 
 @pytest.fixture
+def trims(monkeypatch) -> list[tuple[dict, object]]:
+    """Every `trim_messages` call the filter makes: its options and its result."""
+    import contextwarden.face.trimpass as trimpass_module
+
+    real = trimpass_module.trim_messages
+    seen: list[tuple[dict, object]] = []
+
+    def spy(messages, **options):
+        result = real(messages, **options)
+        seen.append((options, result))
+        return result
+
+    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
+    return seen
+
+
+@pytest.fixture
 def unique() -> str:
     """A fresh id for chat ids, user ids and key names."""
     return uuid.uuid4().hex[:12]

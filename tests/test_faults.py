@@ -35,7 +35,7 @@ from contextwarden.state.store import RedisStore, redis_client
 
 from chats import check_contract, frozen
 from helpers import Events, chat_of, make_filter
-from turns import OwnRedis, free_port, run_turn, usage_lines
+from turns import OwnRedis, free_port, raw_get, run_turn, usage_lines
 
 MODEL = "gpt-4o"
 
@@ -351,16 +351,6 @@ class Proxy:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-
-async def raw_get(url: str, key: str) -> bytes | None:
-    import redis.asyncio as aioredis
-
-    raw = aioredis.Redis.from_url(url)
-    try:
-        return await raw.get(store_module.KEY_PREFIX + key)
-    finally:
-        await raw.aclose()
 
 
 async def raw_counters(url: str, key: str) -> dict[str, int]:

@@ -27,21 +27,6 @@ def store_valves(request) -> dict:
     return {} if request.param == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
 
 
-@pytest.fixture
-def trims(monkeypatch) -> list[tuple[dict, object]]:
-    """Every `trim_messages` call the filter makes: its options and its result."""
-    real = trimpass_module.trim_messages
-    seen: list[tuple[dict, object]] = []
-
-    def spy(messages, **options):
-        result = real(messages, **options)
-        seen.append((options, result))
-        return result
-
-    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
-    return seen
-
-
 def body(chat, user_id: str, chat_id: str) -> dict:
     return {"model": MODEL, "messages": chat, "stream": False, "metadata": {"chat_id": chat_id, "user_id": user_id}}
 

@@ -10,32 +10,15 @@ gone), and what was made during the outage joins it: a stale copy never overwrit
 from __future__ import annotations
 
 import pytest
-import redis.asyncio as aioredis
 
-import contextwarden.face.trimpass as trimpass_module
 import contextwarden.state.store as store_module
 from contextwarden.state.chatstate import ChatState, chat_state_key
 from contextwarden.state.store import RedisStore
 
 from helpers import chat_of, grow, make_filter, send
-from turns import OwnRedis
+from turns import OwnRedis, raw_get
 
 PINNED = {"role": "user", "content": "My locker code is 4417."}
-
-
-@pytest.fixture
-def trims(monkeypatch) -> list[tuple[dict, object]]:
-    """Every `trim_messages` call the filter makes: its options and its result."""
-    real = trimpass_module.trim_messages
-    seen: list[tuple[dict, object]] = []
-
-    def spy(messages, **options):
-        result = real(messages, **options)
-        seen.append((options, result))
-        return result
-
-    monkeypatch.setattr(trimpass_module, "trim_messages", spy)
-    return seen
 
 
 @pytest.fixture(params=["empty", "kept"])
@@ -45,15 +28,6 @@ def server(request, redis_binary, tmp_path, monkeypatch):
     own = OwnRedis(redis_binary, data_dir=str(tmp_path) if request.param == "kept" else "").start()
     yield own
     own.stop()
-
-
-async def raw_get(url: str, key: str) -> bytes | None:
-    """What Redis itself holds under a store key."""
-    raw = aioredis.Redis.from_url(url)
-    try:
-        return await raw.get(store_module.KEY_PREFIX + key)
-    finally:
-        await raw.aclose()
 
 
 async def stored(f, user_id: str, chat_id: str):

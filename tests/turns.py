@@ -186,3 +186,17 @@ class OwnRedis:
             self.process.kill()
             self.process.wait(10)
             self.process = None
+
+
+async def raw_get(url: str, key: str) -> bytes | None:
+    """What Redis itself holds under a store key (not what the store answers: during an outage,
+    the worker's copy)."""
+    import redis.asyncio as aioredis
+
+    from contextwarden.state.store import KEY_PREFIX
+
+    raw = aioredis.Redis.from_url(url)
+    try:
+        return await raw.get(KEY_PREFIX + key)
+    finally:
+        await raw.aclose()
