@@ -350,3 +350,20 @@ def test_a_carried_selection_is_starved_only_far_below_the_budget_and_what_it_wa
     assert not _starved(sent(700), TrimDecision(3_000, 650, "relevance", ()), 3_000)  # as it was made
     assert _starved(sent(286), TrimDecision(300, 274, "relevance", ()), 3_000)  # a !budget=300 turn's
     assert not _starved(sent(286), TrimDecision(2_000, 274, "relevance", ()), 3_000)
+
+
+def test_a_question_is_not_cut_to_its_marker_when_that_cannot_make_it_fit(counter):
+    """Found by the filter simulator: a question with images that alone are over the budget had
+    its words cut to a bare marker (`[… 391 tokens cut by contextwarden …]`) and went over the
+    budget all the same: the turn's question lost for nothing. It now goes whole (over budget,
+    as it must); where cutting it can make the part fit, it is still cut to fit."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    words = "Please compare these charts and tell me which quarter grew fastest. " * 30
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": words}, *[image] * 4]},
+    ]
+    over = trim_messages(chat, max_tokens=1_000, model=MODEL, token_counter=counter)
+    assert over.over_budget and over.messages[-1] is chat[-1] and over.shortened == ()
+    fits = trim_messages(chat, max_tokens=3_200, model=MODEL, token_counter=counter)
+    assert not fits.over_budget and fits.shortened == (1,) and fits.tokens_after <= 3_200

@@ -12,7 +12,7 @@ import re
 from collections.abc import Collection
 
 from .chatview import ChatView
-from .conversation import Message, is_tool_images
+from .conversation import Message, is_tool_images, message_text
 from .excerpt import CUT_MARK
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -104,7 +104,8 @@ def _shorten_mandatory(
     a round (a cut of a cut would cut its marker). The latest user message is cut last, unless
     the others together are no more than the excess (all of them would go, each to its marker):
     then they and it are cut to one level, so a pinned line or a short system prompt is not lost
-    to spare a pasted document.
+    to spare a pasted document. It is not cut at all when even every text cut to its marker would
+    not fit (images alone over the budget): its words are the turn, and it would go over anyway.
 
     Returns the shortened copies by index and whether it is still over budget.
     """
@@ -114,6 +115,8 @@ def _shorten_mandatory(
     first_choice, last_user = _shortenable(view, mandatory)
     question = [last_user] if last_user is not None else []
     excess = TOKENS_PER_REPLY + sum(current.values()) - budget
+    if question and sum(_cut_most(messages[i], counter, model) for i in first_choice + question) < excess:
+        question = []  # cutting the question cannot make the part fit: it goes whole
     together = bool(question) and sum(current[i] for i in first_choice) <= excess
     for pool in [first_choice + question] if together else (first_choice, question):
         candidates = set(pool)
@@ -129,6 +132,12 @@ def _shorten_mandatory(
                     continue
                 replaced[index], current[index] = shorter, cost
     return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget
+
+
+def _cut_most(message: Message, counter: TokenCounter, model: str | None) -> int:
+    """The most tokens cutting `message`'s text could save: all of it but the marker left."""
+    text = message_text(message)
+    return max(0, counter.count_text(text, model) - counter.count_text(CUT_MARK.format(n=len(text)), model) - 2)
 
 
 def _levels(current: dict[int, int], excess: int) -> dict[int, int]:
