@@ -16,7 +16,7 @@ import contextwarden.state.store as store_module
 from contextwarden.state.chatstate import ChatState, chat_state_key
 from contextwarden.state.store import KEY_PREFIX, RedisStore
 
-from helpers import Events, chat_of, grow, make_filter, send, shown, store_of, turn
+from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
 
 MODEL = "gpt-4o"
 
@@ -228,29 +228,6 @@ async def test_a_number_flag_written_wrong_is_said_back_as_not_understood(counte
     out = await shown(f, chat, f"u-{unique}", f"c-{unique}", events)
     assert out["messages"][-1]["content"] == chat[-1]["content"] and [o["max_tokens"] for o, _ in trims] == [1_000]
     assert " · not understood: !budget=2k !keep=… · " in events.statuses[-1], events.statuses
-
-
-async def test_a_chat_sent_whole_carries_no_older_decision(counter, store_valves, unique):
-    """A turn asked for `!budget=300` and its selection was stored; the turns after it fit whole
-    and left it there. When the chat outgrew the budget, that stale selection was carried: 20
-    of 32 messages sent where a new selection sends 26, reported as the previous one reused."""
-    from contextwarden import trim_messages
-    from contextwarden.core.flags import read_flags
-
-    f = make_filter(counter, max_context_tokens=3_000, reserve_output_tokens=0, **store_valves)
-    user_id, chat_id = f"u-{unique}", f"c-{unique}"
-    chat = chat_of(8, last="!budget=300 Quick: what now?")
-    for k in range(8):
-        body = {"model": MODEL, "messages": chat, "metadata": {"chat_id": chat_id, "user_id": user_id}}
-        hooks = {"__user__": {"id": user_id}, "__metadata__": body["metadata"]}
-        first = await f.inlet(body, **hooks)
-        note = dict(body["metadata"]["contextwarden"])
-        sent = (await f.request(first, **hooks))["messages"]
-        chat = [*chat, {"role": "assistant", "content": "Short answer."}, turn(100 + k)[0]]
-    unflagged = read_flags(body["messages"], allowed={"budget"}).messages
-    fresh = trim_messages(unflagged, max_tokens=3_000, model=MODEL, token_counter=counter)
-    assert len(body["messages"]) == 32 and "→" in note["line"] and not note["reused"]
-    assert sent == fresh.messages
 
 
 async def test_full_flag_only_when_enabled(counter, trims, unique):

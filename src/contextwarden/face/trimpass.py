@@ -563,10 +563,9 @@ class TrimPass:
             choice = replace(choice, tokens_before=sent_as_is + fixed.tokens)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
-            # A first pass sending the chat whole leaves none (a `!budget` turn's was carried later).
             later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
             if choice.decision is None or later_pass:
-                decision = stored if later_pass or turn.note.decided else None
+                decision = stored
             elif choice.summarized:  # its trim read the chat less the summary note: left as it is
                 decision = choice.decision
             else:
