@@ -253,7 +253,8 @@ async def test_definitions_alone_over_the_window_are_said_plainly(counter):
     assert out["messages"] == [chat[0], chat[-1]]
     note = b["metadata"]["contextwarden"]
     detail = note["line"]  # the admin's
-    assert "for tool definitions (alone over the budget" in detail and "fits" not in detail
+    assert "for tool definitions (alone over the budget: only what must go sent: the system prompt, pins" in detail
+    assert "fits" not in detail
     assert "still over budget" in detail
     assert note["pending_line"] == f"Sent 2 of {len(chat)} messages · tool definitions fill the window"
 

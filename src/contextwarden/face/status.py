@@ -305,7 +305,7 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
     if choice.fixed_tokens:
         line += f" · incl. {choice.fixed_tokens:,} for {choice.fixed_label}"
         if choice.fixed_over:
-            line += " (alone over the budget: only the system prompt and this turn sent)"
+            line += " (alone over the budget: only what must go sent: the system prompt, pins and this turn)"
     if choice.summarized:
         line += " · earlier messages summarized"
     if choice.shortened:
