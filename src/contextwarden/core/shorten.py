@@ -25,7 +25,7 @@ PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while
 MIN_KEPT_TEXT_TOKENS = 0
 # The marker `_cut_middle` leaves, with the line breaks around it: a text an earlier pass of the
 # turn cut holds one (a later pass's input is what the first pass sent).
-_MARK = re.compile(r"\n?\[… ([0-9,]+) tokens cut by contextwarden …\]\n?")
+_MARK = re.compile(r"\n?" + re.escape(CUT_MARK).replace(re.escape("{n}"), "([0-9,]+)") + r"\n?")
 
 
 def _mandatory_part(
@@ -137,7 +137,12 @@ def _shorten_mandatory(
 def _cut_most(message: Message, counter: TokenCounter, model: str | None) -> int:
     """The most tokens cutting `message`'s text could save: all of it but the marker left."""
     text = message_text(message)
-    return max(0, counter.count_text(text, model) - counter.count_text(CUT_MARK.format(n=len(text)), model) - 2)
+    return max(0, counter.count_text(text, model) - _marker_cost(len(text), counter, model))
+
+
+def _marker_cost(n: int, counter: TokenCounter, model: str | None) -> int:
+    """What the marker naming `n` cut tokens costs in a text, with the line breaks around it."""
+    return counter.count_text(SHORTENED_MARK.format(n=n), model) + 2
 
 
 def _levels(current: dict[int, int], excess: int) -> dict[int, int]:
@@ -190,7 +195,7 @@ def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None
     if len(marks) == 1:
         return _cut_again(text, marks[0], excess, counter, model)
     total = counter.count_text(text, model)
-    marker_cost = counter.count_text(SHORTENED_MARK.format(n=total), model) + 2
+    marker_cost = _marker_cost(total, counter, model)
     keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
     while keep < total:
         head, tail = counter.keep_ends(text, keep - keep // 3, keep // 3, model)
