@@ -468,12 +468,11 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     Cached under a hash of exactly what is sent (and the model, size and prompt version), so
     workers sharing a Redis store share summaries. Never waits longer than `config.timeout`;
     a failure is logged as one warning naming its kind and is not retried for a minute. No call
-    starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for
-    `SUMMARY_SLOW_SECONDS`): None at once. A call
-    the provider may bill is told to `config.spent` (its cost is the turn's user's): one it
-    answered, and one that failed after its request was written whole without an answer (or
-    with a 200 that cannot be used); a summary from the cache, a call never sent or one answered
-    with an error status costs nothing.
+    starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for longer than its
+    pace: `_slow_mark`): None at once. A call the provider may bill is told to `config.spent`
+    (its cost is the turn's user's): one it answered, and one that failed after its request was
+    written whole without an answer (or with a 200 that cannot be used); a summary from the
+    cache, a call never sent or one answered with an error status costs nothing.
 
     Args:
         messages: the messages to condense (what a trim dropped).

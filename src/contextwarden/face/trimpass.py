@@ -125,12 +125,17 @@ def _chat_messages_sent(choice: TurnChoice) -> int:
     return len(choice.messages) - len(own_messages(choice.messages, choice.own)) + choice.quoted
 
 
+# Sources are where Open WebUI put them: on the question, the last user message of the turn's
+# first call. A tool loop's later calls may follow it with Open WebUI's tool images message, which
+# hid the sources when taken for the question: `latest_question` passes over it.
+
+
 def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
     """`choice` with the sources Open WebUI put before the question after the first pass put
     back (the last user message, a cut copy or not); what was cut of them counted as removed
     and as a document excerpted."""
     messages = choice.messages
-    if (at := _last_user(messages)) is None:
+    if (at := latest_question(messages)) is None:
         return choice
     sent = [*messages[:at], with_sources(messages[at], cut.text), *messages[at + 1 :]]
     excerpts = choice.excerpts
@@ -142,16 +147,9 @@ def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
     return replace(choice, messages=sent, tokens_before=choice.tokens_before + removed, excerpts=excerpts)
 
 
-def _last_user(messages: Sequence[Message]) -> int | None:
-    """Index of the question, where Open WebUI put sources (the last user message on the turn's
-    first call); a tool loop's later calls may follow it with Open WebUI's tool images message,
-    which hid the sources when taken for the question (`latest_question` passes over it)."""
-    return latest_question(messages)
-
-
 def _asked(messages: Sequence[Message]) -> str | None:
     """`text_digest` of the latest user message's text (None without one that has a single text)."""
-    if (at := _last_user(messages)) is None or (text := question_text(messages[at])) is None:
+    if (at := latest_question(messages)) is None or (text := question_text(messages[at])) is None:
         return None
     return text_digest(text)
 
@@ -159,7 +157,7 @@ def _asked(messages: Sequence[Message]) -> str | None:
 def _split_sources(messages: list[Message], asked: str) -> tuple[int, str, list[Message]] | None:
     """(the latest user message's index, the sources before it, the messages with the question
     as the first pass sent it) when Open WebUI put sources before it since; else None."""
-    if (at := _last_user(messages)) is None or (found := split_sources(messages[at], asked)) is None:
+    if (at := latest_question(messages)) is None or (found := split_sources(messages[at], asked)) is None:
         return None
     sources, question = found
     return at, sources, [*messages[:at], question, *messages[at + 1 :]]
