@@ -100,11 +100,10 @@ class Recall:
             and (len(value) == 3 or (value[3] == 1 and type(value[3]) is int))
             and type(value[0]) is int
             and isinstance(value[1], list)
-            and isinstance(value[2], (list, str))
         ):
             return None
         try:
-            kept = _unpacked(value[2]) if isinstance(value[2], str) else tuple(value[2])
+            kept = _stored_kept(value[2], packed=True)
         except ValueError:
             return None
         at = _run_positions(tuple(value[1]), len(kept))
@@ -113,7 +112,6 @@ class Recall:
         parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
         if not (
             all(type(i) is int and 0 <= i != value[0] for i in at)  # (the anchor is sent in place)
-            and all(isinstance(k, str) for k in kept)
             and all(a < b for a, b in pairwise(at))
             and parts is not None
         ):
