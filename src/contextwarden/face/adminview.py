@@ -168,8 +168,7 @@ def _unpriced_note(unpriced: int, rules: LimitRules) -> str:
         >>> _unpriced_note(1, LimitRules())
         '1 reply had no known price: its tokens are counted, its cost is not (≥, unknown).'
     """
-    levels = [rules.base, *(rules.roles or {}).values(), *(rules.groups or {}).values(), *(rules.users or {}).values()]
-    kinds = {kind for level in levels for kind in KINDS if level.cap(kind) is not None}
+    kinds = {kind for level in rules.levels for kind in KINDS if level.cap(kind) is not None}
     dollars, tokens = (any(kind.endswith(unit) for kind in kinds) for unit in ("_usd", "_tokens"))
     them, their = ("it", "its") if unpriced == 1 else ("them", "their")
     note = f"{replies_text(unpriced)} had no known price: {their} tokens are counted, {their} cost is not (≥, unknown)"

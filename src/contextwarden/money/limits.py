@@ -94,10 +94,14 @@ class LimitRules:
         return bool(self.groups)
 
     @property
+    def levels(self) -> list[Limits]:
+        """Every set of limits: the valves' (`base`), then each override."""
+        return [self.base, *(self.roles or {}).values(), *(self.groups or {}).values(), *(self.users or {}).values()]
+
+    @property
     def active(self) -> bool:
         """Some limit may apply to someone (else nothing needs reading)."""
-        levels = [*(self.roles or {}).values(), *(self.groups or {}).values(), *(self.users or {}).values()]
-        return self.base.any or any(level.any for level in levels)
+        return any(level.any for level in self.levels)
 
 
 class _Spec(BaseModel):
