@@ -241,10 +241,7 @@ class Bookkeeping:
         keeps the summary."""
         user_id = (user or {}).get("id")
         resolution = await self._resolve(settings, call.model, None)
-        rejected: list[str] = []
-        usage = read_usage({"usage": call.usage}, rejected)
-        if rejected:
-            self._warn_once(f"contextwarden: summary usage not believed ({', '.join(rejected[:6])}); estimated instead")
+        usage = self._reply_usage({"usage": call.usage}, "summary")
         messages = [*call.sent, {"role": "assistant", "content": call.reply or ""}]
         at_most = call.max_tokens if call.reply is None else None  # no summary came back: the most it can be
         billed, estimated = await compute(
@@ -558,12 +555,13 @@ class Bookkeeping:
             return ""
         return spend_text(limits, day, check_limits(limits, day, month), settings.show_spend)
 
-    def _reply_usage(self, reply: dict) -> Usage | None:
-        """The usage the backend reported on the reply; what it said that cannot be true is warned about."""
+    def _reply_usage(self, reply: dict, what: str = "reply") -> Usage | None:
+        """The usage the backend reported on the reply (or a summary call, `what`); what it said
+        that cannot be true is warned about."""
         rejected: list[str] = []
         usage = read_usage(reply, rejected)
         if rejected:
-            self._warn_once(f"contextwarden: reply usage not believed ({', '.join(rejected[:6])}); estimated instead")
+            self._warn_once(f"contextwarden: {what} usage not believed ({', '.join(rejected[:6])}); estimated instead")
         return usage
 
     async def _book(
