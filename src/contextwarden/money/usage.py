@@ -323,14 +323,8 @@ def _openai_cache_counts(fields: _Fields) -> tuple[int | None, int | None, int |
     cached = fields.count("cached_tokens", details)
     if cached is None:
         cached = fields.count("cache_read_input_tokens")
-    detailed = next(
-        (
-            count
-            for count in (fields.count("cache_write_tokens", details), fields.count("cache_creation_tokens", details))
-            if count is not None
-        ),
-        None,
-    )
+    openrouter, litellm = fields.count("cache_write_tokens", details), fields.count("cache_creation_tokens", details)
+    detailed = openrouter if openrouter is not None else litellm
     written = detailed if detailed is not None else fields.count("cache_creation_input_tokens")
     split = fields.usage.get(details)
     hour = None
