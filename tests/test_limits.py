@@ -15,11 +15,14 @@ import types
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
+import respx
 
 import contextwarden.face.bookkeeping as bookkeeping_module
 import contextwarden.face.filter as filter_module
+import contextwarden.face.summarize as summarize_module
 import contextwarden.money.openturns as openturns_module
 from contextwarden.errors import ConfigError, TurnRefused
 from contextwarden.face.adminview import usage_markdown
@@ -44,7 +47,7 @@ from contextwarden.money.records import TurnNote
 from contextwarden.money.spendbook import SpendBook
 from contextwarden.state.store import MemoryStore, RedisStore
 
-from helpers import Events, make_filter, store_of
+from helpers import Events, chat_of, make_filter, store_of
 from turns import free_port, reply_of, run_turn
 
 D = Decimal
@@ -567,6 +570,61 @@ async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(cou
     await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
     day, _ = await book.spend(f.store, user, now.date())
     assert day == Spend(D("0.1052"), 12_020, 1, 0)  # 2,000 in at $2.50 and 10,020 out at $10 a million
+
+
+async def test_a_turn_stopped_during_its_summary_call_keeps_each_charge_once(
+    counter, store_valves, unique, monkeypatch
+):
+    """A tool loop's request pass drops history and asks the summary endpoint, which holds the
+    request; the user stops the turn (its task cancelled). The turn keeps the estimate inlet
+    charged, settled at it once it counts as ended (nothing streamed), and the call, sent whole,
+    adds its upper bound once beside it: before, it added nothing, though the provider bills it."""
+    monkeypatch.setattr(openturns_module, "SWEEP_EVERY_SECONDS", 0.0)
+    now, url = datetime(2026, 12, 1, 12, tzinfo=UTC), "http://llm.test/v1"
+    summaries = dict(summary_enabled=True, summary_base_url=url, summary_model="gpt-4o-mini", summary_max_tokens=120)
+    valves = {
+        **store_valves,
+        **summaries,
+        "daily_limit_usd": 1,
+        "max_context_tokens": 1_500,
+        "openrouter_pricing": False,
+    }
+    asked: list[httpx.Request] = []
+    holding = asyncio.Event()
+
+    async def holds(request: httpx.Request) -> None:
+        asked.append(request)
+        holding.set()
+        await asyncio.Event().wait()
+
+    with respx.mock(assert_all_called=False) as llm:
+        llm.post(f"{url}/chat/completions").mock(side_effect=holds)
+        f = await limited(counter, {**valves, "reserve_output_tokens": 0}, now)
+        book, user = SpendBook(), f"u-{unique}"
+        who, metadata = {"id": user, "role": "user"}, {"chat_id": f"c-{unique}", "user_id": user, "message_id": "m1"}
+        body = {"model": "gpt-4o", "messages": chat_of(5), "stream": True, "metadata": metadata}
+        sent = await f.inlet(body, __user__=who, __metadata__=metadata)
+        estimate, _ = await book.spend(f.store, user, now.date())
+        assert not asked and estimate.requests == 1  # the chat fit: no summary, the turn charged
+        call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+        loop = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+        loop.append({"role": "tool", "tool_call_id": "call_1", "content": "result " * 500})
+        more = {**sent, "messages": [*sent["messages"], *loop]}
+        task = asyncio.ensure_future(f.request(more, __user__=who, __metadata__=metadata))
+        await asyncio.wait_for(holding.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 1)
+        await asyncio.gather(*getattr(summarize_module, "_charging", ()))  # the charge's own task
+    prompt = counter.count_messages(json.loads(asked[0].content)["messages"], "gpt-4o-mini")
+    bound = Spend(prompt * D("0.00000015") + 120 * D("0.0000006"), prompt + 120, 1, 0)
+    both = Spend(estimate.usd + bound.usd, estimate.tokens + bound.tokens, 2, 0)
+    assert await book.spend(f.store, user, now.date()) == (both, both)
+    monkeypatch.setattr(openturns_module, "RESERVATION_SECONDS", 0.0)
+    await started(f, *turn(f"other-{unique}"))  # any turn's start settles the ended ones
+    assert await book.spend(f.store, user, now.date()) == (both, both)
+    rows = {e.model: e for e in await read_ledger(f.store) if e.user == user}
+    assert rows["openai/gpt-4o-mini"].cost_usd == bound.usd and rows["openai/gpt-4o"].counters["requests"] == 1
 
 
 def test_a_stream_s_calls_are_told_apart_by_their_stream_id():

@@ -445,3 +445,106 @@ async def test_a_real_socket_tells_a_request_sent_from_one_never_sent(counter):
     config = SummaryConfig(f"http://127.0.0.1:{closed}/v1", "gpt-4o-mini", timeout=0.3, max_tokens=120, spent=spend)
     assert await summarize_messages(DROPPED_TEXT, config=config, store=MemoryStore()) is None
     assert len(spent) == 1
+
+
+async def charges_done() -> None:
+    """Wait for the summary charges running in tasks of their own (`summarize._charge`)."""
+    await asyncio.gather(*getattr(summarize_module, "_charging", ()))
+
+
+async def cancelled_once_asked(hook, asked_event: asyncio.Event) -> None:
+    """Run `hook` as a task, cancel it once the endpoint holds its summary request (the user
+    stopped the turn); the cancellation reaches the caller."""
+    task = asyncio.ensure_future(hook)
+    await asyncio.wait_for(asked_event.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 1)
+
+
+async def test_a_turn_stopped_while_its_summary_call_waits_is_charged_the_most_it_can_cost(
+    llm, counter, caplog, store_valves, unique
+):
+    """The user stops the turn (its task cancelled) while the endpoint holds the request it got
+    whole. Before: the cancellation went past the charge, nothing was counted ($0), though the
+    provider runs and bills the call. Now: the upper bound, as for a call that timed out, in the
+    usage line, the ledger and the spend; and the cancellation still reaches the caller."""
+    ASKED.clear()
+    asked_event = asyncio.Event()
+
+    async def holds(request):
+        asked_event.set()
+        await never_answers(request)
+
+    route = llm.post(f"{URL}/chat/completions").mock(side_effect=holds)
+    f = filter_with(counter, {**store_valves, **summary_valves(summary_timeout_seconds=30)})
+    user = user_of(unique)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    metadata = {"chat_id": f"c-{unique}", "user_id": user["id"], "message_id": "m1"}
+    body = {"model": "gpt-4o", "messages": chat_of(20), "stream": True, "metadata": metadata}
+    await cancelled_once_asked(f.inlet(body, __user__=user, __metadata__=metadata), asked_event)
+    await charges_done()
+    [request] = asked(route)
+    prompt = counter.count_messages(json.loads(request.content)["messages"], "gpt-4o-mini")
+    cost = prompt * D("0.00000015") + 120 * D("0.0000006")
+    [line] = summary_lines(caplog)
+    assert (line["prompt_tokens"], line["completion_tokens"], line["estimated"]) == (prompt, 120, True) and prompt > 100
+    assert line["usage_shape"] == "upper_bound" and D(line["cost_usd"]) == cost
+    assert (line["user_id"], line["chat_id"]) == (user["id"], f"c-{unique}")
+    [mini] = [e for e in await read_ledger(f.store) if e.user == user["id"]]  # the turn never started
+    assert (mini.model, mini.counters["requests"], mini.counters["estimated"], mini.cost_usd) == (
+        "openai/gpt-4o-mini",
+        1,
+        1,
+        cost,
+    )
+    day, _ = await SpendBook().spend(f.store, user["id"], NOW.date())
+    assert (day.usd, day.tokens, day.requests) == (cost, prompt + 120, 1)
+    no_secret(caplog)
+
+
+async def test_a_stopped_turn_goes_on_at_once_and_its_charge_is_bounded(llm, monkeypatch, caplog):
+    """The charge of a call the stopped turn leaves behind runs in a task of its own: the
+    cancellation is not held up by it (a store that hangs), and it is given up after
+    SUMMARY_CHARGE_SECONDS with one warning. A turn stopped before its request was written
+    (here, while its client is made) is charged nothing."""
+    ASKED.clear()
+    asked_event = asyncio.Event()
+
+    async def holds(request):
+        asked_event.set()
+        await never_answers(request)
+
+    llm.post(f"{URL}/chat/completions").mock(side_effect=holds)
+    monkeypatch.setattr(summarize_module, "SUMMARY_CHARGE_SECONDS", 0.2, raising=False)
+    entered, given_up, spent = asyncio.Event(), asyncio.Event(), []
+
+    async def hangs(call: SummaryCall) -> None:
+        spent.append(call)
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            given_up.set()
+
+    config = SummaryConfig(base_url=URL, model="gpt-4o-mini", timeout=30, max_tokens=120, spent=hangs)
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    await cancelled_once_asked(summarize_messages(DROPPED_TEXT, config=config, store=MemoryStore()), asked_event)
+    assert not given_up.is_set()  # the turn went on while its charge still waits for the store
+    await asyncio.wait_for(entered.wait(), 1)
+    assert [(c.reply, c.max_tokens) for c in spent] == [(None, 120)]
+    await asyncio.wait_for(given_up.wait(), 1)
+    await charges_done()
+    assert "contextwarden: summary call not counted (TimeoutError)" in caplog.text
+
+    client_made, never_made = asyncio.Event(), asyncio.Event()
+
+    async def slow_client(**kwargs):
+        client_made.set()
+        await never_made.wait()
+
+    monkeypatch.setattr(summarize_module, "async_client", slow_client)
+    ASKED.clear()
+    await cancelled_once_asked(summarize_messages(DROPPED_TEXT, config=config, store=MemoryStore()), client_made)
+    await charges_done()
+    assert len(spent) == 1 and ASKED == []

@@ -5,8 +5,9 @@ the system prompt(s), before the first message kept (see `insert_summary` for wh
 why not a system message). It is counted against the budget: the chat is trimmed again with
 room for it, and when it still does not fit, or the call fails or times out, the trim goes on
 without it. Each call the provider may bill (one it answered, or one that failed after its
-request was sent) is handed to `SummaryConfig.spent`, which counts what it cost (usage line,
-ledger, the user's spend). The API key never reaches a log line, a status or an exception message.
+request was sent, the turn's cancellation included) is handed to `SummaryConfig.spent`, which
+counts what it cost (usage line, ledger, the user's spend) in a task the turn's cancellation
+does not reach. The API key never reaches a log line, a status or an exception message.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ SUMMARY_PACE_CALLS = 8
 MAX_SUMMARY_CALLS = 4
 MAX_BACKOFF_ENDPOINTS = 64
 MAX_SUMMARY_REPLY_BYTES = 256 * 1024  # a reply is at most 4,000 tokens * 8 characters, in JSON
+# A call's charge (usage line, ledger, spend: `SummaryConfig.spent`) runs in a task of its own,
+# so a turn cancelled meanwhile (the user stopped it) still pays for a call the provider bills;
+# it is given up after this long (the store answers or gives up well before: a pooled connection
+# is waited for 60 s at most, then each command twice a couple of seconds).
+SUMMARY_CHARGE_SECONDS = 90.0
 # A reply is asked for uncompressed and one compressed anyway is refused: httpx inflates each
 # read whole, and a 64 KiB read of a gzip of zeros is 67 MB.
 SUMMARY_PROMPT_VERSION = "1"  # part of the cache key: a new prompt means new summaries
@@ -411,10 +417,11 @@ class _Request:
         yield self.data
         self.sent = True
 
-    def billed(self, config: SummaryConfig, exc: Exception) -> SummaryCall | None:
+    def billed(self, config: SummaryConfig, exc: BaseException) -> SummaryCall | None:
         """The call a failure `exc` may still be billed for: the request was written whole and
         the provider did not answer that it failed (a timeout, a dropped connection, a 200 that
-        cannot be used); None when it billed nothing (not sent, or answered with another status)."""
+        cannot be used, the turn cancelled while it waited); None when it billed nothing (not
+        sent, or answered with another status)."""
         if not self.sent or isinstance(exc, _NOT_SENT) or (isinstance(exc, _SummaryFailed) and exc.refused):
             return None
         usage = exc.usage if isinstance(exc, _SummaryFailed) else None
@@ -471,8 +478,9 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     starts while the endpoint is busy (`MAX_SUMMARY_CALLS` in flight, or one for longer than its
     pace: `_slow_mark`): None at once. A call the provider may bill is told to `config.spent`
     (its cost is the turn's user's): one it answered, and one that failed after its request was
-    written whole without an answer (or with a 200 that cannot be used); a summary from the
-    cache, a call never sent or one answered with an error status costs nothing.
+    written whole without an answer (or with a 200 that cannot be used, or the turn cancelled
+    while it waited); a summary from the cache, a call never sent or one answered with an error
+    status costs nothing.
 
     Args:
         messages: the messages to condense (what a trim dropped).
@@ -496,31 +504,70 @@ async def summarize_messages(messages: Sequence[Message], *, config: SummaryConf
     if _busy(config.base_url):
         summarize_log.debug("contextwarden: summary endpoint busy with slow calls; trimmed without a summary")
         return None
+    call = await _call(config, transcript, key, store)
+    if call is None:
+        return None
+    _backoff.pop(config.base_url, None)
+    text = (call.reply or "").strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
+    charge = _charge(config, call)  # before anything else is awaited: a cancellation from here on still counts it
+    await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
+    await _counted(charge)
+    return text
+
+
+async def _call(config: SummaryConfig, transcript: str, key: str, store: Store) -> SummaryCall | None:
+    """One call for `transcript` (`_in_flight`); None when it failed: logged, the endpoint backed
+    off, the content not asked again for a while (`key`), and a call the provider may bill
+    charged all the same. A turn cancelled while the call waits is charged for it too, when its
+    request was written whole (the provider runs it to the end), in a task of its own: the
+    cancellation goes on at once, never held up by the charge."""
     request: _Request | None = None
     try:
         request = _Request(config, transcript)
-        call = await _in_flight(config, request)
+        return await _in_flight(config, request)
+    except asyncio.CancelledError as exc:
+        if request is not None and (billed := request.billed(config, exc)) is not None:
+            _charge(config, billed)  # not awaited: nothing may hold the cancellation up
+        raise
     except Exception as exc:  # whatever the endpoint or the network did: the trim goes on without
+        billed = request.billed(config, exc) if request is not None else None
+        charge = _charge(config, billed) if billed is not None else None
         reason = str(exc) if isinstance(exc, _SummaryFailed) else type(exc).__name__
         _endpoint_failed(config.base_url)
         summarize_log.warning("contextwarden: summary skipped (%s); trimmed without one", reason)
         await store.set(key, _FAILED, ttl=SUMMARY_RETRY_SECONDS)
-        if request is not None and (billed := request.billed(config, exc)) is not None:
-            await _count_call(config, billed)
+        await _counted(charge)
         return None
-    _backoff.pop(config.base_url, None)
-    text = (call.reply or "").strip()[: config.max_tokens * SUMMARY_CHARS_PER_TOKEN]
-    await store.set(key, _CACHED + text.encode(), ttl=config.ttl)
-    await _count_call(config, call)
-    return text
+
+
+_charging: set[asyncio.Task[None]] = set()  # charges under way, held until done (the loop keeps weak references)
+
+
+def _charge(config: SummaryConfig, call: SummaryCall) -> asyncio.Task[None] | None:
+    """Start counting `call` (`_count_call`) in a task of its own, which the turn's cancellation
+    does not reach (None: nothing counts calls)."""
+    if config.spent is None:
+        return None
+    task = asyncio.ensure_future(_count_call(config, call))
+    _charging.add(task)
+    task.add_done_callback(_charging.discard)
+    return task
+
+
+async def _counted(charge: asyncio.Task[None] | None) -> None:
+    """Wait for a charge `_charge` started (a turn charged for its summary before it goes on:
+    limits read it); cancelled meanwhile, the turn stops waiting and the charge goes on."""
+    if charge is not None:
+        await asyncio.shield(charge)
 
 
 async def _count_call(config: SummaryConfig, call: SummaryCall) -> None:
-    """Tell `config.spent` of a call the provider may bill; a failure there never costs the summary."""
+    """Tell `config.spent` of a call the provider may bill, within `SUMMARY_CHARGE_SECONDS`; a
+    failure there never costs the summary."""
     if config.spent is None:
         return
     try:
-        await config.spent(call)
+        await asyncio.wait_for(config.spent(call), SUMMARY_CHARGE_SECONDS)
     except Exception as exc:
         summarize_log.warning("contextwarden: summary call not counted (%s)", type(exc).__name__)
 
