@@ -9,11 +9,15 @@ gone), and what was made during the outage joins it: a stale copy never overwrit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import redis.asyncio as aioredis
 
 import contextwarden.state.store as store_module
-from contextwarden.state.chatstate import ChatState, chat_state_key
-from contextwarden.state.store import RedisStore
+from contextwarden.core.flags import Flags, pin_fingerprint
+from contextwarden.state.chatstate import MAX_PINS, ChatState, chat_state_key
+from contextwarden.state.store import KEY_PREFIX, RedisStore
 
 from helpers import chat_of, grow, make_filter, send
 from turns import OwnRedis, raw_get
@@ -135,6 +139,55 @@ async def test_a_stale_copy_never_overwrites_newer_shared_state(counter, server,
     await b.store.aclose()
 
 
+async def raw_set(url: str, key: str, value: bytes) -> None:
+    """Write a store key in Redis itself (a state no filter made: pins up to the limit)."""
+    raw = aioredis.Redis.from_url(url)
+    try:
+        await raw.set(KEY_PREFIX + key, value, ex=3_600)
+    finally:
+        await raw.aclose()
+
+
+async def test_a_pin_the_limit_pushed_out_stays_out_when_an_outage_joins(counter, server, trims, unique):
+    """A chat one pin under MAX_PINS, its oldest pin a message of the chat. During an outage
+    worker A pins one message (the oldest stays) and worker B two (the oldest pushed out). Back,
+    B saves first; A's outage state joins B's newer one. Before: A's copy still held the oldest
+    pin and the merge added it again as new, pushing out the next oldest instead, and A sent the
+    message the limit had let go pinned again. Now the limit keeps the newest MAX_PINS."""
+    a, b = worker(counter, server), worker(counter, server)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    key = chat_state_key(user_id, chat_id)
+    oldest = {"role": "user", "content": "Pin zero, the oldest."}
+    chat = pinning(chat_of(4), oldest["content"])
+    await send(a, chat, user_id, chat_id)
+    state = ChatState.from_bytes(await raw_get(server.url, key))
+    others = tuple(f"{k:024x}" for k in range(MAX_PINS - 2))  # pins of messages no longer in the chat
+    assert state.pins == (pin_fingerprint(oldest),)
+    await raw_set(server.url, key, replace(state, pins=state.pins + others).to_bytes())
+    for i, w in ((5, a), (6, b)):  # each worker reads it
+        chat = grow(chat, i)
+        await send(w, chat, user_id, chat_id)
+    server.stop()
+    pinned_on = ("Pin made on A.", "Pin B one.", "Pin B two.")
+    for i, w, text in zip((7, 8, 9), (a, b, b), pinned_on, strict=True):
+        chat = pinning(grow(chat, i), text)
+        await send(w, chat, user_id, chat_id)
+    server.start()
+    chat = grow(chat, 10)
+    await send(b, chat, user_id, chat_id)  # B goes on from its own outage state
+    newer = ChatState.from_bytes(await raw_get(server.url, key))
+    assert len(newer.pins) == MAX_PINS and pin_fingerprint(oldest) not in newer.pins
+    chat = grow(chat, 11)
+    out = await send(a, chat, user_id, chat_id)
+    joined = ChatState.from_bytes(await raw_get(server.url, key)).pins
+    assert joined == (newer.pins + (pin_fingerprint({"role": "user", "content": "Pin made on A."}),))[-MAX_PINS:]
+    pinned = trims[-1][0]["pinned"]  # what A's trim had to keep as pinned: not the oldest (still sent, carried)
+    assert [chat[i]["content"].removesuffix(" !pin") for i in pinned] == list(pinned_on)
+    assert all({"role": "user", "content": text} in out["messages"] for text in pinned_on)
+    await a.store.aclose()
+    await b.store.aclose()
+
+
 async def test_a_swap_made_from_what_redis_held_leaves_what_the_outage_wrote():
     """A pass that read Redis before an outage and saves after it never read what another pass
     wrote during it: Redis takes its state, and the outage's still joins the next read."""
@@ -182,3 +235,20 @@ def test_what_wins_when_redis_answers_again():
         pins=("p0", "p2", "p1"), pin_mode=True
     )
     assert ChatState.rejoined(b'{"v": 99}', mine.to_bytes(), seen) is None
+
+
+def test_a_merge_at_the_pin_limit_keeps_the_newest_pins():
+    """What a pass (or an outage) added to the state it read joins the state saved since; a pin
+    of what it read that the saved state's limit pushed out is not added again as new."""
+    read = ChatState(pins=tuple(f"old{k}" for k in range(MAX_PINS - 1)))
+    mine = read.with_flags(Flags(pin=True), "mine")  # MAX_PINS pins: the oldest still there
+    theirs = read.with_flags(Flags(pin=True), "theirs1").with_flags(Flags(pin=True), "theirs2")
+    assert "old0" in mine.pins and "old0" not in theirs.pins
+    merged = mine.merged_onto(theirs, read)
+    assert merged is not None and merged.pins == (
+        *(f"old{k}" for k in range(2, MAX_PINS - 1)),
+        "theirs1",
+        "theirs2",
+        "mine",
+    )
+    assert ChatState.rejoined(theirs.to_bytes(), mine.to_bytes(), read.to_bytes()) == merged

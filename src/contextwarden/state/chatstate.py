@@ -124,25 +124,28 @@ class ChatState:
         own = None if written is None else cls.parse(written)
         return current if own is None else own.merged_onto(current, cls.parse(seen)) or current
 
-    def with_pins_of(self, other: ChatState | None) -> ChatState:
-        """This state with `other`'s pins added after its own (pins are only ever added, so
-        a union loses none: a pin a worker kept while Redis was away joins the shared state)."""
-        if other is None or not (extra := tuple(p for p in other.pins if p not in self.pins)):
+    def with_pins_of(self, other: ChatState | None, known: Collection[str] = ()) -> ChatState:
+        """This state with `other`'s pins added after its own, but for those in `known` (the pins
+        both started from: one missing here was pushed out by the limit), the oldest beyond
+        `MAX_PINS` out: a pin a worker made while Redis was away joins the shared state."""
+        if other is None or not (extra := tuple(p for p in other.pins if p not in self.pins and p not in known)):
             return self
         return replace(self, pins=(self.pins + extra)[-MAX_PINS:])
 
     def merged_onto(self, current: ChatState | None, read: ChatState | None) -> ChatState | None:
         """What to save over `current`, which another pass saved after this state was made from
-        `read`: `current` with this state's pins added and its pin mode where it switched it (the
-        other pass's decisions stay); None when that is `current` itself, or it cannot be read.
+        `read`: `current` with the pins this state added to `read` and its pin mode where it
+        switched it (the other pass's decisions stay); None when that is `current` itself, or it
+        cannot be read. A pin of `read` that `current` no longer holds was pushed out by the
+        limit there: it stays out (added again, it would push out a newer one).
 
         Example:
-            >>> ChatState(pins=("p1",)).merged_onto(ChatState(pins=("p2",)), ChatState()).pins
+            >>> ChatState(pins=("p0", "p1")).merged_onto(ChatState(pins=("p2",)), ChatState(pins=("p0",))).pins
             ('p2', 'p1')
         """
         if current is None:
             return None
-        merged = current.with_pins_of(self)
+        merged = current.with_pins_of(self, known=() if read is None else frozenset(read.pins))
         if read is not None and self.pin_mode != read.pin_mode:
             merged = replace(merged, pin_mode=self.pin_mode)
         return None if merged == current else merged
