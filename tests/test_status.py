@@ -174,6 +174,25 @@ async def test_a_cut_a_later_pass_dropped_is_not_told(counter):
     assert metadata["contextwarden"]["pending_line"] == "Sent 1 of 3 messages · tool definitions fill the window"
 
 
+@pytest.mark.parametrize("own", ["flag", "valve"])
+async def test_a_users_budget_below_the_tool_definitions_says_the_turn_went_over_it(counter, own):
+    # Seen in the browser: `!budget=2000` in an 8,000 window, Open WebUI's 30 tool definitions
+    # (~3,200 tokens) alone over it. The line said "tool definitions fill the window" (not the
+    # window: the user's budget) and not that the turn went over the budget (the log did).
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=300)
+    question = "What is the vault code?" + (" !budget=2000" if own == "flag" else "")
+    chat = [*long_chat(), {"role": "user", "content": question}]
+    user = {"id": "u1", "valves": f.UserValves(max_context_tokens=2_000) if own == "valve" else None}
+    metadata = {"chat_id": f"own-{own}", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": user, "__metadata__": metadata}
+    first = await f.inlet({"model": "gpt-4o", "messages": chat, "metadata": metadata}, **hooks)
+    sent = await f.request({**first, "tools": BUILTIN_TOOLS[:30]}, **hooks)
+    tools = fixed_cost({"tools": BUILTIN_TOOLS[:30]}, counter, "gpt-4o").tools
+    assert tools + counter.count_messages(sent["messages"], "gpt-4o") > 2_000  # over it indeed
+    line = metadata["contextwarden"]["pending_line"]
+    assert " · over your budget: tool definitions alone fill it" in line and "window" not in line, line
+
+
 async def test_without_a_request_pass_the_outlet_shows_the_inlets_words(counter):
     # An Open WebUI without the request hook: the inlet's words, after the reply, in its one line.
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=300)

@@ -55,12 +55,14 @@ class FixedCost:
 class PromptBudget:
     """The whole prompt's budget in our counts (`total`), its fixed part, and what is left for
     the messages (`messages`, never below MIN_BUDGET_TOKENS). `fixed_over`: the fixed part
-    alone leaves less than MIN_BUDGET_TOKENS, so only the mandatory messages go, whole."""
+    alone leaves less than MIN_BUDGET_TOKENS, so only the mandatory messages go, whole. `own`:
+    the user's own budget (`!budget=N`, their valve) set `total`, below the window's."""
 
     total: int
     fixed: FixedCost
     messages: int
     fixed_over: bool = False
+    own: bool = False
 
 
 def prompt_budget(
@@ -74,20 +76,24 @@ def prompt_budget(
     """The one budget rule: the window less the reserve (`window_budget`), in our counts
     (calibrated, never above `ceiling`), lowered to a user's `!budget=N` (`cap`, the provider's
     tokens as the user's valve is: calibrated too; never below MIN_BUDGET_TOKENS), less the fixed
-    part; the rest is for the messages.
+    part; the rest is for the messages. `window_budget` below `ceiling` was lowered by the
+    user's valve: with a lower `cap`, the budget is the user's own (`own`).
 
     Example:
         >>> budget = prompt_budget(3_500, Calibration(), FixedCost(tools=900))
-        >>> budget.total, budget.fixed.tokens, budget.messages, budget.fixed_over
-        (3500, 900, 2600, False)
-        >>> prompt_budget(3_500, Calibration(), FixedCost(tools=6_435)).fixed_over
-        True
+        >>> budget.total, budget.fixed.tokens, budget.messages, budget.fixed_over, budget.own
+        (3500, 900, 2600, False, False)
+        >>> over = prompt_budget(3_500, Calibration(), FixedCost(tools=6_435), cap=2_000)
+        >>> over.total, over.fixed_over, over.own
+        (2000, True, True)
     """
-    total = calibrated_budget(window_budget, calibration, ceiling=ceiling)
+    window = calibrated_budget(window_budget, calibration, ceiling=ceiling)
+    total = window
     if cap is not None:
         total = max(MIN_BUDGET_TOKENS, min(total, calibrated_budget(cap, calibration)))
+    own = total < window or (ceiling is not None and window_budget < ceiling)
     left = total - fixed.tokens
-    return PromptBudget(total, fixed, max(left, MIN_BUDGET_TOKENS), left < MIN_BUDGET_TOKENS)
+    return PromptBudget(total, fixed, max(left, MIN_BUDGET_TOKENS), left < MIN_BUDGET_TOKENS, own)
 
 
 def fixed_cost(body: dict[str, Any], counter: TokenCounter, model: str | None) -> FixedCost:

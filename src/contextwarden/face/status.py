@@ -161,11 +161,33 @@ def _context_words(choice: TurnChoice, flags: Flags, sent: int | None, *, shadow
     else:
         head = f"{'would send' if shadow else 'Sent'} {_messages(sent)}"
     line = ("Shadow: " if shadow else "") + head + "".join(f", {cut}" for cut in cuts)
-    if choice.fixed_over and not choice.full:
-        line += f" · {choice.fixed_label or 'tool definitions'} fill the window"
-    elif (choice.over_budget or choice.tokens_after > choice.budget) and not choice.full:
-        line += " · still over budget"
-    return line + _flag_words(flags)
+    return line + _over_words(choice) + _flag_words(flags)
+
+
+def _over_words(choice: TurnChoice) -> str:
+    """What a user reads when the prompt did not fit: ` · tool definitions fill the window` (the
+    admin's window: they are told the fix), ` · over your budget: tool definitions alone fill it`
+    when the budget is the user's own (`!budget=N`, their valve), ` · still over budget` (`still
+    over your budget`) when what must go was over it even cut; "" when it fit or `!full` sent all.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> over = TurnChoice([{}] * 2, 11, 6_695, 3_244, 2_000, "exact", over_budget=True, fixed_tokens=3_214,
+        ...                   fixed_label="tool definitions", fixed_over=True, own_budget=True)
+        >>> _over_words(over), _over_words(replace(over, own_budget=False))
+        (' · over your budget: tool definitions alone fill it', ' · tool definitions fill the window')
+        >>> _over_words(replace(over, fixed_label="the response format"))
+        ' · over your budget: the response format alone fills it'
+        >>> _over_words(replace(over, fixed_over=False)), _over_words(replace(over, fixed_over=False, own_budget=False))
+        (' · still over your budget', ' · still over budget')
+    """
+    if choice.full or not (choice.fixed_over or choice.over_budget or choice.tokens_after > choice.budget):
+        return ""
+    if not choice.fixed_over:
+        return " · still over your budget" if choice.own_budget else " · still over budget"
+    label = choice.fixed_label or "tool definitions"
+    fill = "fills" if label == "the response format" else "fill"
+    return f" · over your budget: {label} alone {fill} it" if choice.own_budget else f" · {label} {fill} the window"
 
 
 def _flag_words(flags: Flags) -> str:

@@ -554,6 +554,7 @@ class TrimPass:
         choice = choice.with_pins_sent(turn.read.messages, {*state.pins, *turn.note.pins})
         fixed = turn.budget.fixed
         choice = choice.plus_fixed(fixed.tokens, fixed.label, turn.budget.fixed_over, turn.budget.total)
+        choice = replace(choice, own_budget=turn.budget.own)
         if shadow and not _same_messages(
             turn.read.messages, turn.body["messages"]
         ):  # sent as it came, flag text and all

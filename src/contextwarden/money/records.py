@@ -154,6 +154,7 @@ class TurnChoice:
     fixed_tokens: int = 0  # tool definitions and response format, in every count above
     fixed_label: str = ""  # what they are ("tool definitions", ...)
     fixed_over: bool = False  # they alone fill the budget: only the mandatory messages were sent
+    own_budget: bool = False  # `budget` is the user's own (`!budget=N`, their valve), below the window's
     own: tuple[str, ...] = ()  # fingerprints of what the filter added to `messages` (see `added_fingerprints`)
     quoted: int = 0  # the chat's messages its recall blocks quote whole (sent, in a block)
     origins: tuple[int, ...] = ()  # each message's index in the input (-1: added); () unknown
