@@ -230,6 +230,23 @@ async def test_a_number_flag_written_wrong_is_said_back_as_not_understood(counte
     assert " · not understood: !budget=2k !keep=… · " in events.statuses[-1], events.statuses
 
 
+async def test_a_flag_not_understood_is_said_after_the_request_pass_too(counter, unique):
+    """Seen in the browser (inlet, then request, then outlet): "Hello !budget=2k" showed "Whole
+    chat sent · ..." without "not understood": the turn note kept the flags only when one acted
+    or was refused, so the request pass, which reads the first pass's flags, had none."""
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=0)
+    chat = chat_of(4, last="Hello !budget=2k")
+    metadata = {"chat_id": f"c-{unique}", "user_id": f"u-{unique}", "message_id": "m1"}
+    events = Events()
+    hooks = {"__user__": {"id": f"u-{unique}"}, "__metadata__": metadata, "__event_emitter__": events}
+    first = await f.inlet({"model": "gpt-4o", "messages": chat, "metadata": metadata}, **hooks)
+    sent = await f.request(first, **hooks)
+    reply = {"role": "assistant", "content": "Noted."}
+    await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply], "chat_id": metadata["chat_id"]}, **hooks)
+    [line] = events.statuses
+    assert line.startswith("Whole chat sent · not understood: !budget=2k · "), line
+
+
 async def test_full_flag_only_when_enabled(counter, trims, unique):
     chat = chat_of(20, last="Everything! !full")
     f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=0)

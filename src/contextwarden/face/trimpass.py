@@ -240,7 +240,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         tokens_saved=money.savings.tokens_saved,
         cost_saved_usd=money.savings.cost_saved_usd,
         cache=money.cache,
-        flags=turn.flags if turn.flags.used or turn.flags.refused else turn.note.flags,
+        flags=turn.flags if turn.flags != Flags() else turn.note.flags,  # a later pass reads none
         added=() if shadow else turn.note.added_with(choice.own),
         pins=turn.note.pins_with(choice.pins),
         asked=turn.note.asked if turn.note.mode is not None else _asked(sent_messages),
