@@ -24,7 +24,7 @@ import contextwarden.face.bookkeeping as bookkeeping_module
 import contextwarden.face.filter as filter_module
 import contextwarden.face.summarize as summarize_module
 import contextwarden.money.openturns as openturns_module
-from contextwarden.errors import ConfigError, TurnRefused
+from contextwarden.errors import AnsweredInChat, ConfigError, TurnRefused
 from contextwarden.face.adminview import usage_markdown
 from contextwarden.face.usergroups import GroupReader
 from contextwarden.face.valves import read_settings
@@ -1222,15 +1222,41 @@ async def test_usage_command_words_an_unpriced_reply_as_the_limits_set(counter, 
     assert own.startswith("contextwarden: today ≥$0.0026") and " · this month ≥$0.0026" in own, own
 
 
-async def test_usage_command_in_a_browser_chat_writes_the_reply(counter, unique):
+async def test_usage_command_in_a_browser_chat_writes_the_reply_and_ends_without_an_error(counter, unique):
+    """Seen in the browser: the answer was written into the reply, then the turn ended with a
+    `TurnRefused`, which Open WebUI 0.12.4 shows as an error under it and a red toast ("the
+    usage report is above; the model was not called"). Now it ends as the Stop button ends a
+    turn: a `CancelledError`, which Open WebUI's chat task answers with `chat:tasks:cancel`."""
     f = await limited(counter, {"daily_limit_usd": 2}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
     await spent(f, f"ann-{unique}", "0.25", date(2026, 12, 1))
     events = Events()
-    with pytest.raises(TurnRefused) as answer:
+    with pytest.raises(asyncio.CancelledError) as answer:
         await inlet(f, "admin-1", role="admin", events=events, text="!usage", session_id="s1", chat_id="c1")
-    assert str(answer.value) == "contextwarden: the usage report is above; the model was not called."
+    assert isinstance(answer.value, AnsweredInChat) and not isinstance(answer.value, Exception)
     [replace] = [e for e in events.items if e["type"] == "replace"]
     assert f"| ann-{unique} | 1 |" in replace["data"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("ids", "request_state"),
+    [
+        ({"session_id": "s1"}, None),  # no chat id: an API caller awaits the turn
+        ({"chat_id": "c1"}, None),  # no session: no page to write into
+        ({"session_id": "s1", "chat_id": "c1", "automation_id": "a1"}, None),  # an automation awaits its task
+        ({"session_id": "s1", "chat_id": "c1"}, True),  # a sub-agent's request (internal)
+    ],
+)
+async def test_usage_command_awaited_by_its_caller_is_its_error_text(counter, unique, ids, request_state):
+    """Where Open WebUI awaits the turn, a `CancelledError` would leave the caller without an
+    answer: the answer is the refusal's text, as for an API caller."""
+    f = await limited(counter, {}, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    body, who = turn(f"ann-{unique}", text="!usage", **ids)
+    request = types.SimpleNamespace(state=types.SimpleNamespace(internal=request_state))
+    with pytest.raises(TurnRefused) as answer:
+        await f.inlet(
+            body, __user__=who, __metadata__=body["metadata"], __event_emitter__=Events(), __request__=request
+        )
+    assert str(answer.value).startswith("contextwarden: today $0.00")
 
 
 async def test_usage_command_for_users_shows_their_own_spend_only(counter, unique):

@@ -2,8 +2,9 @@
 (the model is not called). Admins get this month's totals by user and by model; everyone else
 their own spend and limits. Also the one rule for showing a cost that may be unknown.
 
-In a browser chat the answer is written into the reply (a `replace` event) and the turn ends
-with a one-line notice; API callers get the whole answer as the error text (HTTP 400 detail).
+In a browser chat the answer is written into the reply (a `replace` event) and the turn ends as
+Open WebUI's Stop button ends one (`errors.AnsweredInChat`: no error shown); API callers get the
+whole answer as the error text (HTTP 400 detail).
 The exchange stays in the chat for the user, but is never sent on: every later request of the
 chat goes out without it (`without_usage_exchanges`). Both answers read one key each: the
 admin's the month key of the ledger, a user's their spend key.
@@ -40,6 +41,7 @@ from ..state.store import Store
 
 __all__ = [
     "USAGE_COMMAND",
+    "USAGE_WRITTEN",
     "is_usage_command",
     "without_usage_exchanges",
     "usage_answer",
@@ -49,6 +51,9 @@ __all__ = [
 ]
 
 USAGE_COMMAND = "!usage"
+# What ends a browser chat's `!usage` turn once its answer is in the reply (`AnsweredInChat`'s
+# text): Open WebUI shows none of it, its log at most.
+USAGE_WRITTEN = "contextwarden: the usage answer is written into the reply; the model was not called."
 COMMAND_MAX_CHARS = 64  # a longer message is never the command (so it is not read on every pass)
 COMMAND_MAX_PARTS = 16  # nor is a message in more content parts (attachments and the command's text)
 # How the filter's answers begin (the admin's report, a user's line, the notice in a chat).
@@ -280,9 +285,10 @@ async def usage_answer(
     emit: ReplyEmitter | None,
     chat: bool,
     spend: Callable[[], Awaitable[tuple[Spend, Spend]]],
-) -> str:
-    """The `!usage` answer; in a browser chat written into the reply, returning a short notice.
-    `spend` reads the user's (today's, this month's) spend (see `SpendBook.spend`)."""
+) -> tuple[str, bool]:
+    """The `!usage` answer, and whether it was written into the reply (a browser chat's turn,
+    `chat`: else the caller gets it as the turn's refusal text). `spend` reads the user's
+    (today's, this month's) spend (see `SpendBook.spend`)."""
     if admin:
         month = await read_month(store, month_start(now.date()))
         names = await user_names([row.key for row in month.users[:MAX_USER_ROWS]], _open_webui_user_lookup())
@@ -292,10 +298,10 @@ async def usage_answer(
     if chat and emit is not None:
         try:
             await emit({"type": "replace", "data": {"content": text}})
-            return "contextwarden: the usage report is above; the model was not called."
-        except Exception:  # no chat to write into: the notice carries the answer
+            return text, True
+        except Exception:  # no chat to write into: the refusal carries the answer
             pass
-    return text
+    return text, False
 
 
 def _open_webui_user_lookup() -> UserLookup | None:

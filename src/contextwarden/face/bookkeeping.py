@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from ..core.tokens import TokenCounter
-from ..errors import TurnRefused
+from ..errors import AnsweredInChat, TurnRefused
 from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
 from ..money.ledger import record_reply
 from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
@@ -43,8 +43,8 @@ from ..money.savings import Savings
 from ..money.spendbook import Charge, SpendBook
 from ..money.usage import Cost, Estimated, Usage, compute_cost, read_usage
 from ..state.store import RedisStore, Store
-from .adminview import is_usage_command, usage_answer
-from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, is_chat_body
+from .adminview import USAGE_WRITTEN, is_usage_command, usage_answer
+from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, is_chat_body, runs_as_chat_task
 from .offloop import compute, heavy
 from .settings import MODES, Settings
 from .status import pending_detail, pending_line, turn_line, usage_status
@@ -280,9 +280,12 @@ class Bookkeeping:
         used = usage_status(booked.billed, booked.estimated, booked.cost, settings.show_cost, savings, shadow)
         return turn_line(pending_line(noted), used, spent)
 
-    async def before_turn(self, body: Any, user: dict | None, metadata: dict | None, emit: Emitter | None) -> None:
-        """Answer `!usage`, or refuse a turn over the user's limits (raises `TurnRefused`); a turn
-        let through while the user is near a limit is held until its outlet."""
+    async def before_turn(
+        self, body: Any, user: dict | None, metadata: dict | None, emit: Emitter | None, request: Any = None
+    ) -> None:
+        """Answer `!usage` (raises `AnsweredInChat` once it is written into a browser chat's
+        reply, else `TurnRefused` with it), or refuse a turn over the user's limits (raises
+        `TurnRefused`); a turn let through while the user is near a limit is held until its outlet."""
         if not is_chat_body(body) or not isinstance(user, dict):
             return
         metadata = metadata if isinstance(metadata, dict) else body.get("metadata")
@@ -292,18 +295,19 @@ class Bookkeeping:
         user_id, role = str(user.get("id") or ""), str(user.get("role") or "")
         if is_usage_command(body["messages"]):
             limits = await self._user_limits(settings, user_id, role)
-            raise TurnRefused(
-                await usage_answer(
-                    self._store,
-                    now=self._now(),
-                    admin=role == "admin",
-                    limits=limits,
-                    rules=settings.limits,
-                    emit=emit,
-                    chat=bool(isinstance(metadata, dict) and metadata.get("session_id")),
-                    spend=functools.partial(self._spendbook.spend, self._store, user_id or "-", self._now().date()),
-                )
+            text, written = await usage_answer(
+                self._store,
+                now=self._now(),
+                admin=role == "admin",
+                limits=limits,
+                rules=settings.limits,
+                emit=emit,
+                chat=runs_as_chat_task(metadata, request),
+                spend=functools.partial(self._spendbook.spend, self._store, user_id or "-", self._now().date()),
             )
+            if written:  # the page shows it: end the turn with no error under it
+                raise AnsweredInChat(USAGE_WRITTEN)
+            raise TurnRefused(text)
         limits = await self._user_limits(settings, user_id, role)
         if not limits.any:
             return

@@ -127,9 +127,9 @@ class Filter:
         warning however many of these steps it fails (`Faults`)."""
         seen: set[FaultKey] = set()
         try:
-            await self._books.before_turn(body, __user__, __metadata__, __event_emitter__)
+            await self._books.before_turn(body, __user__, __metadata__, __event_emitter__, __request__)
         except (TurnRefused, *NEVER_SWALLOWED):
-            raise  # on purpose: Open WebUI shows a refusal's text to the user
+            raise  # on purpose: Open WebUI shows a refusal's text to the user (AnsweredInChat: nothing)
         except BaseException as exc:
             self._faults.log("inlet", exc, "limits not checked", "turn allowed", seen)
         args = (body, __user__, __metadata__, __model__, __event_emitter__, __request__)

@@ -18,6 +18,7 @@ __all__ = [
     "told_as_admin",
     "is_chat_body",
     "model_context_length",
+    "runs_as_chat_task",
     "wants_stream_usage",
     "with_stream_usage",
 ]
@@ -109,3 +110,15 @@ def told_as_admin(user: object) -> bool:
     an admin's, or one that names no role (Open WebUI always names it; API callers, scripts)."""
     role = user.get("role") if isinstance(user, dict) else None
     return role is None or role == "admin"
+
+
+def runs_as_chat_task(metadata: dict | None, request: Any = None) -> bool:
+    """Whether Open WebUI runs this turn as a browser chat's task, which nothing awaits (the
+    page gets its reply through events): a session, chat and message id, and neither an
+    automation's run nor an internal (sub-agent) request, whose caller awaits the task.
+    Only such a turn may end with `AnsweredInChat`."""
+    if not isinstance(metadata, dict) or metadata.get("automation_id"):
+        return False
+    if getattr(getattr(request, "state", None), "internal", False) is True:
+        return False
+    return all(isinstance(metadata.get(key), str) and metadata[key] for key in ("session_id", "chat_id", "message_id"))
