@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from contextwarden.money.dollars import format_usd
 from contextwarden.money.pricing import PriceBook, resolve_model
 from contextwarden.money.usage import Usage, compute_cost
 
-from browser import Reply, chat_page, expand_status, find_browser, open_chat, send, wait_for_replies
+from browser import Reply, chat_page, expand_status, find_browser, open_chat, read_replies, send, wait_for_replies
 from fake_backend import FakeBackend, completion_tokens_for, expected_prompt_tokens
 from helpers import BUILT_FILE
 from owui import OpenWebUI, add_user, installed_function
@@ -165,12 +166,59 @@ def test_the_admins_usage_report_names_users(
         open_chat(page, open_webui.base_url, open_webui.token, MODEL)
         page.find_element("css selector", "body").send_keys(Keys.ESCAPE)  # an admin's "What's New" dialog
         send(page, "!usage")
-        [report] = wait_for_replies(page, 1, lambda reply: "contextwarden usage" in reply.text)
+        wait_for_replies(page, 1, lambda reply: "contextwarden usage" in reply.text)
+        toasts = error_toasts(page)
+        [report] = read_replies(page)
         keep_screenshot(page, 0, "admin-usage-report.png", tmp_path)
     print(f"\nreport: {report.text[:600]}")
     assert len(backend.requests) == calls  # the model was not called
     assert name in report.text, report.text
     assert user["id"] not in report.text and user["email"] not in report.text
+    # ended as the Stop button ends a turn: no error under the report, no red toast (before:
+    # both said "contextwarden: the usage report is above; the model was not called")
+    assert not toasts and "not called" not in report.text, (toasts, report.text[-200:])
+
+
+def error_toasts(page: Any, seconds: float = 3.0) -> list[str]:
+    """The error toasts Open WebUI shows within ``seconds`` (svelte-sonner's ``data-type``)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen += page.execute_script(
+            "return Array.from(document.querySelectorAll('[data-sonner-toast][data-type=\"error\"]'))"
+            ".map(t => t.innerText)"
+        )
+        time.sleep(0.2)
+    return list(dict.fromkeys(seen))
+
+
+def test_flags_typed_in_the_page_are_said_back(
+    chromium: tuple[str, str], open_webui: OpenWebUI, backend: FakeBackend, quiet_tasks: None, tmp_path: Path
+) -> None:
+    """Flags as a person types them, in an 8,000 window where Open WebUI's tool definitions take
+    3,214 tokens: a pin, then ``!budget=2000`` (below the definitions alone: the line says the
+    turn went over the user's budget, not that the window is full), then ``!budget=2k`` (no
+    flag: said back as not understood, after the request pass as after inlet)."""
+    user = add_user(open_webui, "Flag user", f"flags-{uuid.uuid4().hex[:8]}@example.com")
+    valves = {**base_valves(), "max_context_tokens": 8_000, "reserve_output_tokens": 800}
+    pin = "Remember this: the vault code is 7391."
+
+    def finished(reply: Reply) -> bool:
+        return reply.text == backend.default_reply and usage_numbers(reply.shown) is not None
+
+    source = BUILT_FILE.read_text("utf-8")
+    with installed_function(open_webui, FID, source, valves, name=FID), chat_page(*chromium, tmp_path) as page:
+        open_chat(page, open_webui.base_url, user["token"], MODEL)
+        for count, text in enumerate((f"{pin} !pin", "What is the vault code? !budget=2000", "Hello !budget=2k"), 1):
+            send(page, text)
+            replies = wait_for_replies(page, count, finished)
+        page.save_screenshot(str(tmp_path / "browser-flags.png"))  # not committed: tmp_path only
+    print(f"\nstatus lines shown: {[r.shown for r in replies]}")
+    lines = [reply.shown or "" for reply in replies]
+    assert lines[0].startswith("Whole chat sent · flags !pin · "), lines[0]
+    assert " · over your budget: tool definitions alone fill it · flags !budget=2000 · " in lines[1], lines[1]
+    assert "window" not in lines[1] and backend.requests[1]["messages"][0]["content"] == pin
+    assert lines[2].startswith("Whole chat sent · not understood: !budget=2k · "), lines[2]
 
 
 def test_a_trimmed_chat_says_how_many_messages_went(
