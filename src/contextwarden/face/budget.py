@@ -55,7 +55,8 @@ class FixedCost:
 class PromptBudget:
     """The whole prompt's budget in our counts (`total`), its fixed part, and what is left for
     the messages (`messages`, never below MIN_BUDGET_TOKENS). `fixed_over`: the fixed part
-    alone leaves less than MIN_BUDGET_TOKENS, so only the mandatory messages go, whole. `own`:
+    alone leaves less than MIN_BUDGET_TOKENS, so the mandatory messages go whole, and others only
+    while all of them fit MIN_BUDGET_TOKENS. `own`:
     the user's own budget (`!budget=N`, their valve) set `total`, below the window's."""
 
     total: int
