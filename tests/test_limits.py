@@ -1141,7 +1141,7 @@ async def test_status_line_shows_spend_and_the_limit(counter, store_valves, uniq
     run = await run_turn(f, CHAT, user=user, reply=reply_of(usage={"prompt_tokens": 4_000, "completion_tokens": 0}))
     assert (
         run.events.statuses[-1]
-        == "Whole chat sent · 4,000 tokens in · 0 out · $0.010 · today $1.73 of $2.00 · 86% of your daily limit"
+        == "86% of your daily limit · Whole chat sent · 4,000 tokens in · 0 out · $0.010 · today $1.73 of $2.00"
     )
 
 

@@ -27,7 +27,7 @@ from ..core.tokens import TokenCounter
 from ..errors import AnsweredInChat, TurnRefused
 from ..money.accounting import billed_usage, learn_caching, learn_calibration, reply_savings_of, usage_record
 from ..money.ledger import record_reply
-from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_text
+from ..money.limits import STORE_DOWN_TEXT, Limits, Spend, Verdict, check_limits, limits_for, refusal_text, spend_parts
 from ..money.openturns import (
     MAX_OPEN_TURNS,
     MAX_USER_OPEN_TURNS,
@@ -272,13 +272,13 @@ class Bookkeeping:
         noted = booked.note.to_dict()
         if (detail := pending_detail(noted)) is not None:
             books_log.info("contextwarden: %s", detail)
-        spent = await self._spend_status(settings, user, booked.note, shown=shown)
+        spent, warning = await self._spend_status(settings, user, shown=shown)
         if not settings.show_status:
             return None
         shadow = booked.mode == "shadow"  # what a trim saves is the admin's (log, report), but shadow's point
         savings = booked.savings if shadow else None
         used = usage_status(booked.billed, booked.estimated, booked.cost, settings.show_cost, savings, shadow)
-        return turn_line(pending_line(noted), used, spent)
+        return turn_line(pending_line(noted), used, spent, warning)
 
     async def before_turn(
         self, body: Any, user: dict | None, metadata: dict | None, emit: Emitter | None, request: Any = None
@@ -544,20 +544,20 @@ class Bookkeeping:
         except Exception as exc:
             books_log.warning("contextwarden: %s not added to the spend totals (%s)", what, type(exc).__name__)
 
-    async def _spend_status(self, settings: Settings, user: dict | None, note: TurnNote, shown: bool) -> str:
-        """After a reply: `today $0.42 of $2.00` (and the 80% warning), or ""."""
+    async def _spend_status(self, settings: Settings, user: dict | None, shown: bool) -> tuple[str, str]:
+        """After a reply: (`today $0.42 of $2.00`, the 80% warning), each "" when there is none."""
         user_id, role = str((user or {}).get("id") or ""), str((user or {}).get("role") or "")
         if not user_id or not settings.show_status or not shown:
-            return ""
+            return "", ""
         limits = await self._user_limits(settings, user_id, role)
         if not settings.show_spend or not (limits.any or settings.spend_for_all):
-            return ""
+            return "", ""
         try:
             day, month = await self._spend(user_id)
         except Exception as exc:
             books_log.debug("contextwarden: spend not read (%s)", type(exc).__name__)
-            return ""
-        return spend_text(limits, day, check_limits(limits, day, month), settings.show_spend)
+            return "", ""
+        return spend_parts(limits, day, check_limits(limits, day, month), settings.show_spend)
 
     def _reply_usage(self, reply: dict, what: str = "reply") -> Usage | None:
         """The usage the backend reported on the reply (or a summary call, `what`); what it said

@@ -251,21 +251,24 @@ def _messages(count: int) -> str:
     return f"{count:,} message" if count == 1 else f"{count:,} messages"
 
 
-def turn_line(context: str | None, usage: str, spend: str = "") -> str:
-    """The turn's one status line, shown after the reply: what the model saw, what the reply
-    used and cost, the user's spend (each part only when there is one); the key to `~` last,
-    after the spend too, so the line ends with it as the README says.
+def turn_line(context: str | None, usage: str, spend: str = "", warning: str = "") -> str:
+    """The turn's one status line, shown after the reply: a limit's warning first (Open WebUI
+    shows one line and cuts a long one at its end), what the model saw, what the reply used
+    and cost, the user's spend (each part only when there is one); the key to `~` last, after
+    the spend too, so the line ends with it as the README says.
 
     Example:
         >>> turn_line("Sent 5 of 9 messages", "3,278 tokens in · 56 out · $0.0087")
         'Sent 5 of 9 messages · 3,278 tokens in · 56 out · $0.0087'
         >>> turn_line(None, f"~8 tokens in · ~3 out · {ESTIMATE_KEY}", "today $0.42 of $2.00")
         '~8 tokens in · ~3 out · today $0.42 of $2.00 · ~ = estimated, no usage from the provider'
+        >>> turn_line("Whole chat sent", "80 tokens in · 5 out", "today $1.70 of $2.00", "85% of your daily limit")
+        '85% of your daily limit · Whole chat sent · 80 tokens in · 5 out · today $1.70 of $2.00'
     """
     for key in (f" · {ESTIMATE_KEY}", f" · {PART_ESTIMATE_KEY}"):
         if spend and usage.endswith(key):
             usage, spend = usage.removesuffix(key), spend + key
-    return " · ".join(part for part in (context, usage, spend) if part)
+    return " · ".join(part for part in (warning, context, usage, spend) if part)
 
 
 # The turn note's keys for the words each pass leaves for the outlet: `PENDING_KEY` the plain

@@ -34,6 +34,7 @@ __all__ = [
     "next_reset",
     "refusal_text",
     "spend_text",
+    "spend_parts",
     "spent_usd_text",
     "amount_text",
     "share_text",
@@ -353,21 +354,26 @@ def spend_text(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -
         >>> spend_text(Limits(daily_usd=Decimal(2)), Spend(usd=Decimal("1.7")), verdict, True)
         'today $1.70 of $2.00 · 85% of your daily limit'
     """
-    parts = []
+    return " · ".join(part for part in spend_parts(limits, day, verdict, show_spend) if part)
+
+
+def spend_parts(limits: Limits, day: Spend, verdict: Verdict, show_spend: bool) -> tuple[str, str]:
+    """`spend_text` in its two parts, (spend, warning), each "" when there is none: a status
+    line shows the warning first (a long line is cut at the end, where the spend goes)."""
+    spend = ""
     if show_spend:
         usd_cap, token_cap = limits.cap("daily_usd"), limits.cap("daily_tokens")
-        line = f"today {spent_usd_text(day, usd_cap)}"
+        spend = f"today {spent_usd_text(day, usd_cap)}"
         if usd_cap is None and token_cap is not None:
-            line = f"today {day.tokens:,} of {token_cap:,} tokens"
+            spend = f"today {day.tokens:,} of {token_cap:,} tokens"
         if day.unpriced and usd_cap is not None:
-            line += " (some replies unpriced)"
-        parts.append(line)
+            spend += " (some replies unpriced)"
+    warning = ""
     if verdict.warn_kind is not None:
-        parts.append(
-            f"{share_text(verdict.warn_share)} of your {verdict.warn_kind.split('_')[0]} limit"
-            + ("" if verdict.warn_kind.endswith("usd") else " (tokens)")
+        warning = f"{share_text(verdict.warn_share)} of your {verdict.warn_kind.split('_')[0]} limit" + (
+            "" if verdict.warn_kind.endswith("usd") else " (tokens)"
         )
-    return " · ".join(parts)
+    return spend, warning
 
 
 def share_text(share: Decimal) -> str:
