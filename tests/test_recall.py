@@ -553,3 +553,80 @@ async def test_a_block_a_loop_call_let_go_is_still_the_filters_own_on_the_next_c
         sent = (await f.request(body_of([*first, *loop]), **hooks))["messages"]
         blocks = [message_fingerprint(m) for m in sent if is_recall_message(m)]
         assert len(blocks) <= 1 and set(blocks) <= set(metadata["contextwarden"].get("added", ())), k
+
+
+# Open WebUI 0.12.4 adds the tool definitions after `inlet` (utils/middleware.py): the request
+# pass and every call of a tool loop trim with less room than the turn's inlet.
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a thing up in the records. " * 2,
+        "parameters": {"type": "object", "properties": {"q": {"type": "string", "description": "what"}}},
+    },
+}
+
+
+async def _loop_turn_that_lets_the_block_go(counter) -> tuple:
+    """river_chat in a 600-token window with a tool: the turn asking for the locker code sends a
+    recall block, then a tool loop's call whose 60-row result needs its room sends the rest whole.
+    Returns the filter, the hooks, the chat of that turn, its first call's and loop call's
+    messages, the loop, and the stored decision's reader."""
+    from contextwarden.state.chatstate import ChatState, chat_state_key
+
+    from helpers import body_of, make_filter
+
+    f = make_filter(counter, max_context_tokens=600, reserve_output_tokens=0, low_watermark=0.5)
+    metadata: dict = {"chat_id": "c-loop-sent", "user_id": "u1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+
+    async def stored() -> TrimDecision | None:
+        return ChatState.from_bytes(await f.store.get(chat_state_key("u1", "c-loop-sent"))).decision
+
+    async def passes(chat: list[dict]) -> tuple[list[dict], list[dict]]:
+        metadata.clear()
+        metadata.update({"chat_id": "c-loop-sent", "user_id": "u1"})
+        inlet = await f.inlet(body_of(copy.deepcopy(chat)), **hooks)
+        return inlet["messages"], (await f.request({**inlet, "tools": [LOOKUP_TOOL]}, **hooks))["messages"]
+
+    chat = river_chat()
+    await passes(chat)
+    await f.outlet(body_of([*chat, {"role": "assistant", "content": "Deltas grow."}]), **hooks)
+    chat = next_turn(chat, "Which locker code did I ask you to remember at the start?", reply="Deltas grow.")
+    _, first = await passes(chat)
+    call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    loop = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "row " * 60},
+    ]
+    sent = (await f.request({**body_of([*first, *loop]), "tools": [LOOKUP_TOOL]}, **hooks))["messages"]
+    assert sum(map(is_recall_message, first)) == 1 and not any(map(is_recall_message, sent))
+    return f, hooks, passes, stored, chat, first, sent, loop
+
+
+async def test_the_next_turn_carries_what_a_loop_call_sent_not_the_block_it_let_go(counter):
+    """A tool loop's call that let the turn's recall block go (its result needed the room) and
+    sent the rest whole stored the first call's decision, block and all: the next turn's inlet
+    put the block back before the old question (its prompt left the last call's after 7 of 10
+    messages) and the request pass, with the tool definitions, then let it go and sent no block
+    for the new question. Now the stored decision is what the call sent."""
+    from helpers import body_of
+
+    f, hooks, passes, stored, chat, first, sent, loop = await _loop_turn_that_lets_the_block_go(counter)
+    decision = await stored()
+    assert decision is not None and decision.recalls == ()  # the call sent none
+    await f.outlet(body_of([*chat, *loop, {"role": "assistant", "content": "It is 4417."}]), **hooks)
+    chat = next_turn([*chat, *loop], "And my bike?", reply="It is 4417.")
+    inlet, request = await passes(chat)
+    assert inlet[: len(sent)] == sent and request[: len(sent)] == sent
+    assert [is_recall_message(m) for m in request[len(sent) :]] == [False, True, False, False]  # reply, block, ack, q
+    decision = await stored()
+    assert decision is not None and [r.anchor for r in decision.recalls] == [len(chat) - 1]
+
+
+async def test_a_regenerate_after_a_loop_call_that_let_the_block_go_sends_the_block_again(counter):
+    """That call's decision has no block; on a regenerate (its result gone) the question's block
+    is made again in the room the result took: the first call's prompt again, locker code and all."""
+    f, hooks, passes, stored, chat, first, sent, loop = await _loop_turn_that_lets_the_block_go(counter)
+    inlet, request = await passes(chat)
+    assert inlet == first and request == first

@@ -161,7 +161,7 @@ def _recalls_kept(
         fits = base + sum(b.tokens for b in held) <= max_tokens
         return held if fits and _excerpts_serve(view, excerpts, (), question, counter, model) else None
     if _asked_before(previous, fingerprints, question):  # this turn again (a second pass, a retry): as it was
-        return blocks if base + sum(b.tokens for b in blocks) <= max_tokens else None
+        return _asked_again(previous, blocks, keep, question, room, (base, max_tokens), pools, system, excerpts)
     count = _held(view, keep, blocks)  # the selection's own: they stay with it, as part of it
     held, blocks = blocks[:count], blocks[count:]
     keep = set(keep).union(*(b.indices for b in held))
@@ -308,6 +308,33 @@ def _excerpts_serve(
         fresh_share(view.messages[i], sorted(sent[i]), text, e.tokens, counter, model) >= EXCERPT_KEEP_SHARE
         for i, e in excerpts.items()
     )
+
+
+def _asked_again(
+    previous: TrimDecision,
+    blocks: list[_Block],
+    keep: Collection[int],
+    question: int,
+    room: int,
+    within: tuple[int, int],
+    pools: _Pools,
+    system: Sequence[int],
+    excerpts: Mapping[int, Excerpt],
+) -> list[_Block] | None:
+    """The blocks of a turn trimmed again (a later pass, a retry) beside its selection, `within`
+    (its cost, the budget): as they were, and a new one for the question when they hold none and
+    the decision sent more than they now do (a regenerate after a tool loop's call that let the
+    block go for results now gone: `trim._sent_without_blocks`). None when over the budget."""
+    base, max_tokens = within
+    sent = base + sum(b.tokens for b in blocks)
+    if sent > max_tokens:
+        return None
+    if not room or previous.tokens <= sent or any(b.anchor == question for b in blocks):
+        return blocks
+    spare = max_tokens - sent
+    beside = _Beside(pools, pools.of(question, system), keep, (), question, room, spare, excerpts)
+    block = beside.new_block(blocks, room, spare)
+    return [*blocks, block] if block is not None and block.tokens <= spare else blocks
 
 
 def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question: int) -> bool:

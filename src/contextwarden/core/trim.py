@@ -336,7 +336,8 @@ def _trim(
         def inner(rest_messages: list[Message]) -> TrimResult:
             return _trim(ChatView(rest_messages), max_tokens, model, counter, rest)
 
-        return _without(earlier, messages, inner, counter, model)
+        result = _without(earlier, messages, inner, counter, model)
+        return _sent_without_blocks(result, previous) if _in_tool_loop(view) else result
     pools = _Pools(view, counter, model, previous.seen if previous is not None else 0, options.embed)
     if previous is not None and _carries(options, view):
         extended = _extend_previous(view, previous, max_tokens, counter, model, options, room, pools)
@@ -495,6 +496,22 @@ def _without(
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
         decision=None if inner.decision is None else inner.decision.relocated(dict(enumerate(rest))),
     )
+
+
+def _in_tool_loop(view: ChatView) -> bool:
+    """The chat ends in the current turn's tool loop (messages after its question): a loop's call."""
+    question = view.question
+    return question is not None and question < len(view) - 1
+
+
+def _sent_without_blocks(result: TrimResult, previous: TrimDecision | None) -> TrimResult:
+    """`result` of a tool loop's call that let the earlier pass's recall blocks go and sent the
+    rest whole: its decision `previous` (what that rest is) without them, as what went. Stored
+    with them, the next turn (the loop now history) put them back before the old question. (A
+    request pass cut for the sources keeps the inlet's: see DESIGN.md, later passes.)"""
+    if result.decision is not None or previous is None:
+        return result
+    return replace(result, decision=replace(previous, tokens=result.tokens_after, recalls=()))
 
 
 def _view_of(messages: object) -> ChatView:
