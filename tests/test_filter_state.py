@@ -4,6 +4,7 @@ turns, pins, flags across passes of one turn, and isolation between users and ch
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 
@@ -16,7 +17,7 @@ import contextwarden.state.store as store_module
 from contextwarden.state.chatstate import ChatState, chat_state_key
 from contextwarden.state.store import KEY_PREFIX, RedisStore
 
-from helpers import Events, chat_of, grow, make_filter, send, shown, store_of
+from helpers import Events, chat_of, grow, make_filter, send, shown, store_of, turn
 
 MODEL = "gpt-4o"
 
@@ -245,6 +246,64 @@ async def test_a_flag_not_understood_is_said_after_the_request_pass_too(counter,
     await f.outlet({"model": "gpt-4o", "messages": [*sent["messages"], reply], "chat_id": metadata["chat_id"]}, **hooks)
     [line] = events.statuses
     assert line.startswith("Whole chat sent · not understood: !budget=2k · "), line
+
+
+async def test_a_budget_flags_selection_is_made_anew_once_the_chat_outgrows_the_budget(counter, store_valves, unique):
+    """A turn asked for `!budget=300` and its selection was stored; the turns after it fit whole
+    and left it there. When the chat outgrew the budget, that selection, made for a tenth of it,
+    was carried (2,133 tokens, over the quarter `_starved` looked for): 20 of 32 messages sent
+    where a new selection sends 26, reported as the previous one reused."""
+    from contextwarden import trim_messages
+    from contextwarden.core.flags import read_flags
+
+    f = make_filter(counter, max_context_tokens=3_000, reserve_output_tokens=0, **store_valves)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat = chat_of(8, last="!budget=300 Quick: what now?")
+    for k in range(8):
+        body = {"model": MODEL, "messages": chat, "metadata": {"chat_id": chat_id, "user_id": user_id}}
+        hooks = {"__user__": {"id": user_id}, "__metadata__": body["metadata"]}
+        first = await f.inlet(body, **hooks)
+        note = dict(body["metadata"]["contextwarden"])
+        sent = (await f.request(first, **hooks))["messages"]
+        chat = [*chat, {"role": "assistant", "content": "Short answer."}, turn(100 + k)[0]]
+    unflagged = read_flags(body["messages"], allowed={"budget"}).messages
+    fresh = trim_messages(unflagged, max_tokens=3_000, model=MODEL, token_counter=counter)
+    assert len(body["messages"]) == 32 and "→" in note["line"] and not note["reused"]
+    assert sent == fresh.messages
+
+
+async def test_tool_definitions_after_inlet_do_not_make_each_turn_anew(counter, unique):
+    """Open WebUI adds the tool definitions after inlet: the request pass leaves the messages less
+    of the budget. 4,029 tokens of them in an 8k window: the request pass's selection, compared
+    with the next inlet's budget as the trim made it, looked made for under half of it and
+    `_starved` made every turn anew (its prompt new from the second message). Stored as the whole
+    prompt's budget, the next turn repeats the previous prompt."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{k}",
+                "description": "Does a useful thing with the records. " * 12,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"q": {"type": "string", "description": "what to look for"}},
+                },
+            },
+        }
+        for k in range(34)
+    ]
+    f = make_filter(counter, max_context_tokens=8_192)
+    user_id, chat_id = f"u-{unique}", f"c-{unique}"
+    chat, sent = chat_of(40), []
+    for k in range(3):
+        body = {"model": MODEL, "messages": chat, "metadata": {"chat_id": chat_id, "user_id": user_id}}
+        hooks = {"__user__": {"id": user_id}, "__metadata__": body["metadata"]}
+        sent.append((await f.request({**await f.inlet(body, **hooks), "tools": tools}, **hooks))["messages"])
+        assert "4,029 for tool definitions" in body["metadata"]["contextwarden"]["line"]
+        await f.outlet({"model": MODEL, "messages": [*chat, {"role": "assistant", "content": "ok"}]}, **hooks)
+        chat = grow(chat, 200 + k)
+    for before, after in itertools.pairwise(sent):  # all but the question and its recall block, if any
+        assert after[: len(before) - 3] == before[:-3] and len(before) > 10
 
 
 async def test_full_flag_only_when_enabled(counter, trims, unique):

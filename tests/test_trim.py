@@ -337,9 +337,10 @@ def test_a_selection_made_for_a_far_smaller_budget_is_made_anew(counter):
 
 
 def test_a_carried_selection_is_starved_only_far_below_the_budget_and_what_it_was_made_for():
-    """`_starved`: under a quarter of the budget, and made for at most half of it or sending less
-    than half what it sent (a tool loop's results, gone on a regenerate: the simulator's case of
-    18 tokens sent of 3,072). A selection carried as it was made, at its own budget, never is."""
+    """`_starved`: made for at most half the budget, however much it fills; or under a quarter
+    of it and sending less than half what it sent (a tool loop's results, gone on a regenerate:
+    the simulator's case of 18 tokens sent of 3,072). A selection carried as it was made, at its
+    own budget, never is."""
     from contextwarden.core.trim import _starved
 
     def sent(tokens: int) -> TrimResult:
@@ -350,6 +351,9 @@ def test_a_carried_selection_is_starved_only_far_below_the_budget_and_what_it_wa
     assert not _starved(sent(700), TrimDecision(3_000, 650, "relevance", ()), 3_000)  # as it was made
     assert _starved(sent(286), TrimDecision(300, 274, "relevance", ()), 3_000)  # a !budget=300 turn's
     assert not _starved(sent(286), TrimDecision(2_000, 274, "relevance", ()), 3_000)
+    assert _starved(sent(2_133), TrimDecision(300, 274, "relevance", ()), 3_000)  # the chat grown into it
+    assert _starved(sent(2_133), TrimDecision(1_500, 1_400, "relevance", ()), 3_000)
+    assert not _starved(sent(2_133), TrimDecision(1_501, 1_400, "relevance", ()), 3_000)
 
 
 def test_a_question_is_not_cut_to_its_marker_when_that_cannot_make_it_fit(counter):

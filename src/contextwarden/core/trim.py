@@ -289,8 +289,8 @@ def carry_previous(
     return _extend_previous(view, previous, max_tokens, counter, model, chosen, room, pools)
 
 
-# A carried selection sending under this share of the budget, made for far less room than this
-# turn has, is made anew (`_starved`).
+# A carried selection sending under this share of the budget and under half what it sent when it
+# was made (a tool loop's results gone) is made anew (`_starved`).
 STARVED_SHARE = 0.25
 
 
@@ -356,15 +356,16 @@ def _trim(
 
 
 def _starved(result: TrimResult, previous: TrimDecision, max_tokens: int) -> bool:
-    """A carried selection that fills under `STARVED_SHARE` of the budget where the turn it was
-    made for had at most half this budget (a `!budget=300` turn) or sent twice what it now
-    sends (a tool loop's results, gone on a regenerate): a new selection fills the budget, and
-    the cache of so short a prefix is worth little. Carried, a `!budget=300` turn's 4 messages
-    were sent into a 3,000-token budget (286 tokens) until the chat grew into it; anew, 22
-    (2,334 tokens). Not again the next turn: the new decision is this budget's."""
-    if result.tokens_after >= max_tokens * STARVED_SHARE:
-        return False
-    return previous.max_tokens * 2 <= max_tokens or result.tokens_after * 2 < previous.tokens
+    """A carried selection made anew: one made for at most half this budget (a `!budget=300`
+    turn's: carried once the chat outgrew the budget after turns sent whole, 20 of 32 messages
+    went where a new selection sends 26; under a quarter of the budget before that), or one that
+    fills under `STARVED_SHARE` of the budget and sends under half what it sent (a tool loop's
+    results, gone on a regenerate). Not again the next turn: the new decision is this budget's.
+    (The filter stores a decision's budget as the whole prompt's, so the passes of a turn, whose
+    fixed parts differ, compare alike: `trimpass._budget_terms`.)"""
+    if previous.max_tokens * 2 <= max_tokens:
+        return True
+    return result.tokens_after < max_tokens * STARVED_SHARE and result.tokens_after * 2 < previous.tokens
 
 
 def _select(

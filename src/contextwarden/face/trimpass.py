@@ -205,6 +205,19 @@ def _relocated(turn: _Turn, decision: TrimDecision | None, *, to_chat: bool) -> 
     return decision.relocated(dict(pairs) if to_chat else {c: k for k, c in pairs})
 
 
+def _budget_terms(turn: _Turn, decision: TrimDecision | None, *, stored: bool) -> TrimDecision | None:
+    """`decision` with the budget it was made for as the store keeps it (`stored`: the whole
+    prompt's, `PromptBudget.total`) or as this pass reads it (what this pass's fixed part leaves
+    the messages of it). The passes of one turn leave the messages different budgets (the tool
+    definitions Open WebUI adds after inlet, the sources): compared as the trim made them, 4,029
+    tokens of definitions in an 8k window read every request pass's selection at the next inlet
+    as made for under half its budget, and `trim._starved` made each turn's anew."""
+    if decision is None:
+        return None
+    fixed = turn.budget.total - turn.budget.messages
+    return replace(decision, max_tokens=decision.max_tokens + fixed if stored else max(1, decision.max_tokens - fixed))
+
+
 @dataclass(frozen=True, slots=True)
 class _TurnMoney:
     """The tokens a turn removed (earlier passes' included), the cache view and the savings."""
@@ -545,7 +558,7 @@ class TrimPass:
             chooser,
             turn.budget,
             turn.model_id,
-            _relocated(turn, stored, to_chat=False),
+            _budget_terms(turn, _relocated(turn, stored, to_chat=False), stored=False),
             embedder,
             off=turn.off,
             own=turn.note.added,
@@ -566,9 +579,9 @@ class TrimPass:
             if choice.decision is None or later_pass:
                 decision = stored
             elif choice.summarized:  # its trim read the chat less the summary note: left as it is
-                decision = choice.decision
+                decision = _budget_terms(turn, choice.decision, stored=True)
             else:
-                decision = _relocated(turn, choice.decision, to_chat=True)
+                decision = _budget_terms(turn, _relocated(turn, choice.decision, to_chat=True), stored=True)
             saved = state.decided(decision, shadow=shadow)
             await save_chat_state(self._store, key, stored_bytes, saved, settings.state_ttl_seconds)
         return choice
