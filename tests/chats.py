@@ -66,8 +66,11 @@ def check_contract(
     counter: TokenCounter,
     model: str | None,
     pinned: Collection[int] = (),
+    as_given: bool = True,
 ) -> None:
-    """Assert every rule of DESIGN.md's contract for one trim (`pinned`: the trim's pins)."""
+    """Assert every rule of DESIGN.md's contract for one trim (`pinned`: the trim's pins;
+    `as_given`: `chat` is what the trim got, so a shortened copy holds only its text: not so
+    for a filter's input, whose flag text the filter takes out first)."""
     sent = result.messages
     # 0. the decision the filter stores (as JSON) reads back as it was made
     if result.decision is not None:
@@ -155,22 +158,27 @@ def check_contract(
     for index in result.kept:
         assert by_index[index] is chat[index]
     assert sorted(result.kept + result.dropped + result.shortened) == list(range(len(chat)))
-    # excerpts: earlier messages only (never the system prompt or the current turn), sent as
-    # copies with every key but the text unchanged, their text the original's pieces in order.
+    # excerpts: earlier messages only (never the system prompt or the current turn). Excerpts
+    # and middle-out cuts are copies with every key but the text unchanged, their text the
+    # original's pieces in order: whole characters, no U+FFFD of a split one (a lone surrogate
+    # in the original is encoded as U+FFFD, so such a text is left out).
     assert set(result.excerpted) <= set(result.shortened)
     assert set(result.excerpted).isdisjoint(mandatory_indices(conversation))
-    for index in result.excerpted:
+    for index in result.shortened:
         sent_copy, original = by_index[index], chat[index]
         assert {k: v for k, v in sent_copy.items() if k != "content"} == {
             k: v for k, v in original.items() if k != "content"
         }
-        text = message_text(sent_copy)
+        text, source = message_text(sent_copy), message_text(original)
+        if not as_given and index not in result.excerpted:
+            continue
+        if not source.isascii() and re.search("[\ud800-\udfff]", source):
+            continue
         pieces = [p for p in re.split(r"\n?\[… [0-9,]+ tokens cut by contextwarden …\]\n?", text) if p]
         at = 0
-        source = message_text(original)
         for piece in pieces:
             found = source.find(piece, at)
-            assert found >= 0, "an excerpt holds text that is not the original's, in its order"
+            assert found >= 0, "a shortened copy holds text that is not the original's, in its order"
             at = found + len(piece)
 
 

@@ -96,7 +96,7 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
             recalled=recalled,
             stable_prefix=stable,
         )
-        check_contract(chat, result, counter, MODEL)
+        check_contract(chat, result, counter, MODEL, as_given=False)  # the flags' text was taken out
 
 
 # -- tiktoken ----------------------------------------------------------------------------------

@@ -173,6 +173,38 @@ def test_a_shortened_text_cut_again_keeps_its_marker_true(counter):
     assert cut == counter.count_text(system, MODEL) - counter.count_text(head, MODEL) - counter.count_text(tail, MODEL)
 
 
+# Texts whose tokens split characters: an emoji or a CJK character is often two or three byte
+# tokens, an accented letter sometimes one byte token of two (a U+FFFD already there stays).
+SPLIT_CHARACTERS = {
+    "emoji": "Party 🎉😀👩\u200d👩\u200d👧 time! " * 300,
+    "cjk": "豫章故郡，洪都新府。星分翼軫，地接衡廬。鬱蒼とした森、龘靐齉爩。" * 120,
+    "accented": "Ça été très élégant, naïve façade ŕéšťůž. " * 200,
+    "mixed": "hello 🌍 世界 ñ \ufffd " * 200,
+}
+
+
+@pytest.mark.parametrize("model", [MODEL, "gpt-4"])
+@pytest.mark.parametrize("name", sorted(SPLIT_CHARACTERS))
+def test_a_middle_out_cut_keeps_whole_characters(counter, name, model):
+    """A cut at a token boundary split a character whose bytes lie in two tokens, and decoding
+    the kept part gave U+FFFD at its edge: the emoji, CJK and mixed texts at 13-80 of 80 budgets
+    each. The head and tail are now the text's own characters, in a first cut and in a later
+    pass's cut around the marker (`_cut_again`), and the count still fits."""
+    text = SPLIT_CHARACTERS[name]
+    total = counter.count_text(text, model)
+    for budget in range(60, total, total // 40):
+        for chat in (
+            [{"role": "system", "content": text}, {"role": "user", "content": "Sum up."}],
+            [{"role": "user", "content": text}],
+        ):
+            first = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
+            again = trim_messages(first.messages, max_tokens=budget * 2 // 3, model=model, token_counter=counter)
+            for result, room in ((first, budget), (again, budget * 2 // 3)):
+                head, _, tail = _marked(result.messages[0]["content"])
+                assert text.startswith(head) and text.endswith(tail), (room, head[-3:], tail[:3])
+                assert result.tokens_after == counter.count_messages(result.messages, model) <= room
+
+
 def test_multimodal_parts_pass_through(counter):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     chat = chat_of(3) + [

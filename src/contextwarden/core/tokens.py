@@ -445,13 +445,19 @@ class TokenCounter:
         return TOKENS_PER_REPLY + sum(self.count_each(messages, model))
 
     def keep_ends(self, text: str, head: int, tail: int, model: str | None = None) -> tuple[str, str]:
-        """The first `head` and last `tail` tokens of `text` as text (by characters when estimating)."""
+        """The first `head` and last `tail` tokens of `text` as text (by characters when estimating),
+        each of whole characters: a character whose bytes a cut token splits is left out, not
+        sent as U+FFFD (an emoji or a CJK character is often two or three tokens)."""
         _, encoding = self._pick(model)
         if encoding is not None:
             ids = _encode(encoding, text)
             if head + tail >= len(ids):
                 return text, ""
-            return encoding.decode(ids[:head]), encoding.decode(ids[len(ids) - tail :]) if tail else ""
+            # The tokens' bytes are the text's UTF-8, so the only bytes that do not decode are
+            # the part of a split character at the cut edge: "ignore" leaves that part out.
+            kept_head = encoding.decode_bytes(ids[:head]).decode("utf-8", "ignore")
+            kept_tail = encoding.decode_bytes(ids[len(ids) - tail :]).decode("utf-8", "ignore") if tail else ""
+            return kept_head, kept_tail
         # The estimate is far from uniform per character (a math letter costs 3, a space run 1):
         # take the longest ends whose own estimate fits, not a proportional share of characters.
         h = _longest_within(len(text), lambda k: estimate_tokens(text[:k]) <= head)
