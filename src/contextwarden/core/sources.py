@@ -22,7 +22,15 @@ from .excerpt import CUT_MARK, chunk_scores, excerpt_text, split_chunks, spread_
 from .relevance import wants_whole
 from .tokens import TokenCounter
 
-__all__ = ["SourcesCut", "text_digest", "question_text", "split_sources", "with_sources", "cut_sources"]
+__all__ = [
+    "SourcesCut",
+    "text_digest",
+    "question_text",
+    "split_sources",
+    "with_sources",
+    "sources_tokens",
+    "cut_sources",
+]
 
 # A block opens with Open WebUI's tag, which always has an id (`get_source_context`); its body is
 # the document as written, so it may hold `<source>` tags of its own (a pom.xml's
@@ -37,8 +45,8 @@ LISTED_SHARE = 0.25  # every source's tags stay (cut to nothing or not) while th
 
 @dataclass(frozen=True, slots=True)
 class SourcesCut:
-    """The sources as sent: their text, its tokens, the passages kept of how many, and the
-    tokens of the sources uncut."""
+    """The sources as sent: their text, the tokens they add to the question (`sources_tokens`),
+    the passages kept of how many, and the tokens the sources uncut would add."""
 
     text: str
     tokens: int
@@ -104,14 +112,33 @@ def with_sources(message: Message, sources: str) -> Message:
     return with_text(message, f"{sources}\n{slot[0]}", slot[1])
 
 
+def sources_tokens(sources: str, question: str, counter: TokenCounter, model: str | None) -> int:
+    """The tokens `sources` add to `question` put before it with a newline (`with_sources`): their
+    own, the newline's, and the seam's, as the joined text counts: the join may merge a token
+    (`</context>\\n` + `\\n` + `\\nWho`) or split one (`</context>` + `\\n` + `/summarize`).
+
+    Example:
+        >>> from contextwarden.core.tokens import TokenCounter
+        >>> counter = TokenCounter(block=True)
+        >>> counter.count_text("</context>\\n", "gpt-4o"), counter.count_text("</context>", "gpt-4o")
+        (3, 3)
+        >>> sources_tokens("</context>\\n", "\\nWho", counter, "gpt-4o")  # 3 alone: the seam merges one
+        2
+        >>> sources_tokens("</context>", "/summarize", counter, "gpt-4o")  # 3 alone: the seam splits one
+        4
+    """
+    return counter.count_joined([f"{sources}\n", question], model) - counter.count_text(question, model)
+
+
 def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, model: str | None) -> SourcesCut:
-    """`sources` within `room` tokens: whole when they fit, else each source body cut to the
-    passages most relevant to `question` (spread evenly over them for a question about the
-    whole, `wants_whole`, or when none matches it: the user attached them for it), the rest
-    marked as cut; the template and the tags are kept. A source none of whose passages goes
-    keeps its tags and a cut mark while those of all the sources take at most `LISTED_SHARE`
-    of the room (a few attached files: the model knows each); else it is left out, tags and
-    all (many retrieved chunks: their tags and cut marks alone would fill the room).
+    """`sources` within `room` tokens (what they add to `question`, `sources_tokens`): whole
+    when they fit, else each source body cut to the passages most relevant to `question`
+    (spread evenly over them for a question about the whole, `wants_whole`, or when none
+    matches it: the user attached them for it), the rest marked as cut; the template and the
+    tags are kept. A source none of whose passages goes keeps its tags and a cut mark while
+    those of all the sources take at most `LISTED_SHARE` of the room (a few attached files: the
+    model knows each); else it is left out, tags and all (many retrieved chunks: their tags and
+    cut marks alone would fill the room).
 
     Example:
         >>> from contextwarden.core.tokens import TokenCounter
@@ -122,7 +149,7 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
         >>> "7731" in cut.text, '<source id="1" name="a.txt">' in cut.text, cut.cut
         (True, True, True)
     """
-    whole = counter.count_text(sources, model)
+    whole = sources_tokens(sources, question, counter, model)
     pieces = _source_pieces(sources)
     bodies = [split_chunks(body) for body in pieces[2::4]] if len(pieces) > 1 else [split_chunks(sources)]
     total = sum(len(chunks) for chunks in bodies)
@@ -148,7 +175,7 @@ def cut_sources(sources: str, question: str, room: int, counter: TokenCounter, m
             left -= cost
     while True:
         text = _rebuilt(pieces, bodies, chosen, listed, counter, model)
-        tokens = counter.count_text(text, model)
+        tokens = sources_tokens(text, question, counter, model)
         if tokens <= room or not chosen:
             return SourcesCut(text, tokens, len(chosen), total, whole)
         chosen.remove(min(chosen, key=lambda k: (scores[k], -k)))  # joined, the marks counted more

@@ -26,7 +26,15 @@ from ..core.chatview import ChatView
 from ..core.conversation import Message, latest_question
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
-from ..core.sources import SourcesCut, cut_sources, question_text, split_sources, text_digest, with_sources
+from ..core.sources import (
+    SourcesCut,
+    cut_sources,
+    question_text,
+    sources_tokens,
+    split_sources,
+    text_digest,
+    with_sources,
+)
 from ..core.tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimResult, carry_previous, read_reply, trim_messages
 from ..errors import ConfigError
@@ -130,21 +138,30 @@ def _chat_messages_sent(choice: TurnChoice) -> int:
 # hid the sources when taken for the question: `latest_question` passes over it.
 
 
-def _with_sources(choice: TurnChoice, cut: SourcesCut) -> TurnChoice:
+def _with_sources(choice: TurnChoice, cut: SourcesCut, counter: TokenCounter, model_id: str) -> TurnChoice:
     """`choice` with the sources Open WebUI put before the question after the first pass put
     back (the last user message, a cut copy or not); what was cut of them counted as removed
-    and as a document excerpted."""
+    and as a document excerpted. The sources were counted on the question the first pass sent:
+    one this pass cut again may join them with another token at the seam, counted here."""
     messages = choice.messages
     if (at := latest_question(messages)) is None:
         return choice
     sent = [*messages[:at], with_sources(messages[at], cut.text), *messages[at + 1 :]]
+    asked = question_text(messages[at])
+    seam = 0 if asked is None else sources_tokens(cut.text, asked, counter, model_id) - cut.tokens
     excerpts = choice.excerpts
     if cut.cut:
         kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
         passages = (excerpts.passages[0] + cut.kept, excerpts.passages[1] + cut.total)
         excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
     removed = cut.whole - cut.tokens
-    return replace(choice, messages=sent, tokens_before=choice.tokens_before + removed, excerpts=excerpts)
+    return replace(
+        choice,
+        messages=sent,
+        tokens_before=choice.tokens_before + removed + seam,
+        tokens_after=choice.tokens_after + seam,
+        excerpts=excerpts,
+    )
 
 
 def _asked(messages: Sequence[Message]) -> str | None:
@@ -453,7 +470,7 @@ class TrimPass:
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
         choice = await self._decide(turn, request)
         if turn.sources is not None:
-            choice = _with_sources(choice, turn.sources)
+            choice = await compute(turn.off, _with_sources, choice, turn.sources, self._counter, turn.model_id)
         money = await self._turn_money(turn, choice, model)
         note = await _noted(turn, choice, money)
         note = _leave_line(turn, choice, money, note, hook)
