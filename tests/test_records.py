@@ -5,6 +5,7 @@ module between a turn's inlet and its outlet)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from decimal import Decimal as D
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from contextwarden.core.decision import Recall, TrimDecision
 from contextwarden.core.flags import Flags
 from contextwarden.money.records import (
+    MAX_ASKED,
     NOTE_VERSION,
     SUMMARY_CALL,
     USAGE_RECORD_VERSION,
@@ -101,6 +103,19 @@ def test_a_turn_notes_origins_go_as_runs_and_come_back():
 )
 def test_a_turn_notes_origins_are_bounded(origins):
     assert TurnNote.from_dict({"mode": "enforce", "origins": origins}).origins == ()
+
+
+def test_a_turn_notes_the_questions_sent_first_and_newest():
+    """`asked`: the first pass's question (a tool loop that cites puts the sources before it
+    again) and the newest copies later passes cut again, bounded; one text as written before."""
+    note = TurnNote(mode="enforce", asked=("12:aa",))
+    for k in range(20):
+        note = replace(note, asked=note.asked_with(f"{k}:bb"))
+    assert note.asked[0] == "12:aa" and note.asked[-1] == "19:bb" and len(note.asked) == MAX_ASKED
+    assert note.asked_with("19:bb") == note.asked and note.asked_with(None) == note.asked
+    assert TurnNote.from_dict(note.to_dict()) == note
+    assert TurnNote.from_dict({"mode": "enforce", "asked": "12:aa"}).asked == ("12:aa",)
+    assert TurnNote.from_dict({"mode": "enforce", "asked": ["x"] * (MAX_ASKED + 1)}).asked == ()
 
 
 @pytest.mark.parametrize(

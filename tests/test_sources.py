@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,44 @@ def test_sources_put_before_a_question_cut_again_are_counted_on_it(counter):
     done = _with_sources(TurnChoice(messages, 1, tokens, tokens, 10_000, "exact"), cut, counter, "gpt-4o")
     assert done.messages[0]["content"] == sources + "\n" + messages[0]["content"]
     assert done.tokens_after == counter.count_messages(done.messages, "gpt-4o")
+
+
+async def test_sources_before_a_question_an_earlier_pass_cut_stay_sources_in_a_tool_loop(counter):
+    """Inlet cut the question (a pasted log) middle-out; Open WebUI put sources before it; the
+    request pass cut the question again around its marker to give the sources their share. The
+    tool loop's next call gets that copy, which is not the question inlet noted: the sources went
+    as the question's own words, and the whole was cut again as one text through a stretch of
+    the log (two markers in the question). Each pass now notes the question it sent, and the
+    first pass's stays known: a tool that cites gets it back, with the sources before it."""
+    f = make_filter(counter, max_context_tokens=4_096, openrouter_pricing=False)
+    log = "\n".join(f"line {k}: all systems nominal" for k in range(600))
+    question = f"Here is the log:\n{log}\nWho founded the observatory on the north ridge?"
+    metadata = {"chat_id": "c-cut", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata, "__event_emitter__": Events()}
+    chat = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": question}]
+    out = await f.inlet({"model": "gpt-4o", "messages": copy.deepcopy(chat), "metadata": metadata}, **hooks)
+    inlet_sent = out["messages"][-1]["content"]
+    assert inlet_sent.count("tokens cut by contextwarden") == 1  # inlet cut it
+    out["messages"][-1]["content"] = rag(inlet_sent, [("report.txt", DOC)])
+    first = (await f.request(out, **hooks))["messages"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    loop = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "The lookup found nothing new. " * 60},
+    ]
+    second = await f.request({"model": "gpt-4o", "messages": [*first, *loop], "metadata": metadata}, **hooks)
+    # a tool that cites: Open WebUI puts inlet's question back, and the sources with the tool's before it
+    cited = [first[0], {"role": "user", "content": rag(inlet_sent, [("report.txt", DOC), ("lookup", FILLER[0])])}]
+    third = await f.request({"model": "gpt-4o", "messages": [*cited, *loop], "metadata": metadata}, **hooks)
+    for sent in (first, second["messages"], third["messages"]):
+        sources, seam, asked = sent[1]["content"].partition("</context>\n\n")
+        assert seam and sources.startswith("### Task:") and '<source id="1" name="report.txt">' in sources
+        assert FACT in sources
+        head, cut, tail = re.fullmatch(
+            r"(.*?)\n\[… ([0-9,]+) tokens cut by contextwarden …\]\n(.*)", asked, re.S
+        ).groups()
+        assert question.startswith(head) and question.endswith(tail) and "north ridge?" in tail
+        assert int(cut.replace(",", "")) == counter.count_text(question, "gpt-4o") - counter.count_text(
+            head, "gpt-4o"
+        ) - counter.count_text(tail, "gpt-4o")
+        assert counter.count_messages(sent, "gpt-4o") <= metadata["contextwarden"]["budget"]

@@ -171,13 +171,26 @@ def _asked(messages: Sequence[Message]) -> str | None:
     return text_digest(text)
 
 
-def _split_sources(messages: list[Message], asked: str) -> tuple[int, str, list[Message]] | None:
+def _sent_question(turn: _Turn, choice: TurnChoice) -> str | None:
+    """`text_digest` of the question as this pass sends it, without the sources it puts back:
+    how a later pass of the turn tells them apart (None for a later pass in shadow, which sends
+    the body as it came: the first pass's question)."""
+    if turn.shadow:
+        return None if turn.note.mode is not None else _asked(turn.body["messages"])
+    return _asked(choice.messages)
+
+
+def _split_sources(messages: list[Message], asked: Sequence[str]) -> tuple[int, str, list[Message]] | None:
     """(the latest user message's index, the sources before it, the messages with the question
-    as the first pass sent it) when Open WebUI put sources before it since; else None."""
-    if (at := latest_question(messages)) is None or (found := split_sources(messages[at], asked)) is None:
+    as an earlier pass sent it, `asked` its digests) when Open WebUI put sources before it since;
+    else None."""
+    if (at := latest_question(messages)) is None:
         return None
-    sources, question = found
-    return at, sources, [*messages[:at], question, *messages[at + 1 :]]
+    for digest in reversed(asked):  # the newest copy first: what a tool loop's next call gets
+        if (found := split_sources(messages[at], digest)) is not None:
+            sources, question = found
+            return at, sources, [*messages[:at], question, *messages[at + 1 :]]
+    return None
 
 
 @dataclass(slots=True)
@@ -246,8 +259,9 @@ class _TurnMoney:
     savings: Savings
 
 
-async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote:
-    """The note with this pass's figures (what outlet and later passes read), written to `__metadata__`."""
+async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney, asked: str | None) -> TurnNote:
+    """The note with this pass's figures (what outlet and later passes read), written to
+    `__metadata__`; `asked`: the digest of the question as this pass sent it, less the sources."""
     if not isinstance(turn.metadata, dict):
         return turn.note
     body, shadow = turn.body, turn.shadow
@@ -273,7 +287,7 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney) -> TurnNote
         flags=turn.flags if turn.flags != Flags() else turn.note.flags,  # a later pass reads none
         added=() if shadow else turn.note.added_with(choice.own),
         pins=turn.note.pins_with(choice.pins),
-        asked=turn.note.asked if turn.note.mode is not None else _asked(sent_messages),
+        asked=turn.note.asked_with(asked),
         origins=turn.note.origins if turn.note.mode is not None else () if shadow else choice.origins,
     )
     turn.write(note)
@@ -469,10 +483,11 @@ class TrimPass:
         the chat's state in; the body to send out, the turn's note for outlet in `metadata`."""
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
         choice = await self._decide(turn, request)
+        asked = _sent_question(turn, choice)  # before the sources go back
         if turn.sources is not None:
             choice = await compute(turn.off, _with_sources, choice, turn.sources, self._counter, turn.model_id)
         money = await self._turn_money(turn, choice, model)
-        note = await _noted(turn, choice, money)
+        note = await _noted(turn, choice, money, asked)
         note = _leave_line(turn, choice, money, note, hook)
         self.windows.check(turn)
         if turn.shadow:

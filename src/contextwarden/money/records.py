@@ -49,6 +49,7 @@ NOTE_VERSION = 1  # a note without "v" (written before versions were recorded) h
 MAX_ORIGINS = 100_000  # messages a first pass sent whose chat positions its note records for later passes
 MAX_ADDED = 64  # recall blocks and a summary note one pass adds: one a question the selection kept
 PIN_PRINT_LENGTH = 24  # `flags.pin_fingerprint`: 12 bytes as hex
+MAX_ASKED = 8  # the question's digests a turn notes (`TurnNote.asked`): the first pass's and the newest copies
 USAGE_RECORD_VERSION = 1  # a line without "v" has this shape too
 # A usage line's `call` for the summary endpoint's calls; a reply's line has no `call` (added in
 # version 1: a reader of it that knows no `call` reads the line as one more priced call).
@@ -268,8 +269,10 @@ class TurnNote:
     `cache_marked` (the prompt-cache breakpoints this turn placed,
     to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
     note this pass added: how a later pass knows them, see `summarize.own_messages`); `asked` (the
-    `sources.text_digest` of the latest question as the first pass sent it: how a later pass
-    tells the sources Open WebUI put before it from the user's words).
+    `sources.text_digest` of the latest question as the first pass sent it, then of each copy a
+    later pass cut again to make room for sources: how a later pass tells the sources Open WebUI
+    put before it from the user's words, on the first pass's question, which Open WebUI puts
+    them before again in a tool loop, or on the copy the previous call sent).
     `removed`/`messages_before` are the tokens an earlier pass removed and the untrimmed chat's
     message count (see `savings.carried_savings`).
 
@@ -306,7 +309,7 @@ class TurnNote:
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
-    asked: str | None = None
+    asked: tuple[str, ...] = ()
     origins: tuple[int, ...] = ()
     pins: tuple[str, ...] = ()  # the pinned messages earlier passes sent as copies (`TurnChoice.pins`)
     pins_shortened: bool = False  # an earlier pass shortened pins to fit (its copies may go on as they are)
@@ -322,6 +325,13 @@ class TurnNote:
         call of a tool loop gets the first call's output, whose blocks a call in between may have
         let go; noted as its own alone, the next call took such a block for the user's message."""
         return _prints_joined(self.added, own)
+
+    def asked_with(self, digest: str | None) -> tuple[str, ...]:
+        """The question's digests with a pass's copy's: the first pass's kept (Open WebUI puts
+        the sources before it again in a tool loop that cites), the newest after it."""
+        if digest is None or digest in self.asked:
+            return self.asked
+        return (*self.asked[:1], *self.asked[1:][-(MAX_ASKED - 2) :], digest)
 
     def excerpt_counts(self, at_most: int) -> ExcerptCounts:
         """The excerpt figures an earlier pass noted, as `ExcerptCounts`; none excerpted when the
@@ -395,8 +405,8 @@ class TurnNote:
             out["cache_marked"] = self.cache_marked
         if self.added:
             out["added"] = list(self.added)
-        if self.asked is not None:
-            out["asked"] = self.asked
+        if self.asked:
+            out["asked"] = list(self.asked)
         if self.origins:
             out["origins"] = _runs(self.origins)
         if self.pins:
@@ -447,7 +457,7 @@ class TurnNote:
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
-            asked=raw["asked"] if isinstance(raw.get("asked"), str) and len(raw["asked"]) <= 40 else None,
+            asked=_digests(raw.get("asked")),
             origins=_unrun(raw.get("origins")),
             pins=_fingerprints(raw.get("pins"), PIN_PRINT_LENGTH),
             pins_shortened=raw.get("pins_shortened") is True,
@@ -513,6 +523,15 @@ def _fingerprints(value: object, length: int = 16) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > MAX_ADDED:
         return ()
     return tuple(v for v in value if isinstance(v, str) and len(v) == length)
+
+
+def _digests(value: object) -> tuple[str, ...]:
+    """`asked` as an earlier pass wrote it: a list of at most `MAX_ASKED` digests (one text
+    before they were listed), each at most 40 characters (else none)."""
+    listed = [value] if isinstance(value, str) else value
+    if not isinstance(listed, list) or len(listed) > MAX_ASKED:
+        return ()
+    return tuple(v for v in listed if isinstance(v, str) and len(v) <= 40)
 
 
 def _flags_of_turn(value: dict) -> Flags:
