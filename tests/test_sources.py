@@ -328,3 +328,19 @@ async def test_sources_before_a_question_an_earlier_pass_cut_stay_sources_in_a_t
             head, "gpt-4o"
         ) - counter.count_text(tail, "gpt-4o")
         assert counter.count_messages(sent, "gpt-4o") <= metadata["contextwarden"]["budget"]
+
+
+@pytest.mark.parametrize("window", [4_096, 32_000], ids=["cut", "whole"])
+async def test_shadow_notes_the_prompt_it_sent_with_the_sources(counter, window):
+    """Shadow sends the body as it came, sources whole, and notes what enforce would have sent.
+    Its estimate counted the sources twice: once in the body as it came, once as the fixed part
+    and what enforce cut of them (10,001 tokens noted for a prompt of 5,013, in either window)."""
+    f = make_filter(counter, max_context_tokens=window, openrouter_pricing=False, mode="shadow")
+    question = "Who founded the observatory on the north ridge?"
+    chat = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": question}]
+    sent, note = await _pass(f, chat, question, [("report.txt", DOC)], Events())
+    assert sent[-1]["content"] == rag(question, [("report.txt", DOC)])  # as it came
+    assert note["estimated_prompt_tokens"] == counter.count_messages(sent, "gpt-4o")
+    enforce = make_filter(counter, max_context_tokens=window, openrouter_pricing=False)
+    trimmed, _ = await _pass(enforce, chat, question, [("report.txt", DOC)], Events())
+    assert note["tokens_saved"] == counter.count_messages(sent, "gpt-4o") - counter.count_messages(trimmed, "gpt-4o")

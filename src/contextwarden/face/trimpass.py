@@ -486,6 +486,8 @@ class TrimPass:
         asked = _sent_question(turn, choice)  # before the sources go back
         if turn.sources is not None:
             choice = await compute(turn.off, _with_sources, choice, turn.sources, self._counter, turn.model_id)
+        if turn.shadow and not _same_messages(turn.read.messages, body["messages"]):
+            choice = await self._as_it_came(turn, choice)
         money = await self._turn_money(turn, choice, model)
         note = await _noted(turn, choice, money, asked)
         note = _leave_line(turn, choice, money, note, hook)
@@ -500,6 +502,14 @@ class TrimPass:
         if _same_messages(out, body["messages"]):
             return body
         return {**body, "messages": out}
+
+    async def _as_it_came(self, turn: _Turn, choice: TurnChoice) -> TurnChoice:
+        """A shadow choice whose untrimmed count is the body as it came (what shadow sends: flag
+        text and all, and the sources Open WebUI put in whole), with what the request bills
+        besides messages (the sources are in them: counted once)."""
+        fixed = turn.budget.fixed
+        as_is = await compute(turn.off, self._counter.count_messages, turn.body["messages"], turn.model_id)
+        return replace(choice, tokens_before=as_is + fixed.tokens - fixed.sources)
 
     async def _open_turn(
         self,
@@ -600,11 +610,6 @@ class TrimPass:
         fixed = turn.budget.fixed
         choice = choice.plus_fixed(fixed.tokens, fixed.label, turn.budget.fixed_over, turn.budget.total)
         choice = replace(choice, own_budget=turn.budget.own)
-        if shadow and not _same_messages(
-            turn.read.messages, turn.body["messages"]
-        ):  # sent as it came, flag text and all
-            sent_as_is = await compute(turn.off, self._counter.count_messages, turn.body["messages"], turn.model_id)
-            choice = replace(choice, tokens_before=sent_as_is + fixed.tokens)
         if key is not None:
             # A later pass of a turn sees the chat the first pass trimmed: the turn's decision stays.
             later_pass = turn.note.decided and _same_messages(choice.messages, turn.read.messages)
