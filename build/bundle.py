@@ -86,6 +86,7 @@ MODULES = [
     "face/valves",
     "face/budget",
     "face/hookargs",
+    "face/turnsources",
     "face/trimpass",
     "face/bookkeeping",
     "face/faults",

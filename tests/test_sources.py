@@ -278,13 +278,13 @@ def test_sources_put_before_a_question_cut_again_are_counted_on_it(counter):
     """The sources are counted on the question the first pass sent; a request pass that cuts
     that question again (here to its marker alone: `\\n[…` where it began with `Who`) puts them
     before another text, and the seam's token goes with it: counted on the copy sent."""
-    from contextwarden.face.trimpass import _with_sources
+    from contextwarden.face.turnsources import with_turn_sources
 
     sources, asked = rag("", [("a.txt", FACT)]), "Who founded the observatory? " * 40
     cut = cut_sources(sources, asked, 10_000, counter, "gpt-4o")
     messages = [{"role": "user", "content": "\n[… 401 tokens cut by contextwarden …]"}]
     tokens = counter.count_messages(messages, "gpt-4o") + cut.tokens
-    done = _with_sources(TurnChoice(messages, 1, tokens, tokens, 10_000, "exact"), cut, counter, "gpt-4o")
+    done = with_turn_sources(TurnChoice(messages, 1, tokens, tokens, 10_000, "exact"), cut, counter, "gpt-4o")
     assert done.messages[0]["content"] == sources + "\n" + messages[0]["content"]
     assert done.tokens_after == counter.count_messages(done.messages, "gpt-4o")
 

@@ -23,18 +23,10 @@ from enum import Enum
 from typing import Any, Final
 
 from ..core.chatview import ChatView
-from ..core.conversation import Message, latest_question
+from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
-from ..core.sources import (
-    SourcesCut,
-    cut_sources,
-    question_text,
-    sources_tokens,
-    split_sources,
-    text_digest,
-    with_sources,
-)
+from ..core.sources import SourcesCut
 from ..core.tokens import ESTIMATE_HIGH_BY, TOKENS_PER_REPLY, TokenCounter
 from ..core.trim import TrimResult, carry_previous, read_reply, trim_messages
 from ..errors import ConfigError
@@ -67,6 +59,7 @@ from .summarize import (
     summary_tokens,
     take_summary,
 )
+from .turnsources import asked_digest, cut_turn_sources, split_turn_sources, with_turn_sources
 
 __all__ = ["TrimPass", "WindowNotices", "load_chat_state", "save_chat_state", "UNREADABLE"]
 
@@ -76,7 +69,6 @@ MAX_REPORTED_PROBLEMS = 64  # distinct warnings a process logs once each (then a
 # The tool definitions Open WebUI adds to every browser chat (30, 3,214 tokens for a user; 3,923
 # for an admin) leaving less than this of the window for the chat: the admin is told once.
 SMALL_WINDOW_ROOM = 1_000
-SOURCES_SHARE = 0.5  # sources Open WebUI put before the question may take this much of the budget from history
 ENCODING_WAIT_SECONDS = 2.0  # a fresh worker's first trims wait this long in all for tiktoken (off the loop)
 
 
@@ -133,64 +125,13 @@ def _chat_messages_sent(choice: TurnChoice) -> int:
     return len(choice.messages) - len(own_messages(choice.messages, choice.own)) + choice.quoted
 
 
-# Sources are where Open WebUI put them: on the question, the last user message of the turn's
-# first call. A tool loop's later calls may follow it with Open WebUI's tool images message, which
-# hid the sources when taken for the question: `latest_question` passes over it.
-
-
-def _with_sources(choice: TurnChoice, cut: SourcesCut, counter: TokenCounter, model_id: str) -> TurnChoice:
-    """`choice` with the sources Open WebUI put before the question after the first pass put
-    back (the last user message, a cut copy or not); what was cut of them counted as removed
-    and as a document excerpted. The sources were counted on the question the first pass sent:
-    one this pass cut again may join them with another token at the seam, counted here."""
-    messages = choice.messages
-    if (at := latest_question(messages)) is None:
-        return choice
-    sent = [*messages[:at], with_sources(messages[at], cut.text), *messages[at + 1 :]]
-    asked = question_text(messages[at])
-    seam = 0 if asked is None else sources_tokens(cut.text, asked, counter, model_id) - cut.tokens
-    excerpts = choice.excerpts
-    if cut.cut:
-        kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
-        passages = (excerpts.passages[0] + cut.kept, excerpts.passages[1] + cut.total)
-        excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
-    removed = cut.whole - cut.tokens
-    return replace(
-        choice,
-        messages=sent,
-        tokens_before=choice.tokens_before + removed + seam,
-        tokens_after=choice.tokens_after + seam,
-        excerpts=excerpts,
-    )
-
-
-def _asked(messages: Sequence[Message]) -> str | None:
-    """`text_digest` of the latest user message's text (None without one that has a single text)."""
-    if (at := latest_question(messages)) is None or (text := question_text(messages[at])) is None:
-        return None
-    return text_digest(text)
-
-
 def _sent_question(turn: _Turn, choice: TurnChoice) -> str | None:
     """`text_digest` of the question as this pass sends it, without the sources it puts back:
     how a later pass of the turn tells them apart (None for a later pass in shadow, which sends
     the body as it came: the first pass's question)."""
     if turn.shadow:
-        return None if turn.note.mode is not None else _asked(turn.body["messages"])
-    return _asked(choice.messages)
-
-
-def _split_sources(messages: list[Message], asked: Sequence[str]) -> tuple[int, str, list[Message]] | None:
-    """(the latest user message's index, the sources before it, the messages with the question
-    as an earlier pass sent it, `asked` its digests) when Open WebUI put sources before it since;
-    else None."""
-    if (at := latest_question(messages)) is None:
-        return None
-    for digest in reversed(asked):  # the newest copy first: what a tool loop's next call gets
-        if (found := split_sources(messages[at], digest)) is not None:
-            sources, question = found
-            return at, sources, [*messages[:at], question, *messages[at + 1 :]]
-    return None
+        return None if turn.note.mode is not None else asked_digest(turn.body["messages"])
+    return asked_digest(choice.messages)
 
 
 @dataclass(slots=True)
@@ -485,7 +426,7 @@ class TrimPass:
         choice = await self._decide(turn, request)
         asked = _sent_question(turn, choice)  # before the sources go back
         if turn.sources is not None:
-            choice = await compute(turn.off, _with_sources, choice, turn.sources, self._counter, turn.model_id)
+            choice = await compute(turn.off, with_turn_sources, choice, turn.sources, self._counter, turn.model_id)
         if turn.shadow and not _same_messages(turn.read.messages, body["messages"]):
             choice = await self._as_it_came(turn, choice)
         money = await self._turn_money(turn, choice, model)
@@ -545,10 +486,10 @@ class TrimPass:
             settings.budget(window), calibration, fixed, flags.budget, ceiling=settings.window_budget(window)
         )
         sources = None
-        if note.mode is not None and note.asked and (found := _split_sources(read.messages, note.asked)):
+        if note.mode is not None and note.asked and (found := split_turn_sources(read.messages, note.asked)):
             at, text, bare = found  # the turn trims the chat as the first pass sent it, less the sources
             read = replace(read, messages=bare)
-            sources = await compute(off, self._cut_sources, text, bare, at, budget.messages, model_id)
+            sources = await compute(off, cut_turn_sources, text, bare, at, budget.messages, self._counter, model_id)
             budget = prompt_budget(
                 settings.budget(window),
                 calibration,
@@ -573,14 +514,6 @@ class TrimPass:
             window,
             sources,
         )
-
-    def _cut_sources(self, text: str, messages: list[Message], at: int, room: int, model_id: str) -> SourcesCut:
-        """The sources within what the chat the first pass chose leaves of `room`, and at least
-        `SOURCES_SHARE` of it: what they add to the question holds the answer more often than
-        what it would push out of the history."""
-        chat = self._counter.count_messages(messages, model_id)
-        room = max(room - chat, int(room * SOURCES_SHARE))
-        return cut_sources(text, question_text(messages[at]) or "", room, self._counter, model_id)
 
     async def _decide(self, turn: _Turn, request: Any) -> TurnChoice:
         """Choose what to send from the chat's stored state, and store this pass's decision."""
