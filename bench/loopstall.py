@@ -29,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import tiktoken  # noqa: E402  (reads TIKTOKEN_CACHE_DIR when it loads an encoding, not here)
+
 import speed  # noqa: E402  (its loader and machine notes; it sets TIKTOKEN_CACHE_DIR)
 import synth  # noqa: E402
 
@@ -44,6 +47,7 @@ MODEL = "gpt-4o"
 TICK_SECONDS = 0.001
 MEGABYTE = 1_000_000
 CONCURRENT = 8
+SMALL_CONCURRENT = 50  # turns each small enough to stay on the loop, started at once
 
 
 class Ticker:
@@ -249,6 +253,72 @@ def under_threshold(seed: int, limit: int = 24_000) -> list[dict]:
     return chat
 
 
+def one_letter_messages(seed: int, n: int = 100_000) -> list[dict]:
+    """A chat of `n` one-letter messages, users and replies taking turns: little text, many messages."""
+    rng = random.Random(seed)
+    chat = [{"role": "user" if k % 2 == 0 else "assistant", "content": rng.choice("abcdefghij")} for k in range(n - 1)]
+    return [*chat, {"role": "user", "content": f"And now? {seed}"}]
+
+
+def _code(path: str) -> Any:
+    """The single file at `path` compiled, once: compiling is Open WebUI's, whatever the file does."""
+    code = _compiled.get(path)
+    if code is None:
+        code = _compiled[path] = compile(Path(path).read_text(), path, "exec")
+    return code
+
+
+_compiled: dict[str, Any] = {}
+
+
+def _executed(path: str) -> Any:
+    """The single file at `path` executed anew, as Open WebUI loads a function (a fresh module in
+    `sys.modules`), from its code object (`_code`)."""
+    module = types.ModuleType(f"function_contextwarden_{uuid.uuid4().hex}")
+    module.__dict__["__file__"] = path
+    sys.modules[module.__name__] = module
+    exec(_code(path), module.__dict__)
+    return module
+
+
+async def execute_file(f: Any, module: Any, arg: Any) -> None:
+    """Open WebUI's load of the function: the file's module body run on the loop (the encodings
+    are built already: that is the next scenario; the file was compiled before the window)."""
+    _executed(module.__file__)
+
+
+def _compile_first(f: Any, module: Any, arg: Any) -> Any:
+    _code(module.__file__)
+    return arg
+
+
+execute_file.prepare = _compile_first  # type: ignore[attr-defined]
+
+
+async def first_encoding(f: Any, module: Any, arg: tuple[Any, Any, list[dict]]) -> None:
+    """A fresh worker's first turn while tiktoken builds the encodings the file preloads (each in
+    one C call that holds the GIL). `first_encoding.prepare`, before the ticker, executed the file
+    with tiktoken's registry emptied and its lock held, so the build starts here."""
+    fresh, g, chat = arg
+    tiktoken.registry._lock.release()  # the preload thread, waiting since the file ran, builds now
+    await trim_turn(g, fresh, chat)
+    loading = [t for t in threading.enumerate() if t.name.startswith("contextwarden-") and "cpu" not in t.name]
+    await asyncio.to_thread(lambda: [t.join() for t in loading])
+    assert {"o200k_base", "cl100k_base"} <= set(tiktoken.registry.ENCODINGS), "encodings not built"
+
+
+def _prepare_first_encoding(f: Any, module: Any, chat: list[dict]) -> tuple[Any, Any, list[dict]]:
+    tiktoken.registry.ENCODINGS.clear()  # built anew, as in a fresh worker (the file is cached)
+    tiktoken.registry._lock.acquire()
+    fresh = _executed(module.__file__)
+    g = fresh.Filter()
+    g.valves = g.Valves(max_context_tokens=8_000, reserve_output_tokens=1_024, openrouter_pricing=False)
+    return fresh, g, chat
+
+
+first_encoding.prepare = _prepare_first_encoding  # type: ignore[attr-defined]
+
+
 def big_text(seed: int, shape: str) -> str:
     rng = random.Random(seed)
     if shape == "prose":
@@ -285,6 +355,8 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
         body_turn,
         {"messages": question, "response_format": big_response_format(seed)},
     )
+    out["100,000 one-letter messages"] = lambda seed: (trim_turn, one_letter_messages(seed))
+    out["2,000 one-letter messages"] = lambda seed: (trim_turn, one_letter_messages(seed, 2_000))
     out["5,000 short messages"] = lambda seed: (trim_turn, synth.make_chat(seed, 5_000, mean_tokens=12))
     out["10,000 image parts"] = lambda seed: (trim_turn, many_images(seed))
     out["100,000 empty text parts"] = lambda seed: (trim_turn, empty_parts(seed))
@@ -296,11 +368,22 @@ def scenarios() -> dict[str, Callable[[int], tuple[Callable[..., Awaitable[None]
         "concurrent",
         [synth.make_chat(seed * 100 + k, 1_000) for k in range(CONCURRENT)],
     )
+    out[f"{SMALL_CONCURRENT} concurrent turns, each just under 25,000 characters"] = lambda seed: (
+        "concurrent",
+        [under_threshold(seed * 100 + k) for k in range(SMALL_CONCURRENT)],
+    )
+    out["the single file executed (Open WebUI's load, compiled before)"] = lambda seed: (execute_file, None)
+    out["a fresh worker's first turn: tiktoken builds its encodings"] = lambda seed: (
+        first_encoding,
+        synth.make_chat(seed, 20),
+    )
     return out
 
 
 async def run_one(f: Any, module: Any, runner: Any, arg: Any, *, tick: bool = True) -> tuple[float, float]:
     """(longest stall, wall time) in milliseconds for one scenario run (no stall without `tick`)."""
+    if (prepare := getattr(runner, "prepare", None)) is not None:  # set-up outside the window
+        arg = prepare(f, module, arg)
     gc.collect()
     ticker = Ticker()
     if tick:
