@@ -11,6 +11,7 @@ itself would have computed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import ssl
 import threading
@@ -180,6 +181,23 @@ async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_t
     out = await request(f, body(big_chat()))
     await other
     assert len(out["messages"]) < len(big_chat())
+
+
+async def test_a_trim_in_the_thread_runs_without_the_collector_s_automatic_passes(counter, spy_trim):
+    """A big chat's trim holds many objects while it runs: the collector's automatic passes
+    (each a C call over the whole heap that holds the GIL, and so the loop) are off meanwhile and
+    on again after it; turned off by someone else, they stay off."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    enabled: list[bool] = []
+    spy_trim.before = lambda: enabled.append(gc.isenabled())
+    await request(f, body(big_chat()))
+    assert spy_trim.threads == ["contextwarden-cpu_0"] and enabled == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        await request(f, body(big_chat(), "c2"))
+        assert enabled == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 async def test_an_error_in_the_worker_thread_fails_open(counter, spy_trim, caplog):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -166,7 +167,8 @@ def _weighs(value: object, limit: int) -> bool:
 async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)`: with `off`, in the process's one contextwarden thread, so the event
     loop serves other users while a hook counts, scores or trims a big chat (tiktoken releases
-    the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`). One thread runs
+    the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`), with the
+    garbage collector's own passes paused meanwhile (`_collections_paused`). One thread runs
     the calls one at a time, so the shared caches never see two trims at once. What `fn` raises
     is raised here; if the awaiting request is cancelled, the call runs to its end unseen."""
     if not off:
@@ -174,4 +176,23 @@ async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: An
     global _cpu_worker
     if _cpu_worker is None or _cpu_worker[0] != os.getpid():
         _cpu_worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextwarden-cpu"))
-    return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], functools.partial(fn, *args, **kwargs))
+    call = functools.partial(_collections_paused, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_cpu_worker[1], call)
+
+
+def _collections_paused(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with the garbage collector's automatic passes off until it returns
+    (process-wide: `gc.disable`; left alone when something else turned them off). A big chat's
+    trim holds hundreds of thousands of objects while it runs and frees them by reference
+    counting as it returns, but on the way their number set off full collections, each one
+    C call over the whole heap that holds the GIL: 100,000 one-letter messages set off six of
+    30-140 ms a trim, each a stall of the event loop (bench/loopstall.py). Garbage in cycles
+    made meanwhile waits for the next collection after it."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if paused:
+            gc.enable()
