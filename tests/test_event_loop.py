@@ -56,7 +56,7 @@ def test_what_holds_the_loop_besides_text_goes_to_the_thread():
     assert heavy([{"role": "user", "content": [{"type": "text", "text": ""}] * 3_000}])
     assert heavy([{"role": "user", "content": [image] * 30}])
     assert heavy([{"role": "user", "content": "a"}] * 3_000)
-    assert not heavy([{"role": "user", "content": "a"}] * 200) and not heavy(chat_of(3))
+    assert not heavy([{"role": "user", "content": "a"}] * 100) and not heavy(chat_of(3))
 
 
 def body(chat: list[dict], chat_id: str = "c1") -> dict:
@@ -92,6 +92,17 @@ async def test_a_big_chat_is_trimmed_in_the_worker_thread_a_small_one_on_the_loo
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
     await request(f, body(big_chat()))
     await request(f, body(chat_of(3), "c2"))
+    assert spy_trim.threads == ["contextwarden-cpu_0", threading.current_thread().name]
+
+
+async def test_a_chat_of_many_tiny_messages_is_trimmed_in_the_worker_thread(counter, spy_trim):
+    """A trim costs each message ~200 characters' worth whatever its text (2,000 one-letter
+    messages, 25,000 characters' weight at 10 a message, held the loop 45 ms on it): a chat of
+    1,000 one-letter messages goes to the thread; one of 100 stays on the loop."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    for n, chat_id in ((1_000, "c1"), (100, "c2")):
+        chat = [{"role": ("user", "assistant")[k % 2], "content": "abcdefghij"[k % 10]} for k in range(n - 1)]
+        await request(f, body([*chat, {"role": "user", "content": "And now?"}], chat_id))
     assert spy_trim.threads == ["contextwarden-cpu_0", threading.current_thread().name]
 
 

@@ -28,10 +28,15 @@ __all__ = ["compute", "heavy", "heavy_extras", "reads_off_loop", "light_next_tur
 # and each hop to the thread costs the loop a GIL hand-over (up to sys.getswitchinterval()).
 OFF_LOOP_MIN_CHARS = 25_000
 PART_WEIGHT_CHARS = 1_000  # what a non-text part (an image) weighs toward OFF_LOOP_MIN_CHARS
-# What a message, a text part and a tool call weigh besides their text: each is read, counted and
-# fingerprinted whatever its length (~5 µs a message, ~1 µs an empty text part: 20,000 one-letter
-# messages held the loop 96 ms, 100,000 empty text parts 120 ms).
+# What a text part, a reasoning detail and a tool call weigh besides their text: each is read,
+# counted and fingerprinted whatever its length (~1 µs an empty text part: 100,000 held the loop 120 ms).
 ITEM_WEIGHT_CHARS = 10
+# What a message weighs besides its text: a trim reads, counts, fingerprints, scores and selects
+# each one whatever its length, ~30 µs a message in a new selection against ~0.15 µs a character
+# (500 messages of 40 characters, 20,000 in all, held the loop 17-28 ms on its own; 21,000
+# characters in 11 messages 3-11 ms). At 10 a message, 2,000 one-letter messages stayed on the
+# loop and held it 45 ms; at this weight a chat of more than 125 short messages goes to the thread.
+MESSAGE_WEIGHT_CHARS = 200
 TOOLS_ON_LOOP_MAX = 64  # tool definitions rendered and counted on the loop (Open WebUI's built-in: 30)
 _cpu_worker: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
 # Reading the flags (and checking each part's type, counting the newest messages) costs ~0.5 µs a
@@ -90,13 +95,13 @@ def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
 
 def heavy(messages: Sequence[Message], limit: int = OFF_LOOP_MIN_CHARS) -> bool:
     """True when the messages weigh `limit` characters or more (stops counting there): their
-    text, reasoning and tool-call arguments, ITEM_WEIGHT_CHARS more for each message, text part,
-    reasoning detail and tool call, and PART_WEIGHT_CHARS for a part that is not text (an image:
-    walking it costs the same).
+    text, reasoning and tool-call arguments, MESSAGE_WEIGHT_CHARS more for each message,
+    ITEM_WEIGHT_CHARS for each text part, reasoning detail and tool call, and PART_WEIGHT_CHARS
+    for a part that is not text (an image: walking it costs the same).
     """
     size = 0
     for message in messages:
-        size += ITEM_WEIGHT_CHARS + _weight(message.get("content"), limit - size)
+        size += MESSAGE_WEIGHT_CHARS + _weight(message.get("content"), limit - size)
         if not REASONING_KEYS.isdisjoint(message):
             size += _reasoning_weight(message, limit - size)
         calls = message.get("tool_calls")
