@@ -122,6 +122,31 @@ async def test_flags_are_read_on_the_loop_unless_the_chat_has_very_many_messages
     assert threads == [threading.current_thread().name, "contextwarden-cpu_0"]
 
 
+async def test_a_chat_of_very_many_messages_is_read_for_commands_notes_and_pins_in_the_thread(counter, monkeypatch):
+    """Finding earlier `!usage` exchanges, the summary note, the pins and what earlier passes added
+    reads every message (100,000 one-letter messages held the loop ~55 ms with them): like the
+    flags, on the loop up to READS_ON_LOOP_MAX_ITEMS messages, in the thread past it."""
+    import contextwarden.face.filter as filter_module
+
+    threads: list[tuple[str, str]] = []
+
+    def spy(module, name: str) -> None:
+        real = getattr(module, name)
+        here = threading.current_thread
+        monkeypatch.setattr(module, name, lambda *a: threads.append((name, here().name)) or real(*a))
+
+    spy(filter_module, "without_usage_exchanges")
+    spy(trimpass_module, "read_chat")
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    await request(f, body(big_chat()))
+    loop, worker = threading.current_thread().name, "contextwarden-cpu_0"
+    assert threads == [("without_usage_exchanges", loop), ("read_chat", loop)]
+    monkeypatch.setattr(offloop_module, "READS_ON_LOOP_MAX_ITEMS", 10)
+    threads.clear()
+    await request(f, body(big_chat(), "c2"))
+    assert threads == [("without_usage_exchanges", worker), ("read_chat", worker)]
+
+
 def test_flags_of_a_message_in_thousands_of_parts_are_read_off_the_loop():
     """A few messages whose content is thousands of parts weigh as many items as a long chat."""
     parts = [{"type": "text", "text": ""}] * (offloop_module.READS_ON_LOOP_MAX_ITEMS + 1)

@@ -28,6 +28,7 @@ from .adminview import without_usage_exchanges
 from .bookkeeping import Bookkeeping
 from .faults import FaultKey, Faults
 from .hookargs import Emitter, is_chat_body, model_context_length, told_as_admin, wants_stream_usage, with_stream_usage
+from .offloop import compute, many_messages
 from .trimpass import MAX_REPORTED_PROBLEMS, TrimPass
 from .valves import Settings, UserValves, Valves, read_settings, valves_key
 
@@ -225,7 +226,9 @@ class Filter:
         if isinstance(metadata, dict) and metadata.get("task"):
             return body
         settings = await self._settings(user, emit if hook == "inlet" else None)  # valve problems: once a turn
-        if (kept := without_usage_exchanges(body["messages"])) is not None:
+        messages = body["messages"]
+        kept = await compute(many_messages(messages), without_usage_exchanges, messages)
+        if kept is not None:
             body = {**body, "messages": kept}
         if settings.mode == "off":
             return body

@@ -21,7 +21,15 @@ from ..core.conversation import REASONING_KEYS, Message
 from ..core.decision import TrimDecision
 from ..core.recall import MIN_PASSAGE_TOKENS
 
-__all__ = ["compute", "heavy", "heavy_extras", "reads_off_loop", "light_next_turn", "OFF_LOOP_MIN_CHARS"]
+__all__ = [
+    "compute",
+    "heavy",
+    "heavy_extras",
+    "reads_off_loop",
+    "many_messages",
+    "light_next_turn",
+    "OFF_LOOP_MIN_CHARS",
+]
 
 # Chats with less text than this are counted and trimmed on the event loop: a cold trim of
 # them takes a few ms (bench/loopstall.py: 3 ms, its stall no longer than the machine's own),
@@ -77,13 +85,19 @@ def _passage_source(message: Message) -> bool:
     return long and message.get("role") != "system"
 
 
+def many_messages(messages: Sequence[Message]) -> bool:
+    """Whether a pass over every message (not into their parts: `!usage` exchanges) runs in the
+    thread: more than READS_ON_LOOP_MAX_ITEMS of them (100,000 one-letter messages: 45 ms)."""
+    return len(messages) > READS_ON_LOOP_MAX_ITEMS
+
+
 def reads_off_loop(off: bool, messages: Sequence[Message]) -> bool:
     """Whether a pass whose trim runs off the loop (`off`) also reads its messages there, part by
     part (flags, the calibration's text-only check, the cache's prefix count): only a chat of more
     than READS_ON_LOOP_MAX_ITEMS messages, content parts and tool calls (100,000 empty text parts
     in one message held the loop 85 ms, 300,000 tool calls 120 ms). `messages` are dicts
     (`hookargs.is_chat_body`)."""
-    if not off or len(messages) > READS_ON_LOOP_MAX_ITEMS:
+    if not off or many_messages(messages):
         return off
     lists = [list(map(dict.get, messages, repeat(key))) for key in ("content", "tool_calls", "reasoning_details")]
     if list not in set().union(*(map(type, values) for values in lists)):  # in C: most chats have no parts

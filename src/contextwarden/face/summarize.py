@@ -56,6 +56,8 @@ __all__ = [
     "own_messages",
     "find_summary",
     "take_summary",
+    "ChatRead",
+    "read_chat",
     "insert_summary",
     "summary_tokens",
     "endpoint_problem",
@@ -225,6 +227,33 @@ def take_summary(messages: Sequence[Message], at: int) -> tuple[list[Message], M
     if _is_legacy_note(note):
         note = summary_note(note["content"][len(LEGACY_SUMMARY_LABEL) :].lstrip("\n"))
     return [*messages[:at], *messages[at + (1 if ack is None else 2) :]], note, ack
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRead:
+    """What a pass reads of the chat before it trims (`read_chat`)."""
+
+    view: ChatView  # the chat without the summary note: read once for the shortcut and every trim
+    base: list[Message]  # its messages
+    summary: Message | None  # the note an earlier pass (or version) sent, as today's note
+    ack: Message | None  # the acknowledgement sent after it
+    merged: bool  # a note merged into a system message (Open WebUI merges them after `request`)
+    pinned: list[int]  # the pins' positions in `base`
+    added: list[int]  # what earlier passes of the turn added to `base` (their recall blocks)
+
+
+def read_chat(messages: list[Message], own: Collection[str], pinned: Callable[[ChatView], list[int]]) -> ChatRead:
+    """The chat a pass trims: the summary note found and taken out (`find_summary`,
+    `take_summary`), what earlier passes added (`own`: their fingerprints, `own_messages`) and
+    the pins (`pinned` of the view) found. Each is a pass over every message (100,000 one-letter
+    messages held the loop ~10 ms; with pins every user message is hashed), so a chat of very
+    many messages is read in the thread (`offloop.reads_off_loop`)."""
+    view = ChatView(messages)
+    at, merged = find_summary(view, own_messages(messages, own))
+    base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
+    if at is not None:  # the chat without the note: another list, another view
+        view = ChatView(base)
+    return ChatRead(view, base, summary, ack, merged, pinned(view), own_messages(base, own))
 
 
 def _note_position(messages: Sequence[Message]) -> int:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Final
 
-from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import TrimDecision
 from ..core.flags import FlagRead, Flags, already_read, pin_fingerprint, read_flags
@@ -52,12 +51,11 @@ from .settings import MIN_BUDGET_TOKENS, Settings
 from .status import detail_line, shadow_status_line, small_window_text, status_line
 from .summarize import (
     SUMMARY_ACK_MESSAGE,
-    find_summary,
     insert_summary,
     own_messages,
+    read_chat,
     summarize_trim,
     summary_tokens,
-    take_summary,
 )
 from .turnsources import asked_digest, cut_turn_sources, split_turn_sources, with_turn_sources
 
@@ -536,6 +534,7 @@ class TrimPass:
             _budget_terms(turn, _relocated(turn, stored, to_chat=False), stored=False),
             embedder,
             off=turn.off,
+            reads_off=turn.reads_off,
             own=turn.note.added,
             pins=turn.note.pins,
         )
@@ -608,35 +607,32 @@ class TrimPass:
         embedder: OpenWebUIEmbedder | None = None,
         *,
         off: bool = False,
+        reads_off: bool = False,
         own: tuple[str, ...] = (),
         pins: tuple[str, ...] = (),
     ) -> TurnChoice:
         """Trim `messages` (flags already removed) into what `prompt` leaves for messages, as the
-        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop;
-        `own`: what earlier passes of this turn added, `pins`: the pinned copies they sent, as
-        their note recorded them)."""
+        flags, the pins and `previous` say (`off`: the counting and the trim run off the event loop,
+        `reads_off`: the chat's first read too, `read_chat`; `own`: what earlier passes of this
+        turn added, `pins`: the pinned copies they sent, as their note recorded them)."""
         counter = self._counter
         budget = prompt.messages
         if flags.full:
             return await _untrimmed(counter, messages, budget, model_id, off)
-        view = ChatView(messages)  # read once: the summary note, the pins, the shortcut, every trim of this pass
-        at, merged = find_summary(view, own_messages(messages, own))
-        base, summary, ack = take_summary(messages, at) if at is not None else (messages, None, None)
-        if at is not None:  # the chat without the note: another list, another view
-            view = ChatView(base)
-        pinned = state.pinned_in(view, also=pins)
-
+        pins_in = functools.partial(state.pinned_in, also=pins)
+        read = await compute(reads_off, read_chat, messages, own, pins_in)
+        view, base, summary, ack = read.view, read.base, read.summary, read.ack
         options: dict[str, Any] = {
             "model": model_id,
             "token_counter": counter,
             "strategy": settings.strategy,
             "keep_last_turns": flags.keep or settings.keep_last_turns,
-            "pinned": pinned,
+            "pinned": read.pinned,
             "previous": previous,
             "low_watermark": settings.low_watermark,
             "growth_turns": settings.growth_turns,
             "shorten": not prompt.fixed_over,  # no cut makes it fit: send the question whole
-            "added": own_messages(base, own),  # an earlier pass's recall blocks
+            "added": read.added,  # an earlier pass's recall blocks
         }
 
         def retrim(limit: int, embed: OpenWebUIEmbedder | None = None) -> TrimResult:
@@ -654,7 +650,7 @@ class TrimPass:
                 # the note goes out again: the line says so (a later pass's line is the one shown)
                 return replace(TurnChoice.of(result, sent, extra=added, extra_tokens=cost), summarized=True)
         result = await self._semantic_trim(retrim, carry, budget, base, settings, embedder, previous, off)
-        if settings.summary is not None and not flags.nosum and not merged and summary is None and result.dropped:
+        if settings.summary is not None and not flags.nosum and not read.merged and summary is None and result.dropped:
             summarized = await self._summarized(base, result, retrim, settings, model_id, budget, off)
             if summarized is not None:
                 return summarized
