@@ -219,6 +219,27 @@ async def test_the_loop_serves_others_while_a_big_chat_is_trimmed(counter, spy_t
     assert len(out["messages"]) < len(big_chat())
 
 
+async def test_hooks_started_together_take_turns_with_the_loop_s_other_work(counter, spy_trim):
+    """Small turns stay on the loop, each a few ms; 50 started together ran one after another in
+    one iteration of the loop, a stall of their sum (175-253 ms). Each hook now waits its turn:
+    the loop serves its other callbacks between one hook's trim and the next."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, openrouter_pricing=False)
+    order: list[str] = []
+    spy_trim.before = lambda: order.append("trim")
+
+    async def other_work() -> None:
+        while True:
+            order.append("other")
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    outs = await asyncio.gather(*(request(f, body(chat_of(3), f"c{i}")) for i in range(3)))
+    other.cancel()
+    trims = [k for k, what in enumerate(order) if what == "trim"]
+    assert len(trims) == 3 and all("other" in order[a:b] for a, b in zip(trims, trims[1:], strict=False))
+    assert spy_trim.threads == [threading.current_thread().name] * 3 and all(out["messages"] for out in outs)
+
+
 async def test_a_trim_in_the_thread_runs_without_the_collector_s_automatic_passes(counter, spy_trim):
     """A big chat's trim holds many objects while it runs: the collector's automatic passes
     (each a C call over the whole heap that holds the GIL, and so the loop) are off meanwhile and

@@ -28,7 +28,7 @@ from .adminview import without_usage_exchanges
 from .bookkeeping import Bookkeeping
 from .faults import FaultKey, Faults
 from .hookargs import Emitter, is_chat_body, model_context_length, told_as_admin, wants_stream_usage, with_stream_usage
-from .offloop import compute, many_messages
+from .offloop import compute, many_messages, take_turn
 from .trimpass import MAX_REPORTED_PROBLEMS, TrimPass
 from .valves import Settings, UserValves, Valves, read_settings, valves_key
 
@@ -127,6 +127,7 @@ class Filter:
         adds RAG, memory and tools (older versions only have this hook). One fault logs one
         warning however many of these steps it fails (`Faults`)."""
         seen: set[FaultKey] = set()
+        await take_turn()  # hooks started together take turns on the loop
         try:
             await self._books.before_turn(body, __user__, __metadata__, __event_emitter__, __request__)
         except (TurnRefused, *NEVER_SWALLOWED):
@@ -177,6 +178,7 @@ class Filter:
     ) -> dict:
         """Log what the reply really used: one `usage {json}` line, and a status line; start
         embedding the chat for the next turn."""
+        await take_turn()
         try:
             await self._record(body, __user__, __metadata__, __model__, __event_emitter__, __request__)
         except NEVER_SWALLOWED:
@@ -200,6 +202,7 @@ class Filter:
         seen: set[FaultKey] | None = None,
     ) -> Any:
         """`inlet` and `request`: trim, ask for stream usage; on any error the body as it came."""
+        await take_turn()
         try:
             trimmed = await self._trim(body, user, metadata, model, emit, request, hook)
         except NEVER_SWALLOWED:

@@ -12,6 +12,8 @@ import asyncio
 import functools
 import gc
 import os
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
@@ -23,6 +25,7 @@ from ..core.recall import MIN_PASSAGE_TOKENS
 
 __all__ = [
     "compute",
+    "take_turn",
     "heavy",
     "heavy_extras",
     "reads_off_loop",
@@ -183,14 +186,71 @@ def _weighs(value: object, limit: int) -> bool:
     return False
 
 
+class _LoopTurns:
+    """Hooks take turns on one event loop: a hook's turn lasts until the loop's next iteration
+    (one `call_soon` later), then goes to the hook that has waited longest, so the loop polls its
+    sockets and timers between one hook's work and the next. Without it, 50 small turns started
+    together each ran the whole of its pass in the same iteration, one after another: one stall
+    of their sum (50 turns just under OFF_LOOP_MIN_CHARS: 175-253 ms; bench/loopstall.py)."""
+
+    def __init__(self) -> None:
+        self._holder: object | None = None  # the task whose turn it is, or _HANDED to one not run yet
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    async def take(self) -> None:
+        """Wait for this task's turn (at once when it has it, or nobody has and nobody waits)."""
+        task = asyncio.current_task()
+        if task is None or self._holder is task:
+            return
+        loop = asyncio.get_running_loop()
+        if self._holder is not None or self._waiting:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # handed the turn, then cancelled: pass it on
+                    self._hand_over()
+                raise
+        self._holder = task
+        loop.call_soon(self._hand_over)
+
+    def _hand_over(self) -> None:
+        """The turn ends: to the longest waiting hook still waiting, or to nobody."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self._holder = _HANDED
+                return
+        self._holder = None
+
+
+_HANDED = object()  # a turn handed to a waiting hook that has not run yet: nobody else takes it meanwhile
+_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopTurns] = weakref.WeakKeyDictionary()
+
+
+async def take_turn() -> None:
+    """Wait for this hook's turn on the running loop (`_LoopTurns`): each hook takes it before it
+    reads anything, and `compute` before work on the loop (a turn may have passed on while the
+    hook awaited I/O)."""
+    loop = asyncio.get_running_loop()
+    turns = _turns.get(loop)
+    if turns is None:
+        turns = _turns[loop] = _LoopTurns()
+    await turns.take()
+
+
 async def compute(off: bool, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)`: with `off`, in the process's one contextwarden thread, so the event
     loop serves other users while a hook counts, scores or trims a big chat (tiktoken releases
     the GIL as it encodes; Python code yields it every `sys.getswitchinterval()`), with the
-    garbage collector's own passes paused meanwhile (`_collections_paused`). One thread runs
-    the calls one at a time, so the shared caches never see two trims at once. What `fn` raises
-    is raised here; if the awaiting request is cancelled, the call runs to its end unseen."""
+    garbage collector's own passes paused meanwhile (`_collections_paused`); else on the loop,
+    in the hook's turn (`take_turn`). One thread runs the calls one at a time, so the shared
+    caches never see two trims at once. What `fn` raises is raised here; if the awaiting request
+    is cancelled, the call runs to its end unseen."""
     if not off:
+        await take_turn()
         return fn(*args, **kwargs)
     global _cpu_worker
     if _cpu_worker is None or _cpu_worker[0] != os.getpid():

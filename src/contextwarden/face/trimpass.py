@@ -677,7 +677,7 @@ class TrimPass:
         ready = embedder is not None and previous is not None and await self._embed_ahead(embedder, base, settings)
         embed = embedder if ready else None
         if off and previous is not None and light_next_turn(base, previous):
-            carried = carry(budget, embed)
+            carried = await compute(False, carry, budget, embed)
             if carried is not None:
                 return carried
         return await compute(off, retrim, budget, embed)
