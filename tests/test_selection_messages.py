@@ -17,6 +17,8 @@ from contextwarden.tools.explain import explain_trim
 
 from chatgen import random_chat
 from chats import check_contract, frozen
+from embedders import topic_embed
+from helpers import chat_of
 
 MODEL = "gpt-4o"
 
@@ -200,3 +202,14 @@ def test_the_quoted_block_stays_while_the_selection_is_carried(counter):
         carried += 1
         assert result.messages[:3] == front
     assert carried >= 2
+
+
+@pytest.mark.parametrize("odd", [{"role": "user", "content": 5}, {}, {"role": "assistant", "tool_calls": []}])
+def test_a_message_without_text_is_never_quoted(counter, odd):
+    """A quote holds text: a message with none (content not text, a reply with no words) that
+    would clash in place goes, rather than costing a recall line with nothing after its role."""
+    chat = chat_of(8)
+    chat[6:6] = [odd]  # after a user message: in place it would clash
+    result = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter, embed=topic_embed)
+    check_contract(chat, result, counter, MODEL)
+    assert 6 in result.dropped and 6 not in result.recalled

@@ -217,8 +217,9 @@ def fill_quoting(
     """The units of `order` (the most relevant first) taken while they fit `left`: in place where
     they clash with nothing sent (the `fixed` messages and the units taken before) and a reply
     would not open what is sent (unless it is `opener`, the chat's own first message), else
-    quoted in a recall block (single messages without images only: a quote holds text, and the
-    image would be lost; the block's label and acknowledgement cost `frame` once;
+    quoted in a recall block (single messages with text and without images only: a quote holds
+    text, a message with none would cost a line of its role alone, and an image would be lost;
+    the block's label and acknowledgement cost `frame` once;
     `fresh._quoted_block` places it). Returns (units in place, units quoted in `order`).
 
     Example:
@@ -243,6 +244,7 @@ def fill_quoting(
                 out[at:at] = list(span)
         elif (
             len(span) == 1
+            and view.text(span.start)
             and not image_count(view.messages[span.start])
             and (quote := cost + (0 if quoted else frame)) <= left
         ):
