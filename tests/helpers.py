@@ -67,7 +67,15 @@ def quoted_whole(chat: list[dict], sent: list[dict]) -> int:
     """The chat's messages not sent in place that a recall block quotes whole: the model reads
     them, and the user's status line counts them as sent."""
     blocks = [m["content"] for m in sent if is_recall_message(m)]
-    return sum(1 for c in chat if c not in sent and any(c["content"] in b for b in blocks))
+    texts = [c["content"] for c in chat if c not in sent and isinstance(c.get("content"), str) and c["content"]]
+    return sum(1 for text in texts if any(text in b for b in blocks))
+
+
+def sent_count(chat: list[dict], sent: list[dict]) -> int:
+    """The messages the status line counts as sent: those sent in place (not a recall block or
+    its acknowledgement) and the chat's messages a block quotes whole (`quoted_whole`)."""
+    blocks = sum(1 for m in sent if is_recall_message(m))
+    return len(sent) - 2 * blocks + quoted_whole(chat, sent)
 
 
 def body_of(chat: list[dict], model: str = "gpt-4o", **metadata: Any) -> dict:

@@ -398,7 +398,7 @@ def test_one_message_is_said_in_the_singular(tmp_path, capsys):
         assert main(["trim", str(path), "--max-tokens", "2000", *extra]) == 0
         assert "\n1 → 1 message · " in capsys.readouterr().out
     assert main(["trim", str(EXAMPLE), "--max-tokens", "1200"]) == 0
-    assert "\n22 → 14 messages · " in capsys.readouterr().out
+    assert "\n22 → 6 messages · " in capsys.readouterr().out
 
 
 def test_an_empty_chat_is_refused(tmp_path, capsys):

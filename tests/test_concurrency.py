@@ -17,11 +17,12 @@ from decimal import Decimal
 import pytest
 
 from contextwarden import trim_messages
+from contextwarden.core.conversation import SUMMARY_ACK_MESSAGE, is_recall_message
 from contextwarden.core.tokens import TokenCounter
 from contextwarden.money.ledger import ledger_totals, read_ledger, usd_to_picodollars
 
 from chats import check_contract
-from helpers import make_filter
+from helpers import make_filter, quoted_whole
 from turns import YieldingEvents, reply_of, run_turn, usage_lines
 
 MODEL = "gpt-4o"
@@ -100,9 +101,13 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
     trimmed = 0
     for (u, chat_id, marker, chat, _, usage), run in zip(turns, runs, strict=True):
         sent = run.after_request["messages"]
-        # only this chat's messages, each the very dict of this chat's input
-        assert all(any(m is n for n in chat) for m in sent)
-        assert all(marker in str(m) for m in sent)
+        # only this chat's messages, each the very dict of this chat's input, or a recall block
+        # quoting them (a small room picks single messages) with its acknowledgement
+        blocks = [k for k, m in enumerate(sent) if is_recall_message(m)]
+        acks = {k + 1 for k in blocks}
+        assert all(any(m is n for n in chat) for k, m in enumerate(sent) if k not in {*blocks, *acks})
+        assert all(sent[k] == SUMMARY_ACK_MESSAGE for k in acks)
+        assert all(marker in str(m) for k, m in enumerate(sent) if k not in acks)
         note = run.metadata["contextwarden"]
         assert note["budget"] == user_budget(u)
         assert note["estimated_prompt_tokens"] == counter.count_messages(sent, MODEL) <= user_budget(u)
@@ -117,8 +122,9 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
             # one line a turn, after the reply: what its own trim did, then its own usage
             assert len(run.events.statuses) == 1 and all(e["data"]["done"] is True for e in run.events.items)
             line = run.events.statuses[0]
-            if len(sent) < len(chat):  # what its own trim did
-                assert line.startswith(f"Sent {len(sent):,} of {len(chat):,} messages · "), line
+            if len(sent) < len(chat):  # what its own trim did: in place, or quoted whole
+                read = len(sent) - 2 * len(blocks) + quoted_whole(chat, sent)
+                assert line.startswith(f"Sent {read:,} of {len(chat):,} messages · "), line
             else:  # its own budget
                 assert line.startswith("Whole chat sent · "), line
                 assert note["line"].endswith(f"(fits {user_budget(u):,})"), note["line"]  # the admin's detail
@@ -159,9 +165,13 @@ async def test_concurrent_turns_of_one_chat_are_identical(counter):
     runs = await asyncio.gather(*(run_turn(f, chat, chat_id="same", user={"id": "u"}) for _ in range(100)))
     first = runs[0].after_request["messages"]
     assert len(first) < len(chat)
-    for run in runs:
-        assert len(run.after_request["messages"]) == len(first)
-        assert all(a is b for a, b in zip(run.after_request["messages"], first, strict=True))
+    for run in runs:  # the very dicts of the chat, and equal recall blocks
+        assert run.after_request["messages"] == first
+        assert all(
+            a is b
+            for a, b in zip(run.after_request["messages"], first, strict=True)
+            if not is_recall_message(b) and b != SUMMARY_ACK_MESSAGE
+        )
 
 
 def test_one_counter_shared_by_threads():

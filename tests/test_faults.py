@@ -34,7 +34,7 @@ from contextwarden.state.chatstate import ChatState, chat_state_key
 from contextwarden.state.store import RedisStore, redis_client
 
 from chats import check_contract, frozen
-from helpers import Events, chat_of, make_filter
+from helpers import Events, chat_of, make_filter, sent_count
 from turns import OwnRedis, free_port, raw_get, run_turn, usage_lines
 
 MODEL = "gpt-4o"
@@ -77,6 +77,7 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
             shortened.append(last)
         after = counter.count_messages(sent, MODEL)
         dropped = tuple(i for i in range(len(chat)) if i not in kept + shortened)
+        added = tuple(blocks)  # the blocks with their acknowledgements
         blocks = [j for j in blocks if is_recall_message(sent[j])]
         quoted = "".join(sent[j]["content"] for j in blocks)
         recalled = tuple(i for i in dropped if blocks and message_text(chat[i]) and message_text(chat[i]) in quoted)
@@ -95,6 +96,7 @@ def assert_valid_turn(run, budget: int | None, counter) -> None:
             notes=("shortened",) if shortened else (),
             recalled=recalled,
             stable_prefix=stable,
+            added=added,
         )
         check_contract(chat, result, counter, MODEL, as_given=False)  # the flags' text was taken out
 
@@ -124,7 +126,8 @@ async def test_encodings_unavailable_estimates_within_budget(counter, monkeypatc
         assert f.counter.count_messages(sent, MODEL) <= 1_000
         assert counter.count_messages(sent, MODEL) <= 1_000  # the estimate errs high: exact fits too
         assert "estimated (tokenizer not loaded)" in run.metadata["contextwarden"]["line"]  # the admin's detail
-        assert run.events.statuses[-1].startswith(f"Sent {len(sent)} of {len(chat)} messages · ~")  # usage estimated
+        read = sent_count(chat, sent)  # in place, or quoted whole
+        assert run.events.statuses[-1].startswith(f"Sent {read} of {len(chat)} messages · ~")  # usage estimated
     assert len(warnings_about(caplog, "tiktoken encoding o200k_base unavailable")) == 1
     lines = usage_lines(caplog.records)
     assert len(lines) == 20 and all(line["estimated"] for line in lines)

@@ -12,7 +12,7 @@ from contextwarden.face.filter import model_context_length
 from contextwarden.face.summarize import SUMMARY_LABEL
 
 from chats import check_contract, frozen
-from helpers import Events, body_of, chat_of, grow, make_filter, usage_records
+from helpers import Events, body_of, chat_of, grow, make_filter, sent_count, usage_records
 from turns import run_turn
 
 
@@ -31,7 +31,7 @@ async def test_inlet_and_request_trim_once_and_agree(counter):
     assert frozen(chat) == before and body["messages"] is chat
     assert events.statuses == []  # one line a turn, after the reply: nothing before it
     words = body["metadata"]["contextwarden"]["pending_line"]  # what the outlet will show
-    assert words == f"Sent {len(first['messages'])} of {len(chat)} messages", words
+    assert words == f"Sent {sent_count(chat, first['messages'])} of {len(chat)} messages", words
     assert body["metadata"]["contextwarden"]["estimated_prompt_tokens"] == counter.count_messages(
         first["messages"], "gpt-4o"
     )
@@ -303,7 +303,8 @@ async def test_outlet_counts_the_reply_so_the_next_turn_encodes_only_the_questio
     counter = TokenCounter(block=True)
     assert counter.wait_ready("gpt-4o")
     spy = counter._encodings["o200k_base"] = Spy(counter._encodings["o200k_base"])
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=500)
+    # a room for 8 of chat_of's turns: whole turns, the first trim quotes nothing
+    f = make_filter(counter, max_context_tokens=2_900, reserve_output_tokens=500)
     chat = chat_of(20)
     await f.inlet(body_of(chat), __user__={"id": "u1"}, __metadata__={"chat_id": "c1"})
     reply = {

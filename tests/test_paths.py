@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from contextwarden.core.conversation import is_recall_message
 from contextwarden.errors import ConfigError, TurnRefused
 from contextwarden.face.bookkeeping import Bookkeeping
 from contextwarden.face.settings import Settings
@@ -18,7 +19,7 @@ from contextwarden.money.pricing import PriceBook, Resolution, resolve_model
 from contextwarden.state.chatstate import chat_state_key
 from contextwarden.state.store import MemoryStore
 
-from helpers import body_of, chat_of, usage_records
+from helpers import body_of, chat_of, sent_count, usage_records
 
 BOOK = PriceBook.from_bundled()
 NOW = datetime(2026, 3, 4, 12, tzinfo=UTC)
@@ -54,8 +55,9 @@ async def test_a_pass_trims_notes_the_turn_and_keeps_the_chat_state(counter):
     out = await passes.run(body, {"id": "u1"}, body["metadata"], None, None, settings, hook="inlet")
     assert len(out["messages"]) < len(chat) and counter.count_messages(out["messages"], "gpt-4o") <= 1_000
     note = body["metadata"]["contextwarden"]
-    assert note["mode"] == "enforce" and note["dropped"] == len(chat) - len(out["messages"])
-    assert note["pending_line"].startswith(f"Sent {len(out['messages'])} of {len(chat)} messages")
+    in_place = len(out["messages"]) - 2 * sum(map(is_recall_message, out["messages"]))  # a block: quoted, not in place
+    assert note["mode"] == "enforce" and note["dropped"] == len(chat) - in_place
+    assert note["pending_line"].startswith(f"Sent {sent_count(chat, out['messages'])} of {len(chat)} messages")
     assert await store.get(chat_state_key("u1", "c1")) is not None
     again = await passes.run(out, {"id": "u1"}, body["metadata"], None, None, settings)
     assert again["messages"] == out["messages"]  # a later pass of the turn changes nothing

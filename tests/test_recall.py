@@ -26,6 +26,10 @@ from chats import check_contract, recall_positions
 
 MODEL = "gpt-4o"
 BUDGET = 600
+# A budget whose room holds 8 of river_chat(20)'s turns: whole turns, so that a chat's first trim
+# quotes nothing (a room for fewer picks single messages and may quote some of its own picks:
+# `fresh.picks_messages`, tests/test_selection_messages.py).
+ROOMY = 1_300
 
 
 def river_chat(turns: int = 8) -> list[dict]:
@@ -59,7 +63,7 @@ def trim(chat, previous=None, **options):
 def test_a_dropped_fact_is_recalled_and_the_prefix_is_kept(counter):
     chat = river_chat()
     first = trim(chat, token_counter=counter)
-    assert 1 in first.dropped and not first.recalled  # the first trim of a chat recalls nothing
+    assert 1 in first.dropped and 1 not in first.recalled  # the locker fact is not sent
     later_chat = next_turn(chat, "Which locker code did I ask you to remember at the start?")
     later = trim(later_chat, TrimDecision.from_json(first.decision.to_json()), token_counter=counter)
     check_contract(later_chat, later, counter, MODEL)
@@ -126,10 +130,10 @@ def test_a_question_that_stands_alone_is_selected_for_sooner_than_a_follow_up(co
 
 
 def test_nothing_relevant_means_no_block(counter):
-    chat = river_chat()
-    first = trim(chat, token_counter=counter)
+    chat = river_chat(20)
+    first = trim(chat, token_counter=counter, max_tokens=ROOMY)
     later_chat = next_turn(chat, "Could you summarise everything politely in German please?")
-    later = trim(later_chat, first.decision, token_counter=counter)
+    later = trim(later_chat, first.decision, token_counter=counter, max_tokens=ROOMY)
     assert later.reused and not later.recalled
     assert later.stable_prefix == len(later.messages)
     assert not later.added and not any(map(is_recall_message, later.messages))
@@ -137,9 +141,10 @@ def test_nothing_relevant_means_no_block(counter):
 
 @pytest.mark.parametrize("options", [{"recall_share": 0}, {"strategy": "recent"}])
 def test_no_recall_when_switched_off_or_not_scoring(counter, options):
-    chat = river_chat()
-    first = trim(chat, token_counter=counter, **options)
-    later = trim(next_turn(chat, "What is my locker code?"), first.decision, token_counter=counter, **options)
+    chat = river_chat(20)
+    first = trim(chat, token_counter=counter, max_tokens=ROOMY, **options)
+    later_chat = next_turn(chat, "What is my locker code?")
+    later = trim(later_chat, first.decision, token_counter=counter, max_tokens=ROOMY, **options)
     assert not later.recalled and not recall_positions(later.messages)
 
 
@@ -348,9 +353,9 @@ def test_recall_scores_are_score_messages_on_the_questions_own_terms(question):
 def test_filter_request_pass_keeps_the_one_block():
     """inlet then request (Open WebUI runs both) with the chat's stored decision: one block."""
     f = Filter()
-    f.valves.max_context_tokens = BUDGET + 1024
+    f.valves.max_context_tokens = ROOMY + 1024
     f.valves.openrouter_pricing = False
-    chat = river_chat()
+    chat = river_chat(20)
     # long enough that whole-turn packing lets the locker turn go on the first trim
     chat[1] = {**chat[1], "content": chat[1]["content"] + " I keep my swim kit there." * 20}
     meta = {"chat_id": "c1", "user_id": "u1"}
@@ -532,10 +537,10 @@ async def test_a_block_a_loop_call_let_go_is_still_the_filters_own_on_the_next_c
 
     from helpers import body_of, make_filter
 
-    f = make_filter(counter, max_context_tokens=600, reserve_output_tokens=0, low_watermark=0.5)
+    f = make_filter(counter, max_context_tokens=ROOMY, reserve_output_tokens=0, low_watermark=0.5)
     metadata: dict = {"chat_id": "c-loop-block", "user_id": "u1"}
     hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
-    chat = river_chat()
+    chat = river_chat(20)
     await f.request(await f.inlet(body_of(copy.deepcopy(chat)), **hooks), **hooks)
     await f.outlet(body_of([*chat, {"role": "assistant", "content": "Deltas grow."}]), **hooks)
     chat = next_turn(chat, "Which locker code did I ask you to remember at the start?", reply="Deltas grow.")
@@ -544,7 +549,7 @@ async def test_a_block_a_loop_call_let_go_is_still_the_filters_own_on_the_next_c
     first = (await f.request(await f.inlet(body_of(copy.deepcopy(chat)), **hooks), **hooks))["messages"]
     assert sum(map(is_recall_message, first)) == 1
     loop: list[dict] = []
-    for k, rows in enumerate((250, 5, 5)):
+    for k, rows in enumerate((550, 5, 5)):
         call = {"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
         loop += [
             {"role": "assistant", "content": "", "tool_calls": [call]},

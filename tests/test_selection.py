@@ -57,7 +57,7 @@ def test_relevance_keeps_the_old_turn_about_the_question(counter):
     result = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter)
     check_contract(chat, result, counter, MODEL)
     sourdough = [i for i, m in enumerate(chat[:-1]) if "sourdough" in str(m["content"])]
-    assert set(sourdough) & set(result.kept)
+    assert set(sourdough) & {*result.kept, *result.recalled}  # in place, or quoted (a room for few turns)
     recent = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter, strategy="recent")
     assert not set(sourdough[:-2]) & set(recent.kept)
 
@@ -200,8 +200,8 @@ def test_hysteresis_across_turns_through_json(counter):
 
 
 def test_reuse_refused_when_a_kept_message_is_gone_or_over_budget(counter):
-    chat = topic_chat(10, "marathon training plan?")
-    first = trim_messages(chat, max_tokens=800, model=MODEL, token_counter=counter)
+    chat = topic_chat(20, "marathon training plan?")  # a room for 8 turns: whole turns, no quoted block
+    first = trim_messages(chat, max_tokens=1_800, model=MODEL, token_counter=counter)
     kept_history = [i for i in first.kept if i > 0 and i < len(chat) - 1]
     assert kept_history
     edited = [dict(m) for m in chat]
@@ -209,11 +209,11 @@ def test_reuse_refused_when_a_kept_message_is_gone_or_over_budget(counter):
     conversation = ChatView(edited)
     costs = [counter.count_message(m, MODEL) for m in edited]
     prints = [message_fingerprint(m) for m in edited]
-    assert reuse_previous(first.decision, prints, conversation, costs, 800) is None
+    assert reuse_previous(first.decision, prints, conversation, costs, 1_800) is None
     same = ChatView(chat)
     costs = [counter.count_message(m, MODEL) for m in chat]
     prints = [message_fingerprint(m) for m in chat]
-    assert reuse_previous(first.decision, prints, same, costs, 800) == set(first.kept)
+    assert reuse_previous(first.decision, prints, same, costs, 1_800) == set(first.kept)
     assert reuse_previous(first.decision, prints, same, costs, first.tokens_after - 10) is None
 
 
@@ -333,19 +333,19 @@ class CountingPrints(list):
 
 def test_reuse_checks_recorded_positions_first_and_falls_back_to_a_scan(counter):
     chat = topic_chat(40, "marathon training plan?")
-    first = trim_messages(chat, max_tokens=900, model=MODEL, token_counter=counter)
+    first = trim_messages(chat, max_tokens=2_000, model=MODEL, token_counter=counter)
     assert first.dropped and len(first.decision.at) == len(first.decision.kept)
     grown = chat + [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
     prints = CountingPrints(message_fingerprint(m) for m in grown)
     CountingPrints.looked = 0
     keep = reuse_previous(
-        first.decision, prints, ChatView(grown), [counter.count_message(m, MODEL) for m in grown], 900
+        first.decision, prints, ChatView(grown), [counter.count_message(m, MODEL) for m in grown], 2_000
     )
     assert keep is not None and CountingPrints.looked == len(first.decision.kept)
     # A message inserted before the kept ones moves them: the positions miss, the scan finds them.
     shifted = [chat[0], {"role": "user", "content": "inserted"}, {"role": "assistant", "content": "ok"}] + grown[1:]
     again = trim_messages(
-        shifted, max_tokens=900, model=MODEL, token_counter=counter, previous=first.decision, recall_share=0
+        shifted, max_tokens=2_000, model=MODEL, token_counter=counter, previous=first.decision, recall_share=0
     )  # the reuse itself; recall blocks: tests/test_recall.py
     assert again.reused and [again.messages[k] for k in range(len(again.messages))][-2:] == grown[-2:]
     assert again.decision.at == tuple(i for i in again.kept if i > 0)
@@ -399,12 +399,12 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
     spy = SpyCounter()
     chat = topic_chat(40, "marathon training plan?")
     extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far this week?"}]
-    first, grown, previous = _next_turn(spy, chat, 900, extra)
+    first, grown, previous = _next_turn(spy, chat, 2_000, extra)
     assert previous.seen == len(chat) and previous.counted_with == "o200k_base" and previous.seen_chars > 0
     spy.asked.clear()
     # (The recall block of a chat that goes on looks up the counts of messages it may quote, all
     # cache hits: tests/test_recall.py. Here the selection itself.)
-    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=spy, previous=previous, recall_share=0)
+    result = trim_messages(grown, max_tokens=2_000, model=MODEL, token_counter=spy, previous=previous, recall_share=0)
     assert result.reused and result.messages[-1] == grown[-1]
     if result.recalled:
         assert result.messages[-3] == grown[-2] and result.stable_prefix == len(result.messages) - 2
@@ -420,7 +420,7 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
     assert_same_trim(
         result,
         trim_messages(
-            grown, max_tokens=900, model=MODEL, token_counter=spy, previous=replace(previous, seen=0), recall_share=0
+            grown, max_tokens=2_000, model=MODEL, token_counter=spy, previous=replace(previous, seen=0), recall_share=0
         ),
     )
     check_contract(grown, result, spy, MODEL)
@@ -429,17 +429,17 @@ def test_next_turn_reads_only_what_it_sends_and_what_is_new():
 def test_next_turn_shortcut_declines_when_the_history_changed(counter):
     chat = topic_chat(40, "marathon training plan?")
     extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
-    first, grown, previous = _next_turn(counter, chat, 900, extra)
+    first, grown, previous = _next_turn(counter, chat, 2_000, extra)
     dropped = first.dropped[3]
     grown[dropped]["content"] += " (edited)"
-    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
+    result = trim_messages(grown, max_tokens=2_000, model=MODEL, token_counter=counter, previous=previous)
     assert result.reused and result.tokens_before == counter.count_messages(grown, MODEL)
     assert_same_trim(
         result,
-        trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)),
+        trim_messages(grown, max_tokens=2_000, model=MODEL, token_counter=counter, previous=replace(previous, seen=0)),
     )
     # Another encoding counts (the model changed): the old figures are not used either.
-    gpt4 = trim_messages(grown, max_tokens=900, model="gpt-4", token_counter=counter, previous=previous)
+    gpt4 = trim_messages(grown, max_tokens=2_000, model="gpt-4", token_counter=counter, previous=previous)
     assert gpt4.tokens_before == counter.count_messages(grown, "gpt-4")
     # A chat that now fits whole is sent whole, as without a decision.
     roomy = trim_messages(grown, max_tokens=100_000, model=MODEL, token_counter=counter, previous=previous)
@@ -451,10 +451,10 @@ def test_next_turn_carries_the_count_of_a_dropped_message_edited_to_the_same_len
     so an in-place edit that keeps the length is counted as before until the next new selection."""
     chat = topic_chat(40, "marathon training plan?")
     extra = [{"role": "assistant", "content": "Run slowly."}, {"role": "user", "content": "How far?"}]
-    first, grown, previous = _next_turn(counter, chat, 900, extra)
+    first, grown, previous = _next_turn(counter, chat, 2_000, extra)
     dropped = first.dropped[3]
     grown[dropped]["content"] = "x" * len(grown[dropped]["content"])
-    result = trim_messages(grown, max_tokens=900, model=MODEL, token_counter=counter, previous=previous)
+    result = trim_messages(grown, max_tokens=2_000, model=MODEL, token_counter=counter, previous=previous)
     assert result.reused and result.dropped == first.dropped
     assert result.tokens_before == first.tokens_before + counter.count_messages(extra, MODEL) - 3
     check_contract(grown, result, counter, MODEL)

@@ -12,6 +12,7 @@ import pytest
 from contextwarden import TrimDecision, trim_messages
 from contextwarden.core.chatview import ChatView
 from contextwarden.core.conversation import RECALL_LABEL
+from contextwarden.core.fresh import picks_messages
 from contextwarden.core.selection import choose_indices
 from contextwarden.tools.explain import explain_trim
 
@@ -213,3 +214,34 @@ def test_a_message_without_text_is_never_quoted(counter, odd):
     result = trim_messages(chat, max_tokens=600, model=MODEL, token_counter=counter, embed=topic_embed)
     check_contract(chat, result, counter, MODEL)
     assert 6 in result.dropped and 6 not in result.recalled
+
+
+def _violin_chat(reply_words: int) -> list[dict]:
+    """Ten turns of a short user message and a reply of `reply_words` filler words; the user
+    messages of turns 2 and 6 are about the violin, which the question asks about."""
+    said = {2: "I left my violin at the studio on Main Street.", 6: "The violin lesson moved to Friday."}
+    chat = []
+    for t in range(10):
+        chat.append({"role": "user", "content": said.get(t, f"Day {t}: we cooked pasta and watched a film.")})
+        chat.append({"role": "assistant", "content": " ".join(["garden"] * reply_words) + f" ({t})"})
+    return chat + [{"role": "user", "content": "Where is my violin, and when is the violin lesson?"}]
+
+
+def test_a_room_for_few_turns_picks_single_messages_without_the_embedder(counter):
+    """Lexically, when the room holds fewer than `BY_MESSAGE_TURNS` of the chat's turns, a turn's
+    long reply no longer takes the room a second match needs: both violin messages are sent
+    (whole turns, the latest first, had room for one). With room for many turns they go whole."""
+    chat = _violin_chat(reply_words=240)
+    costs = counter.count_each(chat, MODEL)
+    assert picks_messages(ChatView(chat), costs, 700)
+    result = trim_messages(chat, max_tokens=700, model=MODEL, token_counter=counter, low_watermark=1.0)
+    check_contract(chat, result, counter, MODEL)
+    assert {4, 12} <= {*result.kept, *result.recalled}
+    assert 5 not in result.kept and 13 not in result.kept  # their long replies stay out
+    why = explain_trim(chat, result, model=MODEL, token_counter=counter, low_watermark=1.0).messages
+    assert "chosen by message" in " ".join(why[4].reasons)
+    assert not any("whole turn" in r for m in why for r in m.reasons)
+    short = _violin_chat(reply_words=8)
+    assert not picks_messages(ChatView(short), counter.count_each(short, MODEL), 700)
+    result = trim_messages(short, max_tokens=700, model=MODEL, token_counter=counter, low_watermark=1.0)
+    assert {4, 5, 12, 13} <= set(result.kept)  # each match with its reply: whole turns

@@ -19,7 +19,7 @@ from contextwarden.money.savings import PromptCache, estimate_savings
 from contextwarden.state.chatstate import ChatState, chat_state_key
 
 from chats import frozen
-from helpers import Events, body_of, chat_of, grow, make_filter, store_of, usage_records
+from helpers import Events, body_of, chat_of, grow, make_filter, sent_count, store_of, usage_records
 
 MODEL = "gpt-4o"
 GPT4O_INPUT = Decimal("0.0000025")  # bundled price of openai/gpt-4o input, $2.50 / M
@@ -113,7 +113,7 @@ async def test_shadow_sends_the_body_unchanged_and_notes_what_enforce_would_have
     system = counter.count_messages(chat[:1], MODEL) - 3
     assert note["cache"] == {"untrimmed": prefix, "trimmed": system, "caches": True, "minimum": 1_024}
     assert events.statuses == []  # the turn's one line comes after the reply
-    assert note["pending_line"] == f"Shadow: would send {len(trimmed['messages'])} of {len(chat)} messages"
+    assert note["pending_line"] == f"Shadow: would send {sent_count(chat, trimmed['messages'])} of {len(chat)} messages"
     assert note["line"].startswith(
         f"Context {len(chat)} → {len(trimmed['messages'])} messages · {full:,} → {sent:,} tokens"
     )

@@ -16,7 +16,7 @@ from contextwarden.face.status import detail_line, shadow_status_line, status_li
 from contextwarden.money.records import ExcerptCounts, TurnChoice
 from contextwarden.money.savings import Savings
 
-from helpers import Events, body_of, chat_of, make_filter, quoted_whole
+from helpers import Events, body_of, chat_of, make_filter, quoted_whole, sent_count
 from turns import reply_of, run_turn
 
 BUILTIN_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "owui_builtin_tools_0.12.4.json").read_text("utf-8"))
@@ -204,7 +204,7 @@ async def test_without_a_request_pass_the_outlet_shows_the_inlets_words(counter)
     reply = {"role": "assistant", "content": "The answer."}
     await f.outlet({"model": "gpt-4o", "messages": sent["messages"] + [reply]}, __event_emitter__=events, **hooks)
     [line] = events.statuses
-    assert line.startswith(f"Sent {len(sent['messages'])} of {len(chat)} messages · "), line
+    assert line.startswith(f"Sent {sent_count(chat, sent['messages'])} of {len(chat)} messages · "), line
 
 
 async def test_a_later_pass_that_adds_content_counts_from_the_turns_start(counter):
@@ -242,10 +242,10 @@ async def test_a_tool_loops_calls_are_counted_with_the_chat_not_as_its_messages(
         ]
         await f.request(body_of([*first, *loop]), **hooks)
         note = metadata["contextwarden"]
-        assert note["pending_line"] == f"Sent {len(first) + len(loop)} of {len(chat) + len(loop)} messages"
+        assert note["pending_line"] == f"Sent {sent_count(chat, first) + len(loop)} of {len(chat) + len(loop)} messages"
         assert note["tokens_saved"] == saved
     await f.outlet(body_of([*chat, *loop, reply_of()]), **hooks)
-    assert events.statuses[-1].startswith(f"Sent {len(first) + 10} of {len(chat) + 10} messages · ")
+    assert events.statuses[-1].startswith(f"Sent {sent_count(chat, first) + 10} of {len(chat) + 10} messages · ")
 
 
 async def test_status_off_shows_nothing_and_the_detail_is_still_logged(counter, caplog):

@@ -37,6 +37,10 @@ from chats import frozen
 from helpers import Events, body_of, chat_of, make_filter
 
 URL = "http://llm.test/v1"
+# A window whose room holds 8 of chat_of's turns: whole turns, so the same history is dropped
+# turn after turn and its summary is made once (a room for fewer picks single messages:
+# `fresh.picks_messages`).
+WINDOW = 2_400
 ANY_POSITION = range(10_000)  # find_summary by the note's text alone (the filter passes what its note recorded)
 KEY = "sk-test-SECRET-0123456789"
 SUMMARY = "The user asked ten questions about lorem ipsum; the answers were dolor sit."
@@ -281,11 +285,11 @@ async def test_summarize_trim_fits_the_budget_and_covers_what_it_dropped(llm, co
     def retrim(limit):
         return trim_messages(chat, max_tokens=limit, model="gpt-4o", token_counter=counter)
 
-    first = retrim(1_500)
+    first = retrim(WINDOW)
     done = await summarize_trim(
         chat, first, retrim=retrim, config=CONFIG, store=MemoryStore(), counter=counter, model="gpt-4o"
     )
-    assert done is not None and done.tokens == counter.count_messages(done.messages, "gpt-4o") <= 1_500
+    assert done is not None and done.tokens == counter.count_messages(done.messages, "gpt-4o") <= WINDOW
     assert done.messages[0] is chat[0] and done.messages[1] is done.note
     assert done.note == {"role": "user", "content": f"{SUMMARY_LABEL}\n{SUMMARY}"}
     assert done.messages[2] == {"role": "assistant", "content": SUMMARY_ACK}  # the first kept one is a user's
@@ -317,7 +321,7 @@ async def test_summarize_trim_gives_up_when_there_is_no_room(llm, counter):
 
 async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, caplog):
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **SUMMARY_VALVES)
     chat = chat_of(20)
     before = frozen(chat)
     body = body_of(chat)
@@ -327,7 +331,7 @@ async def test_filter_adds_one_summary_and_a_second_pass_keeps_it(llm, counter, 
     sent = first["messages"]
     assert [m["role"] for m in sent[:4]] == ["system", "user", "assistant", "user"]
     assert sent[1]["content"].startswith(SUMMARY_LABEL) and sent[2]["content"] == SUMMARY_ACK
-    assert counter.count_messages(sent, "gpt-4o") <= 1_500 == body["metadata"]["contextwarden"]["budget"]
+    assert counter.count_messages(sent, "gpt-4o") <= WINDOW == body["metadata"]["contextwarden"]["budget"]
     second = await f.request(first, __user__=user, __metadata__=first["metadata"], __event_emitter__=events)
     assert not events.statuses  # the turn's one line comes after the reply
     assert body["metadata"]["contextwarden"]["pending_line"].endswith(", earlier messages summarized")
@@ -374,7 +378,7 @@ async def test_the_system_prompt_reaches_the_provider_unchanged_on_every_turn(ll
     # Before: the note was a system message, which Open WebUI merges into the system prompt
     # after `request`: the prompt's first message changed, and the provider's cache missed.
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **SUMMARY_VALVES)
     chat, user = chat_of(20), {"id": "u1"}
     prompts = []
     for turn in range(2):
@@ -386,7 +390,7 @@ async def test_the_system_prompt_reaches_the_provider_unchanged_on_every_turn(ll
         note = provider[1]
         assert note["role"] == "user" and note["content"] == f"{SUMMARY_LABEL}\n{SUMMARY}"
         assert_alternates(provider)
-        assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+        assert counter.count_messages(out["messages"], "gpt-4o") <= WINDOW
         prompts.append(provider)
         chat = chat + [{"role": "assistant", "content": f"Reply {turn}."}, {"role": "user", "content": NEXT[turn]}]
     for before, now in pairwise(prompts):  # the selection held: each prompt starts with the last
@@ -398,7 +402,7 @@ async def test_a_legacy_system_note_is_recognized_and_moved_out_of_the_system_pr
     # An older version's note (a system message right after the system prompt) in the input:
     # the same summary goes on, as a user note, never a second one (no call).
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **SUMMARY_VALVES)
     legacy = {"role": "system", "content": f"{LEGACY_SUMMARY_LABEL}\nold summary"}
     chat = chat_of(20)
     chat.insert(1, legacy)
@@ -413,7 +417,7 @@ async def test_a_legacy_system_note_is_recognized_and_moved_out_of_the_system_pr
     assert [m for m in sent if LEGACY_SUMMARY_LABEL in str(m["content"]) or SUMMARY_LABEL in str(m["content"])] == [
         sent[1]
     ]
-    assert_alternates(sent) and counter.count_messages(sent, "gpt-4o") <= 1_500
+    assert_alternates(sent) and counter.count_messages(sent, "gpt-4o") <= WINDOW
     again = await f.request(out, __user__={"id": "u1"})
     assert again["messages"] == sent and route.call_count == 0
 
@@ -438,7 +442,7 @@ def test_the_note_goes_where_the_dropped_messages_were_and_keeps_the_roles_valid
 
 async def test_filter_respects_a_merged_summary(llm, counter):
     route = llm.post(f"{URL}/chat/completions").mock(return_value=completion())
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **SUMMARY_VALVES)
     # an older version's note, merged into the system prompt as Open WebUI merges system messages
     chat = chat_of(20, system=f"You are helpful.\n{LEGACY_SUMMARY_LABEL}\nold summary")
     out = await f.request(body_of(chat), __user__={"id": "u1"})
@@ -447,19 +451,19 @@ async def test_filter_respects_a_merged_summary(llm, counter):
         and find_summary(out["messages"], ANY_POSITION) == (None, True)
         and out["messages"][0] is chat[0]
     )
-    assert counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+    assert counter.count_messages(out["messages"], "gpt-4o") <= WINDOW
 
 
 async def test_nosum_flag_and_failures_trim_without_a_summary(llm, counter, caplog):
     route = llm.post(f"{URL}/chat/completions").mock(side_effect=[httpx.Response(503)])
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **SUMMARY_VALVES)
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **SUMMARY_VALVES)
     nosum = await f.inlet(body_of(chat_of(20, last="What now? !nosum")), __user__={"id": "u1"})
     assert route.call_count == 0 and find_summary(nosum["messages"], ANY_POSITION) == (None, False)
     assert nosum["messages"][-1]["content"] == "What now?"
     events, failing = Events(), body_of(chat_of(20))
     failed = await f.request(failing, __user__={"id": "u1"}, __event_emitter__=events)
     assert route.call_count == 1 and find_summary(failed["messages"], ANY_POSITION) == (None, False)
-    assert counter.count_messages(failed["messages"], "gpt-4o") <= 1_500
+    assert counter.count_messages(failed["messages"], "gpt-4o") <= WINDOW
     assert "summarized" not in failing["metadata"]["contextwarden"]["pending_line"]
     no_secret(caplog, events)
 
@@ -505,12 +509,12 @@ async def test_unusable_endpoint_valves_are_named_and_the_turn_is_trimmed_withou
     # from the header, InvalidURL from the port).
     caplog.set_level(logging.INFO)  # httpx logs each request's URL at INFO, as Open WebUI shows it
     route = llm.route(host="llm.test").mock(return_value=completion())  # any call to the summary host
-    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=0, **{**SUMMARY_VALVES, valve: value})
+    f = make_filter(counter, max_context_tokens=WINDOW, reserve_output_tokens=0, **{**SUMMARY_VALVES, valve: value})
     events = Events()
     chat = chat_of(20)
     out = await f.inlet(body_of(chat), __user__={"id": "u1"}, __event_emitter__=events)
     assert route.call_count == 0, [str(c.request.url) for c in route.calls]
-    assert len(out["messages"]) < len(chat) and counter.count_messages(out["messages"], "gpt-4o") <= 1_500
+    assert len(out["messages"]) < len(chat) and counter.count_messages(out["messages"], "gpt-4o") <= WINDOW
     assert find_summary(out["messages"], ANY_POSITION) == (None, False)
     [named] = [s for s in events.statuses if valve in s]
     assert kind in named and "summaries are off" in named and value not in named

@@ -51,7 +51,7 @@ def summary_valves(model: str = "gpt-4o-mini", **more) -> dict:
         summary_model=model,
         summary_api_key=KEY,
         summary_max_tokens=120,
-        max_context_tokens=1_500,
+        max_context_tokens=2_400,  # a room for 8 of chat_of's turns: whole turns, one summary
         reserve_output_tokens=0,
         openrouter_pricing=False,  # the bundled prices: no fetch beside the mocked endpoint
         **more,

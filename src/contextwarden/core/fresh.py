@@ -12,12 +12,19 @@ from .chatview import ChatView
 from .excerpt import MIN_EXCERPT_TOKENS, Excerpt, excerpt_turns
 from .recall import _Block, _block, _block_tokens, _new_recall, _quote_anchor
 from .relevance import score_messages, wants_whole
-from .selection import choose_indices
+from .selection import choose_indices, mandatory_indices
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 from .trim_types import DEFAULT_GROWTH_TURNS, TrimOptions, _Counted, _sized
 
-__all__ = ["WHOLE_DOCUMENT_SHARE", "WHOLE_DOCUMENT_MIN_TOKENS", "WHOLE_DOCUMENT_MIN_CHARS", "selection_target"]
+__all__ = [
+    "WHOLE_DOCUMENT_SHARE",
+    "WHOLE_DOCUMENT_MIN_TOKENS",
+    "WHOLE_DOCUMENT_MIN_CHARS",
+    "BY_MESSAGE_TURNS",
+    "selection_target",
+    "picks_messages",
+]
 
 # A question about the documents as a whole (a summary, an overview) in a chat that holds one (an
 # earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
@@ -27,6 +34,15 @@ WHOLE_DOCUMENT_MIN_TOKENS = 2_000
 # The next turn's shortcut checks for such a message by its length: a token is at least 3 characters
 # in the texts this holds for (bench/speed.py's chats of ~500-token turns use "summary" freely).
 WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
+# A lexical selection picks single messages, not whole turns, when what the budget leaves beside
+# the mandatory part holds fewer than this many of the chat's earlier turns on average
+# (`picks_messages`). At 1k the dev sets sit on either side: REALTALK's merged turns 4.7-6.5
+# (chat 5: 13), LoCoMo's 11-13. bench/quality.py, lexical, all evidence kept, 1k: REALTALK
+# 0.423 -> 0.483 (halves 0.465 / 0.397 -> 0.551 / 0.441; BM25 0.423, 0.472 / 0.392); LoCoMo and
+# every larger budget on both unchanged; any value from 6.5 to 11 gives these numbers, 12 moves
+# REALTALK 2k and LoCoMo 1k as well, always by message loses LoCoMo up to 0.034 (bench/README.md,
+# "Lexical by message when the room holds few turns").
+BY_MESSAGE_TURNS = 8
 
 
 def selection_target(
@@ -57,6 +73,26 @@ def selection_target(
     return min(target, max_tokens - min(growth_turns * growth, max_tokens // 2))
 
 
+def picks_messages(view: ChatView, costs: Sequence[int], max_tokens: int) -> bool:
+    """Whether a new selection without the embedder picks single messages rather than whole turns:
+    the room `max_tokens` leaves beside the mandatory part and reply priming holds fewer than
+    `BY_MESSAGE_TURNS` earlier turns of average cost. There a whole turn's other message takes
+    room that other evidence needed (people's chats: several merged messages a turn); with room
+    for many short turns, a matched message's reply beside it is what whole turns buy (LoCoMo).
+
+    Example:
+        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        ...         {"role": "user", "content": "c"}]
+        >>> picks_messages(ChatView(chat), [100, 100, 10], 1_000), picks_messages(ChatView(chat), [10, 10, 10], 1_000)
+        (True, False)
+    """
+    earlier = view.turns[: view.current or 0]
+    if not earlier:
+        return False
+    room = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in mandatory_indices(view))
+    return room * len(earlier) < BY_MESSAGE_TURNS * sum(costs[i] for turn in earlier for i in turn.indices)
+
+
 def _new_selection(
     chat: _Counted,
     options: TrimOptions,
@@ -83,7 +119,8 @@ def _new_selection(
     if embed is not None and scores is None:
         chat.pools.embed = None  # failed: the recall block is lexical too, without asking again
     reserve = int((target - mandatory_cost) * WHOLE_DOCUMENT_SHARE) if whole else 0
-    frame = _block_tokens(view, (), counter, model) if scores is not None else None
+    by_message = scores is not None or (options.strategy == "relevance" and picks_messages(view, costs, max_tokens))
+    frame = _block_tokens(view, (), counter, model) if by_message else None
     quoted: list[int] = []
     keep = choose_indices(
         view,
@@ -94,7 +131,7 @@ def _new_selection(
         pinned=pinned,
         scores=scores,
         room=max_tokens - TOKENS_PER_REPLY,  # the latest answer is kept whenever it fits the budget
-        by_message=scores is not None,  # the embedder's relevance holds for single messages
+        by_message=by_message,  # the embedder's relevance holds for single messages, and small rooms need them
         frame=frame,  # a pick that would put two of one role together is quoted in the block
         quoted=quoted,
     )

@@ -207,17 +207,17 @@ def trim_messages(
         >>> chat = [{"role": "system", "content": "Be brief."},
         ...         {"role": "user", "content": "My locker code is 4417." + " I keep my swim kit there." * 20},
         ...         {"role": "assistant", "content": "Noted: locker code 4417."}]
-        >>> for n in range(6):
+        >>> for n in range(8):
         ...     chat += [{"role": "user", "content": f"Tell me fact {n} about rivers. " * 4},
         ...              {"role": "assistant", "content": f"Fact {n}: rivers flow downhill. " * 8}]
         >>> chat.append({"role": "user", "content": "Rivers again?"})
-        >>> first = trim_messages(chat, max_tokens=400, model="gpt-4o", low_watermark=0.5)
+        >>> first = trim_messages(chat, max_tokens=1_000, model="gpt-4o", low_watermark=0.5)
         >>> first.dropped[:2]  # the locker turn is not sent...
         (1, 2)
         >>> chat += [{"role": "assistant", "content": "Yes."},
         ...          {"role": "user", "content": "Which locker code did I ask you to remember at the start?"}]
-        >>> later = trim_messages(chat, max_tokens=400, model="gpt-4o", previous=first.decision)
-        >>> later.reused, later.recalled, later.messages[: len(first.messages)] == first.messages
+        >>> later = trim_messages(chat, max_tokens=1_000, model="gpt-4o", previous=first.decision)
+        >>> later.reused, later.recalled[:2], later.messages[: len(first.messages)] == first.messages
         (True, (1, 2), True)
         >>> later.stable_prefix == len(first.messages) + 1  # "Yes." too: the next turn sends them again
         True

@@ -15,7 +15,7 @@ from typing import Any
 from ..core.chatview import ChatView
 from ..core.conversation import Message
 from ..core.decision import message_fingerprint
-from ..core.fresh import semantic_scores
+from ..core.fresh import picks_messages, semantic_scores
 from ..core.selection import (
     DEFAULT_COST_EXPONENT,
     latest_question_competes,
@@ -194,7 +194,8 @@ class _Facts:
     trimmed: bool
     scores: list[float] | None
     worth: dict[int, float]
-    by_message: bool  # the selection picked single messages (with the embedder), not turns
+    by_message: bool  # the selection picked single messages (the embedder's, or a small room), not turns
+    embedded: bool  # its scores had the embedder's similarities fused in
 
 
 def _facts(
@@ -211,16 +212,17 @@ def _facts(
     unit_of = _unit_of(view)
     trimmed = bool(result.dropped or result.shortened)
     question = view.question
-    by_message = False
+    by_message = embedded = False
     costs = token_counter.count_each(messages, model)
     scores: list[float] | None = None
     worth: dict[int, float] = {}
     if trimmed and not result.reused and question is not None and options.strategy == "relevance":
         scores = semantic_scores(view, options.embed, []) if options.embed is not None else None
-        by_message = scores is not None
+        embedded = scores is not None
+        by_message = embedded or picks_messages(view, costs, result.budget)
         if scores is None:
             scores = view.relevance()
-            worth = turn_values(view, costs, scores)
+            worth = {} if by_message else turn_values(view, costs, scores)
     return _Facts(
         view=view,
         costs=costs,
@@ -242,6 +244,7 @@ def _facts(
         scores=scores,
         worth=worth,
         by_message=by_message,
+        embedded=embedded,
     )
 
 
@@ -320,7 +323,8 @@ def _score_reason(i: int, sent: bool, facts: _Facts) -> str:
     """The value of message `i`'s turn as selection weighs it (scores per token^exponent)."""
     assert facts.scores is not None
     if facts.by_message:
-        return f"score: {facts.scores[i]:.3f} with the embedder, chosen by message: " + (
+        how = " with the embedder" if facts.embedded else ""
+        return f"score: {facts.scores[i]:.3f}{how}, chosen by message: " + (
             "among the most relevant that fit" if sent else "below what was kept, or did not fit"
         )
     turn_of, mandatory, scores, costs = facts.turn_of, facts.mandatory, facts.scores, facts.costs
@@ -428,5 +432,5 @@ def _fill_rule(result: TrimResult, trimmed: bool, target: int, watermark: float,
         )
     return (
         f"a new cut fills up to {why}, so the next turns keep the same prefix and the provider's prompt "
-        "cache; whole turns only, so a little under"
+        "cache; whole messages only (whole turns where the room holds many), so a little under"
     )
