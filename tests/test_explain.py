@@ -47,8 +47,7 @@ def test_every_reason_on_the_crafted_chat(counter):
         keep_last_turns=2, pinned=[1], growth_turns=0
     )  # room for 0.8 of 420 tokens (the growth rule: test_trim)
     result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, **options)
-    # a room for fewer than 8 of its turns: single messages (whole turns: the next test)
-    assert 3 in result.dropped and 5 in result.dropped and {0, 1, 10, 12} <= set(result.kept) and 6 in result.recalled
+    assert 3 in result.dropped and 5 in result.dropped and {0, 1, 7, 8, 10, 12} <= set(result.kept)
     explanation = explain_trim(chat, result, model=MODEL, token_counter=counter, summarized=[3, 4], **options)
     why = reasons_of(explanation)
     actions = {row.index: row.action for row in explanation.messages}
@@ -56,7 +55,7 @@ def test_every_reason_on_the_crafted_chat(counter):
     assert why[1].startswith("pinned") and "recent (keep_last_turns=2)" in why[10]
     assert why[5] == "orphan tool message: its call is not in the chat, never sent" and actions[5] == "dropped"
     assert "tool pair: messages 7–8 are kept or dropped together" in why[7] and "tool pair" in why[8]
-    assert "quoted verbatim in a recall block" in why[6] and "chosen by message: among the most relevant" in why[6]
+    assert "score: its turn's value" in why[6] and "worth its tokens" in why[6] and "whole turn" in why[6]
     assert (
         actions[3] == actions[4] == "summarized"
         and "below what was kept" in why[3]
@@ -71,7 +70,7 @@ def test_every_reason_on_the_crafted_chat(counter):
         parts.history_available == 420 - 3 - costs[0] - costs[12]
         and parts.history_target == int(420 * 0.8) - 3 - costs[0] - costs[12]
     )
-    assert parts.history_sent + parts.recall_sent == result.tokens_after - 3 - costs[0] - costs[12]  # its block too
+    assert parts.history_sent == result.tokens_after - 3 - costs[0] - costs[12]
 
     # Next turn with the decision: the kept prefix is reused, the new messages are "new".
     grown = chat + [{"role": "assistant", "content": "Miso; fish."}, {"role": "user", "content": "Thanks!"}]
@@ -81,7 +80,7 @@ def test_every_reason_on_the_crafted_chat(counter):
     assert again.reused
     explained = explain_trim(grown, again, model=MODEL, token_counter=counter, previous=result.decision, **options)
     why = reasons_of(explained)
-    assert "reused from the previous decision" in why[2] and "new since the previous decision" in why[13]
+    assert "reused from the previous decision" in why[6] and "new since the previous decision" in why[13]
     # ... and its recall block is a part of the budget: the parts add up to what was sent.
     parts = explained.budget
     assert again.added and parts.recall_sent == sum(counter.count_each([again.messages[k] for k in again.added], MODEL))
@@ -153,32 +152,21 @@ def test_cli_explain_table_and_json(tmp_path, capsys):
 
 
 def test_the_explained_turn_value_is_the_one_the_selection_weighs(counter):
-    """By whole turns (a room for 8 of the chat's turns or more: `fresh.picks_messages`) each
-    message's reason gives its turn's value as the selection weighs it."""
     from contextwarden.core.chatview import ChatView
-    from contextwarden.core.fresh import picks_messages
     from contextwarden.core.relevance import score_messages
     from contextwarden.core.selection import DEFAULT_COST_EXPONENT, turn_values
 
-    chat = crafted()[:3]
-    for k in range(16):  # short turns, one about the cat's food next to one about Miso
-        said = "What food does the cat like? Fish, I think." if k == 7 else f"Day {k}: we watched a film."
-        chat += [{"role": "user", "content": said}, {"role": "assistant", "content": f"Noted for day {k}."}]
-    chat.append({"role": "user", "content": "What is my cat called, and what food does the cat like?"})
+    chat = crafted()
+    result = trim_messages(chat, max_tokens=420, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0)
+    why = reasons_of(explain_trim(chat, result, model=MODEL, token_counter=counter, pinned=[1], growth_turns=0))
     costs = counter.count_each(chat, MODEL)
+    scores = score_messages(chat, question=12, exclude=[0, 5])
     conversation = ChatView(chat)
-    assert not picks_messages(conversation, costs, 300)
-    result = trim_messages(chat, max_tokens=300, model=MODEL, token_counter=counter, growth_turns=0)
-    assert result.dropped and not result.added
-    why = reasons_of(explain_trim(chat, result, model=MODEL, token_counter=counter, growth_turns=0))
-    scores = score_messages(chat, question=len(chat) - 1, exclude=[0])
-    values = turn_values(conversation, costs, scores)
-    dropped = next(i for i in result.dropped if chat[i]["role"] == "user")
-    for i in (dropped, 17):  # a dropped turn's question, and the cat food one, kept
-        turn = next(t for t, turn in enumerate(conversation.turns) if i in turn.indices)
-        expected = values[turn] / (costs[i] + costs[i + 1]) ** DEFAULT_COST_EXPONENT
-        assert f"its turn's value {expected:.3f} per token" in why[i] and "whole turn" in why[i]
-    assert 17 in result.kept and "worth its tokens" in why[17] and "below what was kept" in why[dropped]
+    turn = next(t for t, turn in enumerate(conversation.turns) if 3 in turn.indices)
+    worth = turn_values(conversation, costs, scores)[turn]
+    assert worth > scores[3] + scores[4]  # it shares in the turn next to it
+    expected = worth / (costs[3] + costs[4]) ** DEFAULT_COST_EXPONENT
+    assert f"its turn's value {expected:.3f} per token" in why[3]
 
 
 def test_explain_takes_every_option_trim_messages_takes(counter):

@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 
 from .alternation import fits_bridged
 from .chatview import ChatView
+from .conversation import image_count
 from .excerpt import MIN_EXCERPT_TOKENS, Excerpt, excerpt_turns
 from .recall import _Block, _block, _block_tokens, _new_recall, _quote_anchor
 from .relevance import score_messages, wants_whole
@@ -75,20 +76,22 @@ def selection_target(
 
 def picks_messages(view: ChatView, costs: Sequence[int], max_tokens: int) -> bool:
     """Whether a new selection without the embedder picks single messages rather than whole turns:
-    the room `max_tokens` leaves beside the mandatory part and reply priming holds fewer than
-    `BY_MESSAGE_TURNS` earlier turns of average cost. There a whole turn's other message takes
+    in a chat of at least `BY_MESSAGE_TURNS` earlier turns and no images, the room `max_tokens`
+    leaves beside the mandatory part and reply priming holds fewer than `BY_MESSAGE_TURNS` of
+    them at their average cost. There a whole turn's other message takes
     room that other evidence needed (people's chats: several merged messages a turn); with room
     for many short turns, a matched message's reply beside it is what whole turns buy (LoCoMo).
 
     Example:
-        >>> chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        ...         {"role": "user", "content": "c"}]
-        >>> picks_messages(ChatView(chat), [100, 100, 10], 1_000), picks_messages(ChatView(chat), [10, 10, 10], 1_000)
+        >>> chat = [{"role": ("user", "assistant")[k % 2], "content": "x"} for k in range(17)]
+        >>> picks_messages(ChatView(chat), [100] * 16 + [10], 1_000), picks_messages(ChatView(chat), [10] * 17, 1_000)
         (True, False)
     """
     earlier = view.turns[: view.current or 0]
-    if not earlier:
+    if len(earlier) < BY_MESSAGE_TURNS:  # a short chat (a pasted document, a tool's result) goes by turns
         return False
+    if any(image_count(view.messages[i]) for turn in earlier for i in turn.indices):
+        return False  # a quote holds no image: by message, one that would clash in place would go
     room = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in mandatory_indices(view))
     return room * len(earlier) < BY_MESSAGE_TURNS * sum(costs[i] for turn in earlier for i in turn.indices)
 
