@@ -605,7 +605,7 @@ async def _loop_turn_that_lets_the_block_go(counter) -> tuple:
         {"role": "tool", "tool_call_id": "call_0", "content": "row " * 60},
     ]
     sent = (await f.request({**body_of([*first, *loop]), "tools": [LOOKUP_TOOL]}, **hooks))["messages"]
-    assert sum(map(is_recall_message, first)) == 1 and not any(map(is_recall_message, sent))
+    assert sum(map(is_recall_message, first)) >= 1 and not any(map(is_recall_message, sent))
     return f, hooks, passes, stored, chat, first, sent, loop
 
 
@@ -631,7 +631,11 @@ async def test_the_next_turn_carries_what_a_loop_call_sent_not_the_block_it_let_
 
 async def test_a_regenerate_after_a_loop_call_that_let_the_block_go_sends_the_block_again(counter):
     """That call's decision has no block; on a regenerate (its result gone) the question's block
-    is made again in the room the result took: the first call's prompt again, locker code and all."""
+    is made again in the room the result took, locker code and all. (A room for few of this
+    chat's turns: its selection is by message and quoted two of its picks in a block of its own,
+    which the loop call let go too; so the regenerate's prompt is not the first call's bytes.)"""
     f, hooks, passes, stored, chat, first, sent, loop = await _loop_turn_that_lets_the_block_go(counter)
     inlet, request = await passes(chat)
-    assert inlet == first and request == first
+    blocks = [m["content"] for m in request if is_recall_message(m)]
+    assert inlet == request and len(blocks) == 1 and "4417" in blocks[0]
+    assert request[-1] == first[-1] and request[0] == first[0]
