@@ -229,18 +229,21 @@ def _hashed_embed(texts: list[str]) -> list[list[float]]:
     return [[b / 255 for b in hashlib.sha256(t.encode()).digest()[:8]] for t in texts]
 
 
-@pytest.mark.xfail(strict=True, reason="known: by message a user message with an image that would clash goes")
-def test_by_message_an_image_the_question_needs_is_not_sent(counter):
-    """A known gap of the embedder's path (by message; a lexical selection goes by whole turns in
-    a chat with images: `fresh.picks_messages`): the receipt, a user message with an image, would
-    meet another user message in place and a quote holds no image, so it goes; neither the
-    selection nor the recall (`fresh._pictured_in_place` did not add it) sends it."""
+def test_by_message_an_image_the_question_needs_goes_in_place_with_its_quoted_reply(counter):
+    """With the embedder (a selection by message) the receipt's reply was quoted in the
+    selection's own block, so the receipt, a user message right before the question's turn,
+    had no place: neither sent nor quoted (a quote holds no image). Its turn now comes in place,
+    the reply taken out of the block, the rest quoted again."""
     chat = _receipt_chat()
     options = {"max_tokens": 2_476, "model": MODEL, "token_counter": counter, "embed": _hashed_embed}
     first = trim_messages(chat, **options)
     chat.append({"role": "user", "content": "Look at the receipt from Luigi's trattoria again: what was the total?"})
     later = trim_messages(chat, previous=first.decision, **options)
-    assert _image_parts(later.messages) == 1
+    assert _image_parts(later.messages) == 1 and {1, 2} <= set(later.kept) and 2 not in later.recalled
+    quoted = "".join(
+        m["content"] for k, m in enumerate(later.messages) if k in later.added and isinstance(m["content"], str)
+    )
+    assert "Got it: a receipt" not in quoted and later.tokens_after <= 2_476
 
 
 def test_an_image_that_cannot_go_in_place_is_left_out_not_quoted(counter):

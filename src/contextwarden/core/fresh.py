@@ -113,8 +113,7 @@ def _new_selection(
     `whole` (a question about the documents as a whole): `WHOLE_DOCUMENT_SHARE` of what the
     mandatory part leaves goes to the large old messages first, their chunks spread evenly."""
     view, costs, question = chat.view, chat.costs, chat.view.question
-    # Estimated counts already err high (1.1-2x): leaving room to grow as well would
-    # starve the prompt, so a selection made on them fills the budget.
+    # Estimated counts err high (1.1-2x): room to grow as well would starve the prompt; fill it.
     watermark = 1.0 if chat.mode == "estimate" else options.low_watermark
     target = selection_target(view, costs, max_tokens, watermark, options.growth_turns) - TOKENS_PER_REPLY
     embed = chat.pools.embed if options.strategy == "relevance" else None  # None once it failed this trim
@@ -144,8 +143,8 @@ def _new_selection(
         # What the selection left: large old messages cut to it. With a document in the chat the
         # recall's room too (its passages are what the question needs; the recall, which quotes
         # whole messages, takes what is left); without one the recall keeps its room (chats of
-        # long merged turns, REALTALK's, lost evidence when their excerpts took it).
-        # A follow-up on a long text's exchange fills what its excerpt leaves: the recall's room aside.
+        # long merged turns, REALTALK's, lost evidence when their excerpts took it). A follow-up on
+        # a long text's exchange fills what its excerpt leaves: the recall's room aside.
         free = room if _holds_document(chat, keep) else 0
         spare = target - sum(costs[i] for i in keep) - quotes - (room - free)
         added, excerpts = excerpt_turns(
@@ -158,8 +157,26 @@ def _new_selection(
         return keep, blocks, excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
     placed = _pictured_in_place(chat, keep, question, blocks, min(room, left - sum(b.tokens for b in blocks)))
+    blocks = _requoted(view, keep, quoted, quotes, blocks, counter, model)
     room, left = room - placed, left - placed
     return keep, _with_recall(chat, keep, question, blocks, excerpts, room, left, counter, model), excerpts
+
+
+def _requoted(
+    view: ChatView,
+    keep: Collection[int],
+    quoted: Sequence[int],
+    room: int,
+    blocks: list[_Block],
+    counter: TokenCounter,
+    model: str | None,
+) -> list[_Block]:
+    """`blocks` (the selection's quote block) made again without the messages a pictured turn
+    took in place (`_pictured_in_place`), within the `room` the selection counted for them."""
+    if set(keep).isdisjoint(quoted):
+        return blocks
+    rest = [i for i in quoted if i not in keep]
+    return [b for b in [_quoted_block(view, keep, rest, room, counter, model)] if b is not None]
 
 
 def _pictured_in_place(chat: _Counted, keep: set[int], question: int, blocks: Sequence[_Block], room: int) -> int:
@@ -167,7 +184,9 @@ def _pictured_in_place(chat: _Counted, keep: set[int], question: int, blocks: Se
     block would quote them, but a quote holds no image) added to `keep` in place, the most
     relevant first, each with its turn (or alone where the turn is partly sent), bridged where
     roles would not alternate (`alternation.fits_bridged`), out of the recall's `room`; what
-    they cost."""
+    they cost. Messages the selection's own quote block (`blocks`) holds may come in place with
+    such a turn (the caller quotes the rest again): a receipt's reply quoted by a selection by
+    message left the receipt itself, a user message before the question's, no place to go."""
     view, costs = chat.view, chat.costs
     pool = chat.pools.of(question, view.system_indices)
     taken = keep.union(*(b.indices for b in blocks))
@@ -177,10 +196,10 @@ def _pictured_in_place(chat: _Counted, keep: set[int], question: int, blocks: Se
     for i in sorted((i for i in pool.pictured if i not in taken), key=lambda i: (-pool.scores[i], i)):
         turn = next(t for t in view.turns if t.units[0].start <= i < t.units[-1].stop)
         unit = next(u for u in turn.units if i in u.indices)
-        whole = turn.indices if taken.isdisjoint(turn.indices) else list(unit.indices)
+        whole = turn.indices if keep.isdisjoint(turn.indices) else list(unit.indices)
         placed = fits_bridged(view, sorted(keep), whole, costs, MIN_EXCERPT_TOKENS)
         cost = sum(costs[k] for k in placed) if placed else room + 1
-        if placed and taken.isdisjoint(placed) and spent + cost <= room:
+        if placed and keep.isdisjoint(placed) and spent + cost <= room:
             keep.update(placed)
             taken.update(placed)
             spent += cost
