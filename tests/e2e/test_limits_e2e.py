@@ -131,12 +131,31 @@ def test_a_stream_the_caller_stops_is_charged(open_webui, backend, limited):
     assert f'"user_id": "{user["id"]}"' not in log  # no outlet ran: no usage line for this user
 
 
+WORKER_START_TRIES = 3
+WORKERS_SETTLE_S = 3.0  # after /health: the other worker's start-up, failed or not, is in the log by then
+
+
+def _start_two_workers(owui_venv, fake_backend, tmp_path_factory) -> OpenWebUI:
+    """Open WebUI with two uvicorn workers, both serving. In a new database Open WebUI 0.12.4's
+    workers race to write its config row: one can fail its start-up ("UNIQUE constraint failed:
+    config.key", "Application startup failed") while the other serves, and uvicorn then stops
+    them all at its next health check, mid-test. Such a start is made again in a new folder."""
+    for _ in range(WORKER_START_TRIES):
+        owui = start_open_webui(
+            owui_venv, fake_backend, tmp_path_factory.mktemp("owui-two-workers"), extra_env={"UVICORN_WORKERS": "2"}
+        )
+        time.sleep(WORKERS_SETTLE_S)
+        log = owui.log_path.read_text("utf-8", "replace")
+        if log.count("Started server process") >= 2 and "Application startup failed" not in log:
+            return owui
+        owui.stop()
+    raise AssertionError(f"two Open WebUI workers did not both start in {WORKER_START_TRIES} tries ({owui.log_path})")
+
+
 @pytest.fixture(scope="module")
 def two_workers(owui_venv, fake_backend, tmp_path_factory, redis_server) -> Iterator[OpenWebUI]:
     """A second Open WebUI with two uvicorn workers (two filter instances), the product on one Redis."""
-    owui = start_open_webui(
-        owui_venv, fake_backend, tmp_path_factory.mktemp("owui-two-workers"), extra_env={"UVICORN_WORKERS": "2"}
-    )
+    owui = _start_two_workers(owui_venv, fake_backend, tmp_path_factory)
     try:
         valves = {**base_valves(), "daily_limit_usd": 0.01, "redis_url": redis_server[0], "semantic_relevance": False}
         with installed_function(owui, FID, BUILT_FILE.read_text("utf-8"), valves=valves, name="contextwarden"):
