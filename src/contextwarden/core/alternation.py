@@ -220,7 +220,7 @@ def fill_quoting(
     quoted in a recall block (single messages with text and without images only: a quote holds
     text, a message with none would cost a line of its role alone, and an image would be lost;
     the block's label and acknowledgement cost `frame` once;
-    `fresh._quoted_block` places it). Returns (units in place, units quoted in `order`).
+    `fresh._quoted_blocks` places it). Returns (units in place, units quoted in `order`).
 
     Example:
         >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},

@@ -280,7 +280,7 @@ def _carried_blocks(
 def _held(view: ChatView, keep: Collection[int], blocks: Sequence[_Block]) -> int:
     """How many of the leading `blocks` go with the selection: those anchored at or before its
     first user message (what a selection by message quoted rather than sent in place, before
-    what it sent: `fresh._quoted_block`). The cache holds them from the start of the history,
+    what it sent: `fresh._quoted_blocks`). The cache holds them from the start of the history,
     so they stay while the selection does."""
     first = _quote_anchor(view, keep)
     held = 0

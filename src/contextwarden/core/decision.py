@@ -50,7 +50,7 @@ class Recall:
     """One recall block a turn sent: quoting the messages at input positions `at` (with
     fingerprints `kept`), right before the kept message at position `anchor` (the question it
     was made for; for the block a selection quotes, its first user message sent, which may come
-    before what it quotes: `fresh._quoted_block`). The next turn sends it again, rebuilt from the
+    before what it quotes: `fresh._quoted_blocks`). The next turn sends it again, rebuilt from the
     same messages, while they are still there: the prompt then only grows at its end. `acked`: an
     assistant `SUMMARY_ACK` followed it (False in decisions written before: that block is sent
     again with one, so the prompt differs from the previous one from that block on, once, and

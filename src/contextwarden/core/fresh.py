@@ -152,7 +152,7 @@ def _new_selection(
         )
         keep.update(added)
         quoted = [i for i in quoted if i not in keep]  # an excerpt's turn brought it in place
-    blocks = [b for b in [_quoted_block(view, keep, quoted, quotes, counter, model)] if b is not None]
+    blocks = _quoted_blocks(view, keep, quoted, quotes, counter, model)
     if not (room and question is not None):
         return keep, blocks, excerpts
     left = max_tokens - TOKENS_PER_REPLY - sum(_sized(costs, excerpts)[i] for i in keep)
@@ -176,7 +176,7 @@ def _requoted(
     if set(keep).isdisjoint(quoted):
         return blocks
     rest = [i for i in quoted if i not in keep]
-    return [b for b in [_quoted_block(view, keep, rest, room, counter, model)] if b is not None]
+    return _quoted_blocks(view, keep, rest, room, counter, model)
 
 
 def _pictured_in_place(chat: _Counted, keep: set[int], question: int, blocks: Sequence[_Block], room: int) -> int:
@@ -236,10 +236,10 @@ def _with_recall(
     return [*blocks, block]
 
 
-def _quoted_block(
+def _quoted_blocks(
     view: ChatView, keep: Collection[int], quoted: Sequence[int], room: int, counter: TokenCounter, model: str | None
-) -> _Block | None:
-    """The block quoting the messages a selection by message quotes rather than sends in place
+) -> list[_Block]:
+    """The block (none or one) quoting the messages a selection by message quotes rather than sends in place
     (`selection.choose_indices`), within the `room` it counted for them: right before the first
     user message sent, so that it stays in the prefix the next turns send again (the question's
     own recall block comes and goes). Quoting joins texts into a few more tokens than they count
@@ -249,9 +249,9 @@ def _quoted_block(
     while chosen and anchor is not None:
         block = _block(view, anchor, chosen, {}, counter, model)
         if block is None or block.tokens <= room:
-            return block
+            return [block] if block is not None else []
         chosen.pop()
-    return None
+    return []
 
 
 def semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[float] | None:

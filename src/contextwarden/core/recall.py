@@ -391,7 +391,7 @@ def _quoted(view: ChatView, indices: Sequence[int], texts: Mapping[int, str]) ->
 
 
 def _quote_anchor(view: ChatView, keep: Collection[int]) -> int | None:
-    """Where the block a selection quotes goes (`fresh._quoted_block`), and so which carried
+    """Where the block a selection quotes goes (`fresh._quoted_blocks`), and so which carried
     blocks stay with the selection (`carry._held`): right before its first user message sent."""
     return min((i for i in keep if view.role(i) == "user"), default=None)
 

@@ -351,7 +351,7 @@ def choose_indices(
     message, or is let go; by message, user and assistant messages alternate where the input's
     do (`alternation`): with a `frame` (what a recall block's label and acknowledgement cost) a
     pick that would put two of one role together, or open the history with a reply, is quoted
-    in a recall block instead (`alternation.fill_quoting`; `fresh._quoted_block` places it): its
+    in a recall block instead (`alternation.fill_quoting`; `fresh._quoted_blocks` places it): its
     index goes into `quoted` (ascending) and its cost, with `frame` once, is within `budget`;
     without one it gets a reply from between as a bridge.
 

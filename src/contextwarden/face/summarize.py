@@ -577,7 +577,7 @@ def _charge(config: SummaryConfig, call: SummaryCall) -> asyncio.Task[None] | No
     does not reach (None: nothing counts calls)."""
     if config.spent is None:
         return None
-    task = asyncio.ensure_future(_count_call(config, call))
+    task = asyncio.ensure_future(_count_call(config.spent, call))
     _charging.add(task)
     task.add_done_callback(_charging.discard)
     return task
@@ -590,13 +590,11 @@ async def _counted(charge: asyncio.Task[None] | None) -> None:
         await asyncio.shield(charge)
 
 
-async def _count_call(config: SummaryConfig, call: SummaryCall) -> None:
-    """Tell `config.spent` of a call the provider may bill, within `SUMMARY_CHARGE_SECONDS`; a
-    failure there never costs the summary."""
-    if config.spent is None:
-        return
+async def _count_call(spent: Callable[[SummaryCall], Awaitable[None]], call: SummaryCall) -> None:
+    """Tell `spent` (`SummaryConfig.spent`) of a call the provider may bill, within
+    `SUMMARY_CHARGE_SECONDS`; a failure there never costs the summary."""
     try:
-        await asyncio.wait_for(config.spent(call), SUMMARY_CHARGE_SECONDS)
+        await asyncio.wait_for(spent(call), SUMMARY_CHARGE_SECONDS)
     except Exception as exc:
         summarize_log.warning("contextwarden: summary call not counted (%s)", type(exc).__name__)
 
