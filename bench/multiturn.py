@@ -189,6 +189,7 @@ def run_chat(
     turns = []
     for question, answer, evidence in asked:
         chat.append({"role": "user", "content": question})
+        own = (False, 0)
         if method == "everything":
             sent, changed, reused = list(chat), False, False
         elif method in BASELINE_METHODS:
@@ -213,6 +214,7 @@ def run_chat(
             if result.decision is not None:  # the filter keeps the stored decision when a turn makes none
                 stored = result.decision.to_json()
             sent, changed, reused = result.messages, result.changed, result.reused
+            own = own_block(result, len(chat) - 1, [e + offset for e in evidence], counter)
         costs = [counter.count_message(m, MODEL) for m in sent]
         tokens = TOKENS_PER_REPLY + sum(costs)
         texts = [_text(m) for m in sent]
@@ -224,6 +226,8 @@ def run_chat(
                 "cacheable": sum(costs[:shared]),
                 "evidence": hit,
                 "reselected": changed and not reused,
+                "own_block": own[0] and hit,
+                "own_tokens": own[1],
                 "costs": costs,
                 "sent": sent,
             }
@@ -235,6 +239,18 @@ def run_chat(
         turn["read_next"] = sum(turn["costs"][: common_prefix(turn["sent"], nxt["sent"])]) if nxt else 0
         del turn["sent"], turn["costs"]
     return turns
+
+
+def own_block(result, question: int, evidence: list[int], counter: TokenCounter) -> tuple[bool, int]:
+    """Whether this question's own recall block (the one anchored at it) quotes some of its
+    evidence, and what that block and its acknowledgement cost: the part of a carried prompt
+    made for this question, against what it carried from earlier turns."""
+    recalls = result.decision.recalls if result.decision is not None else ()
+    mine = [r for r in recalls if r.anchor == question]
+    quoted = any(e in r.at for r in mine for e in evidence)
+    n, added = len(result.messages), set(result.added)
+    block = [p for p in (n - 3, n - 2) if p in added] if mine else []
+    return quoted, sum(counter.count_message(result.messages[p], MODEL) for p in block)
 
 
 def prices() -> dict[str, dict[str, Decimal]]:
@@ -267,6 +283,8 @@ def summarize(turns: list[dict], budget: int, priced: dict) -> dict:
         "reselections_per_100": round(100 * sum(t["reselected"] for t in turns) / n, 1),
         "mean_fill": round(statistics.fmean(t["tokens"] / budget for t in turns), 3),
         "mean_tokens": round(sent / n),
+        "evidence_own_block": round(sum(t.get("own_block", False) for t in turns) / n, 3),
+        "own_block_share": round(sum(t.get("own_tokens", 0) for t in turns) / sent, 3),
     }
     for model, price in priced.items():
         for warm in (True, False):
@@ -385,6 +403,7 @@ def markdown(results: dict, meta: dict) -> str:
                 f"{fresh['evidence_sent']:.3f} = {ratio:.2f}{'' if ratio >= 0.9 else ' **below 0.9**'} | "
                 f"{carried['cacheable_share']:.1%} |"
             )
+    lines += sources_table(results)
     lines += [
         "",
         "## Tuned on conversations 1-2, held out 3-5 (evidence sent / cacheable share)"
@@ -422,6 +441,33 @@ def markdown(results: dict, meta: dict) -> str:
         "again; the rest at the input price. `everything` is the same under every budget.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def sources_table(results: dict) -> list[str]:
+    """Where the evidence sent comes from: the question's own recall block (made for it this
+    turn) or the rest of the prompt (in place, a selection's quotes, earlier turns' blocks),
+    beside what the own block costs: a carried prompt's rest is what the cache serves."""
+    lines = [
+        "",
+        "## Where the evidence sent comes from (carried and fresh rows)",
+        "",
+        "Evidence sent with some of it quoted in the question's own recall block, the rest sent otherwise; the "
+        "own block's share of the tokens sent.",
+        "",
+        "| budget | method | evidence sent | own block | otherwise | own block's tokens | cacheable share |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, row in results.items():
+        budget, method = key.split("|")
+        r = row["all"]
+        if not method.startswith(("carried", "fresh")) or "own_block_share" not in r:
+            continue
+        own, sent = r["evidence_own_block"], r["evidence_sent"]
+        lines.append(
+            f"| {int(budget):,} | {method} | {sent:.3f} | {own:.3f} | {sent - own:.3f} | "
+            f"{r['own_block_share']:.1%} | {r['cacheable_share']:.1%} |"
+        )
+    return lines
 
 
 def main() -> None:
