@@ -75,6 +75,22 @@ async def test_budget_from_model_context_length(counter):
     check_contract(body["messages"], _result_of(counter, body, out), counter, "gpt-4o")
 
 
+async def test_the_valves_window_is_capped_by_a_smaller_models_own(counter):
+    """Seen in the chat page: one admin window (8,000) for every model, and a chat switched to
+    a model that lists 4,096 tokens was sent ~7,100 (the provider refuses it). The valve's
+    window is at most the model's own; a larger model keeps the valve's."""
+    f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=100)
+    small = {"id": "small", "openai": {"id": "small", "context_length": 1_100}}
+    body = body_of(chat_of(60))
+    out = await f.inlet(body, __metadata__=body["metadata"], __model__=small)
+    assert body["metadata"]["contextwarden"]["budget"] == 1_000
+    assert counter.count_messages(out["messages"], "gpt-4o") <= 1_000
+    large = {"id": "large", "openai": {"id": "large", "context_length": 128_000}}
+    body = body_of(chat_of(60))
+    await f.inlet(body, __metadata__=body["metadata"], __model__=large)
+    assert body["metadata"]["contextwarden"]["budget"] == 7_900
+
+
 def _result_of(counter, body, out):
 
     return trim_messages(

@@ -2,8 +2,8 @@
 
 `valves.read_settings` makes it (a bad value replaced by its default, the problem named); every
 other part reads it. The window and budget rules that follow from it live here: the window (the
-valve's, else the model's, else DEFAULT_CONTEXT_TOKENS), less the reserve for the reply, lowered
-by the user's own budget, never below MIN_BUDGET_TOKENS.
+valve's, at most the model's own; else the model's; else DEFAULT_CONTEXT_TOKENS), less the
+reserve for the reply, lowered by the user's own budget, never below MIN_BUDGET_TOKENS.
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ class Settings:
         return window - (self.reserve_output_tokens if self.reserve_output_tokens < window else window // 4)
 
     def window(self, model_context: int | None) -> int:
-        """The context window: the valve's, else the model's, else the default."""
+        """The context window: the valve's, else the model's, else the default. The valve's is
+        never above the model's own when that is known: one valve serves every model, and a
+        chat switched to a 4,096-token model was sent 7,100 tokens under an 8,000 valve."""
+        if self.max_context_tokens and model_context:
+            return min(self.max_context_tokens, model_context)
         return self.max_context_tokens or model_context or DEFAULT_CONTEXT_TOKENS
 
     def budget(self, model_context: int | None) -> int:

@@ -202,7 +202,8 @@ class Valves(BaseModel):
         "max_context_tokens",
         0,
         "Context window in tokens. 0 = the model's own context length when Open WebUI or the price table knows it, "
-        f"else {DEFAULT_CONTEXT_TOKENS:,}. Open WebUI's built-in tool definitions count against it (about 3.2k "
+        f"else {DEFAULT_CONTEXT_TOKENS:,}; a window set here is never above the model's own when that is known. "
+        "Open WebUI's built-in tool definitions count against it (about 3.2k "
         "tokens a user's chat, 3.9k an admin's, with its 30 built-in tools): under about 6k, use a larger window "
         "or turn off Builtin Tools in the model's capabilities.",
     )
