@@ -290,8 +290,8 @@ def test_sources_put_before_a_question_cut_again_are_counted_on_it(counter):
 
 
 async def test_sources_before_a_question_an_earlier_pass_cut_stay_sources_in_a_tool_loop(counter):
-    """Inlet cut the question (a pasted log) middle-out; Open WebUI put sources before it; the
-    request pass cut the question again around its marker to give the sources their share. The
+    """Inlet cut the question (a pasted log); Open WebUI put sources before it; the request pass
+    cut the question again around its marker to give the sources their share. The
     tool loop's next call gets that copy, which is not the question inlet noted: the sources went
     as the question's own words, and the whole was cut again as one text through a stretch of
     the log (two markers in the question). Each pass now notes the question it sent, and the
@@ -324,9 +324,9 @@ async def test_sources_before_a_question_an_earlier_pass_cut_stay_sources_in_a_t
             r"(.*?)\n\[… ([0-9,]+) tokens cut by contextwarden …\]\n(.*)", asked, re.S
         ).groups()
         assert question.startswith(head) and question.endswith(tail) and "north ridge?" in tail
-        assert int(cut.replace(",", "")) == counter.count_text(question, "gpt-4o") - counter.count_text(
-            head, "gpt-4o"
-        ) - counter.count_text(tail, "gpt-4o")
+        # the marker names the cut chunks' tokens, counted apart (as an excerpt's): a token or so each
+        exact = counter.count_text(question, "gpt-4o") - counter.count_text(head, "gpt-4o")
+        assert abs(int(cut.replace(",", "")) - (exact - counter.count_text(tail, "gpt-4o"))) <= 8
         assert counter.count_messages(sent, "gpt-4o") <= metadata["contextwarden"]["budget"]
 
 

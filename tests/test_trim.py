@@ -145,6 +145,9 @@ def test_a_pin_is_not_cut_to_its_marker_to_spare_a_pasted_document(counter):
         check_contract(chat, result, counter, MODEL, pinned=(at,))
 
 
+_MARKS = re.compile(r"\n?\[… [0-9,]+ tokens cut by contextwarden …\]\n?")
+
+
 def _marked(text: str) -> tuple[str, int, str]:
     """A shortened text's head, the tokens its one marker names, and its tail."""
     head, number, tail = re.fullmatch(
@@ -200,9 +203,67 @@ def test_a_middle_out_cut_keeps_whole_characters(counter, name, model):
             first = trim_messages(chat, max_tokens=budget, model=model, token_counter=counter)
             again = trim_messages(first.messages, max_tokens=budget * 2 // 3, model=model, token_counter=counter)
             for result, room in ((first, budget), (again, budget * 2 // 3)):
-                head, _, tail = _marked(result.messages[0]["content"])
-                assert text.startswith(head) and text.endswith(tail), (room, head[-3:], tail[:3])
+                pieces = _MARKS.split(result.messages[0]["content"])  # the question: cut by passages
+                assert text.startswith(pieces[0]) and text.endswith(pieces[-1]), (room, pieces[0][-3:])
+                assert all(piece in text for piece in pieces), room
                 assert result.tokens_after == counter.count_messages(result.messages, model) <= room
+
+
+def _pasted(fact_at: int, paragraphs: int = 40) -> str:
+    """A long pasted report: numbered paragraphs of their own words, one of them holding the fact."""
+    topics = ("harbour", "orchard", "railway", "glacier", "library", "foundry", "vineyard", "market")
+    parts = [
+        f"Section {k}. The {topics[k % 8]} committee met on day {k} and reviewed budget line {k * 7}. "
+        + f"Minutes of meeting {k} were approved without changes after the {topics[(k + 3) % 8]} report. " * 4
+        for k in range(paragraphs)
+    ]
+    parts[fact_at] = "The lighthouse keeper, Ada Brennan, relit the northern lamp in 1893. " + parts[fact_at]
+    return "\n\n".join(parts)
+
+
+@pytest.mark.parametrize("layout", ["question after", "question before"])
+def test_a_document_pasted_with_its_question_keeps_the_passage_it_needs(counter, layout):
+    """A document and its question in one message, over the budget alone: cut middle-out, the
+    passage with the answer (a middle paragraph) was lost while the question was sent (in Open
+    WebUI, "Sent 1 message, shortened to fit", and no answer in what the model got). It is cut
+    by passages now: both ends, then what the question asks about."""
+    ask = "Who relit the northern lamp of the lighthouse, and when?"
+    doc = _pasted(fact_at=21)
+    text = f"Here is a report:\n\n{doc}\n\n{ask}" if layout == "question after" else f"{ask}\n\n{doc}"
+    chat = [{"role": "system", "content": "Answer from the report."}, {"role": "user", "content": text}]
+    for budget in (600, 1_200, 2_400):
+        result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter)
+        sent = result.messages[-1]["content"]
+        assert result.shortened == (1,) and result.tokens_after <= budget
+        assert ask in sent and "Ada Brennan, relit the northern lamp in 1893" in sent, budget
+        assert all(piece in text for piece in _MARKS.split(sent))
+
+
+def test_a_pasted_document_asked_for_a_summary_is_cut_evenly(counter):
+    """A "Summarize this report" with the report in the same message kept its first two thirds and
+    its end (middle-out): a summary of the beginning. Its passages now spread over all of it."""
+    doc = _pasted(fact_at=0)
+    chat = [{"role": "user", "content": f"Summarize this report.\n\n{doc}"}]
+    result = trim_messages(chat, max_tokens=1_000, model=MODEL, token_counter=counter)
+    sent = result.messages[-1]["content"]
+    held = {k * 4 // 40 for k in range(40) if f"Section {k}. " in sent}
+    assert held == {0, 1, 2, 3} and result.tokens_after <= 1_000  # every quarter
+
+
+def test_a_question_cut_by_passages_cut_again_merges_its_markers(counter):
+    """A later pass (request after inlet, a tool loop's call) gets the passages the first kept and
+    their markers: cut again, what it leaves out joins the markers beside it, whose counts add up,
+    and no marker is cut through."""
+    ask = "Who relit the northern lamp of the lighthouse, and when?"
+    text = f"{_pasted(fact_at=21)}\n\n{ask}"
+    first = trim_messages([{"role": "user", "content": text}], max_tokens=1_500, model=MODEL, token_counter=counter)
+    again = trim_messages(first.messages, max_tokens=700, model=MODEL, token_counter=counter)
+    sent = again.messages[-1]["content"]
+    assert again.tokens_after <= 700 and ask in sent and "Ada Brennan" in sent
+    pieces = _MARKS.split(sent)
+    assert all(piece in text for piece in pieces) and len(pieces) >= 3
+    named = sum(int(n.replace(",", "")) for n in re.findall(r"\[… ([0-9,]+) tokens cut", sent))
+    assert abs(named - (counter.count_text(text, MODEL) - sum(counter.count_text(p, MODEL) for p in pieces))) <= 20
 
 
 def test_multimodal_parts_pass_through(counter):

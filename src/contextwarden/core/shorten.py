@@ -1,9 +1,10 @@
-"""The mandatory part of a prompt, and middle-out shortening when it alone is over the budget.
+"""The mandatory part of a prompt, and shortening it when it alone is over the budget.
 
 What must be sent whatever the budget (system messages, the current turn, pinned messages with
-their units), and, when that alone is over, copies of its largest shortenable texts cut
-middle-out with a marker: system prompts and tool results first, the latest user message last
-(with them, to one level, when they alone could not cover the excess).
+their units), and, when that alone is over, copies of its largest shortenable texts cut with a
+marker: system prompts and tool results first, middle-out; the latest user message last (with
+them, to one level, when they alone could not cover the excess), by passages: its ends, where
+a pasted document's question sits, then what they ask about (`_cut_by_passages`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Collection
 
 from .chatview import ChatView
 from .conversation import Message, is_tool_images, message_text
-from .excerpt import CUT_MARK
+from .excerpt import CUT_MARK, chunk_scores, split_chunks, spread_scores
+from .relevance import wants_whole
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
 
@@ -23,6 +25,10 @@ SHORTENED_MARK = CUT_MARK
 PINS_SHORTENED_NOTE = "pinned messages over budget: shortened"
 PINS_DROPPED_NOTE = "pinned messages over budget even shortened: kept only while they fit"
 MIN_KEPT_TEXT_TOKENS = 0
+# What the latest user message asks, when it alone must be cut (a pasted document and its
+# question in one message): its first and last paragraphs, at most this many characters of each.
+# Cut middle-out, an article asked about at its end lost the passage with the answer.
+ASK_MAX_CHARS = 500
 # The marker `_cut_middle` leaves, with the line breaks around it: a text an earlier pass of the
 # turn cut holds one (a later pass's input is what the first pass sent).
 _MARK = re.compile(r"\n?" + re.escape(CUT_MARK).replace(re.escape("{n}"), "([0-9,]+)") + r"\n?")
@@ -125,7 +131,7 @@ def _shorten_mandatory(
             if excess <= 0:
                 return replaced, False
             for index, level in _levels({i: current[i] for i in candidates}, excess).items():
-                shorter = _shorten_message(messages[index], costs[index] - level, counter, model)
+                shorter = _shorten_message(messages[index], costs[index] - level, counter, model, index == last_user)
                 cost = counter.count_message(shorter, model) if shorter is not None else current[index]
                 if shorter is None or cost >= current[index]:  # (None costs current[index])
                     candidates.discard(index)
@@ -164,11 +170,15 @@ def _levels(current: dict[int, int], excess: int) -> dict[int, int]:
     return {i: level for i in order[:k] if level < current[i]}
 
 
-def _shorten_message(message: Message, excess: int, counter: TokenCounter, model: str | None) -> Message | None:
-    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets)."""
+def _shorten_message(
+    message: Message, excess: int, counter: TokenCounter, model: str | None, asked: bool = False
+) -> Message | None:
+    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets);
+    `asked` (the latest user message): cut by passages, else middle-out."""
+    cut = _cut_by_passages if asked else _cut_middle
     content = message.get("content")
     if isinstance(content, str):
-        new_text = _cut_middle(content, excess, counter, model)
+        new_text = cut(content, excess, counter, model)
         return None if new_text is None else {**message, "content": new_text}
     if isinstance(content, list):
         texts = [
@@ -179,7 +189,7 @@ def _shorten_message(message: Message, excess: int, counter: TokenCounter, model
         if not texts:
             return None
         _, k = max(texts)
-        new_text = _cut_middle(content[k]["text"], excess, counter, model)
+        new_text = cut(content[k]["text"], excess, counter, model)
         if new_text is None:
             return None
         parts = list(content)
@@ -234,3 +244,109 @@ def _cut_again(text: str, mark: re.Match[str], excess: int, counter: TokenCounte
         if over <= 0 or keep == 0:
             return shorter
         keep = max(0, keep - over)
+
+
+def _cut_by_passages(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
+    """`text` about `excess` tokens shorter, by passages: its first and last chunks (where a
+    question or instructions sit), then those most relevant to what its end paragraphs ask
+    (`_asked`), then the rest spread evenly (all spread for a question about the whole text);
+    each stretch left out one marker. An earlier pass's markers stay, each merged with what is
+    cut beside it. Middle-out (`_cut_middle`) when no passage fits."""
+    pieces = _cut_pieces(text)
+    chunks = [piece for piece in pieces if isinstance(piece, str)]
+    if len(chunks) < 3:
+        return _cut_middle(text, excess, counter, model)
+    costs = [counter.count_text(chunk, model) for chunk in chunks]
+    goal = counter.count_text(text, model) - excess
+    order = _passage_order(chunks)
+    mark = _marker_cost(sum(costs), counter, model)
+    kept: list[int] = []
+    room = goal
+    for k in order:
+        if costs[k] + mark <= room - mark:
+            kept.append(k)
+            room -= costs[k] + mark
+    while kept:
+        shorter = _rejoined(pieces, set(kept), costs)
+        if counter.count_text(shorter, model) <= goal:
+            return shorter
+        kept.pop()  # joined pieces counted more than apart: the last chosen goes
+    return _cut_middle(text, excess, counter, model)
+
+
+def _cut_pieces(text: str) -> list[str | int]:
+    """`text` as its chunks (`excerpt.split_chunks`) and an earlier pass's markers (the tokens
+    each names, as an int) in their order."""
+    pieces: list[str | int] = []
+    at = 0
+    for mark in _MARK.finditer(text):
+        pieces.extend(split_chunks(text[at : mark.start()]))
+        pieces.append(int(mark.group(1).replace(",", "")))
+        at = mark.end()
+    pieces.extend(split_chunks(text[at:]))
+    return pieces
+
+
+def _passage_order(chunks: list[str]) -> list[int]:
+    """The chunks in the order a cut keeps them: the first and the last, then the most relevant
+    to what the text asks (score above 0), then the rest spread evenly over it (all spread when
+    it asks about the text as a whole: `relevance.wants_whole`)."""
+    asked = _asked("".join(chunks))
+    spread = spread_scores(len(chunks))
+    whole = any(wants_whole(paragraph) for paragraph in asked)
+    scores = [0.0] * len(chunks) if whole else chunk_scores(chunks, "\n".join(asked))
+    top = max(spread) + 1
+    ranked = [(top + score if score > 0 else spread[k]) for k, score in enumerate(scores)]
+    ranked[0] = ranked[-1] = float("inf")
+    return sorted(range(len(chunks)), key=lambda k: (-ranked[k], k))
+
+
+def _asked(text: str) -> list[str]:
+    """What a long message asks: the shorter of its first and last paragraphs, and the other too
+    when it is a question or asks for the whole (`relevance.wants_whole`) in at most
+    `ASK_MAX_CHARS` (a pasted text's own end paragraph would only blur what is asked of it);
+    both ends, `ASK_MAX_CHARS` of each, when neither is that short.
+
+    Example:
+        >>> _asked("Read this.\\n\\nA long report ...\\n\\nWho wrote it?")
+        ['Read this.', 'Who wrote it?']
+        >>> _asked("Who wrote it?\\n\\nA long report.\\n\\nIt ends here.")
+        ['Who wrote it?']
+    """
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+    if not paragraphs:
+        return []
+    ends = [paragraphs[0]] if len(paragraphs) == 1 else [paragraphs[0], paragraphs[-1]]
+    shortest = min(ends, key=len)
+    if len(shortest) > ASK_MAX_CHARS:
+        return [paragraphs[0][:ASK_MAX_CHARS], paragraphs[-1][-ASK_MAX_CHARS:]]
+    return [p for p in ends if p is shortest or (len(p) <= ASK_MAX_CHARS and ("?" in p or wants_whole(p)))]
+
+
+def _rejoined(pieces: list[str | int], kept: set[int], costs: list[int]) -> str:
+    """The kept chunks in order, each stretch of cut chunks and earlier markers one marker naming
+    all the tokens they stand for."""
+    out: list[str] = []
+    cut = 0
+    k = 0
+    for piece in pieces:
+        if isinstance(piece, int):
+            cut += piece
+            continue
+        if k in kept:
+            if cut:
+                out.append(_mark_line(out, cut))
+                cut = 0
+            out.append(piece)
+        else:
+            cut += costs[k]
+        k += 1
+    if cut:
+        out.append(_mark_line(out, cut).rstrip("\n"))
+    return "".join(out)
+
+
+def _mark_line(out: list[str], cut: int) -> str:
+    """A marker line naming `cut` tokens, after what `out` holds so far."""
+    lead = "\n" if out and not out[-1].endswith("\n") else ""
+    return f"{lead}{CUT_MARK.format(n=f'{cut:,}')}\n"

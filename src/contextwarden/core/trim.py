@@ -126,7 +126,8 @@ def trim_messages(
     messages are never sent; the history still starts with a user message; kept messages are
     the same dicts, in their order; the input is never modified. When the mandatory part
     alone is over budget, the largest shortenable text (system prompt, tool results, then the
-    latest user message as a last resort) is cut middle-out with a marker. A chat that fits is
+    latest user message as a last resort, by passages: its ends, then what it asks about) is
+    cut with a marker. A chat that fits is
     returned whole without scoring anything, so trimming the result again changes nothing.
     Same input, same output.
 

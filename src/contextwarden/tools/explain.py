@@ -262,7 +262,8 @@ def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
     elif i in facts.result.excerpted:
         reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
     elif i in facts.shortened:
-        reasons.insert(0, "mandatory content over budget: cut middle-out")
+        how = "by passages" if i == facts.view.question else "middle-out"
+        reasons.insert(0, f"mandatory content over budget: cut {how}")
     if i in facts.covered:
         reasons.append("a summary note stands for it")
     scores = facts.scores
