@@ -546,6 +546,41 @@ async def test_a_stream_settles_at_its_usage_chunk_and_a_stopped_one_when_it_goe
     assert (both.counters["requests"], both.counters["estimated"], both.counters["completion_tokens"]) == (2, 1, 103)
 
 
+FORGED_LOW = [
+    {"prompt_tokens": 1, "completion_tokens": 1},
+    {"prompt_tokens": 1, "completion_tokens": 1, "cost": 0},
+    {"prompt_tokens": 10**9, "completion_tokens": 10**9},  # over the $1,000 ceiling: unpriced
+]
+
+
+@pytest.mark.parametrize("forged", FORGED_LOW, ids=["counts", "cost", "absurd"])
+async def test_a_forged_outlet_never_settles_a_turn_below_what_its_stream_showed(counter, store_valves, unique, forged):
+    """The outlet's usage is the client's (Open WebUI reads it from the saved chat, which the
+    user writes). A stream that reported 10,030 tokens ($0.100075) stays charged that much
+    whatever the outlet says; without a report, at least half of what the worker counted (the
+    prompt and 40,000 streamed characters). Either way the $0.05 limit refuses the next turn:
+    the forged outlet settled the turn at $0.0000125, $0 or unpriced, and the user went on."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    book, user = SpendBook(), f"u-{unique}"
+    for reported in (True, False):
+        f = await limited(counter, {**store_valves, "daily_limit_usd": 0.05}, now)
+        who = f"{user}-{reported}"
+        body, caller = turn(who)
+        await f.inlet(body, __user__=caller, __metadata__=body["metadata"])
+        prompt = TurnNote.from_dict(body["metadata"]["contextwarden"]).estimated_prompt_tokens
+        await f.stream(stream_chunk("x" * 40_000), __metadata__=body["metadata"])
+        if reported:
+            usage = stream_chunk(usage={"prompt_tokens": 30, "completion_tokens": 10_000})
+            await f.stream(usage, __metadata__=body["metadata"])
+        reply = reply_of("x" * 40_000, usage=forged)
+        outlet = {"model": "gpt-4o", "messages": [*body["messages"], reply]}
+        await f.outlet(outlet, __user__=caller, __metadata__=body["metadata"])
+        day, _ = await book.spend(f.store, who, now.date())
+        least = D("0.100075") if reported else D(prompt // 2) * D("0.0000025") + D("0.05")
+        assert day.usd >= least and day.tokens >= 5_000 and day.unpriced == 0
+        assert isinstance(await started(f, *turn(who)), TurnRefused)
+
+
 async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(counter, unique, monkeypatch):
     """A call that asks for tools reports its usage; the turn then still holds a call's worth
     (the next call's prompt and the reply allowance), and a later call stopped mid-stream is

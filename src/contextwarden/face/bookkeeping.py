@@ -611,7 +611,7 @@ class Bookkeeping:
         async with started.settling:  # after a sweep settling it now, so its ledger entry is taken back
             if recorded:
                 await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
-            await self._settle_held(started, charge)
+            await self._settle_held(started, charge.at_least(started.seen()))  # never below what it saw
 
     async def _learn(
         self, settings: Settings, usage: Usage | None, billed: Usage, estimated: bool, note: TurnNote, model_key: str

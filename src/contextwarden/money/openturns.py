@@ -21,6 +21,7 @@ settled, never added whole on top of its charge; only its stream is no longer wa
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 
 from ..core.conversation import Message, message_text
 from ..state.store import Store
+from .calibration import MIN_CALIBRATION
 from .pricing import ModelPrice
 from .spendbook import Charge
 from .usage import Usage
@@ -137,6 +139,18 @@ class OpenTurn:
             calls.append(Usage(calls[-1].prompt_tokens or self.prompt_tokens, reply))
         usage = Usage(sum(u.prompt_tokens or 0 for u in calls), sum(u.completion_tokens or 0 for u in calls))
         return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in calls))
+
+    def seen(self) -> Charge:
+        """The least this worker saw the turn use, below which its outlet (the client's input:
+        Open WebUI reads its usage from the saved chat) cannot settle it: what its stream's
+        provider calls reported, with text streamed since; with no report, MIN_CALIBRATION of
+        its prompt as counted and of what streamed (the fewest tokens a provider's tokenizer is
+        believed to count for ours: an honest reply is never charged more than it reported)."""
+        if self.stream_usage:
+            return self.used()[1]
+        counted = (self.prompt_tokens, -(-self.streamed // CHARS_PER_TOKEN))
+        prompt, reply = (math.floor(tokens * MIN_CALIBRATION) for tokens in counted)
+        return Charge.priced(Usage(prompt, reply), self.price)
 
 
 def read_chunk(event: Any) -> tuple[int, bool]:

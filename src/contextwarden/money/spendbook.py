@@ -57,6 +57,17 @@ class Charge:
         cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
         return Charge(cost, self.tokens + other.tokens)
 
+    def at_least(self, other: Charge) -> Charge:
+        """This charge raised to `other` where it is less: the larger of the dollars known (None
+        when neither is) and of the tokens.
+
+        Example:
+            >>> Charge(None, 2).at_least(Charge(Decimal("0.01"), 900))
+            Charge(cost_usd=Decimal('0.01'), tokens=900)
+        """
+        known = [cost for cost in (self.cost_usd, other.cost_usd) if cost is not None]
+        return Charge(max(known) if known else None, max(self.tokens, other.tokens))
+
     def amounts(self) -> tuple[int, int, int]:
         """(picodollars, tokens, unpriced), each bounded: outlet input is hostile, and one
         reply counts at most MAX_REPLY_COST_USD and MAX_REPLY_TOKENS."""
