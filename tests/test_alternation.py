@@ -182,6 +182,46 @@ def test_what_is_sent_alternates_where_the_chat_does(counter, seed):
             turn.append({"role": "assistant", "content": f"answer {step}"})
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def _pictured(message: dict) -> bool:
+    return isinstance(message.get("content"), list) and IMAGE in message["content"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_by_message_images_go_in_place_or_not_at_all(counter, seed):
+    """Dialogues with images here and there, with the embedder (a selection by message that
+    quotes what would clash), fresh and carried: roles alternate, a message with images is
+    never quoted, and one that is kept is sent with its images (`alternation.fill_quoting`
+    places one that would clash with its bridge)."""
+    rng = random.Random(7000 + seed)
+    chat: list[dict] = [{"role": "system", "content": "Be brief."}]
+    for i in range(rng.choice([12, 30, 80])):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 60])))
+        text = f"{i}: {words}"
+        content = [{"type": "text", "text": text}, IMAGE] if rng.random() < 0.2 else text
+        chat.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    if chat[-1]["role"] == "user":
+        chat.pop()
+    stored: str | None = None
+    for step in range(3):
+        chat.append({"role": "user", "content": f"The {rng.choice(WORDS)} picture, and the {rng.choice(WORDS)}?"})
+        previous = TrimDecision.from_json(stored) if stored else None
+        budget = rng.choice([400, 1_000, 2_500])
+        result = trim_messages(
+            chat, max_tokens=budget, model=MODEL, token_counter=counter, previous=previous, embed=_hashed
+        )
+        assert _clashes(result.messages) == [], (seed, step, budget)
+        check_contract(chat, result, counter, MODEL)
+        assert not any(_pictured(chat[i]) for i in result.recalled)
+        sent = sum(1 for m in result.messages if _pictured(m))
+        assert sent == sum(1 for i in result.kept if _pictured(chat[i]))
+        if result.decision is not None:
+            stored = result.decision.to_json()
+        chat.append({"role": "assistant", "content": f"answer {step}"})
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_carried_selection_is_made_anew_when_an_edit_puts_two_alike_together(counter, fast):
     """The previous turn kept two questions the chat had side by side; a reply since inserted

@@ -17,6 +17,7 @@ from contextwarden.core.conversation import TOOL_IMAGES_TEXT, latest_question
 from contextwarden.core.excerpt import CUT_MARK
 from contextwarden.core.flags import read_flags
 
+from chats import check_contract
 from helpers import Events, make_filter
 
 MODEL = "gpt-4o"
@@ -246,6 +247,23 @@ def test_by_message_an_image_the_question_needs_goes_in_place_with_its_quoted_re
     assert "Got it: a receipt" not in quoted and later.tokens_after <= 2_476
 
 
+@pytest.mark.parametrize("budget", [1_800, 2_476, 3_500])
+@pytest.mark.parametrize("recall_share", [None, 0.0])
+def test_a_first_trim_by_message_sends_the_image_the_question_needs_in_place(counter, budget, recall_share):
+    """A first trim (no previous decision: no recall room, `fresh._pictured_in_place` not asked)
+    with the embedder ranked the receipt second of all messages, but a follow-up ("again") keeps
+    the latest exchange whole, so the receipt met its question in place, and a quote holds no
+    image: it went, neither sent nor quoted, while the selection quoted gardening answers (2,605
+    of 3,500 tokens sent). It comes in place with its reply now, the reply out of the quotes."""
+    question = {"role": "user", "content": "Look at the receipt from Luigi's trattoria again: what was the total?"}
+    chat = [*_receipt_chat(), question]
+    share = {} if recall_share is None else {"recall_share": recall_share}
+    result = trim_messages(chat, max_tokens=budget, model=MODEL, token_counter=counter, embed=_hashed_embed, **share)
+    assert _image_parts(result.messages) == 1 and {1, 2, 21, 22} <= set(result.kept) and 2 not in result.recalled
+    assert result.tokens_after <= budget
+    check_contract(chat, result, counter, MODEL)
+
+
 def test_an_image_that_cannot_go_in_place_is_left_out_not_quoted(counter):
     chat = _receipt_chat()
     question = {"role": "user", "content": "Which restaurant was the receipt from, Luigi's?"}
@@ -273,7 +291,11 @@ def test_a_selection_by_message_never_quotes_an_image():
         ]
     )
     units = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
-    assert fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 5, 5, 5], 20, 4) == ({2}, [1])
+    # 0 meets 2 in place: it comes with its reply 1 as the bridge, quoted or not before
+    assert fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 5, 5, 5], 20, 4) == ({0, 1, 2}, [])
+    assert fill_quoting(chat, units, {3, 4}, [2, 1, 0], [5, 5, 5, 5], 20, 4) == ({0, 1, 2}, [])
+    # no room for both: the image is left out, never quoted; its reply is quoted alone
+    assert fill_quoting(chat, units, {3, 4}, [2, 0, 1], [5, 2, 5, 5], 11, 4) == ({2}, [1])
 
 
 def _region_page() -> str:

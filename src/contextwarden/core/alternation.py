@@ -220,7 +220,9 @@ def fill_quoting(
     quoted in a recall block (single messages with text and without images only: a quote holds
     text, a message with none would cost a line of its role alone, and an image would be lost;
     the block's label and acknowledgement cost `frame` once;
-    `fresh._quoted_blocks` places it). Returns (units in place, units quoted in `order`).
+    `fresh._quoted_blocks` places it). A unit with images that clashes comes in place with the
+    message beside it that bridges it (`_pictured_bridged`), a quoted one taken out of the block:
+    else it would go, neither sent nor quoted. Returns (units in place, units quoted in `order`).
 
     Example:
         >>> chat = ChatView([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -242,15 +244,45 @@ def fill_quoting(
                 left -= cost
                 at = bisect.bisect_left(out, span.start)
                 out[at:at] = list(span)
-        elif (
-            len(span) == 1
-            and view.text(span.start)
-            and not image_count(view.messages[span.start])
-            and (quote := cost + (0 if quoted else frame)) <= left
-        ):
+        elif any(image_count(view.messages[i]) for i in span):
+            placed = _pictured_bridged(view, units, out, u, taken, unit_cost, left, opener)
+            rest = [q for q in quoted if q not in (placed or ())]
+            cost = sum(unit_cost[p] for p in placed or () if p not in quoted) - (frame if quoted and not rest else 0)
+            if placed is not None and cost <= left:
+                quoted[:] = rest
+                left -= cost
+                taken.update(placed)
+                out = sorted([*out, *(i for p in placed for i in units[p])])
+        elif len(span) == 1 and view.text(span.start) and (quote := cost + (0 if quoted else frame)) <= left:
             left -= quote
             quoted.append(u)
     return taken, quoted
+
+
+def _pictured_bridged(
+    view: ChatView,
+    units: Sequence[range],
+    out: Sequence[int],
+    u: int,
+    taken: Collection[int],
+    unit_cost: Sequence[int],
+    left: int,
+    opener: int | None,
+) -> list[int] | None:
+    """Unit `u`, with images, that clashes with what is sent (`out`, ascending), placed with the
+    message beside it that makes roles alternate (`fits_bridged`: a receipt with its reply): `u`
+    and its bridges (single messages not `taken`, each within `left`; a quoted one moves), None
+    when there is none or a reply but `opener` would open what is sent."""
+    unit_at = {units[k].start: k for k in range(len(units)) if len(units[k]) == 1 and k not in taken}
+    costs = [unit_cost[unit_at[i]] if i in unit_at else left + 1 for i in range(len(view))]
+    span = units[u]
+    placed = fits_bridged(view, out, list(span), costs, left + 1)
+    if placed is None:
+        return None
+    first = placed[0]
+    if first < (out[0] if out else len(view)) and first != opener and view.role(first) != "user":
+        return None
+    return [u, *(unit_at[i] for i in placed if i not in span)]
 
 
 def alternate(

@@ -91,7 +91,7 @@ def picks_messages(view: ChatView, costs: Sequence[int], max_tokens: int) -> boo
     if len(earlier) < BY_MESSAGE_TURNS:  # a short chat (a pasted document, a tool's result) goes by turns
         return False
     if any(image_count(view.messages[i]) for turn in earlier for i in turn.indices):
-        return False  # a quote holds no image: by message, one that would clash in place would go
+        return False  # a quote holds no image: by message, one that would clash goes unless a bridge fits
     room = max_tokens - TOKENS_PER_REPLY - sum(costs[i] for i in mandatory_indices(view))
     return room * len(earlier) < BY_MESSAGE_TURNS * sum(costs[i] for turn in earlier for i in turn.indices)
 
