@@ -639,3 +639,26 @@ async def test_a_regenerate_after_a_loop_call_that_let_the_block_go_sends_the_bl
     blocks = [m["content"] for m in request if is_recall_message(m)]
     assert inlet == request and len(blocks) == 1 and "4417" in blocks[0]
     assert request[-1] == first[-1] and request[0] == first[0]
+
+
+@pytest.mark.parametrize("embed", [None, "hashed"])
+def test_an_orphan_with_an_image_is_no_message_to_send_in_place(counter, embed):
+    """A reply with an image whose tool call was never answered (an orphan: never sent) counted
+    among the messages the recall wants in place for their images; on a later turn's new
+    selection `fresh._pictured_in_place` looked for its turn, found none, and the trim raised
+    StopIteration (found by a hypothesis run with images and the embedder)."""
+    import hashlib
+
+    def hashed(texts: list[str]) -> list[list[float]]:
+        return [[b / 255 + 0.01 for b in hashlib.sha256(t.encode()).digest()[:8]] for t in texts]
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    orphan = {"role": "assistant", "content": [{"type": "text", "text": "The lighthouse photo."}, image]}
+    orphan["tool_calls"] = [call]
+    options = {"max_tokens": 2_000, "model": MODEL, "token_counter": counter, "embed": hashed if embed else None}
+    first = trim_messages([orphan], **options)
+    later = [orphan, {"role": "user", "content": "Where is the lighthouse photo?"}]
+    result = trim_messages(later, previous=first.decision, **options)
+    assert result.kept == (1,) and result.dropped == (0,)
+    check_contract(later, result, counter, MODEL)

@@ -85,7 +85,8 @@ def recall_room(max_tokens: int, recall_share: float = DEFAULT_RECALL_SHARE) -> 
 class _Pool:
     """What this turn's recall chooses from: every message's score, the candidates (in
     `recall_order`), their costs; and the relevant messages it may not quote for their images
-    (`pictured`: see `recall_candidates`; their costs, images included, in `costs` too)."""
+    (`pictured`: see `recall_candidates`; their costs, images included, in `costs` too), which
+    may only go in place: never an orphan (a tool call never answered), which is never sent."""
 
     scores: list[float]
     candidates: list[int]
@@ -194,7 +195,8 @@ class _Pools:
             scores = _with_neighbours(scores, texts, question, _RECALL_WEIGHTS)
             relevant = _relevant(view, scores)
             candidates = [i for i in relevant if not image_count(messages[i])]
-            pictured = tuple(i for i in relevant if image_count(messages[i]))
+            orphans = view.orphan_set  # never sent: no place for their images
+            pictured = tuple(i for i in relevant if image_count(messages[i]) and i not in orphans)
             counts = self.counter.count_each([messages[i] for i in [*candidates, *pictured]], self.model)
             costs = dict(zip([*candidates, *pictured], counts, strict=True))
             pool = self._made[key] = _Pool(scores, recall_order(candidates, scores, costs), costs, pictured)
