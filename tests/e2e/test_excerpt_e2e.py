@@ -1,7 +1,7 @@
 """Issue 15 item 4 in the real Open WebUI 0.12.4: a pasted document, then a question about one fact.
 
 A ~6,000-token document pasted into a chat whose window is 4,000 tokens (3,500 budget): the
-paste itself goes cut middle-out (it is that turn's question); a later question about one fact
+paste itself goes cut by passages (it is that turn's question); a later question about one fact
 in it gets the document's passages that hold the fact sent as an excerpt, in place, with a
 visible cut marker, instead of the whole document being dropped; the turn after that, whose
 needs are the same, sends the very same excerpt again (the prefix a prompt cache keeps).
@@ -53,7 +53,7 @@ def test_a_fact_in_a_pasted_document_reaches_the_backend(
     ]
     chat(open_webui, MODEL, history, chat_id=chat_id)
     pasted = backend.last_request["messages"][-1]["content"]
-    assert "tokens cut by contextwarden" in pasted  # the paste itself, cut middle-out
+    assert "tokens cut by contextwarden" in pasted  # the paste itself, cut by passages
 
     history += [
         {"role": "assistant", "content": "I have read the report."},
@@ -76,3 +76,21 @@ def test_a_fact_in_a_pasted_document_reaches_the_backend(
     again = backend.last_request["messages"]
     assert again[: len(got)] == got, "the excerpt was not sent again unchanged"
     assert counter.count_messages(again, MODEL) <= BUDGET
+
+
+def test_a_document_pasted_with_its_question_sends_the_passage_it_asks_about(
+    open_webui: OpenWebUI, backend: FakeBackend, cw: str, counter: TokenCounter
+) -> None:
+    """The document and the question in one message, over the budget alone: the model got the
+    question and the document's ends (cut middle-out), not the fact it asked about."""
+    question = "In which aisle of the warehouse are the spare turbine blades stored?"
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Here is our warehouse report:\n\n" + pasted_document(counter) + "\n\n" + question},
+    ]
+    chat(open_webui, MODEL, history, chat_id=f"temporary:{uuid.uuid4()}")
+    got = backend.last_request["messages"]
+    sent = got[-1]["content"]
+    assert counter.count_messages(got, MODEL) <= BUDGET
+    assert "tokens cut by contextwarden" in sent and sent.endswith(question)
+    assert FACT in sent, "the passage the question asks about did not reach the backend"
