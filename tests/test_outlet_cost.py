@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import logging
 import math
@@ -332,7 +333,9 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
         assert metadata["contextwarden"]["estimated_prompt_tokens"] == counted
         real = math.ceil(counted * 1.25)  # what the provider reports for what we sent
         reals.append(real)
-        reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": real, "completion_tokens": 5}}
+        usage = {"prompt_tokens": real, "completion_tokens": 5}
+        await stream_reply(f, metadata, usage)
+        reply = {"role": "assistant", "content": "ok", "usage": usage}
         await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=metadata)
     assert reals[0] > budget  # uncalibrated: our count fitted, the real one did not
     assert all(real <= budget for real in reals[1:]), reals
@@ -345,26 +348,45 @@ async def test_calibration_makes_real_tokens_fit_the_budget(counter):
 
 
 async def test_calibration_skips_tool_loops_estimates_and_can_be_off(counter):
+    """Started, streamed turns that still teach nothing: a tool loop (two provider calls, the
+    outlet's usage summed), a backend that reported no usage, and the valve off."""
     model = "gpt-4o"
-    for valves, usage in [
-        (
-            {},
-            {"prompt_tokens": 900, "completion_tokens": 5, "input_tokens": 2700, "output_tokens": 15},
-        ),  # 3 calls summed
-        ({}, None),  # no real usage
-        ({"calibrate_counts": False}, "real"),
-    ]:
+    for valves, calls in [({}, "loop"), ({}, None), ({"calibrate_counts": False}, "real")]:
         f = cost_filter(counter, **valves)
         body = body_of(chat_of(8), model=model)
-        out = await f.request(body, __metadata__=body["metadata"])
-        counted = body["metadata"]["contextwarden"]["estimated_prompt_tokens"]
-        if usage == "real":
-            usage = {"prompt_tokens": counted * 2 - 1, "completion_tokens": 5}
+        metadata = body["metadata"]
+        out = await f.inlet(body, __user__={"id": "u1"}, __metadata__=metadata)
+        out = await f.request(out, __user__={"id": "u1"}, __metadata__=metadata)
+        real = metadata["contextwarden"]["estimated_prompt_tokens"] * 2 - 1
+        usage = None
+        if calls == "loop":  # the first call asks for a tool, the second answers: 3x the prompt in all
+            await stream_reply(f, metadata, {"prompt_tokens": real, "completion_tokens": 5}, tool_call=True)
+            await stream_reply(f, metadata, {"prompt_tokens": 2 * real, "completion_tokens": 5})
+            usage = {"prompt_tokens": 2 * real, "completion_tokens": 5, "input_tokens": 3 * real, "output_tokens": 10}
+        elif calls == "real":
+            usage = {"prompt_tokens": real, "completion_tokens": 5}
+            await stream_reply(f, metadata, usage)
         reply = {"role": "assistant", "content": "ok", **({"usage": usage} if usage else {})}
-        await f.outlet({"model": model, "messages": out["messages"] + [reply]}, __metadata__=body["metadata"])
+        await f.outlet(
+            {"model": model, "messages": out["messages"] + [reply]}, __user__={"id": "u1"}, __metadata__=metadata
+        )
         assert await load_calibration(f.store, "openai/gpt-4o") == Calibration()
 
 
+async def stream_reply(f, metadata: dict, usage: dict, *, tool_call: bool = False) -> None:
+    """One provider call as its stream reaches the filter's `stream` hook: a text (or tool-call)
+    chunk, then the usage the backend reports on a chunk of its own (OpenAI's include_usage)."""
+    stream_id = f"chatcmpl-{next(STREAM_IDS)}"
+    if tool_call:
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "search_web", "arguments": "{}"}}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}
+    else:
+        choice = {"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}
+    await f.stream({"id": stream_id, "choices": [choice]}, __metadata__=metadata)
+    await f.stream({"id": stream_id, "choices": [], "usage": usage}, __metadata__=metadata)
+
+
+STREAM_IDS = itertools.count(1)
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 TOOLS = [
     {
@@ -378,22 +400,27 @@ TOOLS = [
 ]
 
 
-async def learning_turn(f, chat, user: str, real_of, *, model: str, tools=None) -> dict:
-    """One request and its outlet with the provider's prompt tokens `real_of(our count)`; the note."""
+async def learning_turn(
+    f, chat, user: str, real_of, *, model: str, tools=None, outlet_of=None, streamed: bool = True, model_item=None
+) -> dict:
+    """One started turn whose backend reports `real_of(our count)` prompt tokens in the stream
+    (none when not `streamed`), and whose outlet says `outlet_of(our count)` (the same by
+    default: the outlet's usage is the saved chat's, its user's to write); the note.
+    `model_item` is Open WebUI's `__model__` (none by default)."""
     body = body_of(chat, model=model, user_id=user, chat_id=f"c-{user}")
     if tools:
         body["tools"] = tools
     metadata = body["metadata"]
-    out = await f.request(body, __user__={"id": user}, __metadata__=metadata)
+    who = {"__user__": {"id": user}, "__metadata__": metadata, "__model__": model_item}
+    out = await f.inlet(body, **who)
+    out = await f.request(out, **who)
     note = metadata["contextwarden"]
-    reply = {
-        "role": "assistant",
-        "content": "ok",
-        "usage": {"prompt_tokens": real_of(note["estimated_prompt_tokens"]), "completion_tokens": 5},
-    }
-    await f.outlet(
-        {"model": model, "messages": out["messages"] + [reply]}, __user__={"id": user}, __metadata__=metadata
-    )
+    counted = note["estimated_prompt_tokens"]
+    if streamed:
+        await stream_reply(f, metadata, {"prompt_tokens": real_of(counted), "completion_tokens": 5})
+    said = (outlet_of or real_of)(counted)
+    reply = {"role": "assistant", "content": "ok", "usage": {"prompt_tokens": said, "completion_tokens": 5}}
+    await f.outlet({"model": model, "messages": out["messages"] + [reply]}, **who)
     return note
 
 
@@ -422,6 +449,35 @@ async def test_one_users_image_and_tool_chats_do_not_move_anothers_budget(counte
     assert await load_calibration(f.store, model) == Calibration()
     note = await learning_turn(f, chat_of(4), "bob", lambda n: n, model=model)
     assert note["budget"] == 15_000 and note["calibration"] == 1.0
+
+
+@pytest.mark.parametrize("where", ["memory", "redis"])
+async def test_only_the_usage_a_stream_reported_teaches_the_calibration(counter, request, unique, where):
+    """An outlet's usage is the client's to write (Open WebUI 0.12.4 reads it from the saved
+    chat): five started turns whose outlet claimed half the prompt we counted set the factor every
+    user of the model trims with to 0.5 (effect 0.8: prompts sent up to the window by our count,
+    over it for a tokenizer counting 1.2x ours). Only what the backend reported in the stream
+    this worker watched teaches it; a turn with no stream report teaches nothing."""
+    valves = {} if where == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+    model = f"acme/calib-{unique}"  # its own key: nothing else on the Redis moves it
+    f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000, **valves)
+    half = lambda n: n // 2  # noqa: E731
+    for _ in range(5):  # a non-streamed request: nothing the backend said was seen
+        await learning_turn(f, chat_of(4), "mallory", half, model=model, streamed=False)
+    assert await load_calibration(f.store, model) == Calibration()
+    for _ in range(5):  # streamed, the backend reporting our count: the outlet says half
+        await learning_turn(f, chat_of(4), "mallory", lambda n: n, model=model, outlet_of=half)
+    learned = await load_calibration(f.store, model)
+    assert learned.samples == 5 and not learned.active, learned
+    for _ in range(5):  # the backend counts 1.2x ours; the outlet still says half
+        await learning_turn(f, chat_of(4), "mallory", lambda n: round(n * 1.2), model=model, outlet_of=half)
+    learned = await load_calibration(f.store, model)
+    assert learned.samples == 10 and learned.factor == pytest.approx(1.2 - 0.2 * 0.8**5, abs=0.01), learned
+    other = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000, **valves)
+    if where == "memory":
+        other = f  # the factor is the process's: another worker shares it through Redis only
+    note = await learning_turn(other, chat_of(4), "bob", lambda n: n, model=model)
+    assert note["calibration"] == pytest.approx(learned.factor)
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.6, 0.9, 1.6, 2.0])

@@ -299,6 +299,8 @@ def test_calibration_is_shared(spawn: Callable[..., WorkerProcess], unique: str,
         counted = seen["metadata"]["contextwarden"]["estimated_prompt_tokens"]  # the filter's own count
         body = outlet_body(prompt=round(counted * 1.3))
         body["messages"] = [*seen["body"]["messages"], body["messages"][-1]]
+        usage = {"id": "chatcmpl-1", "choices": [], "usage": body["messages"][-1]["usage"]}  # the backend's report
+        a.call("stream", events=[usage], metadata=seen["metadata"])
         a.call("outlet", body=body, metadata=seen["metadata"], user_id=meta["user_id"])
     meta = {"chat_id": f"chat-{unique}-b", "user_id": f"user-{unique}", "message_id": "m1"}
     request = {"model": MODEL, "messages": long_chat(30)}

@@ -7,7 +7,8 @@ line on stdin, one JSON reply per line on stdout. Logs (the ``usage`` lines) go 
 
     python tests/worker_proc.py <built file> <redis key prefix or "">
 
-Commands (``op``): ``valves``, ``inlet``, ``request``, ``outlet``, ``outlets`` (n concurrent, after an
+Commands (``op``): ``valves``, ``inlet``, ``request``, ``stream`` (its ``events``, one by one, as
+the chunks of a streamed reply), ``outlet``, ``outlets`` (n concurrent, after an
 optional Redis barrier so two workers write at the same time), ``inlets`` (the same for turns
 starting, refusals reported), ``ledger``, ``store``, ``quit``.
 Nothing here imports the contextwarden package: only the built file runs.
@@ -80,6 +81,11 @@ class Worker:
         if op in ("inlet", "request", "outlet"):
             metadata = copy.deepcopy(command.get("metadata") or {})
             return await self._hook(op, command, copy.deepcopy(command["body"]), metadata)
+        if op == "stream":
+            metadata = copy.deepcopy(command.get("metadata") or {})
+            for event in command["events"]:
+                await self.filter.stream(copy.deepcopy(event), __metadata__=metadata)
+            return {"ok": True}
         if op == "outlets":
             barrier = command.get("barrier")
             if barrier:

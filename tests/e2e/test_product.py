@@ -518,3 +518,26 @@ def test_forged_usage_through_chat_completed_is_not_believed(open_webui: OpenWeb
             assert Decimal(record["cost_usd"]) == Decimal("0.0035")
         assert "usage not believed" in open_webui.log_text(since)  # one warning, no value in it
         assert "1e999000" not in open_webui.log_text(since)
+
+
+def test_calibration_learns_from_what_the_stream_reported(open_webui: OpenWebUI, backend: FakeBackend, cw: str) -> None:
+    """The fake backend counts ~1.3x tiktoken. A non-streamed reply's usage reaches the filter
+    only in its outlet (for a saved chat, the saved message's: its user's to write), so it
+    teaches the factor every user of the model trims with nothing. A streamed reply's usage
+    passes the filter's `stream` hook inside Open WebUI: that teaches it, and the next turn's
+    budget is calibrated."""
+    model = "openai/gpt-4o-mini"  # its own factor: no other scenario here learns one for it
+    set_valves(open_webui, cw, {**base_valves(), "calibrate_counts": True})
+
+    def factor_shown(stream: bool) -> float | None:
+        since = open_webui.log_mark()
+        text_only = [m for m in long_chat(turns=12) if m["role"] != "tool" and not m.get("tool_calls")]
+        chat(open_webui, model, text_only, stream=stream)
+        one_usage_record(open_webui, since)
+        shown = re.search(r"calibrated ×([0-9.]+)", open_webui.log_text(since))
+        return float(shown.group(1)) if shown else None
+
+    assert [factor_shown(False) for _ in range(6)] == [None] * 6  # usage in the outlet alone
+    assert factor_shown(True) is None  # this turn's budget was not calibrated yet; its stream teaches
+    learned = factor_shown(True)
+    assert learned is not None and 1.15 < learned < 1.45, learned

@@ -2,7 +2,9 @@
 
 tiktoken counts are exact for OpenAI models only; Claude, Llama or Qwen tokenizers give other
 numbers. After each single-call reply the outlet compares what the request hook counted for
-what it sent with the real `prompt_tokens` and updates a smoothed factor (real / counted):
+what it sent with the real `prompt_tokens` the backend reported in the stream this worker watched
+(never the outlet's own usage: Open WebUI reads it from the saved chat, which its user can
+write) and updates a smoothed factor (real / counted):
 the mean of the first samples, then an exponential moving average, clamped to
 [MIN_CALIBRATION, MAX_CALIBRATION], ignoring tiny prompts, and an outlier moving it as one
 CALIBRATION_OUTLIER times off would (never ignored: a factor that only ever heard outliers could

@@ -10,7 +10,8 @@ streamed; a turn that showed nothing keeps its estimate once `RESERVATION_SECOND
 passed. Either is then added to the usage ledger (estimated when nothing was reported). An
 ended turn is kept a while longer (`KEEP_SECONDS`) so a late outlet still settles it at what
 it really cost. Only a turn found here teaches anything (calibration, cache statistics): a
-bare outlet may be forged.
+bare outlet may be forged; and the calibration learns only from what its stream reported
+(`reported_prompt`): the outlet's usage is the client's to write.
 
 Bounded: a user with MAX_USER_OPEN_TURNS open pushes out their own oldest, and a worker with
 MAX_OPEN_TURNS its oldest. A turn pushed out is settled as ended at once (as the sweep would
@@ -151,6 +152,18 @@ class OpenTurn:
         counted = (self.prompt_tokens, -(-self.streamed // CHARS_PER_TOKEN))
         prompt, reply = (math.floor(tokens * MIN_CALIBRATION) for tokens in counted)
         return Charge.priced(Usage(prompt, reply), self.price)
+
+    def reported_prompt(self) -> int | None:
+        """The prompt tokens the backend reported in the stream for the turn's one provider call,
+        what the calibration learns from (the outlet's usage is the client's to write; this the
+        provider's, seen by this worker). None when the stream reported no call or several, a
+        call asked for tools (another follows), or its report left a count out."""
+        if len(self.stream_usage) != 1 or self.calls_on or self.calling:
+            return None
+        usage = self.stream_usage[0]
+        if usage.calls_summed or usage.completion_tokens is None:
+            return None
+        return usage.prompt_tokens
 
 
 def read_chunk(event: Any) -> tuple[int, bool]:
