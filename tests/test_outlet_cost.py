@@ -457,13 +457,17 @@ async def test_only_the_usage_a_stream_reported_teaches_the_calibration(counter,
     chat): five started turns whose outlet claimed half the prompt we counted set the factor every
     user of the model trims with to 0.5 (effect 0.8: prompts sent up to the window by our count,
     over it for a tokenizer counting 1.2x ours). Only what the backend reported in the stream
-    this worker watched teaches it; a turn with no stream report teaches nothing."""
+    this worker watched teaches it; a turn with no stream report teaches nothing, nor one on a
+    direct connection (its stream comes from the user's browser)."""
     valves = {} if where == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
     model = f"acme/calib-{unique}"  # its own key: nothing else on the Redis moves it
     f = cost_filter(counter, max_context_tokens=16_000, reserve_output_tokens=1_000, **valves)
     half = lambda n: n // 2  # noqa: E731
     for _ in range(5):  # a non-streamed request: nothing the backend said was seen
         await learning_turn(f, chat_of(4), "mallory", half, model=model, streamed=False)
+    direct = {"id": model, "owned_by": "openai", "direct": True}  # `model_item` as the request sent it
+    for _ in range(5):  # streamed, but through the user's own browser: the stream says half too
+        await learning_turn(f, chat_of(4), "mallory", half, model=model, model_item=direct)
     assert await load_calibration(f.store, model) == Calibration()
     for _ in range(5):  # streamed, the backend reporting our count: the outlet says half
         await learning_turn(f, chat_of(4), "mallory", lambda n: n, model=model, outlet_of=half)

@@ -44,7 +44,7 @@ from ..money.spendbook import Charge, SpendBook
 from ..money.usage import Cost, Estimated, Usage, compute_cost, read_usage
 from ..state.store import RedisStore, Store
 from .adminview import USAGE_WRITTEN, is_usage_command, usage_answer
-from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, is_chat_body, runs_as_chat_task
+from .hookargs import METADATA_KEY, Emitter, base_model_id, chat_ids, is_chat_body, is_direct, runs_as_chat_task
 from .offloop import compute, heavy
 from .settings import MODES, Settings
 from .status import pending_detail, pending_line, turn_line, usage_status
@@ -356,6 +356,7 @@ class Bookkeeping:
             charged=None,
             started=time.monotonic(),
             store=self._store,  # settled and booked there, even after `redis_url` changes
+            relayed=is_direct(model),
         )
         if limits.any:
             self._open.hold(turn.store)  # not closed while the charge goes in, if `redis_url` leaves it

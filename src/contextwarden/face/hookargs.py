@@ -17,6 +17,7 @@ __all__ = [
     "chat_ids",
     "told_as_admin",
     "is_chat_body",
+    "is_direct",
     "model_context_length",
     "runs_as_chat_task",
     "wants_stream_usage",
@@ -66,6 +67,13 @@ def base_model_id(body: dict[str, Any], model: dict[str, Any] | None) -> str:
     return str(body.get("model") or "")
 
 
+def is_direct(model: dict[str, Any] | None) -> bool:
+    """True for a direct connection's model: Open WebUI 0.12.4 takes it from the request
+    (`model_item`, any signed-in user's to send) and relays its stream from the user's browser
+    (`utils/chat.py` `generate_direct_chat_completion`), so what that stream reports is the client's."""
+    return isinstance(model, dict) and bool(model.get("direct"))
+
+
 def is_chat_body(body: Any) -> bool:
     """True when `body` is a dict whose `messages` is a list of dicts (a chat the filter reads)."""
     messages = body.get("messages") if isinstance(body, dict) else None
@@ -86,7 +94,7 @@ def wants_stream_usage(body: dict[str, Any], model: dict[str, Any] | None) -> bo
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
         return False
-    if model.get("owned_by") != "openai" or "ollama" in model or model.get("pipe") or model.get("direct"):
+    if model.get("owned_by") != "openai" or "ollama" in model or model.get("pipe") or is_direct(model):
         return False
     return model.get("api_type") != "responses"
 

@@ -77,6 +77,7 @@ class OpenTurn:
     charged: Charge | None
     started: float
     store: Store = field(repr=False, compare=False)  # where it was charged: it is settled and booked there
+    relayed: bool = False  # its stream comes through the user's browser (a direct connection): the client's
     last_seen: float = 0.0
     streamed: int = 0  # characters of text the stream carried
     stream_usage: list[Usage] = field(default_factory=list)  # one per provider call that reported
@@ -157,8 +158,9 @@ class OpenTurn:
         """The prompt tokens the backend reported in the stream for the turn's one provider call,
         what the calibration learns from (the outlet's usage is the client's to write; this the
         provider's, seen by this worker). None when the stream reported no call or several, a
-        call asked for tools (another follows), or its report left a count out."""
-        if len(self.stream_usage) != 1 or self.calls_on or self.calling:
+        call asked for tools (another follows), its report left a count out, or the stream was
+        the client's to write (`relayed`)."""
+        if self.relayed or len(self.stream_usage) != 1 or self.calls_on or self.calling:
             return None
         usage = self.stream_usage[0]
         if usage.calls_summed or usage.completion_tokens is None:
