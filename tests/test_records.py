@@ -285,3 +285,14 @@ def test_chat_state_reads_what_the_previous_version_stored():
     unreadable = json.dumps({"v": 1, "decision": "{broken", "pins": ["p1"], "pin_mode": False}).encode()
     assert ChatState.parse(unreadable) == ChatState(pins=("p1",))  # the pins live on; the decision is not reused
     assert ChatState.parse(b'{"v": 3, "decision": null, "pins": [], "pin_mode": false}') is None
+
+
+def test_a_decision_keeps_its_documents_and_one_written_before_knows_none():
+    """The positions of the documents a decision saw go with it (the next turn's shortcut tells
+    one it drops without counting it again); a decision stored before has None, not ()."""
+    with_docs = replace(DECISION, documents=(1, 4))
+    assert with_docs.to_dict()["docs"] == [1, 4] and TrimDecision.from_json(with_docs.to_json()) == with_docs
+    assert TrimDecision.from_json(FORMAT_2).documents is None and "docs" not in DECISION.to_dict()
+    assert TrimDecision.from_dict({**with_docs.to_dict(), "docs": [4, 1]}).documents is None  # not ascending
+    assert TrimDecision.from_dict({**with_docs.to_dict(), "docs": [9]}).documents is None  # past what it saw
+    assert with_docs.relocated({3: 3, 7: 7}).documents is None  # the size figures go with the list they describe

@@ -464,3 +464,35 @@ def test_a_question_is_not_cut_to_its_marker_when_that_cannot_make_it_fit(counte
     assert over.over_budget and over.messages[-1] is chat[-1] and over.shortened == ()
     fits = trim_messages(chat, max_tokens=3_200, model=MODEL, token_counter=counter)
     assert not fits.over_budget and fits.shortened == (1,) and fits.tokens_after <= 3_200
+
+
+def test_a_document_dropped_whole_is_left_out_on_every_path(counter):
+    """`left_out`: the documents neither sent nor quoted. The next turn's shortcut, which reads
+    only what is new, finds the same as the full path (from the decision's `documents`); a
+    decision stored before they were recorded sends the turn by the full path, once."""
+    from dataclasses import replace
+
+    from test_passage_turns import long_text
+
+    chat = [
+        {"role": "user", "content": "Please keep this report in mind:\n\n" + long_text(3, 80, 5)},
+        {"role": "assistant", "content": "I have read the report."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    options = {"max_tokens": 800, "model": "gpt-4o", "token_counter": counter}
+    first = trim_messages(chat, **options)
+    assert first.left_out == (0,) and first.decision is not None and first.decision.documents == (0,)
+    previous = first.decision
+    for city in ("Italy", "Spain", "Greece"):
+        chat += [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": f"And of {city}?"}]
+        full = trim_messages(chat, **options, previous=previous)
+        carried = carry_previous(chat, **options, previous=previous)
+        assert full.left_out == (0,) and (carried is None or carried == full)
+        previous = full.decision
+    assert carried is not None  # the shortcut ran, and agreed
+    old = replace(previous, documents=None)
+    chat += [{"role": "assistant", "content": "Athens."}, {"role": "user", "content": "And of Malta?"}]
+    assert carry_previous(chat, **options, previous=old) is None
+    assert trim_messages(chat, **options, previous=old).left_out == (0,)
+    short = trim_messages([{"role": "user", "content": "hi " * 900}, *chat[1:]], **options)
+    assert 0 in short.dropped and short.left_out == ()  # ~900 tokens: no document

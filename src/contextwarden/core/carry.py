@@ -21,6 +21,7 @@ from .excerpt import EXCERPT_KEEP_SHARE, Excerpt, fresh_share, rebuild
 from .recall import (
     _Block,
     _block,
+    _left_out,
     _new_recall,
     _passages,
     _Pool,
@@ -37,7 +38,7 @@ from .recall import (
 from .relevance import leans_on_latest
 from .selection import carried_recalls, extend_previous, history_chars, reuse_previous, window_start
 from .tokens import TOKENS_PER_REPLY, CountMode, TokenCounter
-from .trim_types import TrimOptions, TrimResult, _Counted, _sized
+from .trim_types import TrimOptions, TrimResult, _Counted, _sized, documents
 
 __all__ = ["RECALL_KEEP_SHARE", "FOLLOW_UP_KEEP_SHARE", "MAX_RECALL_BLOCKS"]
 
@@ -345,9 +346,10 @@ def _asked_before(previous: TrimDecision, fingerprints: Sequence[str], question:
 
 def _history_unchanged(view: ChatView, previous: TrimDecision, scheme: str) -> tuple[Sequence[int], int] | None:
     """(system positions, history length) when the messages `previous` saw are there unchanged
-    in length and counted alike; None when the shortcut cannot tell."""
+    in length and counted alike; None when the shortcut cannot tell (nor when the decision does
+    not know their documents: written before it recorded them)."""
     seen, messages = previous.seen, view.messages
-    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0:
+    if seen > len(messages) or previous.counted_with != scheme or previous.seen_chars < 0 or previous.documents is None:
         return None
     system = view.system_positions
     chars = history_chars(messages, system)
@@ -398,6 +400,8 @@ def _extend_previous(
     sent, stable, added = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
     at = tuple(i for i in order if i not in system)
+    new = [counter.count_message(m, model) for m in view.messages[previous.seen :]]  # the counter's cache answers
+    found = (*(previous.documents or ()), *documents(view, new, previous.seen))
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -410,14 +414,22 @@ def _extend_previous(
         counted_with=scheme,
         recalls=_recall_record(blocks, fingerprints),
         excerpts=previous.excerpts,
+        documents=found,
     )
     result = _reused_result(
         sent, order, keep, len(view), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
     )
+    return _seen_cuts(replace(result, notes=tuple(pools.notes)), view, excerpts, blocks, _left_out(found, keep, blocks))
+
+
+def _seen_cuts(
+    result: TrimResult, view: ChatView, excerpts: Mapping[int, Excerpt], blocks: list[_Block], left_out: tuple[int, ...]
+) -> TrimResult:
+    """The shortcut's result with what it tells that needs the view: the passages only recall
+    blocks quote, the documents `left_out`, the tool results among them."""
     quoted = _quoted_passages(view, excerpts, blocks)
-    return replace(
-        result, notes=tuple(pools.notes), quoted_passages=quoted, tool_results=_tool_results(excerpts, view, quoted)
-    )
+    tools = _tool_results(excerpts, view, quoted, left_out)
+    return replace(result, quoted_passages=quoted, tool_results=tools, left_out=left_out)
 
 
 def _extended_sizes(

@@ -159,6 +159,9 @@ class TrimDecision:
     counted_with: str = ""
     recalls: tuple[Recall, ...] = ()
     excerpts: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (position, chunk numbers) of excerpted messages
+    # positions of the `seen` messages that are documents (`trim_types.documents`): the next turn's
+    # shortcut tells a document it drops without counting it; None when not known (written before)
+    documents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Positions that cannot be right (not one ascending int per kept message) are dropped,
@@ -177,6 +180,8 @@ class TrimDecision:
             object.__setattr__(self, "recalls", ())
         if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
             object.__setattr__(self, "excerpts", ())
+        if self.documents is not None and not _positions_ok(self.documents, self.seen):
+            object.__setattr__(self, "documents", None)
 
     def relocated(self, where: Mapping[int, int]) -> TrimDecision:
         """This decision for another list of the same messages (a later pass's input and the
@@ -219,7 +224,7 @@ class TrimDecision:
             "seen": [self.seen, self.seen_tokens, self.seen_chars, self.counted_with],
             "recalls": [r.to_list() for r in self.recalls],
             "excerpts": [[i, list(chunks)] for i, chunks in self.excerpts],
-        }
+        } | ({} if self.documents is None else {"docs": list(self.documents)})
 
     def to_json(self) -> str:
         """A compact JSON text of this decision."""
@@ -267,6 +272,7 @@ class TrimDecision:
                 seen[3],
                 recalls=tuple(r for r in recalls if r is not None and (not seen[0] or r.at[-1] < seen[0])),
                 excerpts=_excerpt_records(data.get("excerpts")),  # absent before excerpts
+                documents=tuple(docs) if isinstance(docs := data.get("docs"), list) else None,  # absent before
             )
         except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not a TrimDecision: {type(exc).__name__}") from exc
@@ -351,6 +357,15 @@ def _excerpt_records(value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
     if not all(type(e[0]) is int and isinstance(e[1], list) and all(type(k) is int for k in e[1]) for e in value):
         return ()
     return tuple((e[0], tuple(e[1])) for e in value)
+
+
+def _positions_ok(positions: object, seen: int) -> bool:
+    """Ascending positions in a list of `seen` messages (none in a decision that saw none)."""
+    return (
+        isinstance(positions, tuple)
+        and all(type(i) is int and 0 <= i < seen for i in positions)
+        and all(a < b for a, b in pairwise(positions))
+    )
 
 
 def _excerpt_record_ok(record: object, at: tuple[int, ...]) -> bool:

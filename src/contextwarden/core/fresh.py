@@ -16,7 +16,15 @@ from .relevance import score_messages, wants_whole
 from .selection import choose_indices, mandatory_indices
 from .semantic import VECTORS, Embed, similarities
 from .tokens import TOKENS_PER_REPLY, TokenCounter
-from .trim_types import DEFAULT_GROWTH_TURNS, TrimOptions, _Counted, _sized
+from .trim_types import (
+    DEFAULT_GROWTH_TURNS,
+    WHOLE_DOCUMENT_MIN_CHARS,
+    WHOLE_DOCUMENT_MIN_TOKENS,
+    TrimOptions,
+    _Counted,
+    _sized,
+    documents,
+)
 
 __all__ = [
     "WHOLE_DOCUMENT_SHARE",
@@ -28,13 +36,9 @@ __all__ = [
 ]
 
 # A question about the documents as a whole (a summary, an overview) in a chat that holds one (an
-# earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS) gets this share of what the mandatory
-# part leaves for the large old messages, before the rest is chosen.
+# earlier message of at least WHOLE_DOCUMENT_MIN_TOKENS: `trim_types.documents`) gets this share
+# of what the mandatory part leaves for the large old messages, before the rest is chosen.
 WHOLE_DOCUMENT_SHARE = 0.75
-WHOLE_DOCUMENT_MIN_TOKENS = 2_000
-# The next turn's shortcut checks for such a message by its length: a token is at least 3 characters
-# in the texts this holds for (bench/speed.py's chats of ~500-token turns use "summary" freely).
-WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
 # A lexical selection picks single messages, not whole turns, when what the budget leaves beside
 # the mandatory part holds fewer than this many of the chat's earlier turns on average
 # (`picks_messages`). At 1k the dev sets sit on either side: REALTALK's merged turns 4.7-6.5
@@ -278,13 +282,10 @@ def semantic_scores(view: ChatView, embed: Embed, notes: list[str]) -> list[floa
     )
 
 
-def _documents(chat: _Counted) -> list[int]:
-    """The chat's documents: messages before the latest question (no system prompt) of
-    `WHOLE_DOCUMENT_MIN_TOKENS` or more."""
+def _documents(chat: _Counted) -> tuple[int, ...]:
+    """The chat's documents (`trim_types.documents`) before the latest question."""
     question = chat.view.question
-    system = set(chat.view.system_indices)
-    before = chat.costs if question is None else chat.costs[:question]
-    return [i for i, c in enumerate(before) if c >= WHOLE_DOCUMENT_MIN_TOKENS and i not in system]
+    return documents(chat.view, chat.costs if question is None else chat.costs[:question])
 
 
 def _holds_document(chat: _Counted, keep: Collection[int]) -> bool:

@@ -467,12 +467,23 @@ def _quoted_passages(
 
 
 def _tool_results(
-    excerpts: Mapping[int, Excerpt], view: ChatView, quoted: Sequence[tuple[int, int, int]] = ()
+    excerpts: Mapping[int, Excerpt],
+    view: ChatView,
+    quoted: Sequence[tuple[int, int, int]] = (),
+    left_out: Sequence[int] = (),
 ) -> tuple[int, ...]:
-    """The excerpted messages, and those `quoted` by passages (`_quoted_passages`), that are tool
-    results (a user is told `tool result`, not `document`)."""
+    """The excerpted messages, those `quoted` by passages (`_quoted_passages`) and those `left_out`
+    (`_left_out`) that are tool results (a user is told `tool result`, not `document`)."""
     tools = {i for i, e in excerpts.items() if e.message.get("role") == "tool"}
-    return tuple(sorted(tools.union(i for i, _, _ in quoted if view.role(i) == "tool")))
+    tools.update(i for i, _, _ in quoted if view.role(i) == "tool")
+    return tuple(sorted(tools.union(i for i in left_out if view.role(i) == "tool")))
+
+
+def _left_out(documents: Sequence[int], keep: Collection[int], blocks: Sequence[_Block]) -> tuple[int, ...]:
+    """The `documents` dropped whole: not sent (in place, shortened or excerpted: all in `keep`) and
+    not quoted, whole or by passages, by a recall block."""
+    quoted = set(_recalled(blocks))
+    return tuple(i for i in documents if i not in keep and i not in quoted)
 
 
 def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -21,12 +21,13 @@ from .chatview import ChatView
 from .conversation import Message, latest_question, message_text
 from .decision import TrimDecision
 from .excerpt import Excerpt
-from .fresh import WHOLE_DOCUMENT_MIN_CHARS, _new_selection, _wants_whole, selection_target
+from .fresh import _new_selection, _wants_whole, selection_target
 from .recall import (
     _RECALL_WEIGHTS,
     DEFAULT_RECALL_SHARE,
     MAX_RECALL_SHARE,
     _Block,
+    _left_out,
     _passages,
     _Pools,
     _quoted_passages,
@@ -50,7 +51,15 @@ from .selection import (
 from .semantic import Embed
 from .shorten import PINS_DROPPED_NOTE, PINS_SHORTENED_NOTE, SHORTENED_MARK, _mandatory_part
 from .tokens import TOKENS_PER_REPLY, TokenCounter
-from .trim_types import DEFAULT_GROWTH_TURNS, DEFAULT_LOW_WATERMARK, TrimOptions, TrimResult, _Counted
+from .trim_types import (
+    DEFAULT_GROWTH_TURNS,
+    DEFAULT_LOW_WATERMARK,
+    WHOLE_DOCUMENT_MIN_CHARS,
+    TrimOptions,
+    TrimResult,
+    _Counted,
+    documents,
+)
 
 __all__ = [
     "TrimOptions",
@@ -431,6 +440,8 @@ def _result(
     sent, stable, added = _with_blocks(sent, order, blocks, view.question)
     after += sum(b.tokens for b in blocks)
     quoted = _quoted_passages(view, excerpts, blocks)
+    found = documents(view, costs)
+    left_out = _left_out(found, keep, blocks)
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -443,6 +454,7 @@ def _result(
         counted_with=chat.scheme,
         recalls=_recall_record(blocks, fingerprints),
         excerpts=tuple((i, e.chunks) for i, e in sorted(excerpts.items())),
+        documents=found,
     )
     return TrimResult(
         messages=sent,
@@ -461,7 +473,8 @@ def _result(
         passages=_passages(excerpts, blocks),
         recalled_passages=_recalled_passages(blocks),
         quoted_passages=quoted,
-        tool_results=_tool_results(excerpts, view, quoted),
+        tool_results=_tool_results(excerpts, view, quoted, left_out),
+        left_out=left_out,
     )
 
 
@@ -495,6 +508,7 @@ def _without(
         quoted_passages=tuple((back(i), sent, total) for i, sent, total in inner.quoted_passages),
         excerpted=tuple(map(back, inner.excerpted)),
         tool_results=tuple(map(back, inner.tool_results)),
+        left_out=tuple(map(back, inner.left_out)),
         tokens_before=TOKENS_PER_REPLY + sum(counter.count_each(messages, model)),
         decision=None if inner.decision is None else inner.decision.relocated(dict(enumerate(rest))),
     )

@@ -8,18 +8,50 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .chatview import ChatView
-from .conversation import Message
+from .conversation import Message, image_count
 from .decision import TrimDecision
-from .excerpt import Excerpt
+from .excerpt import Excerpt, cuttable
 from .recall import DEFAULT_RECALL_SHARE, _Pools
 from .selection import DEFAULT_KEEP_LAST_TURNS, DEFAULT_STRATEGY, Strategy
 from .semantic import Embed
 from .tokens import CountMode
 
-__all__ = ["TrimOptions", "TrimResult", "DEFAULT_LOW_WATERMARK", "DEFAULT_GROWTH_TURNS"]
+__all__ = [
+    "TrimOptions",
+    "TrimResult",
+    "DEFAULT_LOW_WATERMARK",
+    "DEFAULT_GROWTH_TURNS",
+    "WHOLE_DOCUMENT_MIN_TOKENS",
+    "WHOLE_DOCUMENT_MIN_CHARS",
+    "documents",
+]
 
 DEFAULT_LOW_WATERMARK = 0.8
 DEFAULT_GROWTH_TURNS = 2
+# A document: a message (not a system prompt) of at least this many tokens, not pictures alone (a
+# message with images is one when it has a text to cut: `excerpt.cuttable`). A question about
+# the documents as a whole gets the budget filled with them (`fresh.WHOLE_DOCUMENT_SHARE`); one
+# dropped whole is told (`TrimResult.left_out`).
+WHOLE_DOCUMENT_MIN_TOKENS = 2_000
+# The next turn's shortcut checks for such a message by its length: a token is at least 3 characters
+# in the texts this holds for (bench/speed.py's chats of ~500-token turns use "summary" freely).
+WHOLE_DOCUMENT_MIN_CHARS = 3 * WHOLE_DOCUMENT_MIN_TOKENS
+
+
+def documents(view: ChatView, costs: Sequence[int], start: int = 0) -> tuple[int, ...]:
+    """The documents (see `WHOLE_DOCUMENT_MIN_TOKENS`) among the messages from `start` on, whose
+    tokens `costs` holds: the one rule for what a user is told is a document, and a whole-text
+    question reads.
+
+    Example:
+        >>> view = ChatView([{"role": "system", "content": "s"}, {"role": "user", "content": "d"},
+        ...                  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        >>> documents(view, [2_500] * 3), documents(view, [2_500, 9], start=1)
+        ((1,), (1,))
+    """
+    large = [i for i, c in enumerate(costs, start) if c >= WHOLE_DOCUMENT_MIN_TOKENS]
+    system, messages = view.system_positions, view.messages
+    return tuple(i for i in large if i not in system and (not image_count(messages[i]) or cuttable(messages[i])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +100,9 @@ class TrimResult:
     says, for each excerpted message in order, how many of its passages (chunks) were sent of
     how many it has: what a user is told (`document excerpted: 3 of 24 passages`);
     `quoted_passages` the same, as (index, sent, in all), of each message only recall blocks
-    quote by passages (not excerpted in place); `tool_results` which excerpted messages are tool
+    quote by passages (not excerpted in place); `left_out` the documents (`documents`) dropped
+    whole: neither sent, in part or whole, nor quoted by a recall block (a user is told `document
+    left out`); `tool_results` which of the excerpted, quoted and left out messages are tool
     results (told as such, not documents).
     """
 
@@ -92,6 +126,7 @@ class TrimResult:
     recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
     quoted_passages: tuple[tuple[int, int, int], ...] = ()
     tool_results: tuple[int, ...] = ()
+    left_out: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stable_prefix < 0:  # no recall block: all, up to the first shortened copy (cut anew next turn)
