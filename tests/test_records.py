@@ -287,6 +287,22 @@ def test_chat_state_reads_what_the_previous_version_stored():
     assert ChatState.parse(b'{"v": 3, "decision": null, "pins": [], "pin_mode": false}') is None
 
 
+def test_documents_dropped_whole_go_in_the_note_and_an_older_note_reads_without_them():
+    """`dropped_documents` is written only when a pass dropped one: a note written before it
+    (PREVIOUS_NOTE) reads as none dropped, and a version before this one reads a new note's
+    other figures as it did (it knows no such key)."""
+    from contextwarden.money.records import ExcerptCounts
+
+    note = TurnNote(mode="enforce", sent_messages=3, shortened=0).with_excerpts(ExcerptCounts(dropped=1))
+    raw = note.to_dict()
+    assert raw["dropped_documents"] == 1 and raw["excerpted"] == 0
+    assert TurnNote.from_dict(raw).excerpt_counts(5) == note.excerpt_counts(5) == ExcerptCounts(dropped=1)
+    assert note.excerpt_counts(0) == ExcerptCounts()  # counts over the chat's messages: not this chat's
+    assert TurnNote.from_dict(PREVIOUS_NOTE).dropped_documents == 0
+    assert "dropped_documents" not in TurnNote(mode="enforce", sent_messages=3, shortened=0).to_dict()
+    assert TurnNote.from_dict({**raw, "dropped_documents": "1"}).dropped_documents == 0  # bounded: ints only
+
+
 def test_a_decision_keeps_its_documents_and_one_written_before_knows_none():
     """The positions of the documents a decision saw go with it (the next turn's shortcut tells
     one it drops without counting it again); a decision stored before has None, not ()."""

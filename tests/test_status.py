@@ -597,3 +597,64 @@ def test_a_document_read_only_in_a_recall_block_is_said_to_be_excerpted(counter)
     assert sent < len(chat) and 1 not in result.kept
     line = status_line(choice, Flags(), sent=sent)
     assert line == f"Sent {sent} of 24 messages, document excerpted: 1 of 120 passages"
+
+
+# -- a document dropped whole (found in use: a smaller window dropped a pasted report, unsaid) --
+
+
+def _report_chat() -> list[dict]:
+    """A pasted report (~5,100 tokens) answered, then questions on other things."""
+    from test_passage_turns import long_text
+
+    return [
+        {"role": "user", "content": "Please keep this report in mind:\n\n" + long_text(3, 80, 5)},
+        {"role": "assistant", "content": "I have read the report."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+
+
+async def test_a_document_dropped_whole_is_told_left_out(counter):
+    """Seen in Open WebUI 0.12.4: the chat switched to a model with a smaller window, the pasted
+    document no longer fit and went whole (not excerpted, not recalled), and the line said only
+    `Sent 3 of 5 messages`. It says `document left out`, turn after turn (the next turns carry
+    the selection by the shortcut that reads only what is new)."""
+    f = make_filter(counter, max_context_tokens=1_000, reserve_output_tokens=200)
+    chat = _report_chat()
+    for turn in range(3):
+        run = await run_turn(
+            f, chat, chat_id="report", reply=reply_of(usage={"prompt_tokens": 300, "completion_tokens": 9})
+        )
+        assert not any(m is chat[0] for m in run.after_request["messages"])
+        [line] = run.events.statuses
+        assert line.startswith(f"Sent {3 + 2 * turn} of {5 + 2 * turn} messages, document left out · 300 tokens in"), (
+            line
+        )
+        note = run.metadata["contextwarden"]
+        assert note["dropped_documents"] == 1 and note["excerpted"] == 0, note  # inlet's, not counted again by request
+        assert "document left out" in note["line"]  # the admin's detail too
+        chat = [*chat, {"role": "assistant", "content": "Rome."}, {"role": "user", "content": f"And of Spain {turn}?"}]
+
+
+def test_left_out_documents_are_told_in_the_words_of_excerpts():
+    """The same words as an excerpt none of whose passages fit, counted with them; a short
+    message dropped is no document, and a tool result is told as one."""
+    from contextwarden.core.trim_types import TrimResult
+
+    result = TrimResult([{}] * 5, (0, 1, 2, 3, 4), (5, 6, 7, 8), (), 9_000, 400, 400, "exact")
+    assert status_line(TurnChoice.of(result, result.messages), Flags()) == "Sent 5 of 9 messages"
+    one = replace(result, left_out=(5,))
+    assert status_line(TurnChoice.of(one, one.messages), Flags()) == "Sent 5 of 9 messages, document left out"
+    two = replace(result, left_out=(5, 7))
+    assert status_line(TurnChoice.of(two, two.messages), Flags()) == "Sent 5 of 9 messages, 2 documents left out"
+    tool = replace(result, left_out=(6,), tool_results=(6,))
+    assert status_line(TurnChoice.of(tool, tool.messages), Flags()) == "Sent 5 of 9 messages, tool result left out"
+    cut = replace(one, kept=(0, 2, 3, 4), shortened=(1,), excerpted=(1,), passages=((3, 24),))
+    choice = TurnChoice.of(cut, cut.messages)
+    assert status_line(choice, Flags()) == "Sent 5 of 9 messages, document excerpted: 3 of 24 passages, 1 left out"
+    assert detail_line(choice, Flags()).endswith(" · document excerpted: 3 of 24 passages, 1 left out")
+    mixed = replace(cut, tool_results=(5,))
+    assert status_line(TurnChoice.of(mixed, mixed.messages), Flags()).endswith(
+        ", long message excerpted: 3 of 24 passages, 1 left out"
+    )

@@ -211,13 +211,12 @@ def _flag_words(flags: Flags) -> str:
 
 
 def _cut_words(choice: TurnChoice, sent: int) -> list[str]:
-    """What went out cut, in words: excerpted documents, shortened messages, a summary."""
+    """What went out cut, in words: excerpted documents and those left out whole, shortened
+    messages, a summary."""
     if choice.full:
         return []
-    excerpts = choice.excerpts
-    cuts = (
-        [excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)] if excerpts.count else []
-    )
+    told = choice.excerpts.told
+    cuts = [excerpt_words(*told)] if told[0] else []
     if choice.shortened:
         cuts.append("shortened to fit" if sent == choice.shortened == 1 else f"{choice.shortened:,} shortened to fit")
     if choice.pins_shortened:
@@ -302,8 +301,9 @@ def _noted_line(note: dict, key: str, starts: tuple[str, ...]) -> str | None:
 def excerpt_words(documents: int, passages: tuple[int, int], left_out: int = 0, kind: str = "document") -> str:
     """What a user reads when long messages went out cut: the model did not see all of them.
     `passages` counts those sent in part (sent, in all); `left_out` those none of whose
-    passages went (each only its cut mark: too large for the room left), which the model did
-    not see at all: `left out`, not `0 of 2 passages`. `kind` names them (`records.EXCERPT_KINDS`).
+    passages went (each only its cut mark: too large for the room left) or dropped whole
+    (`ExcerptCounts.told`), which the model did not see at all: `left out`, not `0 of 2
+    passages`. `kind` names them (`records.EXCERPT_KINDS`).
 
     Example:
         >>> excerpt_words(1, (3, 24)), excerpt_words(2, (7, 41))
@@ -337,8 +337,8 @@ def _status_extras(choice: TurnChoice, flags: Flags) -> str:
         line += f" · {choice.shortened} shortened"
     if choice.quoted:  # the chat's messages the model read whole in a recall block (the user's line counts them)
         line += f" · {choice.quoted} recalled"
-    if (excerpts := choice.excerpts).count:
-        line += " · " + excerpt_words(excerpts.count, excerpts.passages, excerpts.left_out, excerpts.kind)
+    if (told := choice.excerpts.told)[0]:
+        line += " · " + excerpt_words(*told)
     if choice.pins_shortened:
         line += " · pinned messages shortened to fit"
     if choice.pins_dropped:

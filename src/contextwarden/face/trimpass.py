@@ -94,12 +94,13 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with (and the `loop`
     messages of its tool loop since, which it sends); an earlier
-    pass's cuts count while a cut copy is still sent (this pass may have dropped it)."""
+    pass's cuts count while a cut copy is still sent (this pass may have dropped it), and the
+    documents it dropped whole while this pass works on what it sent (`removed`: not in its input)."""
     earlier = note.shortened if note.shortened is not None and note.shortened <= messages_before else 0
     noted = note.excerpt_counts(messages_before)
     cut = carries_a_cut(choice.messages)
     if (earlier or noted.count) and not cut:
-        earlier, noted = 0, ExcerptCounts()
+        earlier, noted = 0, ExcerptCounts(kind=noted.kind, dropped=noted.dropped)
     quoted = choice.quoted
     if not quoted and own_messages(choice.messages, choice.own):  # an earlier pass's blocks, sent again
         quoted = note.quoted
@@ -109,11 +110,17 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         quoted=quoted,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
-        # the earlier pass excerpted more: its counts stand
-        excerpts=noted if choice.excerpts.count < noted.count else choice.excerpts,
+        excerpts=_excerpts_so_far(choice.excerpts, noted, removed > 0),
         pins_shortened=choice.pins_shortened or (note.pins_shortened and cut),
         pins_dropped=choice.pins_dropped or note.pins_dropped,
     )
+
+
+def _excerpts_so_far(own: ExcerptCounts, noted: ExcerptCounts, chained: bool) -> ExcerptCounts:
+    """A pass's excerpt counts as the turn's: the earlier pass's when it excerpted more, with
+    the documents each dropped whole (`ExcerptCounts.after`)."""
+    base = own if own.count >= noted.count else replace(noted, dropped=own.dropped)
+    return base.after(noted, chained)
 
 
 def _chat_messages_sent(choice: TurnChoice) -> int:

@@ -78,7 +78,7 @@ def with_turn_sources(choice: TurnChoice, cut: SourcesCut, counter: TokenCounter
     seam = 0 if asked is None else sources_tokens(cut.text, asked, counter, model_id) - cut.tokens
     excerpts = choice.excerpts
     if cut.cut:
-        kind = "document" if not excerpts.count or excerpts.kind == "document" else "long message"
+        kind = "document" if not excerpts.told[0] or excerpts.kind == "document" else "long message"
         passages = (excerpts.passages[0] + cut.kept, excerpts.passages[1] + cut.total)
         excerpts = replace(excerpts, count=excerpts.count + 1, passages=passages, kind=kind)
     removed = cut.whole - cut.tokens

@@ -122,13 +122,28 @@ class CacheView:
 class ExcerptCounts:
     """What a turn sent of earlier messages too large for what was left (sent as excerpts for the
     question): how many, the passages of those sent in part (sent, in all), how many only their
-    cut mark went of (too large for the room left), and what they are in a user's words
-    (`EXCERPT_KINDS`)."""
+    cut mark went of (too large for the room left), how many documents were `dropped` whole (not
+    sent, not quoted: `TrimResult.left_out`), and what they all are in a user's words (`EXCERPT_KINDS`)."""
 
     count: int = 0
     passages: tuple[int, int] = (0, 0)
     left_out: int = 0
     kind: str = "document"
+    dropped: int = 0
+
+    @property
+    def told(self) -> tuple[int, tuple[int, int], int, str]:
+        """`status.excerpt_words`' arguments: the documents excerpted or dropped, the passages,
+        those the model saw nothing of, their kind."""
+        return self.count + self.dropped, self.passages, self.left_out + self.dropped, self.kind
+
+    def after(self, earlier: ExcerptCounts, chained: bool) -> ExcerptCounts:
+        """These counts with the documents an `earlier` pass of the turn dropped, when this pass
+        works on what it sent (`chained`: they are not in its input, so it cannot count them)."""
+        if not chained or not earlier.dropped:
+            return self
+        mixed = (self.count or self.dropped) and self.kind != earlier.kind
+        return replace(self, dropped=self.dropped + earlier.dropped, kind="long message" if mixed else earlier.kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +216,7 @@ class TurnChoice:
         count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
         cut = [p for p in result.passages if p[0] or not p[1]]  # some passages went (or it has no count)
         cut += [(sent, total) for _, sent, total in result.quoted_passages]  # a document read in a block only
+        excerpted = len(result.excerpted) + len(result.quoted_passages)
         return cls(
             messages=messages,
             count_before=count,
@@ -212,10 +228,11 @@ class TurnChoice:
             dropped=len(result.dropped),
             shortened=len(result.shortened) - len(result.excerpted),
             excerpts=ExcerptCounts(
-                len(result.excerpted) + len(result.quoted_passages),
+                excerpted,
                 (sum(p[0] for p in cut), sum(p[1] for p in cut)),
-                len(result.passages) + len(result.quoted_passages) - len(cut),
-                excerpt_kind(len(result.excerpted) + len(result.quoted_passages), len(result.tool_results)),
+                excerpted - len(cut),
+                excerpt_kind(excerpted + len(result.left_out), len(result.tool_results)),
+                len(result.left_out),
             ),
             over_budget=result.over_budget,
             reused=result.reused,
@@ -228,8 +245,8 @@ class TurnChoice:
         )
 
 
-# What excerpted long messages are called in the status line: pasted documents, tool results
-# (a web search's, a file's), or both in one turn.
+# What excerpted long messages, and documents left out whole, are called in the status line:
+# pasted documents, tool results (a web search's, a file's), or both in one turn.
 EXCERPT_KINDS = ("document", "tool result", "long message")
 
 
@@ -264,7 +281,7 @@ class TurnNote:
     turn in this worker: `openturns.OpenTurns` knows it); the trim's figures (`mode` ... `cache`, all set together);
     `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
     left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
-    (`sent_messages`, `shortened`, `excerpted`, `quoted`: the chat's messages its recall blocks
+    (`sent_messages`, `shortened`, `excerpted`, `dropped_documents`, `quoted`: the chat's messages its recall blocks
     quote whole, which a later pass sending those blocks again as they were counts too);
     `cache_marked` (the prompt-cache breakpoints this turn placed,
     to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
@@ -306,6 +323,7 @@ class TurnNote:
     passages: tuple[int, int] | None = None
     left_out: int | None = None
     excerpt_kind: str | None = None
+    dropped_documents: int = 0  # documents dropped whole (`ExcerptCounts.dropped`; absent in notes before)
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
@@ -339,22 +357,24 @@ class TurnNote:
 
         Example:
             >>> TurnNote(excerpted=2, passages=(1, 9), left_out=1).excerpt_counts(5)
-            ExcerptCounts(count=2, passages=(1, 9), left_out=1, kind='document')
+            ExcerptCounts(count=2, passages=(1, 9), left_out=1, kind='document', dropped=0)
         """
         count = self.excerpted if self.excerpted is not None and self.excerpted <= at_most else 0
+        dropped = self.dropped_documents if self.dropped_documents <= at_most else 0
         passages, kind = self.passages or (0, 0), self.excerpt_kind or "document"
-        return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind)
+        return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind, dropped)
 
     def with_excerpts(self, excerpts: ExcerptCounts) -> TurnNote:
-        """This note with a pass's excerpt figures (none written when nothing was excerpted)."""
-        if not excerpts.count:
-            return replace(self, excerpted=0, passages=None, left_out=None, excerpt_kind=None)
+        """This note with a pass's excerpt figures (none written when nothing was excerpted or dropped)."""
+        if not excerpts.count and not excerpts.dropped:
+            return replace(self, excerpted=0, passages=None, left_out=None, excerpt_kind=None, dropped_documents=0)
         return replace(
             self,
             excerpted=excerpts.count,
             passages=excerpts.passages,
             left_out=excerpts.left_out,
             excerpt_kind=excerpts.kind,
+            dropped_documents=excerpts.dropped,
         )
 
     @property
@@ -401,6 +421,8 @@ class TurnNote:
                 out["left_out"] = self.left_out
             if self.excerpt_kind is not None:
                 out["excerpt_kind"] = self.excerpt_kind
+            if self.dropped_documents:
+                out["dropped_documents"] = self.dropped_documents
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
         if self.added:
@@ -454,6 +476,7 @@ class TurnNote:
             passages=_passage_counts(raw.get("passages")),
             left_out=_count(raw.get("left_out")),
             excerpt_kind=raw["excerpt_kind"] if raw.get("excerpt_kind") in EXCERPT_KINDS else None,
+            dropped_documents=_count(raw.get("dropped_documents")) or 0,
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
