@@ -496,3 +496,18 @@ def test_a_document_dropped_whole_is_left_out_on_every_path(counter):
     assert trim_messages(chat, **options, previous=old).left_out == (0,)
     short = trim_messages([{"role": "user", "content": "hi " * 900}, *chat[1:]], **options)
     assert 0 in short.dropped and short.left_out == ()  # ~900 tokens: no document
+
+
+def test_a_long_reply_dropped_is_not_told_a_document_left_out(counter):
+    """A long answer of the model's own (a generated report, code) dropped is the chat's history,
+    not something the user gave: the status said "document left out" for it."""
+    from test_passage_turns import long_text
+
+    chat = [
+        {"role": "user", "content": "Write me a long report."},
+        {"role": "assistant", "content": long_text(3, 80, 5)},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    result = trim_messages(chat, max_tokens=800, model="gpt-4o", token_counter=counter)
+    assert 1 in result.dropped and result.left_out == ()
+    assert result.decision is not None and result.decision.documents == (1,)  # still a document to summarize

@@ -419,7 +419,8 @@ def _extend_previous(
     result = _reused_result(
         sent, order, keep, len(view), before, after, max_tokens, mode, decision, blocks, (stable, added), excerpts
     )
-    return _seen_cuts(replace(result, notes=tuple(pools.notes)), view, excerpts, blocks, _left_out(found, keep, blocks))
+    left_out = _left_out(view, found, keep, blocks)
+    return _seen_cuts(replace(result, notes=tuple(pools.notes)), view, excerpts, blocks, left_out)
 
 
 def _seen_cuts(

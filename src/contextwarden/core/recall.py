@@ -479,11 +479,14 @@ def _tool_results(
     return tuple(sorted(tools.union(i for i in left_out if view.role(i) == "tool")))
 
 
-def _left_out(documents: Sequence[int], keep: Collection[int], blocks: Sequence[_Block]) -> tuple[int, ...]:
-    """The `documents` dropped whole: not sent (in place, shortened or excerpted: all in `keep`) and
-    not quoted, whole or by passages, by a recall block."""
+def _left_out(
+    view: ChatView, documents: Sequence[int], keep: Collection[int], blocks: Sequence[_Block]
+) -> tuple[int, ...]:
+    """The `documents` a user gave (theirs or a tool's, not a long reply of the model's own: that
+    is the chat's history) dropped whole: not sent (in place, shortened or excerpted: all in
+    `keep`) and not quoted, whole or by passages, by a recall block."""
     quoted = set(_recalled(blocks))
-    return tuple(i for i in documents if i not in keep and i not in quoted)
+    return tuple(i for i in documents if i not in keep and i not in quoted and view.role(i) != "assistant")
 
 
 def _recalled_passages(blocks: Sequence[_Block]) -> tuple[tuple[int, tuple[int, ...]], ...]:

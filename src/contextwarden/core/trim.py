@@ -441,7 +441,7 @@ def _result(
     after += sum(b.tokens for b in blocks)
     quoted = _quoted_passages(view, excerpts, blocks)
     found = documents(view, costs)
-    left_out = _left_out(found, keep, blocks)
+    left_out = _left_out(view, found, keep, blocks)
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
