@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -62,6 +62,8 @@ __all__ = [
     "fresh_share",
     "pointed_words",
     "spread_scores",
+    "filled_scores",
+    "marked_text",
     "passage_texts",
     "passage_quote",
     "recall_passages",
@@ -315,24 +317,55 @@ def excerpt_text(
     tokens (its chunks' counts added: each chunk is counted once a chat, where counting the
     stretch joined would encode most of a long text again for every new cut); and the tokens
     cut in all."""
+    return marked_text(chunks, set(kept), lambda k: counter.count_text(chunks[k], model))
+
+
+def marked_text(pieces: Sequence[str | int], kept: Collection[int], cost: Callable[[int], int]) -> tuple[str, int]:
+    """`pieces` (chunks, and an earlier cut's markers as the tokens each names) with the chunks
+    `kept` (numbered among the chunks) in their order, each stretch of other chunks and markers
+    one `CUT_MARK` line naming all the tokens they stand for (a chunk's: `cost(k)`); and the
+    tokens cut in all.
+
+    Example:
+        >>> marked_text(["a\\n", 40, "b\\n", "c"], {0, 2}, lambda k: 7)
+        ('a\\n[… 47 tokens cut by contextwarden …]\\nc', 47)
+    """
     out: list[str] = []
-    cut_total = 0
-    wanted = set(kept)
-    k = 0
-    while k < len(chunks):
-        if k in wanted:
-            out.append(chunks[k])
-            k += 1
+    cut = total = k = 0
+    for piece in pieces:
+        if isinstance(piece, int):
+            cut += piece
             continue
-        stop = k
-        while stop < len(chunks) and stop not in wanted:
-            stop += 1
-        cut = sum(counter.count_text(c, model) for c in chunks[k:stop])
-        cut_total += cut
-        lead = "\n" if out and not out[-1].endswith("\n") else ""
-        out.append(lead + CUT_MARK.format(n=f"{cut:,}") + ("\n" if stop < len(chunks) else ""))
-        k = stop
-    return "".join(out), cut_total
+        if k in kept:
+            if cut:
+                out.append(_mark_line(out, cut) + "\n")
+                total, cut = total + cut, 0
+            out.append(piece)
+        else:
+            cut += cost(k)
+        k += 1
+    if cut:
+        out.append(_mark_line(out, cut))
+    return "".join(out), total + cut
+
+
+def _mark_line(out: Sequence[str], cut: int) -> str:
+    """The `CUT_MARK` line naming `cut` tokens after what `out` holds (on a line of its own)."""
+    lead = "\n" if out and not out[-1].endswith("\n") else ""
+    return f"{lead}{CUT_MARK.format(n=f'{cut:,}')}"
+
+
+def filled_scores(scores: Sequence[float]) -> list[float]:
+    """Scores under which the relevant chunks (score above 0) come first, the best first, then
+    the rest spread evenly over the text (`spread_scores`): what fills a room the relevant
+    chunks leave.
+
+    Example:
+        >>> filled_scores([0.0, 2.5, 0.0, 0.0, 0.0])
+        [5.0, 8.5, 3.0, 1.0, 4.0]
+    """
+    top = float(len(scores) + 1)
+    return [top + s if s > 0 else spread for s, spread in zip(scores, spread_scores(len(scores)), strict=True)]
 
 
 def _text_slot(message: Message) -> tuple[str, int | None] | None:
@@ -409,11 +442,8 @@ def excerpt_message(
     else:
         index = _chunked(slot[0])
         chunks, scores = index.chunks, _index_scores(index, question, embed)
-        if fill:  # the relevant chunks first (above every spread score), then the rest spread
-            top = float(len(chunks) + 1)
-            scores = [
-                top + s if s > 0 else spread for s, spread in zip(scores, spread_scores(len(chunks)), strict=True)
-            ]
+        if fill:  # the relevant chunks first, then the rest spread
+            scores = filled_scores(scores)
     chosen, _ = _choose(
         chunks, scores, room - counter.count_message(with_text(message, "", slot[1]), model), counter, model
     )

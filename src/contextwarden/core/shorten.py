@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 from .chatview import ChatView
 from .conversation import Message, is_tool_images, message_text
-from .excerpt import CUT_MARK, chunk_scores, split_chunks, spread_scores
+from .excerpt import CUT_MARK, chunk_scores, filled_scores, marked_text, split_chunks
 from .relevance import wants_whole
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -267,7 +267,7 @@ def _cut_by_passages(text: str, excess: int, counter: TokenCounter, model: str |
             kept.append(k)
             room -= costs[k] + mark
     while kept:
-        shorter = _rejoined(pieces, set(kept), costs)
+        shorter = marked_text(pieces, set(kept), costs.__getitem__)[0]
         if counter.count_text(shorter, model) <= goal:
             return shorter
         kept.pop()  # joined pieces counted more than apart: the last chosen goes
@@ -292,11 +292,8 @@ def _passage_order(chunks: list[str]) -> list[int]:
     to what the text asks (score above 0), then the rest spread evenly over it (all spread when
     it asks about the text as a whole: `relevance.wants_whole`)."""
     asked = _asked("".join(chunks))
-    spread = spread_scores(len(chunks))
     whole = any(wants_whole(paragraph) for paragraph in asked)
-    scores = [0.0] * len(chunks) if whole else chunk_scores(chunks, "\n".join(asked))
-    top = max(spread) + 1
-    ranked = [(top + score if score > 0 else spread[k]) for k, score in enumerate(scores)]
+    ranked = filled_scores([0.0] * len(chunks) if whole else chunk_scores(chunks, "\n".join(asked)))
     ranked[0] = ranked[-1] = float("inf")
     return sorted(range(len(chunks)), key=lambda k: (-ranked[k], k))
 
@@ -321,32 +318,3 @@ def _asked(text: str) -> list[str]:
     if len(shortest) > ASK_MAX_CHARS:
         return [paragraphs[0][:ASK_MAX_CHARS], paragraphs[-1][-ASK_MAX_CHARS:]]
     return [p for p in ends if p is shortest or (len(p) <= ASK_MAX_CHARS and ("?" in p or wants_whole(p)))]
-
-
-def _rejoined(pieces: list[str | int], kept: set[int], costs: list[int]) -> str:
-    """The kept chunks in order, each stretch of cut chunks and earlier markers one marker naming
-    all the tokens they stand for."""
-    out: list[str] = []
-    cut = 0
-    k = 0
-    for piece in pieces:
-        if isinstance(piece, int):
-            cut += piece
-            continue
-        if k in kept:
-            if cut:
-                out.append(_mark_line(out, cut))
-                cut = 0
-            out.append(piece)
-        else:
-            cut += costs[k]
-        k += 1
-    if cut:
-        out.append(_mark_line(out, cut).rstrip("\n"))
-    return "".join(out)
-
-
-def _mark_line(out: list[str], cut: int) -> str:
-    """A marker line naming `cut` tokens, after what `out` holds so far."""
-    lead = "\n" if out and not out[-1].endswith("\n") else ""
-    return f"{lead}{CUT_MARK.format(n=f'{cut:,}')}\n"
