@@ -390,7 +390,7 @@ def _extend_previous(
     excerpts = _extended_excerpts(view, previous, fingerprints, keep, counter, model)
     if excerpts is None:
         return None
-    new_cost, before, after = _extended_sizes(view, previous, order, system, excerpts, counter, model)
+    new_costs, new_cost, before, after = _extended_sizes(view, previous, order, system, excerpts, counter, model)
     if before <= max_tokens or after > max_tokens or counter.scheme(model) != scheme:
         return None  # (an encoding that loaded meanwhile: the full path counts it all alike)
     blocks = _recalls_kept(previous, fingerprints, keep, question, room, after, max_tokens, system, pools, excerpts)
@@ -400,8 +400,7 @@ def _extend_previous(
     sent, stable, added = _with_blocks(sent, order, blocks, question if room else None)
     after += sum(b.tokens for b in blocks)
     at = tuple(i for i in order if i not in system)
-    new = [counter.count_message(m, model) for m in view.messages[previous.seen :]]  # the counter's cache answers
-    found = (*(previous.documents or ()), *documents(view, new, previous.seen))
+    found = (*(previous.documents or ()), *documents(view, new_costs, previous.seen))
     decision = TrimDecision(
         max_tokens=max_tokens,
         tokens=after,
@@ -441,15 +440,16 @@ def _extended_sizes(
     excerpts: dict[int, Excerpt],
     counter: TokenCounter,
     model: str | None,
-) -> tuple[int, int, int]:
-    """The shortcut's counts: (the new messages', the whole chat's, what is sent), counting only
-    the kept messages (excerpts at their size) and the new ones; the rest is the decision's `seen_tokens`."""
+) -> tuple[list[int], int, int, int]:
+    """The shortcut's counts: (each new message's, theirs but the system prompts', the whole
+    chat's, what is sent), counting only the kept messages (excerpts at their size) and the new
+    ones, each once; the rest is the decision's `seen_tokens`."""
     count, messages = counter.count_message, view.messages
     cost = {i: excerpts[i].tokens if i in excerpts else count(messages[i], model) for i in order}
-    new = [i for i in range(previous.seen, len(messages)) if i not in system]  # kept, but for orphans
-    new_cost = sum(cost[i] if i in cost else count(messages[i], model) for i in new)
+    new = [cost[i] if i in cost else count(messages[i], model) for i in range(previous.seen, len(messages))]
+    new_cost = sum(c for i, c in enumerate(new, previous.seen) if i not in system)  # kept, but for orphans
     before = TOKENS_PER_REPLY + previous.seen_tokens + sum(cost[i] for i in system) + new_cost
-    return new_cost, before, TOKENS_PER_REPLY + sum(cost.values())
+    return new, new_cost, before, TOKENS_PER_REPLY + sum(cost.values())
 
 
 def _extended_excerpts(
