@@ -110,11 +110,7 @@ class Recall:
         if not at:
             return None
         parts = _chunk_lists(value[4], len(at)) if len(value) == 5 else ()
-        if not (
-            all(type(i) is int and 0 <= i != value[0] for i in at)  # (the anchor is sent in place)
-            and all(a < b for a, b in pairwise(at))
-            and parts is not None
-        ):
+        if not _ascending(at) or value[0] in at or parts is None:  # (the anchor is sent in place)
             return None
         return cls(value[0], at, kept, acked=len(value) >= 4, parts=parts)
 
@@ -123,9 +119,7 @@ def _chunk_lists(value: object, count: int) -> tuple[tuple[int, ...], ...] | Non
     """A recall's chunk lists from JSON: one ascending list of ints a quoted message; None when not."""
     if not isinstance(value, list) or len(value) != count:
         return None
-    if not all(isinstance(p, list) and all(type(k) is int and k >= 0 for k in p) for p in value):
-        return None
-    if not all(all(a < b for a, b in pairwise(p)) for p in value):
+    if not all(isinstance(p, list) and _ascending(p) for p in value):
         return None
     return tuple(tuple(p) for p in value)
 
@@ -168,11 +162,7 @@ class TrimDecision:
         and the size figures with them: they only ever cost the fast path. So are recall blocks
         not anchored at a kept message."""
         at = self.at
-        if at and (
-            len(at) != len(self.kept)
-            or not all(type(i) is int and i >= 0 for i in at)
-            or any(a >= b for a, b in pairwise(at))
-        ):
+        if at and (len(at) != len(self.kept) or not _ascending(at)):
             object.__setattr__(self, "at", ())
         if not self.at and self.seen:
             object.__setattr__(self, "seen", 0)
@@ -180,7 +170,8 @@ class TrimDecision:
             object.__setattr__(self, "recalls", ())
         if self.excerpts and not all(_excerpt_record_ok(e, self.at) for e in self.excerpts):
             object.__setattr__(self, "excerpts", ())
-        if self.documents is not None and not _positions_ok(self.documents, self.seen):
+        documents = self.documents
+        if documents is not None and not (isinstance(documents, tuple) and _ascending(documents, self.seen)):
             object.__setattr__(self, "documents", None)
 
     def relocated(self, where: Mapping[int, int]) -> TrimDecision:
@@ -359,21 +350,23 @@ def _excerpt_records(value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
     return tuple((e[0], tuple(e[1])) for e in value)
 
 
-def _positions_ok(positions: object, seen: int) -> bool:
-    """Ascending positions in a list of `seen` messages (none in a decision that saw none)."""
-    return (
-        isinstance(positions, tuple)
-        and all(type(i) is int and 0 <= i < seen for i in positions)
-        and all(a < b for a, b in pairwise(positions))
-    )
+def _ascending(values: Sequence[Any], below: int | None = None) -> bool:
+    """Ints from 0 (below `below`), each greater than the one before: what every position and
+    chunk number list of a stored decision must be.
+
+    Example:
+        >>> _ascending((0, 3, 7)), _ascending([2, 2]), _ascending((1, 5), below=5), _ascending(("1",))
+        (True, False, False, False)
+    """
+    in_range = all(type(i) is int and 0 <= i and (below is None or i < below) for i in values)
+    return in_range and all(a < b for a, b in pairwise(values))
 
 
 def _excerpt_record_ok(record: object, at: tuple[int, ...]) -> bool:
     """An excerpt record names a kept position and ascending chunk numbers."""
     if not (isinstance(record, tuple) and len(record) == 2 and record[0] in at and isinstance(record[1], tuple)):
         return False
-    chunks = record[1]
-    return all(type(k) is int and k >= 0 for k in chunks) and all(a < b for a, b in pairwise(chunks))
+    return _ascending(record[1])
 
 
 def message_fingerprint(message: Message) -> str:
