@@ -164,6 +164,9 @@ def check_contract(
     # in the original is encoded as U+FFFD, so such a text is left out).
     assert set(result.excerpted) <= set(result.shortened)
     assert set(result.excerpted).isdisjoint(mandatory_indices(conversation))
+    # a copy cut by passages (the latest user message's) tells some of its passages sent, not all
+    for index, sent_passages, total in result.shortened_passages:
+        assert index == conversation.question and index in result.shortened and 0 < sent_passages < total
     for index in result.shortened:
         sent_copy, original = by_index[index], chat[index]
         assert {k: v for k, v in sent_copy.items() if k != "content"} == {

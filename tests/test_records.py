@@ -312,3 +312,27 @@ def test_a_decision_keeps_its_documents_and_one_written_before_knows_none():
     assert TrimDecision.from_dict({**with_docs.to_dict(), "docs": [4, 1]}).documents is None  # not ascending
     assert TrimDecision.from_dict({**with_docs.to_dict(), "docs": [9]}).documents is None  # past what it saw
     assert with_docs.relocated({3: 3, 7: 7}).documents is None  # the size figures go with the list they describe
+
+
+def test_a_questions_passages_go_in_the_note_and_an_older_note_reads_without_them():
+    """`question_passages` (the latest user message's cut by passages, which a later pass that
+    cuts its copy again counts from) is written only when a pass cut it: a note written before
+    it reads as none, and one whose figures do not hold it (the client's outlet input) as none."""
+    from contextwarden.money.records import ExcerptCounts
+
+    cut = ExcerptCounts(1, (8, 19), question=(8, 19))
+    note = TurnNote(mode="enforce", sent_messages=1, shortened=0).with_excerpts(cut)
+    raw = note.to_dict()
+    assert raw["question_passages"] == [8, 19] and raw["passages"] == [8, 19] and raw["excerpted"] == 1
+    assert TurnNote.from_dict(raw).excerpt_counts(1) == note.excerpt_counts(1) == cut
+    assert TurnNote.from_dict(PREVIOUS_NOTE).question_passages is None
+    assert (
+        "question_passages"
+        not in TurnNote(mode="enforce", sent_messages=1).with_excerpts(ExcerptCounts(1, (3, 9))).to_dict()
+    )
+    assert TurnNote.from_dict({**raw, "question_passages": [9, 8]}).question_passages is None  # sent <= in all
+    assert TurnNote.from_dict({**raw, "question_passages": [9, 20]}).excerpt_counts(1).question == (
+        0,
+        0,
+    )  # over passages
+    assert replace(note, question_passages=None).excerpt_counts(1) == replace(cut, question=(0, 0))

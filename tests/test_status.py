@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from contextwarden.core.excerpt import split_chunks
 from contextwarden.core.flags import FLAG_NAMES, Flags, read_flags
+from contextwarden.core.trim import trim_messages
 from contextwarden.face.budget import fixed_cost
 from contextwarden.face.status import detail_line, shadow_status_line, status_line
 from contextwarden.money.records import ExcerptCounts, TurnChoice
@@ -115,9 +117,18 @@ async def test_the_words_are_stable_from_turn_to_turn(counter):
     assert all(said) and [int(m[2]) for m in said] == [len(long_chat()) + 2 * t for t in range(4)], said
 
 
-async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(counter):
+def _passages_in(text: str, sent: str) -> tuple[int, int]:
+    """The passages (`excerpt.split_chunks`) of `text` that `sent` holds whole, and how many it has
+    (a cut mark after a passage takes its last line break)."""
+    chunks = split_chunks(text)
+    return sum(chunk.rstrip("\n") in sent for chunk in chunks), len(chunks)
+
+
+@pytest.mark.parametrize(("tools", "cut_again"), [(1, False), (3, True)])
+async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(counter, tools, cut_again):
     # The browser test's first turn: one pasted document, cut by the inlet (1 message stays 1);
-    # the request pass sees the cut copy and must still count from the document as pasted.
+    # the request pass sees the cut copy and must still count from the document as pasted: its
+    # passages sent of those it has (the copy's own passages, cut again, are fewer: 5 of 8).
     f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
     document = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
     metadata = {"chat_id": "doc", "user_id": "u1", "message_id": "m1"}
@@ -125,12 +136,17 @@ async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(
     events = Events()
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": document}], "metadata": metadata}
     first = await f.inlet(body, __event_emitter__=events, **hooks)
-    await f.request({**first, "tools": BUILTIN_TOOLS[:1]}, __event_emitter__=events, **hooks)
+    sent = await f.request({**first, "tools": BUILTIN_TOOLS[:tools]}, __event_emitter__=events, **hooks)
+    copy = sent["messages"][-1]["content"]
+    assert (copy != first["messages"][-1]["content"]) is cut_again
     note = metadata["contextwarden"]
-    assert note["pending_line"] == "Sent 1 message, shortened to fit", note
+    went, total = _passages_in(document, copy)
+    told = f"document excerpted: {went} of {total} passages"
+    assert note["pending_line"] == f"Sent 1 message, {told}" and 0 < went < total == 19, note
     detail = note["line"]
     pasted = counter.count_messages(body["messages"], "gpt-4o")
-    assert detail.startswith("Context 1 message · ") and " → " in detail and " · 1 shortened" in detail, detail
+    assert detail.startswith("Context 1 message · ") and " → " in detail and f" · {told}" in detail, detail
+    assert "shortened" not in detail
     before = int(detail.split(" · ")[1].split(" → ")[0].replace(",", ""))
     assert before >= pasted, (detail, pasted)
     assert note["tokens_saved"] > 0
@@ -347,6 +363,40 @@ def test_a_count_that_did_not_change_is_said_once(count):
     cut = "shortened to fit" if count == 1 else "1 shortened to fit"
     assert status_line(choice, Flags()) == f"Sent {said}, {cut}"
     assert shadow_status_line(choice, Flags()) == f"Shadow: would send {said}, {cut}"
+
+
+def test_a_document_pasted_with_its_question_is_told_as_excerpted(counter):
+    """The latest user message alone over the budget (a document pasted with its question) is cut
+    by passages, but its line said "Sent 1 message, shortened to fit", as for a middle-out cut:
+    nothing of how much of the document the model saw. It is told as a document excerpted now,
+    with the passages sent of those the message has (`excerpt.split_chunks`, as excerpts count)."""
+    from test_trim import _pasted
+
+    ask = "Who relit the northern lamp of the lighthouse, and when?"
+    text = f"Here is a report:\n\n{_pasted(fact_at=21)}\n\n{ask}"
+    result = trim_messages([{"role": "user", "content": text}], max_tokens=1_200, model="gpt-4o", token_counter=counter)
+    went, total = _passages_in(text, result.messages[-1]["content"])
+    assert result.shortened == (0,) and result.shortened_passages == ((0, went, total),) and 2 < went < total
+    choice = TurnChoice.of(result, result.messages)
+    told = f"document excerpted: {went:,} of {total:,} passages"
+    assert lines(choice) == [f"Sent 1 message, {told}", f"Shadow: would send 1 message, {told}"]
+    assert detail_line(choice, Flags()).endswith(f" · {told}")
+
+
+def test_a_cut_middle_out_is_still_shortened_to_fit(counter):
+    """What is cut middle-out keeps its words: a system prompt over the budget, and a latest
+    question too short for three passages (`shorten._cut_by_passages` then cuts middle-out)."""
+    rules = [{"role": "system", "content": "rules " * 2_000}, {"role": "user", "content": "Hi?"}]
+    short = [{"role": "user", "content": "word " * 110}]  # one passage
+    for chat, budget, said in (
+        (rules, 300, "Sent 2 messages, 1 shortened to fit"),
+        (short, 60, "Sent 1 message, shortened to fit"),
+    ):
+        result = trim_messages(chat, max_tokens=budget, model="gpt-4o", token_counter=counter)
+        assert result.shortened and not result.shortened_passages
+        choice = TurnChoice.of(result, result.messages)
+        assert status_line(choice, Flags()) == said and choice.excerpts == ExcerptCounts()
+        assert detail_line(choice, Flags()).endswith(" · 1 shortened")
 
 
 def test_one_message_is_singular():

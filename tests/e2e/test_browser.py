@@ -143,7 +143,8 @@ def test_status_line_after_a_trimmed_reply(
     for history in histories:
         assert_one_plain_line(history)
         assert " · tool definitions fill the window · " in (history.shown or ""), history.shown
-    assert (histories[0].shown or "").startswith("Sent 1 message, shortened to fit · "), histories[0].shown
+    pasted = histories[0].shown or ""  # the document, cut by passages: told as excerpted (`split_chunks`: 19)
+    assert re.match(r"Sent 1 message, document excerpted: \d+ of 19 passages · ", pasted), pasted
     assert (histories[1].shown or "").startswith(f"Sent {len(second)} of 3 messages · "), histories[1].shown
 
 

@@ -4,7 +4,8 @@ What must be sent whatever the budget (system messages, the current turn, pinned
 their units), and, when that alone is over, copies of its largest shortenable texts cut with a
 marker: system prompts and tool results first, middle-out; the latest user message last (with
 them, to one level, when they alone could not cover the excess), by passages: its ends, where
-a pasted document's question sits, then what they ask about (`_cut_by_passages`).
+a pasted document's question sits, then what they ask about (`_cut_by_passages`; how many of
+its passages went, of how many, is told as a document excerpted: `TrimResult.shortened_passages`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Collection
 
 from .chatview import ChatView
 from .conversation import Message, is_tool_images, message_text
-from .excerpt import CUT_MARK, chunk_scores, filled_scores, marked_text, split_chunks
+from .excerpt import CUT_MARK, chunk_scores, filled_scores, marked_text, split_chunks, with_text
 from .relevance import wants_whole
 from .selection import mandatory_indices
 from .tokens import TOKENS_PER_REPLY, TokenCounter
@@ -32,6 +33,9 @@ ASK_MAX_CHARS = 500
 # The marker `_cut_middle` leaves, with the line breaks around it: a text an earlier pass of the
 # turn cut holds one (a later pass's input is what the first pass sent).
 _MARK = re.compile(r"\n?" + re.escape(CUT_MARK).replace(re.escape("{n}"), "([0-9,]+)") + r"\n?")
+# A cut by passages: the chunks (`excerpt.split_chunks`) sent, and those of the text cut, the
+# same count a document excerpted is told by.
+Passages = tuple[int, int]
 
 
 def _mandatory_part(
@@ -42,32 +46,32 @@ def _mandatory_part(
     model: str | None,
     pinned: Collection[int],
     shorten: bool = True,
-) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int]]:
+) -> tuple[list[int], dict[int, Message], bool, list[str], Collection[int], dict[int, Passages]]:
     """What must be sent (system, current turn, pins), its shortened copies when it alone is
-    over budget, whether it is still over, the notes, and the pins that stay mandatory: when
-    even shortened pins cannot fit (their markers alone are over), the budget wins and they
-    are let go (kept only while they fit, like other messages)."""
+    over budget, whether it is still over, the notes, the pins that stay mandatory (when even
+    shortened pins cannot fit, their markers alone over, the budget wins and they are let go:
+    kept only while they fit, like other messages), and the passages of each copy cut by them."""
     hard = mandatory_indices(view)
     mandatory = _with_pins(view, hard, pinned)
     pinned = sorted(set(mandatory).difference(hard))  # with their units and questions
     notes: list[str] = []
     if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
-        return mandatory, {}, False, notes, pinned
+        return mandatory, {}, False, notes, pinned, {}
     if not shorten:
-        return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned
-    replaced, over = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
+        return mandatory, {}, True, ["mandatory content over budget: sent whole"], pinned, {}
+    replaced, over, passages = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
     if over and len(mandatory) > len(hard):
         mandatory, pinned = hard, ()
         notes.append(PINS_DROPPED_NOTE)
         if TOKENS_PER_REPLY + sum(costs[i] for i in mandatory) <= max_tokens:
-            return mandatory, {}, False, notes, pinned
-        replaced, over = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
+            return mandatory, {}, False, notes, pinned, {}
+        replaced, over, passages = _shorten_mandatory(view, mandatory, costs, max_tokens, counter, model)
     notes.append("mandatory content over budget: shortened")
     if set(replaced) & set(pinned):
         notes.append(PINS_SHORTENED_NOTE)
     if over:
         notes.append("could not shorten enough")
-    return mandatory, replaced, over, notes, pinned
+    return mandatory, replaced, over, notes, pinned, passages
 
 
 def _with_pins(view: ChatView, mandatory: list[int], pinned: Collection[int]) -> list[int]:
@@ -103,7 +107,7 @@ def _shorten_mandatory(
     budget: int,
     counter: TokenCounter,
     model: str | None,
-) -> tuple[dict[int, Message], bool]:
+) -> tuple[dict[int, Message], bool, dict[int, Passages]]:
     """Cut the largest shortenable texts middle-out, down to one level (`_levels`), until the
     mandatory part fits: two tool results of a loop both keep their ends rather than one kept
     whole and the other cut to its marker. Each copy is cut from the message as it came, once
@@ -113,11 +117,13 @@ def _shorten_mandatory(
     to spare a pasted document. It is not cut at all when even every text cut to its marker would
     not fit (images alone over the budget): its words are the turn, and it would go over anyway.
 
-    Returns the shortened copies by index and whether it is still over budget.
+    Returns the shortened copies by index, whether it is still over budget, and the passages
+    of each copy cut by passages (the latest user message's, unless it fell back to middle-out).
     """
     messages = view.messages
     current = {i: costs[i] for i in mandatory}
     replaced: dict[int, Message] = {}
+    passages: dict[int, Passages] = {}
     first_choice, last_user = _shortenable(view, mandatory)
     question = [last_user] if last_user is not None else []
     excess = TOKENS_PER_REPLY + sum(current.values()) - budget
@@ -129,15 +135,19 @@ def _shorten_mandatory(
         while candidates:
             excess = TOKENS_PER_REPLY + sum(current.values()) - budget
             if excess <= 0:
-                return replaced, False
+                return replaced, False, passages
             for index, level in _levels({i: current[i] for i in candidates}, excess).items():
-                shorter = _shorten_message(messages[index], costs[index] - level, counter, model, index == last_user)
-                cost = counter.count_message(shorter, model) if shorter is not None else current[index]
-                if shorter is None or cost >= current[index]:  # (None costs current[index])
+                cut = _shorten_message(messages[index], costs[index] - level, counter, model, index == last_user)
+                cost = counter.count_message(cut[0], model) if cut is not None else current[index]
+                if cut is None or cost >= current[index]:  # (None costs current[index])
                     candidates.discard(index)
                     continue
-                replaced[index], current[index] = shorter, cost
-    return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget
+                replaced[index], current[index] = cut[0], cost
+                if cut[1] is None:  # (a later round's cut fell back to middle-out)
+                    passages.pop(index, None)
+                else:
+                    passages[index] = cut[1]
+    return replaced, TOKENS_PER_REPLY + sum(current.values()) > budget, passages
 
 
 def _cut_most(message: Message, counter: TokenCounter, model: str | None) -> int:
@@ -172,30 +182,34 @@ def _levels(current: dict[int, int], excess: int) -> dict[int, int]:
 
 def _shorten_message(
     message: Message, excess: int, counter: TokenCounter, model: str | None, asked: bool = False
-) -> Message | None:
-    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets);
-    `asked` (the latest user message): cut by passages, else middle-out."""
-    cut = _cut_by_passages if asked else _cut_middle
+) -> tuple[Message, Passages | None] | None:
+    """A copy of `message` whose largest text is `excess` tokens shorter (or as short as it gets),
+    and its passages sent and in all when it was cut by them; `asked` (the latest user message):
+    cut by passages, else middle-out."""
+    slot = _largest_text(message, counter, model)
+    if slot is None:
+        return None
+    text, part = slot
+    cut = (_cut_by_passages if asked else _middle_out)(text, excess, counter, model)
+    return None if cut is None else (with_text(message, cut[0], part), cut[1])
+
+
+def _largest_text(message: Message, counter: TokenCounter, model: str | None) -> tuple[str, int | None] | None:
+    """The text a shortening cuts: the string content, or the text part of the most tokens (and its index)."""
     content = message.get("content")
     if isinstance(content, str):
-        new_text = cut(content, excess, counter, model)
-        return None if new_text is None else {**message, "content": new_text}
-    if isinstance(content, list):
-        texts = [
-            (counter.count_text(part["text"], model), k)
-            for k, part in enumerate(content)
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        ]
-        if not texts:
-            return None
-        _, k = max(texts)
-        new_text = cut(content[k]["text"], excess, counter, model)
-        if new_text is None:
-            return None
-        parts = list(content)
-        parts[k] = {**content[k], "text": new_text}
-        return {**message, "content": parts}
-    return None
+        return content, None
+    if not isinstance(content, list):
+        return None
+    texts = [
+        (counter.count_text(part["text"], model), k)
+        for k, part in enumerate(content)
+        if isinstance(part, dict) and isinstance(part.get("text"), str)
+    ]
+    if not texts:
+        return None
+    k = max(texts)[1]
+    return content[k]["text"], k
 
 
 def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
@@ -246,16 +260,19 @@ def _cut_again(text: str, mark: re.Match[str], excess: int, counter: TokenCounte
         keep = max(0, keep - over)
 
 
-def _cut_by_passages(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
+def _cut_by_passages(
+    text: str, excess: int, counter: TokenCounter, model: str | None
+) -> tuple[str, Passages | None] | None:
     """`text` about `excess` tokens shorter, by passages: its first and last chunks (where a
     question or instructions sit), then those most relevant to what its end paragraphs ask
     (`_asked`), then the rest spread evenly (all spread for a question about the whole text);
     each stretch left out one marker. An earlier pass's markers stay, each merged with what is
-    cut beside it. Middle-out (`_cut_middle`) when no passage fits."""
+    cut beside it. With the chunks sent and the text's (a copy an earlier pass cut: its own,
+    between the markers); middle-out (`_cut_middle`, no passages) when no passage fits."""
     pieces = _cut_pieces(text)
     chunks = [piece for piece in pieces if isinstance(piece, str)]
     if len(chunks) < 3:
-        return _cut_middle(text, excess, counter, model)
+        return _middle_out(text, excess, counter, model)
     costs = [counter.count_text(chunk, model) for chunk in chunks]
     goal = counter.count_text(text, model) - excess
     order = _passage_order(chunks)
@@ -269,9 +286,15 @@ def _cut_by_passages(text: str, excess: int, counter: TokenCounter, model: str |
     while kept:
         shorter = marked_text(pieces, set(kept), costs.__getitem__)[0]
         if counter.count_text(shorter, model) <= goal:
-            return shorter
+            return shorter, (len(kept), len(chunks))
         kept.pop()  # joined pieces counted more than apart: the last chosen goes
-    return _cut_middle(text, excess, counter, model)
+    return _middle_out(text, excess, counter, model)
+
+
+def _middle_out(text: str, excess: int, counter: TokenCounter, model: str | None) -> tuple[str, None] | None:
+    """`_cut_middle`'s cut, with no passages to tell."""
+    middle = _cut_middle(text, excess, counter, model)
+    return None if middle is None else (middle, None)
 
 
 def _cut_pieces(text: str) -> list[str | int]:

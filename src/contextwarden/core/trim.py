@@ -383,7 +383,7 @@ def _select(
 ) -> TrimResult:
     """The mandatory part (shortened when it alone is over), then the previous selection reused
     or a new one, each with the recall block this question needs."""
-    mandatory, replaced, over, notes, pinned = _mandatory_part(
+    mandatory, replaced, over, notes, pinned, passages = _mandatory_part(
         chat.view, chat.costs, max_tokens, counter, model, options.pinned, options.shorten
     )
     mandatory_cost = TOKENS_PER_REPLY + sum(chat.costs[i] for i in mandatory)
@@ -408,10 +408,11 @@ def _select(
     # A shortened copy of a message the selection let go (a pinned reply whose turn has no
     # question may not lead the history) is not sent: it is dropped, not shortened.
     replaced = {i: m for i, m in replaced.items() if i in keep}
+    cut = tuple((i, *passages[i]) for i in sorted(passages) if i in replaced)
     replaced.update((i, e.message) for i, e in excerpts.items())
     notes += [note for note in chat.pools.notes if note not in notes]
     result = _result(chat, keep, blocks, replaced, excerpts, fingerprints, max_tokens, counter, model, options.strategy)
-    return replace(result, over_budget=over, notes=tuple(notes), reused=reused)
+    return replace(result, over_budget=over, notes=tuple(notes), reused=reused, shortened_passages=cut)
 
 
 def _result(
@@ -506,6 +507,7 @@ def _without(
         recalled=tuple(map(back, inner.recalled)),
         recalled_passages=tuple((back(i), c) for i, c in inner.recalled_passages),
         quoted_passages=tuple((back(i), sent, total) for i, sent, total in inner.quoted_passages),
+        shortened_passages=tuple((back(i), sent, total) for i, sent, total in inner.shortened_passages),
         excerpted=tuple(map(back, inner.excerpted)),
         tool_results=tuple(map(back, inner.tool_results)),
         left_out=tuple(map(back, inner.left_out)),

@@ -100,7 +100,10 @@ class TrimResult:
     says, for each excerpted message in order, how many of its passages (chunks) were sent of
     how many it has: what a user is told (`document excerpted: 3 of 24 passages`);
     `quoted_passages` the same, as (index, sent, in all), of each message only recall blocks
-    quote by passages (not excerpted in place); `left_out` the documents (`documents`) dropped
+    quote by passages (not excerpted in place); `shortened_passages` the same of each shortened
+    copy cut by passages (the latest user message alone over the budget, a document pasted with
+    its question: `shorten._cut_by_passages`; a copy a later pass cut again counts its own
+    chunks), told as a document excerpted, not `shortened to fit`; `left_out` the documents (`documents`) dropped
     whole: neither sent, in part or whole, nor quoted by a recall block (a user is told `document
     left out`); `tool_results` which of the excerpted, quoted and left out messages are tool
     results (told as such, not documents).
@@ -125,6 +128,7 @@ class TrimResult:
     passages: tuple[tuple[int, int], ...] = ()
     recalled_passages: tuple[tuple[int, tuple[int, ...]], ...] = ()
     quoted_passages: tuple[tuple[int, int, int], ...] = ()
+    shortened_passages: tuple[tuple[int, int, int], ...] = ()
     tool_results: tuple[int, ...] = ()
     left_out: tuple[int, ...] = ()
 

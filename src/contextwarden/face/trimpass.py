@@ -118,7 +118,10 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
 
 def _excerpts_so_far(own: ExcerptCounts, noted: ExcerptCounts, chained: bool) -> ExcerptCounts:
     """A pass's excerpt counts as the turn's: the earlier pass's when it excerpted more, with
-    the documents each dropped whole (`ExcerptCounts.after`)."""
+    the documents each dropped whole (`ExcerptCounts.after`); a question the earlier pass cut by
+    passages and this one cut again counted from the message as pasted (`cut_again`)."""
+    if chained:
+        own = own.cut_again(noted)
     base = own if own.count >= noted.count else replace(noted, dropped=own.dropped)
     return base.after(noted, chained)
 

@@ -121,15 +121,19 @@ class CacheView:
 @dataclass(frozen=True, slots=True)
 class ExcerptCounts:
     """What a turn sent of earlier messages too large for what was left (sent as excerpts for the
+    question), and of a latest user message cut by passages (a document pasted with its
     question): how many, the passages of those sent in part (sent, in all), how many only their
     cut mark went of (too large for the room left), how many documents were `dropped` whole (not
-    sent, not quoted: `TrimResult.left_out`), and what they all are in a user's words (`EXCERPT_KINDS`)."""
+    sent, not quoted: `TrimResult.left_out`), and what they all are in a user's words (`EXCERPT_KINDS`);
+    `question` the latest user message's share of `passages` (a later pass that cuts its copy
+    again counts from the message as pasted: `cut_again`)."""
 
     count: int = 0
     passages: tuple[int, int] = (0, 0)
     left_out: int = 0
     kind: str = "document"
     dropped: int = 0
+    question: tuple[int, int] = (0, 0)
 
     @property
     def told(self) -> tuple[int, tuple[int, int], int, str]:
@@ -144,6 +148,21 @@ class ExcerptCounts:
             return self
         mixed = (self.count or self.dropped) and self.kind != earlier.kind
         return replace(self, dropped=self.dropped + earlier.dropped, kind="long message" if mixed else earlier.kind)
+
+    def cut_again(self, earlier: ExcerptCounts) -> ExcerptCounts:
+        """These counts, of a pass that cut by passages again the question an `earlier` pass of the
+        turn cut by them (its copy: the chunks sent and the markers), against the message as
+        pasted: the chunks the earlier cut left out are added to those in all.
+
+        Example:
+            >>> ExcerptCounts(1, (5, 7), question=(5, 7)).cut_again(ExcerptCounts(1, (7, 41), question=(7, 41)))
+            ExcerptCounts(count=1, passages=(5, 41), left_out=0, kind='document', dropped=0, question=(5, 41))
+        """
+        gone = earlier.question[1] - earlier.question[0]
+        if not self.question[1] or not earlier.question[1] or gone <= 0:
+            return self
+        sent, total = self.question
+        return replace(self, passages=(self.passages[0], self.passages[1] + gone), question=(sent, total + gone))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +235,9 @@ class TurnChoice:
         count = len(result.kept) + len(result.dropped) + len(result.shortened) + extra
         cut = [p for p in result.passages if p[0] or not p[1]]  # some passages went (or it has no count)
         cut += [(sent, total) for _, sent, total in result.quoted_passages]  # a document read in a block only
-        excerpted = len(result.excerpted) + len(result.quoted_passages)
+        asked = [(sent, total) for _, sent, total in result.shortened_passages]  # a document pasted with its question
+        cut += asked
+        excerpted = len(result.excerpted) + len(result.quoted_passages) + len(asked)
         return cls(
             messages=messages,
             count_before=count,
@@ -226,13 +247,14 @@ class TurnChoice:
             count_mode=result.count_mode,
             decision=result.decision,
             dropped=len(result.dropped),
-            shortened=len(result.shortened) - len(result.excerpted),
+            shortened=len(result.shortened) - len(result.excerpted) - len(asked),
             excerpts=ExcerptCounts(
                 excerpted,
                 (sum(p[0] for p in cut), sum(p[1] for p in cut)),
                 excerpted - len(cut),
                 excerpt_kind(excerpted + len(result.left_out), len(result.tool_results)),
                 len(result.left_out),
+                (sum(p[0] for p in asked), sum(p[1] for p in asked)),
             ),
             over_budget=result.over_budget,
             reused=result.reused,
@@ -281,8 +303,10 @@ class TurnNote:
     turn in this worker: `openturns.OpenTurns` knows it); the trim's figures (`mode` ... `cache`, all set together);
     `flags` (an earlier pass removed them from the text); the context line shown (`line`) or
     left for a later pass or outlet to show (`pending_line`, written by inlet), and its figures
-    (`sent_messages`, `shortened`, `excerpted`, `dropped_documents`, `quoted`: the chat's messages its recall blocks
-    quote whole, which a later pass sending those blocks again as they were counts too);
+    (`sent_messages`, `shortened`, `excerpted`, `dropped_documents`, `question_passages`: the
+    latest user message's cut by passages, which a later pass cutting its copy again counts
+    from, `quoted`: the chat's messages its recall blocks quote whole, which a later pass
+    sending those blocks again as they were counts too);
     `cache_marked` (the prompt-cache breakpoints this turn placed,
     to take off before trimming again); `added` (the fingerprints of the recall blocks and summary
     note this pass added: how a later pass knows them, see `summarize.own_messages`); `asked` (the
@@ -324,6 +348,7 @@ class TurnNote:
     left_out: int | None = None
     excerpt_kind: str | None = None
     dropped_documents: int = 0  # documents dropped whole (`ExcerptCounts.dropped`; absent in notes before)
+    question_passages: tuple[int, int] | None = None  # `ExcerptCounts.question` (absent in notes before)
     pending_line: str | None = None
     cache_marked: dict[str, Any] | None = None
     added: tuple[str, ...] = ()
@@ -357,17 +382,28 @@ class TurnNote:
 
         Example:
             >>> TurnNote(excerpted=2, passages=(1, 9), left_out=1).excerpt_counts(5)
-            ExcerptCounts(count=2, passages=(1, 9), left_out=1, kind='document', dropped=0)
+            ExcerptCounts(count=2, passages=(1, 9), left_out=1, kind='document', dropped=0, question=(0, 0))
         """
         count = self.excerpted if self.excerpted is not None and self.excerpted <= at_most else 0
         dropped = self.dropped_documents if self.dropped_documents <= at_most else 0
         passages, kind = self.passages or (0, 0), self.excerpt_kind or "document"
-        return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind, dropped)
+        question = self.question_passages or (0, 0)
+        if not count or question[0] > passages[0] or question[1] > passages[1]:  # (not this note's own)
+            question = (0, 0)
+        return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind, dropped, question)
 
     def with_excerpts(self, excerpts: ExcerptCounts) -> TurnNote:
         """This note with a pass's excerpt figures (none written when nothing was excerpted or dropped)."""
         if not excerpts.count and not excerpts.dropped:
-            return replace(self, excerpted=0, passages=None, left_out=None, excerpt_kind=None, dropped_documents=0)
+            return replace(
+                self,
+                excerpted=0,
+                passages=None,
+                left_out=None,
+                excerpt_kind=None,
+                dropped_documents=0,
+                question_passages=None,
+            )
         return replace(
             self,
             excerpted=excerpts.count,
@@ -375,6 +411,7 @@ class TurnNote:
             left_out=excerpts.left_out,
             excerpt_kind=excerpts.kind,
             dropped_documents=excerpts.dropped,
+            question_passages=excerpts.question if excerpts.question[1] else None,
         )
 
     @property
@@ -423,6 +460,8 @@ class TurnNote:
                 out["excerpt_kind"] = self.excerpt_kind
             if self.dropped_documents:
                 out["dropped_documents"] = self.dropped_documents
+            if self.question_passages is not None:
+                out["question_passages"] = list(self.question_passages)
         if self.cache_marked is not None:
             out["cache_marked"] = self.cache_marked
         if self.added:
@@ -477,6 +516,7 @@ class TurnNote:
             left_out=_count(raw.get("left_out")),
             excerpt_kind=raw["excerpt_kind"] if raw.get("excerpt_kind") in EXCERPT_KINDS else None,
             dropped_documents=_count(raw.get("dropped_documents")) or 0,
+            question_passages=_passage_counts(raw.get("question_passages")),
             pending_line=raw["pending_line"] if isinstance(raw.get("pending_line"), str) else None,
             cache_marked=raw["cache_marked"] if isinstance(raw.get("cache_marked"), dict) else None,
             added=_fingerprints(raw.get("added")),
