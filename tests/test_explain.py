@@ -183,3 +183,22 @@ def test_explain_takes_every_option_trim_messages_takes(counter):
         assert "keep_last_turn" in str(exc)
     else:
         raise AssertionError("an unknown option was accepted")
+
+
+def test_a_question_cut_by_passages_says_how_many_went(counter):
+    """A document pasted with its question, alone over the budget, is cut by passages: explained
+    as excerpted, with its passages sent of those it has (the status line's count). A question
+    too short for three passages is cut middle-out and says so (it read "by passages")."""
+    ask = "Which lamp did the keeper relight?"
+    report = "\n\n".join(f"Section {k}. The harbour committee met on day {k}. " * 6 for k in range(30))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{report}\n\n{ask}"}]
+    result = trim_messages(chat, max_tokens=800, model=MODEL, token_counter=counter)
+    [(at, sent, total)] = result.shortened_passages
+    row = explain_trim(chat, result, model=MODEL, token_counter=counter).messages[at]
+    assert at == 1 and row.action == "excerpted"
+    assert row.reasons[0] == f"mandatory content over budget: cut by passages, {sent} of {total} sent"
+
+    short = [{"role": "user", "content": "word " * 110}]
+    cut = trim_messages(short, max_tokens=60, model=MODEL, token_counter=counter)
+    row = explain_trim(short, cut, model=MODEL, token_counter=counter).messages[0]
+    assert row.action == "shortened" and row.reasons[0] == "mandatory content over budget: cut middle-out"

@@ -222,10 +222,11 @@ def _counts(before: int, after: int) -> str:
 
 def _print_table(view: ChatView, result: TrimResult, counter: TokenCounter, model: str | None) -> None:
     messages, kept, shortened = view.messages, set(result.kept), set(result.shortened)
+    excerpted = {*result.excerpted, *(i for i, _, _ in result.shortened_passages)}  # as the status line tells them
     print(f"{'#':>4}  {'role':<9} {'tokens':>7}  {'action':<9} text")
     for index, message in enumerate(messages):
         action = "kept" if index in kept else "shortened" if index in shortened else "dropped"
-        action = "excerpted" if index in result.excerpted else "recalled" if index in result.recalled else action
+        action = "excerpted" if index in excerpted else "recalled" if index in result.recalled else action
         tokens = counter.count_message(message, model)
         role = _printable(str(message.get("role", "?"))[:9])
         print(f"{index:>4}  {role:<9} {tokens:>7,}  {action:<9} {_preview(view.text(index), 48)}")

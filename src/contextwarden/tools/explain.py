@@ -46,7 +46,7 @@ class MessageReason:
     index: int
     role: str
     tokens: int
-    action: str  # kept | dropped | shortened | excerpted | recalled | summarized
+    action: str  # kept | dropped | shortened | excerpted (or a question cut by passages) | recalled | summarized
     reasons: tuple[str, ...]
     score: float | None = None
 
@@ -255,15 +255,18 @@ def _row(i: int, message: Message, facts: _Facts) -> MessageReason:
     action = (
         "shortened" if i in facts.shortened else "kept" if sent else "summarized" if i in facts.covered else "dropped"
     )
-    action = "excerpted" if i in facts.result.excerpted else "recalled" if quoted else action
+    passages = {k: (n, total) for k, n, total in facts.result.shortened_passages}
+    action = "excerpted" if i in facts.result.excerpted or i in passages else "recalled" if quoted else action
     reasons = _why(i, message, sent, facts) + _together(i, facts)
     if quoted:
         reasons.insert(0, "quoted verbatim in a recall block, not in its place")
     elif i in facts.result.excerpted:
         reasons.insert(0, "too large for what was left: its passages most relevant to the question, the rest cut")
+    elif i in passages:
+        n, total = passages[i]
+        reasons.insert(0, f"mandatory content over budget: cut by passages, {n:,} of {total:,} sent")
     elif i in facts.shortened:
-        how = "by passages" if i == facts.view.question else "middle-out"
-        reasons.insert(0, f"mandatory content over budget: cut {how}")
+        reasons.insert(0, "mandatory content over budget: cut middle-out")
     if i in facts.covered:
         reasons.append("a summary note stands for it")
     scores = facts.scores
