@@ -392,6 +392,41 @@ def test_with_an_embedder_the_recall_weighs_meaning_too(counter):
     assert semantic.reused and 1 in semantic.recalled
 
 
+def test_a_word_of_the_question_outranks_a_message_close_only_in_meaning(counter):
+    """The recall fuses less cosine than a new selection (`RECALL_SEMANTIC_SHARE`): a message that
+    names what the question asks (the ferry, twice) is recalled before one only close in meaning
+    (boats to the archipelago), which at the selection's share (0.35) came first."""
+    filler = [
+        "We watched a film.",
+        "Dinner was pasta.",
+        "The cat slept.",
+        "Work was busy.",
+        "I bought socks.",
+        "It rained.",
+        "My sister called.",
+        "The bus was late.",
+    ]
+    said = [
+        "The ferry to the island leaves from pier 3 at 07:40 on weekdays.",
+        *filler[:3],
+        "I moved my ferry booking; the ferry staff were kind.",
+        *filler[3:6],
+        "Boats out to the archipelago depart early in the morning.",
+        *filler[6:],
+        "Noted.",
+        "When does the island ferry leave?",
+    ]
+    chat = [{"role": "system", "content": "You are helpful."}]
+    chat += [{"role": ("user", "assistant")[k % 2], "content": text} for k, text in enumerate(said)]
+
+    def embed(texts):
+        return [[1.0, 0.0] if ("archipelago" in t or "When does" in t) else [0.0, 1.0] for t in texts]
+
+    order = _Pools(ChatView(chat), counter, MODEL, 0, embed).of(len(chat) - 1, [0]).candidates
+    booking, boats = 5, 9
+    assert order.index(booking) < order.index(boats)
+
+
 def test_a_failing_embedder_leaves_the_recall_lexical_with_a_note(counter):
     chat = river_chat()
     first = trim(chat, token_counter=counter)

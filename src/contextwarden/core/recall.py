@@ -58,7 +58,16 @@ MIN_PASSAGE_ROOM = 64  # tokens left below which a recall block looks for no fur
 # A message costing less is recalled whole or not at all, never by passages: a person's long
 # message is not a document (REALTALK at 1k: 0.027 less evidence sent when its passages were).
 MIN_PASSAGE_TOKENS = 1_000
-_RECALL_WEIGHTS = replace(DEFAULT_RELEVANCE_WEIGHTS, recency=0.0)  # recalled for relevance alone
+# The embedder's share of the recall's base signal, below a new selection's (`SEMANTIC_SHARE`,
+# 0.35): the recall ranks single messages by score alone, where the cosine of short messages
+# shaped like the question (earlier questions) crowds out the one that names what it asks.
+# bench/multiturn.py, carried + embedder at 1k / 2k / 4k / 8k, REALTALK dev: 0.35 0.366 / 0.459 /
+# 0.568 / 0.701; 0.20 0.387 / 0.492 / 0.574 / 0.707; 0.10 0.384 / 0.483 / 0.562 / 0.692; 0.50
+# worse. LoCoMo dev at 0.35 0.620 / 0.709 / 0.774 / 0.845, at 0.20 0.625 / 0.703 / 0.778 / 0.850.
+RECALL_SEMANTIC_SHARE = 0.20
+_RECALL_WEIGHTS = replace(  # recalled for relevance alone
+    DEFAULT_RELEVANCE_WEIGHTS, recency=0.0, semantic_share=RECALL_SEMANTIC_SHARE
+)
 RECALLABLE_ROLES = frozenset({"user", "assistant", "tool"})
 # A recall block takes the dropped messages most relevant to the question first, whatever their
 # length (value per cost ** 0): it has little room, and what a question needs is a few messages.
@@ -161,7 +170,8 @@ class _Pools:
     """One trim's recall pools by question and system messages: each made once, however many
     paths look (the fast path, then the full one). `seen`: how many leading messages the
     previous turn read (see `recall_scores`); `embed`: the trim's embedder, whose cosine the
-    recall fuses in as a new selection does (None once it failed: one trim asks it once); `notes`
+    recall fuses in as a new selection does, at `RECALL_SEMANTIC_SHARE` (None once it failed:
+    one trim asks it once); `notes`
     say when it could not."""
 
     __slots__ = ("view", "counter", "model", "seen", "embed", "notes", "_made")
