@@ -152,6 +152,31 @@ async def test_a_document_the_inlet_shortened_is_still_told_by_the_request_pass(
     assert note["tokens_saved"] > 0
 
 
+async def _pasted_then_tools(counter, document: str, tools: int) -> tuple[str, str, dict]:
+    """The browser test's first turn: `document` pasted alone in a 1,200-token budget, its inlet
+    pass, then its request pass with `tools` of Open WebUI's tool definitions: the inlet's copy,
+    what the request pass sent, and the turn's note."""
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300)
+    metadata = {"chat_id": "doc", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": document}], "metadata": metadata}
+    first = await f.inlet(body, __event_emitter__=Events(), **hooks)
+    sent = await f.request({**first, "tools": BUILTIN_TOOLS[:tools]}, __event_emitter__=Events(), **hooks)
+    return first["messages"][-1]["content"], sent["messages"][-1]["content"], metadata["contextwarden"]
+
+
+async def test_a_question_the_request_pass_cut_again_middle_out_is_shortened_to_fit(counter):
+    """The inlet cut the pasted document by passages (8 of 19); six tool definitions leave the
+    request pass no room for a passage of that copy, and it cuts it middle-out: the model saw a
+    few lines, not 8 passages. It read "document excerpted: 8 of 19 passages, shortened to fit"."""
+    document = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
+    copy, sent, note = await _pasted_then_tools(counter, document, 6)
+    assert _passages_in(document, copy) == (8, 19) and sent != copy and _passages_in(document, sent)[0] < 8
+    assert note["pending_line"] == "Sent 1 message, shortened to fit", note
+    assert note["line"].endswith(" · 1 shortened") and "excerpted" not in note["line"], note
+    assert "question_passages" not in note and not note.get("excerpted"), note
+
+
 async def test_the_request_pass_counts_what_the_inlets_recall_block_quotes(counter):
     """A carried turn's inlet quotes older messages in a recall block; the request pass sends
     that block again as it was and its line (the one the user sees) still counts them."""

@@ -90,7 +90,9 @@ def _sent_id(model_id: str, resolution: Resolution) -> str:
     return model_id[len(prefix) + 1 :] if prefix and model_id.startswith(prefix + ".") else model_id
 
 
-def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: TurnNote, loop: int) -> TurnChoice:
+def _turn_so_far(
+    choice: TurnChoice, messages_before: int, removed: int, note: TurnNote, loop: int, recut: bool = False
+) -> TurnChoice:
     """This pass's choice as the turn's: a later pass (request after inlet) sees what an earlier
     pass already trimmed, so its line counts from the chat the turn began with (and the `loop`
     messages of its tool loop since, which it sends); an earlier
@@ -110,20 +112,30 @@ def _turn_so_far(choice: TurnChoice, messages_before: int, removed: int, note: T
         quoted=quoted,
         tokens_before=choice.tokens_after + removed,
         shortened=max(choice.shortened, earlier),
-        excerpts=_excerpts_so_far(choice.excerpts, noted, removed > 0),
+        excerpts=_excerpts_so_far(choice.excerpts, noted, removed > 0, recut),
         pins_shortened=choice.pins_shortened or (note.pins_shortened and cut),
         pins_dropped=choice.pins_dropped or note.pins_dropped,
     )
 
 
-def _excerpts_so_far(own: ExcerptCounts, noted: ExcerptCounts, chained: bool) -> ExcerptCounts:
+def _excerpts_so_far(own: ExcerptCounts, noted: ExcerptCounts, chained: bool, recut: bool = False) -> ExcerptCounts:
     """A pass's excerpt counts as the turn's: the earlier pass's when it excerpted more, with
     the documents each dropped whole (`ExcerptCounts.after`); a question the earlier pass cut by
-    passages and this one cut again counted from the message as pasted (`cut_again`)."""
+    passages and this one cut again counted from the message as pasted (`cut_again`), or not by
+    those passages when this one cut it middle-out (`recut`: "8 of 19" where ~100 tokens went)."""
     if chained:
         own = own.cut_again(noted)
+        noted = noted.without_question() if recut and not own.question[1] else noted
     base = own if own.count >= noted.count else replace(noted, dropped=own.dropped)
     return base.after(noted, chained)
+
+
+def _question_cut(turn: _Turn, choice: TurnChoice) -> bool:
+    """This pass cut the question an earlier pass cut by passages: it sends a copy of what it got
+    (read before the sources go back, which make a copy too)."""
+    at = turn.read.latest_user
+    asked = None if at is None or turn.note.question_passages is None else turn.read.messages[at]
+    return asked is not None and all(m is not asked for m in choice.messages)
 
 
 def _chat_messages_sent(choice: TurnChoice) -> int:
@@ -243,16 +255,16 @@ async def _noted(turn: _Turn, choice: TurnChoice, money: _TurnMoney, asked: str 
     return note
 
 
-def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNote, hook: str) -> TurnNote:
+def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNote, hook: str, recut: bool) -> TurnNote:
     """Leave the turn's words so far in its note, for the outlet's one line after the reply
     (a status costs Open WebUI a save into the chat, so one shown before the reply delays
     it; and it cannot be edited): the plain words (the last pass's win), and the admin's
-    detail, logged."""
+    detail, logged; `recut`: this pass cut the question again (`_question_cut`)."""
     if not isinstance(turn.metadata, dict):
         return note
     flags, calibration = turn.flags, turn.calibration
     loop = loop_length(turn.read.messages)
-    done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note, loop)
+    done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note, loop, recut)
     sent = _chat_messages_sent(done)
     plain = shadow_status_line(done, flags, sent) if turn.shadow else status_line(done, flags, sent)
     detail = detail_line(done, flags) + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else "")
@@ -433,13 +445,14 @@ class TrimPass:
         turn = await self._open_turn(body, user, metadata, model, emit, settings)
         choice = await self._decide(turn, request)
         asked = _sent_question(turn, choice)  # before the sources go back
+        recut = _question_cut(turn, choice)
         if turn.sources is not None:
             choice = await compute(turn.off, with_turn_sources, choice, turn.sources, self._counter, turn.model_id)
         if turn.shadow and not _same_messages(turn.read.messages, body["messages"]):
             choice = await self._as_it_came(turn, choice)
         money = await self._turn_money(turn, choice, model)
         note = await _noted(turn, choice, money, asked)
-        note = _leave_line(turn, choice, money, note, hook)
+        note = _leave_line(turn, choice, money, note, hook, recut)
         self.windows.check(turn)
         if turn.shadow:
             return body

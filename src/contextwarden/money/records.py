@@ -164,6 +164,20 @@ class ExcerptCounts:
         sent, total = self.question
         return replace(self, passages=(self.passages[0], self.passages[1] + gone), question=(sent, total + gone))
 
+    def without_question(self) -> ExcerptCounts:
+        """These counts less the latest user message's (`question`): a later pass of the turn that
+        cut its copy again middle-out sent none of the passages counted whole.
+
+        Example:
+            >>> ExcerptCounts(2, (9, 60), question=(8, 19)).without_question()
+            ExcerptCounts(count=1, passages=(1, 41), left_out=0, kind='document', dropped=0, question=(0, 0))
+        """
+        if not self.question[1] or not self.count:
+            return self
+        sent, total = self.passages[0] - self.question[0], self.passages[1] - self.question[1]
+        count = self.count - 1
+        return replace(self, count=count, passages=(sent, total), left_out=min(self.left_out, count), question=(0, 0))
+
 
 @dataclass(frozen=True, slots=True)
 class TurnChoice:
