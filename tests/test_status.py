@@ -177,6 +177,17 @@ async def test_a_question_the_request_pass_cut_again_middle_out_is_shortened_to_
     assert "question_passages" not in note and not note.get("excerpted"), note
 
 
+async def test_a_question_cut_again_is_told_of_the_passages_the_document_has(counter):
+    """Paragraphs of one 599-character line: each blank line between them is a passage of its own
+    (`split_chunks`: 40). The inlet's copy keeps one between two cut marks, which take its line
+    break, so the request pass that cut the copy again counted it out of all: "6 of 39"."""
+    said = " ".join(f"Lantern {{n}}.{k} keeps its signal." for k in range(30))
+    document = "\n\n".join(said.format(n=n)[:599] for n in range(20)) + "\n\nWhat does it say about lantern 7?"
+    copy, sent, note = await _pasted_then_tools(counter, document, 1)
+    assert len(split_chunks(document)) == 40 and sent != copy, note
+    assert re.fullmatch(r"Sent 1 message, document excerpted: \d+ of 40 passages", note["pending_line"]), note
+
+
 async def test_the_request_pass_counts_what_the_inlets_recall_block_quotes(counter):
     """A carried turn's inlet quotes older messages in a recall block; the request pass sends
     that block again as it was and its line (the one the user sees) still counts them."""

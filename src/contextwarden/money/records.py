@@ -152,17 +152,17 @@ class ExcerptCounts:
     def cut_again(self, earlier: ExcerptCounts) -> ExcerptCounts:
         """These counts, of a pass that cut by passages again the question an `earlier` pass of the
         turn cut by them (its copy: the chunks sent and the markers), against the message as
-        pasted: the chunks the earlier cut left out are added to those in all.
+        pasted: of the passages the earlier pass counted it has. Not the copy's own chunks and
+        those cut before: a chunk of blank lines sent between two cut marks is none of the copy's.
 
         Example:
-            >>> ExcerptCounts(1, (5, 7), question=(5, 7)).cut_again(ExcerptCounts(1, (7, 41), question=(7, 41)))
+            >>> ExcerptCounts(1, (5, 7), question=(5, 7)).cut_again(ExcerptCounts(1, (8, 41), question=(8, 41)))
             ExcerptCounts(count=1, passages=(5, 41), left_out=0, kind='document', dropped=0, question=(5, 41))
         """
-        gone = earlier.question[1] - earlier.question[0]
-        if not self.question[1] or not earlier.question[1] or gone <= 0:
+        (sent, total), pasted = self.question, earlier.question[1]
+        if not total or not sent < pasted:
             return self
-        sent, total = self.question
-        return replace(self, passages=(self.passages[0], self.passages[1] + gone), question=(sent, total + gone))
+        return replace(self, passages=(self.passages[0], self.passages[1] - total + pasted), question=(sent, pasted))
 
     def without_question(self) -> ExcerptCounts:
         """These counts less the latest user message's (`question`): a later pass of the turn that
