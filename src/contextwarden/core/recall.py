@@ -61,10 +61,11 @@ MIN_PASSAGE_TOKENS = 1_000
 # The embedder's share of the recall's base signal, below a new selection's (`SEMANTIC_SHARE`,
 # 0.35): the recall ranks single messages by score alone, where the cosine of short messages
 # shaped like the question (earlier questions) crowds out the one that names what it asks.
-# bench/multiturn.py, carried + embedder at 1k / 2k / 4k / 8k, REALTALK dev: 0.35 0.366 / 0.459 /
-# 0.568 / 0.701; 0.20 0.387 / 0.492 / 0.574 / 0.707; 0.10 0.384 / 0.483 / 0.562 / 0.692; 0.50
-# worse. LoCoMo dev at 0.35 0.620 / 0.709 / 0.774 / 0.845, at 0.20 0.625 / 0.703 / 0.778 / 0.850.
-RECALL_SEMANTIC_SHARE = 0.20
+# bench/multiturn.py, carried + embedder at 1k / 2k / 4k / 8k, REALTALK dev | LoCoMo dev:
+# 0.35 0.366 / 0.459 / 0.568 / 0.701 | 0.620 / 0.709 / 0.774 / 0.845;
+# 0.25 0.384 / 0.486 / 0.571 / 0.719 | 0.634 / 0.705 / 0.776 / 0.849;
+# 0.20 0.387 / 0.492 / 0.574 / 0.707 | 0.625 / 0.703 / 0.778 / 0.850; 0.10 and 0.50 worse.
+RECALL_SEMANTIC_SHARE = 0.25
 _RECALL_WEIGHTS = replace(  # recalled for relevance alone
     DEFAULT_RELEVANCE_WEIGHTS, recency=0.0, semantic_share=RECALL_SEMANTIC_SHARE
 )
