@@ -242,7 +242,8 @@ async def test_bad_valve_value_is_named_and_auto_used(counter):
 
 
 async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache(counter):
-    """What a model's cache serves is learned from replies of turns the filter started (inlet)."""
+    """What a model's cache serves is learned from turns the filter started (inlet), as their
+    stream reported it (the outlet's usage is the client's to write)."""
     f = make_filter(counter, max_context_tokens=8_000, reserve_output_tokens=1_000, openrouter_pricing=False)
     events = Events()
     reply = {
@@ -254,6 +255,7 @@ async def test_outlet_shows_cached_tokens_and_learns_that_a_model_does_not_cache
     async def turn(model: str, reply: dict, events: Events | None = None) -> None:
         question, metadata = [{"role": "user", "content": "q"}], {}
         await f.inlet({"model": model, "messages": question}, __user__={"id": "u1"}, __metadata__=metadata)
+        await f.stream({"id": "c1", "choices": [], "usage": reply["usage"]}, __metadata__=metadata)
         await f.outlet(
             {"model": model, "messages": [*question, reply]},
             __user__={"id": "u1"},

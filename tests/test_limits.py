@@ -1151,7 +1151,8 @@ async def test_a_reply_across_midnight_is_on_its_turn_s_day_in_the_ledger_and_th
 
 async def test_only_turns_started_here_teach(counter, unique):
     """Forged `POST /api/chat/completed` bodies carry no turn of this worker's: they are booked
-    to their sender, but never move the cache statistics or the calibration others see."""
+    to their sender, but never move the cache statistics or the calibration others see. A turn
+    started here teaches them what its stream reported."""
     f = await limited(counter, {}, datetime.now(UTC))
     cached = {"prompt_tokens": 5_000, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4_000}}
     body, who = turn(f"u-{unique}")
@@ -1159,8 +1160,11 @@ async def test_only_turns_started_here_teach(counter, unique):
         await f.outlet({"model": "gpt-4o", "messages": [*body["messages"], reply_of(usage=cached)]}, __user__=who)
     assert await load_cache_stats(f.store, "openai/gpt-4o") == CacheStats()
     assert (await load_calibration(f.store, "openai/gpt-4o")).samples == 0
-    await run_turn(f, CHAT, user=who, reply=reply_of(usage=cached))
-    assert await load_cache_stats(f.store, "openai/gpt-4o") != CacheStats()
+    await f.inlet(body, __user__=who, __metadata__=body["metadata"])
+    await f.stream(stream_chunk(usage=cached), __metadata__=body["metadata"])  # the backend's report
+    outlet = {"model": "gpt-4o", "messages": [*body["messages"], reply_of(usage=cached)]}
+    await f.outlet(outlet, __user__=who, __metadata__=body["metadata"])
+    assert await load_cache_stats(f.store, "openai/gpt-4o") == CacheStats(1, 1)
 
 
 # -- the status line with spend ----------------------------------------------------------------

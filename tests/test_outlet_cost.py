@@ -19,6 +19,7 @@ import respx
 
 from contextwarden.face.filter import wants_stream_usage
 from contextwarden.face.status import ESTIMATE_KEY, PART_ESTIMATE_KEY
+from contextwarden.money.cache_stats import CacheStats, load_cache_stats
 from contextwarden.money.calibration import (
     MAX_EFFECT,
     MIN_EFFECT,
@@ -482,6 +483,62 @@ async def test_only_the_usage_a_stream_reported_teaches_the_calibration(counter,
         other = f  # the factor is the process's: another worker shares it through Redis only
     note = await learning_turn(other, chat_of(4), "bob", lambda n: n, model=model)
     assert note["calibration"] == pytest.approx(learned.factor)
+
+
+async def cache_turn(f, user: str, *, model: str, reported: dict | None, said: dict, model_item=None) -> None:
+    """One started turn of `user` whose backend reports the usage `reported` in the stream (none
+    when None), and whose outlet says `said` (the saved chat's usage, its user's to write)."""
+    body = body_of(chat_of(2), model=model, user_id=user, chat_id=f"c-{user}")
+    metadata = body["metadata"]
+    who = {"__user__": {"id": user}, "__metadata__": metadata, "__model__": model_item}
+    out = await f.request(await f.inlet(body, **who), **who)
+    if reported is not None:
+        await stream_reply(f, metadata, reported)
+    reply = {"role": "assistant", "content": "ok", "usage": said}
+    await f.outlet({"model": model, "messages": [*out["messages"], reply]}, **who)
+
+
+async def savings_shown(f, model: str, chat_id: str) -> tuple[bool, str]:
+    """Whether a new chat's trim takes `model` to cache, and the savings it estimates (bob's)."""
+    body = body_of(chat_of(30), model=model, user_id="bob", chat_id=chat_id)
+    who = {"__user__": {"id": "bob"}, "__metadata__": body["metadata"]}
+    await f.request(await f.inlet(body, **who), **who)
+    note = body["metadata"]["contextwarden"]
+    return note["cache"]["caches"], note["cost_saved_usd"]
+
+
+@pytest.mark.parametrize("where", ["memory", "redis"])
+async def test_only_the_usage_a_stream_reported_teaches_the_cache_statistics(counter, request, where):
+    """The cache statistics say for every user of a model whether its provider's cache serves
+    anything, and so how each user's savings are priced. Ten started turns whose outlet claimed
+    999,999 cached tokens (the saved chat's usage, its user's to write) made Claude without
+    breakpoints a model that caches, for everyone (CacheStats(10, 10) on the old code): bob's next
+    chat was estimated to save -$0.0041805 (the untrimmed chat cheaper) instead of $0.016128.
+    Only the usage the backend reported in the stream this worker watched teaches them; not a
+    direct connection's stream (the user's browser relays it)."""
+    valves = {} if where == "memory" else {"redis_url": request.getfixturevalue("redis_url")}
+    valves = {**valves, "max_context_tokens": 4_000, "reserve_output_tokens": 1_000, "calibrate_counts": False}
+    model = "anthropic/claude-sonnet-4.5"  # no breakpoints asked for: not expected to cache
+    f = cost_filter(counter, **valves)
+    other = f if where == "memory" else cost_filter(counter, **valves)  # another worker, through Redis
+    before = await savings_shown(other, model, "c-bob-1")
+    assert before == (False, "0.016128")
+    plain = {"prompt_tokens": 5_000, "completion_tokens": 5}
+    forged = {**plain, "prompt_tokens_details": {"cached_tokens": 999_999}}
+    for _ in range(10):  # not streamed: only the outlet's usage says anything
+        await cache_turn(f, "mallory", model=model, reported=None, said=forged)
+    direct = {"id": model, "owned_by": "openai", "direct": True}  # `model_item` as the request sent it
+    for _ in range(5):  # streamed through the user's own browser: its report is the client's too
+        await cache_turn(f, "mallory", model=model, reported=forged, said=forged, model_item=direct)
+    assert await load_cache_stats(f.store, model) == CacheStats()
+    assert await savings_shown(other, model, "c-bob-2") == before
+    for _ in range(5):  # the backend reported no cached tokens; the outlet says 999,999
+        await cache_turn(f, "mallory", model=model, reported=plain, said=forged)
+    assert await load_cache_stats(f.store, model) == CacheStats(5, 0)
+    cached = {**plain, "prompt_tokens_details": {"cached_tokens": 4_000}}
+    await cache_turn(f, "alice", model=model, reported=cached, said=plain)  # the outlet says none
+    assert await load_cache_stats(f.store, model) == CacheStats(6, 1)
+    assert (await savings_shown(other, model, "c-bob-3"))[0] is True  # a real hit moves it for all
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.6, 0.9, 1.6, 2.0])

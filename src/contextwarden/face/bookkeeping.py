@@ -219,7 +219,7 @@ class Bookkeeping:
             started,
         )
         if started is not None:  # only a turn this worker started teaches (a bare outlet may be forged)
-            await self._learn(settings, started, billed, estimated.any, note, resolution.model_id or model_id)
+            await self._learn(settings, started, note, resolution.model_id or model_id)
         return BookedReply(model_id, note, str(mode), billed, estimated, cost, savings, off)
 
     def billing_summaries(self, settings: Settings, body: dict, user: dict | None, metadata: object) -> Settings:
@@ -614,12 +614,10 @@ class Bookkeeping:
                 await self._ledger_ended(started, taken_back=True)  # a late outlet: its estimate out
             await self._settle_held(started, charge.at_least(started.seen()))  # never below what it saw
 
-    async def _learn(
-        self, settings: Settings, started: OpenTurn, billed: Usage, estimated: bool, note: TurnNote, model_key: str
-    ) -> None:
-        """What a reply teaches: the count calibration (a comparable, exactly counted prompt, set
-        against the prompt tokens its stream reported: the outlet's usage is the client's to write,
-        and the factor is every user's) and whether the model's cache serves anything."""
+    async def _learn(self, settings: Settings, started: OpenTurn, note: TurnNote, model_key: str) -> None:
+        """What a reply teaches every user of its model, from what the backend reported in its
+        turn's stream (the outlet's usage is the client's to write): the count calibration (a
+        comparable, exactly counted prompt) and whether the model's cache serves anything."""
         real = started.reported_prompt()
         if (
             settings.calibrate_counts
@@ -632,9 +630,10 @@ class Bookkeeping:
                 await self._learn_calibration(model_key, note.estimated_prompt_tokens, real)
             except Exception as exc:
                 books_log.warning("contextwarden: calibration not updated (%s)", type(exc).__name__)
-        if not estimated:
+        reported = started.reported()
+        if reported is not None:
             try:
-                await learn_caching(self._store, model_key, billed)
+                await learn_caching(self._store, model_key, reported)
             except Exception as exc:
                 books_log.debug("contextwarden: cache stats not updated (%s)", type(exc).__name__)
 

@@ -213,9 +213,10 @@ async def learn_calibration(store: Store, model_key: str, counted: int, real: in
         await save_calibration(store, model_key, updated)
 
 
-async def learn_caching(store: Store, model_key: str, billed: Usage) -> None:
-    """Count this reply in the model's cache stats (prompts over the minimum, and cache hits)."""
+async def learn_caching(store: Store, model_key: str, reported: Usage) -> None:
+    """Count a turn's provider call in the model's cache stats (prompts over the minimum, and
+    cache hits): its usage as the backend `reported` it in the stream, never the outlet's."""
     stats = await load_cache_stats(store, model_key)
-    updated = update_cache_stats(stats, billed.prompt_tokens, billed.cached_tokens, min_cacheable_tokens(model_key))
+    updated = update_cache_stats(stats, reported.prompt_tokens, reported.cached_tokens, min_cacheable_tokens(model_key))
     if updated is not None:
         await save_cache_stats(store, model_key, updated)

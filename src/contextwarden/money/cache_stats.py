@@ -1,10 +1,12 @@
-"""Per model: does the provider's prompt cache serve anything at all? Learned from outlet usage.
+"""Per model: does the provider's prompt cache serve anything at all? Learned from what a turn's
+stream reported (`OpenTurn.reported`), never from the outlet's usage: that is the client's to
+write, and these stats price every user's savings.
 
-Each reply whose prompt reached the model's minimum cacheable size counts as one prompt, and
-as one hit when the backend reported cached tokens. Savings price the untrimmed chat as cached
-only for a model that caches. Bounded: both counts are halved past `CACHE_STATS_WINDOW`
-prompts (so old evidence fades), and the store key expires after `CACHE_STATS_TTL_SECONDS`
-without a reply.
+Each turn whose first provider call's prompt reached the model's minimum cacheable size counts
+as one prompt, and as one hit when the backend reported cached tokens. Savings price the
+untrimmed chat as cached only for a model that caches. Bounded: both counts are halved past
+`CACHE_STATS_WINDOW` prompts (so old evidence fades), and the store key expires after
+`CACHE_STATS_TTL_SECONDS` without a reply.
 """
 
 from __future__ import annotations

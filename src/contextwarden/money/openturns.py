@@ -10,8 +10,8 @@ streamed; a turn that showed nothing keeps its estimate once `RESERVATION_SECOND
 passed. Either is then added to the usage ledger (estimated when nothing was reported). An
 ended turn is kept a while longer (`KEEP_SECONDS`) so a late outlet still settles it at what
 it really cost. Only a turn found here teaches anything (calibration, cache statistics): a
-bare outlet may be forged; and the calibration learns only from what its stream reported
-(`reported_prompt`): the outlet's usage is the client's to write.
+bare outlet may be forged; and both learn only from what its stream reported (`reported_prompt`,
+`reported`): the outlet's usage is the client's to write.
 
 Bounded: a user with MAX_USER_OPEN_TURNS open pushes out their own oldest, and a worker with
 MAX_OPEN_TURNS its oldest. A turn pushed out is settled as ended at once (as the sweep would
@@ -154,15 +154,21 @@ class OpenTurn:
         prompt, reply = (math.floor(tokens * MIN_CALIBRATION) for tokens in counted)
         return Charge.priced(Usage(prompt, reply), self.price)
 
+    def reported(self) -> Usage | None:
+        """The usage the backend reported in the stream for the turn's first provider call (the
+        prompt the trim built; a tool loop's later calls read it again), what the cache statistics
+        learn from: the outlet's usage is the client's to write, this the provider's, seen by this
+        worker. None when the stream reported nothing or was the client's to write (`relayed`)."""
+        return None if self.relayed or not self.stream_usage else self.stream_usage[0]
+
     def reported_prompt(self) -> int | None:
         """The prompt tokens the backend reported in the stream for the turn's one provider call,
-        what the calibration learns from (the outlet's usage is the client's to write; this the
-        provider's, seen by this worker). None when the stream reported no call or several, a
-        call asked for tools (another follows), its report left a count out, or the stream was
-        the client's to write (`relayed`)."""
-        if self.relayed or len(self.stream_usage) != 1 or self.calls_on or self.calling:
+        what the calibration learns from (as `reported`). None when the stream reported no call or
+        several, a call asked for tools (another follows), its report left a count out, or the
+        stream was the client's to write (`relayed`)."""
+        usage = self.reported()
+        if usage is None or len(self.stream_usage) != 1 or self.calls_on or self.calling:
             return None
-        usage = self.stream_usage[0]
         if usage.calls_summed or usage.completion_tokens is None:
             return None
         return usage.prompt_tokens
