@@ -550,16 +550,18 @@ FORGED_LOW = [
     {"prompt_tokens": 1, "completion_tokens": 1},
     {"prompt_tokens": 1, "completion_tokens": 1, "cost": 0},
     {"prompt_tokens": 10**9, "completion_tokens": 10**9},  # over the $1,000 ceiling: unpriced
+    {"prompt_tokens": 30, "completion_tokens": 10_000, "prompt_tokens_details": {"cached_tokens": 999_999}},
 ]
 
 
-@pytest.mark.parametrize("forged", FORGED_LOW, ids=["counts", "cost", "absurd"])
+@pytest.mark.parametrize("forged", FORGED_LOW, ids=["counts", "cost", "absurd", "cached"])
 async def test_a_forged_outlet_never_settles_a_turn_below_what_its_stream_showed(counter, store_valves, unique, forged):
     """The outlet's usage is the client's (Open WebUI reads it from the saved chat, which the
     user writes). A stream that reported 10,030 tokens ($0.100075) stays charged that much
     whatever the outlet says; without a report, at least half of what the worker counted (the
     prompt and 40,000 streamed characters). Either way the $0.05 limit refuses the next turn:
-    the forged outlet settled the turn at $0.0000125, $0 or unpriced, and the user went on."""
+    the forged outlet settled the turn at $0.0000125, $0 or unpriced, and the user went on. A
+    forged cached count (the prompt at the cache-read price, $0.1000375) settles it no lower."""
     now = datetime(2026, 12, 1, 12, tzinfo=UTC)
     book, user = SpendBook(), f"u-{unique}"
     for reported in (True, False):
