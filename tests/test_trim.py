@@ -266,6 +266,24 @@ def test_a_question_cut_by_passages_cut_again_merges_its_markers(counter):
     assert abs(named - (counter.count_text(text, MODEL) - sum(counter.count_text(p, MODEL) for p in pieces))) <= 20
 
 
+@pytest.mark.parametrize("budget", [100, 60])
+def test_a_question_cut_by_passages_cut_again_middle_out_names_every_token_cut(counter, budget):
+    """A later pass with no room for a passage of the copy the first cut by passages (a question
+    on the last paragraph's line: no chunk fits) cuts it middle-out, through the copy's markers:
+    the one marker left named the copy's tokens it cut, 1,228 where 3,015 of the message were."""
+    ask = "Who relit the northern lamp of the lighthouse, and when?"
+    text = f"{_pasted(fact_at=21)} {ask}"
+    first = trim_messages([{"role": "user", "content": text}], max_tokens=1_500, model=MODEL, token_counter=counter)
+    assert len(_MARKS.findall(first.messages[-1]["content"])) > 1
+    again = trim_messages(first.messages, max_tokens=budget, model=MODEL, token_counter=counter)
+    sent = again.messages[-1]["content"]
+    head, named, tail = _marked(sent)
+    assert again.tokens_after <= budget and text.startswith(head) and text.endswith(tail) and ask in tail
+    assert (
+        abs(named - (counter.count_text(text, MODEL) - sum(counter.count_text(p, MODEL) for p in (head, tail)))) <= 20
+    )
+
+
 def test_multimodal_parts_pass_through(counter):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     chat = chat_of(3) + [

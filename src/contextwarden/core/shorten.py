@@ -30,8 +30,8 @@ MIN_KEPT_TEXT_TOKENS = 0
 # question in one message): its first and last paragraphs, at most this many characters of each.
 # Cut middle-out, an article asked about at its end lost the passage with the answer.
 ASK_MAX_CHARS = 500
-# The marker `_cut_middle` leaves, with the line breaks around it: a text an earlier pass of the
-# turn cut holds one (a later pass's input is what the first pass sent).
+# A cut marker, with the line breaks around it: a text an earlier pass of the turn cut holds one
+# (middle-out) or one a stretch left out (by passages): a later pass's input is what it sent.
 _MARK = re.compile(r"\n?" + re.escape(CUT_MARK).replace(re.escape("{n}"), "([0-9,]+)") + r"\n?")
 # A cut by passages: the chunks (`excerpt.split_chunks`) sent, and those of the text cut, the
 # same count a document excerpted is told by.
@@ -214,10 +214,10 @@ def _largest_text(message: Message, counter: TokenCounter, model: str | None) ->
 
 def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None) -> str | None:
     """`text` with a middle stretch replaced by a marker, about `excess` tokens shorter. A text
-    an earlier pass cut is cut again around its marker (`_cut_again`), never through it."""
+    an earlier pass cut is cut again around its markers (`_cut_again`), never through them."""
     marks = list(_MARK.finditer(text))
-    if len(marks) == 1:
-        return _cut_again(text, marks[0], excess, counter, model)
+    if marks:
+        return _cut_again(text, marks, excess, counter, model)
     total = counter.count_text(text, model)
     marker_cost = _marker_cost(total, counter, model)
     keep = max(MIN_KEPT_TEXT_TOKENS, total - excess - marker_cost)
@@ -234,19 +234,26 @@ def _cut_middle(text: str, excess: int, counter: TokenCounter, model: str | None
     return None
 
 
-def _cut_again(text: str, mark: re.Match[str], excess: int, counter: TokenCounter, model: str | None) -> str | None:
-    """`text`, cut before (`head`, the marker, `tail`: a later pass's input is what the first
-    pass sent), about `excess` tokens shorter: its head and tail cut further toward the marker,
-    which then names every token cut. None when nothing but the marker is left: cut as text,
-    a marker for 3,001 tokens became one for 12 (the model told a wrong size, and trimming the
-    trimmed prompt changed it)."""
-    head, tail = text[: mark.start()], text[mark.end() :]
+def _cut_again(
+    text: str, marks: list[re.Match[str]], excess: int, counter: TokenCounter, model: str | None
+) -> str | None:
+    """`text`, cut before (a later pass's input is what the first pass sent: middle-out, one
+    marker; by passages, one a stretch left out), about `excess` tokens shorter: its head (before
+    the first marker) and tail (after the last) cut further toward the markers, all between them
+    one marker naming every token cut: theirs, and the passages sent between them. None when
+    nothing but one marker is left. Cut as text, a marker for 3,001 tokens became one for 12, and
+    one cut through the markers of a copy cut by passages named 1,228 of 3,015 (the model told a
+    wrong size, and trimming the trimmed prompt changed it)."""
+    head, tail = text[: marks[0].start()], text[marks[-1].end() :]
+    inner = [text[a.end() : b.start()] for a, b in zip(marks, marks[1:], strict=False)]
     sizes = counter.count_text(head, model), counter.count_text(tail, model)
-    if not sum(sizes):
+    if not sum(sizes) and len(marks) == 1:
         return None
-    before = int(mark.group(1).replace(",", ""))
+    before = sum(int(mark.group(1).replace(",", "")) for mark in marks)
+    before += sum(counter.count_text(piece, model) for piece in inner)
     goal = counter.count_text(text, model) - excess
-    keep = max(0, sum(sizes) - excess)
+    merged = counter.count_text(text[marks[0].end() : marks[-1].end()], model)  # all but one marker
+    keep = max(0, sum(sizes) + merged - excess)
     while True:
         kept_head = min(sizes[0], keep - min(sizes[1], keep // 3))
         kept_tail = min(sizes[1], keep - kept_head)
