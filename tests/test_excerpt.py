@@ -67,6 +67,27 @@ def test_split_chunks_is_a_line_aligned_partition(counter):
     assert all(c.endswith("\n") for c in chunks[:-1] if "x" * CHUNK_CHARS not in c and "\n" in c[:-1] + "\n")
 
 
+def long_lined(paragraphs: int = 30) -> str:
+    """A report whose paragraphs are one long line each, two blank lines between them: a first
+    sentence of 600 characters (a chunk), then the rest of the line (another, over a third full)."""
+    topics = ("harbour", "orchard", "railway", "glacier", "library", "foundry", "vineyard", "market")
+    lines = []
+    for k in range(paragraphs):
+        first = f"Section {k}. The {topics[k % 8]} committee met on day {k} and reviewed line {k * 7}"
+        rest = f"Minutes of meeting {k} were approved after the {topics[(k + 3) % 8]} report. " * 4
+        lines.append((first + " and more" * 80)[:598] + ". " + rest)
+    return "\n\n\n".join(lines)
+
+
+def test_blank_lines_are_no_passage_of_their_own():
+    """The second blank line between two such paragraphs was a chunk of its own (29 of 89): a
+    passage a cut could send, and that its count told. Blank lines now end the chunk before."""
+    text = long_lined()
+    chunks = split_chunks(text)
+    assert "".join(chunks) == text and len(chunks) == 60 and all(chunk.strip() for chunk in chunks)
+    assert split_chunks("\n\n  \n") == ["\n\n  \n"] and split_chunks("") == []
+
+
 def test_fact_in_a_pasted_6k_document_is_sent_as_an_excerpt_in_a_4k_window(counter):
     chat = pasted_chat(counter)
     assert counter.count_text(chat[1]["content"], MODEL) >= 6_000

@@ -178,14 +178,16 @@ async def test_a_question_the_request_pass_cut_again_middle_out_is_shortened_to_
 
 
 async def test_a_question_cut_again_is_told_of_the_passages_the_document_has(counter):
-    """Paragraphs of one 599-character line: each blank line between them is a passage of its own
-    (`split_chunks`: 40). The inlet's copy keeps one between two cut marks, which take its line
-    break, so the request pass that cut the copy again counted it out of all: "6 of 39"."""
+    """Paragraphs of one 599-character line: each blank line between them was a passage of its
+    own (`split_chunks`: 40, now 21), sent and counted: "6 of 40", where `_passages_in` found 25
+    (each blank one "in" the text sent). The request pass that cut the inlet's copy again counts
+    the passages it sent of those the document has."""
     said = " ".join(f"Lantern {{n}}.{k} keeps its signal." for k in range(30))
     document = "\n\n".join(said.format(n=n)[:599] for n in range(20)) + "\n\nWhat does it say about lantern 7?"
     copy, sent, note = await _pasted_then_tools(counter, document, 1)
-    assert len(split_chunks(document)) == 40 and sent != copy, note
-    assert re.fullmatch(r"Sent 1 message, document excerpted: \d+ of 40 passages", note["pending_line"]), note
+    went, total = _passages_in(document, sent)
+    assert total == 21 and sent != copy and 0 < went < _passages_in(document, copy)[0], note
+    assert note["pending_line"] == f"Sent 1 message, document excerpted: {went} of 21 passages", note
 
 
 async def test_the_request_pass_counts_what_the_inlets_recall_block_quotes(counter):
@@ -417,6 +419,19 @@ def test_a_document_pasted_with_its_question_is_told_as_excerpted(counter):
     told = f"document excerpted: {went:,} of {total:,} passages"
     assert lines(choice) == [f"Sent 1 message, {told}", f"Shadow: would send 1 message, {told}"]
     assert detail_line(choice, Flags()).endswith(f" · {told}")
+
+
+def test_a_document_pasted_with_its_question_is_told_by_its_passages_not_its_blank_lines(counter):
+    """A summary asked of a report whose paragraphs are long lines, two blank lines between: the
+    second blank line was a passage of its own (`split_chunks`), the spread cut sent blank ones
+    and they were told: "11 of 90 passages" where 6 of its 61 went (the ask and 5 of the report's)."""
+    from test_excerpt import long_lined
+
+    text = f"Summarize this report.\n\n\n{long_lined()}"
+    result = trim_messages([{"role": "user", "content": text}], max_tokens=600, model="gpt-4o", token_counter=counter)
+    sent = result.messages[-1]["content"]
+    went = 1 + len(set(re.findall(r"Section (\d+)\. ", sent))) + len(set(re.findall(r"meeting (\d+) were", sent)))
+    assert result.shortened_passages == ((0, went, 61),) and went > 3
 
 
 def test_a_cut_middle_out_is_still_shortened_to_fit(counter):

@@ -104,7 +104,8 @@ class Excerpt:
 def split_chunks(text: str) -> list[str]:
     """`text` cut into chunks of about `CHUNK_CHARS` that join back to it exactly: whole lines,
     a chunk ending at a blank line when it is a third full; a longer line is cut at a sentence
-    end, else a comma or a space, else anywhere.
+    end, else a comma or a space, else anywhere. Every chunk is a passage, with words: blank
+    lines go with the chunk before (`_ended`), unless the text is blank alone.
 
     Example:
         >>> chunks = split_chunks("a\\n\\nb\\n" + "word " * 200)
@@ -115,15 +116,26 @@ def split_chunks(text: str) -> list[str]:
     current = ""
     for line in _pieces(text):
         if current and len(current) + len(line) > CHUNK_CHARS:
-            chunks.append(current)
-            current = ""
+            current = _ended(chunks, current)
         current += line
         if not line.strip() and len(current) >= CHUNK_CHARS // 3:
-            chunks.append(current)
-            current = ""
-    if current:
-        chunks.append(current)
+            current = _ended(chunks, current)
+    if current and _ended(chunks, current):
+        chunks.append(current)  # a blank text: its one chunk
     return chunks
+
+
+def _ended(chunks: list[str], current: str) -> str:
+    """Ends the chunk `current`: added to `chunks`, or, blank lines alone, to the chunk before (a
+    chunk of them was a passage: sent, and told as one, "12 of 42" for 11); what is left to go
+    on with (blank lines with no chunk before them)."""
+    if current.strip():
+        chunks.append(current)
+    elif chunks:
+        chunks[-1] += current
+    else:
+        return current
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,7 +153,7 @@ class ExcerptCounts:
         """These counts, of a pass that cut by passages again the question an `earlier` pass of the
         turn cut by them (its copy: the chunks sent and the markers), against the message as
         pasted: of the passages the earlier pass counted it has. Not the copy's own chunks and
-        those cut before: a chunk of blank lines sent between two cut marks is none of the copy's.
+        those cut before: the copy's text between two cut marks is chunked anew, not as pasted.
 
         Example:
             >>> ExcerptCounts(1, (5, 7), question=(5, 7)).cut_again(ExcerptCounts(1, (8, 41), question=(8, 41)))
