@@ -75,7 +75,8 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         for c in range(CHATS_PER_USER):
             chat_id = f"chat-{u}-{c}"
             marker = f"MARK[{chat_id}]"
-            usage = {"prompt_tokens": 1_000 * u + c, "completion_tokens": c + 1} if c % 2 else None
+            # a prompt above the worker's own count: a lower one is booked as counted (`OpenTurn.seen`)
+            usage = {"prompt_tokens": 1_000 * (u + 1) + c, "completion_tokens": c + 1} if c % 2 else None
             turns.append((u, chat_id, marker, marked_chat(marker, rng), user_valves, usage))
     user_id = {u: f"user-{unique}-{u}" for u in range(USERS)}  # unique: the shared Redis keeps other runs' ledgers
     rng.shuffle(turns)
@@ -133,7 +134,7 @@ async def test_hundreds_of_simultaneous_turns_stay_apart(counter, caplog, store,
         assert record["estimated_prompt_tokens"] == note["estimated_prompt_tokens"]
         if usage:
             assert (record["prompt_tokens"], record["completion_tokens"], record["estimated"]) == (
-                1_000 * u + int(chat_id[-1]),
+                1_000 * (u + 1) + int(chat_id[-1]),
                 usage["completion_tokens"],
                 False,
             )

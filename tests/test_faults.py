@@ -26,6 +26,7 @@ from contextwarden import Filter
 from contextwarden.core.conversation import is_recall_message, message_text
 from contextwarden.core.tokens import TokenCounter
 from contextwarden.core.trim import TrimResult
+from contextwarden.face.bookkeeping import FLOORED_NOTE
 from contextwarden.money import price_sources
 from contextwarden.money.ledger import read_ledger
 from contextwarden.money.live_prices import DEFAULT_OPENROUTER_URL, LivePrices
@@ -855,6 +856,12 @@ async def test_odd_hook_arguments_never_break_a_turn(counter):
     assert combos == len(ODD_USERS) * len(ODD_MODELS) * len(ODD_METADATA)
 
 
+ODD_BELOW_SEEN = [  # believed, but under half the prompt the worker counted (`OpenTurn.seen`)
+    {"prompt_tokens": "12", "completion_tokens": None},
+    {"input_tokens": 3, "output_tokens": 4},
+    {"prompt_tokens": 5, "completion_tokens": 5, "cost": 1e30},
+    {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 10**6}},
+]
 ODD_REPLIES = [
     {"role": "assistant", "content": None},
     {"role": "assistant", "content": [{"type": "text", "text": "parts"}]},
@@ -902,7 +909,9 @@ async def test_odd_replies_log_one_usage_line(counter, reply, caplog):
     believed = isinstance(read, dict) and all(
         read_count(read.get(k)) is not None for k in ("prompt_tokens", "completion_tokens")
     )
-    assert record["estimated"] is not (believed or read == {"input_tokens": 3, "output_tokens": 4})
+    floored = FLOORED_NOTE in (record["cost_note"] or "")  # below half the prompt counted: booked as counted
+    assert floored is (read in ODD_BELOW_SEEN)
+    assert record["estimated"] is (floored or not (believed or read == {"input_tokens": 3, "output_tokens": 4}))
     assert record["cached_tokens"] is None or record["cached_tokens"] <= record["prompt_tokens"]
     assert record["cost_usd"] is None or Decimal(record["cost_usd"]) <= MAX_REPLY_COST_USD
     assert max(len(r.getMessage()) for r in caplog.records) < 2_000  # no echo of a huge value

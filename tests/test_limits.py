@@ -26,11 +26,13 @@ import contextwarden.face.summarize as summarize_module
 import contextwarden.money.openturns as openturns_module
 from contextwarden.errors import AnsweredInChat, ConfigError, TurnRefused
 from contextwarden.face.adminview import usage_markdown
+from contextwarden.face.bookkeeping import FLOORED_NOTE
 from contextwarden.face.usergroups import GroupReader
 from contextwarden.face.valves import read_settings
 from contextwarden.money.cache_stats import CacheStats, load_cache_stats
 from contextwarden.money.calibration import load_calibration
-from contextwarden.money.ledger import MonthTotals, read_ledger, read_month, record_reply
+from contextwarden.money.dollars import format_usd
+from contextwarden.money.ledger import MonthTotals, ledger_totals, read_ledger, read_month, record_reply
 from contextwarden.money.limits import (
     STORE_DOWN_TEXT,
     Limits,
@@ -47,7 +49,7 @@ from contextwarden.money.records import TurnNote
 from contextwarden.money.spendbook import SpendBook
 from contextwarden.state.store import MemoryStore, RedisStore
 
-from helpers import Events, chat_of, make_filter, store_of
+from helpers import Events, chat_of, make_filter, store_of, usage_records
 from turns import free_port, reply_of, run_turn
 
 D = Decimal
@@ -581,6 +583,89 @@ async def test_a_forged_outlet_never_settles_a_turn_below_what_its_stream_showed
         least = D("0.100075") if reported else D(prompt // 2) * D("0.0000025") + D("0.05")
         assert day.usd >= least and day.tokens >= 5_000 and day.unpriced == 0
         assert isinstance(await started(f, *turn(who)), TurnRefused)
+
+
+STREAM_SHOWED = {"prompt_tokens": 30, "completion_tokens": 10_000}  # $0.100075 at $2.50 / $10 a million
+HONEST_MORE = {"prompt_tokens": 4_030, "completion_tokens": 10_000, "prompt_tokens_details": {"cached_tokens": 4_000}}
+BOOKED = [
+    ({"prompt_tokens": 1, "completion_tokens": 1}, (30, 10_000, 0, D("0.100075")), True),
+    ({"prompt_tokens": 1, "completion_tokens": 1, "cost": 0}, (30, 10_000, 0, D("0.100075")), True),
+    ({**STREAM_SHOWED, "prompt_tokens_details": {"cached_tokens": 999_999}}, (30, 10_000, 0, D("0.100075")), True),
+    (STREAM_SHOWED, (30, 10_000, 0, D("0.100075")), False),
+    (HONEST_MORE, (4_030, 10_000, 4_000, D("0.105075")), False),  # 30 + 4,000 cached at $1.25 a million
+]
+
+
+@pytest.mark.parametrize(
+    ("outlet_usage", "booked", "floored"), BOOKED, ids=["counts", "cost", "cached", "honest", "honest-more"]
+)
+async def test_the_ledger_books_a_forged_outlet_at_what_its_stream_showed(
+    counter, store_valves, unique, caplog, outlet_usage, booked, floored
+):
+    """A stream that reported 10,030 tokens ($0.100075) and an outlet forged below it: the ledger
+    row, the admin's month totals and report, the usage line and the user's status line all show
+    the stream's figures, as the spend totals do (the ledger once booked the forged 2 tokens at
+    $0.0000125, or $0: the user spent within limits, and the admin's report showed next to
+    nothing). An honest outlet, as much or more, is booked exactly as it says."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user, events = f"u-{unique}", Events()
+    body, caller = turn(user)
+    await f.inlet(body, __user__=caller, __metadata__=body["metadata"])
+    await f.stream(stream_chunk("x" * 40_000), __metadata__=body["metadata"])
+    await f.stream(stream_chunk(usage=STREAM_SHOWED), __metadata__=body["metadata"])
+    caplog.set_level(logging.INFO, logger="contextwarden")
+    outlet = {"model": "gpt-4o", "messages": [*body["messages"], reply_of("x" * 40_000, usage=outlet_usage)]}
+    await f.outlet(outlet, __user__=caller, __metadata__=body["metadata"], __event_emitter__=events)
+    prompt, completion, cached, usd = booked
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]
+    counters = {k: entry.counters[k] for k in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")}
+    assert counters == {
+        "requests": 1,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+    }
+    assert (entry.cost_usd, entry.counters["estimated"], entry.counters["unpriced"]) == (usd, 0, 0)
+    [row] = [r for r in ledger_totals(await read_ledger(f.store), "user") if r.key == user]  # `contextwarden report`
+    assert (row.usd("cost_picousd"), row.counters["prompt_tokens"]) == (usd, prompt)
+    [month] = [r for r in (await read_month(f.store, now.date())).users if r.key == user]  # `!usage`
+    assert (month.usd("cost_picousd"), month.counters["completion_tokens"]) == (usd, completion)
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(usd, prompt + completion, 1, 0),) * 2
+    [line] = usage_records(caplog)
+    assert (line["prompt_tokens"], line["completion_tokens"], D(line["cost_usd"]), line["estimated"]) == (
+        prompt,
+        completion,
+        usd,
+        False,
+    )
+    assert (FLOORED_NOTE in (line["cost_note"] or "")) is floored
+    [status] = [s for s in events.statuses if " out · " in s]
+    assert f"{prompt:,} tokens in" in status and f" · {completion:,} out · ${format_usd(usd)}" in status
+    assert "~" not in status
+
+
+async def test_a_forged_outlet_of_a_stream_that_reported_nothing_is_booked_as_counted(counter, store_valves, unique):
+    """With no usage in the stream, a forged outlet is booked at what `OpenTurn.seen` prices:
+    half the prompt as counted and of the 10,000 tokens streamed, marked estimated (`~`)."""
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    f = await limited(counter, {**store_valves, "daily_limit_usd": 1}, now)
+    user, events = f"u-{unique}", Events()
+    body, caller = turn(user)
+    await f.inlet(body, __user__=caller, __metadata__=body["metadata"])
+    prompt = TurnNote.from_dict(body["metadata"]["contextwarden"]).estimated_prompt_tokens // 2
+    await f.stream(stream_chunk("x" * 40_000), __metadata__=body["metadata"])
+    forged = reply_of("x" * 40_000, usage={"prompt_tokens": 1, "completion_tokens": 1})
+    outlet = {"model": "gpt-4o", "messages": [*body["messages"], forged]}
+    await f.outlet(outlet, __user__=caller, __metadata__=body["metadata"], __event_emitter__=events)
+    usd = D(prompt) * D("0.0000025") + D("0.05")
+    [entry] = [e for e in await read_ledger(f.store) if e.user == user]
+    counters = {k: entry.counters[k] for k in ("requests", "prompt_tokens", "completion_tokens", "estimated")}
+    assert counters == {"requests": 1, "prompt_tokens": prompt, "completion_tokens": 5_000, "estimated": 1}
+    assert entry.cost_usd == usd
+    assert await SpendBook().spend(f.store, user, now.date()) == (Spend(usd, prompt + 5_000, 1, 0),) * 2
+    [status] = [s for s in events.statuses if " out · " in s]
+    assert f"~{prompt:,} tokens in · ~5,000 out · ~${format_usd(usd)}" in status
 
 
 async def test_a_tool_loop_holds_its_charge_and_a_stop_counts_the_later_call(counter, unique, monkeypatch):

@@ -3,13 +3,14 @@
 Before the reply: `!usage` answered, a user over a limit refused (`before_turn`), the turn
 started in this worker and its estimate charged (`start_turn`). While it streams: what the
 reply carries counted, each provider call's usage settled (`stream_event`). After it
-(`reply`): the usage billed (the backend's, estimated where it said nothing), priced, logged
-as one `usage {json}` line, added to the ledger and the spend totals (the turn's charge
-settled), and what it teaches learned (calibration, cache stats); `reply_line` is the turn's
-one status line. A summary call the trim made is a cost of the turn's user too
-(`summary_call`, bound to the settings by `billing_summaries`): billed, priced, logged and
-added the same way, under the summary model. The filter passes the counter, the store, the clock, the settings and the
-price resolution in; a test can drive it without Open WebUI.
+(`reply`): the usage billed (the backend's, estimated where it said nothing; for a turn started
+here never below what the worker saw of it, `_at_least_seen`), priced, logged as one
+`usage {json}` line, added to the ledger and the spend totals (the turn's charge settled), and
+what it teaches learned (calibration, cache stats); `reply_line` is the turn's one status line.
+A summary call the trim made is a cost of the turn's user too (`summary_call`, bound to the
+settings by `billing_summaries`): billed, priced, logged and added the same way, under the
+summary model. The filter passes the counter, the store, the clock, the settings and the price
+resolution in; a test can drive it without Open WebUI.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ from .status import pending_detail, pending_line, turn_line, usage_status
 from .summarize import SummaryCall
 from .usergroups import GroupReader
 
-__all__ = ["Bookkeeping", "BookedReply"]
+__all__ = ["Bookkeeping", "BookedReply", "FLOORED_NOTE"]
 
 books_log = logging.getLogger("contextwarden")
 
 MAX_RETIRED_STORES = 8  # stores `redis_url` changes left behind, kept until their turns are settled
+FLOORED_NOTE = "usage below what this worker saw of the turn; booked as it saw it"  # the usage line's cost_note
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,21 @@ async def _store_failed(exc: Exception, settings: Settings) -> None:
         books_log.warning("contextwarden: limits not checked (%s); turn refused (fail-closed)", type(exc).__name__)
         raise TurnRefused(STORE_DOWN_TEXT) from None
     books_log.warning("contextwarden: limits not checked (%s); turn allowed (fail-open)", type(exc).__name__)
+
+
+def _at_least_seen(started: OpenTurn, billed: Usage, estimated: Estimated, cost: Cost) -> tuple[Usage, Estimated, Cost]:
+    """A started turn's reply as its outlet billed it, or as this worker saw it (`OpenTurn.sight`)
+    when the outlet's charge is below that in dollars or tokens (Open WebUI reads the outlet's
+    usage from the saved chat, which the user writes): usage line, ledger row, status line and
+    spend then agree. Estimated where the worker counted it; the usage line's cost note says so."""
+    seen = started.sight()
+    charge = Charge.of(billed, cost.cost_usd)
+    if charge.at_least(seen.charge) == charge:
+        return billed, estimated, cost
+    floor, cost_usd = compute_cost(seen.usage, started.price), seen.charge.cost_usd
+    if floor.cost_usd != cost_usd:  # a tool loop's calls, each priced at its own prompt's tier
+        floor = replace(floor, cost_usd=cost_usd, cost_source=None if cost_usd is None else "price_table")
+    return seen.usage, Estimated(seen.counted, seen.counted), replace(floor, notes=(*floor.notes, FLOORED_NOTE))
 
 
 class Bookkeeping:
@@ -191,6 +208,8 @@ class Bookkeeping:
             off, billed_usage, self._counter, usage, note.estimated_prompt_tokens, body["messages"], model_id
         )
         cost = compute_cost(billed, resolution.price)
+        if started is not None:  # the outlet's usage is the client's: never booked below what was seen
+            billed, estimated, cost = _at_least_seen(started, billed, estimated, cost)
         mode = note.mode if note.mode in MODES else settings.mode
         tokens_saved = note.tokens_saved if mode != "off" else None
         savings = await reply_savings_of(self._store, billed, note, str(mode), tokens_saved, resolution, model_id)

@@ -28,7 +28,7 @@ from .savings import (
     price_caches,
     reply_savings,
 )
-from .usage import Cost, Estimated, Usage, with_counts
+from .usage import ESTIMATE_SHAPE, Cost, Estimated, Usage, with_counts
 
 __all__ = [
     "cache_view",
@@ -121,7 +121,7 @@ def billed_usage(
     elif completion is None:
         completion = counter.count_text(message_text(messages[-1]), model_id)
     if usage is None:
-        return Usage(prompt, completion, shape="estimate" if reply_at_most is None else "upper_bound"), estimated
+        return Usage(prompt, completion, shape=ESTIMATE_SHAPE if reply_at_most is None else "upper_bound"), estimated
     return with_counts(usage, prompt, completion), estimated
 
 

@@ -9,9 +9,10 @@ is settled at what its provider calls reported, else its prompt estimate plus wh
 streamed; a turn that showed nothing keeps its estimate once `RESERVATION_SECONDS` have
 passed. Either is then added to the usage ledger (estimated when nothing was reported). An
 ended turn is kept a while longer (`KEEP_SECONDS`) so a late outlet still settles it at what
-it really cost. Only a turn found here teaches anything (calibration, cache statistics): a
-bare outlet may be forged; and both learn only from what its stream reported (`reported_prompt`,
-`reported`): the outlet's usage is the client's to write.
+it really cost, never below what the worker saw of it (`OpenTurn.sight`: the usage and charge
+its outlet's are floored at). Only a turn found here teaches anything (calibration, cache
+statistics): a bare outlet may be forged; and both learn only from what its stream reported
+(`reported_prompt`, `reported`): the outlet's usage is the client's to write.
 
 Bounded: a user with MAX_USER_OPEN_TURNS open pushes out their own oldest, and a worker with
 MAX_OPEN_TURNS its oldest. A turn pushed out is settled as ended at once (as the sweep would
@@ -36,11 +37,12 @@ from ..state.store import Store
 from .calibration import MIN_CALIBRATION
 from .pricing import ModelPrice
 from .spendbook import Charge
-from .usage import Usage
+from .usage import ESTIMATE_SHAPE, Usage
 
 __all__ = [
     "OpenTurn",
     "OpenTurns",
+    "Seen",
     "read_chunk",
     "reply_allowance",
     "rough_tokens",
@@ -58,6 +60,41 @@ SWEEP_EVERY_SECONDS = 1.0
 CHARS_PER_TOKEN = 4  # what a stopped stream's text counts (its exact count is not worth keeping the text)
 MAX_REPLY_ALLOWANCE = 1_000_000  # tokens: a request's max_tokens above this is charged as this
 MAX_STREAM_CALLS = 256  # provider calls a turn keeps apart (Open WebUI's tool loops stop far sooner)
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What a worker saw a turn use (`OpenTurn.sight`): its usage, the charge it prices to (a
+    tool loop's calls each at its own tier), and whether any of it was counted here (`counted`)
+    rather than reported by the turn's stream."""
+
+    usage: Usage
+    charge: Charge
+    counted: bool
+
+
+def _summed(calls: Sequence[Usage], counted: bool) -> Usage:
+    """A turn's provider calls as one reply's usage, as Open WebUI adds a tool loop's up: each
+    count summed (a count no call reported stays None), the last call's prompt picking the price
+    tier, the provider's cost only when every call gave one; shaped `ESTIMATE_SHAPE` when a call
+    was counted here (`counted`)."""
+
+    def total(values: Sequence[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    costs = [u.provider_cost for u in calls if u.provider_cost is not None]
+    return Usage(
+        sum(u.prompt_tokens or 0 for u in calls),
+        sum(u.completion_tokens or 0 for u in calls),
+        cached_tokens=total([u.cached_tokens for u in calls]),
+        cache_write_tokens=total([u.cache_write_tokens for u in calls]),
+        reasoning_tokens=total([u.reasoning_tokens for u in calls]),
+        provider_cost=sum(costs, Decimal(0)) if len(costs) == len(calls) else None,
+        shape=ESTIMATE_SHAPE if counted else calls[0].shape,
+        calls_summed=len(calls) > 1,
+        last_call_prompt=calls[-1].prompt_tokens if len(calls) > 1 else None,
+    )
 
 
 @dataclass(slots=True)
@@ -132,27 +169,44 @@ class OpenTurn:
             reply = -(-self.streamed // CHARS_PER_TOKEN) if self.streamed else self.reply_tokens
             usage = Usage(self.prompt_tokens, reply)
             return usage, Charge.priced(usage, self.price)
+        return self._priced(*self._calls(open_turn))
+
+    def _calls(self, open_turn: bool) -> tuple[list[Usage], bool]:
+        """The provider calls' usage as the stream reported it, then a later call's as counted
+        here (True when there is one: after a call that asked for tools, or text streamed since
+        the last report), at least its reply allowance while the turn is open (`open_turn`)."""
         calls = list(self.stream_usage)
         since = self.streamed - self.reported_at
-        if since > 0 or self.calls_on:
-            reply = -(-since // CHARS_PER_TOKEN)
-            if open_turn and self.calls_on:
-                reply = max(reply, self.reply_tokens)
-            calls.append(Usage(calls[-1].prompt_tokens or self.prompt_tokens, reply))
-        usage = Usage(sum(u.prompt_tokens or 0 for u in calls), sum(u.completion_tokens or 0 for u in calls))
-        return usage, reduce(Charge.plus, (Charge.priced(u, self.price) for u in calls))
+        if since <= 0 and not self.calls_on:
+            return calls, False
+        reply = -(-since // CHARS_PER_TOKEN)
+        if open_turn and self.calls_on:
+            reply = max(reply, self.reply_tokens)
+        calls.append(Usage(calls[-1].prompt_tokens or self.prompt_tokens, reply))
+        return calls, True
+
+    def _priced(self, calls: Sequence[Usage], counted: bool) -> tuple[Usage, Charge]:
+        """The calls as one reply's usage (`_summed`), and their charge, each at its own tier."""
+        return _summed(calls, counted), reduce(Charge.plus, (Charge.priced(u, self.price) for u in calls))
 
     def seen(self) -> Charge:
         """The least this worker saw the turn use, below which its outlet (the client's input:
-        Open WebUI reads its usage from the saved chat) cannot settle it: what its stream's
-        provider calls reported, with text streamed since; with no report, MIN_CALIBRATION of
-        its prompt as counted and of what streamed (the fewest tokens a provider's tokenizer is
-        believed to count for ours: an honest reply is never charged more than it reported)."""
+        Open WebUI reads its usage from the saved chat) cannot settle it (`sight`)."""
+        return self.sight().charge
+
+    def sight(self) -> Seen:
+        """What this worker saw the turn use, the least its outlet can settle it at (`seen`):
+        what its stream's provider calls reported, with text streamed since; with no report,
+        MIN_CALIBRATION of its prompt as counted and of what streamed (the fewest tokens a
+        provider's tokenizer is believed to count for ours: an honest reply is never charged
+        more than it reported). The usage beside the charge is what the ledger then records."""
         if self.stream_usage:
-            return self.used()[1]
-        counted = (self.prompt_tokens, -(-self.streamed // CHARS_PER_TOKEN))
-        prompt, reply = (math.floor(tokens * MIN_CALIBRATION) for tokens in counted)
-        return Charge.priced(Usage(prompt, reply), self.price)
+            calls, counted = self._calls(open_turn=False)
+            return Seen(*self._priced(calls, counted), counted)
+        counts = (self.prompt_tokens, -(-self.streamed // CHARS_PER_TOKEN))
+        prompt, reply = (math.floor(tokens * MIN_CALIBRATION) for tokens in counts)
+        usage = Usage(prompt, reply, shape=ESTIMATE_SHAPE)
+        return Seen(usage, Charge.priced(usage, self.price), True)
 
     def reported(self) -> Usage | None:
         """The usage the backend reported in the stream for the turn's first provider call (the

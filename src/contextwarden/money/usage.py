@@ -13,6 +13,7 @@ from .pricing import ModelPrice, PriceTier, read_decimal
 __all__ = [
     "MAX_TOKEN_COUNT",
     "MAX_REPLY_COST_USD",
+    "ESTIMATE_SHAPE",
     "Usage",
     "Estimated",
     "Cost",
@@ -28,6 +29,7 @@ __all__ = [
 # cost outside these is unknown, and the turn is estimated instead. Each bound in one place.
 MAX_TOKEN_COUNT = 1_000_000_000  # per reply and field; real windows are at most a few million
 MAX_REPLY_COST_USD = Decimal(1000)  # per reply; the dearest real replies cost a few dollars
+ESTIMATE_SHAPE = "estimate"  # `Usage.shape` of a reply's usage counted by contextwarden, not read
 _MAX_COUNT_CHARS = 12
 _COUNT_TEXT = re.compile(r"[0-9]{1,10}")
 # Token counts times prices with up to ~25 significant digits: compute exactly, no rounding.
