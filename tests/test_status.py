@@ -228,6 +228,25 @@ async def test_a_cut_a_later_pass_dropped_is_not_told(counter):
     assert metadata["contextwarden"]["pending_line"] == "Sent 1 of 3 messages · tool definitions fill the window"
 
 
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+async def test_tool_definitions_filling_the_window_keep_the_inlets_cut_question_told(counter, mode):
+    # One pasted document, excerpted by the inlet (no tools yet); 30 tool definitions fill the
+    # window at the request pass, which then cuts nothing (`shorten=False`). Enforce sends the
+    # inlet's excerpt; shadow's request pass reads the document as pasted and said "Shadow:
+    # would send the whole chat · tool definitions fill the window".
+    f = make_filter(counter, max_context_tokens=1_500, reserve_output_tokens=300, mode=mode)
+    document = " ".join(f"Paragraph {n}: the quartz lantern by the river harbor keeps signal {n}." for n in range(150))
+    metadata = {"chat_id": f"doc-tools-{mode}", "user_id": "u1", "message_id": "m1"}
+    hooks = {"__user__": {"id": "u1"}, "__metadata__": metadata}
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": document}], "metadata": metadata}
+    first = await f.inlet(body, **hooks)
+    told = "1 message, document excerpted: 8 of 19 passages"
+    assert metadata["contextwarden"]["pending_line"].endswith(told), metadata["contextwarden"]
+    await f.request({**first, "tools": BUILTIN_TOOLS[:30]}, **hooks)
+    said = "Shadow: would send" if mode == "shadow" else "Sent"
+    assert metadata["contextwarden"]["pending_line"] == f"{said} {told} · tool definitions fill the window"
+
+
 @pytest.mark.parametrize("own", ["flag", "valve"])
 async def test_a_users_budget_below_the_tool_definitions_says_the_turn_went_over_it(counter, own):
     # Seen in the browser: `!budget=2000` in an 8,000 window, Open WebUI's 30 tool definitions

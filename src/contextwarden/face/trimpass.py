@@ -262,9 +262,9 @@ def _leave_line(turn: _Turn, choice: TurnChoice, money: _TurnMoney, note: TurnNo
     detail, logged; `recut`: this pass cut the question again (`_question_cut`)."""
     if not isinstance(turn.metadata, dict):
         return note
-    flags, calibration = turn.flags, turn.calibration
-    loop = loop_length(turn.read.messages)
-    done = choice if turn.shadow else _turn_so_far(choice, money.messages_before, money.removed, note, loop, recut)
+    flags, calibration, loop = turn.flags, turn.calibration, loop_length(turn.read.messages)
+    before, removed = money.messages_before, money.removed
+    done = note.in_shadow(choice) if turn.shadow else _turn_so_far(choice, before, removed, note, loop, recut)
     sent = _chat_messages_sent(done)
     plain = shadow_status_line(done, flags, sent) if turn.shadow else status_line(done, flags, sent)
     detail = detail_line(done, flags) + (f" · calibrated ×{calibration.effect:.2f}" if calibration.active else "")

@@ -406,6 +406,16 @@ class TurnNote:
             question = (0, 0)
         return ExcerptCounts(count, passages, min(self.left_out or 0, count), kind, dropped, question)
 
+    def in_shadow(self, choice: TurnChoice) -> TurnChoice:
+        """A shadow pass's `choice` with the question as an earlier pass cut it by passages, when
+        the fixed part alone is over the budget: the trim then cuts nothing (`shorten=False`, the
+        question goes as the earlier pass left it), but shadow's pass reads it as pasted and told
+        the whole chat where enforce sends the earlier pass's cut."""
+        asked = self.excerpt_counts(choice.count_before).question
+        if not choice.fixed_over or choice.full or choice.excerpts.told[0] or not asked[1]:
+            return choice
+        return replace(choice, excerpts=ExcerptCounts(1, asked, kind=self.excerpt_kind or "document", question=asked))
+
     def with_excerpts(self, excerpts: ExcerptCounts) -> TurnNote:
         """This note with a pass's excerpt figures (none written when nothing was excerpted or dropped)."""
         if not excerpts.count and not excerpts.dropped:
